@@ -1,0 +1,269 @@
+"""Episode assembly: whole episodes from user data, and the vectorized step writer.
+
+`read_episode` turns a dict / TensorDict / Arrow RecordBatch into a checked
+`Episode`. `StepWriter` stages steps from N vectorized environments in per-field
+arrays of shape [N, T_max, ...] (one fancy-indexed assignment per field and step,
+no Python loop over environments) and seals each episode as it ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+from tensordict import TensorDictBase
+
+from arrowbuf.errors import SchemaError, describe
+from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, flatten
+from arrowbuf.shard import Episode
+
+AUTORESET_MODES = ("next_step", "same_step", "disabled")
+
+
+def read_columns(data: Any) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
+    """Columns of one episode as numpy arrays with their dtype names.
+
+    Returns:
+        (columns, schema, has_final): ``schema`` and ``has_final`` are known only for
+        Arrow input written by arrowbuf (field roles and batch metadata), else None.
+
+    Raises:
+        SchemaError: data of an unsupported type or dtype.
+    """
+    if isinstance(data, pa.Table):
+        data = data.combine_chunks().to_batches()[0] if data.num_rows else pa.RecordBatch.from_pylist([], data.schema)
+    if isinstance(data, pa.RecordBatch):
+        return _read_arrow(data)
+    if isinstance(data, TensorDictBase):
+        data = data.to_dict()
+    if not isinstance(data, Mapping):
+        raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")
+    return {name: as_array(value, name) for name, value in flatten(data).items()}, None, None
+
+
+def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
+    user = [f.name for f in batch.schema if f.name not in SYSTEM_FIELDS]
+    if not user:
+        raise SchemaError(f"record batch has no data columns, only {batch.schema.names}")
+    schema = Schema.from_arrow(pa.schema([batch.schema.field(n) for n in user]))
+    roles_known = any((batch.schema.field(n).metadata or {}).get(b"arrowbuf.role") for n in user)
+    has_final = (batch.schema.metadata or {}).get(b"arrowbuf.has_final") == b"1"
+    columns = {}
+    for name in user:
+        array = arrow_to_numpy(batch.column(name), name)
+        spec = schema.fields[name]
+        if has_final and not spec.observation:
+            array = array[:-1]
+        columns[name] = (array, spec.dtype)
+    return columns, (schema if roles_known else None), (has_final if roles_known else None)
+
+
+def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
+                 metadata: Mapping[str, Any] | None = None) -> tuple[Episode, Schema]:
+    """Check one episode against ``schema`` (inferred from it when None).
+
+    Returns:
+        The episode and the schema it satisfies.
+
+    Raises:
+        SchemaError: the data does not match the schema.
+    """
+    columns, arrow_schema, _ = read_columns(data)
+    if schema is None:
+        schema = arrow_schema or Schema.infer(columns)
+    num_steps, has_final = schema.check(columns)
+    return Episode({n: a for n, (a, _) in columns.items()}, num_steps, has_final, env_id,
+                   dict(metadata) if metadata is not None else None), schema
+
+
+class StepWriter:
+    """Assembles episodes from N vectorized environments, step by step.
+
+    Call `add` once per vector-env step with what the env returned; an environment
+    whose step ends its episode (``terminated | truncated``) seals that episode into
+    the store, with ``next_obs`` as its final observation. `flush` cuts every open
+    episode (end of a rollout); the final observation is the last ``next_obs``.
+
+    Gymnasium autoreset modes (``autoreset_mode``):
+        - ``"next_step"`` (gymnasium's default): the step after an episode ends only
+          resets that env; the writer ignores it for that env.
+        - ``"same_step"``: the env resets within the ending step and ``next_obs`` is
+          already the next episode's first observation; pass ``final_obs`` (e.g.
+          ``info["final_obs"]``) so the final observation is stored.
+        - ``"disabled"``: you reset envs yourself; ``next_obs`` is the final observation.
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> store = ab.ExperienceStore(capacity=1000, seed=0)
+        >>> w = store.writer(num_envs=2)
+        >>> obs = np.zeros((2, 3), np.float32)
+        >>> w.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2),
+        ...       terminated=np.array([True, False]), truncated=np.zeros(2, bool), next_obs=obs + 1)
+        >>> store.num_episodes, len(store)
+        (1, 1)
+    """
+
+    def __init__(self, add_episode: Callable[[Episode], None], get_schema: Callable[[], Schema | None],
+                 set_schema: Callable[[Schema], None], num_envs: int, autoreset_mode: str = "next_step",
+                 env_ids: Sequence[str] | None = None) -> None:
+        if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
+            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+        if autoreset_mode not in AUTORESET_MODES:
+            raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
+        if env_ids is not None and (len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids)):
+            raise ValueError(f"env_ids must be {num_envs} strings, got {env_ids!r}")
+        self.num_envs = int(num_envs)
+        self.autoreset_mode = autoreset_mode
+        self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
+        self._add_episode = add_episode
+        self._get_schema = get_schema
+        self._set_schema = set_schema
+        self._stage: dict[str, np.ndarray] = {}
+        self._last_next: dict[str, np.ndarray] = {}
+        self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
+        self._skip = np.zeros(num_envs, bool)         # next_step mode: the coming step is a reset
+        self.episodes_written = 0
+
+    @property
+    def open_steps(self) -> np.ndarray:
+        """Steps recorded so far in each env's open episode."""
+        return self._pos.copy()
+
+    def add(self, *, obs: Any, action: Any, reward: Any, terminated: Any, truncated: Any, next_obs: Any,
+            final_obs: Any = None, **extra: Any) -> int:
+        """Record one step of every env; seals the episodes that end.
+
+        Args:
+            obs: observations before the step, leading dim N (a dict for Dict spaces).
+            action, reward, terminated, truncated: leading dim N.
+            next_obs: observations returned by the step.
+            final_obs: ``same_step`` mode only: final observations of the envs that
+                ended (an [N, ...] array, or gymnasium's object array with None for
+                envs that did not end).
+            **extra: more per-step fields (log_prob, value, ...), leading dim N.
+
+        Returns:
+            The number of episodes sealed by this step.
+
+        Raises:
+            SchemaError: a field with the wrong name, dtype, shape or leading dim;
+                nothing is recorded.
+        """
+        obs_cols = self._columns({"obs": obs}, "obs")
+        next_cols = self._columns({"obs": next_obs}, "next_obs")
+        step_cols = self._columns({"action": action, "reward": reward, "terminated": terminated,
+                                   "truncated": truncated, **extra}, "step")
+        schema = self._schema_for(obs_cols, step_cols)
+        for cols in (obs_cols, step_cols):
+            for name, (array, dtype) in cols.items():
+                check_column(schema.fields[name], name, array, dtype)
+        expected = {n: self.num_envs for n in schema.fields}
+        given = {n: a.shape[0] for n, (a, _) in {**obs_cols, **step_cols}.items()}
+        if given != expected:
+            missing = sorted(set(schema.fields) - set(given))
+            unknown = sorted(set(given) - set(schema.fields))
+            wrong = {n: v for n, v in given.items() if n in expected and v != self.num_envs}
+            raise SchemaError(f"writer step does not match the schema: missing {missing}, unknown {unknown}, "
+                              f"leading dims {wrong} (expected {self.num_envs} envs)")
+        if set(next_cols) != set(obs_cols):
+            raise SchemaError(f"next_obs has fields {sorted(next_cols)}, obs has {sorted(obs_cols)}")
+        for name, (array, dtype) in next_cols.items():
+            check_column(schema.fields[name], name, array, dtype)
+            if array.shape[0] != self.num_envs:
+                raise SchemaError(f"next_obs field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
+        done = np.asarray(step_cols["terminated"][0], bool) | np.asarray(step_cols["truncated"][0], bool)
+        final = self._final_obs(final_obs, next_cols, done, schema)
+
+        active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        envs = np.flatnonzero(active)
+        self._ensure_stage(schema, int(self._pos.max(initial=0)) + 2)
+        pos = self._pos[envs]
+        for cols in (obs_cols, step_cols):
+            for name, (array, _) in cols.items():
+                self._stage[name][envs, pos] = array[envs]
+        ended = np.flatnonzero(done & active)
+        for name, array in final.items():
+            self._stage[name][ended, self._pos[ended] + 1] = array[ended]
+        for name, (array, _) in next_cols.items():
+            self._last_next[name][...] = array
+        self._pos[envs] += 1
+        self._seal(ended, has_final=True)
+        if self.autoreset_mode == "next_step":
+            self._skip = done & active
+        return len(ended)
+
+    def flush(self) -> int:
+        """Cut every open episode; its final observation is the env's last ``next_obs``.
+
+        Returns:
+            The number of episodes sealed.
+        """
+        open_envs = np.flatnonzero(self._pos > 0)
+        for name, last in self._last_next.items():
+            self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
+        self._seal(open_envs, has_final=True)
+        return len(open_envs)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
+        try:
+            return {name: as_array(value, name) for name, value in flatten(data).items()}
+        except SchemaError as err:
+            raise SchemaError(f"{what}: {err}") from None
+
+    def _schema_for(self, obs_cols: dict, step_cols: dict) -> Schema:
+        schema = self._get_schema()
+        if schema is None:
+            columns = {**obs_cols, **step_cols}
+            schema = Schema.infer(columns, observation_names=list(obs_cols))
+            self._set_schema(schema)
+        elif set(schema.observation_names) != set(obs_cols):
+            raise SchemaError(f"obs has fields {sorted(obs_cols)}; the store's observation fields are "
+                              f"{sorted(schema.observation_names)}")
+        return schema
+
+    def _final_obs(self, final_obs: Any, next_cols: dict, done: np.ndarray, schema: Schema) -> dict[str, np.ndarray]:
+        if self.autoreset_mode != "same_step" or not done.any():
+            return {n: a for n, (a, _) in next_cols.items()}
+        if final_obs is None:
+            raise ValueError("autoreset_mode='same_step' needs final_obs (info['final_obs']) on steps where an "
+                             "episode ends")
+        if isinstance(final_obs, np.ndarray) and final_obs.dtype == object:
+            template = {n: np.array(a) for n, (a, _) in next_cols.items()}
+            for i in np.flatnonzero(done):
+                entry = flatten({"obs": final_obs[i]}) if isinstance(final_obs[i], Mapping) else {"obs": final_obs[i]}
+                for name in template:
+                    template[name][i] = as_array(entry[name], name)[0]
+            return template
+        cols = self._columns({"obs": final_obs}, "final_obs")
+        for name, (array, dtype) in cols.items():
+            check_column(schema.fields[name], name, array, dtype)
+        return {n: a for n, (a, _) in cols.items()}
+
+    def _ensure_stage(self, schema: Schema, steps: int) -> None:
+        if not self._stage:
+            for name, f in schema.fields.items():
+                self._stage[name] = np.zeros((self.num_envs, max(64, steps), *f.shape), f.numpy_dtype)
+            for name in schema.observation_names:
+                self._last_next[name] = np.zeros((self.num_envs, *schema.fields[name].shape),
+                                                 schema.fields[name].numpy_dtype)
+        capacity = next(iter(self._stage.values())).shape[1]
+        if steps > capacity:
+            new_capacity = max(steps, 2 * capacity)
+            for name, stage in self._stage.items():
+                grown = np.zeros((self.num_envs, new_capacity, *stage.shape[2:]), stage.dtype)
+                grown[:, :capacity] = stage
+                self._stage[name] = grown
+
+    def _seal(self, envs: np.ndarray, has_final: bool) -> None:
+        schema = self._get_schema()
+        for i in envs:
+            steps = int(self._pos[i])
+            columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
+                       for name, f in schema.fields.items()}
+            self._pos[i] = 0
+            self._add_episode(Episode(columns, steps, has_final, self.env_ids[i]))
+            self.episodes_written += 1
+

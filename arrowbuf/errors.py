@@ -1,0 +1,35 @@
+"""The errors arrowbuf raises.
+
+Every error says which argument or field was wrong, the value received and what
+was expected. A failed call leaves the store as it was before the call.
+"""
+
+
+class ArrowbufError(Exception):
+    """Base class of every arrowbuf error."""
+
+
+class SchemaError(ArrowbufError, ValueError):
+    """Data does not match the store's schema (field name, dtype, shape or length)."""
+
+
+class CapacityError(ArrowbufError):
+    """An episode does not fit: longer than the capacity, or a full `mode="fixed"` store."""
+
+
+class EmptyStoreError(ArrowbufError):
+    """Sampling from a store that holds no transitions."""
+
+
+class ShardError(ArrowbufError):
+    """A shard of a distributed store failed or is unreachable."""
+
+
+def describe(value: object) -> str:
+    """A short, readable description of a bad value for an error message."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__} of dtype {dtype} and shape {tuple(shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,420 @@
+"""Field specs, their Arrow schema, and the checks every write goes through.
+
+A store's schema is a flat, ordered map of field name -> `Field`. Nested input
+(``{"obs": {"pixels": ..., "state": ...}}``) flattens to dotted names
+(``"obs.pixels"``) and comes back nested in TensorDicts. Fields that hold
+observations (given with T+1 rows, or passed as ``next_obs`` to a writer) are
+marked ``observation=True``: the store keeps them once and reads ``next`` from the
+following row.
+
+Arrow mapping: scalars are plain primitives, fixed shapes use the
+``fixed_shape_tensor`` extension type, bfloat16 is stored as uint16 bits with the
+field metadata ``arrowbuf.dtype=bfloat16``.
+
+Example:
+    >>> import arrowbuf as ab
+    >>> schema = ab.Schema({"obs": ab.Field("float32", (4,), observation=True),
+    ...                     "action": ab.Field("int64"), "reward": ab.Field("float32")})
+    >>> schema.observation_names
+    ('obs',)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from arrowbuf.errors import SchemaError, describe
+
+#: dtype name -> (numpy storage dtype, torch dtype)
+_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    "bool": (np.dtype(np.bool_), torch.bool),
+    "uint8": (np.dtype(np.uint8), torch.uint8),
+    "int8": (np.dtype(np.int8), torch.int8),
+    "int16": (np.dtype(np.int16), torch.int16),
+    "int32": (np.dtype(np.int32), torch.int32),
+    "int64": (np.dtype(np.int64), torch.int64),
+    "float16": (np.dtype(np.float16), torch.float16),
+    "float32": (np.dtype(np.float32), torch.float32),
+    "float64": (np.dtype(np.float64), torch.float64),
+    "bfloat16": (np.dtype(np.uint16), torch.bfloat16),
+}
+_TORCH_TO_NAME = {t: name for name, (_, t) in _DTYPES.items()}
+
+#: Columns the store adds to every row; user fields may not use these names.
+SYSTEM_FIELDS: dict[str, str] = {
+    "episode_id": "int64",
+    "step": "int32",
+    "is_first": "bool",
+    "is_last": "bool",
+}
+#: Keys that sampled batches add; user fields may not use these names either.
+RESERVED_NAMES = frozenset(SYSTEM_FIELDS) | {"index", "next", "weight", "mask"}
+
+_ROLE_KEY = b"arrowbuf.role"
+_DTYPE_KEY = b"arrowbuf.dtype"
+SCHEMA_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class Field:
+    """The spec of one column: dtype name, per-step shape, and whether it is an observation.
+
+    Args:
+        dtype: one of bool, uint8, int8, int16, int32, int64, float16, float32,
+            float64, bfloat16 (a numpy or torch dtype is accepted and named).
+        shape: the shape of one step's value; () for scalars.
+        observation: True for fields whose next value is read from the next row.
+
+    Raises:
+        SchemaError: an unknown dtype or a shape with negative or non-integer sizes.
+    """
+
+    dtype: str
+    shape: tuple[int, ...] = ()
+    observation: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            raise SchemaError(f"shape must be a tuple of ints, got {self.shape!r}") from None
+        if any(s < 0 for s in shape):
+            raise SchemaError(f"shape must have non-negative sizes, got {shape}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The dtype of the stored column (uint16 for bfloat16)."""
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of sampled tensors."""
+        return _DTYPES[self.dtype][1]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one step of this field takes."""
+        return int(self.numpy_dtype.itemsize * np.prod(self.shape, dtype=np.int64))
+
+    def arrow_type(self) -> pa.DataType:
+        """The Arrow type of this column."""
+        value_type = pa.bool_() if self.dtype == "bool" else pa.from_numpy_dtype(self.numpy_dtype)
+        if not self.shape:
+            return value_type
+        return pa.fixed_shape_tensor(value_type, list(self.shape))
+
+
+def dtype_name(dtype: Any) -> str:
+    """The arrowbuf name of a numpy dtype, torch dtype or dtype name.
+
+    Raises:
+        SchemaError: the dtype has no arrowbuf equivalent.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = _TORCH_TO_NAME.get(dtype)
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in _DTYPES:
+        raise SchemaError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+#: Field specs of the system columns.
+SYSTEM_SPECS: dict[str, Field] = {name: Field(dtype) for name, dtype in SYSTEM_FIELDS.items()}
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings to dotted names: {"obs": {"a": x}} -> {"obs.a": x}.
+
+    Raises:
+        SchemaError: a key is not a non-empty string or contains a dot.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise SchemaError(
+                f"field names must be non-empty strings without '.', got {key!r}"
+                + (f" under {prefix[:-1]!r}" if prefix else "")
+            )
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
+    """A numpy view (no copy where possible) of one column and its dtype name.
+
+    torch tensors are detached and moved to the CPU; bfloat16 tensors are viewed as
+    uint16 bits. Lists and scalars go through `np.asarray`.
+
+    Raises:
+        SchemaError: the value cannot be read as an array of a supported dtype.
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if tensor.dtype not in _TORCH_TO_NAME:
+            raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
+        return tensor.numpy(), _TORCH_TO_NAME[tensor.dtype]
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        return arrow_to_numpy(value, name), ""
+    array = np.asarray(value)
+    if array.dtype.name not in _DTYPES or array.dtype.name == "bfloat16":
+        raise SchemaError(
+            f"field {name!r}: unsupported dtype {array.dtype} ({describe(value)}); "
+            f"expected one of {sorted(_DTYPES)}"
+        )
+    return array, array.dtype.name
+
+
+def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
+    """A numpy array of an Arrow column (zero-copy for primitive and tensor columns)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise SchemaError(f"field {name!r} has {column.null_count} nulls; arrowbuf columns have none")
+    if isinstance(column.type, pa.FixedShapeTensorType):
+        return column.to_numpy_ndarray()
+    if pa.types.is_fixed_size_list(column.type):
+        return np.stack(column.to_numpy(zero_copy_only=False)) if len(column) else np.empty((0,))
+    return column.to_numpy(zero_copy_only=False)
+
+
+def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
+    """An Arrow array over ``array`` (rows of ``field``) without copying it.
+
+    bool columns are the exception: Arrow packs booleans into bits, so they are
+    converted (1/8 of a byte per value).
+    """
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if field.dtype == "bool":
+        values = pa.array(flat, pa.bool_())
+    else:
+        values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size, [None, pa.py_buffer(flat)])
+    if not field.shape:
+        return values
+    storage = pa.FixedSizeListArray.from_arrays(values, int(np.prod(field.shape)))
+    return pa.ExtensionArray.from_storage(field.arrow_type(), storage)
+
+
+class Schema:
+    """An ordered map of field name -> `Field`, enforced on every write.
+
+    Args:
+        fields: name -> `Field` (or a dtype name, or a ``(dtype, shape)`` tuple);
+            nested mappings flatten to dotted names.
+
+    Raises:
+        SchemaError: a reserved or malformed name, a bad spec, or no step field.
+    """
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        flat = flatten(fields) if fields else {}
+        if not flat:
+            raise SchemaError("a schema needs at least one field, got none")
+        self.fields: dict[str, Field] = {}
+        for name, spec in flat.items():
+            if name.split(".")[0] in RESERVED_NAMES:
+                raise SchemaError(
+                    f"field name {name!r} is reserved by arrowbuf; reserved: {sorted(RESERVED_NAMES)}"
+                )
+            self.fields[name] = _as_field(spec, name)
+        if all(f.observation for f in self.fields.values()):
+            raise SchemaError(
+                "a schema needs at least one step field (action, reward, ...), "
+                f"but every field is an observation: {list(self.fields)}"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.fields)
+
+    @property
+    def observation_names(self) -> tuple[str, ...]:
+        return tuple(n for n, f in self.fields.items() if f.observation)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row takes in the arena, system columns included."""
+        return sum(f.row_bytes for f in (*self.fields.values(), *SYSTEM_SPECS.values()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and self.fields == other.fields
+
+    def __repr__(self) -> str:
+        parts = []
+        for name, f in self.fields.items():
+            shape = f"{list(f.shape)}" if f.shape else ""
+            parts.append(f"{name}: {f.dtype}{shape}{' (obs)' if f.observation else ''}")
+        return "Schema(" + ", ".join(parts) + ")"
+
+    # -- Arrow ------------------------------------------------------------------
+
+    def to_arrow(self, system: bool = True) -> pa.Schema:
+        """The Arrow schema of stored rows: user fields, then the system columns."""
+        fields = []
+        for name, f in self.fields.items():
+            meta = {_ROLE_KEY: b"observation" if f.observation else b"step"}
+            if f.dtype == "bfloat16":
+                meta[_DTYPE_KEY] = b"bfloat16"
+            fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata=meta))
+        if system:
+            for name, f in SYSTEM_SPECS.items():
+                fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata={_ROLE_KEY: b"system"}))
+        return pa.schema(fields, metadata={b"arrowbuf.schema_version": SCHEMA_VERSION.encode()})
+
+    @classmethod
+    def from_arrow(cls, schema: pa.Schema) -> "Schema":
+        """The arrowbuf schema of an Arrow schema written by `to_arrow` (system columns skipped).
+
+        Raises:
+            SchemaError: a column type arrowbuf cannot store.
+        """
+        fields: dict[str, Field] = {}
+        for field in schema:
+            meta = field.metadata or {}
+            if meta.get(_ROLE_KEY) == b"system" or field.name in SYSTEM_FIELDS:
+                continue
+            observation = meta.get(_ROLE_KEY) == b"observation"
+            arrow_type = field.type
+            shape: tuple[int, ...] = ()
+            if isinstance(arrow_type, pa.FixedShapeTensorType):
+                shape = tuple(arrow_type.shape)
+                arrow_type = arrow_type.value_type
+            elif pa.types.is_fixed_size_list(arrow_type):
+                shape = (arrow_type.list_size,)
+                arrow_type = arrow_type.value_type
+            if pa.types.is_boolean(arrow_type):
+                dtype = "bool"
+            elif meta.get(_DTYPE_KEY) == b"bfloat16":
+                dtype = "bfloat16"
+            else:
+                try:
+                    dtype = dtype_name(arrow_type.to_pandas_dtype())
+                except (NotImplementedError, SchemaError):
+                    raise SchemaError(f"column {field.name!r} has Arrow type {field.type}, "
+                                      "which arrowbuf cannot store") from None
+            fields[field.name] = Field(dtype, shape, observation)
+        return cls(fields)
+
+    def to_json(self) -> str:
+        return json.dumps({n: [f.dtype, list(f.shape), f.observation] for n, f in self.fields.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schema":
+        return cls({n: Field(d, tuple(s), o) for n, (d, s, o) in json.loads(text).items()})
+
+    # -- inference and checks ------------------------------------------------------
+
+    @classmethod
+    def infer(cls, columns: Mapping[str, tuple[np.ndarray, str]],
+              observation_names: Iterable[str] | None = None) -> "Schema":
+        """Infer a schema from one episode's columns.
+
+        Without ``observation_names``, fields with one row more than the others are
+        the observations (they carry the final observation).
+
+        Raises:
+            SchemaError: ragged lengths, or columns without a time dimension.
+        """
+        lengths = {}
+        for name, (array, _) in columns.items():
+            if array.ndim == 0:
+                raise SchemaError(f"field {name!r} is a scalar; expected an array with a leading time dimension")
+            lengths[name] = array.shape[0]
+        if observation_names is None:
+            distinct = sorted(set(lengths.values()))
+            if len(distinct) > 2 or (len(distinct) == 2 and distinct[1] != distinct[0] + 1):
+                raise SchemaError(f"ragged episode: field lengths {lengths}; expected T rows for step "
+                                  "fields and T or T+1 rows for observation fields")
+            observation_names = [n for n, length in lengths.items() if len(distinct) == 2 and length == distinct[1]]
+        obs = set(observation_names)
+        return cls({name: Field(dtype, array.shape[1:], name in obs) for name, (array, dtype) in columns.items()})
+
+    def check(self, columns: Mapping[str, tuple[np.ndarray, str]]) -> tuple[int, bool]:
+        """Check one episode's columns against the schema.
+
+        Returns:
+            (T, has_final): the number of steps, and whether the observation fields
+            carry the final observation (T+1 rows).
+
+        Raises:
+            SchemaError: a missing or unknown field, a wrong dtype or shape, ragged
+                lengths, or an empty episode.
+        """
+        missing = [n for n in self.fields if n not in columns]
+        if missing:
+            raise SchemaError(f"episode is missing field(s) {missing}; the schema has {list(self.fields)}")
+        unknown = [n for n in columns if n not in self.fields]
+        if unknown:
+            raise SchemaError(f"episode has unknown field(s) {unknown}; the schema has {list(self.fields)}")
+        for name, (array, dtype) in columns.items():
+            check_column(self.fields[name], name, array, dtype)
+        steps = {n: columns[n][0].shape[0] for n, f in self.fields.items() if not f.observation}
+        if len(set(steps.values())) != 1:
+            raise SchemaError(f"ragged episode: step fields have lengths {steps}; expected one length T")
+        num_steps = next(iter(steps.values()))
+        if num_steps < 1:
+            raise SchemaError("episode has 0 steps; expected at least 1")
+        obs = {n: columns[n][0].shape[0] for n in self.observation_names}
+        if len(set(obs.values())) > 1 or not set(obs.values()) <= {num_steps, num_steps + 1}:
+            raise SchemaError(f"observation fields have lengths {obs}; expected all {num_steps + 1} "
+                              f"(with the final observation) or all {num_steps} (T = {num_steps} steps)")
+        has_final = bool(obs) and next(iter(obs.values())) == num_steps + 1
+        return num_steps, has_final
+
+
+def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading: int = 1) -> None:
+    """Check one column's dtype and per-step shape (after ``leading`` batch dimensions).
+
+    Raises:
+        SchemaError: naming the field, the value received and what was expected.
+    """
+    if array.ndim < leading:
+        raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
+                          f"before the per-step shape {field.shape}")
+    if tuple(array.shape[leading:]) != field.shape:
+        raise SchemaError(f"field {name!r}: per-step shape {tuple(array.shape[leading:])} "
+                          f"(from {describe(array)}); expected {field.shape}")
+    if not dtype_fits(dtype or array.dtype.name, field.dtype):
+        raise SchemaError(f"field {name!r}: dtype {dtype or array.dtype.name}; expected {field.dtype} "
+                          "(or a dtype that casts to it without loss)")
+
+
+def dtype_fits(received: str, expected: str) -> bool:
+    """Whether values of dtype ``received`` can be stored as ``expected`` without loss."""
+    if received == expected:
+        return True
+    if "bfloat16" in (received, expected):
+        return False
+    return bool(np.can_cast(np.dtype(received), np.dtype(expected), "safe"))
+
+
+def _as_field(spec: Any, name: str) -> Field:
+    if isinstance(spec, Field):
+        return spec
+    try:
+        if isinstance(spec, tuple):
+            return Field(*spec)
+        return Field(spec)
+    except SchemaError as err:
+        raise SchemaError(f"field {name!r}: {err}") from None
+    except TypeError:
+        raise SchemaError(f"field {name!r}: expected a Field, a dtype or (dtype, shape[, observation]), "
+                          f"got {spec!r}") from None

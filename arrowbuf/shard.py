@@ -1,0 +1,229 @@
+"""One shard: a ring arena of preallocated columns, its episode table, and views.
+
+Episodes are written contiguously and never wrap: when the tail of the arena is
+too short for the next episode, writing restarts at row 0 and the rows left at the
+tail stay dead until the next lap. Whole episodes are evicted oldest first to make
+room (``mode="circular"``), or the write is refused (``mode="fixed"``).
+
+The embedded store and each Ray shard actor run this same code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf.errors import CapacityError
+from arrowbuf.schema import SYSTEM_SPECS, Schema, numpy_to_arrow
+from arrowbuf.table import EpisodeTable
+from arrowbuf.tensors import Gather
+
+MODES = ("circular", "fixed")
+
+
+@dataclass
+class Episode:
+    """One checked episode, ready to be copied into a shard.
+
+    ``columns`` hold T rows for step fields and T (+1 when ``has_final``) rows for
+    observation fields, in dtypes that cast to the schema's without loss.
+    """
+
+    columns: Mapping[str, np.ndarray]
+    num_steps: int
+    has_final: bool
+    env_id: str = "default"
+    metadata: dict[str, Any] | None = field(default=None)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_steps + int(self.has_final)
+
+
+def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int) -> tuple[int, int]:
+    """Where the next episode of ``rows`` rows goes, and how many oldest episodes it evicts.
+
+    Args:
+        first_rows: first arena row of each live episode, oldest first.
+        write_pos: the row after the newest episode.
+        capacity: rows in the arena.
+        rows: rows of the new episode (at most ``capacity``).
+
+    Returns:
+        (start, evicted): the new episode occupies ``[start, start + rows)``; the
+        ``evicted`` oldest episodes must go first.
+    """
+    n = len(first_rows)
+    evicted = 0
+    if write_pos + rows <= capacity:
+        start = write_pos
+    else:
+        # Skip to row 0. Episodes still in the tail are from the previous lap, hence
+        # the oldest ones: FIFO order evicts them before anything at the front.
+        start = 0
+        while evicted < n and first_rows[evicted] >= write_pos:
+            evicted += 1
+    while evicted < n and start <= first_rows[evicted] < start + rows:
+        evicted += 1
+    return start, evicted
+
+
+class Shard:
+    """A ring arena of ``capacity`` rows with FIFO eviction of whole episodes.
+
+    Args:
+        schema: the fields of every row.
+        capacity: rows in the arena (an episode of T steps with its final
+            observation takes T+1 rows).
+        mode: "circular" evicts the oldest episodes; "fixed" raises `CapacityError`.
+        shard: this shard's number (Ray backend); ``num_shards`` spaces episode ids.
+
+    Attributes:
+        evict_listeners: called with (first_rows, num_rows) of evicted episodes
+            before their rows are reused (samplers that keep per-row state listen).
+
+    Raises:
+        ValueError: a capacity below 1 or an unknown mode.
+    """
+
+    def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
+                 num_shards: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 row, got {capacity}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.schema = schema
+        self.capacity = capacity
+        self.mode = mode
+        self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards)
+        self.write_pos = 0
+        self.specs = {**schema.fields, **SYSTEM_SPECS}
+        # np.empty leaves pages untouched until written: memory grows with the data.
+        self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in self.specs.items()}
+        self.evict_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
+        self.gather = Gather(self._gather_columns())
+
+    def __len__(self) -> int:
+        return self.table.num_transitions
+
+    def _gather_columns(self) -> dict:
+        columns = {}
+        for name, f in self.schema.fields.items():
+            key = tuple(name.split("."))
+            columns[key] = (self.arena[name], 0, f.torch_dtype)
+            if f.observation:
+                columns[("next", *key)] = (self.arena[name], 1, f.torch_dtype)
+        for name in ("episode_id", "step"):
+            columns[(name,)] = (self.arena[name], 0, SYSTEM_SPECS[name].torch_dtype)
+        return columns
+
+    # -- writing --------------------------------------------------------------------
+
+    def transitions_of(self, episode: Episode) -> int:
+        """Transitions an episode contributes: steps that have a next observation."""
+        if self.schema.observation_names and not episode.has_final:
+            return episode.num_steps - 1
+        return episode.num_steps
+
+    def check_fits(self, episode: Episode) -> tuple[int, int]:
+        """(start, evicted) for ``episode``, or `CapacityError` with nothing changed."""
+        rows = episode.num_rows
+        if rows > self.capacity:
+            raise CapacityError(
+                f"episode of {episode.num_steps} steps needs {rows} rows"
+                f"{' (with its final observation)' if episode.has_final else ''}, "
+                f"more than the shard capacity of {self.capacity} rows")
+        start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
+        if evicted and self.mode == "fixed":
+            raise CapacityError(
+                f"store is full: {len(self.table)} episodes in {self.capacity} rows and mode='fixed' "
+                f"refuses to evict; the episode of {rows} rows was not written")
+        return start, evicted
+
+    def add(self, episode: Episode) -> int:
+        """Copy an episode into the arena, evicting the oldest as needed; returns its id.
+
+        Raises:
+            CapacityError: the episode is longer than the capacity, or the store is
+                full in ``mode="fixed"``; the shard is unchanged.
+        """
+        start, evicted = self.check_fits(episode)
+        if evicted:
+            self._evict(evicted)
+        rows = episode.num_rows
+        stop = start + rows
+        for name in self.schema.fields:
+            data = episode.columns[name]
+            column = self.arena[name]
+            column[start:start + len(data)] = data
+            if len(data) < rows:
+                column[start + len(data):stop] = 0
+        episode_id = self.table.episode_id_of(self.table.episodes_added)
+        self.arena["episode_id"][start:stop] = episode_id
+        self.arena["step"][start:stop] = np.arange(rows, dtype=np.int32)
+        self.arena["is_first"][start:stop] = False
+        self.arena["is_first"][start] = True
+        self.arena["is_last"][start:stop] = False
+        self.arena["is_last"][stop - 1] = True
+        columns = episode.columns
+        terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
+        truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
+        ret = float(np.sum(columns["reward"], dtype=np.float64)) if "reward" in columns else float("nan")
+        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
+        self.table.append(first_row=start, num_rows=rows, length=self.transitions_of(episode),
+                          has_final=episode.has_final, terminated=terminated, truncated=truncated,
+                          ret=ret, env_id=episode.env_id, metadata=metadata)
+        self.write_pos = stop
+        return episode_id
+
+    def _evict(self, count: int) -> None:
+        first = self.table.col("first_row")[:count]
+        num_rows = self.table.col("num_rows")[:count]
+        for listener in self.evict_listeners:
+            listener(first, num_rows)
+        self.table.pop_oldest(count)
+
+    def clear(self) -> None:
+        """Drop every episode (the arena stays allocated for reuse)."""
+        if len(self.table):
+            self._evict(len(self.table))
+        self.table.clear()
+        self.write_pos = 0
+
+    # -- reading ----------------------------------------------------------------------
+
+    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
+        """Arena rows of live transition ranks."""
+        return self.table.locate(ranks)[1]
+
+    def _batch(self, start: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
+        arrays = [numpy_to_arrow(spec, self.arena[name][start:stop]) for name, spec in self.specs.items()]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema.to_arrow().with_metadata(
+            {**self.schema.to_arrow().metadata, **(metadata or {})}))
+
+    def episode_view(self, position: int) -> pa.RecordBatch:
+        """The rows of the live episode at ``position`` (0 = oldest), zero-copy."""
+        first = int(self.table.col("first_row")[position])
+        num_rows = int(self.table.col("num_rows")[position])
+        has_final = bool(self.table.col("has_final")[position])
+        return self._batch(first, first + num_rows, {b"arrowbuf.has_final": b"1" if has_final else b"0"})
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal contiguous row ranges of live episodes, oldest first."""
+        if not len(self.table):
+            return []
+        first = self.table.col("first_row")
+        end = first + self.table.col("num_rows")
+        breaks = np.flatnonzero(first[1:] != end[:-1]) + 1
+        starts = np.concatenate([[0], breaks])
+        stops = np.concatenate([breaks, [len(first)]])
+        return [(int(first[a]), int(end[b - 1])) for a, b in zip(starts, stops)]
+
+    def to_arrow(self) -> pa.Table:
+        """Every live row, oldest episode first: one zero-copy chunk per contiguous run."""
+        batches = [self._batch(a, b) for a, b in self.runs()]
+        return pa.Table.from_batches(batches, schema=self.schema.to_arrow())

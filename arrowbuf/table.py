@@ -1,0 +1,160 @@
+"""The episode table: live episodes of one shard as numpy columns, oldest first.
+
+Append and evict-oldest are O(1) amortized: rows live in growable arrays between
+``head`` and ``tail``; the arrays double when full and are compacted when more than
+half of them is dead.
+
+Every transition gets a *rank*: a serial number, unique for the life of the shard,
+that never comes back after eviction or `clear`. Ranks of live transitions form one
+contiguous range, so uniform sampling is a draw of integers, and a rank kept by a
+user (the ``"index"`` of a sample) can always be told stale from live.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+_COLUMNS: dict[str, Any] = {
+    "episode_id": np.int64,
+    "env": np.int32,          # code into `env_names`
+    "first_row": np.int64,
+    "num_rows": np.int64,     # rows in the arena: length, +1 with the final observation
+    "length": np.int64,       # transitions (steps that have a next observation)
+    "has_final": np.bool_,
+    "terminated": np.bool_,
+    "truncated": np.bool_,
+    "return": np.float64,
+    "inserted_at": np.int64,  # ns since the epoch
+    "first_rank": np.int64,
+}
+
+
+class EpisodeTable:
+    """FIFO table of one shard's live episodes.
+
+    Args:
+        shard: the shard's number, recorded in exported tables.
+        id_offset, id_stride: episode ids are ``id_offset + k * id_stride`` for the
+            k-th episode ever added, so the ids of several shards never collide.
+    """
+
+    def __init__(self, shard: int = 0, id_offset: int = 0, id_stride: int = 1) -> None:
+        self.shard = shard
+        self.id_offset = id_offset
+        self.id_stride = id_stride
+        self._cols = {name: np.zeros(16, dtype) for name, dtype in _COLUMNS.items()}
+        self._metadata: list[Any] = [None] * 16
+        self.env_names: list[str] = []
+        self._env_codes: dict[str, int] = {}
+        self.head = 0
+        self.tail = 0
+        self.episodes_added = 0   # ever; the next id is derived from it
+        self.next_rank = 0        # rank of the next transition added
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    @property
+    def num_transitions(self) -> int:
+        return self.next_rank - self.first_live_rank
+
+    @property
+    def first_live_rank(self) -> int:
+        return int(self._cols["first_rank"][self.head]) if len(self) else self.next_rank
+
+    def col(self, name: str) -> np.ndarray:
+        """A view of one column over the live episodes, oldest first."""
+        return self._cols[name][self.head:self.tail]
+
+    def append(self, *, first_row: int, num_rows: int, length: int, has_final: bool,
+               terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None) -> int:
+        """Add an episode as the newest; returns its id."""
+        if self.tail == len(self._cols["episode_id"]):
+            self._make_room()
+        code = self._env_codes.get(env_id)
+        if code is None:
+            code = self._env_codes[env_id] = len(self.env_names)
+            self.env_names.append(env_id)
+        episode_id = self.episode_id_of(self.episodes_added)
+        i = self.tail
+        values = {"episode_id": episode_id, "env": code, "first_row": first_row, "num_rows": num_rows,
+                  "length": length, "has_final": has_final, "terminated": terminated,
+                  "truncated": truncated, "return": ret, "inserted_at": time.time_ns(),
+                  "first_rank": self.next_rank}
+        for name, value in values.items():
+            self._cols[name][i] = value
+        self._metadata[i] = metadata
+        self.tail += 1
+        self.episodes_added += 1
+        self.next_rank += length
+        return episode_id
+
+    def episode_id_of(self, k: int) -> int:
+        """The id of the k-th episode ever added to this table."""
+        return self.id_offset + k * self.id_stride
+
+    def pop_oldest(self, count: int) -> None:
+        """Drop the ``count`` oldest episodes."""
+        self.head += count
+
+    def clear(self) -> None:
+        """Drop every episode; ids and ranks keep counting, so old indices stay stale."""
+        self.head = self.tail = 0
+
+    def position_of(self, episode_id: np.ndarray | int) -> np.ndarray | int:
+        """Live position (0 = oldest) of episode ids; out of [0, len) when not live."""
+        if not len(self):
+            return np.asarray(episode_id) * 0 - 1
+        return (np.asarray(episode_id) - self._cols["episode_id"][self.head]) // self.id_stride
+
+    def locate(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Live positions of the episodes holding ``ranks`` (all live) and their arena rows."""
+        first_rank = self.col("first_rank")
+        pos = np.searchsorted(first_rank, ranks, side="right") - 1
+        rows = self.col("first_row")[pos] + (ranks - first_rank[pos])
+        return pos, rows
+
+    def is_live(self, ranks: np.ndarray) -> np.ndarray:
+        return (ranks >= self.first_live_rank) & (ranks < self.next_rank)
+
+    def metadata(self) -> list[Any]:
+        return self._metadata[self.head:self.tail]
+
+    def to_arrow(self) -> pa.Table:
+        """The live episodes as an Arrow table (numeric columns are views)."""
+        n = len(self)
+        env = pa.DictionaryArray.from_arrays(pa.array(self.col("env")), pa.array(self.env_names, pa.string()))
+        meta = self.metadata()
+        columns = {
+            "episode_id": self.col("episode_id"),
+            "env_id": env.dictionary_decode() if n else pa.array([], pa.string()),
+            "shard": np.full(n, self.shard, np.int32),
+            "first_row": self.col("first_row"),
+            "num_rows": self.col("num_rows"),
+            "length": self.col("length"),
+            "has_final": self.col("has_final"),
+            "terminated": self.col("terminated"),
+            "truncated": self.col("truncated"),
+            "return": self.col("return"),
+            "inserted_at": pa.array(self.col("inserted_at"), pa.timestamp("ns")),
+            "first_index": self.col("first_rank"),
+        }
+        table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v) for k, v in columns.items()})
+        if any(m is not None for m in meta):
+            table = table.append_column("metadata", pa.array(meta, pa.string()))
+        return table
+
+    def _make_room(self) -> None:
+        live = len(self)
+        size = len(self._cols["episode_id"])
+        new_size = size * 2 if live > size // 2 else size
+        for name, array in self._cols.items():
+            fresh = np.zeros(new_size, array.dtype)
+            fresh[:live] = array[self.head:self.tail]
+            self._cols[name] = fresh
+        self._metadata = self._metadata[self.head:self.tail] + [None] * (new_size - live)
+        self.head, self.tail = 0, live
