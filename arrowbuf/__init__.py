@@ -5,8 +5,10 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import ArrowbufError, CapacityError, EmptyStoreError, SchemaError, ShardError
-from arrowbuf.samplers import UniformSampler
+from arrowbuf.errors import ArrowbufError, CapacityError, EmptyStoreError, RateLimited, SchemaError, ShardError
+from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
+from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
+                               WithoutReplacementSampler)
 from arrowbuf.schema import Field, Schema
 from arrowbuf.store import ExperienceStore
 
@@ -17,11 +19,20 @@ __all__ = [
     "CapacityError",
     "EmptyStoreError",
     "ExperienceStore",
+    "EpisodeSampler",
     "Field",
+    "MinSize",
+    "PrioritizedSampler",
+    "RateLimited",
+    "RateLimiter",
+    "SampleToInsertRatio",
+    "Sampler",
+    "SequenceSampler",
     "Schema",
     "SchemaError",
     "ShardError",
     "StepWriter",
     "UniformSampler",
+    "WithoutReplacementSampler",
     "__version__",
 ]

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from tensordict import TensorDictBase
 
-from arrowbuf.errors import SchemaError, describe
+from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, flatten
 from arrowbuf.shard import Episode
 
@@ -123,7 +123,15 @@ class StepWriter:
         self._last_next: dict[str, np.ndarray] = {}
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
         self._skip = np.zeros(num_envs, bool)         # next_step mode: the coming step is a reset
+        # Sealed episodes the store refused (rate limiter, full fixed store): kept,
+        # and pushed again before the next step is recorded.
+        self._pending: list[Episode] = []
         self.episodes_written = 0
+
+    @property
+    def pending(self) -> int:
+        """Sealed episodes waiting for the store to accept them."""
+        return len(self._pending)
 
     @property
     def open_steps(self) -> np.ndarray:
@@ -149,7 +157,11 @@ class StepWriter:
         Raises:
             SchemaError: a field with the wrong name, dtype, shape or leading dim;
                 nothing is recorded.
+            RateLimited, CapacityError: the store still refuses episodes sealed
+                earlier; nothing is recorded, retry the step later. (Episodes this
+                step seals that the store refuses are kept and pushed first next time.)
         """
+        self._push_pending()
         obs_cols = self._columns({"obs": obs}, "obs")
         next_cols = self._columns({"obs": next_obs}, "next_obs")
         step_cols = self._columns({"action": action, "reward": reward, "terminated": terminated,
@@ -198,11 +210,17 @@ class StepWriter:
 
         Returns:
             The number of episodes sealed.
+
+        Raises:
+            RateLimited, CapacityError: the store refuses an episode; it is kept
+                and pushed again by the next `add` or `flush`.
         """
+        self._push_pending()
         open_envs = np.flatnonzero(self._pos > 0)
         for name, last in self._last_next.items():
             self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
         self._seal(open_envs, has_final=True)
+        self._push_pending()
         return len(open_envs)
 
     # -- internals -----------------------------------------------------------------
@@ -264,6 +282,25 @@ class StepWriter:
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
                        for name, f in schema.fields.items()}
             self._pos[i] = 0
-            self._add_episode(Episode(columns, steps, has_final, self.env_ids[i]))
+            episode = Episode(columns, steps, has_final, self.env_ids[i])
+            if self._pending:
+                self._pending.append(_copied(episode))
+                continue
+            try:
+                self._add_episode(episode)
+                self.episodes_written += 1
+            except (RateLimited, CapacityError):
+                self._pending.append(_copied(episode))
+
+    def _push_pending(self) -> None:
+        while self._pending:
+            self._add_episode(self._pending[0])
+            self._pending.pop(0)
             self.episodes_written += 1
+
+
+def _copied(episode: Episode) -> Episode:
+    # Staging rows are reused by the env's next episode: a kept episode owns its data.
+    return Episode({n: a.copy() for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
+                   episode.env_id, episode.metadata)
 

@@ -21,6 +21,10 @@ class EmptyStoreError(ArrowbufError):
     """Sampling from a store that holds no transitions."""
 
 
+class RateLimited(ArrowbufError):
+    """A sample or insert would break the store's rate limiter."""
+
+
 class ShardError(ArrowbufError):
     """A shard of a distributed store failed or is unreachable."""
 

@@ -1,17 +1,34 @@
-"""Samplers: pure, vectorized selection of transition ranks; they never touch data.
+"""Samplers: pure, vectorized index selection; they never touch column data.
 
-A sampler draws *ranks* (see `arrowbuf.table`): live transitions hold one
-contiguous range of ranks, so uniform sampling costs O(batch) whatever the
-capacity or the number of episodes.
+A sampler turns (a seeded `numpy.random.Generator`, a batch size, a shard's
+episode table) into a `Selection`: arena rows to gather, the transition ranks
+that become the batch's ``"index"``, and extra tensors (weights, masks). Every
+sampler costs O(batch), whatever the capacity or the number of episodes: live
+transitions (and live windows of a sequence length) hold contiguous ranges of
+serial numbers, so a uniform draw is an integer draw plus a binary search.
+
+Stateful samplers (prioritized, without replacement) are bound to one shard and
+listen to its writes and evictions; a Ray store gives each shard its own copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
+from arrowbuf._sumtree import SumTree
 from arrowbuf.table import EpisodeTable
+
+
+@dataclass
+class Selection:
+    """What a sampler chose: rows to gather, their ranks, and extra per-item arrays."""
+
+    rows: np.ndarray                     # arena rows, [B] or [B, L]
+    ranks: np.ndarray                    # transition ranks, same shape ("index")
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def uniform_ranks(rng: np.random.Generator, n: int, first_rank: int, stop_rank: int) -> np.ndarray:
@@ -30,7 +47,39 @@ def epoch_ranks(rng: np.random.Generator, batch_size: int, first_rank: int, stop
         yield ranks[start:start + batch_size]
 
 
-class UniformSampler:
+def ranks_of_rows(table: EpisodeTable, episode_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Transition ranks of live arena rows, from the rows' episode ids."""
+    pos = table.position_of(episode_ids)
+    return table.col("first_rank")[pos] + (rows - table.col("first_row")[pos])
+
+
+class Sampler:
+    """Base of the samplers: `bind` attaches one to a shard, `sample` selects.
+
+    Subclasses override `sample`; stateful ones also `bind`, `on_add`, `on_evict`.
+    """
+
+    def __init__(self) -> None:
+        self._shard = None
+
+    def bind(self, shard) -> None:
+        """Attach to the shard whose episodes this sampler selects from.
+
+        Raises:
+            ValueError: the sampler is already bound to another shard.
+        """
+        if self._shard is not None and self._shard is not shard:
+            raise ValueError(f"{self!r} is already used by another store; create one sampler per store")
+        self._shard = shard
+
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class UniformSampler(Sampler):
     """Uniform sampling with replacement over stored transitions (the default).
 
     Example:
@@ -41,9 +90,220 @@ class UniformSampler:
         torch.Size([5])
     """
 
-    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> np.ndarray:
-        """``n`` live ranks of ``table``, uniform with replacement."""
-        return uniform_ranks(rng, n, table.first_live_rank, table.next_rank)
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        ranks = uniform_ranks(rng, n, *table.live_range())
+        return Selection(table.rows_of(ranks), ranks)
+
+
+class WithoutReplacementSampler(Sampler):
+    """Epochs: each stored transition once per epoch, in random order.
+
+    A batch stops at the end of an epoch, so the last batch of an epoch can be
+    short; with ``drop_last=True`` that remainder is skipped and the next epoch
+    starts instead. Transitions added during an epoch join the next one; evicted
+    ones are skipped.
+
+    Args:
+        drop_last: skip the short last batch of each epoch.
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> store = ab.ExperienceStore(capacity=100, sampler=ab.WithoutReplacementSampler(), seed=0)
+        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4)})
+        >>> sorted(store.sample(4)["index"].tolist())
+        [0, 1, 2, 3]
+    """
+
+    def __init__(self, drop_last: bool = False) -> None:
+        super().__init__()
+        self.drop_last = bool(drop_last)
+        self._order = np.empty(0, np.int64)
+        self._cursor = 0
+        self.epoch = 0
+
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        for _ in range(2):
+            remaining = self._order[self._cursor:]
+            remaining = remaining[table.is_live(remaining)]
+            if len(remaining) and not (self.drop_last and len(remaining) < n):
+                ranks = remaining[:n]
+                self._order, self._cursor = remaining, len(ranks)
+                return Selection(table.rows_of(ranks), ranks)
+            self._order = np.arange(*table.live_range(), dtype=np.int64)
+            rng.shuffle(self._order)
+            self._cursor = 0
+            self.epoch += 1
+        raise ValueError(f"batch of {n} is larger than the {table.num_transitions} stored transitions "
+                         "and drop_last=True")
 
     def __repr__(self) -> str:
-        return "UniformSampler()"
+        return f"WithoutReplacementSampler(drop_last={self.drop_last})"
+
+
+class PrioritizedSampler(Sampler):
+    """Proportional prioritized replay (Schaul et al., 2016) over a sum tree.
+
+    P(i) = p_i^alpha / sum_k p_k^alpha. New transitions get the largest priority
+    seen so far. Batches carry ``"weight"``: the importance weight
+    (N * P(i))^-beta, divided by the largest weight in the batch. Priorities are
+    set with `ExperienceStore.update_priorities` from a batch's ``"index"``;
+    indices of transitions evicted since are ignored.
+
+    Args:
+        alpha: how much priorities count (0 = uniform).
+        beta: importance-sampling correction (1 = full).
+        eps: added to every priority so none is zero.
+
+    Raises:
+        ValueError: alpha < 0, beta outside [0, 1], or eps <= 0.
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.PrioritizedSampler(alpha=0.6, beta=0.4))
+        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4)})
+        >>> batch = store.sample(8)
+        >>> store.update_priorities(batch["index"], np.ones(8))
+    """
+
+    def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6) -> None:
+        super().__init__()
+        if not (np.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+        if not (0 <= beta <= 1):
+            raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+        if not (np.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.max_priority = 1.0
+        self.tree: SumTree | None = None
+
+    def bind(self, shard) -> None:
+        super().bind(shard)
+        if self.tree is None:
+            self.tree = SumTree(shard.capacity)
+            shard.add_listeners.append(self._on_add)
+            shard.evict_listeners.append(self._on_evict)
+
+    def _on_add(self, first_row: int, length: int) -> None:
+        self.tree.fill(first_row, first_row + length, self.max_priority ** self.alpha)
+
+    def _on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
+        for first, rows in zip(first_rows.tolist(), num_rows.tolist()):
+            self.tree.fill(first, first + rows, 0.0)
+
+    @property
+    def total(self) -> float:
+        """Sum of p^alpha over stored transitions (a shard's share in sharded sampling)."""
+        return self.tree.total if self.tree is not None else 0.0
+
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        total = self.tree.total
+        rows = self.tree.find(rng.random(n) * total)
+        arena = self._shard.arena
+        ranks = ranks_of_rows(table, arena["episode_id"][rows], rows)
+        probability = self.tree.leaves[rows] / total
+        weight = (table.num_transitions * probability) ** -self.beta
+        return Selection(rows, ranks, {"weight": (weight / weight.max()).astype(np.float32)})
+
+    def update(self, table: EpisodeTable, ranks: np.ndarray, priorities: np.ndarray) -> int:
+        """Set the priorities of live ``ranks``; returns how many were live."""
+        live = table.is_live(ranks)
+        ranks, priorities = ranks[live], priorities[live]
+        if len(ranks):
+            priorities = priorities + self.eps
+            self.tree.update(table.rows_of(ranks), priorities ** self.alpha)
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+        return int(live.sum())
+
+    def __repr__(self) -> str:
+        return f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, eps={self.eps})"
+
+
+class SequenceSampler(Sampler):
+    """Windows of ``length`` consecutive steps inside one episode; batches [B, length].
+
+    With ``strict=True`` only windows that fit in their episode are drawn, each
+    with equal probability. With ``strict=False`` any transition can start a
+    window; steps past the episode end are padded (repeating the last step) and
+    ``"mask"`` is False there. Either way a window never crosses an episode
+    boundary and never reads an evicted row.
+
+    Args:
+        length: steps per window (>= 1).
+        strict: only windows that fit.
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(length=3))
+        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5)})
+        >>> store.sample(2)["obs"].shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, length: int, strict: bool = True) -> None:
+        super().__init__()
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
+            raise ValueError(f"length must be an int >= 1, got {length!r}")
+        self.length = int(length)
+        self.strict = bool(strict)
+        self._counter = f"windows{self.length}"
+
+    def bind(self, shard) -> None:
+        super().bind(shard)
+        if self.strict:
+            span = self.length
+            shard.table.add_counter(self._counter, lambda n: max(0, n - span + 1))
+
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        offsets = np.arange(self.length, dtype=np.int64)
+        if self.strict:
+            first, stop = table.live_range(self._counter)
+            if stop <= first:
+                raise ValueError(f"no episode has {self.length} transitions for a strict window "
+                                 f"(longest: {int(table.col('length').max(initial=0))}); "
+                                 "use strict=False or a shorter length")
+            pos, start = table.locate(rng.integers(first, stop, size=n, dtype=np.int64), self._counter)
+            ranks = table.col("first_rank")[pos][:, None] + start[:, None] + offsets
+            rows = table.rows_of(ranks.reshape(-1)).reshape(n, self.length)
+            return Selection(rows, ranks, {"mask": np.ones((n, self.length), bool)})
+        starts = uniform_ranks(rng, n, *table.live_range())
+        pos, step = table.locate(starts)
+        last = table.col("length")[pos] - 1
+        steps = step[:, None] + offsets
+        mask = steps <= last[:, None]
+        steps = np.minimum(steps, last[:, None])
+        ranks = table.col("first_rank")[pos][:, None] + steps
+        rows = table.col("first_row")[pos][:, None] + steps
+        return Selection(rows, ranks, {"mask": mask})
+
+    def __repr__(self) -> str:
+        return f"SequenceSampler(length={self.length}, strict={self.strict})"
+
+
+class EpisodeSampler(Sampler):
+    """Whole episodes, uniformly; batches [B, T_max] padded, with ``"mask"``.
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.EpisodeSampler())
+        >>> _ = store.add_episode({"obs": np.arange(4.0), "action": np.zeros(3)})
+        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5)})
+        >>> batch = store.sample(2)
+        >>> batch["mask"].sum(1).tolist() in ([3, 5], [5, 3], [3, 3], [5, 5])
+        True
+    """
+
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+        lengths = table.col("length")
+        pos = rng.integers(0, len(lengths), size=n)
+        empty = lengths[pos] == 0
+        while empty.any():  # episodes of one step without a final observation have no transition
+            pos[empty] = rng.integers(0, len(lengths), size=int(empty.sum()))
+            empty = lengths[pos] == 0
+        chosen = lengths[pos]
+        steps = np.arange(int(chosen.max()), dtype=np.int64)[None, :]
+        mask = steps < chosen[:, None]
+        steps = np.minimum(steps, chosen[:, None] - 1)
+        ranks = table.col("first_rank")[pos][:, None] + steps
+        rows = table.col("first_row")[pos][:, None] + steps
+        return Selection(rows, ranks, {"mask": mask})

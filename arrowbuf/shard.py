@@ -83,6 +83,7 @@ class Shard:
         shard: this shard's number (Ray backend); ``num_shards`` spaces episode ids.
 
     Attributes:
+        add_listeners: called with (first_row, transitions) of each new episode.
         evict_listeners: called with (first_rows, num_rows) of evicted episodes
             before their rows are reused (samplers that keep per-row state listen).
 
@@ -104,6 +105,7 @@ class Shard:
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # np.empty leaves pages untouched until written: memory grows with the data.
         self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in self.specs.items()}
+        self.add_listeners: list[Callable[[int, int], None]] = []
         self.evict_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
         self.gather = Gather(self._gather_columns())
 
@@ -114,11 +116,11 @@ class Shard:
         columns = {}
         for name, f in self.schema.fields.items():
             key = tuple(name.split("."))
-            columns[key] = (self.arena[name], 0, f.torch_dtype)
+            columns[key] = (self.arena[name], "obs" if f.observation else "step", f.torch_dtype)
             if f.observation:
-                columns[("next", *key)] = (self.arena[name], 1, f.torch_dtype)
+                columns[("next", *key)] = (self.arena[name], "next", f.torch_dtype)
         for name in ("episode_id", "step"):
-            columns[(name,)] = (self.arena[name], 0, SYSTEM_SPECS[name].torch_dtype)
+            columns[(name,)] = (self.arena[name], "step", SYSTEM_SPECS[name].torch_dtype)
         return columns
 
     # -- writing --------------------------------------------------------------------
@@ -174,10 +176,13 @@ class Shard:
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
         ret = float(np.sum(columns["reward"], dtype=np.float64)) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
-        self.table.append(first_row=start, num_rows=rows, length=self.transitions_of(episode),
+        length = self.transitions_of(episode)
+        self.table.append(first_row=start, num_rows=rows, length=length,
                           has_final=episode.has_final, terminated=terminated, truncated=truncated,
                           ret=ret, env_id=episode.env_id, metadata=metadata)
         self.write_pos = stop
+        for listener in self.add_listeners:
+            listener(start, length)
         return episode_id
 
     def _evict(self, count: int) -> None:
@@ -195,10 +200,6 @@ class Shard:
         self.write_pos = 0
 
     # -- reading ----------------------------------------------------------------------
-
-    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
-        """Arena rows of live transition ranks."""
-        return self.table.locate(ranks)[1]
 
     def _batch(self, start: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
         arrays = [numpy_to_arrow(spec, self.arena[name][start:stop]) for name, spec in self.specs.items()]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -12,13 +13,24 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.episodes import StepWriter, read_episode
-from arrowbuf.errors import EmptyStoreError, describe
-from arrowbuf.samplers import UniformSampler, epoch_ranks
+from arrowbuf.errors import EmptyStoreError, RateLimited, describe
+from arrowbuf.indexing import episode_bounds, frame_rows, n_step
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
 
 BACKENDS = ("local",)
+
+
+def _as_numpy(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an array or tensor, got {describe(value)}") from None
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -40,7 +52,10 @@ class ExperienceStore:
         capacity: rows the store holds (an episode of T steps with its final
             observation takes T+1 rows).
         seed: seed of the store's `numpy.random.Generator`; sampling is reproducible.
-        sampler: how `sample` selects transitions; `UniformSampler` by default.
+        sampler: how `sample` selects transitions (a `Sampler`: `UniformSampler`
+            by default, `PrioritizedSampler`, `SequenceSampler`, ...); one per store.
+        rate_limiter: when sampling and inserting may proceed (`MinSize`,
+            `SampleToInsertRatio`); unlimited by default.
         schema: an `arrowbuf.Schema` or a mapping name -> `Field`; inferred from
             the first write when None, then enforced.
         mode: "circular" evicts the oldest whole episodes when full; "fixed"
@@ -65,7 +80,7 @@ class ExperienceStore:
 
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
-                 backend: str = "local") -> None:
+                 backend: str = "local", rate_limiter: RateLimiter | None = None) -> None:
         self.capacity = _check_int("capacity", capacity, 1)
         if seed is not None:
             _check_int("seed", seed, 0)
@@ -74,20 +89,28 @@ class ExperienceStore:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         sampler = UniformSampler() if sampler is None else sampler
-        if not callable(getattr(sampler, "sample", None)):
-            raise ValueError(f"sampler must have a sample(rng, n, table) method, got {describe(sampler)}")
+        if not isinstance(sampler, Sampler):
+            raise ValueError(f"sampler must be an arrowbuf Sampler (UniformSampler(), PrioritizedSampler(), ...), "
+                             f"got {describe(sampler)}")
+        rate_limiter = RateLimiter() if rate_limiter is None else rate_limiter
+        if not isinstance(rate_limiter, RateLimiter):
+            raise ValueError(f"rate_limiter must be an arrowbuf RateLimiter (MinSize, SampleToInsertRatio), "
+                             f"got {describe(rate_limiter)}")
         if schema is not None and not isinstance(schema, Schema):
             schema = Schema(schema)
         self.mode = mode
         self.backend = backend
         self.sampler = sampler
+        self.rate_limiter = rate_limiter
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)   # wakes callers waiting on the rate limiter
         self._shard: Shard | None = None
         self._empty_table = EpisodeTable()
+        self._created = time.monotonic()
         if schema is not None:
-            self._shard = Shard(schema, self.capacity, mode)
+            self._shard = self._new_shard(schema)
 
     # -- shape of the store ---------------------------------------------------------
 
@@ -115,7 +138,7 @@ class ExperienceStore:
     # -- writing ----------------------------------------------------------------------
 
     def add_episode(self, episode: Any, env_id: str = "default",
-                    metadata: Mapping[str, Any] | None = None) -> int:
+                    metadata: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> int:
         """Add one whole episode.
 
         Args:
@@ -124,6 +147,8 @@ class ExperienceStore:
                 observation fields T+1 rows (with the final observation) or T.
             env_id: the environment it came from, kept in the episode table.
             metadata: JSON-serializable user metadata kept in the episode table.
+            timeout: seconds to wait for the rate limiter to allow the insert
+                (other threads sampling); None raises at once.
 
         Returns:
             The new episode's id.
@@ -131,6 +156,7 @@ class ExperienceStore:
         Raises:
             SchemaError: a wrong field name, dtype, shape or ragged lengths.
             CapacityError: longer than the capacity, or a full ``mode="fixed"`` store.
+            RateLimited: the rate limiter refuses the insert (after ``timeout``).
             ValueError: a bad ``env_id`` or ``metadata``.
             Nothing is changed when it raises.
         """
@@ -145,25 +171,50 @@ class ExperienceStore:
                 raise ValueError(f"metadata must be JSON-serializable: {err}") from None
         with self._lock:
             checked, schema = read_episode(episode, self.schema, env_id, metadata)
-            return self._add(checked, schema)
+            return self._add(checked, schema, timeout)
 
-    def _add(self, episode: Episode, schema: Schema | None = None) -> int:
-        with self._lock:
+    def _add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None) -> int:
+        with self._changed:
+            shard = self._shard if self._shard is not None else Shard(schema, self.capacity, self.mode)
+            shard.check_fits(episode)
+            transitions = shard.transitions_of(episode)
+            self._wait(lambda: self.rate_limiter.can_insert(transitions), timeout,
+                       lambda: f"insert of {transitions} transitions refused by {self.rate_limiter.state()}")
             if self._shard is None:
-                shard = Shard(schema, self.capacity, self.mode)
-                shard.check_fits(episode)
-                self._shard = shard
-            return self._shard.add(episode)
+                self._bind(shard)
+            episode_id = self._shard.add(episode)
+            self.rate_limiter.inserts += transitions
+            self._changed.notify_all()
+            return episode_id
+
+    def _new_shard(self, schema: Schema) -> Shard:
+        shard = Shard(schema, self.capacity, self.mode)
+        self._bind(shard)
+        return shard
+
+    def _bind(self, shard: Shard) -> None:
+        self.sampler.bind(shard)
+        self._shard = shard
 
     def _set_schema(self, schema: Schema) -> None:
         with self._lock:
             if self._shard is None:
-                self._shard = Shard(schema, self.capacity, self.mode)
+                self._new_shard(schema)
+
+    def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
+        if allowed():
+            return
+        if timeout is None or not self._changed.wait_for(allowed, timeout):
+            raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",
-               env_ids: Sequence[str] | None = None) -> StepWriter:
-        """A step writer for ``num_envs`` vectorized environments (see `StepWriter`)."""
-        return StepWriter(self._add, lambda: self.schema, self._set_schema, num_envs, autoreset_mode, env_ids)
+               env_ids: Sequence[str] | None = None, *, timeout: float | None = None) -> StepWriter:
+        """A step writer for ``num_envs`` vectorized environments (see `StepWriter`).
+
+        ``timeout`` is how long a sealed episode waits for the rate limiter.
+        """
+        return StepWriter(lambda episode: self._add(episode, timeout=timeout), lambda: self.schema,
+                          self._set_schema, num_envs, autoreset_mode, env_ids)
 
     def clear(self) -> None:
         """Remove every episode. Indices sampled before stay stale forever."""
@@ -173,33 +224,124 @@ class ExperienceStore:
 
     # -- sampling ---------------------------------------------------------------------
 
-    def sample(self, batch_size: int, *, device: torch.device | str | None = None,
-               pin_memory: bool = False) -> TensorDict:
+    def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+               device: torch.device | str | None = None, pin_memory: bool = False,
+               timeout: float | None = None) -> TensorDict:
         """Sample transitions with the store's sampler.
 
         Args:
-            batch_size: transitions to draw.
+            batch_size: transitions (or windows, or episodes) to draw.
+            n_step: with n > 1, ``"reward"`` is the discounted sum of the next n
+                rewards (fewer at the episode end), ``("next", obs)`` the observation
+                after them, ``"terminated"``/``"truncated"`` the flags of the last of
+                them, ``"discount"`` gamma^k and ``"n_steps"`` k.
+            gamma: discount of the n-step return.
+            frame_stack: with k > 1, observation fields (and their ``next``) hold the
+                last k frames on a new axis after the batch dims, oldest first, the
+                episode's first frame repeated before it starts.
             device: where the tensors go (default: CPU).
             pin_memory: gather into pinned host memory.
+            timeout: seconds to wait for the rate limiter; None raises at once.
 
         Returns:
-            A TensorDict of batch size [batch_size]: every field at t,
-            ``("next", obs)`` for observation fields, ``"index"`` (transition ranks,
-            for `update_priorities`), ``"episode_id"`` and ``"step"``.
+            A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
+            and episode samplers): every field at t, ``("next", obs)`` for
+            observation fields, ``"index"`` (transition ranks, for
+            `update_priorities`), ``"episode_id"`` and ``"step"``, plus the
+            sampler's ``"weight"`` or ``"mask"``.
 
         Raises:
-            ValueError: ``batch_size`` is not an int >= 1.
+            ValueError: a bad argument.
             EmptyStoreError: the store holds no transition.
+            RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
-        with self._lock:
+        n_step = _check_int("n_step", n_step, 1)
+        frame_stack = _check_int("frame_stack", frame_stack, 1)
+        if not (isinstance(gamma, (int, float)) and 0 <= gamma <= 1):
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        with self._changed:
+            if n_step > 1 and (self.schema is None or "reward" not in self.schema.fields):
+                raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
+                                 f"{list(self.schema.fields) if self.schema else 'no fields yet'}")
             self._require_data()
-            ranks = self.sampler.sample(self._rng, batch_size, self._shard.table)
-            return self._gather(ranks, device, pin_memory)
+            self._wait(lambda: self.rate_limiter.can_sample(batch_size, len(self)), timeout,
+                       lambda: self.rate_limiter.why_not_sample(batch_size, len(self)))
+            selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
+            batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
+            self.rate_limiter.samples += selection.rows.size
+            self._changed.notify_all()
+            return batch
 
-    def _gather(self, ranks: np.ndarray, device: Any, pin_memory: bool) -> TensorDict:
-        rows = self._shard.rows_of(ranks)
-        return self._shard.gather(rows, {("index",): torch.from_numpy(ranks)}, device, pin_memory)
+    def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
+                device: Any = None, pin_memory: bool = False) -> TensorDict:
+        shard = self._shard
+        rows = selection.rows
+        extra = {("index",): torch.from_numpy(selection.ranks)}
+        extra.update({(key,): torch.from_numpy(value) for key, value in selection.extra.items()})
+        obs_rows = next_rows = None
+        if n > 1 or frames > 1:
+            first, last = episode_bounds(shard.table, shard.arena["episode_id"][rows])
+        if n > 1:
+            ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
+            next_rows = ahead.next_rows
+            extra[("reward",)] = torch.from_numpy(ahead.reward)
+            extra[("discount",)] = torch.from_numpy(ahead.discount)
+            extra[("n_steps",)] = torch.from_numpy(ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in shard.schema.fields:
+                    extra[(flag,)] = torch.from_numpy(shard.arena[flag][ahead.last_rows])
+        if frames > 1:
+            obs_rows = frame_rows(rows, first, frames)
+            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        return shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+
+    def update_priorities(self, index: Any, priority: Any) -> int:
+        """Set the priorities of sampled transitions (`PrioritizedSampler` only).
+
+        Args:
+            index: a batch's ``"index"`` (tensor or array of ints).
+            priority: new priorities (e.g. ``td_error.abs()``), same length, >= 0.
+
+        Returns:
+            How many indices were still live; the others (evicted since the sample)
+            are ignored, never applied to the rows that replaced them.
+
+        Raises:
+            ValueError: not a prioritized store, or mismatched / negative / non-finite input.
+        """
+        if not isinstance(self.sampler, PrioritizedSampler):
+            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
+        index = _as_numpy(index, "index").reshape(-1)
+        priority = _as_numpy(priority, "priority").reshape(-1).astype(np.float64)
+        if not np.issubdtype(index.dtype, np.integer):
+            raise ValueError(f"index must hold integers (a batch's 'index'), got dtype {index.dtype}")
+        if index.shape != priority.shape:
+            raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
+        if not np.all(np.isfinite(priority)) or np.any(priority < 0):
+            bad = priority[~(np.isfinite(priority) & (priority >= 0))][:5]
+            raise ValueError(f"priority must be finite and >= 0, got {bad.tolist()}")
+        with self._lock:
+            if self._shard is None:
+                return 0
+            return self.sampler.update(self._shard.table, index.astype(np.int64), priority)
+
+    def stats(self) -> dict:
+        """Size, episodes, inserts and samples (totals and per second), limiter state."""
+        with self._lock:
+            elapsed = max(time.monotonic() - self._created, 1e-9)
+            limiter = self.rate_limiter
+            return {
+                "transitions": len(self),
+                "episodes": self.num_episodes,
+                "capacity": self.capacity,
+                "inserts": limiter.inserts,
+                "samples": limiter.samples,
+                "inserts_per_s": limiter.inserts / elapsed,
+                "samples_per_s": limiter.samples / elapsed,
+                "sample_to_insert_ratio": limiter.samples / limiter.inserts if limiter.inserts else 0.0,
+                "rate_limiter": limiter.state(),
+            }
 
     def _require_data(self) -> None:
         if not len(self):
@@ -229,7 +371,7 @@ class ExperienceStore:
             with self._lock:
                 live = ranks[self._table.is_live(ranks)]
                 if len(live):
-                    batch = self._gather(live, device, False)
+                    batch = self._gather(Selection(self._table.rows_of(live), live), device=device)
             if len(live):
                 yield batch
 

@@ -13,7 +13,7 @@ user (the ``"index"`` of a sample) can always be told stale from live.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -53,10 +53,17 @@ class EpisodeTable:
         self.head = 0
         self.tail = 0
         self.episodes_added = 0   # ever; the next id is derived from it
-        self.next_rank = 0        # rank of the next transition added
+        # Running serials: "rank" numbers transitions; samplers add their own units
+        # (e.g. windows of a sequence length) with `add_counter`.
+        self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"rank": (lambda n: n, [0])}
 
     def __len__(self) -> int:
         return self.tail - self.head
+
+    @property
+    def next_rank(self) -> int:
+        """Rank of the next transition added."""
+        return self._counters["rank"][1][0]
 
     @property
     def num_transitions(self) -> int:
@@ -64,7 +71,29 @@ class EpisodeTable:
 
     @property
     def first_live_rank(self) -> int:
-        return int(self._cols["first_rank"][self.head]) if len(self) else self.next_rank
+        return self.live_range("rank")[0]
+
+    def add_counter(self, name: str, count: Callable[[int], int]) -> None:
+        """Keep a serial of ``count(length)`` units per episode, like ranks for transitions.
+
+        Live units then form one contiguous range (`live_range`) that `locate` maps
+        back to (episode position, offset): uniform sampling over any per-episode
+        unit (windows of a sequence length, say) stays O(batch).
+        """
+        if name in self._counters:
+            return
+        column = np.zeros(len(self._cols["episode_id"]), np.int64)
+        running = 0
+        for i in range(self.head, self.tail):
+            column[i] = running
+            running += count(int(self._cols["length"][i]))
+        self._cols[f"first_{name}"] = column
+        self._counters[name] = (count, [running])
+
+    def live_range(self, counter: str = "rank") -> tuple[int, int]:
+        """[first, stop) of the live units of ``counter``."""
+        stop = self._counters[counter][1][0]
+        return (int(self._cols[f"first_{counter}"][self.head]) if len(self) else stop), stop
 
     def col(self, name: str) -> np.ndarray:
         """A view of one column over the live episodes, oldest first."""
@@ -83,14 +112,15 @@ class EpisodeTable:
         i = self.tail
         values = {"episode_id": episode_id, "env": code, "first_row": first_row, "num_rows": num_rows,
                   "length": length, "has_final": has_final, "terminated": terminated,
-                  "truncated": truncated, "return": ret, "inserted_at": time.time_ns(),
-                  "first_rank": self.next_rank}
+                  "truncated": truncated, "return": ret, "inserted_at": time.time_ns()}
         for name, value in values.items():
             self._cols[name][i] = value
+        for name, (count, serial) in self._counters.items():
+            self._cols[f"first_{name}"][i] = serial[0]
+            serial[0] += count(length)
         self._metadata[i] = metadata
         self.tail += 1
         self.episodes_added += 1
-        self.next_rank += length
         return episode_id
 
     def episode_id_of(self, k: int) -> int:
@@ -111,12 +141,19 @@ class EpisodeTable:
             return np.asarray(episode_id) * 0 - 1
         return (np.asarray(episode_id) - self._cols["episode_id"][self.head]) // self.id_stride
 
-    def locate(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Live positions of the episodes holding ``ranks`` (all live) and their arena rows."""
-        first_rank = self.col("first_rank")
-        pos = np.searchsorted(first_rank, ranks, side="right") - 1
-        rows = self.col("first_row")[pos] + (ranks - first_rank[pos])
-        return pos, rows
+    def locate(self, units: np.ndarray, counter: str = "rank") -> tuple[np.ndarray, np.ndarray]:
+        """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
+
+        For ranks the offset is the step, so the arena row is ``first_row[pos] + offset``.
+        """
+        first = self.col(f"first_{counter}")
+        pos = np.searchsorted(first, units, side="right") - 1
+        return pos, units - first[pos]
+
+    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
+        """Arena rows of live transition ranks."""
+        pos, offset = self.locate(ranks)
+        return self.col("first_row")[pos] + offset
 
     def is_live(self, ranks: np.ndarray) -> np.ndarray:
         return (ranks >= self.first_live_rank) & (ranks < self.next_rank)

@@ -26,7 +26,7 @@ _ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector load
 class _Entry:
     key: tuple[str, ...]
     column: np.ndarray          # the arena column, shape (capacity, *shape)
-    shift: int                  # 0: row t; 1: row t+1 (next observation)
+    role: str                   # which rows it reads: "step", "obs" or "next" (observation after)
     torch_dtype: torch.dtype
     row_bytes: int
 
@@ -55,57 +55,61 @@ class Gather:
     """Copies selected arena rows into one buffer and wraps it as a TensorDict.
 
     Args:
-        columns: key -> (arena column, shift, torch dtype); the key is a tuple
-            (nested TensorDict path), the shift 1 reads the next row.
+        columns: key -> (arena column, role, torch dtype); the key is a tuple
+            (nested TensorDict path); the role says which rows the column reads:
+            "step" (the transition's row), "obs" (observation rows, which frame
+            stacking widens) or "next" (the observation after the transition).
     """
 
-    def __init__(self, columns: Mapping[tuple[str, ...], tuple[np.ndarray, int, torch.dtype]]) -> None:
+    def __init__(self, columns: Mapping[tuple[str, ...], tuple[np.ndarray, str, torch.dtype]]) -> None:
         self._entries = [
-            _Entry(key, column, shift, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
-            for key, (column, shift, torch_dtype) in columns.items()
+            _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
+            for key, (column, role, torch_dtype) in columns.items()
         ]
-        self._layouts: dict[int, tuple[int, list[int]]] = {}
-
-    def _layout(self, n: int) -> tuple[int, list[int]]:
-        layout = self._layouts.get(n)
-        if layout is None:
-            offsets, total = [], 0
-            for entry in self._entries:
-                offsets.append(total)
-                total += -(-n * entry.row_bytes // _ALIGN) * _ALIGN
-            layout = self._layouts[n] = (max(total, 1), offsets)
-        return layout
 
     def __call__(self, rows: np.ndarray, extra: Mapping[tuple[str, ...], torch.Tensor] | None = None,
-                 device: torch.device | str | None = None, pin_memory: bool = False) -> TensorDict:
-        """Gather ``rows`` (int64 arena rows) into a TensorDict of batch size [len(rows)].
+                 device: torch.device | str | None = None, pin_memory: bool = False, *,
+                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None) -> TensorDict:
+        """Gather arena rows into a TensorDict whose batch shape is ``rows.shape``.
 
         Args:
-            rows: arena rows of the transitions, shape [n].
-            extra: tensors added as they are (index, weights, masks).
+            rows: arena rows of the transitions, shape [B] or [B, L].
+            extra: tensors added as they are (index, weights, masks); they replace
+                gathered keys of the same name.
             device: where the tensors go; a CUDA device copies the gathered buffer in
                 one non-blocking transfer from pinned memory.
             pin_memory: gather into pinned host memory (implied by a CUDA device).
+            obs_rows: rows of the observation fields, ``rows.shape`` (+ a frame axis);
+                default ``rows``.
+            next_rows: rows of the next observations, like ``obs_rows``; default
+                ``rows + 1``.
         """
-        flat_rows = rows.reshape(-1)
-        n = flat_rows.size
         batch_shape = tuple(rows.shape)
-        total, offsets = self._layout(n)
+        by_role = {"step": rows, "obs": rows if obs_rows is None else obs_rows,
+                   "next": rows + 1 if next_rows is None else next_rows}
+        skip = set(extra or ())
+        entries = [e for e in self._entries if e.key not in skip]
+        sizes, offsets, total = [], [], 0
+        for entry in entries:
+            size = by_role[entry.role].size * entry.row_bytes
+            sizes.append(size)
+            offsets.append(total)
+            total += -(-size // _ALIGN) * _ALIGN
         device = torch.device(device) if device is not None else None
         pin = pin_memory or (device is not None and device.type == "cuda")
-        flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         flat_np = flat.numpy()
-        next_rows = flat_rows + 1 if any(e.shift for e in self._entries) else flat_rows
-        for entry, offset in zip(self._entries, offsets):
+        for entry, offset, size in zip(entries, offsets, sizes):
             column = entry.column
-            out = flat_np[offset:offset + n * entry.row_bytes].view(column.dtype).reshape((n, *column.shape[1:]))
-            np.take(column, next_rows if entry.shift else flat_rows, axis=0, out=out, mode="clip")
+            role_rows = by_role[entry.role]
+            out = flat_np[offset:offset + size].view(column.dtype).reshape((role_rows.size, *column.shape[1:]))
+            np.take(column, role_rows.reshape(-1), axis=0, out=out, mode="clip")
         if device is not None and device.type != "cpu":
             flat = flat.to(device, non_blocking=True)
         tensors = {}
-        for entry, offset in zip(self._entries, offsets):
-            shape = batch_shape + tuple(entry.column.shape[1:])
-            tensors[entry.key] = flat[offset:offset + n * entry.row_bytes].view(entry.torch_dtype).view(shape)
+        for entry, offset, size in zip(entries, offsets, sizes):
+            shape = tuple(by_role[entry.role].shape) + tuple(entry.column.shape[1:])
+            tensors[entry.key] = flat[offset:offset + size].view(entry.torch_dtype).view(shape)
         if extra:
             for key, value in extra.items():
                 tensors[key] = value.to(device) if device is not None else value
