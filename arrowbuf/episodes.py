@@ -8,7 +8,7 @@ no Python loop over environments) and seals each episode as it ends.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +77,22 @@ def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
                    dict(metadata) if metadata is not None else None), schema
 
 
+class EpisodeSink(Protocol):
+    """Where a `StepWriter` sends sealed episodes: a local store, or Ray shards."""
+
+    @property
+    def schema(self) -> Schema | None: ...
+
+    def set_schema(self, schema: Schema) -> None:
+        """Adopt ``schema`` if none is set yet."""
+
+    def write(self, episode: Episode) -> None:
+        """Store one sealed episode (or queue it); raise what the store refuses."""
+
+    def flush(self) -> None:
+        """Wait until everything written is stored; raise any error from it."""
+
+
 class StepWriter:
     """Assembles episodes from N vectorized environments, step by step.
 
@@ -104,8 +120,7 @@ class StepWriter:
         (1, 1)
     """
 
-    def __init__(self, add_episode: Callable[[Episode], None], get_schema: Callable[[], Schema | None],
-                 set_schema: Callable[[Schema], None], num_envs: int, autoreset_mode: str = "next_step",
+    def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None) -> None:
         if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
@@ -116,9 +131,7 @@ class StepWriter:
         self.num_envs = int(num_envs)
         self.autoreset_mode = autoreset_mode
         self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
-        self._add_episode = add_episode
-        self._get_schema = get_schema
-        self._set_schema = set_schema
+        self._sink = sink
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
@@ -221,6 +234,7 @@ class StepWriter:
             self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
         self._seal(open_envs, has_final=True)
         self._push_pending()
+        self._sink.flush()
         return len(open_envs)
 
     # -- internals -----------------------------------------------------------------
@@ -232,11 +246,11 @@ class StepWriter:
             raise SchemaError(f"{what}: {err}") from None
 
     def _schema_for(self, obs_cols: dict, step_cols: dict) -> Schema:
-        schema = self._get_schema()
+        schema = self._sink.schema
         if schema is None:
             columns = {**obs_cols, **step_cols}
             schema = Schema.infer(columns, observation_names=list(obs_cols))
-            self._set_schema(schema)
+            self._sink.set_schema(schema)
         elif set(schema.observation_names) != set(obs_cols):
             raise SchemaError(f"obs has fields {sorted(obs_cols)}; the store's observation fields are "
                               f"{sorted(schema.observation_names)}")
@@ -276,7 +290,7 @@ class StepWriter:
                 self._stage[name] = grown
 
     def _seal(self, envs: np.ndarray, has_final: bool) -> None:
-        schema = self._get_schema()
+        schema = self._sink.schema
         for i in envs:
             steps = int(self._pos[i])
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
@@ -287,14 +301,14 @@ class StepWriter:
                 self._pending.append(_copied(episode))
                 continue
             try:
-                self._add_episode(episode)
+                self._sink.write(episode)
                 self.episodes_written += 1
             except (RateLimited, CapacityError):
                 self._pending.append(_copied(episode))
 
     def _push_pending(self) -> None:
         while self._pending:
-            self._add_episode(self._pending[0])
+            self._sink.write(self._pending[0])
             self._pending.pop(0)
             self.episodes_written += 1
 

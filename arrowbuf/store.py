@@ -24,6 +24,27 @@ from arrowbuf.table import EpisodeTable
 BACKENDS = ("local",)
 
 
+class _LocalSink:
+    """Sends a writer's sealed episodes straight into an embedded store."""
+
+    def __init__(self, store: "ExperienceStore", timeout: float | None) -> None:
+        self._store = store
+        self._timeout = timeout
+
+    @property
+    def schema(self) -> Schema | None:
+        return self._store.schema
+
+    def set_schema(self, schema: Schema) -> None:
+        self._store._set_schema(schema)
+
+    def write(self, episode: Episode) -> None:
+        self._store._add(episode, timeout=self._timeout)
+
+    def flush(self) -> None:
+        """Writes are synchronous: nothing to wait for."""
+
+
 def _as_numpy(value: Any, name: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
@@ -213,8 +234,7 @@ class ExperienceStore:
 
         ``timeout`` is how long a sealed episode waits for the rate limiter.
         """
-        return StepWriter(lambda episode: self._add(episode, timeout=timeout), lambda: self.schema,
-                          self._set_schema, num_envs, autoreset_mode, env_ids)
+        return StepWriter(_LocalSink(self, timeout), num_envs, autoreset_mode, env_ids)
 
     def clear(self) -> None:
         """Remove every episode. Indices sampled before stay stale forever."""
