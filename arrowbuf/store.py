@@ -20,6 +20,7 @@ from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSam
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
+from arrowbuf.tensors import Payload
 
 BACKENDS = ("local",)
 
@@ -295,26 +296,30 @@ class ExperienceStore:
 
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                 device: Any = None, pin_memory: bool = False) -> TensorDict:
+        device = torch.device(device) if device is not None else None
+        pin = pin_memory or (device is not None and device.type == "cuda")
+        return self._payload(selection, n, gamma, frames, pin).to_tensordict(device)
+
+    def _payload(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
+                 pin_memory: bool = False, index_base: int = 0) -> Payload:
+        """Gather a selection (plus n-step / frame-stack look-ups) into a `Payload`."""
         shard = self._shard
         rows = selection.rows
-        extra = {("index",): torch.from_numpy(selection.ranks)}
-        extra.update({(key,): torch.from_numpy(value) for key, value in selection.extra.items()})
+        extra = {"index": selection.ranks + index_base if index_base else selection.ranks, **selection.extra}
         obs_rows = next_rows = None
         if n > 1 or frames > 1:
             first, last = episode_bounds(shard.table, shard.arena["episode_id"][rows])
         if n > 1:
             ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
             next_rows = ahead.next_rows
-            extra[("reward",)] = torch.from_numpy(ahead.reward)
-            extra[("discount",)] = torch.from_numpy(ahead.discount)
-            extra[("n_steps",)] = torch.from_numpy(ahead.steps)
+            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):
                 if flag in shard.schema.fields:
-                    extra[(flag,)] = torch.from_numpy(shard.arena[flag][ahead.last_rows])
+                    extra[flag] = shard.arena[flag][ahead.last_rows]
         if frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
-        return shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        return shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
 
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled transitions (`PrioritizedSampler` only).

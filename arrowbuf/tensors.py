@@ -12,6 +12,7 @@ one on every call costs as much as the gather itself.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -67,15 +68,15 @@ class Gather:
             for key, (column, role, torch_dtype) in columns.items()
         ]
 
-    def __call__(self, rows: np.ndarray, extra: Mapping[tuple[str, ...], torch.Tensor] | None = None,
+    def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
                  obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None) -> TensorDict:
         """Gather arena rows into a TensorDict whose batch shape is ``rows.shape``.
 
         Args:
             rows: arena rows of the transitions, shape [B] or [B, L].
-            extra: tensors added as they are (index, weights, masks); they replace
-                gathered keys of the same name.
+            extra: arrays added as they are (index, weights, masks); they replace
+                gathered keys of the same name (a dotted name nests).
             device: where the tensors go; a CUDA device copies the gathered buffer in
                 one non-blocking transfer from pinned memory.
             pin_memory: gather into pinned host memory (implied by a CUDA device).
@@ -84,33 +85,72 @@ class Gather:
             next_rows: rows of the next observations, like ``obs_rows``; default
                 ``rows + 1``.
         """
-        batch_shape = tuple(rows.shape)
-        by_role = {"step": rows, "obs": rows if obs_rows is None else obs_rows,
-                   "next": rows + 1 if next_rows is None else next_rows}
-        skip = set(extra or ())
-        entries = [e for e in self._entries if e.key not in skip]
-        sizes, offsets, total = [], [], 0
-        for entry in entries:
-            size = by_role[entry.role].size * entry.row_bytes
-            sizes.append(size)
-            offsets.append(total)
-            total += -(-size // _ALIGN) * _ALIGN
         device = torch.device(device) if device is not None else None
         pin = pin_memory or (device is not None and device.type == "cuda")
-        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-        flat_np = flat.numpy()
-        for entry, offset, size in zip(entries, offsets, sizes):
-            column = entry.column
+        payload = self.payload(rows, extra, pin, obs_rows=obs_rows, next_rows=next_rows)
+        return payload.to_tensordict(device)
+
+    def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, pin_memory: bool = False, *,
+                obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None) -> "Payload":
+        """Gather into one byte buffer plus its layout (what a Ray shard sends back)."""
+        by_role = {"step": rows, "obs": rows if obs_rows is None else obs_rows,
+                   "next": rows + 1 if next_rows is None else next_rows}
+        extra = dict(extra or {})
+        skip = {tuple(key.split(".")) for key in extra}
+        layout, total = [], 0
+        for entry in self._entries:
+            if entry.key in skip:
+                continue
             role_rows = by_role[entry.role]
-            out = flat_np[offset:offset + size].view(column.dtype).reshape((role_rows.size, *column.shape[1:]))
-            np.take(column, role_rows.reshape(-1), axis=0, out=out, mode="clip")
-        if device is not None and device.type != "cpu":
+            shape = tuple(role_rows.shape) + tuple(entry.column.shape[1:])
+            size = role_rows.size * entry.row_bytes
+            layout.append((entry, total, size, shape))
+            total += -(-size // _ALIGN) * _ALIGN
+        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin_memory)
+        flat_np = flat.numpy()
+        for entry, offset, size, shape in layout:
+            column = entry.column
+            out = flat_np[offset:offset + size].view(column.dtype).reshape((-1, *column.shape[1:]))
+            np.take(column, by_role[entry.role].reshape(-1), axis=0, out=out, mode="clip")
+        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in layout]
+        return Payload(flat, spec, extra, tuple(rows.shape))
+
+
+@dataclass
+class Payload:
+    """A gathered batch: one byte buffer, where each key lives in it, and extra arrays.
+
+    It pickles as numpy buffers, which Ray moves through its object store and the
+    receiver reads without a copy.
+    """
+
+    flat: torch.Tensor | np.ndarray            # uint8 bytes
+    spec: list[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]]]
+    extra: dict[str, np.ndarray]
+    batch_shape: tuple[int, ...]
+
+    def __getstate__(self) -> dict:
+        flat = self.flat.numpy() if isinstance(self.flat, torch.Tensor) else self.flat
+        return {**self.__dict__, "flat": flat}
+
+    def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
+        """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
+        flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
+        on_device = device is not None and device.type != "cpu"
+        if on_device:
             flat = flat.to(device, non_blocking=True)
-        tensors = {}
-        for entry, offset, size in zip(entries, offsets, sizes):
-            shape = tuple(by_role[entry.role].shape) + tuple(entry.column.shape[1:])
-            tensors[entry.key] = flat[offset:offset + size].view(entry.torch_dtype).view(shape)
-        if extra:
-            for key, value in extra.items():
-                tensors[key] = value.to(device) if device is not None else value
-        return _make_td(nest(tensors), torch.Size(batch_shape), device if device is not None and device.type != "cpu" else None)
+        tensors = {key: flat[offset:offset + size].view(dtype).view(shape)
+                   for key, dtype, offset, size, shape in self.spec}
+        for name, value in self.extra.items():
+            tensor = _readonly_tensor(value) if not value.flags.writeable else torch.from_numpy(value)
+            tensors[tuple(name.split("."))] = tensor.to(device) if on_device else tensor
+        return _make_td(nest(tensors), torch.Size(self.batch_shape), device if on_device else None)
+
+
+def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    # Arrays from Ray's object store are read-only views of shared memory; torch
+    # warns because it has no read-only tensors. The store documents that such
+    # tensors must not be written in place; copying here would break zero-copy.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
