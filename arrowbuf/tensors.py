@@ -67,6 +67,7 @@ class Gather:
             _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
             for key, (column, role, torch_dtype) in columns.items()
         ]
+        self._layouts: dict[tuple, tuple[int, list]] = {}
 
     def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
@@ -96,24 +97,34 @@ class Gather:
         by_role = {"step": rows, "obs": rows if obs_rows is None else obs_rows,
                    "next": rows + 1 if next_rows is None else next_rows}
         extra = dict(extra or {})
+        shapes = (rows.shape, by_role["obs"].shape, by_role["next"].shape)
+        cache_key = (shapes, tuple(extra))
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            layout = self._layouts[cache_key] = self._layout(shapes, extra)
+        total, plan = layout
+        flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
+        flat_np = flat.numpy()
+        views = []
+        for entry, offset, size, shape in plan:
+            out = flat_np[offset:offset + size].view(entry.column.dtype).reshape(shape)
+            entry.column.take(by_role[entry.role], axis=0, out=out, mode="clip")
+            views.append(out)
+        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in plan]
+        return Payload(flat, spec, extra, tuple(rows.shape), views)
+
+    def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list]:
         skip = {tuple(key.split(".")) for key in extra}
-        layout, total = [], 0
+        roles = dict(zip(("step", "obs", "next"), shapes))
+        plan, total = [], 0
         for entry in self._entries:
             if entry.key in skip:
                 continue
-            role_rows = by_role[entry.role]
-            shape = tuple(role_rows.shape) + tuple(entry.column.shape[1:])
-            size = role_rows.size * entry.row_bytes
-            layout.append((entry, total, size, shape))
+            shape = tuple(roles[entry.role]) + tuple(entry.column.shape[1:])
+            size = int(np.prod(roles[entry.role], dtype=np.int64)) * entry.row_bytes
+            plan.append((entry, total, size, shape))
             total += -(-size // _ALIGN) * _ALIGN
-        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin_memory)
-        flat_np = flat.numpy()
-        for entry, offset, size, shape in layout:
-            column = entry.column
-            out = flat_np[offset:offset + size].view(column.dtype).reshape((-1, *column.shape[1:]))
-            np.take(column, by_role[entry.role].reshape(-1), axis=0, out=out, mode="clip")
-        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in layout]
-        return Payload(flat, spec, extra, tuple(rows.shape))
+        return max(total, 1), plan
 
 
 @dataclass
@@ -128,23 +139,33 @@ class Payload:
     spec: list[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]]]
     extra: dict[str, np.ndarray]
     batch_shape: tuple[int, ...]
+    views: list[np.ndarray] | None = None      # numpy views of ``flat`` per spec entry (not pickled)
 
     def __getstate__(self) -> dict:
         flat = self.flat.numpy() if isinstance(self.flat, torch.Tensor) else self.flat
-        return {**self.__dict__, "flat": flat}
+        return {**self.__dict__, "flat": flat, "views": None}
 
     def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
         """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
-        flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
         on_device = device is not None and device.type != "cpu"
-        if on_device:
-            flat = flat.to(device, non_blocking=True)
-        tensors = {key: flat[offset:offset + size].view(dtype).view(shape)
-                   for key, dtype, offset, size, shape in self.spec}
+        if self.views is not None and not on_device:
+            # torch.from_numpy on the views made for the gather: one call per key.
+            tensors = {key: _as_dtype(torch.from_numpy(view), dtype)
+                       for (key, dtype, _, _, _), view in zip(self.spec, self.views)}
+        else:
+            flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
+            if on_device:
+                flat = flat.to(device, non_blocking=True)
+            tensors = {key: flat[offset:offset + size].view(dtype).view(shape)
+                       for key, dtype, offset, size, shape in self.spec}
         for name, value in self.extra.items():
-            tensor = _readonly_tensor(value) if not value.flags.writeable else torch.from_numpy(value)
+            tensor = torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
             tensors[tuple(name.split("."))] = tensor.to(device) if on_device else tensor
         return _make_td(nest(tensors), torch.Size(self.batch_shape), device if on_device else None)
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
