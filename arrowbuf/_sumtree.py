@@ -42,6 +42,21 @@ class SumTree:
     def leaves(self) -> np.ndarray:
         return self.levels[-1][:self.size]
 
+    def state_dict(self) -> dict:
+        """Every level (copies): restoring them, not re-summing, keeps totals bit-exact."""
+        return {"size": self.size, "levels": [level.copy() for level in self.levels]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict` into a tree of the same size.
+
+        Raises:
+            ValueError: a tree of another size or shape.
+        """
+        levels = state["levels"]
+        if int(state["size"]) != self.size or [len(x) for x in levels] != [len(x) for x in self.levels]:
+            raise ValueError(f"sum tree state is for {state['size']} leaves, this tree has {self.size}")
+        self.levels = [np.array(level, np.float64) for level in levels]
+
     def update(self, index: np.ndarray, value: np.ndarray) -> None:
         """Set leaves ``index`` to ``value`` (the last one wins for duplicates)."""
         self.levels[-1][index] = value

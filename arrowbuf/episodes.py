@@ -89,6 +89,9 @@ class EpisodeSink(Protocol):
     def write(self, episode: Episode) -> None:
         """Store one sealed episode (or queue it); raise what the store refuses."""
 
+    def commit(self) -> None:
+        """End of a writer call: send what was written during it."""
+
     def flush(self) -> None:
         """Wait until everything written is stored; raise any error from it."""
 
@@ -140,6 +143,13 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled from Ray's object store, arrays are read-only views: own them.
+        self.__dict__.update(state)
+        self._pos, self._skip = self._pos.copy(), self._skip.copy()
+        self._stage = {n: a.copy() for n, a in self._stage.items()}
+        self._last_next = {n: a.copy() for n, a in self._last_next.items()}
 
     @property
     def pending(self) -> int:
@@ -216,6 +226,7 @@ class StepWriter:
         self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
+        self._sink.commit()
         return len(ended)
 
     def flush(self) -> int:
@@ -236,6 +247,54 @@ class StepWriter:
         self._push_pending()
         self._sink.flush()
         return len(open_envs)
+
+    # -- state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open episodes, refused (pending) episodes and counters: JSON values
+        and numpy arrays (copies). The sink is not part of it.
+
+        Not thread-safe against a concurrent `add`: take it between steps.
+        """
+        steps = int(self._pos.max(initial=0))
+        return {
+            "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
+            "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
+            "stage": {name: stage[:, :steps].copy() for name, stage in self._stage.items()},
+            "last_next": {name: last.copy() for name, last in self._last_next.items()},
+            "pending": [{"columns": {n: a.copy() for n, a in e.columns.items()}, "num_steps": e.num_steps,
+                         "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
+                        for e in self._pending],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict` into a writer of the same ``num_envs`` and mode
+        whose sink has the schema the state was taken with.
+
+        Raises:
+            ValueError: another number of envs or autoreset mode, or staged data
+                while the sink has no schema.
+        """
+        if int(state["num_envs"]) != self.num_envs or state["autoreset_mode"] != self.autoreset_mode:
+            raise ValueError(f"writer state of {state['num_envs']} envs in mode {state['autoreset_mode']!r} cannot "
+                             f"be loaded into a writer of {self.num_envs} envs in mode {self.autoreset_mode!r}")
+        self.env_ids = list(state["env_ids"])
+        self.episodes_written = int(state["episodes_written"])
+        self._pos = np.array(state["pos"], np.int64)
+        self._skip = np.array(state["skip"], bool)
+        self._stage, self._last_next = {}, {}
+        if state["stage"]:
+            schema = self._sink.schema
+            if schema is None:
+                raise ValueError("writer state holds staged steps but the store has no schema")
+            steps = int(self._pos.max(initial=0))
+            self._ensure_stage(schema, steps + 2)
+            for name, stage in state["stage"].items():
+                self._stage[name][:, :steps] = stage
+            for name, last in state["last_next"].items():
+                self._last_next[name][...] = last
+        self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
+                                 bool(e["has_final"]), e["env_id"], e["metadata"]) for e in state["pending"]]
 
     # -- internals -----------------------------------------------------------------
 

@@ -29,6 +29,14 @@ class ShardError(ArrowbufError):
     """A shard of a distributed store failed or is unreachable."""
 
 
+class FormatError(ArrowbufError, ValueError):
+    """A file or directory is not a (complete, readable) arrowbuf export or checkpoint.
+
+    The message names the file and what is wrong with it: missing, truncated, of
+    another schema, or written by a newer arrowbuf.
+    """
+
+
 def describe(value: object) -> str:
     """A short, readable description of a bad value for an error message."""
     shape = getattr(value, "shape", None)

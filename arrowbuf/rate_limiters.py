@@ -31,6 +31,26 @@ class RateLimiter:
     def state(self) -> dict:
         return {"type": type(self).__name__, "inserts": self.inserts, "samples": self.samples}
 
+    def config(self) -> dict:
+        """The constructor arguments that rebuild this limiter (JSON values)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Type, `config` and the insert / sample counters."""
+        return {"type": type(self).__name__, "config": self.config(), "inserts": self.inserts,
+                "samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters of a `state_dict` into a limiter built from its ``config``.
+
+        Raises:
+            ValueError: the state is of another limiter type or configuration.
+        """
+        if state.get("type") != type(self).__name__ or dict(state.get("config", {})) != self.config():
+            raise ValueError(f"rate limiter state of {state.get('type')}({state.get('config')}) cannot be "
+                             f"loaded into {type(self).__name__}({self.config()})")
+        self.inserts, self.samples = int(state["inserts"]), int(state["samples"])
+
 
 class MinSize(RateLimiter):
     """Sampling waits until the store holds at least ``min_size`` transitions.
@@ -60,6 +80,9 @@ class MinSize(RateLimiter):
 
     def state(self) -> dict:
         return {**super().state(), "min_size": self.min_size}
+
+    def config(self) -> dict:
+        return {"min_size": self.min_size}
 
 
 class SampleToInsertRatio(RateLimiter):
@@ -121,3 +144,7 @@ class SampleToInsertRatio(RateLimiter):
     def state(self) -> dict:
         return {**super().state(), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,
                 "error_buffer": self.error_buffer, "diff": self._diff()}
+
+    def config(self) -> dict:
+        return {"samples_per_insert": self.samples_per_insert, "min_size": self.min_size,
+                "error_buffer": self.error_buffer}

@@ -75,6 +75,29 @@ class Sampler:
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         raise NotImplementedError
 
+    def mass(self, table: EpisodeTable) -> float:
+        """This shard's share of a sharded batch: what the sampler draws from."""
+        return float(table.num_transitions)
+
+    def config(self) -> dict:
+        """The constructor arguments that rebuild this sampler (JSON values)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Type, `config` and mutable state (JSON values and numpy arrays, copied)."""
+        return {"type": type(self).__name__, "config": self.config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict` into a sampler built from its ``config`` and bound
+        to the restored shard.
+
+        Raises:
+            ValueError: the state is of another sampler type or configuration.
+        """
+        if state.get("type") != type(self).__name__ or dict(state.get("config", {})) != self.config():
+            raise ValueError(f"sampler state of {state.get('type')}({state.get('config')}) cannot be loaded "
+                             f"into {self!r}")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -136,6 +159,17 @@ class WithoutReplacementSampler(Sampler):
         raise ValueError(f"batch of {n} is larger than the {table.num_transitions} stored transitions "
                          "and drop_last=True")
 
+    def config(self) -> dict:
+        return {"drop_last": self.drop_last}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "order": self._order.copy(), "cursor": self._cursor, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._order = np.array(state["order"], np.int64)
+        self._cursor, self.epoch = int(state["cursor"]), int(state["epoch"])
+
     def __repr__(self) -> str:
         return f"WithoutReplacementSampler(drop_last={self.drop_last})"
 
@@ -191,19 +225,26 @@ class PrioritizedSampler(Sampler):
         for first, rows in zip(first_rows.tolist(), num_rows.tolist()):
             self.tree.fill(first, first + rows, 0.0)
 
-    @property
-    def total(self) -> float:
-        """Sum of p^alpha over stored transitions (a shard's share in sharded sampling)."""
+    def mass(self, table: EpisodeTable) -> float:
+        """Sum of p^alpha over stored transitions: exact global proportional sampling across shards."""
         return self.tree.total if self.tree is not None else 0.0
 
-    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
+    def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable,
+               population: tuple[int, float] | None = None) -> Selection:
+        """Draw ``n`` transitions; ``population`` = (transitions, mass) of all shards.
+
+        Within a sharded store the weights use the global population and are left
+        unnormalized; the router divides by the batch maximum.
+        """
         total = self.tree.total
         rows = self.tree.find(rng.random(n) * total)
         arena = self._shard.arena
         ranks = ranks_of_rows(table, arena["episode_id"][rows], rows)
-        probability = self.tree.leaves[rows] / total
-        weight = (table.num_transitions * probability) ** -self.beta
-        return Selection(rows, ranks, {"weight": (weight / weight.max()).astype(np.float32)})
+        count, mass = population if population is not None else (table.num_transitions, total)
+        weight = (count * self.tree.leaves[rows] / mass) ** -self.beta
+        if population is None:
+            weight = weight / weight.max()
+        return Selection(rows, ranks, {"weight": weight.astype(np.float32)})
 
     def update(self, table: EpisodeTable, ranks: np.ndarray, priorities: np.ndarray) -> int:
         """Set the priorities of live ``ranks``; returns how many were live."""
@@ -214,6 +255,22 @@ class PrioritizedSampler(Sampler):
             self.tree.update(table.rows_of(ranks), priorities ** self.alpha)
             self.max_priority = max(self.max_priority, float(priorities.max()))
         return int(live.sum())
+
+    def config(self) -> dict:
+        return {"alpha": self.alpha, "beta": self.beta, "eps": self.eps}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "max_priority": self.max_priority,
+                "tree": self.tree.state_dict() if self.tree is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore priorities; the sampler must be bound to a shard of the same capacity."""
+        super().load_state_dict(state)
+        if state["tree"] is not None:
+            if self.tree is None:
+                raise ValueError("bind the PrioritizedSampler to its shard before loading its state")
+            self.tree.load_state_dict(state["tree"])
+        self.max_priority = float(state["max_priority"])
 
     def __repr__(self) -> str:
         return f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, eps={self.eps})"
@@ -254,6 +311,12 @@ class SequenceSampler(Sampler):
             span = self.length
             shard.table.add_counter(self._counter, lambda n: max(0, n - span + 1))
 
+    def mass(self, table: EpisodeTable) -> float:
+        if not self.strict:
+            return float(table.num_transitions)
+        first, stop = table.live_range(self._counter)
+        return float(stop - first)
+
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         offsets = np.arange(self.length, dtype=np.int64)
         if self.strict:
@@ -275,6 +338,9 @@ class SequenceSampler(Sampler):
         ranks = table.col("first_rank")[pos][:, None] + steps
         rows = table.col("first_row")[pos][:, None] + steps
         return Selection(rows, ranks, {"mask": mask})
+
+    def config(self) -> dict:
+        return {"length": self.length, "strict": self.strict}
 
     def __repr__(self) -> str:
         return f"SequenceSampler(length={self.length}, strict={self.strict})"

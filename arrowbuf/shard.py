@@ -38,6 +38,7 @@ class Episode:
     has_final: bool
     env_id: str = "default"
     metadata: dict[str, Any] | None = field(default=None)
+    inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
 
     @property
     def num_rows(self) -> int:
@@ -179,7 +180,7 @@ class Shard:
         length = self.transitions_of(episode)
         self.table.append(first_row=start, num_rows=rows, length=length,
                           has_final=episode.has_final, terminated=terminated, truncated=truncated,
-                          ret=ret, env_id=episode.env_id, metadata=metadata)
+                          ret=ret, env_id=episode.env_id, metadata=metadata, inserted_at=episode.inserted_at)
         self.write_pos = stop
         for listener in self.add_listeners:
             listener(start, length)
@@ -198,6 +199,27 @@ class Shard:
             self._evict(len(self.table))
         self.table.clear()
         self.write_pos = 0
+
+    # -- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next episode goes and the episode table (the rows are saved apart)."""
+        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos,
+                "table": self.table.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` into an empty shard of the same capacity; the caller
+        copies the live episodes' rows into the arena at their ``first_row``.
+
+        Raises:
+            ValueError: another capacity, or a write position outside the arena.
+        """
+        if int(state["capacity"]) != self.capacity:
+            raise ValueError(f"shard state is for capacity {state['capacity']}, this shard has {self.capacity}")
+        if not 0 <= int(state["write_pos"]) <= self.capacity:
+            raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
+        self.table.load_state_dict(state["table"])
+        self.write_pos = int(state["write_pos"])
 
     # -- reading ----------------------------------------------------------------------
 

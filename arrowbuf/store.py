@@ -22,7 +22,7 @@ from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 
 
 class _LocalSink:
@@ -41,6 +41,9 @@ class _LocalSink:
 
     def write(self, episode: Episode) -> None:
         self._store._add(episode, timeout=self._timeout)
+
+    def commit(self) -> None:
+        """Writes are synchronous: nothing to send."""
 
     def flush(self) -> None:
         """Writes are synchronous: nothing to wait for."""
@@ -82,7 +85,9 @@ class ExperienceStore:
             the first write when None, then enforced.
         mode: "circular" evicts the oldest whole episodes when full; "fixed"
             refuses the write with `CapacityError`.
-        backend: "local" (in-process).
+        backend: "local" (in-process) or "ray" (sharded Ray actors; see
+            `arrowbuf.ray_backend.RayExperienceStore` for its extra arguments).
+        num_shards: shards of a Ray store (1 for the local backend).
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -100,10 +105,19 @@ class ExperienceStore:
         (torch.Size([32, 4]), 10, 1)
     """
 
+    def __new__(cls, *args: Any, backend: str = "local", **kwargs: Any) -> "ExperienceStore":
+        if cls is ExperienceStore and backend == "ray":
+            from arrowbuf.ray_backend import RayExperienceStore
+
+            return super().__new__(RayExperienceStore)
+        return super().__new__(cls)
+
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
-                 backend: str = "local", rate_limiter: RateLimiter | None = None) -> None:
+                 backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1) -> None:
         self.capacity = _check_int("capacity", capacity, 1)
+        if num_shards != 1:
+            raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
         if seed is not None:
             _check_int("seed", seed, 0)
         if mode not in MODES:
@@ -130,6 +144,7 @@ class ExperienceStore:
         self._changed = threading.Condition(self._lock)   # wakes callers waiting on the rate limiter
         self._shard: Shard | None = None
         self._empty_table = EpisodeTable()
+        self._shard_position = (0, 1)   # (shard, num_shards): set by a Ray shard actor
         self._created = time.monotonic()
         if schema is not None:
             self._shard = self._new_shard(schema)
@@ -197,7 +212,7 @@ class ExperienceStore:
 
     def _add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None) -> int:
         with self._changed:
-            shard = self._shard if self._shard is not None else Shard(schema, self.capacity, self.mode)
+            shard = self._shard if self._shard is not None else self._make_shard(schema)
             shard.check_fits(episode)
             transitions = shard.transitions_of(episode)
             self._wait(lambda: self.rate_limiter.can_insert(transitions), timeout,
@@ -209,8 +224,12 @@ class ExperienceStore:
             self._changed.notify_all()
             return episode_id
 
+    def _make_shard(self, schema: Schema) -> Shard:
+        shard, num_shards = self._shard_position
+        return Shard(schema, self.capacity, self.mode, shard=shard, num_shards=num_shards)
+
     def _new_shard(self, schema: Schema) -> Shard:
-        shard = Shard(schema, self.capacity, self.mode)
+        shard = self._make_shard(schema)
         self._bind(shard)
         return shard
 
@@ -247,7 +266,7 @@ class ExperienceStore:
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               timeout: float | None = None) -> TensorDict:
+               timeout: float | None = None, num_workers: int | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -263,6 +282,8 @@ class ExperienceStore:
             device: where the tensors go (default: CPU).
             pin_memory: gather into pinned host memory.
             timeout: seconds to wait for the rate limiter; None raises at once.
+            num_workers: split the batch into this many disjoint, equal batches
+                (one per train worker) and return them as a list.
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
@@ -277,14 +298,8 @@ class ExperienceStore:
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
-        n_step = _check_int("n_step", n_step, 1)
-        frame_stack = _check_int("frame_stack", frame_stack, 1)
-        if not (isinstance(gamma, (int, float)) and 0 <= gamma <= 1):
-            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        self._check_sample_args(n_step, gamma, frame_stack)
         with self._changed:
-            if n_step > 1 and (self.schema is None or "reward" not in self.schema.fields):
-                raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
-                                 f"{list(self.schema.fields) if self.schema else 'no fields yet'}")
             self._require_data()
             self._wait(lambda: self.rate_limiter.can_sample(batch_size, len(self)), timeout,
                        lambda: self.rate_limiter.why_not_sample(batch_size, len(self)))
@@ -292,7 +307,26 @@ class ExperienceStore:
             batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
             self.rate_limiter.samples += selection.rows.size
             self._changed.notify_all()
+        return self._split_workers(batch, num_workers)
+
+    def _check_sample_args(self, n_step: int, gamma: float, frame_stack: int) -> None:
+        _check_int("n_step", n_step, 1)
+        _check_int("frame_stack", frame_stack, 1)
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+        schema = self.schema
+        if n_step > 1 and (schema is None or "reward" not in schema.fields):
+            raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
+                             f"{list(schema.fields) if schema else 'no fields yet'}")
+
+    @staticmethod
+    def _split_workers(batch: TensorDict, num_workers: int | None) -> TensorDict | list[TensorDict]:
+        if num_workers is None:
             return batch
+        num_workers = _check_int("num_workers", num_workers, 1)
+        if batch.batch_size[0] % num_workers:
+            raise ValueError(f"batch_size {batch.batch_size[0]} is not a multiple of num_workers={num_workers}")
+        return list(batch.split(batch.batch_size[0] // num_workers, dim=0))
 
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                 device: Any = None, pin_memory: bool = False) -> TensorDict:

@@ -100,8 +100,9 @@ class EpisodeTable:
         return self._cols[name][self.head:self.tail]
 
     def append(self, *, first_row: int, num_rows: int, length: int, has_final: bool,
-               terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None) -> int:
-        """Add an episode as the newest; returns its id."""
+               terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None,
+               inserted_at: int | None = None) -> int:
+        """Add an episode as the newest; returns its id. ``inserted_at`` (ns) defaults to now."""
         if self.tail == len(self._cols["episode_id"]):
             self._make_room()
         code = self._env_codes.get(env_id)
@@ -112,7 +113,8 @@ class EpisodeTable:
         i = self.tail
         values = {"episode_id": episode_id, "env": code, "first_row": first_row, "num_rows": num_rows,
                   "length": length, "has_final": has_final, "terminated": terminated,
-                  "truncated": truncated, "return": ret, "inserted_at": time.time_ns()}
+                  "truncated": truncated, "return": ret,
+                  "inserted_at": time.time_ns() if inserted_at is None else inserted_at}
         for name, value in values.items():
             self._cols[name][i] = value
         for name, (count, serial) in self._counters.items():
@@ -134,6 +136,72 @@ class EpisodeTable:
     def clear(self) -> None:
         """Drop every episode; ids and ranks keep counting, so old indices stay stale."""
         self.head = self.tail = 0
+
+    def resume(self, episodes_added: int, next_rank: int) -> None:
+        """Continue the numbering of another table: the next episode is the
+        ``episodes_added``-th (its id follows) and its first transition gets rank
+        ``next_rank``. Imports use it to keep an export's episode ids and indices.
+
+        Raises:
+            ValueError: the table is not empty.
+        """
+        if len(self):
+            raise ValueError(f"resume needs an empty episode table, this one holds {len(self)} episodes")
+        self.episodes_added = int(episodes_added)
+        self._counters["rank"][1][0] = int(next_rank)
+
+    # -- state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything about the live episodes: numpy columns (copies) and JSON values.
+
+        The running serials of counters added by samplers are included; restore
+        with `load_state_dict` on a table whose samplers registered the same counters.
+        """
+        meta = self.metadata()
+        return {
+            "shard": self.shard, "id_offset": self.id_offset, "id_stride": self.id_stride,
+            "episodes_added": self.episodes_added,
+            "env_names": list(self.env_names),
+            "counters": {name: serial[0] for name, (_, serial) in self._counters.items()},
+            "columns": {name: self.col(name).copy() for name in self._cols},
+            "metadata": [[i, m] for i, m in enumerate(meta) if m is not None],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace this table's contents with a `state_dict`.
+
+        Raises:
+            ValueError: the state lacks a column or a counter this table keeps
+                (a sampler that numbers windows was not restored first), or its
+                columns have unequal lengths.
+        """
+        columns = state["columns"]
+        missing = sorted(set(self._cols) - set(columns))
+        if missing:
+            raise ValueError(f"episode table state lacks column(s) {missing}")
+        unknown = sorted(set(self._counters) - set(state["counters"]))
+        if unknown:
+            raise ValueError(f"episode table state lacks counter(s) {unknown}")
+        n = len(columns["episode_id"])
+        if any(len(columns[name]) != n for name in self._cols):
+            raise ValueError(f"episode table state has columns of unequal lengths; expected {n} rows each")
+        size = max(16, n)
+        for name, array in self._cols.items():
+            fresh = np.zeros(size, array.dtype)
+            fresh[:n] = columns[name]
+            self._cols[name] = fresh
+        self._metadata = [None] * size
+        for i, text in state["metadata"]:
+            self._metadata[int(i)] = text
+        self.shard = int(state["shard"])
+        self.id_offset, self.id_stride = int(state["id_offset"]), int(state["id_stride"])
+        self.env_names = list(state["env_names"])
+        self._env_codes = {name: code for code, name in enumerate(self.env_names)}
+        self.episodes_added = int(state["episodes_added"])
+        for name, (_, serial) in self._counters.items():
+            serial[0] = int(state["counters"][name])
+        self.head, self.tail = 0, n
 
     def position_of(self, episode_id: np.ndarray | int) -> np.ndarray | int:
         """Live position (0 = oldest) of episode ids; out of [0, len) when not live."""

@@ -1,0 +1,340 @@
+"""What Parquet export and checkpoints share: plain columns, row snapshots, atomic files.
+
+**Plain columns.** Files hold what any Arrow reader understands: fixed-shape fields
+are ``FixedSizeList`` columns (the storage of Arrow's ``fixed_shape_tensor``, the
+shape flattened), booleans are Arrow ``boolean``, bfloat16 is ``uint16``. Each
+field's metadata keeps its role, dtype name and shape, and the schema metadata the
+whole arrowbuf schema as JSON, so arrowbuf restores the tensor types.
+
+**Snapshots.** Files are written without the store's lock, from zero-copy views of
+the arena. Rows are only overwritten after their episode is evicted, and eviction
+is FIFO, so if the oldest episode written is still live once the file is complete,
+no row of the file changed while it was written. `snapshot_and_write` checks that
+and, when an eviction raced the write, takes the snapshot again copying the rows
+under the lock, and writes that copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping, TypeVar
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf.errors import FormatError
+from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, numpy_to_arrow
+
+logger = logging.getLogger("arrowbuf")
+
+ROLE, DTYPE, SHAPE = b"arrowbuf.role", b"arrowbuf.dtype", b"arrowbuf.shape"
+SCHEMA_KEY = b"arrowbuf.schema"
+_ARRAY = "__arrowbuf_array__"
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+# -- progress -------------------------------------------------------------------------
+
+
+def progress_bar(progress: bool | None, total: int, desc: str, unit: str = "rows") -> Any:
+    """A tqdm bar; ``progress=None`` shows it when stderr is a terminal, False never."""
+    from tqdm import tqdm
+
+    enabled = getattr(sys.stderr, "isatty", lambda: False)() if progress is None else bool(progress)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, leave=False)
+
+
+# -- plain columns ---------------------------------------------------------------------
+
+
+def plain_field(name: str, spec: Field, role: str) -> pa.Field:
+    """The Arrow field of one column as plain readers see it (shape in the metadata)."""
+    value = pa.bool_() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
+    arrow_type = pa.list_(value, int(np.prod(spec.shape, dtype=np.int64))) if spec.shape else value
+    meta = {ROLE: role.encode(), DTYPE: spec.dtype.encode(), SHAPE: json.dumps(list(spec.shape)).encode()}
+    return pa.field(name, arrow_type, nullable=False, metadata=meta)
+
+
+def plain_schema(schema: Schema, metadata: Mapping[str, str] | None = None) -> pa.Schema:
+    """User fields then the system columns, with the arrowbuf schema in the metadata."""
+    fields = [plain_field(n, f, "observation" if f.observation else "step") for n, f in schema.fields.items()]
+    fields += [plain_field(n, f, "system") for n, f in SYSTEM_SPECS.items()]
+    meta = {"arrowbuf.schema_version": SCHEMA_VERSION, SCHEMA_KEY.decode(): schema.to_json(), **(metadata or {})}
+    return pa.schema(fields, metadata=meta)
+
+
+def schema_of(arrow_schema: pa.Schema, where: str) -> Schema:
+    """The arrowbuf schema recorded in a file's metadata.
+
+    Raises:
+        FormatError: the file was not written by arrowbuf.
+    """
+    text = (arrow_schema.metadata or {}).get(SCHEMA_KEY)
+    if text is None:
+        raise FormatError(f"{where}: no arrowbuf schema in the file metadata; not written by arrowbuf")
+    try:
+        return Schema.from_json(text.decode())
+    except (ValueError, TypeError, KeyError) as err:
+        raise FormatError(f"{where}: unreadable arrowbuf schema in the file metadata ({err})") from None
+
+
+def check_columns(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
+    """Same column names and types (metadata aside).
+
+    Raises:
+        FormatError: naming the missing, unexpected or differently typed columns.
+    """
+    have = {f.name: f.type for f in actual}
+    want = {f.name: f.type for f in expected}
+    problems = []
+    if list(have) != list(want):
+        missing = [n for n in want if n not in have]
+        extra = [n for n in have if n not in want]
+        problems.append(f"columns {list(have)}, expected {list(want)}"
+                        + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else ""))
+    for name in want:
+        if name in have and not _same_type(have[name], want[name]):
+            problems.append(f"column {name!r} is {have[name]}, expected {want[name]}")
+    if problems:
+        raise FormatError(f"{where}: not the schema of this arrowbuf data: " + "; ".join(problems))
+
+
+def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
+    if pa.types.is_fixed_size_list(a) and pa.types.is_fixed_size_list(b):
+        return a.list_size == b.list_size and a.value_type == b.value_type
+    return a == b
+
+
+def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str) -> dict[str, np.ndarray]:
+    """numpy arrays of a plain (or tensor-typed) batch, one per spec, rows first.
+
+    Raises:
+        FormatError: a column with nulls.
+    """
+    columns = {}
+    for name, spec in specs.items():
+        column = batch.column(name)
+        if column.null_count:
+            raise FormatError(f"{where}: column {name!r} has {column.null_count} nulls; arrowbuf columns have none")
+        if isinstance(column, pa.ExtensionArray):
+            column = column.storage
+        if pa.types.is_fixed_size_list(column.type):
+            values = column.flatten().to_numpy(zero_copy_only=False)
+            columns[name] = values.reshape((len(column), *spec.shape))
+        else:
+            columns[name] = column.to_numpy(zero_copy_only=False)
+    return columns
+
+
+# -- row snapshots ---------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeRows:
+    """The rows of consecutive live episodes of one shard, oldest first.
+
+    ``batches`` hold one RecordBatch (plain columns) per contiguous run of rows:
+    zero-copy views of the arena, or copies when taken with ``copy=True``.
+    """
+
+    ids: np.ndarray
+    first_row: np.ndarray
+    num_rows: np.ndarray
+    batches: list[pa.RecordBatch]
+
+    @property
+    def rows(self) -> int:
+        return int(self.num_rows.sum())
+
+    def still_live(self, shard: Any) -> bool:
+        """Whether every episode is still live (call under the lock that guards ``shard``).
+
+        Eviction is FIFO and ids only grow, so the oldest one decides.
+        """
+        if not len(self.ids):
+            return True
+        live = shard.table.col("episode_id")
+        return bool(len(live)) and int(self.ids[0]) >= int(live[0])
+
+
+def runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal contiguous row ranges of episodes given oldest first."""
+    if not len(first_row):
+        return []
+    end = first_row + num_rows
+    breaks = np.flatnonzero(first_row[1:] != end[:-1]) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    stops = np.concatenate([breaks, [len(first_row)]]).astype(np.int64)
+    return [(int(first_row[a]), int(end[b - 1])) for a, b in zip(starts, stops)]
+
+
+def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) -> EpisodeRows:
+    """Rows of the live episodes at positions ``[start, stop)`` of ``shard`` (0 = oldest).
+
+    Call under the lock that guards the shard. With ``copy=False`` the batches are
+    views that later writes to the shard can overwrite (see `EpisodeRows.still_live`).
+    """
+    table = shard.table
+    first = table.col("first_row")[start:stop].copy()
+    num = table.col("num_rows")[start:stop].copy()
+    batches = []
+    for a, b in runs(first, num):
+        arrays = []
+        for name, spec in shard.specs.items():
+            data = shard.arena[name][a:b]
+            array = numpy_to_arrow(spec, data.copy() if copy else data)
+            arrays.append(array.storage if isinstance(array, pa.ExtensionArray) else array)
+        batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+    return EpisodeRows(table.col("episode_id")[start:stop].copy(), first, num, batches)
+
+
+def snapshot_and_write(lock: ContextManager, take: Callable[[bool], _T], valid: Callable[[_T], bool],
+                       write: Callable[[_T], _R], discard: Callable[[_R], None]) -> tuple[_T, _R]:
+    """Take a snapshot under ``lock`` (views), write it without the lock, check it.
+
+    ``take(copy)`` runs under the lock; ``valid(snapshot)`` too, after the write.
+    When the write raced an eviction, its output is discarded and the snapshot is
+    taken again with ``copy=True`` (rows copied under the lock) and written.
+    """
+    with lock:
+        snapshot = take(False)
+    result = write(snapshot)
+    with lock:
+        if valid(snapshot):
+            return snapshot, result
+        snapshot = take(True)
+    logger.info("episodes were evicted while their rows were written; writing a copy taken under the lock")
+    discard(result)
+    return snapshot, write(snapshot)
+
+
+# -- files -----------------------------------------------------------------------------
+
+
+def temp_path(path: Path) -> Path:
+    """A hidden sibling of ``path`` no one else uses (readers skip dot files)."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or directory to disk (a crash then cannot lose a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write JSON atomically: a temporary file, flushed, renamed over ``path``."""
+    tmp = temp_path(path)
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``.
+
+    Raises:
+        FormatError: missing, unreadable or not a JSON object.
+    """
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"{path}: unreadable JSON ({err}); the file is truncated or corrupted") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_format(manifest: Mapping[str, Any], path: Path, fmt: str, version: int) -> None:
+    """Check a manifest's format name and version.
+
+    Raises:
+        FormatError: another format, or a version newer than this arrowbuf reads.
+    """
+    from arrowbuf import __version__
+
+    if manifest.get("format") != fmt:
+        raise FormatError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
+    found = manifest.get("format_version")
+    if not isinstance(found, int) or found < 1:
+        raise FormatError(f"{path}: bad format_version {found!r}")
+    if found > version:
+        raise FormatError(f"{path}: {fmt} format version {found} was written by arrowbuf "
+                          f"{manifest.get('arrowbuf_version', '?')}; this arrowbuf ({__version__}) reads versions "
+                          f"up to {version}. Upgrade arrowbuf to read it.")
+
+
+def check_size(path: Path, expected: int) -> None:
+    """Raises `FormatError` when ``path`` is missing or not ``expected`` bytes long."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; the manifest lists it (a partial copy?)") from None
+    if size != expected:
+        raise FormatError(f"{path}: {size} bytes, but {expected} were written; the file is truncated or was "
+                          "modified")
+
+
+# -- JSON state with numpy arrays --------------------------------------------------------
+
+
+def split_arrays(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """Replace the numpy arrays in nested dicts / lists by references; returns (JSON tree, arrays)."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            key = f"a{len(arrays)}"
+            arrays[key] = value
+            return {_ARRAY: key, "dtype": value.dtype.name, "shape": list(value.shape)}
+        if isinstance(value, Mapping):
+            return {str(k): walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    return walk(tree), arrays
+
+
+def join_arrays(tree: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    """Inverse of `split_arrays`."""
+    if isinstance(tree, dict):
+        if _ARRAY in tree:
+            flat = arrays[tree[_ARRAY]]
+            return np.array(flat, dtype=np.dtype(tree["dtype"])).reshape(tree["shape"])
+        return {k: join_arrays(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [join_arrays(v, arrays) for v in tree]
+    return tree
+
+
+def arrays_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
+    """One row, one list column per (flattened) array."""
+    columns = {}
+    for key, array in arrays.items():
+        flat = np.ascontiguousarray(array).reshape(-1)
+        columns[key] = pa.LargeListArray.from_arrays(pa.array([0, flat.size], pa.int64()), pa.array(flat))
+    return pa.table(columns) if columns else pa.table({"_": pa.array([0], pa.int8())})
+
+
+def table_arrays(table: pa.Table) -> dict[str, np.ndarray]:
+    """Inverse of `arrays_table` (flat arrays)."""
+    return {name: table.column(name)[0].values.to_numpy(zero_copy_only=False)
+            for name in table.column_names if name != "_"}

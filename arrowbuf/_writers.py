@@ -1,0 +1,71 @@
+"""The step writers of one store, by name, so that checkpoints can save their open episodes.
+
+Live writers are held weakly: a writer the user dropped is not saved. Writers
+restored by `ExperienceStore.load` are held strongly until someone claims them
+with ``store.writer(..., name=...)``, else their open episodes would vanish
+before anyone could ask for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Sequence
+
+from arrowbuf.episodes import StepWriter
+
+
+class WriterRegistry:
+    """Name -> `StepWriter` (and the sink the store made for it) of one store."""
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakValueDictionary[str, StepWriter] = weakref.WeakValueDictionary()
+        self._sinks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self._restored: dict[str, StepWriter] = {}
+        self._serial = itertools.count()
+
+    def new_name(self) -> str:
+        """A name no live writer has: ``writer-<k>``."""
+        while True:
+            name = f"writer-{next(self._serial)}"
+            if name not in self._live:
+                return name
+
+    def add(self, name: str, writer: StepWriter, sink: Any) -> None:
+        """Track ``writer`` (and the ``sink`` the store made for it) under ``name``.
+
+        Raises:
+            ValueError: a live writer already has this name.
+        """
+        if name in self._live:
+            raise ValueError(f"a writer named {name!r} is already open; writer names are unique per store "
+                             f"(open: {sorted(self._live)})")
+        self._live[name] = writer
+        self._sinks[name] = sink
+
+    def hold(self, name: str) -> None:
+        """Keep the (restored) writer ``name`` alive until `claim` hands it over."""
+        self._restored[name] = self._live[name]
+
+    def claim(self, name: str, num_envs: int, autoreset_mode: str,
+              env_ids: Sequence[str] | None) -> tuple[StepWriter, Any] | None:
+        """The restored writer ``name`` and its sink, handed over to the caller; None if there is none.
+
+        Raises:
+            ValueError: it was saved with another number of envs, mode or env ids.
+        """
+        writer = self._restored.get(name)
+        if writer is None:
+            return None
+        if (writer.num_envs, writer.autoreset_mode) != (num_envs, autoreset_mode) or (
+                env_ids is not None and list(env_ids) != writer.env_ids):
+            raise ValueError(f"writer {name!r} was saved with num_envs={writer.num_envs}, "
+                             f"autoreset_mode={writer.autoreset_mode!r}, env_ids={writer.env_ids}; "
+                             f"asked for num_envs={num_envs}, autoreset_mode={autoreset_mode!r}, "
+                             f"env_ids={env_ids}")
+        del self._restored[name]
+        return writer, self._sinks[name]
+
+    def live(self) -> dict[str, StepWriter]:
+        """Every writer still referenced (or restored and not yet claimed), by name, in name order."""
+        return dict(sorted(self._live.items()))

@@ -1,0 +1,319 @@
+"""Checkpoints: a store saved to Arrow IPC files and loaded back bit-exact.
+
+Layout of ``store.save("ckpt/")``::
+
+    ckpt/
+      manifest.json                   written last (atomic rename): the files below, the
+                                      schema, store settings and the JSON part of the state
+      rows-<first id>-<token>.arrow   rows of live episodes (plain columns, as in Parquet
+                                      exports), one file per save that added episodes
+      state-<token>.arrow             the arrays of the state: episode table, sampler
+                                      (priority tree, epoch order), open writer episodes
+
+The state is everything sampling depends on: episode table (ids, ranks, arena
+placement), sampler state, the store generator's state, rate-limiter counters and
+the open episodes of the store's writers; nothing is pickled. `load` puts every
+episode back at its arena row, so sampling the loaded store gives the same batches
+as sampling the original would have.
+
+**Incremental saves.** A save into the directory this store last saved to (or was
+loaded from) writes only the episodes added since, a new state file and the
+manifest, and deletes row files whose episodes were all evicted (row files that
+are partly evicted stay until all their episodes are). Any other directory gets
+a full save, replacing the checkpoint files there.
+
+**Consistency.** The store's lock is held while the snapshot is taken (episode
+positions and a copy of the state), not while rows are written: see
+`arrowbuf._persist.snapshot_and_write` for how rows overwritten meanwhile are
+detected and re-copied. Writers are snapshotted as they are, so take a save
+between the steps of writers driven by other threads. One save at a time per
+directory.
+
+**Crashes.** New files get fresh names and the manifest is replaced last, so a
+crash during a save leaves the previous checkpoint loadable (or, on the first
+save, no manifest, which `load` refuses).
+
+Example:
+    >>> import numpy as np, arrowbuf as ab, tempfile
+    >>> store = ab.ExperienceStore(capacity=100, seed=0)
+    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64)})
+    >>> ckpt = tempfile.mkdtemp()
+    >>> _ = store.save(ckpt)
+    >>> loaded = ab.ExperienceStore.load(ckpt)
+    >>> bool((loaded.sample(8)["obs"] == store.sample(8)["obs"]).all())
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf._persist import (EpisodeRows, arrays_table, batch_columns, check_columns, check_format, check_size,
+                               fsync, join_arrays, plain_schema, progress_bar, read_json, snapshot_and_write,
+                               split_arrays, table_arrays, take_rows, temp_path, write_json)
+from arrowbuf.errors import FormatError
+from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
+from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
+                               WithoutReplacementSampler)
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Shard
+
+FORMAT = "arrowbuf.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
+
+SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
+                                    SequenceSampler, EpisodeSampler)}
+RATE_LIMITERS = {c.__name__: c for c in (RateLimiter, MinSize, SampleToInsertRatio)}
+
+
+@dataclass
+class _Snapshot:
+    state: dict[str, Any]
+    rows: EpisodeRows | None       # episodes added since the previous save
+    oldest_live: int | None        # oldest live episode id when the snapshot was taken
+
+
+# -- save ------------------------------------------------------------------------------
+
+
+def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Path:
+    """`ExperienceStore.save`.
+
+    Raises:
+        FileExistsError: ``path`` is a file, or holds a manifest.json that is not
+            an arrowbuf checkpoint.
+    """
+    from arrowbuf import __version__
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file; save needs a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    key = str(path.resolve())
+    previous = _previous(path, store._checkpoints.get(key))
+    since = previous["last_episode_id"] if previous else None
+    token = uuid.uuid4().hex[:16]
+    with store._lock:
+        shard: Shard | None = store._shard
+    schema = plain_schema(shard.schema, {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT}) \
+        if shard is not None else None
+
+    def take(copy: bool) -> _Snapshot:
+        state = {
+            "store": {"capacity": store.capacity, "mode": store.mode, "seed": store.seed,
+                      "created_at": getattr(store, "created_at", None)},
+            "schema": shard.schema.to_json() if shard is not None else None,
+            "rng": store._rng.bit_generator.state,
+            "sampler": store.sampler.state_dict(),
+            "rate_limiter": store.rate_limiter.state_dict(),
+            "shard": shard.state_dict() if shard is not None else None,
+            "writers": {name: writer.state_dict() for name, writer in store._writers.live().items()},
+        }
+        if shard is None:
+            return _Snapshot(state, None, None)
+        ids = shard.table.col("episode_id")
+        start = 0 if since is None else int(np.searchsorted(ids, since, side="right"))
+        return _Snapshot(state, take_rows(shard, start, len(ids), schema, copy), int(ids[0]) if len(ids) else None)
+
+    def write(snapshot: _Snapshot) -> dict[str, Any] | None:
+        if snapshot.rows is None or not len(snapshot.rows.ids):
+            return None
+        return _write_rows(path, snapshot.rows, schema, token, progress)
+
+    def discard(entry: dict[str, Any] | None) -> None:
+        if entry is not None:
+            (path / entry["path"]).unlink()
+
+    snapshot, entry = snapshot_and_write(store._lock, take, lambda s: s.rows is None or s.rows.still_live(shard),
+                                         write, discard)
+    kept = [e for e in (previous["row_files"] if previous else [])
+            if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
+    row_files = kept + ([entry] if entry is not None else [])
+    tree, arrays = split_arrays(snapshot.state)
+    state_file = _write_ipc(path / f"state-{token}.arrow", arrays_table(arrays))
+    last = entry["last_episode_id"] if entry is not None else (previous["last_episode_id"] if previous else -1)
+    write_json(path / MANIFEST, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "arrowbuf_version": __version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": token,
+        "last_episode_id": last, "row_files": row_files,
+        "state_file": {"path": state_file.name, "bytes": state_file.stat().st_size}, "state": tree,
+    })
+    _remove_unlisted(path, {e["path"] for e in row_files} | {state_file.name})
+    store._checkpoints[key] = token
+    return path
+
+
+def _previous(path: Path, token: str | None) -> dict[str, Any] | None:
+    """The manifest of this store's previous save into ``path``, if it is still intact."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        return None
+    try:
+        manifest = read_json(manifest_path, "")
+    except FormatError:
+        manifest = {}
+    if manifest.get("format") != FORMAT:
+        raise FileExistsError(f"{manifest_path} is not an arrowbuf checkpoint manifest; refusing to overwrite it")
+    if token is None or manifest.get("token") != token or manifest.get("format_version") != FORMAT_VERSION:
+        return None
+    for entry in manifest["row_files"]:
+        file = path / entry["path"]
+        if not file.exists() or file.stat().st_size != entry["bytes"]:
+            return None
+    return manifest
+
+
+def _write_rows(path: Path, rows: EpisodeRows, schema: pa.Schema, token: str, progress: bool | None) -> dict:
+    final = path / f"rows-{int(rows.ids[0]):012d}-{token}.arrow"
+    tmp = temp_path(final)
+    with progress_bar(progress, rows.rows, f"save {path.name}") as bar:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in rows.batches:
+                for offset in range(0, batch.num_rows, _BATCH_ROWS):
+                    piece = batch.slice(offset, _BATCH_ROWS)
+                    writer.write_batch(piece)
+                    bar.update(piece.num_rows)
+    fsync(tmp)
+    os.replace(tmp, final)
+    return {"path": final.name, "first_episode_id": int(rows.ids[0]), "last_episode_id": int(rows.ids[-1]),
+            "episodes": len(rows.ids), "rows": rows.rows, "bytes": final.stat().st_size}
+
+
+def _write_ipc(final: Path, table: pa.Table) -> Path:
+    tmp = temp_path(final)
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    fsync(tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def _remove_unlisted(path: Path, listed: set[str]) -> None:
+    """Delete checkpoint files (and temporaries of crashed saves) the manifest no longer lists."""
+    for file in path.iterdir():
+        name = file.name
+        ours = (name.startswith(("rows-", "state-")) and name.endswith(".arrow")) or (
+            name.startswith(".") and ".tmp-" in name)
+        if ours and name not in listed and file.is_file():
+            file.unlink()
+    fsync(path)
+
+
+# -- load ------------------------------------------------------------------------------
+
+
+def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any:
+    """`ExperienceStore.load`: a new store, complete before it is returned.
+
+    Raises:
+        FormatError: a missing or incomplete directory, a newer format version, a
+            missing, truncated or inconsistent file; the message names the file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FormatError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; expected an "
+                          "arrowbuf checkpoint (a directory written by store.save)")
+    manifest_path = path / MANIFEST
+    manifest = read_json(manifest_path, "not an arrowbuf checkpoint, or its first save did not finish "
+                                        "(the manifest is written last)")
+    check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
+    try:
+        state_entry, row_files, token = manifest["state_file"], manifest["row_files"], manifest["token"]
+        state_file = path / state_entry["path"]
+        check_size(state_file, state_entry["bytes"])
+        for entry in row_files:
+            check_size(path / entry["path"], entry["bytes"])
+        state = join_arrays(manifest["state"], table_arrays(_read_ipc(state_file)))
+        store = _build_store(cls, state, manifest_path)
+        shard = store._shard
+        if shard is not None:
+            shard.load_state_dict(state["shard"])
+            _fill(shard, path, row_files, progress)
+        store.sampler.load_state_dict(state["sampler"])
+        store.rate_limiter.load_state_dict(state["rate_limiter"])
+        store._rng.bit_generator.state = state["rng"]
+        for name, writer_state in state["writers"].items():
+            writer = store.writer(int(writer_state["num_envs"]), writer_state["autoreset_mode"],
+                                  writer_state["env_ids"], name=name)
+            writer.load_state_dict(writer_state)
+            store._writers.hold(name)
+    except FormatError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
+    store._checkpoints[str(path.resolve())] = token
+    return store
+
+
+def _build_store(cls: type, state: Mapping[str, Any], where: Path) -> Any:
+    info = state["store"]
+    schema = Schema.from_json(state["schema"]) if state["schema"] is not None else None
+    store = cls(int(info["capacity"]), seed=info["seed"], schema=schema, mode=info["mode"],
+                sampler=_build(SAMPLERS, state["sampler"], "sampler", where),
+                rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", where))
+    if info.get("created_at") is not None:
+        store.created_at = float(info["created_at"])
+    return store
+
+
+def _build(registry: Mapping[str, type], state: Mapping[str, Any], what: str, where: Path) -> Any:
+    kind = registry.get(state["type"])
+    if kind is None:
+        raise FormatError(f"{where}: the {what} is a {state['type']}, which checkpoints cannot rebuild; "
+                          f"supported: {sorted(registry)}")
+    return kind(**state["config"])
+
+
+def _read_ipc(file: Path) -> pa.Table:
+    try:
+        with pa.memory_map(str(file)) as source:
+            return pa.ipc.open_file(source).read_all()
+    except (pa.ArrowException, OSError) as err:
+        raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or corrupted") from None
+
+
+def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress: bool | None) -> None:
+    """Copy the live episodes' rows from the row files to their arena rows."""
+    table = shard.table
+    live_ids, first, num = table.col("episode_id"), table.col("first_row"), table.col("num_rows")
+    filled = np.zeros(len(table), np.int64)
+    expected = plain_schema(shard.schema)
+    with progress_bar(progress, int(num.sum()), f"load {path.name}") as bar:
+        for entry in row_files:
+            file = path / entry["path"]
+            try:
+                source = pa.memory_map(str(file))
+                reader = pa.ipc.open_file(source)
+                check_columns(reader.schema, expected, str(file))
+                for i in range(reader.num_record_batches):
+                    columns = batch_columns(reader.get_batch(i), shard.specs, str(file))
+                    ids, step = columns["episode_id"], columns["step"].astype(np.int64)
+                    pos = np.asarray(table.position_of(ids))
+                    live = (pos >= 0) & (pos < len(table))
+                    live[live] = live_ids[pos[live]] == ids[live]
+                    pos, step = pos[live], step[live]
+                    if np.any((step < 0) | (step >= num[pos])):
+                        raise FormatError(f"{file}: rows with steps outside their episode")
+                    target = first[pos] + step
+                    for name in shard.specs:
+                        shard.arena[name][target] = columns[name][live]
+                    filled += np.bincount(pos, minlength=len(table))
+                    bar.update(len(pos))
+            except (pa.ArrowException, OSError) as err:
+                raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or "
+                                  "corrupted") from None
+    short = np.flatnonzero(filled != num)
+    if len(short):
+        k = short[0]
+        raise FormatError(f"{path}: episode {int(live_ids[k])} has {int(filled[k])} of its {int(num[k])} rows in "
+                          f"the row files; the checkpoint is incomplete")

@@ -1,0 +1,576 @@
+"""The Ray backend: shard actors running the embedded store, and the router in front.
+
+Each shard actor holds one embedded `ExperienceStore` (the same shard, sampler and
+gather code as the local backend); this module only routes. Data crosses
+processes through Ray's object store as numpy buffers: sealed episodes on the way
+in, gathered `Payload` buffers on the way out. The receiver reads them without a
+copy (they are read-only shared memory), so:
+
+- tensors of a batch that came from a single shard are views of read-only shared
+  memory: read them, move them (``.to(device)``), but do not write them in place
+  (``clone()`` first); a batch drawn from several shards is concatenated once and
+  is writable;
+- writes are asynchronous with at most ``max_in_flight`` requests per shard; an
+  error inside a shard surfaces at the next call of the writer that sent it, and
+  at its `flush`.
+
+Ray is imported only when this module is used (``backend="ray"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tensordict import TensorDict
+
+from arrowbuf.episodes import StepWriter, read_episode
+from arrowbuf.errors import EmptyStoreError, ShardError
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, UniformSampler
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+from arrowbuf.store import ExperienceStore, _as_numpy, _check_int
+from arrowbuf.tensors import Payload
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "arrowbuf"
+INDEX_SHIFT = 48                     # index = shard << 48 | rank
+RANK_MASK = (1 << INDEX_SHIFT) - 1
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("backend='ray' needs Ray: pip install 'arrowbuf[ray]'") from None
+    return ray
+
+
+@dataclass
+class RayOptions:
+    """How shard actors are started.
+
+    Attributes:
+        num_cpus: CPUs each shard actor reserves (default 0: shards are mostly idle
+            between requests and must not starve the env runners of CPUs).
+        max_in_flight: unanswered writes per shard and writer before a write waits.
+        nodes: node ids to place shards on (round robin, hard affinity); None lets
+            Ray spread them.
+        node_affinity: writers send an env's episodes to a shard on their own node
+            when there is one.
+        allow_partial: `len` and `sample` skip dead shards instead of raising.
+    """
+
+    num_cpus: float = 0.0
+    max_in_flight: int = 8
+    nodes: Sequence[str] | None = None
+    node_affinity: bool = True
+    allow_partial: bool = False
+
+
+class ShardServer:
+    """The body of a shard actor: one embedded store holding this shard's episodes."""
+
+    def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
+                 schema_json: str | None, mode: str) -> None:
+        self._sampler_spec = copy.deepcopy(sampler)   # unbound, for `attach`
+        self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode)
+        self.store._shard_position = (shard, num_shards)
+        self.shard = shard
+        self.num_shards = num_shards
+        if schema_json is not None:
+            self.store._set_schema(Schema.from_json(schema_json))
+
+    def ping(self) -> str:
+        """This actor's node id (also proves it started)."""
+        return _ray().get_runtime_context().get_node_id()
+
+    def config(self) -> dict:
+        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": self.store.capacity,
+                "mode": self.store.mode, "sampler": self._sampler_spec}
+
+    def schema_json(self) -> str | None:
+        return self.store.schema.to_json() if self.store.schema is not None else None
+
+    def add_episodes(self, episodes: list[Episode], schema_json: str) -> tuple[float, int, int]:
+        schema = Schema.from_json(schema_json)
+        if self.store.schema is not None and self.store.schema != schema:
+            raise _schema_mismatch(self.shard, self.store.schema, schema)
+        for episode in episodes:
+            self.store._add(episode, schema)
+        return self.size()
+
+    def size(self) -> tuple[float, int, int]:
+        """(sampling mass, transitions, episodes)."""
+        if self.store._shard is None:
+            return 0.0, 0, 0
+        return self.store.sampler.mass(self.store._table), len(self.store), self.store.num_episodes
+
+    def sample(self, n: int, n_step: int, gamma: float, frame_stack: int,
+               population: tuple[int, float] | None) -> tuple[Payload, tuple[float, int, int]]:
+        store = self.store
+        store._require_data()
+        if isinstance(store.sampler, PrioritizedSampler):
+            selection = store.sampler.sample(store._rng, n, store._table, population)
+        else:
+            selection = store.sampler.sample(store._rng, n, store._table)
+        payload = store._payload(selection, n_step, gamma, frame_stack, index_base=self.shard << INDEX_SHIFT)
+        store.rate_limiter.samples += selection.rows.size
+        return payload, self.size()
+
+    def live_range(self) -> tuple[int, int]:
+        return self.store._table.live_range()
+
+    def gather(self, ranks: np.ndarray) -> Payload | None:
+        """The live ones of ``ranks`` (an epoch's share of this shard)."""
+        from arrowbuf.samplers import Selection
+
+        table = self.store._table
+        live = ranks[table.is_live(ranks)]
+        if not len(live):
+            return None
+        return self.store._payload(Selection(table.rows_of(live), live), index_base=self.shard << INDEX_SHIFT)
+
+    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> int:
+        return self.store.update_priorities(ranks, priorities)
+
+    def episodes(self) -> pa.Table:
+        return self.store.episodes()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        return self.store.episode(episode_id)
+
+    def to_arrow(self) -> pa.Table:
+        return self.store.to_arrow()
+
+    def clear(self) -> tuple[float, int, int]:
+        self.store.clear()
+        return self.size()
+
+    def stats(self) -> dict:
+        return {**self.store.stats(), "shard": self.shard, "node_id": self.ping()}
+
+
+def _schema_mismatch(shard: int, have: Schema, got: Schema):
+    from arrowbuf.errors import SchemaError
+
+    return SchemaError(f"shard {shard} stores {have}, but the writer sent episodes of {got}")
+
+
+@dataclass
+class _Shards:
+    """Handles of a store's shard actors and what the router knows of them (picklable)."""
+
+    name: str
+    handles: list
+    nodes: list[str]
+    options: RayOptions
+    dead: set[int] = field(default_factory=set)
+
+    def call(self, shard: int, method: str, *args: Any):
+        return getattr(self.handles[shard], method).remote(*args)
+
+    def get(self, refs: Mapping[int, Any]) -> dict[int, Any]:
+        """Results of ``{shard: ref}``; a dead shard raises `ShardError` (or is skipped if allowed)."""
+        ray = _ray()
+        results = {}
+        for shard, ref in refs.items():
+            try:
+                results[shard] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.dead.add(shard)
+                if not self.options.allow_partial:
+                    raise ShardError(f"shard {shard} of store {self.name!r} is dead: {err}") from None
+        return results
+
+    def live(self) -> list[int]:
+        return [s for s in range(len(self.handles)) if s not in self.dead]
+
+    def broadcast(self, method: str, *args: Any) -> dict[int, Any]:
+        return self.get({s: self.call(s, method, *args) for s in self.live()})
+
+
+class _RaySink:
+    """A writer's route to the shards: env -> shard, batched asynchronous writes.
+
+    Episodes sealed during one writer call are sent together, one request per
+    shard. At most ``max_in_flight`` requests per shard are unanswered; finished
+    requests are checked at every call, so a shard's error surfaces in the
+    writer's process at its next call (and at `flush`).
+    """
+
+    def __init__(self, shards: _Shards, loads: Sequence[float], schema: Schema | None) -> None:
+        self._shards = shards
+        self._loads = np.asarray(loads, np.float64)
+        self._schema = schema
+        self._routes: dict[str, int] = {}
+        self._batches: dict[int, list[Episode]] = {}
+        self._in_flight: dict[int, deque] = {}
+        self._node: str | None = None
+
+    def __getstate__(self) -> dict:
+        # A copy in another process starts with nothing in flight: errors of this
+        # process's requests surface here, not there.
+        return {**self.__dict__, "_batches": {}, "_in_flight": {}, "_node": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._loads = self._loads.copy()   # read-only when it came through the object store
+
+    @property
+    def schema(self) -> Schema | None:
+        return self._schema
+
+    def set_schema(self, schema: Schema) -> None:
+        if self._schema is None:
+            self._schema = schema
+
+    def route(self, env_id: str) -> int:
+        shard = self._routes.get(env_id)
+        if shard is None:
+            candidates = self._shards.live()
+            if not candidates:
+                raise ShardError(f"every shard of store {self._shards.name!r} is dead")
+            if self._shards.options.node_affinity:
+                if self._node is None:
+                    self._node = _ray().get_runtime_context().get_node_id()
+                local = [s for s in candidates if self._shards.nodes[s] == self._node]
+                candidates = local or candidates
+            shard = min(candidates, key=lambda s: (self._loads[s], s))
+            self._routes[env_id] = shard
+        return shard
+
+    def write(self, episode: Episode) -> None:
+        shard = self.route(episode.env_id)
+        self._batches.setdefault(shard, []).append(episode)
+        self._loads[shard] += episode.num_rows
+
+    def commit(self) -> None:
+        """Send what this call sealed; check answers that came back."""
+        self._reap(block=False)
+        batches, self._batches = self._batches, {}
+        schema_json = self._schema.to_json() if self._schema is not None else None
+        for shard, episodes in batches.items():
+            queue = self._in_flight.setdefault(shard, deque())
+            while len(queue) >= self._shards.options.max_in_flight:
+                self._settle(shard, queue.popleft())
+            queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json))
+
+    def flush(self) -> None:
+        self.commit()
+        self._reap(block=True)
+
+    def _reap(self, block: bool) -> None:
+        ray = _ray()
+        for shard, queue in self._in_flight.items():
+            while queue:
+                if not block and not ray.wait([queue[0]], timeout=0)[0]:
+                    break
+                self._settle(shard, queue.popleft())
+
+    def _settle(self, shard: int, ref: Any) -> None:
+        result = self._shards.get({shard: ref})
+        if shard in result:
+            self._loads[shard] = max(self._loads[shard], result[shard][1])
+
+
+class RayExperienceStore(ExperienceStore):
+    """An `ExperienceStore` whose episodes live in ``num_shards`` Ray actors.
+
+    Created by ``ExperienceStore(capacity, backend="ray", num_shards=K)``; the same
+    API as the local store, plus `flush`, `close`, `sample_iter`, and `attach`.
+    ``capacity`` is the total over all shards (each shard holds capacity // K
+    rows, the first ones one more for the remainder). `add_episode` is
+    asynchronous and returns None; `flush` waits for the writes and raises their
+    errors. A Ray cluster is started (``ray.init()``) if none is running.
+
+    Args:
+        capacity, seed, sampler, schema, mode: as for the local store; each shard
+            gets its own copy of the sampler and a seed derived from ``seed``.
+        num_shards: shard actors to start (>= 1).
+        name: the store's name, for `attach` from another process (default: random).
+        ray_options: `RayOptions` (CPUs per actor, placement, in-flight writes, ...).
+
+    Raises:
+        ValueError: a bad argument; a rate limiter (not supported across shards yet).
+
+    Example:
+        >>> import arrowbuf as ab  # doctest: +SKIP
+        >>> store = ab.ExperienceStore(1_000_000, backend="ray", num_shards=4)  # doctest: +SKIP
+        >>> w = store.writer(num_envs=8)   # pickles into Ray tasks and actors  # doctest: +SKIP
+    """
+
+    def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
+                 schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
+                 backend: str = "ray", rate_limiter: RateLimiter | None = None, num_shards: int = 2,
+                 name: str | None = None, ray_options: RayOptions | None = None,
+                 _shards: _Shards | None = None) -> None:
+        num_shards = _check_int("num_shards", num_shards, 1)
+        capacity = _check_int("capacity", capacity, num_shards)
+        if rate_limiter is not None:
+            raise ValueError("rate limiters are not supported with backend='ray' yet (they would apply per shard)")
+        super().__init__(capacity, seed=seed, sampler=sampler, schema=None, mode=mode)
+        if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
+            raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
+                             "cannot agree on; use num_shards=1 or a SequenceSampler")
+        if schema is not None and not isinstance(schema, Schema):
+            schema = Schema(schema)
+        self.backend = "ray"
+        self.num_shards = num_shards
+        self.name = name or f"store-{uuid.uuid4().hex[:8]}"
+        self.ray_options = ray_options or RayOptions()
+        self._schema = schema
+        self._shards = _shards or self._start(schema)
+        self._masses = np.zeros(num_shards)
+        self._sizes = np.zeros(num_shards, np.int64)
+        self._episode_counts = np.zeros(num_shards, np.int64)
+        self._sink = _RaySink(self._shards, np.zeros(num_shards), schema)
+        self._refresh_sizes()
+
+    def _start(self, schema: Schema | None) -> _Shards:
+        ray = _ray()
+        if not ray.is_initialized():
+            logger.info("no Ray cluster is running: starting a local one (ray.init())")
+            ray.init(logging_level=logging.WARNING)
+        options = self.ray_options
+        actor = ray.remote(ShardServer)
+        seeds = np.random.SeedSequence(self.seed).generate_state(self.num_shards).tolist()
+        handles = []
+        for shard in range(self.num_shards):
+            placement = {}
+            if options.nodes:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                node = options.nodes[shard % len(options.nodes)]
+                placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            capacity = self.capacity // self.num_shards + (shard < self.capacity % self.num_shards)
+            handles.append(actor.options(name=f"{self.name}:{shard}", namespace=NAMESPACE,
+                                         num_cpus=options.num_cpus, **placement).remote(
+                capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
+                schema.to_json() if schema is not None else None, self.mode))
+        nodes = ray.get([h.ping.remote() for h in handles])
+        return _Shards(self.name, handles, nodes, options)
+
+    @classmethod
+    def attach(cls, name: str, seed: int | None = None) -> "RayExperienceStore":
+        """Connect to a running Ray store by name (from any process of the cluster).
+
+        Raises:
+            ValueError: no store of that name is running.
+        """
+        ray = _ray()
+        try:
+            first = ray.get_actor(f"{name}:0", namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"no arrowbuf store named {name!r} is running in namespace {NAMESPACE!r}") from None
+        config = ray.get(first.config.remote())
+        handles = [first] + [ray.get_actor(f"{name}:{s}", namespace=NAMESPACE)
+                             for s in range(1, config["num_shards"])]
+        nodes = ray.get([h.ping.remote() for h in handles])
+        shards = _Shards(name, handles, nodes, RayOptions())
+        schemas = [s for s in ray.get([h.schema_json.remote() for h in handles]) if s is not None]
+        total = sum(ray.get([h.config.remote() for h in handles])[s]["capacity"] for s in range(len(handles)))
+        store = cls.__new__(cls)
+        cls.__init__(store, total, seed=seed, sampler=config["sampler"], mode=config["mode"],
+                     num_shards=config["num_shards"], name=name,
+                     schema=Schema.from_json(schemas[0]) if schemas else None, _shards=shards)
+        return store
+
+    def close(self) -> None:
+        """End the shard actors (their data is gone)."""
+        ray = _ray()
+        for handle in self._shards.handles:
+            ray.kill(handle)
+        self._shards.dead.update(range(self.num_shards))
+
+    # -- sizes and schema ----------------------------------------------------------
+
+    def _refresh_sizes(self) -> None:
+        for shard, size in self._shards.broadcast("size").items():
+            self._note(shard, size)
+
+    def _note(self, shard: int, size: tuple[float, int, int]) -> None:
+        self._masses[shard], self._sizes[shard], self._episode_counts[shard] = size
+
+    @property
+    def schema(self) -> Schema | None:
+        if self._schema is None:
+            found = [s for s in self._shards.broadcast("schema_json").values() if s is not None]
+            if found:
+                self._schema = Schema.from_json(found[0])
+                self._sink.set_schema(self._schema)
+        return self._schema
+
+    def __len__(self) -> int:
+        self._refresh_sizes()
+        return int(self._sizes[self._shards.live()].sum())
+
+    @property
+    def num_episodes(self) -> int:
+        self._refresh_sizes()
+        return int(self._episode_counts[self._shards.live()].sum())
+
+    def __repr__(self) -> str:
+        return (f"RayExperienceStore(name={self.name!r}, capacity={self.capacity}, num_shards={self.num_shards}, "
+                f"transitions={len(self)}, sampler={self.sampler!r})")
+
+    # -- writing ---------------------------------------------------------------------
+
+    def add_episode(self, episode: Any, env_id: str = "default", metadata: Mapping[str, Any] | None = None,
+                    *, timeout: float | None = None) -> None:
+        """Send one episode to its env's shard (asynchronous; see `flush`).
+
+        Raises:
+            SchemaError: the episode does not match the schema (checked here).
+            Any error of an earlier write to the shards.
+        """
+        checked, schema = read_episode(episode, self.schema, env_id, metadata)
+        self._sink.set_schema(schema)
+        self._schema = self._sink.schema
+        self._sink.write(checked)
+        self._sink.commit()
+
+    def flush(self) -> None:
+        """Wait until every `add_episode` so far is stored; raise the first error."""
+        self._sink.flush()
+
+    def writer(self, num_envs: int, autoreset_mode: str = "next_step", env_ids: Sequence[str] | None = None,
+               *, timeout: float | None = None) -> StepWriter:
+        """A step writer whose handle pickles into Ray tasks and actors (env runners).
+
+        Episodes are assembled in the writer's process and sent to shards in batches.
+        """
+        if env_ids is None:
+            prefix = uuid.uuid4().hex[:6]
+            env_ids = [f"{prefix}-{i}" for i in range(_check_int("num_envs", num_envs, 1))]
+        self._refresh_sizes()
+        return StepWriter(_RaySink(self._shards, self._sizes.astype(np.float64), self.schema),
+                          num_envs, autoreset_mode, env_ids)
+
+    def clear(self) -> None:
+        self.flush()
+        for shard, size in self._shards.broadcast("clear").items():
+            self._note(shard, size)
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def _split(self, batch_size: int) -> dict[int, int]:
+        live = self._shards.live()
+        masses = self._masses[live]
+        if masses.sum() <= 0:
+            self._refresh_sizes()
+            live = self._shards.live()
+            masses = self._masses[live]
+        if masses.sum() <= 0:
+            raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
+        counts = self._rng.multinomial(batch_size, masses / masses.sum())
+        return {shard: int(c) for shard, c in zip(live, counts) if c}
+
+    def _request(self, batch_size: int, n_step: int, gamma: float, frame_stack: int) -> dict[int, Any]:
+        population = (int(self._sizes.sum()), float(self._masses.sum()))
+        population = population if isinstance(self.sampler, PrioritizedSampler) else None
+        return {shard: self._shards.call(shard, "sample", count, n_step, gamma, frame_stack, population)
+                for shard, count in self._split(batch_size).items()}
+
+    def _assemble(self, refs: dict[int, Any], device: Any) -> TensorDict:
+        device = torch.device(device) if device is not None else None
+        parts = []
+        for shard, (payload, size) in self._shards.get(refs).items():
+            self._note(shard, size)
+            parts.append(payload.to_tensordict(device))
+        if not parts:
+            raise ShardError(f"no shard of {self.name!r} answered")
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if isinstance(self.sampler, PrioritizedSampler):
+            batch["weight"] = batch["weight"] / batch["weight"].max()
+        return batch
+
+    def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+               device: torch.device | str | None = None, pin_memory: bool = False,
+               timeout: float | None = None, num_workers: int | None = None) -> TensorDict | list[TensorDict]:
+        """Sample across shards, split in proportion to their transitions (or priority mass).
+
+        Same arguments and result as `ExperienceStore.sample`; ``"index"`` holds
+        the shard in its top bits.
+        """
+        batch_size = _check_int("batch_size", batch_size, 1)
+        self._check_sample_args(n_step, gamma, frame_stack)
+        batch = self._assemble(self._request(batch_size, n_step, gamma, frame_stack), device)
+        return self._split_workers(batch, num_workers)
+
+    def sample_iter(self, batch_size: int, prefetch: int = 4, **kwargs: Any) -> Iterator[TensorDict]:
+        """Endless batches, keeping ``prefetch`` requests in flight so sampling overlaps training."""
+        batch_size = _check_int("batch_size", batch_size, 1)
+        prefetch = _check_int("prefetch", prefetch, 1)
+        device = kwargs.pop("device", None)
+        n_step, gamma, frame_stack = kwargs.pop("n_step", 1), kwargs.pop("gamma", 0.99), kwargs.pop("frame_stack", 1)
+        if kwargs:
+            raise ValueError(f"unknown arguments {sorted(kwargs)}; expected device, n_step, gamma, frame_stack")
+        self._check_sample_args(n_step, gamma, frame_stack)
+        pending = deque(self._request(batch_size, n_step, gamma, frame_stack) for _ in range(prefetch))
+        while True:
+            refs = pending.popleft()
+            pending.append(self._request(batch_size, n_step, gamma, frame_stack))
+            yield self._assemble(refs, device)
+
+    def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
+                     device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        batch_size = _check_int("batch_size", batch_size, 1)
+        ranges = self._shards.broadcast("live_range")
+        index = np.concatenate([(np.int64(s) << INDEX_SHIFT) + np.arange(a, b, dtype=np.int64)
+                                for s, (a, b) in ranges.items()] or [np.zeros(0, np.int64)])
+        if shuffle:
+            self._rng.shuffle(index)
+        stop = len(index) - len(index) % batch_size if drop_last else len(index)
+        for start in range(0, stop, batch_size):
+            chunk = index[start:start + batch_size]
+            shards = chunk >> INDEX_SHIFT
+            refs = {int(s): self._shards.call(int(s), "gather", chunk[shards == s] & RANK_MASK)
+                    for s in np.unique(shards)}
+            parts = [p.to_tensordict(torch.device(device) if device else None)
+                     for p in self._shards.get(refs).values() if p is not None]
+            if parts:
+                yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def update_priorities(self, index: Any, priority: Any) -> int:
+        if not isinstance(self.sampler, PrioritizedSampler):
+            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
+        index = _as_numpy(index, "index").reshape(-1).astype(np.int64)
+        priority = _as_numpy(priority, "priority").reshape(-1).astype(np.float64)
+        if index.shape != priority.shape:
+            raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
+        shards = index >> INDEX_SHIFT
+        refs = {int(s): self._shards.call(int(s), "update_priorities", index[shards == s] & RANK_MASK,
+                                          priority[shards == s])
+                for s in np.unique(shards) if 0 <= s < self.num_shards}
+        return int(sum(self._shards.get(refs).values()))
+
+    # -- views ----------------------------------------------------------------------
+
+    def episodes(self) -> pa.Table:
+        tables = list(self._shards.broadcast("episodes").values())
+        return pa.concat_tables(tables, promote_options="permissive") if tables else self._table.to_arrow()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        shard = int(episode_id) % self.num_shards
+        return self._shards.get({shard: self._shards.call(shard, "episode", int(episode_id))})[shard]
+
+    def to_arrow(self) -> pa.Table:
+        tables = [t for t in self._shards.broadcast("to_arrow").values() if t.num_columns]
+        return pa.concat_tables(tables) if tables else pa.table({})
+
+    def stats(self) -> dict:
+        per_shard = list(self._shards.broadcast("stats").values())
+        keys = ("transitions", "episodes", "inserts", "samples")
+        totals = {k: sum(s[k] for s in per_shard) for k in keys}
+        return {**totals, "capacity": self.capacity, "num_shards": self.num_shards,
+                "dead_shards": sorted(self._shards.dead), "shards": per_shard}
