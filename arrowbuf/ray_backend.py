@@ -327,7 +327,7 @@ class RayExperienceStore(ExperienceStore):
         self.backend = "ray"
         self.num_shards = num_shards
         self.name = name or f"store-{uuid.uuid4().hex[:8]}"
-        self.ray_options = ray_options or RayOptions()
+        self.ray_options = _shards.options if _shards is not None else (ray_options or RayOptions())
         self._schema = schema
         self._shards = _shards or self._start(schema)
         self._masses = np.zeros(num_shards)
@@ -361,7 +361,8 @@ class RayExperienceStore(ExperienceStore):
         return _Shards(self.name, handles, nodes, options)
 
     @classmethod
-    def attach(cls, name: str, seed: int | None = None) -> "RayExperienceStore":
+    def attach(cls, name: str, seed: int | None = None,
+               ray_options: RayOptions | None = None) -> "RayExperienceStore":
         """Connect to a running Ray store by name (from any process of the cluster).
 
         Raises:
@@ -376,7 +377,7 @@ class RayExperienceStore(ExperienceStore):
         handles = [first] + [ray.get_actor(f"{name}:{s}", namespace=NAMESPACE)
                              for s in range(1, config["num_shards"])]
         nodes = ray.get([h.ping.remote() for h in handles])
-        shards = _Shards(name, handles, nodes, RayOptions())
+        shards = _Shards(name, handles, nodes, ray_options or RayOptions())
         schemas = [s for s in ray.get([h.schema_json.remote() for h in handles]) if s is not None]
         total = sum(ray.get([h.config.remote() for h in handles])[s]["capacity"] for s in range(len(handles)))
         store = cls.__new__(cls)
@@ -476,10 +477,12 @@ class RayExperienceStore(ExperienceStore):
         return {shard: int(c) for shard, c in zip(live, counts) if c}
 
     def _request(self, batch_size: int, n_step: int, gamma: float, frame_stack: int) -> dict[int, Any]:
-        population = (int(self._sizes.sum()), float(self._masses.sum()))
+        counts = self._split(batch_size)
+        live = self._shards.live()
+        population = (int(self._sizes[live].sum()), float(self._masses[live].sum()))
         population = population if isinstance(self.sampler, PrioritizedSampler) else None
         return {shard: self._shards.call(shard, "sample", count, n_step, gamma, frame_stack, population)
-                for shard, count in self._split(batch_size).items()}
+                for shard, count in counts.items()}
 
     def _assemble(self, refs: dict[int, Any], device: Any) -> TensorDict:
         device = torch.device(device) if device is not None else None

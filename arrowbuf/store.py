@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -12,6 +13,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._writers import WriterRegistry
 from arrowbuf.episodes import StepWriter, read_episode
 from arrowbuf.errors import EmptyStoreError, RateLimited, describe
 from arrowbuf.indexing import episode_bounds, frame_rows, n_step
@@ -30,7 +32,7 @@ class _LocalSink:
 
     def __init__(self, store: "ExperienceStore", timeout: float | None) -> None:
         self._store = store
-        self._timeout = timeout
+        self.timeout = timeout   # public: claiming a restored writer sets it
 
     @property
     def schema(self) -> Schema | None:
@@ -40,7 +42,7 @@ class _LocalSink:
         self._store._set_schema(schema)
 
     def write(self, episode: Episode) -> None:
-        self._store._add(episode, timeout=self._timeout)
+        self._store._add(episode, timeout=self.timeout)
 
     def commit(self) -> None:
         """Writes are synchronous: nothing to send."""
@@ -146,8 +148,22 @@ class ExperienceStore:
         self._empty_table = EpisodeTable()
         self._shard_position = (0, 1)   # (shard, num_shards): set by a Ray shard actor
         self._created = time.monotonic()
+        self.created_at = time.time()              # wall clock, recorded in exports and checkpoints
+        self._writers = WriterRegistry()           # writers by name: `save` stores their open episodes
+        self._checkpoints: dict[str, str] = {}     # checkpoint dir -> token of the save made or loaded here
         if schema is not None:
             self._shard = self._new_shard(schema)
+
+    @classmethod
+    def attach(cls, name: str, seed: int | None = None, ray_options: Any = None) -> "ExperienceStore":
+        """Connect to a running Ray store by its name, from any process of the cluster.
+
+        Raises:
+            ValueError: no store of that name is running.
+        """
+        from arrowbuf.ray_backend import RayExperienceStore
+
+        return RayExperienceStore.attach(name, seed=seed, ray_options=ray_options)
 
     # -- shape of the store ---------------------------------------------------------
 
@@ -249,12 +265,39 @@ class ExperienceStore:
             raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",
-               env_ids: Sequence[str] | None = None, *, timeout: float | None = None) -> StepWriter:
+               env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
+               name: str | None = None) -> StepWriter:
         """A step writer for ``num_envs`` vectorized environments (see `StepWriter`).
 
         ``timeout`` is how long a sealed episode waits for the rate limiter.
+        ``name`` identifies the writer in checkpoints (default ``writer-<k>``):
+        `save` stores the open episodes of every writer still referenced, and on a
+        loaded store ``writer(..., name=name)`` hands back the restored writer with
+        those episodes (see `writers`).
+
+        Raises:
+            ValueError: a bad argument; a writer of this name is already open; a
+                restored writer of this name has another num_envs, mode or env_ids.
         """
-        return StepWriter(_LocalSink(self, timeout), num_envs, autoreset_mode, env_ids)
+        if name is not None and not (isinstance(name, str) and name):
+            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        with self._lock:
+            claimed = self._writers.claim(name, num_envs, autoreset_mode, env_ids) if name else None
+            if claimed is not None:
+                writer, sink = claimed
+                sink.timeout = timeout
+                return writer
+            sink = _LocalSink(self, timeout)
+            writer = StepWriter(sink, num_envs, autoreset_mode, env_ids)
+            self._writers.add(name or self._writers.new_name(), writer, sink)
+            return writer
+
+    @property
+    def writers(self) -> dict[str, StepWriter]:
+        """Writers by name: those still referenced, and after `load` the restored
+        ones (held by the store until claimed with ``writer(..., name=name)``)."""
+        with self._lock:
+            return self._writers.live()
 
     def clear(self) -> None:
         """Remove every episode. Indices sampled before stay stale forever."""
@@ -300,9 +343,9 @@ class ExperienceStore:
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
         with self._changed:
-            self._require_data()
             self._wait(lambda: self.rate_limiter.can_sample(batch_size, len(self)), timeout,
                        lambda: self.rate_limiter.why_not_sample(batch_size, len(self)))
+            self._require_data()
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
             batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
             self.rate_limiter.samples += selection.rows.size
@@ -462,4 +505,101 @@ class ExperienceStore:
             if self._shard is None:
                 return pa.table({})
             return self._shard.to_arrow()
+
+    # -- persistence (arrowbuf.parquet, arrowbuf.checkpoint) -----------------------------
+
+    def to_parquet(self, path: str | Path, compression: str = "zstd", rows_per_file: int | None = None,
+                   progress: bool | None = None, *, overwrite: bool = False) -> Path:
+        """Export the live episodes as a Parquet directory any dataframe tool reads.
+
+        ``steps/part-<shard>-<n>.parquet`` hold the rows (oldest episode first,
+        whole episodes per file, at most ``rows_per_file`` rows unless one episode
+        is longer), ``episodes.parquet`` the episode table, ``_arrowbuf.json`` the
+        manifest. The store's lock is held only while the snapshot is taken.
+        Details: `arrowbuf.parquet`.
+
+        Args:
+            path: the directory to create (written beside it, then renamed).
+            compression: Parquet codec ("zstd", "snappy", "lz4", "none", ...).
+            rows_per_file: rows per step file; None for one file.
+            progress: a tqdm bar; None shows it when stderr is a terminal.
+            overwrite: replace an existing ``path``.
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ValueError: the store has no schema yet, or a bad argument.
+            FileExistsError: ``path`` exists, is not empty, and ``overwrite`` is False.
+        """
+        from arrowbuf.parquet import export_store
+
+        return export_store(self, path, compression=compression, rows_per_file=rows_per_file,
+                            progress=progress, overwrite=overwrite)
+
+    @classmethod
+    def from_parquet(cls, path: str | Path, capacity: int | None = None, episode_filter: Any = None,
+                     progress: bool | None = None, **store_kwargs: Any) -> "ExperienceStore":
+        """A new store holding the episodes of a `to_parquet` export (offline RL).
+
+        Rows are streamed row group by row group, so an export larger than memory
+        loads into a smaller ``capacity``: the newest episodes that fit are kept,
+        as FIFO eviction would. Episodes keep their final observations, so samples
+        hold the same transitions and ``next`` observations as the original; ids
+        and indices are kept unless a filter leaves gaps (then they count from 0).
+
+        Args:
+            path: the export directory.
+            capacity: rows of the new store; None for the exported store's capacity.
+            episode_filter: which episodes to load: a `pyarrow.compute.Expression`
+                over the episode table (``pc.field("return") > 100``), or a callable
+                taking the episode table (a pyarrow.Table) and returning a boolean
+                mask over its rows or a list of episode ids.
+            progress: a tqdm bar; None shows it when stderr is a terminal.
+            **store_kwargs: seed, sampler, rate_limiter, mode (default: the
+                exported mode) of the new store.
+
+        Raises:
+            FormatError: a missing, incomplete or corrupted export, a file of
+                another schema, or a newer format; the message names the file.
+            CapacityError: a selected episode is longer than ``capacity``, or a
+                ``mode="fixed"`` store cannot hold them all.
+        """
+        from arrowbuf.parquet import load_store
+
+        return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
+
+    def save(self, path: str | Path, progress: bool | None = None) -> Path:
+        """Checkpoint the store into directory ``path`` (Arrow IPC files and a JSON manifest).
+
+        Saves the live episodes, the episode table, the sampler's and rate
+        limiter's state, the generator's state and the open episodes of this
+        store's writers. Saving again into the same directory writes only the
+        episodes added since and drops files whose episodes were all evicted.
+        The lock is held only while the snapshot is taken. Details:
+        `arrowbuf.checkpoint`.
+
+        Returns:
+            ``path``.
+
+        Raises:
+            FileExistsError: ``path`` is a file or holds a foreign manifest.json.
+        """
+        from arrowbuf.checkpoint import save_store
+
+        return save_store(self, path, progress)
+
+    @classmethod
+    def load(cls, path: str | Path, progress: bool | None = None) -> "ExperienceStore":
+        """The store saved in ``path``; it samples exactly as the saved one would have.
+
+        Restored writers are in `writers`; ``store.writer(..., name=name)`` claims one.
+
+        Raises:
+            FormatError: a missing or incomplete checkpoint, a truncated file, or a
+                newer format version; the message names the file.
+        """
+        from arrowbuf.checkpoint import load_store
+
+        return load_store(cls, path, progress)
 

@@ -1,0 +1,170 @@
+"""n-step returns and frame stacks at sample time, against a slow plain-Python reference."""
+
+import numpy as np
+import pytest
+from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.indexing import frame_rows, n_step
+
+
+def reference(recorded, episode_id, step, n, gamma, frames):
+    """n-step targets and frame stacks computed one transition at a time from what was written."""
+    out = {"reward": [], "discount": [], "n_steps": [], "terminated": [], "truncated": [], "obs": [],
+           "next_obs": []}
+    for e, t in zip(episode_id.reshape(-1).tolist(), step.reshape(-1).tolist()):
+        rec = recorded[e]
+        k = min(n, rec.transitions - t)
+        out["reward"].append(sum(gamma ** i * float(rec.reward[t + i]) for i in range(k)))
+        out["discount"].append(gamma ** k)
+        out["n_steps"].append(k)
+        out["terminated"].append(bool(rec.terminated[t + k - 1]))
+        out["truncated"].append(bool(rec.truncated[t + k - 1]))
+        out["obs"].append([rec.obs[max(t - frames + 1 + j, 0)] for j in range(frames)])
+        out["next_obs"].append([rec.obs[max(t + k - frames + 1 + j, 0)] for j in range(frames)])
+    shape = episode_id.shape
+    result = {key: np.array(value).reshape(shape + np.array(value).shape[1:]) for key, value in out.items()}
+    if frames == 1:
+        result["obs"], result["next_obs"] = result["obs"][..., 0, :], result["next_obs"][..., 0, :]
+    return result
+
+
+def check_against_reference(batch, recorded, n, gamma, frames):
+    episode_id = batch["episode_id"].numpy()
+    step = batch["step"].numpy().astype(np.int64)
+    expected = reference(recorded, episode_id, step, n, gamma, frames)
+    np.testing.assert_allclose(batch["reward"].numpy(), expected["reward"], rtol=1e-6)
+    assert batch["reward"].dtype == SCHEMA.fields["reward"].torch_dtype
+    np.testing.assert_array_equal(batch["terminated"].numpy(), expected["terminated"])
+    np.testing.assert_array_equal(batch["truncated"].numpy(), expected["truncated"])
+    np.testing.assert_array_equal(batch["obs"].numpy(), expected["obs"])
+    np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected["next_obs"])
+    if n > 1:
+        np.testing.assert_allclose(batch["discount"].numpy(), expected["discount"], rtol=1e-6)
+        np.testing.assert_array_equal(batch["n_steps"].numpy(), expected["n_steps"])
+
+
+@st.composite
+def histories(draw):
+    episodes = draw(st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=6))
+    capacity = draw(st.integers(max(s + 1 for s, _ in episodes), 36))
+    return capacity, episodes
+
+
+SAMPLERS = {
+    "uniform": lambda: ab.UniformSampler(),
+    "prioritized": lambda: ab.PrioritizedSampler(alpha=0.6, beta=0.4),
+    "loose_sequence": lambda: ab.SequenceSampler(length=3, strict=False),
+}
+
+
+def replay_and_check(sampler, capacity, episodes, n, gamma, frames, seed):
+    store = ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=SCHEMA)
+    recorded = {}
+    rows = k = 0
+    while rows < 2.5 * capacity:                    # write until the ring wraps and evicts
+        steps, has_final = episodes[k % len(episodes)]
+        add_encoded(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
+        rows += steps + has_final
+        k += 1
+        if len(store):
+            batch = store.sample(16, n_step=n, gamma=gamma, frame_stack=frames)
+            LiveTable(store).check_live(batch["episode_id"].numpy(), batch["step"].numpy(), batch["index"].numpy())
+            check_against_reference(batch, recorded, n, gamma, frames)
+    assert store.episodes()["episode_id"][0].as_py() > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(history=histories(), kind=st.sampled_from(sorted(SAMPLERS)), n=st.integers(1, 5),
+       gamma=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 2**16))
+def test_n_step_targets_equal_a_plain_python_reference_while_the_ring_wraps(history, kind, n, gamma, seed):
+    capacity, episodes = history
+    replay_and_check(SAMPLERS[kind](), capacity, episodes, n, gamma, 1, seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(history=histories(), kind=st.sampled_from(sorted(SAMPLERS)), frames=st.integers(2, 4),
+       n=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_frame_stacks_repeat_the_first_frame_at_episode_start_also_for_next_obs(history, kind, frames, n, seed):
+    capacity, episodes = history
+    replay_and_check(SAMPLERS[kind](), capacity, episodes, n, 0.5, frames, seed)
+
+
+def test_a_batch_with_one_step_lookahead_is_the_plain_transition():
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA)
+    recorded = {}
+    for steps in (3, 6, 2):
+        add_encoded(store, recorded, steps)
+    batch = store.sample(64, n_step=1, frame_stack=1)
+    check_batch_reads_its_rows(batch, recorded, LiveTable(store))
+    assert "discount" not in batch.keys() and "n_steps" not in batch.keys()
+
+
+def test_n_step_stops_at_the_episode_end_and_takes_the_last_flags():
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA, sampler=ab.WithoutReplacementSampler())
+    recorded = {}
+    episode_id = add_encoded(store, recorded, 4, terminated=True)          # rewards 1, 2, 3, 4
+    batch = store.sample(4, n_step=3, gamma=0.5)
+    order = np.argsort(batch["step"].numpy())
+    assert batch["reward"].numpy()[order].tolist() == [1 + 1 + 0.75, 2 + 1.5 + 1, 3 + 2, 4]
+    assert batch["n_steps"].numpy()[order].tolist() == [3, 3, 2, 1]
+    assert batch["discount"].numpy()[order].tolist() == [0.125, 0.125, 0.25, 0.5]
+    assert batch["terminated"].numpy()[order].tolist() == [False, True, True, True]
+    assert batch["next", "obs"].numpy()[order][:, 1].tolist() == [3, 4, 4, 4]
+    assert (batch["episode_id"] == episode_id).all()
+
+
+def test_frame_stack_of_the_first_steps_repeats_the_first_frame():
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA, sampler=ab.WithoutReplacementSampler())
+    add_encoded(store, {}, 3)
+    batch = store.sample(3, frame_stack=3)
+    order = np.argsort(batch["step"].numpy())
+    assert batch["obs"].shape == (3, 3, 2) and batch["next", "obs"].shape == (3, 3, 2)
+    assert batch["obs"].numpy()[order][..., 1].tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 2]]
+    assert batch["next", "obs"].numpy()[order][..., 1].tolist() == [[0, 0, 1], [0, 1, 2], [1, 2, 3]]
+
+
+def test_n_step_function_sums_discounted_rewards_up_to_the_episode_end():
+    reward = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], np.float32)
+    rows = np.array([0, 2, 3, 5])
+    last = np.array([3, 3, 3, 5])                      # rows 0..3 are one episode, row 5 another
+    ahead = n_step(rows, last, reward, 2, 0.5)
+    assert ahead.reward.tolist() == [2.0, 8.0, 8.0, 32.0]
+    assert ahead.reward.dtype == np.float32
+    assert ahead.steps.tolist() == [2, 2, 1, 1]
+    assert ahead.next_rows.tolist() == [2, 4, 4, 6]
+    assert ahead.last_rows.tolist() == [1, 3, 3, 5]
+    assert ahead.discount.tolist() == [0.25, 0.25, 0.5, 0.5]
+
+
+def test_integer_rewards_give_float32_n_step_returns():
+    ahead = n_step(np.array([0]), np.array([2]), np.array([1, 1, 1], np.int64), 3, 0.5)
+    assert ahead.reward.dtype == np.float32 and ahead.reward.tolist() == [1.75]
+
+
+def test_frame_rows_are_oldest_first_and_clamped_to_the_episode_start():
+    rows = np.array([[10, 11], [12, 13]])
+    first = np.array([[10, 10], [12, 12]])
+    assert frame_rows(rows, first, 3).tolist() == [[[10, 10, 10], [10, 10, 11]], [[12, 12, 12], [12, 12, 13]]]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"n_step": 0}, r"n_step must be an int >= 1, got 0"),
+    ({"frame_stack": 0}, r"frame_stack must be an int >= 1, got 0"),
+    ({"gamma": 1.5}, r"gamma must be a number in \[0, 1\], got 1\.5"),
+    ({"gamma": -0.1}, r"gamma must be a number in \[0, 1\], got -0\.1"),
+])
+def test_bad_lookahead_arguments_are_refused_naming_them(kwargs, match):
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA)
+    add_encoded(store, {}, 3)
+    with pytest.raises(ValueError, match=match):
+        store.sample(4, **kwargs)
+
+
+def test_n_step_needs_a_reward_field():
+    store = ab.ExperienceStore(capacity=50, seed=0)
+    store.add_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"n_step > 1 needs a 'reward' field.*\['obs', 'action'\]"):
+        store.sample(4, n_step=3)

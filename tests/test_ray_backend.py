@@ -1,0 +1,250 @@
+"""The Ray backend on a real local Ray cluster (started once per session in conftest)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import ray
+from scipy.stats import chisquare
+
+import arrowbuf as ab
+from arrowbuf.ray_backend import INDEX_SHIFT, RayOptions
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def encoded_episode(key: int, steps: int) -> dict:
+    """obs[t] = (key, 0, 0, t): every row names its episode and step (the runners' layout)."""
+    zeros = np.zeros(steps + 1, np.float32)
+    obs = np.stack([np.full(steps + 1, key, np.float32), zeros, zeros, np.arange(steps + 1, dtype=np.float32)],
+                   axis=1)
+    return {"obs": obs, "action": np.zeros(steps, np.int64), "reward": np.ones(steps, np.float32),
+            "terminated": np.arange(steps) == steps - 1, "truncated": np.zeros(steps, bool)}
+
+
+@ray.remote
+class EnvRunner:
+    """Drives a writer handle in another process; obs = (runner, env, episode number, step)."""
+
+    def __init__(self, writer, runner: int) -> None:
+        self.writer = writer
+        self.runner = runner
+
+    def run(self, steps: int, seed: int) -> list[tuple[int, int, int, int]]:
+        rng = np.random.default_rng(seed)
+        n = self.writer.num_envs
+        episode_no = np.zeros(n, np.int64)
+        t = np.zeros(n, np.int64)
+        finished = []
+        skip = np.zeros(n, bool)
+        for _ in range(steps):
+            obs = np.stack([np.full(n, self.runner), np.arange(n), episode_no, t], axis=1).astype(np.float32)
+            done = rng.random(n) < 0.15
+            next_obs = obs.copy()
+            next_obs[:, 3] += 1
+            self.writer.add(obs=obs, action=np.zeros(n, np.int64), reward=np.ones(n, np.float32),
+                            terminated=done, truncated=np.zeros(n, bool), next_obs=next_obs)
+            for env in np.flatnonzero(done & ~skip):
+                finished.append((self.runner, int(env), int(episode_no[env]), int(t[env]) + 1))
+            # next_step autoreset: the step after a done only resets that env.
+            t = np.where(skip, 0, t + 1)
+            episode_no = np.where(skip, episode_no + 1, episode_no)
+            skip = done & ~skip
+        self.writer.flush()
+        return finished
+
+
+@pytest.fixture(scope="module")
+def two_shard_store():
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=2, seed=0)
+    yield store
+    store.close()
+
+
+def test_writers_in_two_actors_store_every_episode_exactly_once(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    writer = store.writer(num_envs=4)
+    runners = [EnvRunner.remote(writer, r) for r in range(2)]
+    finished = sum(ray.get([runner.run.remote(150, seed) for seed, runner in enumerate(runners)]), [])
+
+    rows = store.to_arrow()
+    obs = rows.column("obs").combine_chunks().to_numpy_ndarray()
+    last = obs[rows.column("is_last").to_numpy()]
+    keys = [tuple(int(v) for v in row[:3]) for row in last]
+    assert len(keys) == len(set(keys)), "an episode is stored twice"
+    stored_lengths = {k: int(row[3]) for k, row in zip(keys, last)}
+    # Episodes that ended in the env are all there, with their length (final obs step).
+    for runner, env, number, length in finished:
+        assert stored_lengths[(runner, env, number)] == length
+    assert store.num_episodes == len(keys)
+    table = store.episodes()
+    assert sorted(set(table.column("shard").to_pylist())) == [0, 1]
+
+    batch = store.sample(512)
+    now, nxt = batch["obs"].numpy(), batch["next", "obs"].numpy()
+    np.testing.assert_array_equal(nxt[:, :3], now[:, :3])
+    np.testing.assert_array_equal(nxt[:, 3], now[:, 3] + 1)
+
+
+def test_sampling_from_unequal_shards_follows_their_sizes():
+    store = ab.ExperienceStore(30_000, backend="ray", num_shards=3, seed=1)
+    try:
+        # Routes stick to the shard an env first landed on: "big" fills shard 0.
+        for i in range(60):
+            store.add_episode(encoded_episode(i, 20), env_id="big")
+            if i % 10 == 0:
+                store.add_episode(encoded_episode(1000 + i, 20), env_id="small-a")
+                store.add_episode(encoded_episode(2000 + i, 20), env_id="small-b")
+        store.flush()
+        sizes = np.array([s["transitions"] for s in store.stats()["shards"]])
+        assert sizes[0] == 10 * sizes[1] == 10 * sizes[2]
+        counts = np.zeros(3)
+        for _ in range(40):
+            shard = store.sample(256)["index"].numpy() >> INDEX_SHIFT
+            counts += np.bincount(shard, minlength=3)
+        assert chisquare(counts, counts.sum() * sizes / sizes.sum()).pvalue > 1e-3
+    finally:
+        store.close()
+
+
+def test_iter_batches_walks_every_transition_of_every_shard_once(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    for i in range(12):
+        store.add_episode(encoded_episode(i, 7 + i), env_id=f"env-{i % 4}")
+    store.flush()
+    seen = np.concatenate([b["obs"].numpy()[:, [0, 3]] for b in store.iter_batches(50, shuffle=True)])
+    expected = {(i, t) for i in range(12) for t in range(7 + i)}
+    assert sorted(map(tuple, seen.astype(int).tolist())) == sorted(expected)
+    assert len(store) == len(expected)
+
+
+def test_prioritized_sharded_store_updates_the_right_shard():
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=3,
+                               sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0))
+    try:
+        for i in range(8):
+            store.add_episode(encoded_episode(i, 25), env_id=f"env-{i % 2}")
+        store.flush()
+        batch = store.sample(64)
+        assert float(batch["weight"].max()) == pytest.approx(1.0)
+        assert store.update_priorities(batch["index"], np.full(64, 5.0)) == 64
+    finally:
+        store.close()
+
+
+def test_num_workers_gets_disjoint_equal_batches(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    store.add_episode(encoded_episode(0, 40), env_id="a")
+    store.add_episode(encoded_episode(1, 40), env_id="b")
+    store.flush()
+    parts = store.sample(64, num_workers=4)
+    assert [p.batch_size[0] for p in parts] == [16] * 4
+    with pytest.raises(ValueError, match="num_workers"):
+        store.sample(63, num_workers=4)
+
+
+def test_a_schema_mismatch_inside_a_shard_surfaces_in_the_writer_process(two_shard_store):
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        first, second = store.writer(num_envs=1), store.writer(num_envs=1)
+
+        @ray.remote
+        def write(writer, dtype):
+            obs = np.zeros((1, 3), dtype)
+            writer.add(obs=obs, action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
+                       terminated=np.ones(1, bool), truncated=np.zeros(1, bool), next_obs=obs)
+            writer.flush()
+            return "ok"
+
+        assert ray.get(write.remote(first, np.float32)) == "ok"
+        with pytest.raises(ab.SchemaError, match="shard 0 stores"):
+            ray.get(write.remote(second, np.float64))
+    finally:
+        store.close()
+
+
+def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partial():
+    store = ab.ExperienceStore(4_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=RayOptions(allow_partial=False))
+    partial = ab.ExperienceStore.attach(store.name, ray_options=RayOptions(allow_partial=True))
+    try:
+        store.add_episode(encoded_episode(0, 30), env_id="a")
+        store.add_episode(encoded_episode(1, 30), env_id="b")
+        store.flush()
+        ray.kill(store._shards.handles[1])
+        with pytest.raises(ab.ShardError, match="shard 1"):
+            len(store)
+        assert len(partial) == 30
+        assert (partial.sample(32)["index"].numpy() >> INDEX_SHIFT == 0).all()
+    finally:
+        store.close()
+
+
+def test_a_store_is_reattached_by_name_from_another_process(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    store.add_episode(encoded_episode(5, 9), env_id="a")
+    store.flush()
+
+    @ray.remote
+    def size_elsewhere(name):
+        return len(ab.ExperienceStore.attach(name))
+
+    assert ray.get(size_elsewhere.remote(store.name)) == 9
+    with pytest.raises(ValueError, match="no arrowbuf store named"):
+        ab.ExperienceStore.attach("no-such-store")
+
+
+NODE_AFFINITY_SCRIPT = textwrap.dedent("""
+    import numpy as np, ray
+    from ray.cluster_utils import Cluster
+    import arrowbuf as ab
+    from arrowbuf.ray_backend import RayOptions
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
+    node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR")
+    cluster.wait_for_nodes()
+    ids = {n["Resources"].get("node_a") and "a" or "b": n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    store = ab.ExperienceStore(1000, backend="ray", num_shards=2,
+                               ray_options=RayOptions(nodes=[ids["a"], ids["b"]]))
+    writer = store.writer(num_envs=2)
+
+    @ray.remote(resources={"node_b": 0.1})
+    def run(writer):
+        obs = np.zeros((2, 3), np.float32)
+        for _ in range(3):
+            writer.add(obs=obs, action=np.zeros(2), reward=np.ones(2), terminated=np.ones(2, bool),
+                       truncated=np.zeros(2, bool), next_obs=obs)
+        writer.flush()
+        return ray.get_runtime_context().get_node_id()
+
+    assert ray.get(run.remote(writer)) == ids["b"]
+    shards = store.episodes().column("shard").to_pylist()
+    print("SHARDS", sorted(set(shards)), len(shards))
+    store.close()
+    ray.shutdown()
+    cluster.shutdown()
+""")
+
+
+def test_a_writer_on_node_b_writes_to_node_b_shard(tmp_path):
+    script = tmp_path / "affinity.py"
+    script.write_text(NODE_AFFINITY_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SHARDS [1] 4" in done.stdout   # 3 steps, next_step autoreset: 2 envs x 2 episodes
