@@ -183,6 +183,8 @@ class StepWriter:
             RateLimited, CapacityError: the store still refuses episodes sealed
                 earlier; nothing is recorded, retry the step later. (Episodes this
                 step seals that the store refuses are kept and pushed first next time.)
+            CapacityError: an episode this step ended is longer than the capacity;
+                it is dropped, the step itself is recorded.
         """
         self._push_pending()
         obs_cols = self._columns({"obs": obs}, "obs")
@@ -190,17 +192,17 @@ class StepWriter:
         step_cols = self._columns({"action": action, "reward": reward, "terminated": terminated,
                                    "truncated": truncated, **extra}, "step")
         schema = self._schema_for(obs_cols, step_cols)
-        for cols in (obs_cols, step_cols):
-            for name, (array, dtype) in cols.items():
-                check_column(schema.fields[name], name, array, dtype)
         expected = {n: self.num_envs for n in schema.fields}
-        given = {n: a.shape[0] for n, (a, _) in {**obs_cols, **step_cols}.items()}
+        given = {n: a.shape[0] if a.ndim else None for n, (a, _) in {**obs_cols, **step_cols}.items()}
         if given != expected:
             missing = sorted(set(schema.fields) - set(given))
             unknown = sorted(set(given) - set(schema.fields))
             wrong = {n: v for n, v in given.items() if n in expected and v != self.num_envs}
             raise SchemaError(f"writer step does not match the schema: missing {missing}, unknown {unknown}, "
                               f"leading dims {wrong} (expected {self.num_envs} envs)")
+        for cols in (obs_cols, step_cols):
+            for name, (array, dtype) in cols.items():
+                check_column(schema.fields[name], name, array, dtype)
         if set(next_cols) != set(obs_cols):
             raise SchemaError(f"next_obs has fields {sorted(next_cols)}, obs has {sorted(obs_cols)}")
         for name, (array, dtype) in next_cols.items():
@@ -209,6 +211,8 @@ class StepWriter:
                 raise SchemaError(f"next_obs field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
         done = np.asarray(step_cols["terminated"][0], bool) | np.asarray(step_cols["truncated"][0], bool)
         final = self._final_obs(final_obs, next_cols, done, schema)
+        if self._sink.schema is None:
+            self._sink.set_schema(schema)   # only once the whole step is known to be good
 
         active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         envs = np.flatnonzero(active)
@@ -223,10 +227,12 @@ class StepWriter:
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
-        self._seal(ended, has_final=True)
+        too_long = self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
         self._sink.commit()
+        if too_long is not None:
+            raise too_long
         return len(ended)
 
     def flush(self) -> int:
@@ -243,9 +249,11 @@ class StepWriter:
         open_envs = np.flatnonzero(self._pos > 0)
         for name, last in self._last_next.items():
             self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
-        self._seal(open_envs, has_final=True)
+        too_long = self._seal(open_envs, has_final=True)
         self._push_pending()
         self._sink.flush()
+        if too_long is not None:
+            raise too_long
         return len(open_envs)
 
     # -- state ---------------------------------------------------------------------
@@ -294,7 +302,8 @@ class StepWriter:
             for name, last in state["last_next"].items():
                 self._last_next[name][...] = last
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
-                                 bool(e["has_final"]), e["env_id"], e["metadata"]) for e in state["pending"]]
+                                 bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
+                         for e in state["pending"]]
 
     # -- internals -----------------------------------------------------------------
 
@@ -309,7 +318,6 @@ class StepWriter:
         if schema is None:
             columns = {**obs_cols, **step_cols}
             schema = Schema.infer(columns, observation_names=list(obs_cols))
-            self._sink.set_schema(schema)
         elif set(schema.observation_names) != set(obs_cols):
             raise SchemaError(f"obs has fields {sorted(obs_cols)}; the store's observation fields are "
                               f"{sorted(schema.observation_names)}")
@@ -348,8 +356,10 @@ class StepWriter:
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
 
-    def _seal(self, envs: np.ndarray, has_final: bool) -> None:
+    def _seal(self, envs: np.ndarray, has_final: bool) -> CapacityError | None:
+        """Seal the open episodes of ``envs``; returns the error of one that can never fit."""
         schema = self._sink.schema
+        too_long = None
         for i in envs:
             steps = int(self._pos[i])
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
@@ -362,8 +372,14 @@ class StepWriter:
             try:
                 self._sink.write(episode)
                 self.episodes_written += 1
-            except (RateLimited, CapacityError):
+            except CapacityError as err:
+                if not err.retryable:
+                    too_long = err
+                    continue
                 self._pending.append(_copied(episode))
+            except RateLimited:
+                self._pending.append(_copied(episode))
+        return too_long
 
     def _push_pending(self) -> None:
         while self._pending:
@@ -375,5 +391,5 @@ class StepWriter:
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
     return Episode({n: a.copy() for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
-                   episode.env_id, episode.metadata)
+                   episode.env_id, episode.metadata, owned=True)
 

@@ -14,7 +14,15 @@ class SchemaError(ArrowbufError, ValueError):
 
 
 class CapacityError(ArrowbufError):
-    """An episode does not fit: longer than the capacity, or a full `mode="fixed"` store."""
+    """An episode does not fit: longer than the capacity, or a full `mode="fixed"` store.
+
+    ``retryable`` is True when the same episode could fit later (a full fixed
+    store that is cleared), False when it never can (longer than the capacity).
+    """
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class EmptyStoreError(ArrowbufError):

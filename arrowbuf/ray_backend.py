@@ -31,13 +31,13 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
-from arrowbuf.episodes import StepWriter, read_episode
+from arrowbuf.episodes import StepWriter, _copied, read_episode
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, UniformSampler
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.store import ExperienceStore, _as_numpy, _check_int
+from arrowbuf.store import ExperienceStore, _as_numpy, _check_int, _check_workers
 from arrowbuf.tensors import Payload
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class RayOptions:
         node_affinity: writers send an env's episodes to a shard on their own node
             when there is one.
         allow_partial: `len` and `sample` skip dead shards instead of raising.
+        write_batch_bytes: episodes smaller than this are copied and sent together
+            once this many bytes are waiting (or at `flush`): each Ray call has a
+            fixed cost of about a millisecond, so small episodes travel in batches.
     """
 
     num_cpus: float = 0.0
@@ -75,6 +78,7 @@ class RayOptions:
     nodes: Sequence[str] | None = None
     node_affinity: bool = True
     allow_partial: bool = False
+    write_batch_bytes: int = 4 << 20
 
 
 class ShardServer:
@@ -214,13 +218,14 @@ class _RaySink:
         self._schema = schema
         self._routes: dict[str, int] = {}
         self._batches: dict[int, list[Episode]] = {}
+        self._waiting_bytes = 0
         self._in_flight: dict[int, deque] = {}
         self._node: str | None = None
 
     def __getstate__(self) -> dict:
         # A copy in another process starts with nothing in flight: errors of this
         # process's requests surface here, not there.
-        return {**self.__dict__, "_batches": {}, "_in_flight": {}, "_node": None}
+        return {**self.__dict__, "_batches": {}, "_waiting_bytes": 0, "_in_flight": {}, "_node": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -251,22 +256,34 @@ class _RaySink:
 
     def write(self, episode: Episode) -> None:
         shard = self.route(episode.env_id)
+        size = sum(column.nbytes for column in episode.columns.values())
+        if size < self._shards.options.write_batch_bytes:
+            # Columns may be views of a writer's staging rows, reused by the env's
+            # next episode: an episode that waits for its batch owns its data.
+            episode = _copied(episode)
+            self._waiting_bytes += size
         self._batches.setdefault(shard, []).append(episode)
         self._loads[shard] += episode.num_rows
 
-    def commit(self) -> None:
-        """Send what this call sealed; check answers that came back."""
+    def commit(self, force: bool = False) -> None:
+        """Send what is ready (big episodes, or enough small ones); check answers that came back."""
         self._reap(block=False)
-        batches, self._batches = self._batches, {}
+        if not force and self._waiting_bytes < self._shards.options.write_batch_bytes:
+            ready = {s: [e for e in eps if not e.owned] for s, eps in self._batches.items()}
+            self._batches = {s: [e for e in eps if e.owned] for s, eps in self._batches.items()}
+        else:
+            ready, self._batches, self._waiting_bytes = self._batches, {}, 0
         schema_json = self._schema.to_json() if self._schema is not None else None
-        for shard, episodes in batches.items():
+        for shard, episodes in ready.items():
+            if not episodes:
+                continue
             queue = self._in_flight.setdefault(shard, deque())
             while len(queue) >= self._shards.options.max_in_flight:
                 self._settle(shard, queue.popleft())
             queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json))
 
     def flush(self) -> None:
-        self.commit()
+        self.commit(force=True)
         self._reap(block=True)
 
     def _reap(self, block: bool) -> None:
@@ -412,11 +429,13 @@ class RayExperienceStore(ExperienceStore):
         return self._schema
 
     def __len__(self) -> int:
+        self.flush()
         self._refresh_sizes()
         return int(self._sizes[self._shards.live()].sum())
 
     @property
     def num_episodes(self) -> int:
+        self.flush()
         self._refresh_sizes()
         return int(self._episode_counts[self._shards.live()].sum())
 
@@ -441,7 +460,11 @@ class RayExperienceStore(ExperienceStore):
         self._sink.commit()
 
     def flush(self) -> None:
-        """Wait until every `add_episode` so far is stored; raise the first error."""
+        """Wait until every `add_episode` so far is stored; raise the first error.
+
+        Reads from this store object (`sample`, `len`, `episodes`, ...) flush first,
+        so they see its own writes; writers in other processes flush themselves.
+        """
         self._sink.flush()
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step", env_ids: Sequence[str] | None = None,
@@ -464,38 +487,48 @@ class RayExperienceStore(ExperienceStore):
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _split(self, batch_size: int) -> dict[int, int]:
+    def _split(self, batch_size: int, batches: int) -> tuple[list[int], np.ndarray]:
+        """Live shards and, per batch, how many items each gives (multinomial by mass)."""
         live = self._shards.live()
-        masses = self._masses[live]
-        if masses.sum() <= 0:
+        if self._masses[live].sum() <= 0:
             self._refresh_sizes()
             live = self._shards.live()
-            masses = self._masses[live]
+        masses = self._masses[live]
         if masses.sum() <= 0:
             raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
-        counts = self._rng.multinomial(batch_size, masses / masses.sum())
-        return {shard: int(c) for shard, c in zip(live, counts) if c}
+        return live, self._rng.multinomial(batch_size, masses / masses.sum(), size=batches)
 
-    def _request(self, batch_size: int, n_step: int, gamma: float, frame_stack: int) -> dict[int, Any]:
-        counts = self._split(batch_size)
-        live = self._shards.live()
+    def _request(self, batch_size: int, sample_args: tuple, batches: int = 1) -> tuple:
+        live, counts = self._split(batch_size, batches)
         population = (int(self._sizes[live].sum()), float(self._masses[live].sum()))
         population = population if isinstance(self.sampler, PrioritizedSampler) else None
-        return {shard: self._shards.call(shard, "sample", count, n_step, gamma, frame_stack, population)
-                for shard, count in counts.items()}
+        refs = {shard: self._shards.call(shard, "sample", int(total), *sample_args, population)
+                for shard, total in zip(live, counts.sum(axis=0)) if total}
+        return refs, live, counts
 
-    def _assemble(self, refs: dict[int, Any], device: Any) -> TensorDict:
+    def _assemble(self, request: tuple, device: Any) -> list[TensorDict]:
+        """The batches of one request: each takes its share of every shard's answer."""
+        refs, live, counts = request
         device = torch.device(device) if device is not None else None
-        parts = []
+        parts = {}
         for shard, (payload, size) in self._shards.get(refs).items():
             self._note(shard, size)
-            parts.append(payload.to_tensordict(device))
+            parts[shard] = payload.to_tensordict(device)
         if not parts:
             raise ShardError(f"no shard of {self.name!r} answered")
-        batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if isinstance(self.sampler, PrioritizedSampler):
-            batch["weight"] = batch["weight"] / batch["weight"].max()
-        return batch
+        offsets = dict.fromkeys(parts, 0)
+        batches = []
+        for row in counts:
+            pieces = []
+            for shard, count in zip(live, row):
+                if count and shard in parts:
+                    pieces.append(parts[shard][offsets[shard]:offsets[shard] + count])
+                    offsets[shard] += count
+            batch = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+            if isinstance(self.sampler, PrioritizedSampler):
+                batch["weight"] = batch["weight"] / batch["weight"].max()
+            batches.append(batch)
+        return batches
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
@@ -503,31 +536,49 @@ class RayExperienceStore(ExperienceStore):
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         Same arguments and result as `ExperienceStore.sample`; ``"index"`` holds
-        the shard in its top bits.
+        the shard in its top bits. A batch drawn from several shards is
+        concatenated once (writable); one from a single shard is a view of
+        read-only shared memory (clone before writing in place).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
-        batch = self._assemble(self._request(batch_size, n_step, gamma, frame_stack), device)
+        _check_workers(batch_size, num_workers)
+        self.flush()
+        batch, = self._assemble(self._request(batch_size, (n_step, gamma, frame_stack)), device)
         return self._split_workers(batch, num_workers)
 
-    def sample_iter(self, batch_size: int, prefetch: int = 4, **kwargs: Any) -> Iterator[TensorDict]:
-        """Endless batches, keeping ``prefetch`` requests in flight so sampling overlaps training."""
+    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int = 8, *,
+                    n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Endless batches; ``prefetch`` requests stay in flight per shard so sampling overlaps training.
+
+        Each request fetches ``batches_per_request`` batches at once (every one of
+        them still mixes the shards in proportion to their mass): an actor call
+        costs about a millisecond, a batch a few microseconds.
+        """
         batch_size = _check_int("batch_size", batch_size, 1)
         prefetch = _check_int("prefetch", prefetch, 1)
-        device = kwargs.pop("device", None)
-        n_step, gamma, frame_stack = kwargs.pop("n_step", 1), kwargs.pop("gamma", 0.99), kwargs.pop("frame_stack", 1)
-        if kwargs:
-            raise ValueError(f"unknown arguments {sorted(kwargs)}; expected device, n_step, gamma, frame_stack")
+        batches_per_request = _check_int("batches_per_request", batches_per_request, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
-        pending = deque(self._request(batch_size, n_step, gamma, frame_stack) for _ in range(prefetch))
+        self.flush()
+        return self._prefetching(batch_size, prefetch, batches_per_request, (n_step, gamma, frame_stack), device)
+
+    def _prefetching(self, batch_size: int, prefetch: int, batches_per_request: int, sample_args: tuple,
+                     device: Any) -> Iterator[TensorDict]:
+        pending = deque(self._request(batch_size, sample_args, batches_per_request) for _ in range(prefetch))
         while True:
-            refs = pending.popleft()
-            pending.append(self._request(batch_size, n_step, gamma, frame_stack))
-            yield self._assemble(refs, device)
+            request = pending.popleft()
+            pending.append(self._request(batch_size, sample_args, batches_per_request))
+            yield from self._assemble(request, device)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      device: torch.device | str | None = None) -> Iterator[TensorDict]:
         batch_size = _check_int("batch_size", batch_size, 1)
+        self.flush()
+        return self._epoch_across_shards(batch_size, shuffle, drop_last, device)
+
+    def _epoch_across_shards(self, batch_size: int, shuffle: bool, drop_last: bool,
+                             device: Any) -> Iterator[TensorDict]:
         ranges = self._shards.broadcast("live_range")
         index = np.concatenate([(np.int64(s) << INDEX_SHIFT) + np.arange(a, b, dtype=np.int64)
                                 for s, (a, b) in ranges.items()] or [np.zeros(0, np.int64)])
@@ -560,6 +611,7 @@ class RayExperienceStore(ExperienceStore):
     # -- views ----------------------------------------------------------------------
 
     def episodes(self) -> pa.Table:
+        self.flush()
         tables = list(self._shards.broadcast("episodes").values())
         return pa.concat_tables(tables, promote_options="permissive") if tables else self._table.to_arrow()
 
@@ -568,10 +620,12 @@ class RayExperienceStore(ExperienceStore):
         return self._shards.get({shard: self._shards.call(shard, "episode", int(episode_id))})[shard]
 
     def to_arrow(self) -> pa.Table:
+        self.flush()
         tables = [t for t in self._shards.broadcast("to_arrow").values() if t.num_columns]
         return pa.concat_tables(tables) if tables else pa.table({})
 
     def stats(self) -> dict:
+        self.flush()
         per_shard = list(self._shards.broadcast("stats").values())
         keys = ("transitions", "episodes", "inserts", "samples")
         totals = {k: sum(s[k] for s in per_shard) for k in keys}

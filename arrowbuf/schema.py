@@ -156,6 +156,18 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `flatten`: {"obs.a": x} -> {"obs": {"a": x}} (groups keep their first position)."""
+    nested: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = nested
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
 def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     """A numpy view (no copy where possible) of one column and its dtype name.
 
@@ -190,6 +202,9 @@ def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
     if column.null_count:
         raise SchemaError(f"field {name!r} has {column.null_count} nulls; arrowbuf columns have none")
     if isinstance(column.type, pa.FixedShapeTensorType):
+        if pa.types.is_boolean(column.type.value_type):   # bit-packed: no tensor view exists
+            values = column.storage.flatten().to_numpy(zero_copy_only=False)
+            return values.reshape(len(column), *column.type.shape)
         return column.to_numpy_ndarray()
     if pa.types.is_fixed_size_list(column.type):
         return np.stack(column.to_numpy(zero_copy_only=False)) if len(column) else np.empty((0,))
@@ -311,14 +326,14 @@ class Schema:
                     raise SchemaError(f"column {field.name!r} has Arrow type {field.type}, "
                                       "which arrowbuf cannot store") from None
             fields[field.name] = Field(dtype, shape, observation)
-        return cls(fields)
+        return cls(unflatten(fields))
 
     def to_json(self) -> str:
         return json.dumps({n: [f.dtype, list(f.shape), f.observation] for n, f in self.fields.items()})
 
     @classmethod
     def from_json(cls, text: str) -> "Schema":
-        return cls({n: Field(d, tuple(s), o) for n, (d, s, o) in json.loads(text).items()})
+        return cls(unflatten({n: Field(d, tuple(s), o) for n, (d, s, o) in json.loads(text).items()}))
 
     # -- inference and checks ------------------------------------------------------
 
@@ -345,7 +360,8 @@ class Schema:
                                   "fields and T or T+1 rows for observation fields")
             observation_names = [n for n, length in lengths.items() if len(distinct) == 2 and length == distinct[1]]
         obs = set(observation_names)
-        return cls({name: Field(dtype, array.shape[1:], name in obs) for name, (array, dtype) in columns.items()})
+        return cls(unflatten({name: Field(dtype, array.shape[1:], name in obs)
+                              for name, (array, dtype) in columns.items()}))
 
     def check(self, columns: Mapping[str, tuple[np.ndarray, str]]) -> tuple[int, bool]:
         """Check one episode's columns against the schema.
@@ -359,11 +375,10 @@ class Schema:
                 lengths, or an empty episode.
         """
         missing = [n for n in self.fields if n not in columns]
-        if missing:
-            raise SchemaError(f"episode is missing field(s) {missing}; the schema has {list(self.fields)}")
         unknown = [n for n in columns if n not in self.fields]
-        if unknown:
-            raise SchemaError(f"episode has unknown field(s) {unknown}; the schema has {list(self.fields)}")
+        if missing or unknown:
+            raise SchemaError(f"episode fields do not match the schema: missing {missing}, unknown {unknown}; "
+                              f"the schema has {list(self.fields)}")
         for name, (array, dtype) in columns.items():
             check_column(self.fields[name], name, array, dtype)
         steps = {n: columns[n][0].shape[0] for n, f in self.fields.items() if not f.observation}

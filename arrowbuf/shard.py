@@ -38,6 +38,7 @@ class Episode:
     has_final: bool
     env_id: str = "default"
     metadata: dict[str, Any] | None = field(default=None)
+    owned: bool = False   # columns are private copies, not views of a writer's staging rows
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
 
     @property
@@ -106,6 +107,9 @@ class Shard:
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # np.empty leaves pages untouched until written: memory grows with the data.
         self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in self.specs.items()}
+        # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
+        # so only `track_reuse` turns it on. Zeroed when the row is written.
+        self.reuse: np.ndarray | None = None
         self.add_listeners: list[Callable[[int, int], None]] = []
         self.evict_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
         self.gather = Gather(self._gather_columns())
@@ -144,7 +148,7 @@ class Shard:
         if evicted and self.mode == "fixed":
             raise CapacityError(
                 f"store is full: {len(self.table)} episodes in {self.capacity} rows and mode='fixed' "
-                f"refuses to evict; the episode of {rows} rows was not written")
+                f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
         return start, evicted
 
     def add(self, episode: Episode) -> int:
@@ -172,6 +176,8 @@ class Shard:
         self.arena["is_first"][start] = True
         self.arena["is_last"][start:stop] = False
         self.arena["is_last"][stop - 1] = True
+        if self.reuse is not None:
+            self.reuse[start:stop] = 0
         columns = episode.columns
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
@@ -220,6 +226,28 @@ class Shard:
             raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
         self.write_pos = int(state["write_pos"])
+
+    # -- reuse ------------------------------------------------------------------------
+
+    def track_reuse(self) -> None:
+        """Count from now on how often each row is sampled (`count_samples`, `reuse_counts`)."""
+        if self.reuse is None:
+            self.reuse = np.zeros(self.capacity, np.uint32)
+
+    def count_samples(self, rows: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Count one sample of each of ``rows`` (where ``mask``: padding is not a sample)."""
+        if self.reuse is not None:
+            np.add.at(self.reuse, rows[mask] if mask is not None else rows.reshape(-1), np.uint32(1))
+
+    def transition_rows(self) -> np.ndarray:
+        """Arena rows of the live transitions, oldest first."""
+        first, length = self.table.col("first_row"), self.table.col("length")
+        ends = np.cumsum(length)
+        return np.repeat(first - (ends - length), length) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+    def reuse_counts(self) -> np.ndarray | None:
+        """How often each live transition was sampled, oldest first; None when not tracked."""
+        return self.reuse[self.transition_rows()] if self.reuse is not None else None
 
     # -- reading ----------------------------------------------------------------------
 

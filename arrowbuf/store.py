@@ -60,6 +60,13 @@ def _as_numpy(value: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be an array or tensor, got {describe(value)}") from None
 
 
+def _check_workers(batch_size: int, num_workers: int | None) -> None:
+    if num_workers is not None:
+        _check_int("num_workers", num_workers, 1)
+        if batch_size % num_workers:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of num_workers={num_workers}")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -90,6 +97,8 @@ class ExperienceStore:
         backend: "local" (in-process) or "ray" (sharded Ray actors; see
             `arrowbuf.ray_backend.RayExperienceStore` for its extra arguments).
         num_shards: shards of a Ray store (1 for the local backend).
+        track_reuse: count how often each stored step is sampled, for the
+            ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -116,7 +125,8 @@ class ExperienceStore:
 
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
-                 backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1) -> None:
+                 backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
+                 track_reuse: bool = False) -> None:
         self.capacity = _check_int("capacity", capacity, 1)
         if num_shards != 1:
             raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
@@ -140,6 +150,7 @@ class ExperienceStore:
         self.backend = backend
         self.sampler = sampler
         self.rate_limiter = rate_limiter
+        self.track_reuse = bool(track_reuse)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
@@ -251,6 +262,8 @@ class ExperienceStore:
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
+        if self.track_reuse:
+            shard.track_reuse()
         self._shard = shard
 
     def _set_schema(self, schema: Schema) -> None:
@@ -342,6 +355,7 @@ class ExperienceStore:
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
+        _check_workers(batch_size, num_workers)
         with self._changed:
             self._wait(lambda: self.rate_limiter.can_sample(batch_size, len(self)), timeout,
                        lambda: self.rate_limiter.why_not_sample(batch_size, len(self)))
@@ -366,9 +380,6 @@ class ExperienceStore:
     def _split_workers(batch: TensorDict, num_workers: int | None) -> TensorDict | list[TensorDict]:
         if num_workers is None:
             return batch
-        num_workers = _check_int("num_workers", num_workers, 1)
-        if batch.batch_size[0] % num_workers:
-            raise ValueError(f"batch_size {batch.batch_size[0]} is not a multiple of num_workers={num_workers}")
         return list(batch.split(batch.batch_size[0] // num_workers, dim=0))
 
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
@@ -396,6 +407,8 @@ class ExperienceStore:
         if frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        if shard.reuse is not None:
+            shard.count_samples(rows, selection.extra.get("mask"))
         return shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
 
     def update_priorities(self, index: Any, priority: Any) -> int:
@@ -469,6 +482,9 @@ class ExperienceStore:
         with self._lock:
             first, stop = self._table.first_live_rank, self._table.next_rank
             chunks = epoch_ranks(self._rng, batch_size, first, stop, shuffle, drop_last)
+        return self._epoch(chunks, device)
+
+    def _epoch(self, chunks: Iterator[np.ndarray], device: Any) -> Iterator[TensorDict]:
         for ranks in chunks:
             with self._lock:
                 live = ranks[self._table.is_live(ranks)]
@@ -516,7 +532,7 @@ class ExperienceStore:
         whole episodes per file, at most ``rows_per_file`` rows unless one episode
         is longer), ``episodes.parquet`` the episode table, ``_arrowbuf.json`` the
         manifest. The store's lock is held only while the snapshot is taken.
-        Details: `arrowbuf.parquet`.
+        `arrowbuf.read_parquet` opens the rows as a dataset. Details: `arrowbuf.parquet`.
 
         Args:
             path: the directory to create (written beside it, then renamed).
@@ -565,7 +581,7 @@ class ExperienceStore:
             CapacityError: a selected episode is longer than ``capacity``, or a
                 ``mode="fixed"`` store cannot hold them all.
         """
-        from arrowbuf.parquet import load_store
+        from arrowbuf.parquet_load import load_store
 
         return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
 

@@ -230,7 +230,7 @@ class EpisodeTable:
         return self._metadata[self.head:self.tail]
 
     def to_arrow(self) -> pa.Table:
-        """The live episodes as an Arrow table (numeric columns are views)."""
+        """The live episodes as an Arrow table (a snapshot)."""
         n = len(self)
         env = pa.DictionaryArray.from_arrays(pa.array(self.col("env")), pa.array(self.env_names, pa.string()))
         meta = self.metadata()
@@ -245,10 +245,12 @@ class EpisodeTable:
             "terminated": self.col("terminated"),
             "truncated": self.col("truncated"),
             "return": self.col("return"),
-            "inserted_at": pa.array(self.col("inserted_at"), pa.timestamp("ns")),
+            "inserted_at": pa.array(self.col("inserted_at").copy(), pa.timestamp("ns")),
             "first_index": self.col("first_rank"),
         }
-        table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v) for k, v in columns.items()})
+        # Copies (one value per episode): a table handed out must not change when
+        # `clear` and new writes reuse these slots.
+        table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v.copy()) for k, v in columns.items()})
         if any(m is not None for m in meta):
             table = table.append_column("metadata", pa.array(meta, pa.string()))
         return table

@@ -1,0 +1,179 @@
+"""Field specs, the Arrow mapping, nested names, inference and the checks every write goes through."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.schema import Schema, as_array, check_column, dtype_fits, flatten
+
+DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16"]
+
+
+@pytest.mark.parametrize("given_dtype, name", [
+    (np.float32, "float32"), (np.dtype("int16"), "int16"), ("uint8", "uint8"), (bool, "bool"),
+    (torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.int64, "int64"), ("bfloat16", "bfloat16"),
+])
+def test_field_names_numpy_torch_and_string_dtypes(given_dtype, name):
+    assert ab.Field(given_dtype).dtype == name
+
+
+@pytest.mark.parametrize("bad", ["complex64", np.complex128, torch.complex64, "string", object])
+def test_an_unsupported_dtype_is_a_schema_error_naming_it(bad):
+    with pytest.raises(ab.SchemaError, match="unsupported dtype"):
+        ab.Field(bad)
+
+
+def test_a_negative_or_non_integer_shape_is_a_schema_error():
+    with pytest.raises(ab.SchemaError, match="non-negative"):
+        ab.Field("float32", (2, -1))
+    with pytest.raises(ab.SchemaError, match="tuple of ints"):
+        ab.Field("float32", ("a",))
+
+
+def test_scalars_are_arrow_primitives_and_shapes_are_fixed_shape_tensors():
+    schema = Schema({"obs": ab.Field("float32", (2, 3), True), "action": ab.Field("int64"),
+                     "flag": ab.Field("bool")})
+    arrow = schema.to_arrow()
+    assert arrow.field("obs").type == pa.fixed_shape_tensor(pa.float32(), [2, 3])
+    assert arrow.field("action").type == pa.int64()
+    assert arrow.field("flag").type == pa.bool_()
+    assert arrow.field("obs").metadata[b"arrowbuf.role"] == b"observation"
+    assert arrow.field("action").metadata[b"arrowbuf.role"] == b"step"
+    assert arrow.names[-4:] == ["episode_id", "step", "is_first", "is_last"]
+    assert schema.to_arrow(system=False).names == ["obs", "action", "flag"]
+
+
+def test_bfloat16_is_stored_as_uint16_with_field_metadata():
+    field = Schema({"x": ab.Field("bfloat16", (4,)), "y": ab.Field("bfloat16")}).to_arrow()
+    assert field.field("x").type == pa.fixed_shape_tensor(pa.uint16(), [4])
+    assert field.field("y").type == pa.uint16()
+    assert field.field("y").metadata[b"arrowbuf.dtype"] == b"bfloat16"
+    assert ab.Field("bfloat16").numpy_dtype == np.uint16
+    assert ab.Field("bfloat16").torch_dtype == torch.bfloat16
+
+
+def test_row_bytes_count_every_field_and_the_system_columns():
+    schema = Schema({"obs": ab.Field("float32", (4,), True), "action": ab.Field("int64")})
+    assert schema.row_bytes == 16 + 8 + (8 + 4 + 1 + 1)
+
+
+def test_nested_fields_flatten_to_dotted_names_in_order():
+    schema = Schema({"obs": {"pixels": ab.Field("uint8", (2, 2), True), "state": ab.Field("float32", (3,), True)},
+                     "action": "int64"})
+    assert schema.names == ("obs.pixels", "obs.state", "action")
+    assert schema.observation_names == ("obs.pixels", "obs.state")
+
+
+FLAT_SCHEMA = Schema({f"f_{d}_{len(shape)}d": ab.Field(d, shape, obs) for d in DTYPES
+                      for shape, obs in [((), False), ((2, 3), True)]})
+NESTED_SCHEMA = Schema({"obs": {"pixels": ab.Field("uint8", (2, 2), True), "state": ab.Field("bfloat16", (3,), True)},
+                        "action": ab.Field("int64"), "policy": {"log_prob": ab.Field("float32")}})
+
+
+@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA], ids=["flat", "nested"])
+def test_arrow_schema_round_trips(schema):
+    assert Schema.from_arrow(schema.to_arrow()) == schema
+    assert Schema.from_arrow(schema.to_arrow(system=False)) == schema
+
+
+@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA], ids=["flat", "nested"])
+def test_json_schema_round_trips(schema):
+    assert Schema.from_json(schema.to_json()) == schema
+
+
+names = st.text(alphabet="abcxyz_", min_size=1, max_size=5).filter(lambda n: n not in ab.schema.RESERVED_NAMES)
+fields = st.builds(ab.Field, st.sampled_from(DTYPES), st.lists(st.integers(0, 3), max_size=3).map(tuple),
+                   st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=st.dictionaries(names, st.one_of(fields, st.dictionaries(names, fields, min_size=1, max_size=3)),
+                            min_size=1, max_size=5))
+def test_any_schema_round_trips_through_arrow(spec):
+    try:
+        schema = Schema({**spec, "action": ab.Field("int64")})
+    except ab.SchemaError:
+        return  # e.g. a user field named "action" nested elsewhere: rejected up front
+    assert Schema.from_arrow(schema.to_arrow()) == schema
+
+
+def test_reserved_names_are_refused_with_the_name():
+    for name in ("episode_id", "step", "index", "next", "weight", "mask", "is_first", "is_last"):
+        with pytest.raises(ab.SchemaError, match=f"'{name}'"):
+            Schema({name: "float32", "action": "int64"})
+    with pytest.raises(ab.SchemaError, match="'next.obs'"):
+        Schema({"next": {"obs": "float32"}, "action": "int64"})
+
+
+def test_a_schema_needs_a_field_and_a_step_field():
+    with pytest.raises(ab.SchemaError, match="at least one field"):
+        Schema({})
+    with pytest.raises(ab.SchemaError, match="every field is an observation"):
+        Schema({"obs": ab.Field("float32", (2,), True)})
+
+
+@pytest.mark.parametrize("key", ["", "a.b", 3])
+def test_field_names_must_be_plain_non_empty_strings(key):
+    with pytest.raises(ab.SchemaError, match="non-empty strings without '.'"):
+        flatten({key: 1})
+
+
+def test_infer_takes_fields_with_one_more_row_as_observations():
+    columns = {"obs": (np.zeros((6, 2), np.float32), "float32"), "action": (np.zeros(5, np.int64), "int64")}
+    schema = Schema.infer(columns)
+    assert schema.fields["obs"] == ab.Field("float32", (2,), True)
+    assert schema.fields["action"] == ab.Field("int64", (), False)
+
+
+def test_infer_refuses_ragged_columns_and_scalars():
+    with pytest.raises(ab.SchemaError, match="ragged"):
+        Schema.infer({"obs": (np.zeros(8), "float64"), "action": (np.zeros(5), "float64")})
+    with pytest.raises(ab.SchemaError, match="'action' is a scalar"):
+        Schema.infer({"obs": (np.zeros(3), "float64"), "action": (np.zeros(()), "float64")})
+
+
+def test_check_returns_the_steps_and_whether_the_final_observation_is_there():
+    schema = Schema({"obs": ab.Field("float32", (2,), True), "action": ab.Field("int64")})
+    with_final = {"obs": as_array(np.zeros((4, 2), np.float32), "obs"), "action": as_array(np.zeros(3, np.int64), "a")}
+    without = {"obs": as_array(np.zeros((3, 2), np.float32), "obs"), "action": as_array(np.zeros(3, np.int64), "a")}
+    assert schema.check(with_final) == (3, True)
+    assert schema.check(without) == (3, False)
+
+
+def test_check_names_the_field_the_received_value_and_the_expected_one():
+    field = ab.Field("float32", (4,), True)
+    with pytest.raises(ab.SchemaError, match=r"'obs'.*\(5,\).*expected \(4,\)"):
+        check_column(field, "obs", np.zeros((3, 5), np.float32), "float32")
+    with pytest.raises(ab.SchemaError, match="'obs': dtype float64; expected float32"):
+        check_column(field, "obs", np.zeros((3, 4)), "float64")
+    with pytest.raises(ab.SchemaError, match="'obs'.*leading dimension"):
+        check_column(field, "obs", np.zeros(()), "float32")
+
+
+@pytest.mark.parametrize("received, expected, fits", [
+    ("int32", "int64", True), ("int64", "int32", False), ("uint8", "int16", True), ("float64", "float32", False),
+    ("float16", "float32", True), ("bool", "uint8", True), ("int32", "float32", False),
+    ("bfloat16", "float32", False), ("float32", "bfloat16", False), ("bfloat16", "bfloat16", True),
+])
+def test_dtype_fits_only_lossless_casts(received, expected, fits):
+    assert dtype_fits(received, expected) is fits
+
+
+def test_as_array_views_torch_bfloat16_as_uint16_bits_without_changing_them():
+    values = torch.tensor([1.5, -2.25, 3e-3, 65280.0], dtype=torch.bfloat16)
+    array, name = as_array(values, "x")
+    assert name == "bfloat16" and array.dtype == np.uint16
+    assert torch.equal(torch.from_numpy(array.view(np.int16)).view(torch.bfloat16), values)
+
+
+def test_as_array_refuses_unsupported_dtypes_with_the_field_name():
+    with pytest.raises(ab.SchemaError, match="field 'x'"):
+        as_array(np.array(["a", "b"]), "x")
+    with pytest.raises(ab.SchemaError, match="field 'z'"):
+        as_array(torch.zeros(2, dtype=torch.complex64), "z")

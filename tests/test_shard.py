@@ -1,0 +1,170 @@
+"""The ring arena: placement (`plan_write`), FIFO eviction, fixed mode, zero-copy views."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.errors import CapacityError
+from arrowbuf.shard import Episode, Shard, plan_write
+from conftest import column_numpy, reference_plan, tagged_obs
+
+SCHEMA = ab.Schema({"obs": ab.Field("float64", (2,), observation=True), "action": ab.Field("int64"),
+                    "flag": ab.Field("bool"), "pixels": ab.Field("uint8", (2, 3)), "x": ab.Field("float32")})
+
+
+def shard_episode(tag: int, steps: int, has_final: bool = True) -> Episode:
+    t = np.arange(steps)
+    return Episode({"obs": tagged_obs(tag, np.arange(steps + int(has_final))), "action": tag * 1000 + t,
+                    "flag": t % 2 == 0, "pixels": np.full((steps, 2, 3), tag, np.uint8),
+                    "x": (tag + t).astype(np.float32)}, steps, has_final)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 30), data=st.data())
+def test_plan_write_agrees_with_the_row_by_row_reference(capacity, data):
+    sizes = data.draw(st.lists(st.integers(1, capacity), min_size=1, max_size=25))
+    live: list[tuple[int, int]] = []
+    write_pos = 0
+    for rows in sizes:
+        first_rows = np.array([first for first, _ in live], np.int64)
+        got = plan_write(first_rows, write_pos, capacity, rows)
+        assert got == reference_plan(live, write_pos, capacity, rows)
+        start, evicted = got
+        live = live[evicted:] + [(start, rows)]
+        write_pos = start + rows
+        spans = sorted((first, first + n) for first, n in live)
+        assert all(0 <= a < b <= capacity for a, b in spans)
+        assert all(b <= a2 for (_, b), (a2, _) in zip(spans, spans[1:]))
+
+
+def test_plan_write_appends_at_the_write_position_when_the_tail_has_room():
+    assert plan_write(np.array([0, 4], np.int64), 7, 10, 3) == (7, 0)
+
+
+def test_plan_write_skips_a_short_tail_and_evicts_the_previous_lap_first():
+    # Live: [6, 9) from the previous lap (oldest), then [0, 3) and [3, 6); the tail
+    # [6, 10) has room for 4 rows only once [6, 9) is gone, but 5 rows must go to row 0.
+    first_rows = np.array([6, 0, 3], np.int64)
+    assert plan_write(first_rows, 6, 10, 5) == (0, 3)
+    assert plan_write(first_rows, 6, 10, 3) == (6, 1)
+
+
+def test_plan_write_on_an_empty_table_never_evicts():
+    assert plan_write(np.array([], np.int64), 0, 5, 5) == (0, 0)
+
+
+def test_episode_never_wraps_the_ring():
+    shard = Shard(SCHEMA, capacity=10)
+    shard.add(shard_episode(0, 5))          # rows [0, 6)
+    shard.add(shard_episode(1, 4))          # needs 5 rows; tail [6, 10) has 4: skips to row 0
+    assert shard.table.col("first_row").tolist() == [0]
+    assert shard.table.col("episode_id").tolist() == [1]
+    assert shard.write_pos == 5
+    view = shard.episode_view(0)
+    np.testing.assert_array_equal(column_numpy(view.column("obs")), tagged_obs(1, np.arange(5)))
+
+
+def test_an_episode_of_exactly_the_capacity_fills_the_arena():
+    shard = Shard(SCHEMA, capacity=6)
+    shard.add(shard_episode(0, 2))
+    shard.add(shard_episode(1, 5))
+    assert shard.table.col("episode_id").tolist() == [1]
+    assert shard.table.col("first_row").tolist() == [0]
+    assert len(shard) == 5
+
+
+def test_an_episode_longer_than_the_capacity_is_refused_and_changes_nothing():
+    shard = Shard(SCHEMA, capacity=6)
+    shard.add(shard_episode(0, 3))
+    arena = {name: column.copy() for name, column in shard.arena.items()}
+    with pytest.raises(CapacityError, match=r"6 steps needs 7 rows.*capacity of 6 rows"):
+        shard.add(shard_episode(1, 6))
+    assert shard.table.col("episode_id").tolist() == [0]
+    assert shard.write_pos == 4
+    for name, column in arena.items():
+        np.testing.assert_array_equal(shard.arena[name][:4], column[:4])
+
+
+def test_fixed_mode_refuses_to_evict_and_changes_nothing():
+    shard = Shard(SCHEMA, capacity=10, mode="fixed")
+    shard.add(shard_episode(0, 3))   # [0, 4)
+    shard.add(shard_episode(1, 3))   # [4, 8)
+    with pytest.raises(CapacityError, match="mode='fixed'"):
+        shard.add(shard_episode(2, 2))   # 3 rows: would need to evict episode 0
+    assert shard.table.col("episode_id").tolist() == [0, 1]
+    assert shard.write_pos == 8
+    shard.add(shard_episode(2, 1))   # 2 rows still fit in the tail
+    assert shard.table.col("first_row").tolist() == [0, 4, 8]
+
+
+def test_eviction_tells_listeners_which_rows_go_before_they_are_reused():
+    shard = Shard(SCHEMA, capacity=10)
+    calls = []
+    shard.evict_listeners.append(lambda first, rows: calls.append((first.tolist(), rows.tolist(),
+                                                                    shard.arena["action"][first[0]])))
+    shard.add(shard_episode(5, 3))
+    shard.add(shard_episode(6, 3))
+    shard.add(shard_episode(7, 3))   # 4 rows: wraps, evicts the first episode only
+    assert calls == [([0], [4], 5000)]  # the old action is still in the arena when told
+
+
+def test_the_final_row_holds_the_last_observation_and_zeros_in_step_fields():
+    shard = Shard(SCHEMA, capacity=8)
+    shard.add(shard_episode(3, 4))
+    assert shard.arena["action"][4] == 0
+    assert shard.arena["x"][4] == 0
+    assert not shard.arena["flag"][4]
+    np.testing.assert_array_equal(shard.arena["pixels"][4], 0)
+    np.testing.assert_array_equal(shard.arena["obs"][4], [3, 4])
+
+
+def test_ranks_and_rows_of_live_transitions_line_up():
+    shard = Shard(SCHEMA, capacity=10)
+    shard.add(shard_episode(0, 4))                    # 4 transitions, rows [0, 5)
+    shard.add(shard_episode(1, 3, has_final=False))   # 2 transitions, rows [5, 8)
+    shard.add(shard_episode(2, 2))                    # wraps: evicts episode 0; rows [0, 3)
+    assert len(shard) == 4
+    assert shard.table.first_live_rank == 4
+    np.testing.assert_array_equal(shard.table.rows_of(np.arange(4, 8)), [5, 6, 0, 1])
+
+
+def test_runs_merge_adjacent_episodes_and_split_at_the_wrap():
+    shard = Shard(SCHEMA, capacity=10)
+    for tag, steps in enumerate([2, 2, 2, 3]):   # rows [0,3) [3,6) [6,9) then [0,4) evicting two
+        shard.add(shard_episode(tag, steps))
+    assert shard.runs() == [(6, 9), (0, 4)]
+    table = shard.to_arrow()
+    assert [len(b) for b in table.to_batches()] == [3, 4]
+    assert column_numpy(table.column("episode_id")).tolist() == [2, 2, 2, 3, 3, 3, 3]
+
+
+def test_episode_views_are_zero_copy_slices_of_the_arena():
+    shard = Shard(SCHEMA, capacity=20)
+    shard.add(shard_episode(0, 5))
+    shard.add(shard_episode(1, 3))
+    view = shard.episode_view(1)
+    for name in ("obs", "action", "pixels", "x", "episode_id", "step"):
+        arena = shard.arena[name]
+        column = view.column(name)
+        values = column.storage.values if isinstance(column.type, pa.FixedShapeTensorType) else column
+        assert values.buffers()[1].address == arena[6:].ctypes.data, name
+    shard.arena["action"][6] = 99   # a view sees later writes to its rows
+    assert view.column("action")[0].as_py() == 99
+
+
+def test_shard_constructor_checks_capacity_and_mode():
+    with pytest.raises(ValueError, match="capacity.*got 0"):
+        Shard(SCHEMA, capacity=0)
+    with pytest.raises(ValueError, match="mode.*'ring'"):
+        Shard(SCHEMA, capacity=4, mode="ring")
+
+
+def test_ids_of_several_shards_never_collide():
+    shards = [Shard(SCHEMA, capacity=10, shard=k, num_shards=3) for k in range(3)]
+    ids = [s.add(shard_episode(0, 1)) for s in shards for _ in range(3)]
+    assert sorted(ids) == list(range(9))
