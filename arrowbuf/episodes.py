@@ -8,7 +8,8 @@ no Python loop over environments) and seals each episode as it ends.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa

@@ -15,9 +15,8 @@ import numpy as np
 from arrowbuf.table import EpisodeTable
 
 
-def episode_bounds(table: EpisodeTable, episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first row, last transition row) of the live episodes holding each row."""
-    pos = table.position_of(episode_ids)
+def episode_bounds(table: EpisodeTable, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, last transition row) of the live episodes at positions ``pos``."""
     first = table.col("first_row")[pos]
     return first, first + table.col("length")[pos] - 1
 

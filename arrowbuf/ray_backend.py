@@ -34,7 +34,7 @@ from tensordict import TensorDict
 from arrowbuf.episodes import StepWriter, _copied, read_episode
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, UniformSampler
+from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.store import ExperienceStore, _as_numpy, _check_int, _check_workers
@@ -136,13 +136,11 @@ class ShardServer:
 
     def gather(self, ranks: np.ndarray) -> Payload | None:
         """The live ones of ``ranks`` (an epoch's share of this shard)."""
-        from arrowbuf.samplers import Selection
-
         table = self.store._table
         live = ranks[table.is_live(ranks)]
         if not len(live):
             return None
-        return self.store._payload(Selection(table.rows_of(live), live), index_base=self.shard << INDEX_SHIFT)
+        return self.store._payload(select_ranks(table, live), index_base=self.shard << INDEX_SHIFT)
 
     def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> int:
         return self.store.update_priorities(ranks, priorities)

@@ -24,11 +24,18 @@ from arrowbuf.table import EpisodeTable
 
 @dataclass
 class Selection:
-    """What a sampler chose: rows to gather, their ranks, and extra per-item arrays."""
+    """What a sampler chose: rows to gather, their ranks and episodes, and extra per-item arrays."""
 
     rows: np.ndarray                     # arena rows, [B] or [B, L]
     ranks: np.ndarray                    # transition ranks, same shape ("index")
+    pos: np.ndarray                      # live position of each one's episode, same shape
     extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def select_ranks(table: EpisodeTable, ranks: np.ndarray, extra: dict | None = None) -> Selection:
+    """The selection of live transition ranks."""
+    pos, step = table.locate(ranks)
+    return Selection(table.col("first_row")[pos] + step, ranks, pos, extra or {})
 
 
 def uniform_ranks(rng: np.random.Generator, n: int, first_rank: int, stop_rank: int) -> np.ndarray:
@@ -45,12 +52,6 @@ def epoch_ranks(rng: np.random.Generator, batch_size: int, first_rank: int, stop
     stop = len(ranks) - len(ranks) % batch_size if drop_last else len(ranks)
     for start in range(0, stop, batch_size):
         yield ranks[start:start + batch_size]
-
-
-def ranks_of_rows(table: EpisodeTable, episode_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Transition ranks of live arena rows, from the rows' episode ids."""
-    pos = table.position_of(episode_ids)
-    return table.col("first_rank")[pos] + (rows - table.col("first_row")[pos])
 
 
 class Sampler:
@@ -114,8 +115,7 @@ class UniformSampler(Sampler):
     """
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        ranks = uniform_ranks(rng, n, *table.live_range())
-        return Selection(table.rows_of(ranks), ranks)
+        return select_ranks(table, uniform_ranks(rng, n, *table.live_range()))
 
 
 class WithoutReplacementSampler(Sampler):
@@ -151,7 +151,7 @@ class WithoutReplacementSampler(Sampler):
             if len(remaining) and not (self.drop_last and len(remaining) < n):
                 ranks = remaining[:n]
                 self._order, self._cursor = remaining, len(ranks)
-                return Selection(table.rows_of(ranks), ranks)
+                return select_ranks(table, ranks)
             self._order = np.arange(*table.live_range(), dtype=np.int64)
             rng.shuffle(self._order)
             self._cursor = 0
@@ -238,13 +238,13 @@ class PrioritizedSampler(Sampler):
         """
         total = self.tree.total
         rows = self.tree.find(rng.random(n) * total)
-        arena = self._shard.arena
-        ranks = ranks_of_rows(table, arena["episode_id"][rows], rows)
+        pos = table.position_of(self._shard.arena["episode_id"][rows])
+        ranks = table.col("first_rank")[pos] + (rows - table.col("first_row")[pos])
         count, mass = population if population is not None else (table.num_transitions, total)
         weight = (count * self.tree.leaves[rows] / mass) ** -self.beta
         if population is None:
             weight = weight / weight.max()
-        return Selection(rows, ranks, {"weight": weight.astype(np.float32)})
+        return Selection(rows, ranks, pos, {"weight": weight.astype(np.float32)})
 
     def update(self, table: EpisodeTable, ranks: np.ndarray, priorities: np.ndarray) -> int:
         """Set the priorities of live ``ranks``; returns how many were live."""
@@ -326,18 +326,17 @@ class SequenceSampler(Sampler):
                                  f"(longest: {int(table.col('length').max(initial=0))}); "
                                  "use strict=False or a shorter length")
             pos, start = table.locate(rng.integers(first, stop, size=n, dtype=np.int64), self._counter)
-            ranks = table.col("first_rank")[pos][:, None] + start[:, None] + offsets
-            rows = table.rows_of(ranks.reshape(-1)).reshape(n, self.length)
-            return Selection(rows, ranks, {"mask": np.ones((n, self.length), bool)})
-        starts = uniform_ranks(rng, n, *table.live_range())
-        pos, step = table.locate(starts)
-        last = table.col("length")[pos] - 1
-        steps = step[:, None] + offsets
-        mask = steps <= last[:, None]
-        steps = np.minimum(steps, last[:, None])
+            steps = start[:, None] + offsets
+            mask = np.ones((n, self.length), bool)
+        else:
+            pos, step = table.locate(uniform_ranks(rng, n, *table.live_range()))
+            last = table.col("length")[pos] - 1
+            steps = step[:, None] + offsets
+            mask = steps <= last[:, None]
+            steps = np.minimum(steps, last[:, None])
         ranks = table.col("first_rank")[pos][:, None] + steps
         rows = table.col("first_row")[pos][:, None] + steps
-        return Selection(rows, ranks, {"mask": mask})
+        return Selection(rows, ranks, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
 
     def config(self) -> dict:
         return {"length": self.length, "strict": self.strict}
@@ -372,4 +371,4 @@ class EpisodeSampler(Sampler):
         steps = np.minimum(steps, chosen[:, None] - 1)
         ranks = table.col("first_rank")[pos][:, None] + steps
         rows = table.col("first_row")[pos][:, None] + steps
-        return Selection(rows, ranks, {"mask": mask})
+        return Selection(rows, ranks, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})

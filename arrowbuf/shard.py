@@ -102,7 +102,7 @@ class Shard:
         self.schema = schema
         self.capacity = capacity
         self.mode = mode
-        self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards)
+        self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
         self.write_pos = 0
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # np.empty leaves pages untouched until written: memory grows with the data.
@@ -124,8 +124,6 @@ class Shard:
             columns[key] = (self.arena[name], "obs" if f.observation else "step", f.torch_dtype)
             if f.observation:
                 columns[("next", *key)] = (self.arena[name], "next", f.torch_dtype)
-        for name in ("episode_id", "step"):
-            columns[(name,)] = (self.arena[name], "step", SYSTEM_SPECS[name].torch_dtype)
         return columns
 
     # -- writing --------------------------------------------------------------------
@@ -151,14 +149,18 @@ class Shard:
                 f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
         return start, evicted
 
-    def add(self, episode: Episode) -> int:
+    def add(self, episode: Episode, plan: tuple[int, int] | None = None) -> int:
         """Copy an episode into the arena, evicting the oldest as needed; returns its id.
+
+        Args:
+            episode: a checked episode.
+            plan: `check_fits` of this episode, if the caller just computed it.
 
         Raises:
             CapacityError: the episode is longer than the capacity, or the store is
                 full in ``mode="fixed"``; the shard is unchanged.
         """
-        start, evicted = self.check_fits(episode)
+        start, evicted = plan if plan is not None else self.check_fits(episode)
         if evicted:
             self._evict(evicted)
         rows = episode.num_rows
@@ -209,9 +211,10 @@ class Shard:
     # -- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the next episode goes and the episode table (the rows are saved apart)."""
+        """Where the next episode goes, the episode table and the sample counts of
+        `track_reuse` (the rows are saved apart)."""
         return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos,
-                "table": self.table.state_dict()}
+                "table": self.table.state_dict(), "reuse": self.reuse.copy() if self.reuse is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict` into an empty shard of the same capacity; the caller
@@ -226,6 +229,8 @@ class Shard:
             raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
         self.write_pos = int(state["write_pos"])
+        if state.get("reuse") is not None:
+            self.reuse = np.array(state["reuse"], np.uint32)
 
     # -- reuse ------------------------------------------------------------------------
 

@@ -13,12 +13,13 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._stats import priority_histogram, reuse_summary, store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.episodes import StepWriter, read_episode
 from arrowbuf.errors import EmptyStoreError, RateLimited, describe
 from arrowbuf.indexing import episode_bounds, frame_rows, n_step
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_ranks
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_ranks, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
@@ -150,7 +151,9 @@ class ExperienceStore:
         self.backend = backend
         self.sampler = sampler
         self.rate_limiter = rate_limiter
-        self.track_reuse = bool(track_reuse)
+        if not isinstance(track_reuse, bool):
+            raise ValueError(f"track_reuse must be True or False, got {track_reuse!r}")
+        self.track_reuse = track_reuse
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
@@ -240,15 +243,20 @@ class ExperienceStore:
     def _add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None) -> int:
         with self._changed:
             shard = self._shard if self._shard is not None else self._make_shard(schema)
-            shard.check_fits(episode)
+            plan = shard.check_fits(episode)
             transitions = shard.transitions_of(episode)
-            self._wait(lambda: self.rate_limiter.can_insert(transitions), timeout,
-                       lambda: f"insert of {transitions} transitions refused by {self.rate_limiter.state()}")
+            limiter = self.rate_limiter
+            limited = type(limiter) is not RateLimiter   # the plain one only counts
+            if limited:
+                self._wait(lambda: limiter.can_insert(transitions), timeout,
+                           lambda: f"insert of {transitions} transitions refused by {limiter.state()}")
+                plan = shard.check_fits(episode)   # other threads may have written while we waited
             if self._shard is None:
                 self._bind(shard)
-            episode_id = self._shard.add(episode)
-            self.rate_limiter.inserts += transitions
-            self._changed.notify_all()
+            episode_id = shard.add(episode, plan)
+            limiter.inserts += transitions
+            if limited:
+                self._changed.notify_all()
             return episode_id
 
     def _make_shard(self, schema: Schema) -> Shard:
@@ -354,16 +362,21 @@ class ExperienceStore:
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
-        self._check_sample_args(n_step, gamma, frame_stack)
+        if n_step != 1 or frame_stack != 1 or gamma != 0.99:
+            self._check_sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
+        limiter = self.rate_limiter
+        limited = type(limiter) is not RateLimiter   # the plain one only counts
         with self._changed:
-            self._wait(lambda: self.rate_limiter.can_sample(batch_size, len(self)), timeout,
-                       lambda: self.rate_limiter.why_not_sample(batch_size, len(self)))
+            if limited:
+                self._wait(lambda: limiter.can_sample(batch_size, len(self)), timeout,
+                           lambda: limiter.why_not_sample(batch_size, len(self)))
             self._require_data()
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
             batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
-            self.rate_limiter.samples += selection.rows.size
-            self._changed.notify_all()
+            limiter.samples += selection.rows.size
+            if limited:
+                self._changed.notify_all()
         return self._split_workers(batch, num_workers)
 
     def _check_sample_args(self, n_step: int, gamma: float, frame_stack: int) -> None:
@@ -392,11 +405,16 @@ class ExperienceStore:
                  pin_memory: bool = False, index_base: int = 0) -> Payload:
         """Gather a selection (plus n-step / frame-stack look-ups) into a `Payload`."""
         shard = self._shard
-        rows = selection.rows
-        extra = {"index": selection.ranks + index_base if index_base else selection.ranks, **selection.extra}
+        table = shard.table
+        rows, pos = selection.rows, selection.pos
+        # episode_id and step come from the episode table, not from per-row columns.
+        first = table.col("first_row")[pos]
+        extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
+                 "episode_id": table.col("episode_id")[pos], "step": (rows - first).astype(np.int32),
+                 **selection.extra}
         obs_rows = next_rows = None
         if n > 1 or frames > 1:
-            first, last = episode_bounds(shard.table, shard.arena["episode_id"][rows])
+            first, last = episode_bounds(table, pos)
         if n > 1:
             ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
             next_rows = ahead.next_rows
@@ -442,7 +460,13 @@ class ExperienceStore:
             return self.sampler.update(self._shard.table, index.astype(np.int64), priority)
 
     def stats(self) -> dict:
-        """Size, episodes, inserts and samples (totals and per second), limiter state."""
+        """Size, episodes, inserts and samples (totals and per second), limiter state.
+
+        ``"reuse"`` is how often the live transitions were sampled (min / mean /
+        max) in a store made with ``track_reuse=True``, else None; ``"priorities"``
+        the counts of live priorities over log-spaced bins (``edges``, ``counts``)
+        in a prioritized store, else None.
+        """
         with self._lock:
             elapsed = max(time.monotonic() - self._created, 1e-9)
             limiter = self.rate_limiter
@@ -456,7 +480,21 @@ class ExperienceStore:
                 "samples_per_s": limiter.samples / elapsed,
                 "sample_to_insert_ratio": limiter.samples / limiter.inserts if limiter.inserts else 0.0,
                 "rate_limiter": limiter.state(),
+                "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,
+                "priorities": self._priorities(),
             }
+
+    def _priorities(self) -> dict | None:
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler) or self._shard is None:
+            return None
+        leaves = sampler.tree.leaves[self._shard.transition_rows()]   # p^alpha
+        return priority_histogram(leaves ** (1 / sampler.alpha) if sampler.alpha else leaves)
+
+    def _repr_html_(self) -> str:
+        """The schema and `stats` as HTML tables, for notebooks."""
+        return store_html(f"{type(self).__name__} ({self.backend}, {self.mode}, sampler {self.sampler!r})",
+                          self.schema, self.stats())
 
     def _require_data(self) -> None:
         if not len(self):
@@ -489,7 +527,7 @@ class ExperienceStore:
             with self._lock:
                 live = ranks[self._table.is_live(ranks)]
                 if len(live):
-                    batch = self._gather(Selection(self._table.rows_of(live), live), device=device)
+                    batch = self._gather(select_ranks(self._table, live), device=device)
             if len(live):
                 yield batch
 

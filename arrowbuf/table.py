@@ -40,9 +40,12 @@ class EpisodeTable:
         shard: the shard's number, recorded in exported tables.
         id_offset, id_stride: episode ids are ``id_offset + k * id_stride`` for the
             k-th episode ever added, so the ids of several shards never collide.
+        capacity: the most transitions ever live at once (the shard's rows). Given,
+            the table keeps a map rank -> episode (4 bytes a transition) that makes
+            locating ranks O(1) instead of a binary search over the episodes.
     """
 
-    def __init__(self, shard: int = 0, id_offset: int = 0, id_stride: int = 1) -> None:
+    def __init__(self, shard: int = 0, id_offset: int = 0, id_stride: int = 1, capacity: int | None = None) -> None:
         self.shard = shard
         self.id_offset = id_offset
         self.id_stride = id_stride
@@ -56,6 +59,9 @@ class EpisodeTable:
         # Running serials: "rank" numbers transitions; samplers add their own units
         # (e.g. windows of a sequence length) with `add_counter`.
         self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"rank": (lambda n: n, [0])}
+        # rank % capacity -> serial of its episode (mod 2**32); live ranks span at
+        # most `capacity` values, so live entries never collide.
+        self._rank_episode = np.zeros(capacity, np.uint32) if capacity else None
 
     def __len__(self) -> int:
         return self.tail - self.head
@@ -120,6 +126,8 @@ class EpisodeTable:
         for name, (count, serial) in self._counters.items():
             self._cols[f"first_{name}"][i] = serial[0]
             serial[0] += count(length)
+        if self._rank_episode is not None and length:
+            self._map_ranks(self.next_rank - length, length, self.episodes_added)
         self._metadata[i] = metadata
         self.tail += 1
         self.episodes_added += 1
@@ -202,6 +210,12 @@ class EpisodeTable:
         for name, (_, serial) in self._counters.items():
             serial[0] = int(state["counters"][name])
         self.head, self.tail = 0, n
+        if self._rank_episode is not None:   # rebuild the rank -> episode map of the live episodes
+            lengths = self._cols["length"][:n]
+            serials = np.repeat(np.arange(self.episodes_added - n, self.episodes_added, dtype=np.int64), lengths)
+            starts = np.repeat(self._cols["first_rank"][:n] - (np.cumsum(lengths) - lengths), lengths)
+            ranks = starts + np.arange(len(serials))
+            self._rank_episode[ranks % len(self._rank_episode)] = (serials & 0xFFFFFFFF).astype(np.uint32)
 
     def position_of(self, episode_id: np.ndarray | int) -> np.ndarray | int:
         """Live position (0 = oldest) of episode ids; out of [0, len) when not live."""
@@ -209,11 +223,23 @@ class EpisodeTable:
             return np.asarray(episode_id) * 0 - 1
         return (np.asarray(episode_id) - self._cols["episode_id"][self.head]) // self.id_stride
 
+    def _map_ranks(self, first_rank: int, length: int, serial: int) -> None:
+        size = len(self._rank_episode)
+        start = first_rank % size
+        head = min(length, size - start)
+        self._rank_episode[start:start + head] = serial & 0xFFFFFFFF
+        self._rank_episode[:length - head] = serial & 0xFFFFFFFF
+
     def locate(self, units: np.ndarray, counter: str = "rank") -> tuple[np.ndarray, np.ndarray]:
         """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
 
         For ranks the offset is the step, so the arena row is ``first_row[pos] + offset``.
         """
+        if counter == "rank" and self._rank_episode is not None:
+            head_serial = (self.episodes_added - len(self)) & 0xFFFFFFFF
+            serial = self._rank_episode[units % len(self._rank_episode)]
+            pos = (serial.astype(np.int64) - head_serial) & 0xFFFFFFFF
+            return pos, units - self._cols["first_rank"][self.head:self.tail][pos]
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first[pos]

@@ -67,7 +67,7 @@ class Gather:
             _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
             for key, (column, role, torch_dtype) in columns.items()
         ]
-        self._layouts: dict[tuple, tuple[int, list]] = {}
+        self._layouts: dict[tuple, tuple[int, list, list]] = {}
 
     def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
@@ -102,7 +102,7 @@ class Gather:
         layout = self._layouts.get(cache_key)
         if layout is None:
             layout = self._layouts[cache_key] = self._layout(shapes, extra)
-        total, plan = layout
+        total, plan, spec = layout
         flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
         flat_np = flat.numpy()
         views = []
@@ -110,10 +110,9 @@ class Gather:
             out = flat_np[offset:offset + size].view(entry.column.dtype).reshape(shape)
             entry.column.take(by_role[entry.role], axis=0, out=out, mode="clip")
             views.append(out)
-        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in plan]
-        return Payload(flat, spec, extra, tuple(rows.shape), views)
+        return Payload(flat, spec, extra, rows.shape, views)
 
-    def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list]:
+    def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list, list]:
         skip = {tuple(key.split(".")) for key in extra}
         roles = dict(zip(("step", "obs", "next"), shapes))
         plan, total = [], 0
@@ -124,7 +123,8 @@ class Gather:
             size = int(np.prod(roles[entry.role], dtype=np.int64)) * entry.row_bytes
             plan.append((entry, total, size, shape))
             total += -(-size // _ALIGN) * _ALIGN
-        return max(total, 1), plan
+        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in plan]
+        return max(total, 1), plan, spec
 
 
 @dataclass
