@@ -5,7 +5,9 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import ArrowbufError, CapacityError, EmptyStoreError, RateLimited, SchemaError, ShardError
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, SchemaError,
+                             ShardError)
+from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
@@ -21,6 +23,7 @@ __all__ = [
     "ExperienceStore",
     "EpisodeSampler",
     "Field",
+    "FormatError",
     "MinSize",
     "PrioritizedSampler",
     "RateLimited",
@@ -34,5 +37,6 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "read_parquet",
     "__version__",
 ]

@@ -34,6 +34,8 @@ from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, numpy_t
 logger = logging.getLogger("arrowbuf")
 
 ROLE, DTYPE, SHAPE = b"arrowbuf.role", b"arrowbuf.dtype", b"arrowbuf.shape"
+EXPORT_MANIFEST = "_arrowbuf.json"        # of a Parquet export (arrowbuf.parquet)
+CHECKPOINT_MANIFEST = "manifest.json"     # of a checkpoint (arrowbuf.checkpoint)
 SCHEMA_KEY = b"arrowbuf.schema"
 _ARRAY = "__arrowbuf_array__"
 _T = TypeVar("_T")
@@ -68,6 +70,26 @@ def plain_schema(schema: Schema, metadata: Mapping[str, str] | None = None) -> p
     fields += [plain_field(n, f, "system") for n, f in SYSTEM_SPECS.items()]
     meta = {"arrowbuf.schema_version": SCHEMA_VERSION, SCHEMA_KEY.decode(): schema.to_json(), **(metadata or {})}
     return pa.schema(fields, metadata=meta)
+
+
+def plain_array(spec: Field, data: np.ndarray) -> pa.Array:
+    """An Arrow array of rows of ``spec`` in the plain layout; zero-copy except for bools."""
+    values = numpy_to_arrow(Field(spec.dtype), np.ascontiguousarray(data).reshape(-1))
+    if not spec.shape:
+        return values
+    return pa.FixedSizeListArray.from_arrays(values, int(np.prod(spec.shape, dtype=np.int64)))
+
+
+def tensor_schema(schema: Schema, metadata: Mapping[bytes, bytes] | None = None) -> pa.Schema:
+    """The plain schema with fixed-shape fields typed as ``fixed_shape_tensor`` again
+    (the types of `ExperienceStore.to_arrow`), field metadata kept."""
+    fields = []
+    for field in plain_schema(schema):
+        spec = schema.fields.get(field.name)
+        if spec is not None and spec.shape:
+            field = field.with_type(pa.fixed_shape_tensor(field.type.value_type, list(spec.shape)))
+        fields.append(field)
+    return pa.schema(fields, metadata={**plain_schema(schema).metadata, **(metadata or {})})
 
 
 def schema_of(arrow_schema: pa.Schema, where: str) -> Schema:
@@ -186,11 +208,8 @@ def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) 
     num = table.col("num_rows")[start:stop].copy()
     batches = []
     for a, b in runs(first, num):
-        arrays = []
-        for name, spec in shard.specs.items():
-            data = shard.arena[name][a:b]
-            array = numpy_to_arrow(spec, data.copy() if copy else data)
-            arrays.append(array.storage if isinstance(array, pa.ExtensionArray) else array)
+        arrays = [plain_array(spec, shard.arena[name][a:b].copy() if copy else shard.arena[name][a:b])
+                  for name, spec in shard.specs.items()]
         batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
     return EpisodeRows(table.col("episode_id")[start:stop].copy(), first, num, batches)
 
@@ -258,6 +277,30 @@ def read_json(path: Path, what: str) -> dict:
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def read_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
+    """The manifest of an export (``kind="export"``) or checkpoint directory.
+
+    Raises:
+        FormatError: no such directory, no manifest (naming the other kind when
+            the directory is one), or an unreadable one.
+    """
+    if not directory.is_dir():
+        raise FormatError(f"{directory}: {'not a directory' if directory.exists() else 'no such directory'}; "
+                          f"expected an arrowbuf {'Parquet export' if kind == 'export' else 'checkpoint'}")
+    name, other = ((EXPORT_MANIFEST, CHECKPOINT_MANIFEST) if kind == "export"
+                   else (CHECKPOINT_MANIFEST, EXPORT_MANIFEST))
+    path = directory / name
+    if not path.exists() and (directory / other).exists():
+        if kind == "export":
+            raise FormatError(f"{directory}: an arrowbuf checkpoint, not a Parquet export; open it with "
+                              "ExperienceStore.load")
+        raise FormatError(f"{directory}: a Parquet export, not a checkpoint; open it with "
+                          "ExperienceStore.from_parquet or arrowbuf.read_parquet")
+    what = ("not an arrowbuf Parquet export, or an export that did not finish" if kind == "export"
+            else "not an arrowbuf checkpoint, or its first save did not finish")
+    return path, read_json(path, what + " (the manifest is written last)")
 
 
 def check_format(manifest: Mapping[str, Any], path: Path, fmt: str, version: int) -> None:

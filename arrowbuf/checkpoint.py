@@ -56,9 +56,10 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf._persist import (EpisodeRows, arrays_table, batch_columns, check_columns, check_format, check_size,
-                               fsync, join_arrays, plain_schema, progress_bar, read_json, snapshot_and_write,
-                               split_arrays, table_arrays, take_rows, temp_path, write_json)
+from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, batch_columns, check_columns,
+                               check_format, check_size, fsync, join_arrays, plain_schema, progress_bar, read_json,
+                               read_manifest, snapshot_and_write, split_arrays, table_arrays, take_rows, temp_path,
+                               write_json)
 from arrowbuf.errors import FormatError
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
@@ -68,7 +69,7 @@ from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.checkpoint"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = CHECKPOINT_MANIFEST
 _BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
 
 SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
@@ -79,8 +80,14 @@ RATE_LIMITERS = {c.__name__: c for c in (RateLimiter, MinSize, SampleToInsertRat
 @dataclass
 class _Snapshot:
     state: dict[str, Any]
+    shard: Shard | None
+    schema: pa.Schema | None       # of the row files
     rows: EpisodeRows | None       # episodes added since the previous save
     oldest_live: int | None        # oldest live episode id when the snapshot was taken
+
+    def valid(self) -> bool:
+        """No row written was overwritten meanwhile (call under the store's lock)."""
+        return self.rows is None or self.rows.still_live(self.shard)
 
 
 # -- save ------------------------------------------------------------------------------
@@ -95,6 +102,8 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
     """
     from arrowbuf import __version__
 
+    if store.backend != "local":
+        raise NotImplementedError(f"save is not implemented for backend={store.backend!r} yet")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save needs a directory")
@@ -103,15 +112,12 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
     previous = _previous(path, store._checkpoints.get(key))
     since = previous["last_episode_id"] if previous else None
     token = uuid.uuid4().hex[:16]
-    with store._lock:
-        shard: Shard | None = store._shard
-    schema = plain_schema(shard.schema, {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT}) \
-        if shard is not None else None
 
     def take(copy: bool) -> _Snapshot:
+        shard: Shard | None = store._shard
         state = {
             "store": {"capacity": store.capacity, "mode": store.mode, "seed": store.seed,
-                      "created_at": getattr(store, "created_at", None)},
+                      "track_reuse": store.track_reuse, "created_at": store.created_at},
             "schema": shard.schema.to_json() if shard is not None else None,
             "rng": store._rng.bit_generator.state,
             "sampler": store.sampler.state_dict(),
@@ -120,22 +126,23 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
             "writers": {name: writer.state_dict() for name, writer in store._writers.live().items()},
         }
         if shard is None:
-            return _Snapshot(state, None, None)
+            return _Snapshot(state, None, None, None, None)
+        schema = plain_schema(shard.schema, {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT})
         ids = shard.table.col("episode_id")
         start = 0 if since is None else int(np.searchsorted(ids, since, side="right"))
-        return _Snapshot(state, take_rows(shard, start, len(ids), schema, copy), int(ids[0]) if len(ids) else None)
+        return _Snapshot(state, shard, schema, take_rows(shard, start, len(ids), schema, copy),
+                         int(ids[0]) if len(ids) else None)
 
     def write(snapshot: _Snapshot) -> dict[str, Any] | None:
         if snapshot.rows is None or not len(snapshot.rows.ids):
             return None
-        return _write_rows(path, snapshot.rows, schema, token, progress)
+        return _write_rows(path, snapshot.rows, snapshot.schema, token, progress)
 
     def discard(entry: dict[str, Any] | None) -> None:
         if entry is not None:
             (path / entry["path"]).unlink()
 
-    snapshot, entry = snapshot_and_write(store._lock, take, lambda s: s.rows is None or s.rows.still_live(shard),
-                                         write, discard)
+    snapshot, entry = snapshot_and_write(store._lock, take, _Snapshot.valid, write, discard)
     kept = [e for e in (previous["row_files"] if previous else [])
             if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
     row_files = kept + ([entry] if entry is not None else [])
@@ -220,12 +227,7 @@ def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any
             missing, truncated or inconsistent file; the message names the file.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FormatError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; expected an "
-                          "arrowbuf checkpoint (a directory written by store.save)")
-    manifest_path = path / MANIFEST
-    manifest = read_json(manifest_path, "not an arrowbuf checkpoint, or its first save did not finish "
-                                        "(the manifest is written last)")
+    manifest_path, manifest = read_manifest(path, "checkpoint")
     check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
     try:
         state_entry, row_files, token = manifest["state_file"], manifest["row_files"], manifest["token"]
@@ -260,9 +262,9 @@ def _build_store(cls: type, state: Mapping[str, Any], where: Path) -> Any:
     schema = Schema.from_json(state["schema"]) if state["schema"] is not None else None
     store = cls(int(info["capacity"]), seed=info["seed"], schema=schema, mode=info["mode"],
                 sampler=_build(SAMPLERS, state["sampler"], "sampler", where),
-                rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", where))
-    if info.get("created_at") is not None:
-        store.created_at = float(info["created_at"])
+                rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", where),
+                track_reuse=bool(info["track_reuse"]))
+    store.created_at = float(info["created_at"])
     return store
 
 

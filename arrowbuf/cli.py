@@ -1,4 +1,4 @@
-"""The `arrowbuf` command line: `arrowbuf demo`."""
+"""The `arrowbuf` command line: `arrowbuf demo`, `arrowbuf inspect`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,24 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"steps={result.steps} episodes={result.episodes} "
           f"mean_return_last20={result.mean_return_last20:.1f} "
           f"samples_per_s={result.samples_per_second:,.0f} wall_s={result.wall_seconds:.1f}")
+    if args.export is not None:
+        path = result.store.to_parquet(args.export, progress=not args.quiet)
+        print(f"exported {result.store.num_episodes} episodes to {path}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from arrowbuf.errors import FormatError
+    from arrowbuf.inspect import plot_summary, print_summary
+
+    try:
+        print_summary(args.path)
+        if args.plot is not None:
+            plot_summary(args.path).savefig(args.plot, dpi=100)
+            print(f"wrote {args.plot}")
+    except FormatError as err:
+        print(f"arrowbuf inspect: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -26,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--num-envs", type=int, default=None)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--export", metavar="DIR", default=None,
+                      help="after the run, export the replay buffer to Parquet in DIR (a new directory)")
     demo.set_defaults(run=_demo)
+    inspect = commands.add_parser("inspect", help="summarize a Parquet export or a checkpoint directory")
+    inspect.add_argument("path", help="a directory written by store.to_parquet or store.save")
+    inspect.add_argument("--plot", metavar="PNG", default=None, help="also write the returns / lengths figure")
+    inspect.set_defaults(run=_inspect)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Parquet export and import: a directory any dataframe tool opens, and arrowbuf reloads.
+"""Parquet export: a directory any dataframe tool opens, and arrowbuf reloads.
 
 Layout of ``store.to_parquet("out/")``::
 
@@ -16,6 +16,8 @@ JSON (dtypes, shapes, which fields are observations) and the store's settings
 
 An export is written into a hidden sibling directory and renamed into place, and
 readers require the manifest: an interrupted export never looks complete.
+`open_export` checks a directory, `read_parquet` opens its rows as a dataset, and
+`arrowbuf.parquet_load` loads it into a store (`ExperienceStore.from_parquet`).
 
 Example:
     >>> import numpy as np, arrowbuf as ab, tempfile, os
@@ -37,31 +39,29 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from arrowbuf._persist import (EpisodeRows, batch_columns, check_columns, check_format, check_size, fsync,
-                               plain_schema, progress_bar, read_json, schema_of, snapshot_and_write, take_rows,
-                               temp_path, write_json)
-from arrowbuf.errors import CapacityError, FormatError
-from arrowbuf.schema import SYSTEM_SPECS, Schema
-from arrowbuf.shard import Episode, Shard
+from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_format, check_size, fsync,
+                               plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write, take_rows,
+                               temp_path, tensor_schema, write_json)
+from arrowbuf.errors import FormatError
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.parquet"
 FORMAT_VERSION = 1
-MANIFEST = "_arrowbuf.json"
+MANIFEST = EXPORT_MANIFEST
 STEPS = "steps"
 EPISODES = "episodes.parquet"
 _GROUP_BYTES = 64 << 20       # target row-group size: streamed imports hold about one in memory
 _EPISODE_COLUMNS = ("episode_id", "env_id", "num_rows", "length", "has_final", "inserted_at")
 
-#: What `from_parquet` accepts as ``episode_filter``.
-EpisodeFilter = Union[Callable[[pa.Table], Any], pc.Expression]
+if TYPE_CHECKING:   # pyarrow.dataset takes ~0.3 s to import: only when used
+    import pyarrow.dataset as ds
 
 
 def group_rows(row_bytes: int) -> int:
@@ -120,8 +120,8 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
 
 
 def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *, shard_index: int = 0,
-                 compression: str = "zstd", rows_per_file: int | None = None,
-                 progress: bool | None = None) -> tuple[pa.Table, list[dict[str, Any]]]:
+                 compression: str = "zstd", rows_per_file: int | None = None, progress: bool | None = None,
+                 label: str = "export") -> tuple[pa.Table, list[dict[str, Any]]]:
     """Write every live episode of ``shard`` into ``steps_dir``; returns (episode table, entries).
 
     ``lock`` guards the shard; it is held only to take the snapshot (see
@@ -134,7 +134,7 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
 
     def write(snapshot: tuple[EpisodeRows, pa.Table]) -> list[dict[str, Any]]:
         rows = snapshot[0]
-        with progress_bar(progress, rows.rows, f"export {steps_dir.parent.name}") as bar:
+        with progress_bar(progress, rows.rows, label) as bar:
             return write_steps(rows, steps_dir, shard_index, schema, group=group_rows(shard.schema.row_bytes),
                                compression=compression, rows_per_file=rows_per_file, bar=bar)
 
@@ -154,6 +154,8 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
         FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is False.
     """
+    if store.backend != "local":
+        raise NotImplementedError(f"to_parquet is not implemented for backend={store.backend!r} yet")
     if rows_per_file is not None and (isinstance(rows_per_file, bool) or not isinstance(rows_per_file, int)
                                       or rows_per_file < 1):
         raise ValueError(f"rows_per_file must be an int >= 1 or None, got {rows_per_file!r}")
@@ -171,7 +173,8 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
     try:
         (tmp / STEPS).mkdir(parents=True)
         episodes, entries = export_shard(shard, store._lock, tmp / STEPS, schema, compression=compression,
-                                         rows_per_file=rows_per_file, progress=progress)
+                                         rows_per_file=rows_per_file, progress=progress,
+                                         label=f"export {path.name}")
         finish_export(tmp, shard.schema, info, episodes, entries)
         _replace_dir(tmp, path)
     except BaseException:
@@ -184,7 +187,7 @@ def store_info(store: Any) -> dict[str, Any]:
     """The store settings recorded in an export."""
     return {"capacity": store.capacity, "mode": store.mode, "backend": store.backend, "num_shards": 1,
             "seed": store.seed, "sampler": repr(store.sampler),
-            "created_at": _iso(getattr(store, "created_at", time.time()))}
+            "created_at": _iso(store.created_at)}
 
 
 def finish_export(directory: Path, schema: Schema, info: Mapping[str, Any], episodes: pa.Table,
@@ -248,12 +251,7 @@ def open_export(path: str | Path) -> Export:
             truncated or foreign file; the message names the file.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FormatError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; expected an "
-                          "arrowbuf Parquet export (a directory written by store.to_parquet)")
-    manifest_path = path / MANIFEST
-    manifest = read_json(manifest_path, "not an arrowbuf Parquet export, or an export that did not finish "
-                                        "(the manifest is written last)")
+    manifest_path, manifest = read_manifest(path, "export")
     check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
     try:
         schema = Schema.from_json(json.dumps(manifest["schema"]))
@@ -302,197 +300,17 @@ def read_parquet(path: str | Path) -> ds.Dataset:
     """The step rows of an export as a lazy `pyarrow.dataset.Dataset`, tensor types restored.
 
     Fixed-shape fields come back as ``fixed_shape_tensor`` columns (as in
-    `ExperienceStore.to_arrow`), observation roles in the field metadata. The
+    `ExperienceStore.to_arrow`), with role, dtype and shape in the field
+    metadata and the arrowbuf schema in the schema metadata. The
     dataset reads nothing until asked: ``.to_table()``, ``.to_batches()``,
     ``.scanner(filter=...)``, ``.head(n)``.
 
     Raises:
         FormatError: not a complete, readable arrowbuf export (see `open_export`).
     """
+    import pyarrow.dataset as ds
+
     export = open_export(path)
     meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
-    arrow = export.schema.to_arrow()
-    schema = arrow.with_metadata({**arrow.metadata, **meta, b"arrowbuf.schema": export.schema.to_json().encode()})
+    schema = tensor_schema(export.schema, meta)
     return ds.dataset([str(export.path / e["path"]) for e in export.files], schema=schema, format="parquet")
-
-
-def select_episodes(episodes: pa.Table, episode_filter: EpisodeFilter | None) -> np.ndarray:
-    """A boolean mask over the episode table from ``episode_filter``.
-
-    The filter is a `pyarrow.compute.Expression` over the episode table's columns,
-    or a callable taking the table and returning a boolean mask (one per episode)
-    or the episode ids to keep.
-
-    Raises:
-        ValueError: a filter result of the wrong length, type, or with unknown ids.
-    """
-    n = episodes.num_rows
-    if episode_filter is None:
-        return np.ones(n, bool)
-    ids = episodes.column("episode_id").to_numpy()
-    if isinstance(episode_filter, pc.Expression):
-        kept = episodes.filter(episode_filter).column("episode_id").to_numpy()
-        return np.isin(ids, kept)
-    if not callable(episode_filter):
-        raise ValueError(f"episode_filter must be a callable or a pyarrow.compute.Expression, got {episode_filter!r}")
-    result = episode_filter(episodes)
-    if isinstance(result, (pa.Array, pa.ChunkedArray)):
-        result = result.to_numpy(zero_copy_only=False)
-    result = np.asarray(result)
-    if result.dtype == bool:
-        if result.shape != (n,):
-            raise ValueError(f"episode_filter returned a mask of shape {result.shape}; expected ({n},), one per episode")
-        return result
-    if result.size and not np.issubdtype(result.dtype, np.integer):
-        raise ValueError(f"episode_filter must return a boolean mask or episode ids, got dtype {result.dtype}")
-    unknown = np.setdiff1d(result, ids)
-    if unknown.size:
-        raise ValueError(f"episode_filter returned ids not in the export: {unknown[:5].tolist()}")
-    return np.isin(ids, result)
-
-
-def newest_that_fit(num_rows: np.ndarray, selected: np.ndarray, capacity: int, mode: str) -> np.ndarray:
-    """The selected episodes a store of ``capacity`` rows keeps: the newest whose rows fit.
-
-    Raises:
-        CapacityError: a selected episode is longer than the capacity, or
-            ``mode="fixed"`` and they do not all fit.
-    """
-    too_long = selected & (num_rows > capacity)
-    if too_long.any():
-        raise CapacityError(f"{int(too_long.sum())} selected episode(s) have more rows than the capacity of "
-                            f"{capacity} (up to {int(num_rows[too_long].max())}); raise capacity or filter them out")
-    rows = np.where(selected, num_rows, 0)
-    from_newest = np.cumsum(rows[::-1])[::-1]
-    kept = selected & (from_newest <= capacity)
-    if mode == "fixed" and not np.array_equal(kept, selected):
-        raise CapacityError(f"the selected episodes take {int(rows.sum())} rows, more than the capacity of "
-                            f"{capacity}, and mode='fixed' does not evict; raise capacity or filter episodes")
-    return kept
-
-
-def load_episodes(shard: Shard, export: Export, kept: np.ndarray, progress: bool | None = None) -> int:
-    """Stream the kept episodes' rows into an empty ``shard``, oldest first; returns transitions added.
-
-    Reads row group by row group (about 64 MiB each), skipping files and row groups
-    without kept episodes. Episode ids and indices are kept when the kept episodes
-    are consecutive (no filter, or only the oldest dropped); otherwise they are
-    renumbered from 0.
-
-    Raises:
-        FormatError: rows that disagree with the episode table.
-    """
-    episodes = export.episodes.filter(pa.array(kept))
-    ids = episodes.column("episode_id").to_numpy()
-    info = {int(i): k for k, i in enumerate(ids)}
-    num_rows = episodes.column("num_rows").to_numpy()
-    has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
-    env_ids = episodes.column("env_id").to_pylist()
-    inserted = episodes.column("inserted_at").cast(pa.int64()).to_numpy()
-    metadata = (episodes.column("metadata").to_pylist() if "metadata" in episodes.column_names
-                else [None] * len(ids))
-    _resume_numbering(shard, episodes, export.store)
-    schema = export.schema
-    specs = {**schema.fields, **SYSTEM_SPECS}
-    group = group_rows(schema.row_bytes)
-    added, transitions = 0, 0
-    parts: list[dict[str, np.ndarray]] = []
-    have = 0
-    with progress_bar(progress, int(num_rows.sum()), f"import {export.path.name}") as bar:
-        for entry in export.files:
-            if not len(ids) or entry["episodes"] == 0 or not _overlaps(entry, ids):
-                continue
-            file = export.path / entry["path"]
-            reader = pq.ParquetFile(file)
-            groups = _row_groups(reader, int(ids.min()), int(ids.max()))
-            try:
-                batches = reader.iter_batches(batch_size=group, row_groups=groups)
-                for batch in batches:
-                    columns = batch_columns(batch, specs, str(file))
-                    episode_ids = columns["episode_id"]
-                    cuts = np.flatnonzero(episode_ids[1:] != episode_ids[:-1]) + 1
-                    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(episode_ids)]):
-                        k = info.get(int(episode_ids[a]))
-                        if k is None:
-                            continue
-                        if k != added:
-                            raise FormatError(f"{file}: rows of episode {int(episode_ids[a])} come before those "
-                                              f"of episode {int(ids[added])}, or it has too few rows")
-                        parts.append({name: array[a:b] for name, array in columns.items()})
-                        have += b - a
-                        if have > num_rows[k]:
-                            raise FormatError(f"{file}: episode {int(ids[k])} has more than the {int(num_rows[k])} "
-                                              "rows the episode table says")
-                        if have == num_rows[k]:
-                            episode = _episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k],
-                                               metadata[k], int(inserted[k]))
-                            shard.add(episode)
-                            transitions += shard.transitions_of(episode)
-                            bar.update(have)
-                            parts, have, added = [], 0, added + 1
-            except (pa.ArrowException, OSError) as err:
-                raise FormatError(f"{file}: unreadable ({err}); the file is truncated or corrupted") from None
-    if added != len(ids):
-        raise FormatError(f"{export.path}: episode {int(ids[added])} of {EPISODES} has "
-                          f"{'only some of its' if have else 'no'} rows in {STEPS}/")
-    return transitions
-
-
-def _resume_numbering(shard: Shard, episodes: pa.Table, store: Mapping[str, Any]) -> None:
-    ids = episodes.column("episode_id").to_numpy()
-    if not len(ids) or store.get("num_shards", 1) != shard.table.id_stride:
-        return
-    first_index = episodes.column("first_index").to_numpy() if "first_index" in episodes.column_names else None
-    stride = shard.table.id_stride
-    k, rest = divmod(int(ids[0]) - shard.table.id_offset, stride)
-    consecutive = bool(np.all(np.diff(ids) == stride))
-    if first_index is None or rest or k < 0 or not consecutive:
-        return
-    lengths = episodes.column("length").to_numpy()
-    if np.array_equal(first_index[1:], first_index[:-1] + lengths[:-1]):
-        shard.table.resume(k, int(first_index[0]))
-
-
-def _episode(parts: list[dict[str, np.ndarray]], schema: Schema, num_rows: int, has_final: bool, env_id: str,
-             metadata: str | None, inserted_at: int) -> Episode:
-    steps = num_rows - int(has_final)
-    columns = {}
-    for name, spec in schema.fields.items():
-        rows = parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts])
-        columns[name] = rows if spec.observation else rows[:steps]
-    return Episode(columns, steps, has_final, env_id, json.loads(metadata) if metadata else None, inserted_at)
-
-
-def _overlaps(entry: Mapping[str, Any], ids: np.ndarray) -> bool:
-    first, last = entry["first_episode_id"], entry["last_episode_id"]
-    return bool(np.any((ids >= first) & (ids <= last)))
-
-
-def _row_groups(reader: pq.ParquetFile, low: int, high: int) -> list[int]:
-    """Row groups whose episode_id statistics overlap [low, high] (all when unknown)."""
-    column = reader.schema_arrow.get_field_index("episode_id")
-    groups = []
-    for g in range(reader.metadata.num_row_groups):
-        stats = reader.metadata.row_group(g).column(column).statistics
-        if stats is None or not stats.has_min_max or (stats.max >= low and stats.min <= high):
-            groups.append(g)
-    return groups
-
-
-def load_store(cls: type, path: str | Path, capacity: int | None = None,
-               episode_filter: EpisodeFilter | None = None, progress: bool | None = None,
-               **store_kwargs: Any) -> Any:
-    """`ExperienceStore.from_parquet`: a new store holding an export's (selected) episodes."""
-    export = open_export(path)
-    for name in ("schema", "backend"):
-        if name in store_kwargs and not (name == "backend" and store_kwargs[name] == "local"):
-            raise ValueError(f"from_parquet takes no {name}={store_kwargs[name]!r}: the schema comes from the "
-                             "export and the store is local")
-    capacity = int(export.store["capacity"]) if capacity is None else capacity
-    mode = store_kwargs.setdefault("mode", export.store.get("mode", "circular"))
-    store = cls(capacity, schema=export.schema, **store_kwargs)
-    selected = select_episodes(export.episodes, episode_filter)
-    kept = newest_that_fit(export.episodes.column("num_rows").to_numpy(), selected, store.capacity, mode)
-    with store._lock:
-        store.rate_limiter.inserts += load_episodes(store._shard, export, kept, progress)
-    return store

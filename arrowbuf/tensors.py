@@ -12,6 +12,7 @@ one on every call costs as much as the gather itself.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Mapping
@@ -113,7 +114,7 @@ class Gather:
         return Payload(flat, spec, extra, rows.shape, views)
 
     def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list, list]:
-        skip = {tuple(key.split(".")) for key in extra}
+        skip = {_key(name) for name in extra}
         roles = dict(zip(("step", "obs", "next"), shapes))
         plan, total = [], 0
         for entry in self._entries:
@@ -160,8 +161,14 @@ class Payload:
                        for key, dtype, offset, size, shape in self.spec}
         for name, value in self.extra.items():
             tensor = torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
-            tensors[tuple(name.split("."))] = tensor.to(device) if on_device else tensor
+            tensors[_key(name)] = tensor.to(device) if on_device else tensor
         return _make_td(nest(tensors), torch.Size(self.batch_shape), device if on_device else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _key(name: str) -> tuple[str, ...]:
+    """A dotted name as a TensorDict key path: "next.obs" -> ("next", "obs")."""
+    return tuple(name.split("."))
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Stores and checks shared by the Parquet export and checkpoint tests.
+
+Three kinds of data: ``w1`` (MuJoCo-like: obs float32[17], action float32[6]),
+``pixels`` (obs uint8[16, 16, 3]) and ``nested`` (a dict observation with a
+bfloat16 field, a bfloat16 action and a bool[4] field). Episodes have random lengths; every third one has no final
+observation, and a few carry metadata. Stores are small enough to wrap their ring.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+import arrowbuf as ab
+
+KINDS = ("w1", "pixels", "nested")
+
+
+def schema_of(kind: str) -> ab.Schema:
+    flags = {"reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
+    if kind == "w1":
+        return ab.Schema({"obs": ab.Field("float32", (17,), True), "action": ab.Field("float32", (6,)), **flags})
+    if kind == "pixels":
+        return ab.Schema({"obs": ab.Field("uint8", (16, 16, 3), True), "action": ab.Field("int64"), **flags})
+    return ab.Schema({"obs": {"state": ab.Field("bfloat16", (5,), True), "pixels": ab.Field("uint8", (8, 8, 3), True)},
+                      "action": ab.Field("bfloat16", (2,)), "log_prob": ab.Field("float64"),
+                      "contacts": ab.Field("bool", (4,)), **flags})
+
+
+def episode_of(kind: str, rng: np.random.Generator, steps: int, has_final: bool) -> dict[str, Any]:
+    """One random episode of ``kind`` (observations with T+1 rows when ``has_final``)."""
+    rows = steps + int(has_final)
+    end = np.arange(steps) == steps - 1
+    truncated = bool(rng.integers(2))
+    data: dict[str, Any] = {"reward": rng.standard_normal(steps).astype(np.float32),
+                            "terminated": end & (not truncated), "truncated": end & truncated}
+    if kind == "w1":
+        data["obs"] = rng.standard_normal((rows, 17)).astype(np.float32)
+        data["action"] = rng.uniform(-1, 1, (steps, 6)).astype(np.float32)
+    elif kind == "pixels":
+        data["obs"] = rng.integers(0, 256, (rows, 16, 16, 3), dtype=np.uint8)
+        data["action"] = rng.integers(0, 18, steps)
+    else:
+        state = torch.from_numpy(rng.standard_normal((rows, 5)).astype(np.float32)).to(torch.bfloat16)
+        data["obs"] = {"state": state, "pixels": rng.integers(0, 256, (rows, 8, 8, 3), dtype=np.uint8)}
+        data["action"] = torch.from_numpy(rng.standard_normal((steps, 2)).astype(np.float32)).to(torch.bfloat16)
+        data["log_prob"] = rng.standard_normal(steps)
+        data["contacts"] = rng.integers(0, 2, (steps, 4)).astype(bool)
+    return data
+
+
+def fill(store: ab.ExperienceStore, kind: str, episodes: int, seed: int = 0, first: int = 0) -> None:
+    """Add ``episodes`` random episodes of 3..14 steps (numbered from ``first``)."""
+    rng = np.random.default_rng(seed)
+    for k in range(first, first + episodes):
+        steps = int(rng.integers(3, 15))
+        store.add_episode(episode_of(kind, rng, steps, has_final=k % 3 != 2), env_id=f"env-{k % 4}",
+                          metadata={"k": k} if k % 5 == 0 else None)
+
+
+def wrapped_store(kind: str = "w1", *, capacity: int = 150, episodes: int = 40, seed: int = 0,
+                  sampler: ab.Sampler | None = None, **kwargs: Any) -> ab.ExperienceStore:
+    """A store that has wrapped its ring and evicted its oldest episodes."""
+    store = ab.ExperienceStore(capacity=capacity, seed=seed, schema=schema_of(kind), sampler=sampler, **kwargs)
+    fill(store, kind, episodes, seed)
+    table = store.episodes()
+    assert table["episode_id"][0].as_py() > 0, "expected evictions"
+    assert not np.all(np.diff(table["first_row"].to_numpy()) > 0), "expected a wrapped ring"
+    return store
+
+
+def column_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Values of any arrowbuf column as numpy (tensor columns with their shape)."""
+    if isinstance(column, pa.ChunkedArray):
+        parts = [column_numpy(chunk) for chunk in column.chunks]
+        return np.concatenate(parts) if parts else np.empty(0)
+    if isinstance(column.type, pa.FixedShapeTensorType):
+        values = column.storage.flatten().to_numpy(zero_copy_only=False)
+        return values.reshape((len(column), *column.type.shape))
+    return column.to_numpy(zero_copy_only=False)
+
+
+def assert_same_rows(a: pa.Table, b: pa.Table) -> None:
+    """Same columns, types and values, bit for bit (NaNs included)."""
+    assert a.schema.names == b.schema.names
+    for name in a.schema.names:
+        assert a.schema.field(name).type == b.schema.field(name).type, name
+        x, y = column_numpy(a.column(name)), column_numpy(b.column(name))
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name
+
+
+def assert_same_episodes(a: ab.ExperienceStore, b: ab.ExperienceStore, skip: tuple[str, ...] = ()) -> None:
+    ta, tb = a.episodes(), b.episodes()
+    assert ta.column_names == tb.column_names
+    for name in ta.column_names:
+        if name in skip:
+            continue
+        if pa.types.is_floating(ta.schema.field(name).type):   # NaN returns (no reward field) compare equal
+            np.testing.assert_array_equal(ta.column(name).to_numpy(), tb.column(name).to_numpy(), err_msg=name)
+        else:
+            assert ta.column(name).equals(tb.column(name)), name
+
+
+def assert_same_batches(a: Any, b: Any) -> None:
+    """Two sampled TensorDicts hold the same keys, dtypes and values."""
+    keys = sorted(a.keys(True, True), key=str)
+    assert keys == sorted(b.keys(True, True), key=str)
+    for key in keys:
+        x, y = a.get(key), b.get(key)
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(x, y), key
+
+
+def assert_same_store(a: ab.ExperienceStore, b: ab.ExperienceStore, skip: tuple[str, ...] = ()) -> None:
+    """Same schema, episode table (but ``skip`` columns) and rows."""
+    assert a.schema == b.schema
+    assert (len(a), a.num_episodes) == (len(b), b.num_episodes)
+    assert_same_episodes(a, b, skip)
+    assert_same_rows(a.to_arrow(), b.to_arrow())
