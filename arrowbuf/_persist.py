@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from arrowbuf.errors import FormatError
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, numpy_to_arrow
+from arrowbuf.shard import position_runs
 
 logger = logging.getLogger("arrowbuf")
 
@@ -186,17 +187,6 @@ class EpisodeRows:
         return bool(len(live)) and int(self.ids[0]) >= int(live[0])
 
 
-def runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal contiguous row ranges of episodes given oldest first."""
-    if not len(first_row):
-        return []
-    end = first_row + num_rows
-    breaks = np.flatnonzero(first_row[1:] != end[:-1]) + 1
-    starts = np.concatenate([[0], breaks]).astype(np.int64)
-    stops = np.concatenate([breaks, [len(first_row)]]).astype(np.int64)
-    return [(int(first_row[a]), int(end[b - 1])) for a, b in zip(starts, stops)]
-
-
 def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) -> EpisodeRows:
     """Rows of the live episodes at positions ``[start, stop)`` of ``shard`` (0 = oldest).
 
@@ -207,8 +197,9 @@ def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) 
     first = table.col("first_row")[start:stop].copy()
     num = table.col("num_rows")[start:stop].copy()
     batches = []
-    for a, b in runs(first, num):
-        arrays = [plain_array(spec, shard.arena[name][a:b].copy() if copy else shard.arena[name][a:b])
+    for a, b in position_runs(first, num):
+        columns = shard.columns(start + a, start + b)
+        arrays = [plain_array(spec, columns[name].copy() if copy else columns[name])
                   for name, spec in shard.specs.items()]
         batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
     return EpisodeRows(table.col("episode_id")[start:stop].copy(), first, num, batches)

@@ -307,7 +307,7 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                     if np.any((step < 0) | (step >= num[pos])):
                         raise FormatError(f"{file}: rows with steps outside their episode")
                     target = first[pos] + step
-                    for name in shard.specs:
+                    for name in shard.schema.fields:   # system columns follow from the table
                         shard.arena[name][target] = columns[name][live]
                     filled += np.bincount(pos, minlength=len(table))
                     bar.update(len(pos))

@@ -214,6 +214,7 @@ class PrioritizedSampler(Sampler):
     def bind(self, shard) -> None:
         super().bind(shard)
         if self.tree is None:
+            shard.index_rows()
             self.tree = SumTree(shard.capacity)
             shard.add_listeners.append(self._on_add)
             shard.evict_listeners.append(self._on_evict)
@@ -238,7 +239,7 @@ class PrioritizedSampler(Sampler):
         """
         total = self.tree.total
         rows = self.tree.find(rng.random(n) * total)
-        pos = table.position_of(self._shard.arena["episode_id"][rows])
+        pos = self._shard.positions_of_rows(rows)
         ranks = table.col("first_rank")[pos] + (rows - table.col("first_row")[pos])
         count, mass = population if population is not None else (table.num_transitions, total)
         weight = (count * self.tree.leaves[rows] / mass) ** -self.beta

@@ -74,6 +74,15 @@ def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int)
     return start, evicted
 
 
+def position_runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal ranges [a, b) of episodes (given oldest first) that lie back to back in the arena."""
+    if not len(first_row):
+        return []
+    breaks = np.flatnonzero(first_row[1:] != (first_row + num_rows)[:-1]) + 1
+    bounds = [0, *breaks.tolist(), len(first_row)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class Shard:
     """A ring arena of ``capacity`` rows with FIFO eviction of whole episodes.
 
@@ -105,8 +114,13 @@ class Shard:
         self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
         self.write_pos = 0
         self.specs = {**schema.fields, **SYSTEM_SPECS}
+        # User fields only: the system columns (episode_id, step, is_first, is_last)
+        # follow from the episode table, and storing them would cost 14 bytes a row.
         # np.empty leaves pages untouched until written: memory grows with the data.
-        self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in self.specs.items()}
+        self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in schema.fields.items()}
+        # Row -> serial of its episode (mod 2**32), kept only for samplers that pick
+        # rows rather than ranks (prioritized): see `positions_of_rows`.
+        self._row_episode: np.ndarray | None = None
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
@@ -172,12 +186,8 @@ class Shard:
             if len(data) < rows:
                 column[start + len(data):stop] = 0
         episode_id = self.table.episode_id_of(self.table.episodes_added)
-        self.arena["episode_id"][start:stop] = episode_id
-        self.arena["step"][start:stop] = np.arange(rows, dtype=np.int32)
-        self.arena["is_first"][start:stop] = False
-        self.arena["is_first"][start] = True
-        self.arena["is_last"][start:stop] = False
-        self.arena["is_last"][stop - 1] = True
+        if self._row_episode is not None:
+            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[start:stop] = 0
         columns = episode.columns
@@ -229,6 +239,9 @@ class Shard:
             raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
         self.write_pos = int(state["write_pos"])
+        if self._row_episode is not None:   # rebuild the row -> episode map for the loaded table
+            self._row_episode = None
+            self.index_rows()
         if state.get("reuse") is not None:
             self.reuse = np.array(state["reuse"], np.uint32)
 
@@ -256,30 +269,52 @@ class Shard:
 
     # -- reading ----------------------------------------------------------------------
 
-    def _batch(self, start: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
-        arrays = [numpy_to_arrow(spec, self.arena[name][start:stop]) for name, spec in self.specs.items()]
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema.to_arrow().with_metadata(
-            {**self.schema.to_arrow().metadata, **(metadata or {})}))
+    def index_rows(self) -> None:
+        """Keep a row -> episode map from now on (4 bytes a row), for `positions_of_rows`."""
+        if self._row_episode is None:
+            self._row_episode = np.zeros(self.capacity, np.uint32)
+            table = self.table
+            for k, (first, rows) in enumerate(zip(table.col("first_row"), table.col("num_rows"))):
+                self._row_episode[first:first + rows] = (table.episodes_added - len(table) + k) & 0xFFFFFFFF
+
+    def positions_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Live positions of the episodes holding arena ``rows`` (needs `index_rows`)."""
+        head_serial = (self.table.episodes_added - len(self.table)) & 0xFFFFFFFF
+        return (self._row_episode[rows].astype(np.int64) - head_serial) & 0xFFFFFFFF
+
+    def columns(self, first: int, stop: int) -> dict[str, np.ndarray]:
+        """Every column (system ones included) of the live episodes at positions
+        ``[first, stop)``, which must lie back to back in the arena.
+
+        User fields are views of the arena; the system columns are computed from
+        the episode table.
+        """
+        table = self.table
+        num_rows = table.col("num_rows")[first:stop]
+        start = int(table.col("first_row")[first])
+        total = int(num_rows.sum())
+        starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        step = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+        columns = {name: self.arena[name][start:start + total] for name in self.schema.fields}
+        columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
+        columns["step"] = step
+        columns["is_first"] = step == 0
+        columns["is_last"] = step == np.repeat(num_rows - 1, num_rows)
+        return columns
+
+    def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
+        columns = self.columns(first, stop)
+        arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in self.specs.items()]
+        schema = self.schema.to_arrow()
+        return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))
 
     def episode_view(self, position: int) -> pa.RecordBatch:
-        """The rows of the live episode at ``position`` (0 = oldest), zero-copy."""
-        first = int(self.table.col("first_row")[position])
-        num_rows = int(self.table.col("num_rows")[position])
+        """The rows of the live episode at ``position`` (0 = oldest); data columns are zero-copy."""
         has_final = bool(self.table.col("has_final")[position])
-        return self._batch(first, first + num_rows, {b"arrowbuf.has_final": b"1" if has_final else b"0"})
-
-    def runs(self) -> list[tuple[int, int]]:
-        """Maximal contiguous row ranges of live episodes, oldest first."""
-        if not len(self.table):
-            return []
-        first = self.table.col("first_row")
-        end = first + self.table.col("num_rows")
-        breaks = np.flatnonzero(first[1:] != end[:-1]) + 1
-        starts = np.concatenate([[0], breaks])
-        stops = np.concatenate([breaks, [len(first)]])
-        return [(int(first[a]), int(end[b - 1])) for a, b in zip(starts, stops)]
+        return self._batch(position, position + 1, {b"arrowbuf.has_final": b"1" if has_final else b"0"})
 
     def to_arrow(self) -> pa.Table:
-        """Every live row, oldest episode first: one zero-copy chunk per contiguous run."""
-        batches = [self._batch(a, b) for a, b in self.runs()]
+        """Every live row, oldest episode first: one chunk per contiguous run (data columns zero-copy)."""
+        runs = position_runs(self.table.col("first_row"), self.table.col("num_rows"))
+        batches = [self._batch(a, b) for a, b in runs]
         return pa.Table.from_batches(batches, schema=self.schema.to_arrow())

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.errors import CapacityError
-from arrowbuf.shard import Episode, Shard, plan_write
+from arrowbuf.shard import Episode, Shard, plan_write, position_runs
 from conftest import column_numpy, reference_plan, tagged_obs
 
 SCHEMA = ab.Schema({"obs": ab.Field("float64", (2,), observation=True), "action": ab.Field("int64"),
@@ -137,7 +137,8 @@ def test_runs_merge_adjacent_episodes_and_split_at_the_wrap():
     shard = Shard(SCHEMA, capacity=10)
     for tag, steps in enumerate([2, 2, 2, 3]):   # rows [0,3) [3,6) [6,9) then [0,4) evicting two
         shard.add(shard_episode(tag, steps))
-    assert shard.runs() == [(6, 9), (0, 4)]
+    # positions: episode 2 (rows [6, 9)) then episode 3 (rows [0, 4)): two runs of one episode each
+    assert position_runs(shard.table.col("first_row"), shard.table.col("num_rows")) == [(0, 1), (1, 2)]
     table = shard.to_arrow()
     assert [len(b) for b in table.to_batches()] == [3, 4]
     assert column_numpy(table.column("episode_id")).tolist() == [2, 2, 2, 3, 3, 3, 3]
@@ -148,13 +149,18 @@ def test_episode_views_are_zero_copy_slices_of_the_arena():
     shard.add(shard_episode(0, 5))
     shard.add(shard_episode(1, 3))
     view = shard.episode_view(1)
-    for name in ("obs", "action", "pixels", "x", "episode_id", "step"):
+    for name in ("obs", "action", "pixels", "x"):
         arena = shard.arena[name]
         column = view.column(name)
         values = column.storage.values if isinstance(column.type, pa.FixedShapeTensorType) else column
         assert values.buffers()[1].address == arena[6:].ctypes.data, name
     shard.arena["action"][6] = 99   # a view sees later writes to its rows
     assert view.column("action")[0].as_py() == 99
+    # The system columns are computed from the episode table, not stored per row.
+    assert view.column("episode_id").to_pylist() == [1] * 4
+    assert view.column("step").to_pylist() == [0, 1, 2, 3]
+    assert view.column("is_first").to_pylist() == [True, False, False, False]
+    assert view.column("is_last").to_pylist() == [False, False, False, True]
 
 
 def test_shard_constructor_checks_capacity_and_mode():
