@@ -154,28 +154,25 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
         FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is False.
     """
-    if store.backend != "local":
-        raise NotImplementedError(f"to_parquet is not implemented for backend={store.backend!r} yet")
     if rows_per_file is not None and (isinstance(rows_per_file, bool) or not isinstance(rows_per_file, int)
                                       or rows_per_file < 1):
         raise ValueError(f"rows_per_file must be an int >= 1 or None, got {rows_per_file!r}")
     path = Path(path)
     if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    with store._lock:
-        shard = store._shard
-    if shard is None:
+    store_schema = store.schema
+    if store_schema is None:
         raise ValueError("nothing to export: the store has no schema yet (add an episode first)")
     info = store_info(store)
-    schema = plain_schema(shard.schema, file_metadata(info))
+    schema = plain_schema(store_schema, file_metadata(info))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
         (tmp / STEPS).mkdir(parents=True)
-        episodes, entries = export_shard(shard, store._lock, tmp / STEPS, schema, compression=compression,
-                                         rows_per_file=rows_per_file, progress=progress,
-                                         label=f"export {path.name}")
-        finish_export(tmp, shard.schema, info, episodes, entries)
+        episodes, entries = store._export_shards(tmp / STEPS, schema, compression=compression,
+                                                 rows_per_file=rows_per_file, progress=progress,
+                                                 label=f"export {path.name}")
+        finish_export(tmp, store_schema, info, episodes, entries)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,7 +182,8 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
 
 def store_info(store: Any) -> dict[str, Any]:
     """The store settings recorded in an export."""
-    return {"capacity": store.capacity, "mode": store.mode, "backend": store.backend, "num_shards": 1,
+    return {"capacity": store.capacity, "mode": store.mode, "backend": store.backend,
+            "num_shards": getattr(store, "num_shards", 1),
             "seed": store.seed, "sampler": repr(store.sampler),
             "created_at": _iso(store.created_at)}
 

@@ -24,6 +24,7 @@ import logging
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -85,13 +86,17 @@ class ShardServer:
     """The body of a shard actor: one embedded store holding this shard's episodes."""
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
-                 schema_json: str | None, mode: str) -> None:
-        self._sampler_spec = copy.deepcopy(sampler)   # unbound, for `attach`
-        self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode)
+                 schema_json: str | None, mode: str, load_from: str | None = None) -> None:
+        if load_from is not None:
+            self.store = ExperienceStore.load(load_from)
+            sampler = self.store.sampler
+        else:
+            self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode)
+        self._sampler_spec = type(sampler)(**sampler.config())   # unbound, for `attach`
         self.store._shard_position = (shard, num_shards)
         self.shard = shard
         self.num_shards = num_shards
-        if schema_json is not None:
+        if schema_json is not None and self.store.schema is None:
             self.store._set_schema(Schema.from_json(schema_json))
 
     def ping(self) -> str:
@@ -160,6 +165,24 @@ class ShardServer:
 
     def stats(self) -> dict:
         return {**self.store.stats(), "shard": self.shard, "node_id": self.ping()}
+
+    def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
+        """Write this shard's rows as Parquet parts into ``steps_dir`` (a shared directory)."""
+        if self.store._shard is None:
+            return self.store._table.to_arrow(), []
+        from arrowbuf.parquet import export_shard
+
+        return export_shard(self.store._shard, self.store._lock, Path(steps_dir), schema,
+                            shard_index=self.shard, progress=False, **options)
+
+    def save(self, path: str) -> str:
+        self.store.save(path, progress=False)
+        return path
+
+    def plain_rows(self) -> pa.Table:
+        from arrowbuf.ray_persist import plain_rows
+
+        return plain_rows(self.store)
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
@@ -252,8 +275,9 @@ class _RaySink:
             self._routes[env_id] = shard
         return shard
 
-    def write(self, episode: Episode) -> None:
-        shard = self.route(episode.env_id)
+    def write(self, episode: Episode, route_key: str | None = None) -> None:
+        """Queue an episode for the shard of ``route_key`` (default: its env_id)."""
+        shard = self.route(episode.env_id if route_key is None else route_key)
         size = sum(column.nbytes for column in episode.columns.values())
         if size < self._shards.options.write_batch_bytes:
             # Columns may be views of a writer's staging rows, reused by the env's
@@ -328,7 +352,7 @@ class RayExperienceStore(ExperienceStore):
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "ray", rate_limiter: RateLimiter | None = None, num_shards: int = 2,
                  name: str | None = None, ray_options: RayOptions | None = None,
-                 _shards: _Shards | None = None) -> None:
+                 _shards: _Shards | None = None, _load_from: Sequence[str] | None = None) -> None:
         num_shards = _check_int("num_shards", num_shards, 1)
         capacity = _check_int("capacity", capacity, num_shards)
         if rate_limiter is not None:
@@ -344,14 +368,14 @@ class RayExperienceStore(ExperienceStore):
         self.name = name or f"store-{uuid.uuid4().hex[:8]}"
         self.ray_options = _shards.options if _shards is not None else (ray_options or RayOptions())
         self._schema = schema
-        self._shards = _shards or self._start(schema)
+        self._shards = _shards or self._start(schema, _load_from)
         self._masses = np.zeros(num_shards)
         self._sizes = np.zeros(num_shards, np.int64)
         self._episode_counts = np.zeros(num_shards, np.int64)
         self._sink = _RaySink(self._shards, np.zeros(num_shards), schema)
         self._refresh_sizes()
 
-    def _start(self, schema: Schema | None) -> _Shards:
+    def _start(self, schema: Schema | None, load_from: Sequence[str] | None = None) -> _Shards:
         ray = _ray()
         if not ray.is_initialized():
             logger.info("no Ray cluster is running: starting a local one (ray.init())")
@@ -371,7 +395,8 @@ class RayExperienceStore(ExperienceStore):
             handles.append(actor.options(name=f"{self.name}:{shard}", namespace=NAMESPACE,
                                          num_cpus=options.num_cpus, **placement).remote(
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
-                schema.to_json() if schema is not None else None, self.mode))
+                schema.to_json() if schema is not None else None, self.mode,
+                load_from[shard] if load_from is not None else None))
         nodes = ray.get([h.ping.remote() for h in handles])
         return _Shards(self.name, handles, nodes, options)
 
@@ -629,3 +654,38 @@ class RayExperienceStore(ExperienceStore):
         totals = {k: sum(s[k] for s in per_shard) for k in keys}
         return {**totals, "capacity": self.capacity, "num_shards": self.num_shards,
                 "dead_shards": sorted(self._shards.dead), "shards": per_shard}
+
+    # -- persistence (every shard writes its own files, in parallel) ----------------------
+
+    def _export_shards(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
+        self.flush()
+        options = {k: v for k, v in options.items() if k in ("compression", "rows_per_file")}
+        results = self._shards.broadcast("export_steps", str(steps_dir), schema, options)
+        # Shard by shard, in the order of the files: an import reads them in that order.
+        tables = [results[s][0] for s in sorted(results) if results[s][0].num_rows]
+        entries = [entry for s in sorted(results) for entry in results[s][1]]
+        return (pa.concat_tables(tables) if tables else self._table.to_arrow()), entries
+
+    def save(self, path: str | Path, progress: bool | None = None) -> Path:
+        """Checkpoint every shard into ``path/shard-<k>`` in parallel (incremental per shard).
+
+        ``path`` must be reachable from every node; see `arrowbuf.ray_persist`.
+        """
+        from arrowbuf.ray_persist import save_ray_store
+
+        return save_ray_store(self, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, progress: bool | None = None, num_shards: int | None = None,
+             **options: Any) -> "RayExperienceStore":
+        """A Ray store from `save`, into its saved number of shards or ``num_shards``."""
+        from arrowbuf.ray_persist import load_ray_store
+
+        return load_ray_store(Path(path), num_shards, **options)
+
+    def to_ray_dataset(self) -> Any:
+        """The stored rows as a `ray.data.Dataset`, built where the shards live
+        (``ds.write_parquet(...)`` then exports from all nodes at once)."""
+        from arrowbuf.ray_persist import to_ray_dataset
+
+        return to_ray_dataset(self)

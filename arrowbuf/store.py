@@ -623,6 +623,12 @@ class ExperienceStore:
 
         return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
 
+    def _export_shards(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
+        """Write the rows of every shard into ``steps_dir``: (episode table, file entries)."""
+        from arrowbuf.parquet import export_shard
+
+        return export_shard(self._shard, self._lock, steps_dir, schema, **options)
+
     def save(self, path: str | Path, progress: bool | None = None) -> Path:
         """Checkpoint the store into directory ``path`` (Arrow IPC files and a JSON manifest).
 
@@ -644,16 +650,33 @@ class ExperienceStore:
         return save_store(self, path, progress)
 
     @classmethod
-    def load(cls, path: str | Path, progress: bool | None = None) -> "ExperienceStore":
+    def load(cls, path: str | Path, progress: bool | None = None, **ray_options: Any) -> "ExperienceStore":
         """The store saved in ``path``; it samples exactly as the saved one would have.
 
         Restored writers are in `writers`; ``store.writer(..., name=name)`` claims one.
+        A Ray store's checkpoint loads as a Ray store; ``num_shards=`` (and other
+        `RayExperienceStore` arguments) can spread it over another number of shards.
 
         Raises:
             FormatError: a missing or incomplete checkpoint, a truncated file, or a
                 newer format version; the message names the file.
         """
         from arrowbuf.checkpoint import load_store
+        from arrowbuf.ray_persist import is_ray_checkpoint
 
+        if is_ray_checkpoint(path):
+            from arrowbuf.ray_backend import RayExperienceStore
+
+            return RayExperienceStore.load(path, progress, **ray_options)
+        if ray_options:
+            raise ValueError(f"{sorted(ray_options)} apply to Ray checkpoints only; {path} is a local one")
         return load_store(cls, path, progress)
+
+    @classmethod
+    def from_ray_dataset(cls, dataset: Any, capacity: int, **store_kwargs: Any) -> "ExperienceStore":
+        """A new store holding the episodes of a `ray.data.Dataset` made by `to_ray_dataset`
+        (or any dataset in that row layout; see `arrowbuf.ray_persist`)."""
+        from arrowbuf.ray_persist import from_ray_dataset
+
+        return from_ray_dataset(cls, dataset, capacity, **store_kwargs)
 
