@@ -86,12 +86,13 @@ class ShardServer:
     """The body of a shard actor: one embedded store holding this shard's episodes."""
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
-                 schema_json: str | None, mode: str, load_from: str | None = None) -> None:
+                 schema_json: str | None, mode: str, load_from: str | None = None,
+                 track_reuse: bool = False) -> None:
         if load_from is not None:
             self.store = ExperienceStore.load(load_from)
             sampler = self.store.sampler
         else:
-            self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode)
+            self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode, track_reuse=track_reuse)
         self._sampler_spec = type(sampler)(**sampler.config())   # unbound, for `attach`
         self.store._shard_position = (shard, num_shards)
         self.shard = shard
@@ -351,13 +352,13 @@ class RayExperienceStore(ExperienceStore):
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "ray", rate_limiter: RateLimiter | None = None, num_shards: int = 2,
-                 name: str | None = None, ray_options: RayOptions | None = None,
+                 name: str | None = None, ray_options: RayOptions | None = None, track_reuse: bool = False,
                  _shards: _Shards | None = None, _load_from: Sequence[str] | None = None) -> None:
         num_shards = _check_int("num_shards", num_shards, 1)
         capacity = _check_int("capacity", capacity, num_shards)
         if rate_limiter is not None:
             raise ValueError("rate limiters are not supported with backend='ray' yet (they would apply per shard)")
-        super().__init__(capacity, seed=seed, sampler=sampler, schema=None, mode=mode)
+        super().__init__(capacity, seed=seed, sampler=sampler, schema=None, mode=mode, track_reuse=track_reuse)
         if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
             raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                              "cannot agree on; use num_shards=1 or a SequenceSampler")
@@ -396,7 +397,7 @@ class RayExperienceStore(ExperienceStore):
                                          num_cpus=options.num_cpus, **placement).remote(
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
                 schema.to_json() if schema is not None else None, self.mode,
-                load_from[shard] if load_from is not None else None))
+                load_from[shard] if load_from is not None else None, self.track_reuse))
         nodes = ray.get([h.ping.remote() for h in handles])
         return _Shards(self.name, handles, nodes, options)
 

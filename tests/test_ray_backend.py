@@ -94,7 +94,7 @@ def test_writers_in_two_actors_store_every_episode_exactly_once(two_shard_store)
 
 
 def test_sampling_from_unequal_shards_follows_their_sizes():
-    store = ab.ExperienceStore(30_000, backend="ray", num_shards=3, seed=1)
+    store = ab.ExperienceStore(30_000, backend="ray", num_shards=3, seed=1, track_reuse=True)
     try:
         # Routes stick to the shard an env first landed on: "big" fills shard 0.
         for i in range(60):
@@ -110,6 +110,8 @@ def test_sampling_from_unequal_shards_follows_their_sizes():
             shard = store.sample(256)["index"].numpy() >> INDEX_SHIFT
             counts += np.bincount(shard, minlength=3)
         assert chisquare(counts, counts.sum() * sizes / sizes.sum()).pvalue > 1e-3
+        reuse = [s["reuse"] for s in store.stats()["shards"]]
+        assert all(r is not None and r["max"] >= 1 for r in reuse), reuse
     finally:
         store.close()
 
