@@ -23,7 +23,7 @@ from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSam
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload
+from arrowbuf.tensors import Payload, pinned
 
 BACKENDS = ("local", "ray")
 
@@ -344,7 +344,7 @@ class ExperienceStore:
                 last k frames on a new axis after the batch dims, oldest first, the
                 episode's first frame repeated before it starts.
             device: where the tensors go (default: CPU).
-            pin_memory: gather into pinned host memory.
+            pin_memory: gather into pinned host memory (ignored without CUDA).
             timeout: seconds to wait for the rate limiter; None raises at once.
             num_workers: split the batch into this many disjoint, equal batches
                 (one per train worker) and return them as a list.
@@ -398,7 +398,7 @@ class ExperienceStore:
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                 device: Any = None, pin_memory: bool = False) -> TensorDict:
         device = torch.device(device) if device is not None else None
-        pin = pin_memory or (device is not None and device.type == "cuda")
+        pin = pinned(pin_memory, device)
         return self._payload(selection, n, gamma, frames, pin).to_tensordict(device)
 
     def _payload(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,

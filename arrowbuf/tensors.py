@@ -42,6 +42,15 @@ def _make_td(source: dict, batch_size: torch.Size, device: torch.device | None) 
     return TensorDict(source, batch_size=batch_size, device=device)
 
 
+def pinned(pin_memory: bool, device: torch.device | None) -> bool:
+    """Whether to gather into pinned memory: asked for, or implied by a CUDA target.
+
+    Pinning needs a CUDA driver; without one there is nothing to pin for, and the
+    gather goes to ordinary memory.
+    """
+    return (pin_memory or (device is not None and device.type == "cuda")) and torch.cuda.is_available()
+
+
 def nest(flat: Mapping[tuple[str, ...], torch.Tensor]) -> dict:
     """{("next", "obs"): t} -> {"next": {"obs": t}}."""
     root: dict = {}
@@ -88,7 +97,7 @@ class Gather:
                 ``rows + 1``.
         """
         device = torch.device(device) if device is not None else None
-        pin = pin_memory or (device is not None and device.type == "cuda")
+        pin = pinned(pin_memory, device)
         payload = self.payload(rows, extra, pin, obs_rows=obs_rows, next_rows=next_rows)
         return payload.to_tensordict(device)
 
