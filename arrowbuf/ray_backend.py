@@ -39,7 +39,7 @@ from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.store import ExperienceStore, _as_numpy, _check_int, _check_workers
-from arrowbuf.tensors import Payload
+from arrowbuf.tensors import Payload, make_tensordict
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,22 @@ class ShardServer:
         from arrowbuf.ray_persist import plain_rows
 
         return plain_rows(self.store)
+
+
+def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: int) -> dict:
+    """One tensor per key holding every batch's rows: batch j gets ``kept[j, k]`` rows of part k
+    (parts in order), its rows starting at ``starts[j]``; part k's rows come batch by batch."""
+    within = np.cumsum(kept, axis=1) - kept        # where part k's rows start inside batch j
+    combined = {key: torch.empty((total, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+                for key, tensor in parts[0].items()}
+    for k, part in enumerate(parts):
+        counts = kept[:, k]
+        first_of_batch = np.cumsum(counts) - counts
+        dest = np.repeat(starts + within[:, k] - first_of_batch, counts) + np.arange(int(counts.sum()))
+        dest = torch.from_numpy(dest).to(next(iter(part.values())).device)
+        for key, tensor in part.items():
+            combined[key].index_copy_(0, dest, tensor)
+    return combined
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
@@ -374,6 +390,7 @@ class RayExperienceStore(ExperienceStore):
         self._sizes = np.zeros(num_shards, np.int64)
         self._episode_counts = np.zeros(num_shards, np.int64)
         self._sink = _RaySink(self._shards, np.zeros(num_shards), schema)
+        self._added = 0   # episodes sent by add_episode: routing keys for episodes without env_id
         self._refresh_sizes()
 
     def _start(self, schema: Schema | None, load_from: Sequence[str] | None = None) -> _Shards:
@@ -480,7 +497,9 @@ class RayExperienceStore(ExperienceStore):
         checked, schema = read_episode(episode, self.schema, env_id, metadata)
         self._sink.set_schema(schema)
         self._schema = self._sink.schema
-        self._sink.write(checked)
+        # Episodes of a named env stay on one shard; unnamed ones go to the least loaded.
+        self._added += 1
+        self._sink.write(checked, route_key=None if env_id != "default" else f"episode-{self._added}")
         self._sink.commit()
 
     def flush(self) -> None:
@@ -531,27 +550,36 @@ class RayExperienceStore(ExperienceStore):
         return refs, live, counts
 
     def _assemble(self, request: tuple, device: Any) -> list[TensorDict]:
-        """The batches of one request: each takes its share of every shard's answer."""
+        """The batches of one request: each takes its share of every shard's answer.
+
+        The shards' rows are interleaved into one buffer per key (one copy per
+        request, not per batch), and each batch is a slice of those buffers.
+        """
         refs, live, counts = request
         device = torch.device(device) if device is not None else None
         parts = {}
         for shard, (payload, size) in self._shards.get(refs).items():
             self._note(shard, size)
-            parts[shard] = payload.to_tensordict(device)
+            parts[shard] = (payload.tensors(device), payload.batch_shape[1:])
         if not parts:
             raise ShardError(f"no shard of {self.name!r} answered")
-        offsets = dict.fromkeys(parts, 0)
+        columns = [i for i, shard in enumerate(live) if shard in parts]
+        kept = counts[:, columns]                     # [batches, answering shards]
+        sizes = kept.sum(axis=1)
+        starts = np.cumsum(sizes) - sizes
+        tail = parts[live[columns[0]]][1]
+        if len(columns) == 1:
+            combined = parts[live[columns[0]]][0]     # rows already in batch order: no copy
+        else:
+            combined = _interleave([parts[live[c]][0] for c in columns], kept, starts, int(sizes.sum()))
+        prioritized = isinstance(self.sampler, PrioritizedSampler)
         batches = []
-        for row in counts:
-            pieces = []
-            for shard, count in zip(live, row):
-                if count and shard in parts:
-                    pieces.append(parts[shard][offsets[shard]:offsets[shard] + count])
-                    offsets[shard] += count
-            batch = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-            if isinstance(self.sampler, PrioritizedSampler):
-                batch["weight"] = batch["weight"] / batch["weight"].max()
-            batches.append(batch)
+        for start, size in zip(starts.tolist(), sizes.tolist()):
+            tensors = {key: tensor[start:start + size] for key, tensor in combined.items()}
+            if prioritized:
+                tensors[("weight",)] = tensors[("weight",)] / tensors[("weight",)].max()
+            on_device = device if device is not None and device.type != "cpu" else None
+            batches.append(make_tensordict(tensors, (size, *tail), on_device))
         return batches
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -571,20 +599,24 @@ class RayExperienceStore(ExperienceStore):
         batch, = self._assemble(self._request(batch_size, (n_step, gamma, frame_stack)), device)
         return self._split_workers(batch, num_workers)
 
-    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int = 8, *,
+    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                     device: torch.device | str | None = None) -> Iterator[TensorDict]:
         """Endless batches; ``prefetch`` requests stay in flight per shard so sampling overlaps training.
 
         Each request fetches ``batches_per_request`` batches at once (every one of
         them still mixes the shards in proportion to their mass): an actor call
-        costs about a millisecond, a batch a few microseconds.
+        and its answer through the object store cost a millisecond or two, a batch
+        a few microseconds. By default a request is about 4 MiB (at most 64 batches).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         prefetch = _check_int("prefetch", prefetch, 1)
-        batches_per_request = _check_int("batches_per_request", batches_per_request, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
         self.flush()
+        if batches_per_request is None:
+            batch_bytes = batch_size * (self.schema.row_bytes if self.schema is not None else 1)
+            batches_per_request = max(1, min(64, (4 << 20) // batch_bytes))
+        batches_per_request = _check_int("batches_per_request", batches_per_request, 1)
         return self._prefetching(batch_size, prefetch, batches_per_request, (n_step, gamma, frame_stack), device)
 
     def _prefetching(self, batch_size: int, prefetch: int, batches_per_request: int, sample_args: tuple,

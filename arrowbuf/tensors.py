@@ -155,8 +155,8 @@ class Payload:
         flat = self.flat.numpy() if isinstance(self.flat, torch.Tensor) else self.flat
         return {**self.__dict__, "flat": flat, "views": None}
 
-    def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
-        """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
+    def tensors(self, device: torch.device | None = None) -> dict[tuple[str, ...], torch.Tensor]:
+        """Every key's tensor: views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
         on_device = device is not None and device.type != "cpu"
         if self.views is not None and not on_device:
             # torch.from_numpy on the views made for the gather: one call per key.
@@ -171,7 +171,18 @@ class Payload:
         for name, value in self.extra.items():
             tensor = torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
             tensors[_key(name)] = tensor.to(device) if on_device else tensor
-        return _make_td(nest(tensors), torch.Size(self.batch_shape), device if on_device else None)
+        return tensors
+
+    def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
+        """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
+        on_device = device is not None and device.type != "cpu"
+        return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
+
+
+def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape: tuple[int, ...],
+                    device: torch.device | None = None) -> TensorDict:
+    """A (nested) TensorDict of ``tensors`` keyed by paths, built without per-key checks."""
+    return _make_td(nest(tensors), torch.Size(batch_shape), device)
 
 
 @functools.lru_cache(maxsize=None)

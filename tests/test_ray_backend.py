@@ -313,3 +313,12 @@ def test_ray_data_round_trips_a_sharded_store(prioritized_ray_store):
     assert len(back) == len(store) and back.num_episodes == 16
     batch = back.sample(128)
     np.testing.assert_array_equal(batch["next", "obs"][:, 3].numpy(), batch["obs"][:, 3].numpy() + 1)
+
+
+def test_episodes_without_an_env_id_spread_over_the_shards(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    for i in range(10):
+        store.add_episode(encoded_episode(i, 10))
+    sizes = [s["transitions"] for s in store.stats()["shards"]]
+    assert sizes == [50, 50]
