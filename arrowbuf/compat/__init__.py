@@ -1,0 +1,26 @@
+"""Seed compatibility: RLightning's ``DataBuffer`` API, config and types on arrowbuf.
+
+``import arrowbuf.compat as compat``; ``compat.DataBuffer(cfg.buffer)`` takes the
+RLightning buffer config and offers its methods (`arrowbuf.compat.data_buffer`
+lists the semantics and what differs from the seed). The types are also
+`arrowbuf.types`.
+"""
+
+from arrowbuf.compat.config import BufferSettings, parse_config
+from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer, build_data_buffer
+from arrowbuf.compat.types import BatchedData, EnvMeta, EnvRet, PolicyResponse, Processed_EnvRet_fields
+
+__all__ = [
+    "BatchedData",
+    "BufferFullError",
+    "BufferSettings",
+    "DataBuffer",
+    "EnvMeta",
+    "EnvRet",
+    "PolicyResponse",
+    "Processed_EnvRet_fields",
+    "ReplayBuffer",
+    "RolloutBuffer",
+    "build_data_buffer",
+    "parse_config",
+]

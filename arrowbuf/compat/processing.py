@@ -1,0 +1,102 @@
+"""The seed's pre- and post-processing hooks, with its signatures.
+
+``DataBuffer(config, obs_preprocessor=..., preprocess_fn=..., postprocess_fn=...)``
+takes the same callables as RLightning's buffer; these are the defaults.
+
+- ``obs_preprocessor(obs)`` / ``reward_preprocessor(reward)``: applied by the
+  default env-ret hook.
+- ``env_ret_preprocess_fn(transition_dict, env_ret, obs_preprocessor, reward_preprocessor)``
+  and ``policy_resp_preprocess_fn(transition_dict, policy_resp)`` fill one step
+  record; ``preprocess_fn(transition_dict, env_ret, policy_resp, obs_preprocessor,
+  reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn)`` calls them.
+- ``postprocess_fn(episode_buffer)``: a dict of per-step lists (T+1 records) ->
+  a dict of T-row arrays in the seed's format (``observation`` and
+  ``next_observation``). Only a custom one is called; the default path builds
+  arrowbuf columns directly (`arrowbuf.compat.episodes.step_columns`), which is
+  what `default_postprocess_fn` returns, reshaped to the seed's format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from arrowbuf.compat.episodes import step_columns
+from arrowbuf.schema import unflatten
+
+
+def is_env_ret(value: Any) -> bool:
+    """An EnvRet (arrowbuf's or RLightning's: anything with its fields and ``to_dict``)."""
+    return all(hasattr(value, name) for name in ("env_id", "observation", "last_reward", "to_dict"))
+
+
+def is_policy_resp(value: Any) -> bool:
+    """A PolicyResponse (arrowbuf's or RLightning's): ``env_id`` and ``to_dict``, not an EnvRet."""
+    return hasattr(value, "env_id") and hasattr(value, "to_dict") and not is_env_ret(value)
+
+
+def default_obs_preprocessor(observation: Any) -> Any:
+    return observation
+
+
+def default_reward_preprocessor(reward: Any) -> Any:
+    return reward
+
+
+def default_env_ret_preprocess_fn(transition_dict: dict, env_ret: Any, obs_preprocessor: Callable,
+                                  reward_preprocessor: Callable) -> dict:
+    """Put an EnvRet's fields (and ``_extra`` keys) into the step record."""
+    if not is_env_ret(env_ret):
+        raise TypeError(f"env_ret must be an EnvRet, got {type(env_ret).__name__}")
+    fields = env_ret.to_dict()
+    fields["observation"] = obs_preprocessor(env_ret.observation)
+    fields["last_reward"] = reward_preprocessor(env_ret.last_reward)
+    transition_dict.update(fields)
+    return transition_dict
+
+
+def default_policy_resp_preprocess_fn(transition_dict: dict, policy_resp: Any) -> dict:
+    """Put a PolicyResponse's fields into the step record (over the EnvRet's on a clash, as the seed)."""
+    if not is_policy_resp(policy_resp):
+        raise TypeError(f"policy_resp must be a PolicyResponse, got {type(policy_resp).__name__}")
+    transition_dict.update(policy_resp.to_dict())
+    return transition_dict
+
+
+def default_preprocess_fn(transition_dict: dict, env_ret: Any = None, policy_resp: Any = None,
+                          obs_preprocessor: Callable = default_obs_preprocessor,
+                          reward_preprocessor: Callable = default_reward_preprocessor,
+                          env_ret_preprocess_fn: Callable = default_env_ret_preprocess_fn,
+                          policy_resp_preprocess_fn: Callable = default_policy_resp_preprocess_fn) -> dict:
+    """One step record from an EnvRet and/or a PolicyResponse.
+
+    Raises:
+        ValueError: neither is given, or their env ids differ.
+    """
+    if env_ret is None and policy_resp is None:
+        raise ValueError("at least one of env_ret or policy_resp must be given")
+    if env_ret is not None and policy_resp is not None and env_ret.env_id != policy_resp.env_id:
+        raise ValueError(f"env_ret and policy_resp are for different envs: {env_ret.env_id!r} and "
+                         f"{policy_resp.env_id!r}")
+    if env_ret is not None:
+        transition_dict = env_ret_preprocess_fn(transition_dict, env_ret, obs_preprocessor, reward_preprocessor)
+    if policy_resp is not None:
+        transition_dict = policy_resp_preprocess_fn(transition_dict, policy_resp)
+    return transition_dict
+
+
+def default_postprocess_fn(episode_buffer: dict[str, list[Any]]) -> dict[str, Any]:
+    """The seed's default: per-step lists -> T-row arrays (``observation`` / ``next_observation``,
+    ``last_X`` -> ``X``, policy keys without the last step, ``*info*`` keys dropped)."""
+    keys = list(episode_buffer)
+    steps = len(episode_buffer[keys[0]]) if keys else 0
+    records = [{key: episode_buffer[key][t] for key in keys} for t in range(steps)]
+    columns = step_columns(records, "<episode>")
+    out = {}
+    for name, column in columns.items():
+        if name == "observation" or name.startswith("observation."):
+            out[name] = column[:-1]
+            out["next_" + name] = column[1:]
+        else:
+            out[name] = column
+    return unflatten(out)
