@@ -143,12 +143,18 @@ def test_sampled_tensors_of_a_store_share_one_gather_buffer():
             assert not start <= batch.get(k).data_ptr() < stop, f"{k} points into the arena column {name}"
 
 
-def test_pin_memory_is_ignored_without_cuda_and_samples_the_same():
+def twin_stores(seed: int) -> list[ab.ExperienceStore]:
+    """Two stores with the same seed and episode: they sample the same rows."""
     stores = []
     for _ in range(2):
-        store = ab.ExperienceStore(capacity=100, seed=3)
+        store = ab.ExperienceStore(capacity=100, seed=seed)
         store.add_episode(make_episode(2, 9))
         stores.append(store)
+    return stores
+
+
+def test_pin_memory_is_ignored_without_cuda_and_samples_the_same():
+    stores = twin_stores(3)
     plain, pinned = stores[0].sample(8), stores[1].sample(8, pin_memory=True)
     assert (plain == pinned).all()
     assert pinned["obs"].is_pinned() == torch.cuda.is_available()
@@ -156,11 +162,7 @@ def test_pin_memory_is_ignored_without_cuda_and_samples_the_same():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_sample_arrives_in_one_copy_with_the_cpu_values():
-    stores = []
-    for _ in range(2):
-        store = ab.ExperienceStore(capacity=100, seed=4)
-        store.add_episode(make_episode(3, 9))
-        stores.append(store)
+    stores = twin_stores(4)
     cpu, gpu = stores[0].sample(16), stores[1].sample(16, device="cuda")
     assert gpu.device.type == "cuda" and gpu["obs"].is_cuda and gpu["next", "obs"].is_cuda
     for key in cpu.keys(True, True):
