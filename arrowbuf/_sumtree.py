@@ -83,14 +83,13 @@ class SumTree:
         """Leaf index holding each prefix ``mass`` in ``[0, total)``; never a zero leaf."""
         mass = np.array(mass, np.float64)
         node = np.zeros(len(mass), np.int64)
+        rows = np.arange(len(mass))
         for level in self.levels[1:]:
-            children = level.reshape(-1, ARITY)[node]
-            cumulative = np.cumsum(children, axis=1)
+            cumulative = np.cumsum(level.reshape(-1, ARITY)[node], axis=1)
+            # Rounding can put a query at or past its node's total: keep it just below,
+            # so it never lands on the empty children after the last non-empty one.
+            np.minimum(mass, np.nextafter(cumulative[:, -1], 0.0), out=mass)
             choice = (cumulative <= mass[:, None]).sum(axis=1)
-            # Rounding can push a query past the last non-empty child: clamp to it.
-            last_nonzero = ARITY - 1 - np.argmax(children[:, ::-1] > 0, axis=1)
-            choice = np.minimum(choice, last_nonzero)
-            rows = np.arange(len(mass))
-            mass = mass - np.where(choice > 0, cumulative[rows, np.maximum(choice - 1, 0)], 0.0)
+            mass -= np.where(choice > 0, cumulative[rows, np.maximum(choice - 1, 0)], 0.0)
             node = node * ARITY + choice
         return node
