@@ -882,13 +882,18 @@ def check_windows(batch: Any, length: int, notes: list[str], who: str) -> None:
         notes.append(f"  BUG? {who}: a window's steps are not consecutive")
 
 
-def run_sequences(spec: SequenceSpec, opts: Options) -> WorkloadResult:
+def start_workload(*contenders: type) -> float:
+    """Single-threaded, seeded torch and the contenders' imports done; returns the start time."""
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    Arrowbuf.preload()
-    TorchRL.preload()
-    t0 = time.perf_counter()
+    for contender in contenders:
+        contender.preload()
+    return time.perf_counter()
+
+
+def run_sequences(spec: SequenceSpec, opts: Options) -> WorkloadResult:
+    t0 = start_workload(Arrowbuf, TorchRL)
     load_start = os.getloadavg()[0]
     notes: list[str] = []
     B, L = spec.replay.batch_size, spec.length
@@ -1053,13 +1058,10 @@ class IdealPrioritized:
 
 
 def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
+    t0 = start_workload(Arrowbuf, TorchRL)
     import torch
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    Arrowbuf.preload()
-    TorchRL.preload()
+
     import arrowbuf as ab
-    t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     notes: list[str] = []
     rs = spec.replay
