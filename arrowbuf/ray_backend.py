@@ -38,7 +38,7 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.store import ExperienceStore, _as_numpy, _check_int, _check_workers
+from arrowbuf.store import ExperienceStore, _check_int, _check_workers
 from arrowbuf.tensors import Payload, make_tensordict
 
 logger = logging.getLogger(__name__)
@@ -313,13 +313,19 @@ class _RaySink:
         else:
             ready, self._batches, self._waiting_bytes = self._batches, {}, 0
         schema_json = self._schema.to_json() if self._schema is not None else None
-        for shard, episodes in ready.items():
-            if not episodes:
-                continue
-            queue = self._in_flight.setdefault(shard, deque())
-            while len(queue) >= self._shards.options.max_in_flight:
-                self._settle(shard, queue.popleft())
-            queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json))
+        unsent = {shard: episodes for shard, episodes in ready.items() if episodes}
+        try:
+            for shard, episodes in list(unsent.items()):
+                queue = self._in_flight.setdefault(shard, deque())
+                while len(queue) >= self._shards.options.max_in_flight:
+                    self._settle(shard, queue.popleft())   # raises an earlier write's error
+                queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json))
+                del unsent[shard]
+        finally:
+            for shard, episodes in unsent.items():   # an error stopped the loop: keep them for the next call
+                self._batches[shard] = [_copied(e) if not e.owned else e for e in episodes] \
+                    + self._batches.get(shard, [])
+                self._waiting_bytes += sum(c.nbytes for e in episodes for c in e.columns.values())
 
     def flush(self) -> None:
         self.commit(force=True)
@@ -533,7 +539,9 @@ class RayExperienceStore(ExperienceStore):
     def _split(self, batch_size: int, batches: int) -> tuple[list[int], np.ndarray]:
         """Live shards and, per batch, how many items each gives (multinomial by mass)."""
         live = self._shards.live()
-        if self._masses[live].sum() <= 0:
+        if (self._masses[live] <= 0).any():
+            # A shard seen empty gets no draws, hence no answers that would update its
+            # size: ask again, so a shard that filled since is not skipped forever.
             self._refresh_sizes()
             live = self._shards.live()
         masses = self._masses[live]
@@ -652,12 +660,7 @@ class RayExperienceStore(ExperienceStore):
                 yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def update_priorities(self, index: Any, priority: Any) -> int:
-        if not isinstance(self.sampler, PrioritizedSampler):
-            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
-        index = _as_numpy(index, "index").reshape(-1).astype(np.int64)
-        priority = _as_numpy(priority, "priority").reshape(-1).astype(np.float64)
-        if index.shape != priority.shape:
-            raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
+        index, priority = self._check_priorities(index, priority)   # all of it, before any shard applies some
         shards = index >> INDEX_SHIFT
         refs = {int(s): self._shards.call(int(s), "update_priorities", index[shards == s] & RANK_MASK,
                                           priority[shards == s])
@@ -672,6 +675,7 @@ class RayExperienceStore(ExperienceStore):
         return pa.concat_tables(tables, promote_options="permissive") if tables else self._table.to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
+        self.flush()
         shard = int(episode_id) % self.num_shards
         return self._shards.get({shard: self._shards.call(shard, "episode", int(episode_id))})[shard]
 

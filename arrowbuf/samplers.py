@@ -145,19 +145,19 @@ class WithoutReplacementSampler(Sampler):
         self.epoch = 0
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        for _ in range(2):
-            remaining = self._order[self._cursor:]
-            remaining = remaining[table.is_live(remaining)]
-            if len(remaining) and not (self.drop_last and len(remaining) < n):
-                ranks = remaining[:n]
-                self._order, self._cursor = remaining, len(ranks)
-                return select_ranks(table, ranks)
-            self._order = np.arange(*table.live_range(), dtype=np.int64)
-            rng.shuffle(self._order)
-            self._cursor = 0
+        if self.drop_last and table.num_transitions < n:
+            raise ValueError(f"batch of {n} is larger than the {table.num_transitions} stored transitions "
+                             "and drop_last=True")
+        remaining = self._order[self._cursor:]
+        remaining = remaining[table.is_live(remaining)]
+        if not len(remaining) or (self.drop_last and len(remaining) < n):
+            # A new epoch: every live transition once, in a new random order.
+            remaining = np.arange(*table.live_range(), dtype=np.int64)
+            rng.shuffle(remaining)
             self.epoch += 1
-        raise ValueError(f"batch of {n} is larger than the {table.num_transitions} stored transitions "
-                         "and drop_last=True")
+        ranks = remaining[:n]
+        self._order, self._cursor = remaining, len(ranks)
+        return select_ranks(table, ranks)
 
     def config(self) -> dict:
         return {"drop_last": self.drop_last}

@@ -16,10 +16,11 @@ from tensordict import TensorDict
 from arrowbuf._stats import priority_histogram, reuse_summary, store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.episodes import StepWriter, read_episode
-from arrowbuf.errors import EmptyStoreError, RateLimited, describe
+from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError, describe
 from arrowbuf.indexing import episode_bounds, frame_rows, n_step
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_ranks, select_ranks
+from arrowbuf.samplers import (PrioritizedSampler, Sampler, Selection, UniformSampler, WithoutReplacementSampler,
+                               epoch_ranks, select_ranks)
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
@@ -250,6 +251,11 @@ class ExperienceStore:
             if limited:
                 self._wait(lambda: limiter.can_insert(transitions), timeout,
                            lambda: f"insert of {transitions} transitions refused by {limiter.state()}")
+                if self._shard is not None and shard is not self._shard:
+                    # Another thread made the store's first write while this one waited.
+                    if self._shard.schema != shard.schema:
+                        raise SchemaError(f"episode of {shard.schema} does not match the store's {self.schema}")
+                    shard = self._shard
                 plan = shard.check_fits(episode)   # other threads may have written while we waited
             if self._shard is None:
                 self._bind(shard)
@@ -365,6 +371,10 @@ class ExperienceStore:
         if n_step != 1 or frame_stack != 1 or gamma != 0.99:
             self._check_sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
+        if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
+                and not self.sampler.drop_last:
+            raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
+                             "returns a short one at each epoch's end: use drop_last=True")
         limiter = self.rate_limiter
         limited = type(limiter) is not RateLimiter   # the plain one only counts
         with self._changed:
@@ -443,6 +453,14 @@ class ExperienceStore:
         Raises:
             ValueError: not a prioritized store, or mismatched / negative / non-finite input.
         """
+        index, priority = self._check_priorities(index, priority)
+        with self._lock:
+            if self._shard is None:
+                return 0
+            return self.sampler.update(self._shard.table, index, priority)
+
+    def _check_priorities(self, index: Any, priority: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(int64 index, float64 priority) of an `update_priorities` call, or ValueError."""
         if not isinstance(self.sampler, PrioritizedSampler):
             raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
         index = _as_numpy(index, "index").reshape(-1)
@@ -454,10 +472,7 @@ class ExperienceStore:
         if not np.all(np.isfinite(priority)) or np.any(priority < 0):
             bad = priority[~(np.isfinite(priority) & (priority >= 0))][:5]
             raise ValueError(f"priority must be finite and >= 0, got {bad.tolist()}")
-        with self._lock:
-            if self._shard is None:
-                return 0
-            return self.sampler.update(self._shard.table, index.astype(np.int64), priority)
+        return index.astype(np.int64), priority
 
     def stats(self) -> dict:
         """Size, episodes, inserts and samples (totals and per second), limiter state.

@@ -322,3 +322,27 @@ def test_episodes_without_an_env_id_spread_over_the_shards(two_shard_store):
         store.add_episode(encoded_episode(i, 10))
     sizes = [s["transitions"] for s in store.stats()["shards"]]
     assert sizes == [50, 50]
+
+
+def test_a_shard_that_was_empty_is_sampled_once_it_fills(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    store.add_episode(encoded_episode(1, 20), env_id="first")     # lands on one shard
+    store.sample(32)                                              # the other shard is seen empty
+    for i in range(10):
+        store.add_episode(encoded_episode(100 + i, 20), env_id="second")
+    shards = np.unique(store.sample(512)["index"].numpy() >> INDEX_SHIFT)
+    assert shards.tolist() == [0, 1]
+
+
+def test_a_bad_priority_update_changes_no_shard(prioritized_ray_store):
+    store = prioritized_ray_store
+    batch = store.sample(64)
+    store._refresh_sizes()
+    before = store._masses.copy()
+    priority = np.ones(64)
+    priority[-1] = np.nan
+    with pytest.raises(ValueError, match="priority must be finite"):
+        store.update_priorities(batch["index"], priority)
+    store._refresh_sizes()
+    np.testing.assert_array_equal(store._masses, before)

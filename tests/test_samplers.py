@@ -8,7 +8,7 @@ row read is the row of that index.
 import numpy as np
 import pytest
 import torch
-from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows
+from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows, encoded_episode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -472,3 +472,22 @@ def test_a_sampler_serves_one_store_only():
     make_store(10, sampler)
     with pytest.raises(ValueError, match="already used by another store"):
         make_store(10, sampler)
+
+
+def test_a_drop_last_batch_larger_than_the_store_fails_without_starting_epochs():
+    sampler = ab.WithoutReplacementSampler(drop_last=True)
+    store = make_store(100, sampler)
+    store.add_episode(encoded_episode(0, 5))
+    with pytest.raises(ValueError, match="drop_last=True"):
+        store.sample(6)
+    assert sampler.epoch == 0
+    assert store.sample(5)["index"].shape == (5,)
+
+
+def test_num_workers_with_short_epoch_batches_is_refused_before_sampling():
+    sampler = ab.WithoutReplacementSampler(drop_last=False)
+    store = make_store(100, sampler)
+    store.add_episode(encoded_episode(0, 5))
+    with pytest.raises(ValueError, match="drop_last=True"):
+        store.sample(4, num_workers=2)
+    assert store.stats()["samples"] == 0 and sampler.epoch == 0
