@@ -536,21 +536,26 @@ class RayExperienceStore(ExperienceStore):
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _split(self, batch_size: int, batches: int) -> tuple[list[int], np.ndarray]:
-        """Live shards and, per batch, how many items each gives (multinomial by mass)."""
+    def _split(self, batch_size: int, batches: int, shards: Sequence[int] | None = None
+               ) -> tuple[list[int], np.ndarray]:
+        """Live shards (of ``shards``, default all) and, per batch, how many items each
+        gives (multinomial by mass)."""
         live = self._shards.live()
         if (self._masses[live] <= 0).any():
             # A shard seen empty gets no draws, hence no answers that would update its
             # size: ask again, so a shard that filled since is not skipped forever.
             self._refresh_sizes()
             live = self._shards.live()
+        if shards is not None:
+            live = [s for s in live if s in shards] or live
         masses = self._masses[live]
         if masses.sum() <= 0:
             raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
         return live, self._rng.multinomial(batch_size, masses / masses.sum(), size=batches)
 
-    def _request(self, batch_size: int, sample_args: tuple, batches: int = 1) -> tuple:
-        live, counts = self._split(batch_size, batches)
+    def _request(self, batch_size: int, sample_args: tuple, batches: int = 1,
+                 shards: Sequence[int] | None = None) -> tuple:
+        live, counts = self._split(batch_size, batches, shards)
         population = (int(self._sizes[live].sum()), float(self._masses[live].sum()))
         population = population if isinstance(self.sampler, PrioritizedSampler) else None
         refs = {shard: self._shards.call(shard, "sample", int(total), *sample_args, population)
@@ -592,19 +597,47 @@ class RayExperienceStore(ExperienceStore):
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               timeout: float | None = None, num_workers: int | None = None) -> TensorDict | list[TensorDict]:
+               timeout: float | None = None, num_workers: int | None = None,
+               worker_nodes: Sequence[str] | None = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         Same arguments and result as `ExperienceStore.sample`; ``"index"`` holds
         the shard in its top bits. A batch drawn from several shards is
         concatenated once (writable); one from a single shard is a view of
         read-only shared memory (clone before writing in place).
+
+        Args:
+            worker_nodes: with ``num_workers``, the node id of each train worker:
+                a worker's batch is drawn from the shards on its node (in
+                proportion to their mass), from all shards when its node has
+                none; workers that share a node split one draw. The union is a
+                proportional sample of the whole store only when every node holds
+                data in proportion to its workers.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
+        if worker_nodes is not None:
+            if num_workers is None or len(worker_nodes) != num_workers:
+                raise ValueError(f"worker_nodes must list one node id per worker (num_workers={num_workers}), "
+                                 f"got {worker_nodes!r}")
         self.flush()
-        batch, = self._assemble(self._request(batch_size, (n_step, gamma, frame_stack)), device)
+        sample_args = (n_step, gamma, frame_stack)
+        if worker_nodes is not None:
+            per_worker = batch_size // num_workers
+            groups: dict[str, list[int]] = {}
+            for worker, node in enumerate(worker_nodes):
+                groups.setdefault(node, []).append(worker)
+            requests = {node: self._request(per_worker * len(workers), sample_args, 1,
+                                            [s for s, n in enumerate(self._shards.nodes) if n == node])
+                        for node, workers in groups.items()}
+            batches: list[TensorDict] = [None] * num_workers
+            for node, workers in groups.items():
+                parts = self._assemble(requests[node], device)[0].split(per_worker, dim=0)
+                for worker, part in zip(workers, parts):
+                    batches[worker] = part
+            return batches
+        batch, = self._assemble(self._request(batch_size, sample_args), device)
         return self._split_workers(batch, num_workers)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,

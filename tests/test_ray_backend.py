@@ -346,3 +346,21 @@ def test_a_bad_priority_update_changes_no_shard(prioritized_ray_store):
         store.update_priorities(batch["index"], priority)
     store._refresh_sizes()
     np.testing.assert_array_equal(store._masses, before)
+
+
+def test_train_workers_draw_from_the_shards_on_their_node(two_shard_store):
+    store = two_shard_store
+    store.clear()
+    for i in range(8):
+        store.add_episode(encoded_episode(i, 20), env_id=f"env-{i % 2}")
+    nodes = store._shards.nodes
+    store._shards.nodes = ["node-a", "node-b"]   # one shard per (pretend) node
+    try:
+        parts = store.sample(96, num_workers=3, worker_nodes=["node-b", "node-a", "node-b"])
+    finally:
+        store._shards.nodes = nodes
+    shards = [np.unique(p["index"].numpy() >> INDEX_SHIFT).tolist() for p in parts]
+    assert shards == [[1], [0], [1]]
+    assert [p.batch_size[0] for p in parts] == [32, 32, 32]
+    with pytest.raises(ValueError, match="worker_nodes"):
+        store.sample(96, num_workers=3, worker_nodes=["node-a"])
