@@ -8,10 +8,12 @@ which episode and step it came from.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+from hypothesis import HealthCheck, settings
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -19,6 +21,13 @@ import torch
 
 import arrowbuf as ab
 from arrowbuf.errors import EmptyStoreError
+
+# CI (CI=true) replays the same examples every run and tolerates slow data generation
+# on a loaded 2-core box; locally hypothesis explores new examples each run.
+settings.register_profile("ci", derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # When a property fails, hypothesis imports libcst to suggest an @example patch;
