@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,19 @@ def test_a_schema_mismatch_inside_a_shard_surfaces_in_the_writer_process(two_sha
         store.close()
 
 
+def kill_and_wait(handle, seconds: float = 60.0) -> None:
+    """ray.kill returns before the actor is gone: wait until calls to it fail."""
+    ray.kill(handle)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=seconds)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor still answers {seconds} s after ray.kill")
+
+
 def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partial():
     store = ab.ExperienceStore(4_000, backend="ray", num_shards=2, seed=0,
                                ray_options=RayOptions(allow_partial=False))
@@ -182,7 +196,7 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
         store.add_episode(encoded_episode(0, 30), env_id="a")
         store.add_episode(encoded_episode(1, 30), env_id="b")
         store.flush()
-        ray.kill(store._shards.handles[1])
+        kill_and_wait(store._shards.handles[1])
         with pytest.raises(ab.ShardError, match="shard 1"):
             len(store)
         assert len(partial) == 30
