@@ -12,14 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from arrowbuf.table import EpisodeTable
-
-
-def episode_bounds(table: EpisodeTable, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first row, last transition row) of the live episodes at positions ``pos``."""
-    first = table.col("first_row")[pos]
-    return first, first + table.col("length")[pos] - 1
-
 
 @dataclass
 class NStep:

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from arrowbuf.episodes import StepWriter, _copied, read_episode
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, select_ranks
+from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, epoch_batches, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.store import ExperienceStore, _check_int, _check_workers
@@ -672,18 +672,13 @@ class RayExperienceStore(ExperienceStore):
                      device: torch.device | str | None = None) -> Iterator[TensorDict]:
         batch_size = _check_int("batch_size", batch_size, 1)
         self.flush()
-        return self._epoch_across_shards(batch_size, shuffle, drop_last, device)
-
-    def _epoch_across_shards(self, batch_size: int, shuffle: bool, drop_last: bool,
-                             device: Any) -> Iterator[TensorDict]:
         ranges = self._shards.broadcast("live_range")
         index = np.concatenate([(np.int64(s) << INDEX_SHIFT) + np.arange(a, b, dtype=np.int64)
                                 for s, (a, b) in ranges.items()] or [np.zeros(0, np.int64)])
-        if shuffle:
-            self._rng.shuffle(index)
-        stop = len(index) - len(index) % batch_size if drop_last else len(index)
-        for start in range(0, stop, batch_size):
-            chunk = index[start:start + batch_size]
+        return self._epoch_across_shards(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), device)
+
+    def _epoch_across_shards(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
+        for chunk in chunks:
             shards = chunk >> INDEX_SHIFT
             refs = {int(s): self._shards.call(int(s), "gather", chunk[shards == s] & RANK_MASK)
                     for s in np.unique(shards)}

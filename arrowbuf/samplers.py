@@ -14,7 +14,6 @@ listen to its writes and evictions; a Ray store gives each shard its own copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -43,15 +42,17 @@ def uniform_ranks(rng: np.random.Generator, n: int, first_rank: int, stop_rank: 
     return rng.integers(first_rank, stop_rank, size=n, dtype=np.int64)
 
 
-def epoch_ranks(rng: np.random.Generator, batch_size: int, first_rank: int, stop_rank: int,
-                shuffle: bool = True, drop_last: bool = False) -> Iterator[np.ndarray]:
-    """Every rank of ``[first_rank, stop_rank)`` once, in batches of ``batch_size``."""
-    ranks = np.arange(first_rank, stop_rank, dtype=np.int64)
+def epoch_batches(rng: np.random.Generator, indices: np.ndarray, batch_size: int,
+                  shuffle: bool = True, drop_last: bool = False) -> list[np.ndarray]:
+    """Every one of ``indices`` once, in batches of ``batch_size`` (shuffled in place).
+
+    Eager, not a generator: the draw from ``rng`` happens now, under whatever lock
+    the caller holds, not whenever the first batch is asked for.
+    """
     if shuffle:
-        rng.shuffle(ranks)
-    stop = len(ranks) - len(ranks) % batch_size if drop_last else len(ranks)
-    for start in range(0, stop, batch_size):
-        yield ranks[start:start + batch_size]
+        rng.shuffle(indices)
+    stop = len(indices) - len(indices) % batch_size if drop_last else len(indices)
+    return [indices[start:start + batch_size] for start in range(0, stop, batch_size)]
 
 
 class Sampler:

@@ -17,10 +17,10 @@ from arrowbuf._stats import priority_histogram, reuse_summary, store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.episodes import StepWriter, read_episode
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError, describe
-from arrowbuf.indexing import episode_bounds, frame_rows, n_step
+from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import (PrioritizedSampler, Sampler, Selection, UniformSampler, WithoutReplacementSampler,
-                               epoch_ranks, select_ranks)
+                               epoch_batches, select_ranks)
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
@@ -423,9 +423,8 @@ class ExperienceStore:
                  "episode_id": table.col("episode_id")[pos], "step": (rows - first).astype(np.int32),
                  **selection.extra}
         obs_rows = next_rows = None
-        if n > 1 or frames > 1:
-            first, last = episode_bounds(table, pos)
         if n > 1:
+            last = first + table.col("length")[pos] - 1   # the episode's last transition row
             ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
@@ -533,11 +532,11 @@ class ExperienceStore:
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         with self._lock:
-            first, stop = self._table.first_live_rank, self._table.next_rank
-            chunks = epoch_ranks(self._rng, batch_size, first, stop, shuffle, drop_last)
+            ranks = np.arange(*self._table.live_range(), dtype=np.int64)
+            chunks = epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
         return self._epoch(chunks, device)
 
-    def _epoch(self, chunks: Iterator[np.ndarray], device: Any) -> Iterator[TensorDict]:
+    def _epoch(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
         for ranks in chunks:
             with self._lock:
                 live = ranks[self._table.is_live(ranks)]
