@@ -28,8 +28,8 @@ from typing import Any, Callable, ContextManager, Mapping, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.errors import FormatError
-from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, numpy_to_arrow
+from arrowbuf.errors import FormatError, SchemaError
+from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, arrow_to_numpy, numpy_to_arrow
 from arrowbuf.shard import position_runs
 
 logger = logging.getLogger("arrowbuf")
@@ -141,19 +141,10 @@ def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str)
     Raises:
         FormatError: a column with nulls.
     """
-    columns = {}
-    for name, spec in specs.items():
-        column = batch.column(name)
-        if column.null_count:
-            raise FormatError(f"{where}: column {name!r} has {column.null_count} nulls; arrowbuf columns have none")
-        if isinstance(column, pa.ExtensionArray):
-            column = column.storage
-        if pa.types.is_fixed_size_list(column.type):
-            values = column.flatten().to_numpy(zero_copy_only=False)
-            columns[name] = values.reshape((len(column), *spec.shape))
-        else:
-            columns[name] = column.to_numpy(zero_copy_only=False)
-    return columns
+    try:
+        return {name: arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
+    except SchemaError as err:
+        raise FormatError(f"{where}: {err}") from None
 
 
 # -- row snapshots ---------------------------------------------------------------------

@@ -200,19 +200,26 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     return array, dtype
 
 
-def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
-    """A numpy array of an Arrow column (zero-copy for primitive and tensor columns)."""
+def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str,
+                   shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """A numpy array of an Arrow column, rows first (zero-copy for numeric columns).
+
+    Fixed-shape tensors keep their shape; a plain fixed-size list column gets the
+    per-row ``shape`` (its list size when None). Booleans are unpacked from bits.
+
+    Raises:
+        SchemaError: the column has nulls.
+    """
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.null_count:
         raise SchemaError(f"field {name!r} has {column.null_count} nulls; arrowbuf columns have none")
     if isinstance(column.type, pa.FixedShapeTensorType):
-        if pa.types.is_boolean(column.type.value_type):   # bit-packed: no tensor view exists
-            values = column.storage.flatten().to_numpy(zero_copy_only=False)
-            return values.reshape(len(column), *column.type.shape)
-        return column.to_numpy_ndarray()
+        shape = tuple(column.type.shape)
+        column = column.storage
     if pa.types.is_fixed_size_list(column.type):
-        return np.stack(column.to_numpy(zero_copy_only=False)) if len(column) else np.empty((0,))
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        return values.reshape(len(column), *(shape if shape is not None else (column.type.list_size,)))
     return column.to_numpy(zero_copy_only=False)
 
 
