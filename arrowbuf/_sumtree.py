@@ -3,15 +3,27 @@
 Leaves are priorities (already raised to alpha). A batch update writes the leaves,
 then recomputes each touched parent from its children, level by level: recomputing
 instead of adding deltas keeps the totals exact and makes duplicate indices
-harmless. A batch search walks all queries down together. With K = 32 a tree of a
-million leaves is 4 levels deep, so both cost a handful of numpy calls.
+harmless. A batch search walks all queries down together.
+
+The tree has no root: its top level is the widest one with at most ``TOP_NODES``
+nodes (for a million leaves and K = 32: 1,024 nodes, then 32,768, then the leaves).
+A search starts with one prefix sum over the top and one ``searchsorted`` for all
+queries, which costs less than walking the two levels above it, and an update has
+two fewer levels to refresh. Prefix sums and per-node searches use torch, whose
+CPU ``cumsum`` is a plain sequential loop (several times faster than numpy's on
+short rows) and therefore monotone for non-negative values: a query never lands on
+a zero-priority child.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+import torch
 
 ARITY = 32
+TOP_NODES = 1024
 
 
 class SumTree:
@@ -28,15 +40,18 @@ class SumTree:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
-        depth = 1
-        while ARITY ** depth < size:
+        top = size
+        depth = 0
+        while top > TOP_NODES:
+            top = -(-top // ARITY)
             depth += 1
-        # levels[0] is the root; levels[-1] the leaves, padded with zeros.
-        self.levels = [np.zeros(ARITY ** d, np.float64) for d in range(depth + 1)]
+        # levels[0] is the top (a prefix of ``top`` nodes); levels[-1] the leaves,
+        # padded with zeros to ``top * ARITY ** depth``.
+        self.levels = [np.zeros(top * ARITY ** d, np.float64) for d in range(depth + 1)]
 
     @property
     def total(self) -> float:
-        return float(self.levels[0][0])
+        return float(self.levels[0].sum())
 
     @property
     def leaves(self) -> np.ndarray:
@@ -60,7 +75,11 @@ class SumTree:
     def update(self, index: np.ndarray, value: np.ndarray) -> None:
         """Set leaves ``index`` to ``value`` (the last one wins for duplicates)."""
         self.levels[-1][index] = value
-        self._refresh(np.asarray(index, np.int64))
+        index = np.asarray(index, np.int64)
+        for level in range(len(self.levels) - 2, -1, -1):
+            index = index // ARITY
+            children = self.levels[level + 1].reshape(-1, ARITY)
+            self.levels[level][index] = children.take(index, axis=0).sum(axis=1)
 
     def fill(self, start: int, stop: int, value: float) -> None:
         """Set leaves ``[start, stop)`` to ``value``."""
@@ -73,23 +92,37 @@ class SumTree:
             children = self.levels[level + 1][start * ARITY:stop * ARITY].reshape(-1, ARITY)
             self.levels[level][start:stop] = children.sum(axis=1)
 
-    def _refresh(self, index: np.ndarray) -> None:
-        for level in range(len(self.levels) - 2, -1, -1):
-            index = index // ARITY
-            children = self.levels[level + 1].reshape(-1, ARITY)
-            self.levels[level][index] = children[index].sum(axis=1)
-
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index holding each prefix ``mass`` in ``[0, total)``; never a zero leaf."""
         mass = np.array(mass, np.float64)
-        node = np.zeros(len(mass), np.int64)
-        rows = np.arange(len(mass))
+        node = _choose(torch.cumsum(torch.from_numpy(self.levels[0]), 0).numpy(), mass)
         for level in self.levels[1:]:
-            cumulative = np.cumsum(level.reshape(-1, ARITY)[node], axis=1)
-            # Rounding can put a query at or past its node's total: keep it just below,
-            # so it never lands on the empty children after the last non-empty one.
-            np.minimum(mass, np.nextafter(cumulative[:, -1], 0.0), out=mass)
-            choice = (cumulative <= mass[:, None]).sum(axis=1)
-            mass -= np.where(choice > 0, cumulative[rows, np.maximum(choice - 1, 0)], 0.0)
-            node = node * ARITY + choice
+            children = torch.from_numpy(level.reshape(-1, ARITY).take(node, axis=0))
+            node = node * ARITY + _choose(torch.cumsum(children, 1).numpy(), mass)
         return node
+
+
+def _choose(cumulative: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """Per query, the child whose prefix interval holds ``mass``; ``mass`` becomes the rest.
+
+    ``cumulative`` holds inclusive prefix sums: one row shared by every query (1-D)
+    or one row per query (2-D).
+    """
+    # Rounding can put a query at or past its node's total: keep it just below,
+    # so it never lands on the empty children after the last non-empty one.
+    np.minimum(mass, np.nextafter(cumulative[..., -1], 0.0), out=mass)
+    if cumulative.ndim == 1:
+        choice = np.searchsorted(cumulative, mass, side="right")
+        before = cumulative.take(choice - 1)
+    else:
+        choice = torch.searchsorted(torch.from_numpy(cumulative), torch.from_numpy(mass[:, None]),
+                                    right=True).numpy().reshape(-1)
+        before = cumulative.reshape(-1).take(_row_starts(len(mass), cumulative.shape[1]) + choice)
+    mass -= before * (choice > 0)   # choice 0 reads the previous row's last entry: zeroed
+    return choice
+
+
+@functools.lru_cache(maxsize=16)
+def _row_starts(rows: int, width: int) -> np.ndarray:
+    """Flat index of the entry before each row of a (rows, width) array."""
+    return np.arange(rows, dtype=np.int64) * width - 1

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrowbuf._sumtree import ARITY, SumTree
+from arrowbuf._sumtree import ARITY, TOP_NODES, SumTree
 
 # Multiples of 1/4 add up exactly in float64, so tree and reference agree to the bit.
 dyadic = st.integers(0, 12).map(lambda k: k / 4)
@@ -25,7 +25,8 @@ def operations(draw, size):
 
 @st.composite
 def trees(draw):
-    size = draw(st.one_of(st.integers(1, 40), st.integers(ARITY ** 2 - 40, ARITY ** 2 + 80)))
+    size = draw(st.one_of(st.integers(1, 40), st.integers(TOP_NODES - 40, TOP_NODES + 80),
+                            st.integers(TOP_NODES * ARITY - 40, TOP_NODES * ARITY + 80)))
     ops = draw(st.lists(operations(size), min_size=1, max_size=12))
     return size, ops
 
@@ -77,7 +78,7 @@ def test_tree_matches_a_numpy_reference_after_random_updates_and_fills(case, see
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3000), st.integers(0, 2**32 - 1))
+@given(st.integers(1, 40_000), st.integers(0, 2**32 - 1))
 def test_find_of_random_masses_lands_in_the_interval_holding_the_mass(size, seed):
     rng = np.random.default_rng(seed)
     values = rng.exponential(size=size) * (rng.random(size) < 0.6)
