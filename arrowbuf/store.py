@@ -418,10 +418,11 @@ class ExperienceStore:
         table = shard.table
         rows, pos = selection.rows, selection.pos
         # episode_id and step come from the episode table, not from per-row columns.
-        first = table.col("first_row")[pos]
+        step = selection.step
+        first = table.col("first_row")[pos] if step is None or n > 1 or frames > 1 else None
         extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
-                 "episode_id": table.col("episode_id")[pos], "step": (rows - first).astype(np.int32),
-                 **selection.extra}
+                 "episode_id": table.col("episode_id")[pos],
+                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
         if n > 1:
             last = first + table.col("length")[pos] - 1   # the episode's last transition row

@@ -236,9 +236,9 @@ class EpisodeTable:
         For ranks the offset is the step, so the arena row is ``first_row[pos] + offset``.
         """
         if counter == "rank" and self._rank_episode is not None:
-            head_serial = (self.episodes_added - len(self)) & 0xFFFFFFFF
-            serial = self._rank_episode[units % len(self._rank_episode)]
-            pos = (serial.astype(np.int64) - head_serial) & 0xFFFFFFFF
+            # uint32 arithmetic wraps like the serials stored in the map.
+            pos = self._rank_episode.take(units, mode="wrap")
+            pos -= np.uint32((self.episodes_added - len(self)) & 0xFFFFFFFF)
             return pos, units - self._cols["first_rank"][self.head:self.tail][pos]
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1

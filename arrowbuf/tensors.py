@@ -55,10 +55,7 @@ def nest(flat: Mapping[tuple[str, ...], torch.Tensor]) -> dict:
     """{("next", "obs"): t} -> {"next": {"obs": t}}."""
     root: dict = {}
     for key, value in flat.items():
-        node = root
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
+        _put(root, key, value)
     return root
 
 
@@ -104,37 +101,40 @@ class Gather:
     def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, pin_memory: bool = False, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None) -> "Payload":
         """Gather into one byte buffer plus its layout (what a Ray shard sends back)."""
-        by_role = {"step": rows, "obs": rows if obs_rows is None else obs_rows,
-                   "next": rows + 1 if next_rows is None else next_rows}
-        extra = dict(extra or {})
-        shapes = (rows.shape, by_role["obs"].shape, by_role["next"].shape)
-        cache_key = (shapes, tuple(extra))
+        obs_rows = rows if obs_rows is None else obs_rows
+        next_rows = rows + 1 if next_rows is None else next_rows
+        by_role = (rows, obs_rows, next_rows)
+        extra = extra or {}
+        cache_key = (rows.shape, obs_rows.shape, next_rows.shape, *extra)
         layout = self._layouts.get(cache_key)
         if layout is None:
-            layout = self._layouts[cache_key] = self._layout(shapes, extra)
+            layout = self._layouts[cache_key] = self._layout(cache_key[:3], extra)
         total, plan, spec = layout
-        flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
-        flat_np = flat.numpy()
+        flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)   # 64-byte aligned
+        buffer = flat.numpy()
         views = []
-        for entry, offset, size, shape in plan:
-            out = flat_np[offset:offset + size].view(entry.column.dtype).reshape(shape)
-            entry.column.take(by_role[entry.role], axis=0, out=out, mode="clip")
+        for column, role, dtype, shape, offset in plan:
+            out = np.ndarray(shape, dtype, buffer, offset)
+            column.take(by_role[role], axis=0, out=out, mode="clip")
             views.append(out)
-        return Payload(flat, spec, extra, rows.shape, views)
+        return Payload(flat, spec, dict(extra), rows.shape, views)
 
     def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list, list]:
         skip = {_key(name) for name in extra}
-        roles = dict(zip(("step", "obs", "next"), shapes))
-        plan, total = [], 0
+        plan, spec, total = [], [], 0
         for entry in self._entries:
             if entry.key in skip:
                 continue
-            shape = tuple(roles[entry.role]) + tuple(entry.column.shape[1:])
-            size = int(np.prod(roles[entry.role], dtype=np.int64)) * entry.row_bytes
-            plan.append((entry, total, size, shape))
+            role = _ROLES.index(entry.role)
+            shape = tuple(shapes[role]) + tuple(entry.column.shape[1:])
+            size = int(np.prod(shapes[role], dtype=np.int64)) * entry.row_bytes
+            plan.append((entry.column, role, entry.column.dtype, shape, total))
+            spec.append((entry.key, entry.torch_dtype, total, size, shape))
             total += -(-size // _ALIGN) * _ALIGN
-        spec = [(entry.key, entry.torch_dtype, offset, size, shape) for entry, offset, size, shape in plan]
         return max(total, 1), plan, spec
+
+
+_ROLES = ("step", "obs", "next")
 
 
 @dataclass
@@ -157,26 +157,52 @@ class Payload:
 
     def tensors(self, device: torch.device | None = None) -> dict[tuple[str, ...], torch.Tensor]:
         """Every key's tensor: views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
+        if self.views is not None and (device is None or device.type == "cpu"):
+            return dict(self._views_and_extras())
+        flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
         on_device = device is not None and device.type != "cpu"
-        if self.views is not None and not on_device:
-            # torch.from_numpy on the views made for the gather: one call per key.
-            tensors = {key: _as_dtype(torch.from_numpy(view), dtype)
-                       for (key, dtype, _, _, _), view in zip(self.spec, self.views)}
-        else:
-            flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
-            if on_device:
-                flat = flat.to(device, non_blocking=True)
-            tensors = {key: flat[offset:offset + size].view(dtype).view(shape)
-                       for key, dtype, offset, size, shape in self.spec}
+        if on_device:
+            flat = flat.to(device, non_blocking=True)
+        tensors = {key: flat[offset:offset + size].view(dtype).view(shape)
+                   for key, dtype, offset, size, shape in self.spec}
         for name, value in self.extra.items():
-            tensor = torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
+            tensor = _extra_tensor(value)
             tensors[_key(name)] = tensor.to(device) if on_device else tensor
         return tensors
 
     def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
         """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
         on_device = device is not None and device.type != "cpu"
-        return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
+        if self.views is None or on_device:
+            return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
+        # The common case, nested as it is built: this runs once per sample.
+        root: dict = {}
+        for key, tensor in self._views_and_extras():
+            if len(key) == 1:
+                root[key[0]] = tensor
+            else:
+                _put(root, key, tensor)
+        return _make_td(root, torch.Size(self.batch_shape), None)
+
+    def _views_and_extras(self):
+        """(key, tensor) of the gather's views, then of the extras."""
+        for (key, dtype, _, _, _), view in zip(self.spec, self.views):
+            tensor = torch.from_numpy(view)
+            yield key, (tensor if tensor.dtype == dtype else tensor.view(dtype))
+        for name, value in self.extra.items():
+            yield _key(name), _extra_tensor(value)
+
+
+def _put(root: dict, key: tuple[str, ...], tensor: torch.Tensor) -> None:
+    """root[key[0]][key[1]]... = tensor, creating the dicts on the way."""
+    node = root
+    for part in key[:-1]:
+        node = node.setdefault(part, {})
+    node[key[-1]] = tensor
+
+
+def _extra_tensor(value: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
 
 
 def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape: tuple[int, ...],
@@ -189,10 +215,6 @@ def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape
 def _key(name: str) -> tuple[str, ...]:
     """A dotted name as a TensorDict key path: "next.obs" -> ("next", "obs")."""
     return tuple(name.split("."))
-
-
-def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
