@@ -69,7 +69,9 @@ class SumTree:
         """
         levels = state["levels"]
         if int(state["size"]) != self.size or [len(x) for x in levels] != [len(x) for x in self.levels]:
-            raise ValueError(f"sum tree state is for {state['size']} leaves, this tree has {self.size}")
+            raise ValueError(f"sum tree state has {state['size']} leaves in levels of "
+                             f"{[len(x) for x in levels]} nodes; this tree has {self.size} leaves in "
+                             f"{[len(x) for x in self.levels]} (a checkpoint from another tree layout)")
         self.levels = [np.array(level, np.float64) for level in levels]
 
     def update(self, index: np.ndarray, value: np.ndarray) -> None:
