@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -51,11 +51,14 @@ def pinned(pin_memory: bool, device: torch.device | None) -> bool:
     return (pin_memory or (device is not None and device.type == "cuda")) and torch.cuda.is_available()
 
 
-def nest(flat: Mapping[tuple[str, ...], torch.Tensor]) -> dict:
-    """{("next", "obs"): t} -> {"next": {"obs": t}}."""
+def nest(flat: Mapping[tuple[str, ...], torch.Tensor] | Iterable[tuple[tuple[str, ...], torch.Tensor]]) -> dict:
+    """{("next", "obs"): t} (or its (key, value) pairs) -> {"next": {"obs": t}}."""
     root: dict = {}
-    for key, value in flat.items():
-        _put(root, key, value)
+    for key, value in (flat.items() if isinstance(flat, Mapping) else flat):
+        node = root
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
     return root
 
 
@@ -175,14 +178,8 @@ class Payload:
         on_device = device is not None and device.type != "cpu"
         if self.views is None or on_device:
             return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
-        # The common case, nested as it is built: this runs once per sample.
-        root: dict = {}
-        for key, tensor in self._views_and_extras():
-            if len(key) == 1:
-                root[key[0]] = tensor
-            else:
-                _put(root, key, tensor)
-        return _make_td(root, torch.Size(self.batch_shape), None)
+        # The common case, nested as it is built (no flat dict in between).
+        return _make_td(nest(self._views_and_extras()), torch.Size(self.batch_shape), None)
 
     def _views_and_extras(self):
         """(key, tensor) of the gather's views, then of the extras."""
@@ -191,14 +188,6 @@ class Payload:
             yield key, (tensor if tensor.dtype == dtype else tensor.view(dtype))
         for name, value in self.extra.items():
             yield _key(name), _extra_tensor(value)
-
-
-def _put(root: dict, key: tuple[str, ...], tensor: torch.Tensor) -> None:
-    """root[key[0]][key[1]]... = tensor, creating the dicts on the way."""
-    node = root
-    for part in key[:-1]:
-        node = node.setdefault(part, {})
-    node[key[-1]] = tensor
 
 
 def _extra_tensor(value: np.ndarray) -> torch.Tensor:
