@@ -59,8 +59,28 @@ def _latency(ts: Any, now_ns: int | None) -> float:
     return max(0.0, (now_ns - ts) / 1e9)
 
 
+class _TensorConversions:
+    """`cpu`, `cuda` and `numpy` through one ``_apply(fn)`` (a copy or in place, per class)."""
+
+    def _apply(self, fn):
+        raise NotImplementedError
+
+    def cpu(self):
+        """Every tensor on the CPU."""
+        return self._apply(lambda t: t.cpu())
+
+    def cuda(self, device: int | str | None = None):
+        """Every tensor on ``device`` (default ``"cuda"``)."""
+        device = "cuda" if device is None else device
+        return self._apply(lambda t: t.to(device))
+
+    def numpy(self):
+        """Every tensor as a numpy array (bfloat16 as float32)."""
+        return self._apply(_to_numpy)
+
+
 @dataclass
-class EnvRet:
+class EnvRet(_TensorConversions):
     """What an environment returned from ``reset`` or ``step``.
 
     ``last_*`` describe the *previous* action: a reset carries the dummy reward 0.
@@ -108,22 +128,10 @@ class EnvRet:
             result[key] = value
         return result
 
-    def _converted(self, fn) -> EnvRet:
+    def _apply(self, fn) -> EnvRet:
+        """A converted copy: `cpu`, `cuda` and `numpy` leave this EnvRet unchanged."""
         changes = {name: _map_tensors(getattr(self, name), fn) for name in self.fields()}
         return replace(self, **changes, _extra=_map_tensors(self._extra, fn))
-
-    def cpu(self) -> EnvRet:
-        """A copy with every tensor on the CPU (this one is unchanged)."""
-        return self._converted(lambda t: t.cpu())
-
-    def cuda(self, device: int | str | None = None) -> EnvRet:
-        """A copy with every tensor on ``device`` (default ``"cuda"``)."""
-        device = "cuda" if device is None else device
-        return self._converted(lambda t: t.to(device))
-
-    def numpy(self) -> EnvRet:
-        """A copy with every tensor as a numpy array (bfloat16 as float32)."""
-        return self._converted(_to_numpy)
 
     def mark_env_sent(self) -> EnvRet:
         """Stamp ``ts_env_sent_ns`` with now; returns self."""
@@ -138,7 +146,7 @@ class EnvRet:
         return hash(self.env_id)
 
 
-class PolicyResponse(SimpleNamespace):
+class PolicyResponse(_TensorConversions, SimpleNamespace):
     """A policy's answer to one EnvRet: ``env_id`` plus any fields (action, log_prob, value, ...).
 
     As in the seed, `cpu`, `cuda` and `numpy` convert in place and return self.
@@ -156,20 +164,11 @@ class PolicyResponse(SimpleNamespace):
         """Every field except ``env_id`` and ``ts_policy_sent_ns``."""
         return {key: getattr(self, key) for key in self._fields}
 
-    def _convert(self, fn) -> PolicyResponse:
+    def _apply(self, fn) -> PolicyResponse:
+        """Convert in place (as in the seed) and return self."""
         for key in self._fields:
             setattr(self, key, _map_tensors(getattr(self, key), fn))
         return self
-
-    def cpu(self) -> PolicyResponse:
-        return self._convert(lambda t: t.cpu())
-
-    def cuda(self, device: int | str | None = None) -> PolicyResponse:
-        device = "cuda" if device is None else device
-        return self._convert(lambda t: t.to(device))
-
-    def numpy(self) -> PolicyResponse:
-        return self._convert(_to_numpy)
 
     def mark_policy_sent(self) -> PolicyResponse:
         """Stamp ``ts_policy_sent_ns`` with now; returns self."""
