@@ -35,7 +35,7 @@ class Selection:
 def select_ranks(table: EpisodeTable, ranks: np.ndarray, extra: dict | None = None) -> Selection:
     """The selection of live transition ranks."""
     pos, step = table.locate(ranks)
-    return Selection(table.col("first_row")[pos] + step, ranks, pos, extra or {}, step)
+    return Selection(table.col("first_row").take(pos) + step, ranks, pos, extra or {}, step)
 
 
 def uniform_ranks(rng: np.random.Generator, n: int, first_rank: int, stop_rank: int) -> np.ndarray:

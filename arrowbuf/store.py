@@ -419,13 +419,13 @@ class ExperienceStore:
         rows, pos = selection.rows, selection.pos
         # episode_id and step come from the episode table, not from per-row columns.
         step = selection.step
-        first = table.col("first_row")[pos] if step is None or n > 1 or frames > 1 else None
+        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
         extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
-                 "episode_id": table.col("episode_id")[pos],
+                 "episode_id": table.col("episode_id").take(pos),
                  "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
         if n > 1:
-            last = first + table.col("length")[pos] - 1   # the episode's last transition row
+            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
             ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)

@@ -239,15 +239,15 @@ class EpisodeTable:
             # uint32 arithmetic wraps like the serials stored in the map.
             pos = self._rank_episode.take(units, mode="wrap")
             pos -= np.uint32((self.episodes_added - len(self)) & 0xFFFFFFFF)
-            return pos, units - self._cols["first_rank"][self.head:self.tail][pos]
+            return pos, units - self._cols["first_rank"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1
-        return pos, units - first[pos]
+        return pos, units - first.take(pos)
 
     def rows_of(self, ranks: np.ndarray) -> np.ndarray:
         """Arena rows of live transition ranks."""
         pos, offset = self.locate(ranks)
-        return self.col("first_row")[pos] + offset
+        return self.col("first_row").take(pos) + offset
 
     def is_live(self, ranks: np.ndarray) -> np.ndarray:
         return (ranks >= self.first_live_rank) & (ranks < self.next_rank)

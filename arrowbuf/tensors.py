@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -51,10 +51,10 @@ def pinned(pin_memory: bool, device: torch.device | None) -> bool:
     return (pin_memory or (device is not None and device.type == "cuda")) and torch.cuda.is_available()
 
 
-def nest(flat: Mapping[tuple[str, ...], torch.Tensor] | Iterable[tuple[tuple[str, ...], torch.Tensor]]) -> dict:
-    """{("next", "obs"): t} (or its (key, value) pairs) -> {"next": {"obs": t}}."""
+def nest(flat: Mapping[tuple[str, ...], torch.Tensor]) -> dict:
+    """{("next", "obs"): t} -> {"next": {"obs": t}}."""
     root: dict = {}
-    for key, value in (flat.items() if isinstance(flat, Mapping) else flat):
+    for key, value in flat.items():
         node = root
         for part in key[:-1]:
             node = node.setdefault(part, {})
@@ -77,7 +77,7 @@ class Gather:
             _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
             for key, (column, role, torch_dtype) in columns.items()
         ]
-        self._layouts: dict[tuple, tuple[int, list, list]] = {}
+        self._layouts: dict[tuple, tuple[int, list, list, list]] = {}
 
     def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
@@ -112,19 +112,23 @@ class Gather:
         layout = self._layouts.get(cache_key)
         if layout is None:
             layout = self._layouts[cache_key] = self._layout(cache_key[:3], extra)
-        total, plan, spec = layout
-        flat = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)   # 64-byte aligned
-        buffer = flat.numpy()
+        total, plan, spec, slots = layout
+        if pin_memory:
+            flat = torch.empty(total, dtype=torch.uint8, pin_memory=True)   # 64-byte aligned
+            buffer = flat.numpy()
+        else:
+            buffer = _aligned_empty(total)
+            flat = torch.from_numpy(buffer)
         views = []
         for column, role, dtype, shape, offset in plan:
             out = np.ndarray(shape, dtype, buffer, offset)
             column.take(by_role[role], axis=0, out=out, mode="clip")
             views.append(out)
-        return Payload(flat, spec, dict(extra), rows.shape, views)
+        return Payload(flat, spec, dict(extra), rows.shape, views, slots)
 
-    def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list, list]:
+    def _layout(self, shapes: tuple, extra: Mapping[str, np.ndarray]) -> tuple[int, list, list, list]:
         skip = {_key(name) for name in extra}
-        plan, spec, total = [], [], 0
+        plan, spec, slots, total = [], [], [], 0
         for entry in self._entries:
             if entry.key in skip:
                 continue
@@ -133,11 +137,28 @@ class Gather:
             size = int(np.prod(shapes[role], dtype=np.int64)) * entry.row_bytes
             plan.append((entry.column, role, entry.column.dtype, shape, total))
             spec.append((entry.key, entry.torch_dtype, total, size, shape))
+            # torch.from_numpy gives the numpy dtype's twin; bfloat16 is stored as uint16 bits.
+            from_numpy_dtype = torch.from_numpy(np.empty(0, entry.column.dtype)).dtype
+            slots.append((entry.key[:-1], entry.key[-1],
+                          None if from_numpy_dtype == entry.torch_dtype else entry.torch_dtype))
             total += -(-size // _ALIGN) * _ALIGN
-        return max(total, 1), plan, spec
+        slots += [(_key(name)[:-1], _key(name)[-1], None) for name in extra]
+        return max(total, 1), plan, spec, slots
 
 
 _ROLES = ("step", "obs", "next")
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialized, ``_ALIGN``-aligned byte array from numpy's allocator.
+
+    Not ``torch.empty``: on Linux torch's CPU allocator returns large blocks to the
+    kernel and takes fresh (zero-filled, faulting) pages on the next batch, which
+    costs W2 a third of its sample time; numpy's allocator reuses freed blocks.
+    """
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.__array_interface__["data"][0] % _ALIGN
+    return raw[start:start + nbytes]
 
 
 @dataclass
@@ -153,10 +174,13 @@ class Payload:
     extra: dict[str, np.ndarray]
     batch_shape: tuple[int, ...]
     views: list[np.ndarray] | None = None      # numpy views of ``flat`` per spec entry (not pickled)
+    # Where each view, then each extra, goes in the nested dict: (parent path, leaf
+    # name, dtype to view the tensor as or None); built once per layout (not pickled).
+    slots: list[tuple[tuple[str, ...], str, torch.dtype | None]] | None = None
 
     def __getstate__(self) -> dict:
         flat = self.flat.numpy() if isinstance(self.flat, torch.Tensor) else self.flat
-        return {**self.__dict__, "flat": flat, "views": None}
+        return {**self.__dict__, "flat": flat, "views": None, "slots": None}
 
     def tensors(self, device: torch.device | None = None) -> dict[tuple[str, ...], torch.Tensor]:
         """Every key's tensor: views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
@@ -178,16 +202,28 @@ class Payload:
         on_device = device is not None and device.type != "cpu"
         if self.views is None or on_device:
             return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
-        # The common case, nested as it is built (no flat dict in between).
-        return _make_td(nest(self._views_and_extras()), torch.Size(self.batch_shape), None)
+        # The common case: nested as it is built, by the layout's slots.
+        return _make_td(self._nested_views(), torch.Size(self.batch_shape), None)
 
     def _views_and_extras(self):
         """(key, tensor) of the gather's views, then of the extras."""
-        for (key, dtype, _, _, _), view in zip(self.spec, self.views):
-            tensor = torch.from_numpy(view)
-            yield key, (tensor if tensor.dtype == dtype else tensor.view(dtype))
-        for name, value in self.extra.items():
-            yield _key(name), _extra_tensor(value)
+        for (parents, leaf, dtype), tensor in zip(self.slots, self._tensors()):
+            yield (*parents, leaf), (tensor if dtype is None else tensor.view(dtype))
+
+    def _nested_views(self) -> dict:
+        """The gather's views, then the extras, as a nested dict of tensors: what
+        ``nest(dict(self._views_and_extras()))`` gives, a tenth of a W1 sample faster."""
+        root: dict = {}
+        for (parents, leaf, dtype), tensor in zip(self.slots, self._tensors()):
+            node = root
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = tensor if dtype is None else tensor.view(dtype)
+        return root
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Tensors of the views, then of the extras (uncast)."""
+        return [*map(torch.from_numpy, self.views), *map(_extra_tensor, self.extra.values())]
 
 
 def _extra_tensor(value: np.ndarray) -> torch.Tensor:

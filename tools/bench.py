@@ -44,6 +44,10 @@ Contenders of the replay workloads:
   sample = ``rng.integers`` + one ``np.take`` per column + ``obs[idx + 1]``.
 - ``ideal_torch`` (sample only, information): the same columns gathered with
   ``torch.index_select``.
+- ``ideal_td`` (sample only): the ideal's gather returned as arrowbuf's sample
+  contract, a TensorDict with ``("next", obs)``, ``index``, ``episode_id`` and
+  ``step`` (torch.from_numpy + TensorDict's unchecked constructor): the floor of
+  any Python store that hands out TensorDicts.
 - ``arrowbuf``: ``ExperienceStore(capacity, seed=0)``; ``add_episode(dict)``,
   ``sample(batch)`` -> TensorDict.
 - ``torchrl``: ``ReplayBuffer(LazyTensorStorage(capacity), RandomSampler())`` of
@@ -494,6 +498,39 @@ class IdealTorch(Contender):
         return out
 
 
+class IdealTensorDict(Contender):
+    """The ideal's gather returned as arrowbuf's sample contract (sample only): the
+    same np.take per column, then the keys a trainer gets from ``store.sample`` -
+    ``("next", obs)``, ``"index"``, ``"episode_id"``, ``"step"`` - wrapped as a
+    TensorDict with torch.from_numpy and TensorDict's unchecked constructor. The
+    floor of any Python store that returns TensorDicts."""
+
+    name = "ideal_td"
+    label = "ideal + TensorDict"
+    can_add = False
+    probe_memory = False
+
+    def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
+        super().__init__(spec, peers)
+        import torch
+        from tensordict import TensorDict
+        self.torch = torch
+        self.new_td = getattr(TensorDict, "_new_unsafe", TensorDict)
+        self.ideal: Ideal = peers["ideal"]  # type: ignore[assignment]
+
+    def sample(self, batch_size: int) -> Any:
+        ideal, from_numpy, T = self.ideal, self.torch.from_numpy, self.ideal.T
+        ranks = ideal.rng.integers(0, ideal.live * T, batch_size)
+        rows = ranks + ranks // T
+        out = {name: from_numpy(np.take(col, rows, axis=0)) for name, col in ideal.cols.items()}
+        rows1 = rows + 1
+        out["next"] = {name: from_numpy(np.take(ideal.cols[name], rows1, axis=0)) for name in ideal.obs_names}
+        out["index"] = from_numpy(ranks)
+        out["episode_id"] = from_numpy(ranks // T)
+        out["step"] = from_numpy((ranks % T).astype(np.int32))
+        return self.new_td(out, batch_size=self.torch.Size([batch_size]))
+
+
 class Arrowbuf(Contender):
     name = "arrowbuf"
     label = "arrowbuf"
@@ -564,7 +601,7 @@ class TorchRL(Contender):
         return len(self.rb)
 
 
-CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealTorch, Arrowbuf, TorchRL)}
+CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealTorch, IdealTensorDict, Arrowbuf, TorchRL)}
 
 
 def build_contender(name: str, spec: ReplaySpec, peers: Mapping[str, Contender],
@@ -578,7 +615,7 @@ def build_contender(name: str, spec: ReplaySpec, peers: Mapping[str, Contender],
 # The uniform-replay workload runner (W1, W2)
 # ----------------------------------------------------------------------------------
 
-REPLAY_CONTENDERS = ("ideal", "ideal_torch", "arrowbuf", "torchrl")
+REPLAY_CONTENDERS = ("ideal", "ideal_torch", "ideal_td", "arrowbuf", "torchrl")
 TARGETS = {"add": 0.5, "sample": 0.8, "memory": 1.1}
 NOISY = 1.4   # max/min of a ratio over rounds above which a result is flagged
 
@@ -607,7 +644,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
             for i in range(lap):
                 contenders[c].add(items[c][i % len(items[c])])
             cold[c] = lap * T / (time.perf_counter() - start)
-        log(f"  {name}: {c} filled ({contenders[c].rows_stored() if c != 'ideal_torch' else '-'} rows)")
+        log(f"  {name}: {c} filled ({contenders[c].rows_stored() if contenders[c].can_add else '-'} rows)")
     feeds = {c: itertools.cycle(items[c]) for c in items if items[c]}
 
     adders = [c for c in REPLAY_CONTENDERS if contenders[c].can_add]
@@ -641,7 +678,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
     def paired(series: dict[str, Series], a: str, b: str) -> Series:
         return Series([x / y for x, y in zip(series[a].values, series[b].values, strict=True)])
 
-    add = Metric("add", "rows/s", {**{c: add_rates[c] for c in adders}, "ideal_torch": None},
+    add = Metric("add", "rows/s", {**{c: add_rates[c] for c in adders}, "ideal_torch": None, "ideal_td": None},
                  {"arrowbuf/ideal": paired(add_rates, "arrowbuf", "ideal"),
                   "arrowbuf/torchrl": paired(add_rates, "arrowbuf", "torchrl")},
                  target=f"arrowbuf/ideal >= {TARGETS['add']}")
@@ -649,11 +686,12 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
     sample = Metric("sample", "batches/s", dict(sample_rates),
                     {"arrowbuf/ideal": paired(sample_rates, "arrowbuf", "ideal"),
                      "arrowbuf/torchrl": paired(sample_rates, "arrowbuf", "torchrl"),
-                     "arrowbuf/ideal_torch": paired(sample_rates, "arrowbuf", "ideal_torch")},
+                     "arrowbuf/ideal_torch": paired(sample_rates, "arrowbuf", "ideal_torch"),
+                     "arrowbuf/ideal_td": paired(sample_rates, "arrowbuf", "ideal_td")},
                     target=f"arrowbuf/ideal >= {TARGETS['sample']}")
     sample.met = sample.ratios["arrowbuf/ideal"].median >= TARGETS["sample"]
     # The ideal's memory is pre-touched, so its first lap is not cold: no ratio to it.
-    fill = Metric("1st lap", "rows/s", {**cold, "ideal_torch": None},
+    fill = Metric("1st lap", "rows/s", {**cold, "ideal_torch": None, "ideal_td": None},
                   {"arrowbuf/torchrl": Series([cold["arrowbuf"] / cold["torchrl"]])},
                   target="info: fresh memory (ideal pre-touched)")
     metrics = [add, sample]
