@@ -70,12 +70,14 @@ def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
     Raises:
         SchemaError: the data does not match the schema.
     """
-    columns, arrow_schema, _ = read_columns(data)
-    if schema is None:
-        schema = arrow_schema or Schema.infer(columns)
-    num_steps, has_final = schema.check(columns)
-    return Episode({n: a for n, (a, _) in columns.items()}, num_steps, has_final, env_id,
-                   dict(metadata) if metadata is not None else None), schema
+    exact = schema.read_exact(data) if schema is not None else None
+    if exact is None:
+        columns, arrow_schema, _ = read_columns(data)
+        if schema is None:
+            schema = arrow_schema or Schema.infer(columns)
+        num_steps, has_final = schema.check(columns)
+        exact = {n: a for n, (a, _) in columns.items()}, num_steps, has_final
+    return Episode(*exact, env_id, dict(metadata) if metadata is not None else None), schema
 
 
 class EpisodeSink(Protocol):

@@ -276,6 +276,45 @@ class Schema:
     def observation_names(self) -> tuple[str, ...]:
         return tuple(n for n, f in self.fields.items() if f.observation)
 
+    @functools.cached_property
+    def _exact_specs(self) -> tuple[tuple[str, np.dtype, int, tuple[int, ...], bool], ...] | None:
+        """(name, numpy dtype, ndim, shape, observation) of each field, for `read_exact`;
+        None when no dict can match exactly (dotted names, bfloat16 fields)."""
+        if any("." in name or f.dtype == "bfloat16" for name, f in self.fields.items()):
+            return None
+        return tuple((name, f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation)
+                     for name, f in self.fields.items())
+
+    def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
+        """The fast path of a write: ``data`` when it is a plain dict of numpy arrays
+        with exactly the schema's names, dtypes and shapes and consistent lengths.
+
+        Returns:
+            (columns, T, has_final) like `check`, or None for anything else (another
+            container, a castable dtype, a bad value...): the general path then reads
+            it and names any error.
+        """
+        specs = self._exact_specs
+        if specs is None or type(data) is not dict or len(data) != len(specs):
+            return None
+        num_steps = num_obs = -1
+        for name, dtype, ndim, shape, observation in specs:
+            array = data.get(name)
+            if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
+                    or array.shape[1:] != shape:
+                return None
+            if observation:
+                if num_obs != len(array) and num_obs != -1:
+                    return None
+                num_obs = len(array)
+            elif num_steps != len(array):
+                if num_steps != -1:
+                    return None
+                num_steps = len(array)
+        if num_steps < 1 or (num_obs != -1 and num_obs != num_steps and num_obs != num_steps + 1):
+            return None
+        return {name: data[name] for name in self.fields}, num_steps, num_obs == num_steps + 1
+
     @property
     def row_bytes(self) -> int:
         """Bytes one row takes in the arena, system columns included."""

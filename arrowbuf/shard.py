@@ -193,7 +193,7 @@ class Shard:
         columns = episode.columns
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
-        ret = float(np.sum(columns["reward"], dtype=np.float64)) if "reward" in columns else float("nan")
+        ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         length = self.transitions_of(episode)
         self.table.append(first_row=start, num_rows=rows, length=length,

@@ -146,6 +146,55 @@ def test_check_returns_the_steps_and_whether_the_final_observation_is_there():
     assert schema.check(without) == (3, False)
 
 
+EXACT_SCHEMA = Schema({"obs": ab.Field("float32", (2,), True), "rgb": ab.Field("uint8", (1, 2), True),
+                       "action": ab.Field("int64"), "reward": ab.Field("float32")})
+
+
+@st.composite
+def near_exact_episodes(draw):
+    """Dicts close to EXACT_SCHEMA: each field maybe dropped, given another dtype, shape or length."""
+    steps = draw(st.integers(0, 4))
+    data = {}
+    for name, f in EXACT_SCHEMA.fields.items():
+        if draw(st.integers(0, 9)) == 0:
+            continue
+        rows = steps + (draw(st.sampled_from([0, 1])) if f.observation else 0) + draw(st.sampled_from([0] * 6 + [-1, 1]))
+        shape = f.shape if draw(st.integers(0, 7)) else f.shape + (1,)
+        dtype = draw(st.sampled_from([f.dtype] * 6 + ["int32", "float64", "bool"]))
+        data[name] = np.zeros((max(rows, 0), *shape), dtype)
+    if draw(st.integers(0, 9)) == 0:
+        data["extra"] = np.zeros(steps, np.float32)
+    if draw(st.integers(0, 9)) == 0 and "reward" in data:
+        data["reward"] = torch.from_numpy(data["reward"])
+    return data
+
+
+@given(near_exact_episodes())
+@settings(max_examples=300, deadline=None)
+def test_the_exact_fast_path_accepts_only_what_the_general_check_accepts_and_agrees_on_it(data):
+    exact = EXACT_SCHEMA.read_exact(data)
+    try:
+        general = EXACT_SCHEMA.check({name: as_array(value, name) for name, value in data.items()})
+    except ab.SchemaError:
+        general = None
+    if exact is not None:
+        columns, num_steps, has_final = exact
+        assert general == (num_steps, has_final)
+        assert list(columns) == list(EXACT_SCHEMA.fields)
+        assert all(columns[name] is data[name] for name in columns)   # no copy
+    else:   # what it declines goes the general way: refused, or accepted after a cast
+        assert general is None or any(type(v) is not np.ndarray or v.dtype != EXACT_SCHEMA.fields[k].numpy_dtype
+                                      for k, v in data.items())
+
+
+def test_the_exact_fast_path_declines_nested_and_bfloat16_schemas():
+    nested = Schema({"obs": {"a": ab.Field("float32", (), True)}, "action": ab.Field("int64")})
+    assert nested.read_exact({"obs.a": np.zeros(3, np.float32), "action": np.zeros(2, np.int64)}) is None
+    bf16 = Schema({"x": ab.Field("bfloat16")})
+    assert bf16.read_exact({"x": np.zeros(3, np.uint16)}) is None
+    assert EXACT_SCHEMA.read_exact([("obs", np.zeros((3, 2), np.float32))]) is None
+
+
 def test_check_names_the_field_the_received_value_and_the_expected_one():
     field = ab.Field("float32", (4,), True)
     with pytest.raises(ab.SchemaError, match=r"'obs'.*\(5,\).*expected \(4,\)"):
