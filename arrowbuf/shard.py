@@ -183,8 +183,8 @@ class Shard:
             data = episode.columns[name]
             column = self.arena[name]
             column[start:start + len(data)] = data
-            if len(data) < rows:
-                column[start + len(data):stop] = 0
+            if len(data) < rows:    # a step field beside a final observation: one row short
+                column[stop - 1] = 0
         episode_id = self.table.episode_id_of(self.table.episodes_added)
         if self._row_episode is not None:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
@@ -205,10 +205,11 @@ class Shard:
         return episode_id
 
     def _evict(self, count: int) -> None:
-        first = self.table.col("first_row")[:count]
-        num_rows = self.table.col("num_rows")[:count]
-        for listener in self.evict_listeners:
-            listener(first, num_rows)
+        if self.evict_listeners:
+            first = self.table.col("first_row")[:count]
+            num_rows = self.table.col("num_rows")[:count]
+            for listener in self.evict_listeners:
+                listener(first, num_rows)
         self.table.pop_oldest(count)
 
     def clear(self) -> None:

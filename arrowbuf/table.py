@@ -117,14 +117,19 @@ class EpisodeTable:
             self.env_names.append(env_id)
         episode_id = self.episode_id_of(self.episodes_added)
         i = self.tail
-        values = {"episode_id": episode_id, "env": code, "first_row": first_row, "num_rows": num_rows,
-                  "length": length, "has_final": has_final, "terminated": terminated,
-                  "truncated": truncated, "return": ret,
-                  "inserted_at": time.time_ns() if inserted_at is None else inserted_at}
-        for name, value in values.items():
-            self._cols[name][i] = value
+        cols = self._cols   # one store per column (a dict of values to loop over costs 2x)
+        cols["episode_id"][i] = episode_id
+        cols["env"][i] = code
+        cols["first_row"][i] = first_row
+        cols["num_rows"][i] = num_rows
+        cols["length"][i] = length
+        cols["has_final"][i] = has_final
+        cols["terminated"][i] = terminated
+        cols["truncated"][i] = truncated
+        cols["return"][i] = ret
+        cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         for name, (count, serial) in self._counters.items():
-            self._cols[f"first_{name}"][i] = serial[0]
+            cols[f"first_{name}"][i] = serial[0]
             serial[0] += count(length)
         if self._rank_episode is not None and length:
             self._map_ranks(self.next_rank - length, length, self.episodes_added)
@@ -228,7 +233,8 @@ class EpisodeTable:
         start = first_rank % size
         head = min(length, size - start)
         self._rank_episode[start:start + head] = serial & 0xFFFFFFFF
-        self._rank_episode[:length - head] = serial & 0xFFFFFFFF
+        if head < length:
+            self._rank_episode[:length - head] = serial & 0xFFFFFFFF
 
     def locate(self, units: np.ndarray, counter: str = "rank") -> tuple[np.ndarray, np.ndarray]:
         """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
