@@ -70,6 +70,8 @@ def _check_workers(batch_size: int, num_workers: int | None) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
+    if type(value) is int and value >= minimum:   # the common case, checked first
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)

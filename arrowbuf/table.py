@@ -73,7 +73,8 @@ class EpisodeTable:
 
     @property
     def num_transitions(self) -> int:
-        return self.next_rank - self.first_live_rank
+        stop = self._counters["rank"][1][0]
+        return stop - int(self._cols["first_rank"][self.head]) if self.tail > self.head else 0
 
     @property
     def first_live_rank(self) -> int:
@@ -244,7 +245,7 @@ class EpisodeTable:
         if counter == "rank" and self._rank_episode is not None:
             # uint32 arithmetic wraps like the serials stored in the map.
             pos = self._rank_episode.take(units, mode="wrap")
-            pos -= np.uint32((self.episodes_added - len(self)) & 0xFFFFFFFF)
+            pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF   # a Python int keeps uint32
             return pos, units - self._cols["first_rank"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1

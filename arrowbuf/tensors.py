@@ -117,8 +117,7 @@ class Gather:
             flat = torch.empty(total, dtype=torch.uint8, pin_memory=True)   # 64-byte aligned
             buffer = flat.numpy()
         else:
-            buffer = _aligned_empty(total)
-            flat = torch.from_numpy(buffer)
+            flat = buffer = _aligned_empty(total)
         views = []
         for column, role, dtype, shape, offset in plan:
             out = np.ndarray(shape, dtype, buffer, offset)
@@ -158,7 +157,7 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     69-70 us with numpy (in the whole sample the gain is within noise).
     """
     raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.__array_interface__["data"][0] % _ALIGN
+    start = -torch.from_numpy(raw).data_ptr() % _ALIGN   # cheaper than asking numpy
     return raw[start:start + nbytes]
 
 
@@ -170,7 +169,7 @@ class Payload:
     receiver reads without a copy.
     """
 
-    flat: torch.Tensor | np.ndarray            # uint8 bytes
+    flat: torch.Tensor | np.ndarray            # uint8 bytes (a tensor when pinned)
     spec: list[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]]]
     extra: dict[str, np.ndarray]
     batch_shape: tuple[int, ...]
@@ -187,7 +186,7 @@ class Payload:
         """Every key's tensor: views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
         if self.views is not None and (device is None or device.type == "cpu"):
             return dict(self._views_and_extras())
-        flat = self.flat if isinstance(self.flat, torch.Tensor) else _readonly_tensor(self.flat)
+        flat = self.flat if isinstance(self.flat, torch.Tensor) else _extra_tensor(self.flat)
         on_device = device is not None and device.type != "cpu"
         if on_device:
             flat = flat.to(device, non_blocking=True)

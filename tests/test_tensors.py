@@ -96,7 +96,8 @@ def test_gathered_tensors_are_copies_not_views_of_the_arena():
 def test_gathered_tensors_are_views_of_one_gather_buffer():
     payload = make_gather(arena()).payload(np.array([1, 4, 2]))
     batch = payload.to_tensordict()
-    start, stop = payload.flat.data_ptr(), payload.flat.data_ptr() + payload.flat.nbytes
+    flat = torch.as_tensor(payload.flat)
+    start, stop = flat.data_ptr(), flat.data_ptr() + flat.nbytes
     for key in gathered_keys(batch):
         tensor = batch.get(key)
         assert start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= stop, key
