@@ -251,12 +251,13 @@ class PrioritizedSampler(Sampler):
         total = self.tree.total
         rows = self.tree.find(rng.random(n) * total)
         pos = self._shard.positions_of_rows(rows)
-        ranks = table.col("first_rank")[pos] + (rows - table.col("first_row")[pos])
+        step = rows - table.col("first_row").take(pos)
+        ranks = table.col("first_rank").take(pos) + step
         count, mass = population if population is not None else (table.num_transitions, total)
         weight = (count * self.tree.leaves[rows] / mass) ** -self.beta
         if population is None:
             weight = weight / weight.max()
-        return Selection(rows, ranks, pos, {"weight": weight.astype(np.float32)})
+        return Selection(rows, ranks, pos, {"weight": weight.astype(np.float32)}, step)
 
     def update(self, table: EpisodeTable, ranks: np.ndarray, priorities: np.ndarray) -> int:
         """Set the priorities of live ``ranks``; returns how many were live."""
