@@ -24,7 +24,7 @@ from arrowbuf.samplers import (PrioritizedSampler, Sampler, Selection, UniformSa
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload, pinned
+from arrowbuf.tensors import Payload
 
 BACKENDS = ("local", "ray")
 
@@ -409,13 +409,19 @@ class ExperienceStore:
 
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                 device: Any = None, pin_memory: bool = False) -> TensorDict:
-        device = torch.device(device) if device is not None else None
-        pin = pinned(pin_memory, device)
-        return self._payload(selection, n, gamma, frames, pin).to_tensordict(device)
+        rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames)
+        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
 
     def _payload(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                  pin_memory: bool = False, index_base: int = 0) -> Payload:
         """Gather a selection (plus n-step / frame-stack look-ups) into a `Payload`."""
+        rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames, index_base)
+        return self._shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+
+    def _gather_args(self, selection: Selection, n: int, gamma: float, frames: int,
+                     index_base: int = 0) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection;
+        counts the samples of each row when the shard tracks reuse."""
         shard = self._shard
         table = shard.table
         rows, pos = selection.rows, selection.pos
@@ -439,7 +445,7 @@ class ExperienceStore:
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
         if shard.reuse is not None:
             shard.count_samples(rows, selection.extra.get("mask"))
-        return shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        return rows, extra, obs_rows, next_rows
 
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled transitions (`PrioritizedSampler` only).
