@@ -132,7 +132,8 @@ class StepWriter:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
-        if env_ids is not None and (len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids)):
+        if env_ids is not None and (isinstance(env_ids, str) or len(env_ids) != num_envs
+                                    or not all(isinstance(e, str) for e in env_ids)):
             raise ValueError(f"env_ids must be {num_envs} strings, got {env_ids!r}")
         self.num_envs = int(num_envs)
         self.autoreset_mode = autoreset_mode
@@ -212,7 +213,9 @@ class StepWriter:
             check_column(schema.fields[name], name, array, dtype)
             if array.shape[0] != self.num_envs:
                 raise SchemaError(f"next_obs field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
-        done = np.asarray(step_cols["terminated"][0], bool) | np.asarray(step_cols["truncated"][0], bool)
+        # Flags are () or (1,) a step (Schema enforces it): one per env either way.
+        done = (step_cols["terminated"][0].reshape(self.num_envs, -1).any(axis=1)
+                | step_cols["truncated"][0].reshape(self.num_envs, -1).any(axis=1))
         final = self._final_obs(final_obs, next_cols, done, schema)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
@@ -333,16 +336,34 @@ class StepWriter:
             raise ValueError("autoreset_mode='same_step' needs final_obs (info['final_obs']) on steps where an "
                              "episode ends")
         if isinstance(final_obs, np.ndarray) and final_obs.dtype == object:
+            # gymnasium's info["final_obs"]: one observation per env, None where none ended.
+            if final_obs.shape != (self.num_envs,):
+                raise SchemaError(f"final_obs: object array of shape {final_obs.shape}; expected ({self.num_envs},), "
+                                  "one entry per env")
             template = {n: np.array(a) for n, (a, _) in next_cols.items()}
             for i in np.flatnonzero(done):
-                entry = flatten({"obs": final_obs[i]}) if isinstance(final_obs[i], Mapping) else {"obs": final_obs[i]}
+                entry = self._columns({"obs": final_obs[i]}, f"final_obs[{i}]")
+                self._check_fields(entry, template, f"final_obs[{i}]", schema, leading=0)
                 for name in template:
-                    template[name][i] = as_array(entry[name], name)[0]
+                    template[name][i] = entry[name][0]
             return template
         cols = self._columns({"obs": final_obs}, "final_obs")
-        for name, (array, dtype) in cols.items():
-            check_column(schema.fields[name], name, array, dtype)
+        self._check_fields(cols, next_cols, "final_obs", schema, leading=1)
         return {n: a for n, (a, _) in cols.items()}
+
+    def _check_fields(self, cols: dict[str, tuple[np.ndarray, str]], expected: Mapping[str, Any], what: str,
+                      schema: Schema, leading: int) -> None:
+        """``cols`` hold exactly the observation fields, each of the schema's dtype
+        and shape (after ``leading`` dims of ``num_envs``)."""
+        if set(cols) != set(expected):
+            raise SchemaError(f"{what} has fields {sorted(cols)}; expected the observation fields {sorted(expected)}")
+        for name, (array, dtype) in cols.items():
+            try:
+                check_column(schema.fields[name], name, array, dtype, leading)
+            except SchemaError as err:
+                raise SchemaError(f"{what}: {err}") from None
+            if leading and array.shape[0] != self.num_envs:
+                raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
 
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:

@@ -154,9 +154,10 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
         FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is False.
     """
-    if rows_per_file is not None and (isinstance(rows_per_file, bool) or not isinstance(rows_per_file, int)
+    if rows_per_file is not None and (isinstance(rows_per_file, bool) or not isinstance(rows_per_file, (int, np.integer))
                                       or rows_per_file < 1):
         raise ValueError(f"rows_per_file must be an int >= 1 or None, got {rows_per_file!r}")
+    rows_per_file = int(rows_per_file) if rows_per_file is not None else None
     path = Path(path)
     if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")

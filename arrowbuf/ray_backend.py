@@ -38,8 +38,8 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, epoch_batches, select_ranks
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.store import ExperienceStore, _check_int, _check_workers
-from arrowbuf.tensors import Payload, make_tensordict
+from arrowbuf.store import ExperienceStore, _check_episode_id, _check_int, _check_workers
+from arrowbuf.tensors import Payload, check_device, make_tensordict
 
 logger = logging.getLogger(__name__)
 
@@ -617,6 +617,7 @@ class RayExperienceStore(ExperienceStore):
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
+        device = check_device(device)
         if worker_nodes is not None:
             if num_workers is None or len(worker_nodes) != num_workers:
                 raise ValueError(f"worker_nodes must list one node id per worker (num_workers={num_workers}), "
@@ -703,6 +704,7 @@ class RayExperienceStore(ExperienceStore):
         return pa.concat_tables(tables, promote_options="permissive") if tables else self._table.to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
+        _check_episode_id(episode_id)
         self.flush()
         shard = int(episode_id) % self.num_shards
         return self._shards.get({shard: self._shards.call(shard, "episode", int(episode_id))})[shard]

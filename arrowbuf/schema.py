@@ -59,6 +59,8 @@ SYSTEM_FIELDS: dict[str, str] = {
 }
 #: Keys that sampled batches add; user fields may not use these names either.
 RESERVED_NAMES = frozenset(SYSTEM_FIELDS) | {"index", "next", "weight", "mask"}
+# Episode-end flags: one per step, as gymnasium's () or TorchRL's (1,).
+FLAG_NAMES = ("terminated", "truncated")
 
 _ROLE_KEY = b"arrowbuf.role"
 _DTYPE_KEY = b"arrowbuf.dtype"
@@ -89,8 +91,8 @@ class Field:
             shape = tuple(int(s) for s in self.shape)
         except (TypeError, ValueError):
             raise SchemaError(f"shape must be a tuple of ints, got {self.shape!r}") from None
-        if any(s < 0 for s in shape):
-            raise SchemaError(f"shape must have non-negative sizes, got {shape}")
+        if any(s < 1 for s in shape):
+            raise SchemaError(f"shape must have positive sizes, got {shape} (Arrow's fixed-shape tensors need them)")
         object.__setattr__(self, "shape", shape)
 
     @property
@@ -262,6 +264,9 @@ class Schema:
                     f"field name {name!r} is reserved by arrowbuf; reserved: {sorted(RESERVED_NAMES)}"
                 )
             self.fields[name] = _as_field(spec, name)
+            if name in FLAG_NAMES and self.fields[name].shape not in ((), (1,)):
+                raise SchemaError(f"field {name!r}: shape {self.fields[name].shape}; expected () or (1,), "
+                                  "one flag per step")
         if all(f.observation for f in self.fields.values()):
             raise SchemaError(
                 "a schema needs at least one step field (action, reward, ...), "

@@ -175,6 +175,13 @@ class Shard:
                 full in ``mode="fixed"``; the shard is unchanged.
         """
         start, evicted = plan if plan is not None else self.check_fits(episode)
+        # Summaries first: the columns may be views of this arena (an episode read
+        # back from the store) that the copy below overwrites.
+        columns = episode.columns
+        terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1].any())
+        truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1].any())
+        ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
+        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self._evict(evicted)
         rows = episode.num_rows
@@ -190,11 +197,6 @@ class Shard:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[start:stop] = 0
-        columns = episode.columns
-        terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
-        truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
-        ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
-        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         length = self.transitions_of(episode)
         self.table.append(first_row=start, num_rows=rows, length=length,
                           has_final=episode.has_final, terminated=terminated, truncated=truncated,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from arrowbuf.samplers import (PrioritizedSampler, Sampler, Selection, UniformSa
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Episode, Shard
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload
+from arrowbuf.tensors import Payload, check_device
 
 BACKENDS = ("local", "ray")
 
@@ -55,7 +56,8 @@ class _LocalSink:
 
 def _as_numpy(value: Any, name: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        tensor = value.detach().cpu()
+        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()   # numpy has no bfloat16
     try:
         return np.asarray(value)
     except (TypeError, ValueError):
@@ -67,6 +69,25 @@ def _check_workers(batch_size: int, num_workers: int | None) -> None:
         _check_int("num_workers", num_workers, 1)
         if batch_size % num_workers:
             raise ValueError(f"batch_size {batch_size} is not a multiple of num_workers={num_workers}")
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A rate-limiter wait: None (do not wait) or seconds >= 0, ``math.inf`` for no limit.
+
+    Raises:
+        ValueError: anything else (NaN, negative, not a number).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+            or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be None (do not wait) or seconds >= 0 (math.inf: no limit), got {timeout!r}")
+    return float(timeout)
+
+
+def _check_episode_id(episode_id: Any) -> None:
+    if isinstance(episode_id, bool) or not isinstance(episode_id, (int, np.integer)):
+        raise ValueError(f"episode_id must be an int (an id from episodes()), got {episode_id!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -135,7 +156,7 @@ class ExperienceStore:
         if num_shards != 1:
             raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
         if seed is not None:
-            _check_int("seed", seed, 0)
+            seed = _check_int("seed", seed, 0)   # a plain int (it is saved as JSON)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backend not in BACKENDS:
@@ -230,6 +251,7 @@ class ExperienceStore:
             ValueError: a bad ``env_id`` or ``metadata``.
             Nothing is changed when it raises.
         """
+        timeout = check_timeout(timeout)
         if not isinstance(env_id, str):
             raise ValueError(f"env_id must be a str, got {env_id!r}")
         if metadata is not None:
@@ -290,7 +312,7 @@ class ExperienceStore:
     def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
         if allowed():
             return
-        if timeout is None or not self._changed.wait_for(allowed, timeout):
+        if timeout is None or not self._changed.wait_for(allowed, None if math.isinf(timeout) else timeout):
             raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",
@@ -310,6 +332,7 @@ class ExperienceStore:
         """
         if name is not None and not (isinstance(name, str) and name):
             raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        timeout = check_timeout(timeout)
         with self._lock:
             claimed = self._writers.claim(name, num_envs, autoreset_mode, env_ids) if name else None
             if claimed is not None:
@@ -370,8 +393,10 @@ class ExperienceStore:
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = _check_int("batch_size", batch_size, 1)
-        if n_step != 1 or frame_stack != 1 or gamma != 0.99:
+        if n_step != 1 or frame_stack != 1 or gamma != 0.99 or type(n_step) is not int or type(frame_stack) is not int:
             self._check_sample_args(n_step, gamma, frame_stack)
+        device = check_device(device)
+        timeout = check_timeout(timeout)
         _check_workers(batch_size, num_workers)
         if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
                 and not self.sampler.drop_last:
@@ -400,6 +425,8 @@ class ExperienceStore:
         if n_step > 1 and (schema is None or "reward" not in schema.fields):
             raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
                              f"{list(schema.fields) if schema else 'no fields yet'}")
+        if n_step > 1 and schema.fields["reward"].shape != ():
+            raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
 
     @staticmethod
     def _split_workers(batch: TensorDict, num_workers: int | None) -> TensorDict | list[TensorDict]:
@@ -410,18 +437,26 @@ class ExperienceStore:
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                 device: Any = None, pin_memory: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames)
-        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        batch = self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        self._count_samples(selection)
+        return batch
 
     def _payload(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
                  pin_memory: bool = False, index_base: int = 0) -> Payload:
         """Gather a selection (plus n-step / frame-stack look-ups) into a `Payload`."""
         rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames, index_base)
-        return self._shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        payload = self._shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        self._count_samples(selection)
+        return payload
+
+    def _count_samples(self, selection: Selection) -> None:
+        """Count a gathered selection's rows when the shard tracks reuse."""
+        if self._shard.reuse is not None:
+            self._shard.count_samples(selection.rows, selection.extra.get("mask"))
 
     def _gather_args(self, selection: Selection, n: int, gamma: float, frames: int,
                      index_base: int = 0) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
-        """(rows, extra arrays, observation rows, next-observation rows) of a selection;
-        counts the samples of each row when the shard tracks reuse."""
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection."""
         shard = self._shard
         table = shard.table
         rows, pos = selection.rows, selection.pos
@@ -443,8 +478,6 @@ class ExperienceStore:
         if frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
-        if shard.reuse is not None:
-            shard.count_samples(rows, selection.extra.get("mask"))
         return rows, extra, obs_rows, next_rows
 
     def update_priorities(self, index: Any, priority: Any) -> int:
@@ -472,14 +505,24 @@ class ExperienceStore:
         if not isinstance(self.sampler, PrioritizedSampler):
             raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
         index = _as_numpy(index, "index").reshape(-1)
-        priority = _as_numpy(priority, "priority").reshape(-1).astype(np.float64)
+        priority = _as_numpy(priority, "priority").reshape(-1)
         if not np.issubdtype(index.dtype, np.integer):
             raise ValueError(f"index must hold integers (a batch's 'index'), got dtype {index.dtype}")
+        if not (np.issubdtype(priority.dtype, np.floating) or np.issubdtype(priority.dtype, np.integer)):
+            raise ValueError(f"priority must hold real numbers, got dtype {priority.dtype}")
+        priority = priority.astype(np.float64)
         if index.shape != priority.shape:
             raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
         if not np.all(np.isfinite(priority)) or np.any(priority < 0):
             bad = priority[~(np.isfinite(priority) & (priority >= 0))][:5]
             raise ValueError(f"priority must be finite and >= 0, got {bad.tolist()}")
+        # Each leaf at most max/capacity, so that the tree's total stays finite.
+        sampler, limit = self.sampler, np.finfo(np.float64).max / self.capacity
+        with np.errstate(over="ignore"):
+            too_big = (priority + sampler.eps) ** sampler.alpha > limit
+        if too_big.any():
+            raise ValueError(f"priority {priority[too_big][:5].tolist()} too large: (priority + eps) ** alpha must stay "
+                             f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
         return index.astype(np.int64), priority
 
     def stats(self) -> dict:
@@ -540,6 +583,7 @@ class ExperienceStore:
             ValueError: ``batch_size`` is not an int >= 1.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
+        device = check_device(device)
         with self._lock:
             ranks = np.arange(*self._table.live_range(), dtype=np.int64)
             chunks = epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
@@ -566,7 +610,9 @@ class ExperienceStore:
 
         Raises:
             KeyError: no live episode has this id.
+            ValueError: ``episode_id`` is not an int.
         """
+        _check_episode_id(episode_id)
         with self._lock:
             if self._shard is not None:
                 position = self._table.position_of(int(episode_id))

@@ -30,7 +30,7 @@ def test_an_unsupported_dtype_is_a_schema_error_naming_it(bad):
 
 
 def test_a_negative_or_non_integer_shape_is_a_schema_error():
-    with pytest.raises(ab.SchemaError, match="non-negative"):
+    with pytest.raises(ab.SchemaError, match="positive sizes"):
         ab.Field("float32", (2, -1))
     with pytest.raises(ab.SchemaError, match="tuple of ints"):
         ab.Field("float32", ("a",))
@@ -88,7 +88,7 @@ def test_json_schema_round_trips(schema):
 
 
 names = st.text(alphabet="abcxyz_", min_size=1, max_size=5).filter(lambda n: n not in ab.schema.RESERVED_NAMES)
-fields = st.builds(ab.Field, st.sampled_from(DTYPES), st.lists(st.integers(0, 3), max_size=3).map(tuple),
+fields = st.builds(ab.Field, st.sampled_from(DTYPES), st.lists(st.integers(1, 3), max_size=3).map(tuple),
                    st.booleans())
 
 
