@@ -178,8 +178,9 @@ class Shard:
         # Summaries first: the columns may be views of this arena (an episode read
         # back from the store) that the copy below overwrites.
         columns = episode.columns
-        terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1].any())
-        truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1].any())
+        # A flag is () or (1,) a step (the schema's rule): bool() reads either.
+        terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
+        truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
         ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:

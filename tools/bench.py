@@ -42,6 +42,10 @@ Contenders of the replay workloads:
 - ``ideal``: preallocated, pre-touched numpy columns laid out like the arena
   (an episode's T+1 observation rows contiguous); add = slice assignment,
   sample = ``rng.integers`` + one ``np.take`` per column + ``obs[idx + 1]``.
+- ``ideal_checked`` (add only): the ideal's add plus the least a store that
+  checks its input must do per episode: names, dtypes, shapes and lengths checked,
+  one episode-table row and the rank -> episode map filled. The floor of a Python
+  store that validates writes.
 - ``ideal_torch`` (sample only, information): the same columns gathered with
   ``torch.index_select``.
 - ``ideal_td`` (sample only): the ideal's gather returned as arrowbuf's sample
@@ -398,6 +402,7 @@ class Contender:
     name = "?"
     label = "?"
     can_add = True
+    can_sample = True
     probe_memory = True
 
     @staticmethod
@@ -470,6 +475,48 @@ class Ideal(Contender):
 
     def rows_stored(self) -> int:
         return self.live * self.slot_rows
+
+
+class IdealChecked(Ideal):
+    """The ideal's add plus the least a checked store must do per episode (add
+    only): the dict's names, dtypes, shapes and lengths checked, the copy, one
+    episode-table row (first row, length, flags, return, first rank) in a numpy
+    record and the rank -> episode map filled for O(1) sampling. The floor of a
+    Python store that validates its input."""
+
+    name = "ideal_checked"
+    label = "ideal + checks"
+    can_sample = False
+    probe_memory = False
+
+    def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
+        super().__init__(spec, peers)
+        self.specs = [(n, np.dtype(f.dtype), len(f.shape) + 1, tuple(f.shape), f.observation)
+                      for n, f in spec.fields.items()]
+        self.table = np.zeros(self.slots, [("first_row", "i8"), ("length", "i8"), ("terminated", "?"),
+                                           ("truncated", "?"), ("return", "f8"), ("first_rank", "i8")])
+        self.rank_map = np.zeros(self.slots * self.T, np.uint32)
+        self.next_rank = 0
+
+    def add(self, item: dict[str, np.ndarray]) -> None:
+        if type(item) is not dict or len(item) != len(self.specs):
+            raise ValueError("fields do not match the schema")
+        steps = -1
+        for name, dtype, ndim, shape, observation in self.specs:
+            array = item.get(name)
+            if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
+                    or array.shape[1:] != shape or (not observation and steps not in (-1, len(array))):
+                raise ValueError(f"field {name!r} does not match the schema")
+            if not observation:
+                steps = len(array)
+        slot, rank = self.next_slot, self.next_rank
+        super().add(item)
+        flag = (lambda name: bool(item[name][-1]) if name in item else False)
+        reward = float(np.add.reduce(item["reward"], axis=None, dtype=np.float64)) if "reward" in item else 0.0
+        self.table[slot] = (slot * self.slot_rows, steps, flag("terminated"), flag("truncated"), reward, rank)
+        start = rank % len(self.rank_map)
+        self.rank_map[start:start + steps] = slot   # episodes of T steps: never wraps
+        self.next_rank = rank + steps
 
 
 class IdealTorch(Contender):
@@ -601,7 +648,8 @@ class TorchRL(Contender):
         return len(self.rb)
 
 
-CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealTorch, IdealTensorDict, Arrowbuf, TorchRL)}
+CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealChecked, IdealTorch, IdealTensorDict,
+                                                                Arrowbuf, TorchRL)}
 
 
 def build_contender(name: str, spec: ReplaySpec, peers: Mapping[str, Contender],
@@ -615,7 +663,7 @@ def build_contender(name: str, spec: ReplaySpec, peers: Mapping[str, Contender],
 # The uniform-replay workload runner (W1, W2)
 # ----------------------------------------------------------------------------------
 
-REPLAY_CONTENDERS = ("ideal", "ideal_torch", "ideal_td", "arrowbuf", "torchrl")
+REPLAY_CONTENDERS = ("ideal", "ideal_checked", "ideal_torch", "ideal_td", "arrowbuf", "torchrl")
 TARGETS = {"add": 0.5, "sample": 0.8, "memory": 1.1}
 NOISY = 1.4   # max/min of a ratio over rounds above which a result is flagged
 
@@ -648,7 +696,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
     feeds = {c: itertools.cycle(items[c]) for c in items if items[c]}
 
     adders = [c for c in REPLAY_CONTENDERS if contenders[c].can_add]
-    samplers = list(REPLAY_CONTENDERS)
+    samplers = [c for c in REPLAY_CONTENDERS if contenders[c].can_sample]
     add_rates = {c: Series() for c in adders}
     sample_rates = {c: Series() for c in samplers}
     for c in samplers:                     # warm-up (allocator, lazy imports, caches)
@@ -680,10 +728,11 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
 
     add = Metric("add", "rows/s", {**{c: add_rates[c] for c in adders}, "ideal_torch": None, "ideal_td": None},
                  {"arrowbuf/ideal": paired(add_rates, "arrowbuf", "ideal"),
+                  "arrowbuf/ideal_checked": paired(add_rates, "arrowbuf", "ideal_checked"),
                   "arrowbuf/torchrl": paired(add_rates, "arrowbuf", "torchrl")},
                  target=f"arrowbuf/ideal >= {TARGETS['add']}")
     add.met = add.ratios["arrowbuf/ideal"].median >= TARGETS["add"]
-    sample = Metric("sample", "batches/s", dict(sample_rates),
+    sample = Metric("sample", "batches/s", {**sample_rates, "ideal_checked": None},
                     {"arrowbuf/ideal": paired(sample_rates, "arrowbuf", "ideal"),
                      "arrowbuf/torchrl": paired(sample_rates, "arrowbuf", "torchrl"),
                      "arrowbuf/ideal_torch": paired(sample_rates, "arrowbuf", "ideal_torch"),
@@ -691,7 +740,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
                     target=f"arrowbuf/ideal >= {TARGETS['sample']}")
     sample.met = sample.ratios["arrowbuf/ideal"].median >= TARGETS["sample"]
     # The ideal's memory is pre-touched, so its first lap is not cold: no ratio to it.
-    fill = Metric("1st lap", "rows/s", {**cold, "ideal_torch": None, "ideal_td": None},
+    fill = Metric("1st lap", "rows/s", {**cold, "ideal_checked": None, "ideal_torch": None, "ideal_td": None},
                   {"arrowbuf/torchrl": Series([cold["arrowbuf"] / cold["torchrl"]])},
                   target="info: fresh memory (ideal pre-touched)")
     metrics = [add, sample]
