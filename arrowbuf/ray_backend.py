@@ -33,12 +33,14 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.episodes import StepWriter, _copied, read_episode
-from arrowbuf.errors import EmptyStoreError, ShardError
+from arrowbuf.errors import ArrowbufError, EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import EpisodeSampler, PrioritizedSampler, epoch_batches, select_ranks
+from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, WithoutReplacementSampler, epoch_batches,
+                               select_ranks)
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.store import ExperienceStore, _check_episode_id, _check_int, _check_workers
+from arrowbuf.store import (ExperienceStore, _check_episode_id, _check_int, _check_workers, _check_write_args,
+                            check_timeout)
 from arrowbuf.tensors import Payload, check_device, make_tensordict
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,15 @@ class RayOptions:
             Ray spread them.
         node_affinity: writers send an env's episodes to a shard on their own node
             when there is one.
-        allow_partial: `len` and `sample` skip dead shards instead of raising.
+        allow_partial: `len` and `sample` skip dead shards instead of raising
+            (every call raises `ShardError` otherwise, until `close`). A request that
+            a shard dies answering is drawn again from the survivors; a write it
+            took raises `ShardError` at the writer's next call or `flush`.
         write_batch_bytes: episodes smaller than this are copied and sent together
             once this many bytes are waiting (or at `flush`): each Ray call has a
             fixed cost of about a millisecond, so small episodes travel in batches.
+        start_timeout: seconds to wait for the shard actors to start (they wait for
+            ``num_cpus`` free CPUs) before `ShardError`.
     """
 
     num_cpus: float = 0.0
@@ -80,6 +87,19 @@ class RayOptions:
     node_affinity: bool = True
     allow_partial: bool = False
     write_batch_bytes: int = 4 << 20
+    start_timeout: float = 120.0   # seconds for the shard actors to start (e.g. waiting for CPUs)
+
+    def __post_init__(self) -> None:
+        for name in ("num_cpus", "start_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or (name == "start_timeout" and value == 0):
+                raise ValueError(f"RayOptions.{name} must be a number {'> 0' if name == 'start_timeout' else '>= 0'}, "
+                                 f"got {value!r}")
+        _check_int("RayOptions.max_in_flight", self.max_in_flight, 1)
+        _check_int("RayOptions.write_batch_bytes", self.write_batch_bytes, 0)
+        if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
+            raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")
 
 
 class ShardServer:
@@ -115,8 +135,18 @@ class ShardServer:
         schema = Schema.from_json(schema_json)
         if self.store.schema is not None and self.store.schema != schema:
             raise _schema_mismatch(self.shard, self.store.schema, schema)
-        for episode in episodes:
-            self.store._add(episode, schema)
+        refused = []
+        for episode in episodes:   # one refused episode must not take the rest of the batch with it
+            try:
+                self.store._add(episode, schema)
+            except (ArrowbufError, ValueError) as err:
+                refused.append(err)
+        if refused:
+            err = refused[0]
+            err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
+                        f"{len(episodes)} episodes of this write (they are dropped); it stored the others]",
+                        *err.args[1:])
+            raise err
         return self.size()
 
     def size(self) -> tuple[float, int, int]:
@@ -217,8 +247,12 @@ class _Shards:
     nodes: list[str]
     options: RayOptions
     dead: set[int] = field(default_factory=set)
+    closed: bool = False
 
     def call(self, shard: int, method: str, *args: Any):
+        self._check_open()
+        if shard in self.dead and not self.options.allow_partial:
+            raise self._dead_error()
         return getattr(self.handles[shard], method).remote(*args)
 
     def get(self, refs: Mapping[int, Any]) -> dict[int, Any]:
@@ -235,7 +269,22 @@ class _Shards:
         return results
 
     def live(self) -> list[int]:
+        """Shards to use: all of them, or the survivors with ``allow_partial``
+        (else a dead one raises `ShardError` at every call, not only the first)."""
+        self._check_open()
+        if self.dead and not self.options.allow_partial:
+            raise self._dead_error()
         return [s for s in range(len(self.handles)) if s not in self.dead]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ShardError(f"store {self.name!r} is closed (its shard actors are gone)")
+
+    def _dead_error(self) -> ShardError:
+        dead = sorted(self.dead)
+        return ShardError(f"shard{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of store {self.name!r} "
+                          f"{'are' if len(dead) > 1 else 'is'} dead; RayOptions(allow_partial=True) serves from the "
+                          "others")
 
     def broadcast(self, method: str, *args: Any) -> dict[int, Any]:
         return self.get({s: self.call(s, method, *args) for s in self.live()})
@@ -279,7 +328,7 @@ class _RaySink:
 
     def route(self, env_id: str) -> int:
         shard = self._routes.get(env_id)
-        if shard is None:
+        if shard is None or shard in self._shards.dead:   # a dead shard's envs move (allow_partial)
             candidates = self._shards.live()
             if not candidates:
                 raise ShardError(f"every shard of store {self._shards.name!r} is dead")
@@ -341,8 +390,21 @@ class _RaySink:
 
     def _settle(self, shard: int, ref: Any) -> None:
         result = self._shards.get({shard: ref})
-        if shard in result:
-            self._loads[shard] = max(self._loads[shard], result[shard][1])
+        if shard not in result:   # dead, and allow_partial: the write is lost, and that is an error
+            raise ShardError(f"shard {shard} of store {self._shards.name!r} died before storing a write of this "
+                             "writer; its episodes are lost (later episodes of its envs go to the other shards)")
+        self._loads[shard] = max(self._loads[shard], result[shard][1])
+
+    def __del__(self) -> None:
+        try:
+            unsent = sum(len(episodes) for episodes in self._batches.values())
+            unconfirmed = sum(len(queue) for queue in self._in_flight.values())
+        except AttributeError:   # a partly built sink
+            return
+        if unsent or unconfirmed:
+            logger.warning("an arrowbuf writer of store %r went away with %d unsent episodes and %d unconfirmed "
+                           "writes: call flush() before a writer (or the task holding it) ends",
+                           self._shards.name, unsent, unconfirmed)
 
 
 class RayExperienceStore(ExperienceStore):
@@ -353,7 +415,10 @@ class RayExperienceStore(ExperienceStore):
     ``capacity`` is the total over all shards (each shard holds capacity // K
     rows, the first ones one more for the remainder). `add_episode` is
     asynchronous and returns None; `flush` waits for the writes and raises their
-    errors. A Ray cluster is started (``ray.init()``) if none is running.
+    errors. An episode a shard refuses (schema, capacity) is dropped and its error
+    raised, naming how many of that write's episodes were refused; the others are
+    stored. A writer that goes away without `flush` logs a warning if it still
+    held episodes. A Ray cluster is started (``ray.init()``) if none is running.
 
     Args:
         capacity, seed, sampler, schema, mode: as for the local store; each shard
@@ -384,6 +449,9 @@ class RayExperienceStore(ExperienceStore):
         if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
             raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                              "cannot agree on; use num_shards=1 or a SequenceSampler")
+        if isinstance(self.sampler, WithoutReplacementSampler) and num_shards > 1:
+            raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
+                             "different times; use num_shards=1, or iter_batches() for epochs across shards")
         if schema is not None and not isinstance(schema, Schema):
             schema = Schema(schema)
         self.backend = "ray"
@@ -421,7 +489,14 @@ class RayExperienceStore(ExperienceStore):
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
                 schema.to_json() if schema is not None else None, self.mode,
                 load_from[shard] if load_from is not None else None, self.track_reuse))
-        nodes = ray.get([h.ping.remote() for h in handles])
+        try:
+            nodes = ray.get([h.ping.remote() for h in handles], timeout=options.start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            for handle in handles:
+                ray.kill(handle)
+            raise ShardError(f"the {self.num_shards} shard actors of store {self.name!r} did not start within "
+                             f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
+                             f"{options.num_cpus} free CPUs for each?") from None
         return _Shards(self.name, handles, nodes, options)
 
     @classmethod
@@ -438,8 +513,12 @@ class RayExperienceStore(ExperienceStore):
         except ValueError:
             raise ValueError(f"no arrowbuf store named {name!r} is running in namespace {NAMESPACE!r}") from None
         config = ray.get(first.config.remote())
-        handles = [first] + [ray.get_actor(f"{name}:{s}", namespace=NAMESPACE)
-                             for s in range(1, config["num_shards"])]
+        handles = [first]
+        for shard in range(1, config["num_shards"]):
+            try:
+                handles.append(ray.get_actor(f"{name}:{shard}", namespace=NAMESPACE))
+            except ValueError:
+                raise ShardError(f"shard {shard} of store {name!r} is not running (dead or closed)") from None
         nodes = ray.get([h.ping.remote() for h in handles])
         shards = _Shards(name, handles, nodes, ray_options or RayOptions())
         schemas = [s for s in ray.get([h.schema_json.remote() for h in handles]) if s is not None]
@@ -452,10 +531,12 @@ class RayExperienceStore(ExperienceStore):
 
     def close(self) -> None:
         """End the shard actors (their data is gone)."""
+        if self._shards.closed:
+            return
         ray = _ray()
         for handle in self._shards.handles:
             ray.kill(handle)
-        self._shards.dead.update(range(self.num_shards))
+        self._shards.closed = True
 
     # -- sizes and schema ----------------------------------------------------------
 
@@ -500,6 +581,7 @@ class RayExperienceStore(ExperienceStore):
             SchemaError: the episode does not match the schema (checked here).
             Any error of an earlier write to the shards.
         """
+        _check_write_args(env_id, metadata, timeout)   # no rate limiter here: the timeout is only checked
         checked, schema = read_episode(episode, self.schema, env_id, metadata)
         self._sink.set_schema(schema)
         self._schema = self._sink.schema
@@ -522,6 +604,7 @@ class RayExperienceStore(ExperienceStore):
 
         Episodes are assembled in the writer's process and sent to shards in batches.
         """
+        check_timeout(timeout)
         if env_ids is None:
             prefix = uuid.uuid4().hex[:6]
             env_ids = [f"{prefix}-{i}" for i in range(_check_int("num_envs", num_envs, 1))]
@@ -560,7 +643,7 @@ class RayExperienceStore(ExperienceStore):
         population = population if isinstance(self.sampler, PrioritizedSampler) else None
         refs = {shard: self._shards.call(shard, "sample", int(total), *sample_args, population)
                 for shard, total in zip(live, counts.sum(axis=0)) if total}
-        return refs, live, counts
+        return refs, live, counts, (batch_size, sample_args, batches, shards)
 
     def _assemble(self, request: tuple, device: Any) -> list[TensorDict]:
         """The batches of one request: each takes its share of every shard's answer.
@@ -568,14 +651,18 @@ class RayExperienceStore(ExperienceStore):
         The shards' rows are interleaved into one buffer per key (one copy per
         request, not per batch), and each batch is a slice of those buffers.
         """
-        refs, live, counts = request
+        refs, live, counts, args = request
         device = torch.device(device) if device is not None else None
         parts = {}
         for shard, (payload, size) in self._shards.get(refs).items():
             self._note(shard, size)
             parts[shard] = (payload.tensors(device), payload.batch_shape[1:])
-        if not parts:
-            raise ShardError(f"no shard of {self.name!r} answered")
+        if len(parts) < len(refs):
+            # A shard died while answering (allow_partial): draw the whole request
+            # again from the survivors, so that batches keep their size.
+            if not self._shards.live():
+                raise ShardError(f"no shard of {self.name!r} is alive")
+            return self._assemble(self._request(*args), device)
         columns = [i for i, shard in enumerate(live) if shard in parts]
         kept = counts[:, columns]                     # [batches, answering shards]
         sizes = kept.sum(axis=1)
@@ -618,6 +705,13 @@ class RayExperienceStore(ExperienceStore):
         self._check_sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
         device = check_device(device)
+        check_timeout(timeout)
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool, got {pin_memory!r}")
+        if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
+                and not self.sampler.drop_last:
+            raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
+                             "returns a short one at each epoch's end: use drop_last=True")
         if worker_nodes is not None:
             if num_workers is None or len(worker_nodes) != num_workers:
                 raise ValueError(f"worker_nodes must list one node id per worker (num_workers={num_workers}), "
@@ -654,6 +748,7 @@ class RayExperienceStore(ExperienceStore):
         batch_size = _check_int("batch_size", batch_size, 1)
         prefetch = _check_int("prefetch", prefetch, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
+        device = check_device(device)
         self.flush()
         if batches_per_request is None:
             batch_bytes = batch_size * (self.schema.row_bytes if self.schema is not None else 1)
@@ -672,6 +767,7 @@ class RayExperienceStore(ExperienceStore):
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      device: torch.device | str | None = None) -> Iterator[TensorDict]:
         batch_size = _check_int("batch_size", batch_size, 1)
+        device = check_device(device)
         self.flush()
         ranges = self._shards.broadcast("live_range")
         index = np.concatenate([(np.int64(s) << INDEX_SHIFT) + np.arange(a, b, dtype=np.int64)

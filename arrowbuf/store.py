@@ -85,6 +85,21 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
+def _check_write_args(env_id: Any, metadata: Any, timeout: Any) -> float | None:
+    """Check `add_episode`'s arguments besides the episode; returns the timeout."""
+    timeout = check_timeout(timeout)
+    if not isinstance(env_id, str):
+        raise ValueError(f"env_id must be a str, got {env_id!r}")
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise ValueError(f"metadata must be a dict or None, got {describe(metadata)}")
+        try:
+            json.dumps(dict(metadata))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"metadata must be JSON-serializable: {err}") from None
+    return timeout
+
+
 def _check_episode_id(episode_id: Any) -> None:
     if isinstance(episode_id, bool) or not isinstance(episode_id, (int, np.integer)):
         raise ValueError(f"episode_id must be an int (an id from episodes()), got {episode_id!r}")
@@ -251,16 +266,7 @@ class ExperienceStore:
             ValueError: a bad ``env_id`` or ``metadata``.
             Nothing is changed when it raises.
         """
-        timeout = check_timeout(timeout)
-        if not isinstance(env_id, str):
-            raise ValueError(f"env_id must be a str, got {env_id!r}")
-        if metadata is not None:
-            if not isinstance(metadata, Mapping):
-                raise ValueError(f"metadata must be a dict or None, got {describe(metadata)}")
-            try:
-                json.dumps(dict(metadata))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"metadata must be JSON-serializable: {err}") from None
+        timeout = _check_write_args(env_id, metadata, timeout)
         with self._lock:
             checked, schema = read_episode(episode, self.schema, env_id, metadata)
             return self._add(checked, schema, timeout)

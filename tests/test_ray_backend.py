@@ -192,17 +192,79 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
     store = ab.ExperienceStore(4_000, backend="ray", num_shards=2, seed=0,
                                ray_options=RayOptions(allow_partial=False))
     partial = ab.ExperienceStore.attach(store.name, ray_options=RayOptions(allow_partial=True))
+    writes = ab.ExperienceStore.attach(store.name, ray_options=RayOptions(allow_partial=True))
     try:
         store.add_episode(encoded_episode(0, 30), env_id="a")
         store.add_episode(encoded_episode(1, 30), env_id="b")
         store.flush()
+        assert len(partial) == 60   # sizes known, so its next request still asks shard 1
+        writes.add_episode(encoded_episode(7, 5), env_id="x")   # routes x -> shard 0, y -> shard 1
+        writes.add_episode(encoded_episode(8, 5), env_id="y")
+        writes.flush()
         kill_and_wait(store._shards.handles[1])
-        with pytest.raises(ab.ShardError, match="shard 1"):
-            len(store)
-        assert len(partial) == 30
-        assert (partial.sample(32)["index"].numpy() >> INDEX_SHIFT == 0).all()
+        for _ in range(2):   # every call, not only the first, until the store is closed
+            with pytest.raises(ab.ShardError, match="shard 1"):
+                len(store)
+            with pytest.raises(ab.ShardError, match="shard 1 of store .* is dead"):
+                store.sample(8)
+        # The survivor's share: a request that reached the dead shard is drawn again.
+        batch = partial.sample(32)
+        assert batch.batch_size == (32,) and (batch["index"].numpy() >> INDEX_SHIFT == 0).all()
+        assert len(partial) == 35
+        # A write the dead shard took is reported, not dropped; the env moves on.
+        writes.add_episode(encoded_episode(2, 10), env_id="y")
+        with pytest.raises(ab.ShardError, match="died before storing"):
+            writes.flush()
+        writes.add_episode(encoded_episode(3, 10), env_id="y")
+        writes.flush()
+        assert len(partial) == 45
     finally:
         store.close()
+    store.close()   # twice is fine
+    with pytest.raises(ab.ShardError, match="is closed"):
+        len(store)
+
+
+def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
+    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0)
+    try:
+        for key, steps in ((0, 10), (1, 150), (2, 10), (3, 10)):   # 150 steps do not fit in 100 rows
+            store.add_episode(encoded_episode(key, steps), env_id="a")
+        with pytest.raises(ab.CapacityError, match="refused 1 of the 4 episodes"):
+            store.flush()
+        assert len(store) == 30 and store.num_episodes == 3
+    finally:
+        store.close()
+
+
+def test_ray_entry_points_check_their_arguments(two_shard_store):
+    store = two_shard_store
+    store.add_episode(encoded_episode(9, 5), env_id="a")
+    for kwargs, match in (({"env_id": 5}, "env_id"), ({"metadata": [1]}, "metadata"),
+                          ({"metadata": {"a": object()}}, "JSON"), ({"timeout": float("nan")}, "timeout")):
+        with pytest.raises(ValueError, match=match):
+            store.add_episode(encoded_episode(9, 5), **kwargs)
+    for kwargs, match in (({"timeout": -1}, "timeout"), ({"pin_memory": "yes"}, "pin_memory"),
+                          ({"device": "gpu"}, "device")):
+        with pytest.raises(ValueError, match=match):
+            store.sample(4, **kwargs)
+    with pytest.raises(ValueError, match="device"):
+        store.sample_iter(4, device=3.5)
+    with pytest.raises(ValueError, match="device"):
+        store.iter_batches(4, device="meta")
+    with pytest.raises(ValueError, match="timeout"):
+        store.writer(2, timeout=float("nan"))
+    with pytest.raises(ValueError, match="max_in_flight"):
+        RayOptions(max_in_flight=0)
+    with pytest.raises(ValueError, match="nodes"):
+        RayOptions(nodes="node-a")
+    with pytest.raises(ValueError, match="WithoutReplacementSampler"):
+        ab.ExperienceStore(100, backend="ray", num_shards=2, sampler=ab.WithoutReplacementSampler())
+
+
+def test_shards_that_cannot_start_time_out_with_a_clear_error():
+    with pytest.raises(ab.ShardError, match="did not start within 2"):
+        ab.ExperienceStore(100, backend="ray", num_shards=1, ray_options=RayOptions(num_cpus=100, start_timeout=2))
 
 
 def test_a_store_is_reattached_by_name_from_another_process(two_shard_store):
