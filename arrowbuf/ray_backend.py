@@ -226,10 +226,19 @@ def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: 
         counts = kept[:, k]
         first_of_batch = np.cumsum(counts) - counts
         dest = np.repeat(starts + within[:, k] - first_of_batch, counts) + np.arange(int(counts.sum()))
-        dest = torch.from_numpy(dest).to(next(iter(part.values())).device)
+        on_cpu = next(iter(part.values())).device.type == "cpu"
+        dest_tensor = None if on_cpu else torch.from_numpy(dest).to(next(iter(part.values())).device)
         for key, tensor in part.items():
-            combined[key].index_copy_(0, dest, tensor)
+            if on_cpu:   # numpy's row scatter: 6x torch's index_copy_ for image rows
+                _as_numpy(combined[key])[dest] = _as_numpy(tensor)
+            else:
+                combined[key].index_copy_(0, dest_tensor, tensor)
     return combined
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (bfloat16 as its int16 bits)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
