@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -498,14 +499,17 @@ class RayExperienceStore(ExperienceStore):
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
                 schema.to_json() if schema is not None else None, self.mode,
                 load_from[shard] if load_from is not None else None, self.track_reuse))
+        limit = None if math.isinf(options.start_timeout) else options.start_timeout
         try:
-            nodes = ray.get([h.ping.remote() for h in handles], timeout=options.start_timeout)
-        except ray.exceptions.GetTimeoutError:
+            nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)
+        except BaseException as err:   # no half-started store: its named actors would block the name
             for handle in handles:
                 ray.kill(handle)
-            raise ShardError(f"the {self.num_shards} shard actors of store {self.name!r} did not start within "
-                             f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
-                             f"{options.num_cpus} free CPUs for each?") from None
+            if isinstance(err, ray.exceptions.GetTimeoutError):
+                raise ShardError(f"the {self.num_shards} shard actors of store {self.name!r} did not start within "
+                                 f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
+                                 f"{options.num_cpus} free CPUs for each?") from None
+            raise
         return _Shards(self.name, handles, nodes, options)
 
     @classmethod
@@ -628,10 +632,10 @@ class RayExperienceStore(ExperienceStore):
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _split(self, batch_size: int, batches: int, shards: Sequence[int] | None = None
+    def _split(self, batch_size: int | np.ndarray, batches: int, shards: Sequence[int] | None = None
                ) -> tuple[list[int], np.ndarray]:
         """Live shards (of ``shards``, default all) and, per batch, how many items each
-        gives (multinomial by mass)."""
+        gives (multinomial by mass); ``batch_size`` may differ per batch (an array)."""
         live = self._shards.live()
         if (self._masses[live] <= 0).any():
             # A shard seen empty gets no draws, hence no answers that would update its
@@ -645,14 +649,46 @@ class RayExperienceStore(ExperienceStore):
             raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
         return live, self._rng.multinomial(batch_size, masses / masses.sum(), size=batches)
 
-    def _request(self, batch_size: int, sample_args: tuple, batches: int = 1,
+    def _request(self, batch_size: int | np.ndarray, sample_args: tuple, batches: int = 1,
                  shards: Sequence[int] | None = None) -> tuple:
         live, counts = self._split(batch_size, batches, shards)
         population = (int(self._sizes[live].sum()), float(self._masses[live].sum()))
         population = population if isinstance(self.sampler, PrioritizedSampler) else None
         refs = {shard: self._shards.call(shard, "sample", int(total), *sample_args, population)
                 for shard, total in zip(live, counts.sum(axis=0)) if total}
-        return refs, live, counts, (batch_size, sample_args, batches, shards)
+        return refs, live, counts, population, (sample_args, batches, shards)
+
+    def _collect(self, request: tuple, device: torch.device | None) -> tuple[list[dict], np.ndarray, tuple]:
+        """The answers of a request: tensors per answering shard, its rows per batch
+        ([batches, answers]) and the per-item shape.
+
+        Draws that fell on a shard that died answering (allow_partial) are drawn
+        again from the survivors and appended as more answers: each draw is then
+        one from the survivors in proportion to their mass, and the answers that
+        came are kept (their samples were counted). Prioritized weights are
+        rescaled to the survivors' population.
+        """
+        refs, live, counts, population, (sample_args, batches, shards) = request
+        answers = {}
+        for shard, (payload, size) in self._shards.get(refs).items():
+            self._note(shard, size)
+            answers[shard] = payload
+        columns = [i for i, shard in enumerate(live) if shard in answers]
+        sources = [answers[live[i]].tensors(device) for i in columns]
+        kept = counts[:, columns]
+        tail = answers[live[columns[0]]].batch_shape[1:] if columns else None
+        missing = counts.sum(axis=1) - kept.sum(axis=1)
+        if missing.any():
+            if not self._shards.live():
+                raise ShardError(f"no shard of {self.name!r} is alive")
+            redraw = self._request(missing, sample_args, batches, shards)
+            if population is not None:   # w = (N p / M)^-beta: from this population to the redraw's
+                (n_old, m_old), (n_new, m_new) = population, redraw[3]
+                scale = ((n_old / m_old) / (n_new / m_new)) ** self.sampler.beta
+                sources = [{**s, ("weight",): s[("weight",)] * scale} for s in sources]
+            more, more_kept, tail = self._collect(redraw, device)
+            sources, kept = sources + more, np.hstack([kept, more_kept])
+        return sources, kept, tail
 
     def _assemble(self, request: tuple, device: Any) -> list[TensorDict]:
         """The batches of one request: each takes its share of every shard's answer.
@@ -660,27 +696,14 @@ class RayExperienceStore(ExperienceStore):
         The shards' rows are interleaved into one buffer per key (one copy per
         request, not per batch), and each batch is a slice of those buffers.
         """
-        refs, live, counts, args = request
         device = torch.device(device) if device is not None else None
-        parts = {}
-        for shard, (payload, size) in self._shards.get(refs).items():
-            self._note(shard, size)
-            parts[shard] = (payload.tensors(device), payload.batch_shape[1:])
-        if len(parts) < len(refs):
-            # A shard died while answering (allow_partial): draw the whole request
-            # again from the survivors, so that batches keep their size.
-            if not self._shards.live():
-                raise ShardError(f"no shard of {self.name!r} is alive")
-            return self._assemble(self._request(*args), device)
-        columns = [i for i, shard in enumerate(live) if shard in parts]
-        kept = counts[:, columns]                     # [batches, answering shards]
+        sources, kept, tail = self._collect(request, device)   # kept: [batches, answers]
         sizes = kept.sum(axis=1)
         starts = np.cumsum(sizes) - sizes
-        tail = parts[live[columns[0]]][1]
-        if len(columns) == 1:
-            combined = parts[live[columns[0]]][0]     # rows already in batch order: no copy
+        if len(sources) == 1:
+            combined = sources[0]                     # rows already in batch order: no copy
         else:
-            combined = _interleave([parts[live[c]][0] for c in columns], kept, starts, int(sizes.sum()))
+            combined = _interleave(sources, kept, starts, int(sizes.sum()))
         prioritized = isinstance(self.sampler, PrioritizedSampler)
         batches = []
         for start, size in zip(starts.tolist(), sizes.tolist()):

@@ -82,7 +82,8 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
             or math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be None (do not wait) or seconds >= 0 (math.inf: no limit), got {timeout!r}")
-    return float(timeout)
+    # Waits past threading's limit (about 292 years) cannot be timed: they are unlimited.
+    return math.inf if timeout > threading.TIMEOUT_MAX else float(timeout)
 
 
 def _check_write_args(env_id: Any, metadata: Any, timeout: Any) -> float | None:

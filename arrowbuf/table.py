@@ -244,7 +244,9 @@ class EpisodeTable:
         """
         if counter == "rank" and self._rank_episode is not None:
             # uint32 arithmetic wraps like the serials stored in the map.
-            pos = self._rank_episode.take(units, mode="wrap")
+            # Not take(mode="wrap"): numpy wraps by repeated subtraction, which grows
+            # with rank / capacity (a store that ran long would sample ever slower).
+            pos = self._rank_episode.take(units % len(self._rank_episode))
             pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF   # a Python int keeps uint32
             return pos, units - self._cols["first_rank"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")

@@ -55,7 +55,7 @@ def check_device(device: torch.device | str | None) -> torch.device | None:
     """``device`` as a torch.device (None stays None), checked before anything is drawn.
 
     Raises:
-        ValueError: not a device, not the CPU or CUDA, or CUDA that this process lacks.
+        ValueError: not a device, or a CUDA device that this process lacks.
     """
     if device is None:
         return None
@@ -63,8 +63,6 @@ def check_device(device: torch.device | str | None) -> torch.device | None:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch.device or a name like 'cpu' or 'cuda:0', got {device!r}") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: expected the CPU or a CUDA device")
     if parsed.type == "cuda" and (not torch.cuda.is_available()
                                   or (parsed.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "

@@ -207,9 +207,11 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
                 len(store)
             with pytest.raises(ab.ShardError, match="shard 1 of store .* is dead"):
                 store.sample(8)
-        # The survivor's share: a request that reached the dead shard is drawn again.
+        # Draws that reached the dead shard are drawn again from the survivor, and the
+        # survivor's first answer is kept: it counts each sampled row once.
         batch = partial.sample(32)
         assert batch.batch_size == (32,) and (batch["index"].numpy() >> INDEX_SHIFT == 0).all()
+        assert partial.stats()["samples"] == 32
         assert len(partial) == 35
         # A write the dead shard took is reported, not dropped; the env moves on.
         writes.add_episode(encoded_episode(2, 10), env_id="y")
@@ -251,7 +253,7 @@ def test_ray_entry_points_check_their_arguments(two_shard_store):
     with pytest.raises(ValueError, match="device"):
         store.sample_iter(4, device=3.5)
     with pytest.raises(ValueError, match="device"):
-        store.iter_batches(4, device="meta")
+        store.iter_batches(4, device="gpu")
     with pytest.raises(ValueError, match="timeout"):
         store.writer(2, timeout=float("nan"))
     with pytest.raises(ValueError, match="max_in_flight"):

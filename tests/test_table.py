@@ -77,3 +77,15 @@ def test_locate_skips_episodes_without_transitions():
 def test_position_of_an_empty_table_is_out_of_range():
     table = EpisodeTable()
     assert table.position_of(0) < 0
+
+
+def test_the_rank_map_finds_ranks_far_beyond_its_capacity():
+    # Ranks keep counting for the life of a store; the map wraps them modulo its size.
+    table = EpisodeTable(capacity=10)
+    table.resume(episodes_added=3 * 10**9, next_rank=10**12 + 7)   # past 2**32 episodes too
+    append(table, 0, 4)
+    append(table, 5, 3)
+    ranks = 10**12 + 7 + np.array([0, 3, 4, 6])
+    pos, step = table.locate(ranks)
+    assert pos.tolist() == [0, 0, 1, 1] and step.tolist() == [0, 3, 0, 2]
+    assert table.rows_of(ranks).tolist() == [0, 3, 5, 7]
