@@ -1356,10 +1356,13 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
                  "ray.get(actor.add.remote(episode)) per call; local = embedded ExperienceStore.sample in the driver")
     notes.append(f"  load average (1 min) {load_start:.1f} at start, {os.getloadavg()[0]:.1f} after timing "
                  f"on {os.cpu_count()} CPUs")
-    return WorkloadResult("RAY", spec.short(), spec.describe(), ["naive", "arrowbuf", "arrowbuf_sync", "local"],
+    notes.append("  put: ray.put of each episode alone (nothing stored): the bound of one writer, whose episodes "
+                 "must enter the object store")
+    return WorkloadResult("RAY", spec.short(), spec.describe(), ["naive", "arrowbuf", "arrowbuf_sync", "local", "put"],
                           metrics, notes, time.perf_counter() - t0,
                           labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter",
-                                  "arrowbuf_sync": "arrowbuf sample()", "local": "local store"},
+                                  "arrowbuf_sync": "arrowbuf sample()", "local": "local store",
+                                  "put": "ray.put only"},
                           ratio_columns=["arrowbuf/naive", "arrowbuf/local"])
 
 
@@ -1398,7 +1401,8 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, min_time: float, slice
                       "arrowbuf_sync": lambda: store.sample(B),
                       "local": lambda: local.sample(B)}
         add_fns = {"naive": lambda: ray.get(naive.add.remote(next(feed))),
-                   "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}")}
+                   "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
+                   "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
         sample_done = {"arrowbuf": lambda: len(store)}   # waits for the prefetched requests
         add_done = {"arrowbuf": store.flush}
         batch = next(iterator)
@@ -1435,18 +1439,20 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, min_time: float, slice
         ray.kill(naive)
     sample_fns.clear()
     gc.collect()
-    sample = Metric(f"{wname} sample", "batches/s", dict(sample_rates),
+    sample = Metric(f"{wname} sample", "batches/s", {**sample_rates, "put": None},
                     {"arrowbuf/naive": speedup(sample_rates["arrowbuf"], sample_rates["naive"]),
                      "arrowbuf/local": speedup(sample_rates["arrowbuf"], sample_rates["local"]),
                      "arrowbuf sample()/naive": speedup(sample_rates["arrowbuf_sync"], sample_rates["naive"])},
                     target="arrowbuf/naive >= 5")
     sample.met = sample.ratios["arrowbuf/naive"].median >= 5
     add = Metric(f"{wname} add", "rows/s", {**add_rates, "arrowbuf_sync": None, "local": None},
-                 {"arrowbuf/naive": speedup(add_rates["arrowbuf"], add_rates["naive"])},
+                 {"arrowbuf/naive": speedup(add_rates["arrowbuf"], add_rates["naive"]),
+                  "arrowbuf/put": speedup(add_rates["arrowbuf"], add_rates["put"]),
+                  "put/naive": speedup(add_rates["put"], add_rates["naive"])},
                  target="arrowbuf/naive >= 3")
     add.met = add.ratios["arrowbuf/naive"].median >= 3
     first = Metric(f"{wname} 1st lap", "rows/s", {"naive": cold_naive, "arrowbuf": cold_ab, "arrowbuf_sync": None,
-                                                  "local": None},
+                                                  "local": None, "put": None},
                    {"arrowbuf/naive": Series([cold_ab / cold_naive])},
                    target="info: fresh memory (naive pre-touched)")
     return [sample, add, first]
