@@ -469,6 +469,7 @@ class RayExperienceStore(ExperienceStore):
         self.name = name or f"store-{uuid.uuid4().hex[:8]}"
         self.ray_options = _shards.options if _shards is not None else (ray_options or RayOptions())
         self._schema = schema
+        self._schema_fixed = schema is not None   # given (or found by attach), not inferred from a write
         self._shards = _shards or self._start(schema, _load_from)
         self._masses = np.zeros(num_shards)
         self._sizes = np.zeros(num_shards, np.int64)
@@ -609,7 +610,23 @@ class RayExperienceStore(ExperienceStore):
         Reads from this store object (`sample`, `len`, `episodes`, ...) flush first,
         so they see its own writes; writers in other processes flush themselves.
         """
-        self._sink.flush()
+        try:
+            self._sink.flush()
+        except BaseException:
+            self._forget_unstored_schema()
+            raise
+
+    def _forget_unstored_schema(self) -> None:
+        """After a failed write: a schema that only this process's refused episodes
+        set is dropped, as a local store's first failed write sets none."""
+        if self._schema is None or self._schema_fixed:
+            return
+        try:
+            stored = any(s is not None for s in self._shards.broadcast("schema_json").values())
+        except ShardError:
+            return
+        if not stored:
+            self._schema = self._sink._schema = None
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step", env_ids: Sequence[str] | None = None,
                *, timeout: float | None = None) -> StepWriter:

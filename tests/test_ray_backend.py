@@ -239,6 +239,20 @@ def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
         store.close()
 
 
+def test_a_refused_first_write_leaves_no_schema_behind():
+    store = ab.ExperienceStore(100, backend="ray", num_shards=2, seed=0)   # 50 rows a shard
+    try:
+        store.add_episode(encoded_episode(0, 79))
+        with pytest.raises(ab.CapacityError):
+            store.flush()
+        assert store.schema is None   # as in a local store: a refused first episode sets nothing
+        store.add_episode({"obs": np.zeros((5, 7), np.float32), "action": np.zeros(4, np.int64)})
+        store.flush()
+        assert store.schema.fields["obs"].shape == (7,) and len(store) == 4
+    finally:
+        store.close()
+
+
 def test_ray_entry_points_check_their_arguments(two_shard_store):
     store = two_shard_store
     store.add_episode(encoded_episode(9, 5), env_id="a")
