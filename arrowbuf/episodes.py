@@ -207,12 +207,7 @@ class StepWriter:
         for cols in (obs_cols, step_cols):
             for name, (array, dtype) in cols.items():
                 check_column(schema.fields[name], name, array, dtype)
-        if set(next_cols) != set(obs_cols):
-            raise SchemaError(f"next_obs has fields {sorted(next_cols)}, obs has {sorted(obs_cols)}")
-        for name, (array, dtype) in next_cols.items():
-            check_column(schema.fields[name], name, array, dtype)
-            if array.shape[0] != self.num_envs:
-                raise SchemaError(f"next_obs field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
+        self._check_fields(next_cols, obs_cols, "next_obs", schema, leading=1)
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = (step_cols["terminated"][0].reshape(self.num_envs, -1).any(axis=1)
                 | step_cols["truncated"][0].reshape(self.num_envs, -1).any(axis=1))

@@ -231,13 +231,13 @@ def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: 
         dest_tensor = None if on_cpu else torch.from_numpy(dest).to(next(iter(part.values())).device)
         for key, tensor in part.items():
             if on_cpu:   # numpy's row scatter: 6x torch's index_copy_ for image rows
-                _as_numpy(combined[key])[dest] = _as_numpy(tensor)
+                _numpy_view(combined[key])[dest] = _numpy_view(tensor)
             else:
                 combined[key].index_copy_(0, dest_tensor, tensor)
     return combined
 
 
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's numpy view (bfloat16 as its int16 bits)."""
     return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 

@@ -193,15 +193,15 @@ class Shard:
             column[start:start + len(data)] = data
             if len(data) < rows:    # a step field beside a final observation: one row short
                 column[stop - 1] = 0
-        episode_id = self.table.episode_id_of(self.table.episodes_added)
         if self._row_episode is not None:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[start:stop] = 0
         length = self.transitions_of(episode)
-        self.table.append(first_row=start, num_rows=rows, length=length,
-                          has_final=episode.has_final, terminated=terminated, truncated=truncated,
-                          ret=ret, env_id=episode.env_id, metadata=metadata, inserted_at=episode.inserted_at)
+        episode_id = self.table.append(first_row=start, num_rows=rows, length=length,
+                                       has_final=episode.has_final, terminated=terminated, truncated=truncated,
+                                       ret=ret, env_id=episode.env_id, metadata=metadata,
+                                       inserted_at=episode.inserted_at)
         self.write_pos = stop
         for listener in self.add_listeners:
             listener(start, length)

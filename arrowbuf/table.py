@@ -73,8 +73,8 @@ class EpisodeTable:
 
     @property
     def num_transitions(self) -> int:
-        stop = self._counters["rank"][1][0]
-        return stop - int(self._cols["first_rank"][self.head]) if self.tail > self.head else 0
+        first, stop = self.live_range()
+        return stop - first
 
     @property
     def first_live_rank(self) -> int:
@@ -243,11 +243,11 @@ class EpisodeTable:
         For ranks the offset is the step, so the arena row is ``first_row[pos] + offset``.
         """
         if counter == "rank" and self._rank_episode is not None:
-            # uint32 arithmetic wraps like the serials stored in the map.
-            # Not take(mode="wrap"): numpy wraps by repeated subtraction, which grows
-            # with rank / capacity (a store that ran long would sample ever slower).
+            # `%`, not take(mode="wrap"): numpy wraps by repeated subtraction, which
+            # grows with rank / capacity (a store that ran long would sample ever slower).
             pos = self._rank_episode.take(units % len(self._rank_episode))
-            pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF   # a Python int keeps uint32
+            # uint32 arithmetic wraps like the serials in the map; a Python int keeps uint32.
+            pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF
             return pos, units - self._cols["first_rank"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1
