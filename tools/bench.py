@@ -460,9 +460,15 @@ class Ideal(Contender):
         self.next_slot = (self.next_slot + 1) % self.slots
         self.live = min(self.live + 1, self.slots)
 
-    def rows(self, batch_size: int) -> np.ndarray:
-        ranks = self.rng.integers(0, self.live * self.T, batch_size)
+    def ranks(self, batch_size: int) -> np.ndarray:
+        """Transition ranks drawn uniformly: ``T`` a slot."""
+        return self.rng.integers(0, self.live * self.T, batch_size)
+
+    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
         return ranks + ranks // self.T             # skip each slot's final-observation row
+
+    def rows(self, batch_size: int) -> np.ndarray:
+        return self.rows_of(self.ranks(batch_size))
 
     def sample(self, batch_size: int) -> dict[str, np.ndarray]:
         rows = self.rows(batch_size)
@@ -519,11 +525,9 @@ class IdealChecked(Ideal):
         self.next_rank = rank + steps
 
 
-class IdealTorch(Contender):
-    """The ideal's columns gathered with torch.index_select (sample only)."""
+class IdealView(Contender):
+    """A sample-only variant of the ideal that reads the ideal's own columns."""
 
-    name = "ideal_torch"
-    label = "ideal (torch)"
     can_add = False
     probe_memory = False
 
@@ -532,7 +536,17 @@ class IdealTorch(Contender):
         import torch
         self.torch = torch
         self.ideal: Ideal = peers["ideal"]  # type: ignore[assignment]
-        self.cols = {n: torch.from_numpy(c) for n, c in self.ideal.cols.items()}
+
+
+class IdealTorch(IdealView):
+    """The ideal's columns gathered with torch.index_select (sample only)."""
+
+    name = "ideal_torch"
+    label = "ideal (torch)"
+
+    def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
+        super().__init__(spec, peers)
+        self.cols = {n: self.torch.from_numpy(c) for n, c in self.ideal.cols.items()}
 
     def sample(self, batch_size: int) -> dict:
         torch = self.torch
@@ -545,7 +559,7 @@ class IdealTorch(Contender):
         return out
 
 
-class IdealTensorDict(Contender):
+class IdealTensorDict(IdealView):
     """The ideal's gather returned as arrowbuf's sample contract (sample only): the
     same np.take per column, then the keys a trainer gets from ``store.sample`` -
     ``("next", obs)``, ``"index"``, ``"episode_id"``, ``"step"`` - wrapped as a
@@ -554,21 +568,16 @@ class IdealTensorDict(Contender):
 
     name = "ideal_td"
     label = "ideal + TensorDict"
-    can_add = False
-    probe_memory = False
 
     def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
         super().__init__(spec, peers)
-        import torch
         from tensordict import TensorDict
-        self.torch = torch
         self.new_td = getattr(TensorDict, "_new_unsafe", TensorDict)
-        self.ideal: Ideal = peers["ideal"]  # type: ignore[assignment]
 
     def sample(self, batch_size: int) -> Any:
         ideal, from_numpy, T = self.ideal, self.torch.from_numpy, self.ideal.T
-        ranks = ideal.rng.integers(0, ideal.live * T, batch_size)
-        rows = ranks + ranks // T
+        ranks = ideal.ranks(batch_size)
+        rows = ideal.rows_of(ranks)
         out = {name: from_numpy(np.take(col, rows, axis=0)) for name, col in ideal.cols.items()}
         rows1 = rows + 1
         out["next"] = {name: from_numpy(np.take(ideal.cols[name], rows1, axis=0)) for name in ideal.obs_names}
