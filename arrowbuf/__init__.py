@@ -9,6 +9,7 @@ from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, Form
                              ShardError)
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
+from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.schema import Field, Schema
@@ -28,6 +29,7 @@ __all__ = [
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
+    "RayOptions",
     "SampleToInsertRatio",
     "Sampler",
     "SequenceSampler",

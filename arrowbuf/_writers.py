@@ -66,6 +66,10 @@ class WriterRegistry:
         del self._restored[name]
         return writer, self._sinks[name]
 
+    def sinks(self) -> list[Any]:
+        """The sinks of every writer still referenced, in name order."""
+        return [sink for _, sink in sorted(self._sinks.items())]
+
     def live(self) -> dict[str, StepWriter]:
         """Every writer still referenced (or restored and not yet claimed), by name, in name order."""
         return dict(sorted(self._live.items()))

@@ -98,6 +98,9 @@ class EpisodeSink(Protocol):
     def flush(self) -> None:
         """Wait until everything written is stored; raise any error from it."""
 
+    def close(self) -> None:
+        """`flush`, then release what delivers the writes (a Ray sink's timer thread)."""
+
 
 class StepWriter:
     """Assembles episodes from N vectorized environments, step by step.
@@ -256,6 +259,25 @@ class StepWriter:
         if too_long is not None:
             raise too_long
         return len(open_envs)
+
+    def close(self) -> None:
+        """`flush` (cut every open episode), wait until the store holds them, and stop
+        the sink's delivery thread (Ray). ``with store.writer(...) as w:`` calls it.
+
+        Raises:
+            What `flush` raises; a Ray writer also raises `ShardError` naming the
+            episodes that no shard stored.
+        """
+        try:
+            self.flush()
+        finally:
+            self._sink.close()
+
+    def __enter__(self) -> "StepWriter":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     # -- state ---------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ Arguments arrive checked by the facade.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,9 @@ class EngineSink:
     def flush(self) -> None:
         """Writes are synchronous: nothing to wait for."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class LocalBackend:
     """An in-process store: one engine, one shard."""
@@ -73,6 +76,13 @@ class LocalBackend:
 
     def sink(self, timeout: float | None, env_ids: Sequence[str]) -> EngineSink:
         return EngineSink(self.engine, timeout)
+
+    def import_episodes(self, episodes: Iterable[Episode]) -> int:
+        """Store checked episodes of an import (counted, never refused by the rate limiter); how many."""
+        count = 0
+        for count, episode in enumerate(episodes, 1):
+            self.engine.add(episode, limited=False)
+        return count
 
     def sample(self, batch_size: int, args: tuple, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None) -> TensorDict | list[TensorDict]:

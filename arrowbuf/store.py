@@ -3,8 +3,10 @@
 The facade checks every argument once, reads and checks episodes against the
 schema, keeps the named writers, and hands the work to its backend: a
 `arrowbuf.local.LocalBackend` (one `ShardEngine` in this process) or the Ray
-backend (shard actors, each running the same engine). Both backends keep one
-contract; where they differ (asynchronous Ray writes) the docstrings say so.
+backend (`arrowbuf.ray.router.RayBackend`: shard actors, each running the same
+engine). Both backends keep one contract (`tests/test_contract.py` runs it on
+each); where Ray differs (asynchronous writers, per-shard rate limiters, sizes
+as last reported) the docstrings say so.
 """
 
 from __future__ import annotations
@@ -27,11 +29,22 @@ from arrowbuf.episodes import StepWriter, read_episode
 from arrowbuf.errors import describe
 from arrowbuf.local import LocalBackend
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, UniformSampler, WithoutReplacementSampler
+from arrowbuf.ray.options import RayOptions
+from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, UniformSampler,
+                               WithoutReplacementSampler)
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES
 
 BACKENDS = ("local", "ray")
+
+
+def _ray_options(value: Any) -> RayOptions:
+    """``value`` (None: the defaults) as `RayOptions`, or ValueError."""
+    if value is None:
+        return RayOptions()
+    if not isinstance(value, RayOptions):
+        raise ValueError(f"ray_options must be an arrowbuf.RayOptions or None, got {describe(value)}")
+    return value
 
 
 class ExperienceStore:
@@ -50,14 +63,18 @@ class ExperienceStore:
         sampler: how `sample` selects transitions (a `Sampler`: `UniformSampler`
             by default, `PrioritizedSampler`, `SequenceSampler`, ...); one per store.
         rate_limiter: when sampling and inserting may proceed (`MinSize`,
-            `SampleToInsertRatio`); unlimited by default.
+            `SampleToInsertRatio`); unlimited by default. On Ray each shard
+            applies its own copy to its own counts.
         schema: an `arrowbuf.Schema` or a mapping name -> `Field`; inferred from
             the first write when None, then enforced.
         mode: "circular" evicts the oldest whole episodes when full; "fixed"
             refuses the write with `CapacityError`.
         backend: "local" (in-process, the default) or "ray" (sharded Ray actors;
             see `arrowbuf.ray` and `RayOptions`).
-        num_shards: shards of a Ray store (1 for the local backend).
+        num_shards: shards of a Ray store (1 for the local backend); ``capacity``
+            is their total.
+        name: a Ray store's name, for `attach` from other processes (default: random).
+        ray_options: a Ray store's `RayOptions` (placement, writer delivery, ...).
         track_reuse: count how often each stored step is sampled, for the
             ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
 
@@ -77,26 +94,42 @@ class ExperienceStore:
         (torch.Size([32, 4]), 10, 1)
     """
 
-    def __new__(cls, *args: Any, backend: str = "local", **kwargs: Any) -> "ExperienceStore":
-        if cls is ExperienceStore and backend == "ray":
-            from arrowbuf.ray_backend import RayExperienceStore
-
-            return super().__new__(RayExperienceStore)
-        return super().__new__(cls)
-
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
-                 track_reuse: bool = False) -> None:
-        self.capacity = check_int("capacity", capacity, 1)
-        if num_shards != 1:
-            raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
+                 track_reuse: bool = False, name: str | None = None, ray_options: RayOptions | None = None) -> None:
         self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
+        num_shards = check_int("num_shards", num_shards, 1)
+        self.capacity = check_int("capacity", capacity, num_shards)
         if schema is not None and not isinstance(schema, Schema):
             schema = Schema(schema)
-        self._backend = LocalBackend(ShardEngine(self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter,
-                                                 mode=mode, seed=self.seed, schema=schema,
-                                                 track_reuse=self.track_reuse))
+        if backend == "local":
+            if num_shards != 1 or name is not None or ray_options is not None:
+                raise ValueError(f"num_shards={num_shards!r}, name={name!r} and ray_options={ray_options!r} "
+                                 "need backend='ray'; the local backend has one unnamed shard")
+            self._backend: Any = LocalBackend(ShardEngine(
+                self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter, mode=mode, seed=self.seed,
+                schema=schema, track_reuse=self.track_reuse))
+        else:
+            self._backend = self._start_ray(num_shards, schema, name, ray_options)
+
+    def _start_ray(self, num_shards: int, schema: Schema | None, name: Any, ray_options: Any) -> Any:
+        """The Ray backend of a new store (see `arrowbuf.ray.router`)."""
+        name = check_name(name)
+        ray_options = _ray_options(ray_options)
+        if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
+            raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
+                             "cannot agree on; use num_shards=1 or a SequenceSampler")
+        if isinstance(self.sampler, WithoutReplacementSampler) and num_shards > 1:
+            raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
+                             "different times; use num_shards=1, or iter_batches() for epochs across shards")
+        from arrowbuf.ray.router import RayBackend, start_shards
+
+        shards = start_shards(name or RayBackend.new_name(), self.capacity, num_shards, seed=self.seed,
+                              sampler=self.sampler, rate_limiter=self.rate_limiter, schema=schema, mode=self.mode,
+                              track_reuse=self.track_reuse, options=ray_options)
+        return RayBackend(shards, sampler=self.sampler, seed=self.seed, schema=schema,
+                          schema_fixed=schema is not None)
 
     def _configure(self, seed: Any, sampler: Any, mode: Any, backend: Any, rate_limiter: Any,
                    track_reuse: Any) -> None:
@@ -123,15 +156,36 @@ class ExperienceStore:
         self._writers = WriterRegistry()           # writers by name: `save` stores their open episodes
 
     @classmethod
-    def attach(cls, name: str, seed: int | None = None, ray_options: Any = None) -> "ExperienceStore":
+    def attach(cls, name: str, seed: int | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
         """Connect to a running Ray store by its name, from any process of the cluster.
+
+        Args:
+            name: the store's ``name``.
+            seed: seed of this handle's generator (how it splits batches across shards).
+            ray_options: this handle's options (e.g. ``allow_partial``); the shards keep theirs.
 
         Raises:
             ValueError: no store of that name is running.
+            ShardError: one of its shards is not running.
         """
-        from arrowbuf.ray_backend import RayExperienceStore
+        from arrowbuf.ray.router import RayBackend
 
-        return RayExperienceStore.attach(name, seed=seed, ray_options=ray_options)
+        if check_name(name) is None:
+            raise ValueError("name must be the name of a running Ray store, got None")
+        backend, config = RayBackend.attach(name, seed=seed, options=_ray_options(ray_options))
+        return cls._of_backend(backend, config["capacity"], seed, config["sampler"], config["mode"],
+                               config["rate_limiter"], config["track_reuse"], time.time())
+
+    @classmethod
+    def _of_backend(cls, backend: Any, capacity: int, seed: int | None, sampler: Sampler, mode: str,
+                    rate_limiter: RateLimiter, track_reuse: bool, created_at: float) -> "ExperienceStore":
+        """A store around a running backend (attached, or restored from a checkpoint)."""
+        store = cls.__new__(cls)
+        store.capacity = capacity
+        store._configure(seed, sampler, mode, backend.kind, rate_limiter, track_reuse)
+        store.created_at = created_at
+        store._backend = backend
+        return store
 
     # -- shape of the store ---------------------------------------------------------
 
@@ -153,15 +207,34 @@ class ExperienceStore:
         return self._backend.schema
 
     @property
+    def num_shards(self) -> int:
+        """Shards of the store (1 for the local backend)."""
+        return self._backend.num_shards
+
+    @property
+    def name(self) -> str | None:
+        """A Ray store's name (for `attach`); None for a local store."""
+        return getattr(self._backend, "name", None)
+
+    @property
     def num_episodes(self) -> int:
+        """Episodes stored (on Ray: as last reported, see `__len__`)."""
         return self._backend.size()[1]
 
     def __len__(self) -> int:
+        """Transitions stored.
+
+        On Ray it never waits for the shards: it sums the sizes they last reported
+        (with every write's acknowledgement and every sample, and from a background
+        request every ``RayOptions.size_refresh`` seconds), so changes made by other
+        processes show within about that interval; after `flush` it is exact.
+        """
         return self._backend.size()[0]
 
     def __repr__(self) -> str:
         transitions, episodes = self._backend.size()
-        return (f"ExperienceStore(capacity={self.capacity}, transitions={transitions}, "
+        where = f"backend='ray', name={self.name!r}, num_shards={self.num_shards}, " if self.backend == "ray" else ""
+        return (f"ExperienceStore({where}capacity={self.capacity}, transitions={transitions}, "
                 f"episodes={episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "
                 f"schema={self.schema!r})")
 
@@ -181,7 +254,9 @@ class ExperienceStore:
                 (other threads sampling); None raises at once.
 
         Returns:
-            The new episode's id.
+            The new episode's id. On Ray the shard assigns it, so the call sends the
+            episode and waits for that shard's answer (a round trip, errors raised
+            here); writers are the asynchronous, batched path.
 
         Raises:
             SchemaError: a wrong field name, dtype, shape or ragged lengths.
@@ -205,8 +280,11 @@ class ExperienceStore:
         ``name`` identifies the writer in checkpoints (default ``writer-<k>``):
         `save` stores the open episodes of every writer still referenced, and on a
         loaded store ``writer(..., name=name)`` hands back the restored writer with
-        those episodes (see `writers`). A Ray store's writer pickles into Ray tasks
-        and actors (env runners).
+        those episodes (see `writers`). ``with store.writer(...) as w:`` closes it.
+        A Ray store's writer pickles into Ray tasks and actors (env runners); it
+        sends finished episodes within ``RayOptions.delivery_latency`` without
+        `flush`, and raises a shard's error (or death, naming the episodes lost)
+        at its next call.
 
         Raises:
             ValueError: a bad argument; a writer of this name is already open; a
@@ -239,16 +317,29 @@ class ExperienceStore:
             self._writers.hold(name)
 
     def flush(self) -> None:
-        """Wait until every write so far is stored and raise the first error (a
-        local store writes synchronously: nothing to wait for)."""
+        """Wait until every write so far is stored, and raise the first error.
+
+        A local store writes synchronously: nothing to wait for. A Ray store sends
+        what this process's writers have queued (their open episodes stay open:
+        `StepWriter.flush` cuts them) and waits for the shards' answers; ``len``
+        right after it is exact.
+        """
+        self._flush_writers()
         self._backend.flush()
+
+    def _flush_writers(self) -> None:
+        """Send what this process's writers queued and wait for it (no-op locally)."""
+        for sink in self._writers.sinks():
+            sink.flush()
 
     def close(self) -> None:
         """Release the backend (a Ray store ends its shard actors; their data is gone)."""
         self._backend.close()
 
     def clear(self) -> None:
-        """Remove every episode. Indices sampled before stay stale forever."""
+        """Remove every episode. Indices sampled before stay stale forever. Episodes
+        this process's writers had sealed are stored first (and removed)."""
+        self._flush_writers()
         self._backend.clear()
 
     # -- sampling ---------------------------------------------------------------------
@@ -551,56 +642,82 @@ class ExperienceStore:
         Raises:
             FileExistsError: ``path`` is a file or holds a foreign manifest.json.
         """
-        from arrowbuf.checkpoint import save_engine
-
-        if self.backend != "local":
-            raise NotImplementedError(f"save is not implemented for backend={self.backend!r} yet")
         info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
                 "created_at": self.created_at}
+        if self.backend == "ray":
+            from arrowbuf.ray.persist import save_ray_store
+
+            return save_ray_store(self._backend, Path(path), info)
+        from arrowbuf.checkpoint import save_engine
+
         return save_engine(self.engine, path, info,
                            lambda: {name: w.state_dict() for name, w in self._writers.live().items()}, progress)
 
     @classmethod
-    def load(cls, path: str | Path, progress: bool | None = None, **ray_options: Any) -> "ExperienceStore":
+    def load(cls, path: str | Path, progress: bool | None = None, *, num_shards: int | None = None,
+             name: str | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
         """The store saved in ``path``; it samples exactly as the saved one would have.
 
         Restored writers are in `writers`; ``store.writer(..., name=name)`` claims one.
-        A Ray store's checkpoint loads as a Ray store; ``num_shards=`` (and other
-        `RayExperienceStore` arguments) can spread it over another number of shards.
+        A Ray store's checkpoint loads as a Ray store (its writers' open episodes are
+        not saved); ``num_shards`` spreads it over another number of shards, and
+        ``name`` / ``ray_options`` are those of the new store.
 
         Raises:
             FormatError: a missing or incomplete checkpoint, a truncated file, or a
                 newer format version; the message names the file.
+            ValueError: Ray arguments for a local checkpoint.
         """
         from arrowbuf.checkpoint import load_engine
-        from arrowbuf.ray_persist import is_ray_checkpoint
+        from arrowbuf.ray.persist import is_ray_checkpoint
 
         if is_ray_checkpoint(path):
-            from arrowbuf.ray_backend import RayExperienceStore
+            from arrowbuf.ray.router import RayBackend
 
-            return RayExperienceStore.load(path, progress, **ray_options)
-        if ray_options:
-            raise ValueError(f"{sorted(ray_options)} apply to Ray checkpoints only; {path} is a local one")
+            if num_shards is not None:
+                check_int("num_shards", num_shards, 1)
+            backend, config = RayBackend.load(Path(path), num_shards, check_name(name), _ray_options(ray_options))
+            return cls._of_backend(backend, config["capacity"], config["seed"], config["sampler"], config["mode"],
+                                   config["rate_limiter"], config["track_reuse"], time.time())
+        if (num_shards, name, ray_options) != (None, None, None):
+            raise ValueError(f"num_shards, name and ray_options apply to Ray checkpoints only; {path} is a local one")
         loaded = load_engine(path, progress)
-        store = cls._of_engine(loaded.engine, float(loaded.info["created_at"]))
+        engine = loaded.engine
+        store = cls._of_backend(LocalBackend(engine), engine.capacity, engine.seed, engine.sampler, engine.mode,
+                                engine.rate_limiter, engine.track_reuse, float(loaded.info["created_at"]))
         store._restore_writers(loaded.writers)
         return store
 
-    @classmethod
-    def _of_engine(cls, engine: ShardEngine, created_at: float) -> "ExperienceStore":
-        """A local store around a restored engine."""
-        store = super().__new__(cls)
-        store.capacity = engine.capacity
-        store._configure(engine.seed, engine.sampler, engine.mode, "local", engine.rate_limiter, engine.track_reuse)
-        store.created_at = created_at
-        store._backend = LocalBackend(engine)
-        return store
+    # -- Ray Data -------------------------------------------------------------------------
+
+    def to_ray_dataset(self) -> Any:
+        """The stored rows as a `ray.data.Dataset`, built where the shards live
+        (``ds.write_parquet(...)`` then exports from all nodes at once); see
+        `arrowbuf.ray.persist` for the row layout.
+
+        Raises:
+            ValueError: a local store (export it with `to_parquet`, or use ``backend="ray"``).
+        """
+        if self.backend != "ray":
+            raise ValueError("to_ray_dataset needs backend='ray'; a local store exports with to_parquet(), "
+                             "which ray.data.read_parquet() reads")
+        from arrowbuf.ray.persist import to_ray_dataset
+
+        self.flush()
+        return to_ray_dataset(self._backend)
 
     @classmethod
     def from_ray_dataset(cls, dataset: Any, capacity: int, **store_kwargs: Any) -> "ExperienceStore":
-        """A new store holding the episodes of a `ray.data.Dataset` made by `to_ray_dataset`
-        (or any dataset in that row layout; see `arrowbuf.ray_persist`)."""
-        from arrowbuf.ray_persist import from_ray_dataset
+        """A new store (local unless ``backend="ray"``) holding the episodes of a
+        `ray.data.Dataset` made by `to_ray_dataset` (or any dataset in that row
+        layout; see `arrowbuf.ray.persist`). ``store_kwargs`` are the store's arguments.
 
-        return from_ray_dataset(cls, dataset, capacity, **store_kwargs)
+        Raises:
+            FormatError: the dataset is not in that layout, or ends inside an episode.
+        """
+        from arrowbuf.ray.persist import episodes_of_dataset
 
+        schema, episodes = episodes_of_dataset(dataset)
+        store = cls(capacity, schema=schema, **store_kwargs)
+        store._backend.import_episodes(episodes)
+        return store

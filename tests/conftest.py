@@ -9,6 +9,7 @@ which episode and step it came from.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -437,3 +438,18 @@ def ray_session():
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
+
+
+def kill_and_wait(handle, seconds: float = 60.0) -> None:
+    """ray.kill returns before the actor is gone: wait until calls to it fail."""
+    import ray
+
+    ray.kill(handle)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=seconds)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor still answers {seconds} s after ray.kill")

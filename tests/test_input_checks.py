@@ -193,3 +193,28 @@ def test_zero_sized_field_dimensions_are_refused():
     with pytest.raises(ab.SchemaError, match="positive sizes"):
         store.add_episode({**make_episode(9, 5), "aux": np.zeros((5, 0), np.float32)})
     assert store.schema is None and len(store) == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"delivery_latency": 0}, "RayOptions.delivery_latency must be a number > 0, got 0"),
+    ({"size_refresh": -1.0}, "RayOptions.size_refresh must be a number >= 0, got -1.0"),
+    ({"max_in_flight": 0}, "RayOptions.max_in_flight must be an int >= 1, got 0"),
+    ({"allow_partial": "yes"}, "RayOptions.allow_partial must be True or False, got .yes."),
+    ({"nodes": "node-a"}, "RayOptions.nodes must be a list of node ids"),
+])
+def test_ray_options_name_the_bad_field_without_starting_ray(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ab.RayOptions(**kwargs)
+
+
+def test_ray_arguments_and_methods_on_a_local_store_say_they_need_ray():
+    with pytest.raises(ValueError, match="need backend='ray'"):
+        ab.ExperienceStore(capacity=10, name="mine")
+    with pytest.raises(ValueError, match="need backend='ray'"):
+        ab.ExperienceStore(capacity=10, ray_options=ab.RayOptions())
+    with pytest.raises(ValueError, match="ray_options must be an arrowbuf.RayOptions"):
+        ab.ExperienceStore(capacity=10, backend="ray", ray_options={"num_cpus": 1})
+    store = filled()
+    with pytest.raises(ValueError, match="to_ray_dataset needs backend='ray'"):
+        store.to_ray_dataset()
+    assert (store.name, store.num_shards) == (None, 1)

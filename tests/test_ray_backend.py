@@ -15,7 +15,10 @@ import ray
 from scipy.stats import chisquare
 
 import arrowbuf as ab
-from arrowbuf.ray_backend import INDEX_SHIFT, RayOptions
+
+from conftest import kill_and_wait
+from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE
+from arrowbuf import RayOptions
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -74,6 +77,7 @@ def test_writers_in_two_actors_store_every_episode_exactly_once(two_shard_store)
     writer = store.writer(num_envs=4)
     runners = [EnvRunner.remote(writer, r) for r in range(2)]
     finished = sum(ray.get([runner.run.remote(150, seed) for seed, runner in enumerate(runners)]), [])
+    store.flush()   # sizes written from other processes are exact after it
 
     rows = store.to_arrow()
     obs = rows.column("obs").combine_chunks().to_numpy_ndarray()
@@ -175,17 +179,9 @@ def test_a_schema_mismatch_inside_a_shard_surfaces_in_the_writer_process(two_sha
         store.close()
 
 
-def kill_and_wait(handle, seconds: float = 60.0) -> None:
-    """ray.kill returns before the actor is gone: wait until calls to it fail."""
-    ray.kill(handle)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            ray.get(handle.ping.remote(), timeout=seconds)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"actor still answers {seconds} s after ray.kill")
+def shard_actor(store, shard: int):
+    """A shard's actor, by the name the store gives it."""
+    return ray.get_actor(f"{store.name}:{shard}", namespace=NAMESPACE)
 
 
 def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partial():
@@ -197,11 +193,13 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
         store.add_episode(encoded_episode(0, 30), env_id="a")
         store.add_episode(encoded_episode(1, 30), env_id="b")
         store.flush()
+        partial.flush()
         assert len(partial) == 60   # sizes known, so its next request still asks shard 1
         writes.add_episode(encoded_episode(7, 5), env_id="x")   # routes x -> shard 0, y -> shard 1
         writes.add_episode(encoded_episode(8, 5), env_id="y")
-        writes.flush()
-        kill_and_wait(store._shards.handles[1])
+        kill_and_wait(shard_actor(store, 1))
+        with pytest.raises(ab.ShardError, match="shard 1 of store .* is dead"):
+            store.flush()   # asks every shard for its size
         for _ in range(2):   # every call, not only the first, until the store is closed
             with pytest.raises(ab.ShardError, match="shard 1"):
                 len(store)
@@ -214,11 +212,10 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
         assert partial.stats()["samples"] == 32
         assert len(partial) == 35
         # A write the dead shard took is reported, not dropped; the env moves on.
-        writes.add_episode(encoded_episode(2, 10), env_id="y")
         with pytest.raises(ab.ShardError, match="died before storing"):
-            writes.flush()
-        writes.add_episode(encoded_episode(3, 10), env_id="y")
-        writes.flush()
+            writes.add_episode(encoded_episode(2, 10), env_id="y")
+        assert writes.add_episode(encoded_episode(3, 10), env_id="y") % 2 == 0   # shard 0's ids are even
+        partial.flush()
         assert len(partial) == 45
     finally:
         store.close()
@@ -228,12 +225,18 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
 
 
 def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
-    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0)
+    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0,
+                               ray_options=RayOptions(delivery_latency=60.0))   # one batch at flush
     try:
-        for key, steps in ((0, 10), (1, 150), (2, 10), (3, 10)):   # 150 steps do not fit in 100 rows
-            store.add_episode(encoded_episode(key, steps), env_id="a")
+        writer = store.writer(num_envs=1, autoreset_mode="disabled")
+        obs = np.zeros((1, 2), np.float32)
+        for steps in (10, 150, 10, 10):   # 150 steps do not fit in 100 rows
+            for t in range(steps):
+                writer.add(obs=obs, action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
+                           terminated=np.array([t == steps - 1]), truncated=np.zeros(1, bool), next_obs=obs)
         with pytest.raises(ab.CapacityError, match="refused 1 of the 4 episodes"):
-            store.flush()
+            writer.flush()
+        store.flush()
         assert len(store) == 30 and store.num_episodes == 3
     finally:
         store.close()
@@ -242,12 +245,10 @@ def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
 def test_a_refused_first_write_leaves_no_schema_behind():
     store = ab.ExperienceStore(100, backend="ray", num_shards=2, seed=0)   # 50 rows a shard
     try:
-        store.add_episode(encoded_episode(0, 79))
         with pytest.raises(ab.CapacityError):
-            store.flush()
+            store.add_episode(encoded_episode(0, 79))
         assert store.schema is None   # as in a local store: a refused first episode sets nothing
         store.add_episode({"obs": np.zeros((5, 7), np.float32), "action": np.zeros(4, np.int64)})
-        store.flush()
         assert store.schema.fields["obs"].shape == (7,) and len(store) == 4
     finally:
         store.close()
@@ -302,7 +303,7 @@ NODE_AFFINITY_SCRIPT = textwrap.dedent("""
     import numpy as np, ray
     from ray.cluster_utils import Cluster
     import arrowbuf as ab
-    from arrowbuf.ray_backend import RayOptions
+    from arrowbuf import RayOptions
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
     node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
@@ -386,9 +387,8 @@ def test_a_two_shard_checkpoint_loads_into_two_or_three_shards(prioritized_ray_s
         assert resharded.num_shards == 3 and resharded.num_episodes == 16
         assert all(s["transitions"] > 0 for s in resharded.stats()["shards"])
         # Same shard count: priorities come back, so the sum trees match.
-        masses = sorted(same._masses.tolist())
-        store._refresh_sizes()
-        assert masses == pytest.approx(sorted(store._masses.tolist()))
+        masses = sorted(s["priorities"]["counts"] for s in same.stats()["shards"])
+        assert masses == sorted(s["priorities"]["counts"] for s in store.stats()["shards"])
     finally:
         same.close()
         resharded.close()
@@ -430,14 +430,13 @@ def test_a_shard_that_was_empty_is_sampled_once_it_fills(two_shard_store):
 def test_a_bad_priority_update_changes_no_shard(prioritized_ray_store):
     store = prioritized_ray_store
     batch = store.sample(64)
-    store._refresh_sizes()
-    before = store._masses.copy()
+    before = store.stats()["shards"]
     priority = np.ones(64)
     priority[-1] = np.nan
     with pytest.raises(ValueError, match="priority must be finite"):
         store.update_priorities(batch["index"], priority)
-    store._refresh_sizes()
-    np.testing.assert_array_equal(store._masses, before)
+    after = store.stats()["shards"]
+    assert [s["priorities"] for s in after] == [s["priorities"] for s in before]
 
 
 def test_train_workers_draw_from_the_shards_on_their_node(two_shard_store):
@@ -445,12 +444,13 @@ def test_train_workers_draw_from_the_shards_on_their_node(two_shard_store):
     store.clear()
     for i in range(8):
         store.add_episode(encoded_episode(i, 20), env_id=f"env-{i % 2}")
-    nodes = store._shards.nodes
-    store._shards.nodes = ["node-a", "node-b"]   # one shard per (pretend) node
+    shards = store._backend.shards   # no public way to pretend shards live on two nodes
+    nodes = shards.nodes
+    shards.nodes = ["node-a", "node-b"]   # one shard per (pretend) node
     try:
         parts = store.sample(96, num_workers=3, worker_nodes=["node-b", "node-a", "node-b"])
     finally:
-        store._shards.nodes = nodes
+        shards.nodes = nodes
     shards = [np.unique(p["index"].numpy() >> INDEX_SHIFT).tolist() for p in parts]
     assert shards == [[1], [0], [1]]
     assert [p.batch_size[0] for p in parts] == [32, 32, 32]

@@ -1297,6 +1297,9 @@ class RaySpec:
         return " | ".join(f"{n}: {s.describe()}" for n, s in self.replays.items())
 
 
+WRITER_ENVS = 4   # divides both episode lengths: a writer call is exactly T rows
+
+
 class NaiveReplay:
     """The naive baseline, as a Ray actor: preallocated numpy columns (the ideal's layout),
     ``add(episode_dict)`` and ``sample(n)`` -> dict of numpy arrays, one call per batch."""
@@ -1332,6 +1335,22 @@ class NaiveReplay:
         return out
 
 
+def writer_calls(writer: Any, episodes: list[dict[str, np.ndarray]], T: int) -> Callable[[], None]:
+    """One call = T rows through a step writer: T // N steps of N episodes side by side
+    (episode k on env k, autoreset 'disabled'), the path of env runners that produce steps."""
+    n = writer.num_envs
+    cols = {name: np.stack([episodes[k % len(episodes)][name] for k in range(n)], axis=1)
+            for name in episodes[0]}   # [T (+1), N, ...]
+    steps = itertools.cycle(range(T))
+
+    def call() -> None:
+        for _ in range(T // n):
+            t = next(steps)
+            writer.add(obs=cols["obs"][t], action=cols["action"][t], reward=cols["reward"][t],
+                       terminated=cols["terminated"][t], truncated=cols["truncated"][t], next_obs=cols["obs"][t + 1])
+    return call
+
+
 def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
     import torch
     torch.set_num_threads(1)
@@ -1358,20 +1377,24 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
         ray.shutdown()
     flag_noisy("RAY", metrics, notes)
     notes.append(f"  arrowbuf: ExperienceStore(backend='ray', num_shards={spec.num_shards}); add = add_episode "
-                 f"(env_id cycling over {spec.envs} envs) + flush() at the end of each timed slice; sample = "
-                 f"sample_iter(batch, prefetch={spec.prefetch}), each slice ending with len(store), which waits "
-                 "for the prefetched requests; 'arrowbuf sample()' = one synchronous store.sample per batch")
+                 f"(env_id cycling over {spec.envs} envs; a round trip that returns the episode id); 'writer' = "
+                 f"the asynchronous batched path, a StepWriter of {WRITER_ENVS} envs fed T // {WRITER_ENVS} steps "
+                 "per call (T rows); both + flush() at the end of each timed slice; sample = "
+                 f"sample_iter(batch, prefetch={spec.prefetch}), each slice ending with flush() (a size round "
+                 "trip; it no longer waits for the prefetched requests, which run in their own thread of the "
+                 "shard); 'arrowbuf sample()' = one synchronous store.sample per batch")
     notes.append("  naive: one Ray actor (num_cpus=0), ray.get(actor.sample.remote(n)) / "
                  "ray.get(actor.add.remote(episode)) per call; local = embedded ExperienceStore.sample in the driver")
     notes.append(f"  load average (1 min) {load_start:.1f} at start, {os.getloadavg()[0]:.1f} after timing "
                  f"on {os.cpu_count()} CPUs")
     notes.append("  put: ray.put of each episode alone (nothing stored): the bound of one writer, whose episodes "
                  "must enter the object store")
-    return WorkloadResult("RAY", spec.short(), spec.describe(), ["naive", "arrowbuf", "arrowbuf_sync", "local", "put"],
+    return WorkloadResult("RAY", spec.short(), spec.describe(),
+                          ["naive", "arrowbuf", "arrowbuf_sync", "arrowbuf_writer", "local", "put"],
                           metrics, notes, time.perf_counter() - t0,
-                          labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter",
-                                  "arrowbuf_sync": "arrowbuf sample()", "local": "local store",
-                                  "put": "ray.put only"},
+                          labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter / add_episode",
+                                  "arrowbuf_sync": "arrowbuf sample()", "arrowbuf_writer": "arrowbuf writer",
+                                  "local": "local store", "put": "ray.put only"},
                           ratio_columns=["arrowbuf/naive", "arrowbuf/local"])
 
 
@@ -1411,9 +1434,11 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, min_time: float, slice
                       "local": lambda: local.sample(B)}
         add_fns = {"naive": lambda: ray.get(naive.add.remote(next(feed))),
                    "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
+                   "arrowbuf_writer": writer_calls(store.writer(num_envs=WRITER_ENVS, autoreset_mode="disabled"),
+                                                   episodes, T),
                    "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
-        sample_done = {"arrowbuf": lambda: len(store)}   # waits for the prefetched requests
-        add_done = {"arrowbuf": store.flush}
+        sample_done = {"arrowbuf": store.flush}
+        add_done = {"arrowbuf": store.flush, "arrowbuf_writer": store.flush}
         batch = next(iterator)
         for key in [*rs.fields, ("next", "obs")]:
             if key not in batch.keys(include_nested=True):
@@ -1448,7 +1473,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, min_time: float, slice
         ray.kill(naive)
     sample_fns.clear()
     gc.collect()
-    sample = Metric(f"{wname} sample", "batches/s", {**sample_rates, "put": None},
+    sample = Metric(f"{wname} sample", "batches/s", {**sample_rates, "arrowbuf_writer": None, "put": None},
                     {"arrowbuf/naive": speedup(sample_rates["arrowbuf"], sample_rates["naive"]),
                      "arrowbuf/local": speedup(sample_rates["arrowbuf"], sample_rates["local"]),
                      "arrowbuf sample()/naive": speedup(sample_rates["arrowbuf_sync"], sample_rates["naive"])},
@@ -1457,11 +1482,12 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, min_time: float, slice
     add = Metric(f"{wname} add", "rows/s", {**add_rates, "arrowbuf_sync": None, "local": None},
                  {"arrowbuf/naive": speedup(add_rates["arrowbuf"], add_rates["naive"]),
                   "arrowbuf/put": speedup(add_rates["arrowbuf"], add_rates["put"]),
+                  "writer/naive": speedup(add_rates["arrowbuf_writer"], add_rates["naive"]),
                   "put/naive": speedup(add_rates["put"], add_rates["naive"])},
                  target="arrowbuf/naive >= 3")
     add.met = add.ratios["arrowbuf/naive"].median >= 3
     first = Metric(f"{wname} 1st lap", "rows/s", {"naive": cold_naive, "arrowbuf": cold_ab, "arrowbuf_sync": None,
-                                                  "local": None, "put": None},
+                                                  "arrowbuf_writer": None, "local": None, "put": None},
                    {"arrowbuf/naive": Series([cold_ab / cold_naive])},
                    target="info: fresh memory (naive pre-touched)")
     return [sample, add, first]

@@ -4,9 +4,12 @@ Each shard actor writes its own files (Parquet parts, a checkpoint directory, or
 Arrow tables in the object store); the driver only writes the small shared pieces
 (episode table, manifests). Paths must be on storage every node can reach.
 
+The router (`arrowbuf.ray.router`) starts shards from a checkpoint; this module
+holds what the shards, the router and the facade share, and imports none of them.
+
 Ray Data rows use the plain export layout (fixed-size lists, Arrow booleans, the
 system columns) plus one bool column, ``final_observation``: True on the row that
-holds only an episode's final observation, so `from_ray_dataset` can rebuild
+holds only an episode's final observation, so `episodes_of_dataset` can rebuild
 episodes exactly.
 """
 
@@ -20,14 +23,13 @@ import pyarrow as pa
 
 from arrowbuf._persist import batch_columns, plain_schema, read_json, schema_of, take_rows, write_json
 from arrowbuf.engine import ShardEngine
-from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
 
 if TYPE_CHECKING:
-    from arrowbuf.ray_backend import RayExperienceStore
-    from arrowbuf.store import ExperienceStore
+    from arrowbuf.ray.router import RayBackend
+    from arrowbuf.ray.sink import RaySink
 
 RAY_MANIFEST = "ray_checkpoint.json"
 RAY_FORMAT = "arrowbuf-ray-checkpoint"
@@ -38,91 +40,74 @@ def shard_dir(path: Path, shard: int) -> Path:
     return path / f"shard-{shard}"
 
 
+def is_ray_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / RAY_MANIFEST).exists()
+
+
 def plain_rows(engine: ShardEngine) -> pa.Table:
     """One shard's rows in the Ray Data layout (see the module docstring)."""
-    shard = engine.shard
-    if shard is None or not len(shard.table):
-        return pa.table({})
-    rows = take_rows(shard, 0, len(shard.table), plain_schema(shard.schema), copy=False)
+    with engine.lock:
+        shard = engine.shard
+        if shard is None or not len(shard.table):
+            return pa.table({})
+        rows = take_rows(shard, 0, len(shard.table), plain_schema(shard.schema), copy=False)
+        has_final = np.repeat(shard.table.col("has_final"), shard.table.col("num_rows"))
     table = pa.Table.from_batches(rows.batches)
-    has_final = np.repeat(shard.table.col("has_final"), shard.table.col("num_rows"))
     final = has_final & table.column("is_last").to_numpy()
     return table.append_column(FINAL, pa.array(final))
 
 
-def save_ray_store(store: "RayExperienceStore", path: Path) -> Path:
-    """Every shard saves into ``path/shard-<k>`` in parallel; the manifest comes last."""
-    store.flush()
+def save_ray_store(backend: "RayBackend", path: Path, info: dict) -> Path:
+    """Every shard saves into ``path/shard-<k>`` in parallel; the manifest (with the
+    store's ``info``: capacity, mode, seed) comes last."""
+    backend.flush()
     path.mkdir(parents=True, exist_ok=True)
-    store._shards.get({s: store._shards.call(s, "save", str(shard_dir(path, s))) for s in range(store.num_shards)})
-    write_json(path / RAY_MANIFEST, {"format": RAY_FORMAT, "format_version": 1, "num_shards": store.num_shards,
-                                     "capacity": store.capacity, "mode": store.mode, "seed": store.seed})
+    shards = backend.shards
+    shards.get({s: shards.call(s, "save", str(shard_dir(path, s))) for s in range(backend.num_shards)})
+    write_json(path / RAY_MANIFEST, {"format": RAY_FORMAT, "format_version": 1, "num_shards": backend.num_shards,
+                                     **info})
     return path
 
 
-def load_ray_store(path: Path, num_shards: int | None, **options: Any) -> "RayExperienceStore":
-    """A Ray store from `save_ray_store`'s directory, into ``num_shards`` shards.
-
-    With the saved number of shards every shard actor loads its own directory
-    (sampler state and generators included). Into another number, the episodes of
-    each saved shard are streamed into the new shards by tasks in parallel, the
-    way writers send them; their ids are renumbered and sampler state starts fresh.
+def checkpoint_dirs(path: Path) -> tuple[dict, list[Path]]:
+    """The manifest of the Ray checkpoint in ``path`` and its shards' directories.
 
     Raises:
         FormatError: no complete Ray checkpoint in ``path``.
     """
-    from arrowbuf.ray_backend import RayExperienceStore, _ray
-
     manifest = read_json(path / RAY_MANIFEST, "Ray checkpoint manifest")
     if manifest.get("format") != RAY_FORMAT or int(manifest.get("format_version", 0)) > 1:
         raise FormatError(f"{path / RAY_MANIFEST}: not a Ray checkpoint this arrowbuf can read ({manifest})")
-    saved = int(manifest["num_shards"])
-    dirs = [shard_dir(path, s) for s in range(saved)]
+    dirs = [shard_dir(path, s) for s in range(int(manifest["num_shards"]))]
     for directory in dirs:
         if not (directory / "manifest.json").exists():
             raise FormatError(f"{directory}: shard checkpoint missing; the Ray checkpoint is incomplete")
-    num_shards = saved if num_shards is None else num_shards
-    kwargs = {"mode": manifest["mode"], "seed": manifest["seed"], **options}
-    if num_shards == saved:
-        store = RayExperienceStore(int(manifest["capacity"]), num_shards=saved, _load_from=[str(d) for d in dirs],
-                                   **kwargs)
-        store.sampler = store._shards.get({0: store._shards.call(0, "config")})[0]["sampler"]
-        return store
-    from arrowbuf.store import ExperienceStore
-
-    first = ExperienceStore.load(dirs[0])
-    sampler = type(first.sampler)(**first.sampler.config())
-    store = RayExperienceStore(int(manifest["capacity"]), num_shards=num_shards, schema=first.schema,
-                               sampler=sampler, **kwargs)
-    reshard = _ray().remote(_reshard_task)
-    _ray().get([reshard.remote(str(d), store._sink) for d in dirs])
-    store._refresh_sizes()
-    return store
+    return manifest, dirs
 
 
-def _reshard_task(directory: str, sink: Any) -> int:
+def reshard_task(directory: str, sink: "RaySink") -> int:
     """Stream one saved shard's episodes (oldest first) into another store's shards."""
-    from arrowbuf.store import ExperienceStore
+    from arrowbuf.checkpoint import load_engine
+    from arrowbuf.episodes import read_episode
 
-    saved = ExperienceStore.load(directory)
-    ids = saved.episodes().column("episode_id").to_pylist()
-    env_ids = saved.episodes().column("env_id").to_pylist()
-    for episode_id, env_id in zip(ids, env_ids):
-        episode, _ = read_episode(saved.episode(episode_id), saved.schema, env_id)
+    engine = load_engine(directory, progress=False).engine
+    table = engine.episodes()
+    ids = table.column("episode_id").to_pylist()
+    for episode_id, env_id in zip(ids, table.column("env_id").to_pylist()):
+        episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id)
         sink.write(episode, route_key=f"{directory}:{episode_id}")   # spread episodes, not envs
         sink.commit()
-    sink.flush()
+    sink.close()
     return len(ids)
 
 
-def to_ray_dataset(store: "RayExperienceStore") -> Any:
+def to_ray_dataset(backend: "RayBackend") -> Any:
     """A `ray.data.Dataset` of every shard's rows, built from Arrow tables the shards
     put in the object store (no round trip through the driver)."""
     import ray.data
 
-    store.flush()
-    refs = [store._shards.call(s, "plain_rows") for s in store._shards.live()]
-    return ray.data.from_arrow_refs(refs)
+    shards = backend.shards
+    return ray.data.from_arrow_refs([shards.call(s, "plain_rows") for s in shards.live()])
 
 
 def episodes_of_dataset(dataset: Any) -> tuple[Schema, Iterator[Episode]]:
@@ -137,6 +122,7 @@ def episodes_of_dataset(dataset: Any) -> tuple[Schema, Iterator[Episode]]:
                 columns = batch_columns(record, specs, "dataset")
                 final = (record.column(FINAL).to_numpy(zero_copy_only=False) if FINAL in record.schema.names
                          else np.zeros(record.num_rows, bool))
+
                 def part(start: int, stop: int) -> dict[str, np.ndarray]:
                     return {**{n: columns[n][start:stop] for n in schema.fields}, FINAL: final[start:stop]}
 
@@ -161,22 +147,3 @@ def _episode(parts: list[dict[str, np.ndarray]], schema: Schema) -> Episode:
         if has_final and not spec.observation:
             columns[name] = columns[name][:num_steps]
     return Episode(columns, num_steps, has_final)
-
-
-def from_ray_dataset(cls: type, dataset: Any, capacity: int, **store_kwargs: Any) -> "ExperienceStore":
-    """A new store (local unless ``backend="ray"``) holding a Ray Data dataset's episodes."""
-    schema, episodes = episodes_of_dataset(dataset)
-    store = cls(capacity, schema=schema, **store_kwargs)
-    for episode in episodes:
-        if store.backend == "ray":
-            store._sink.write(episode)
-            store._sink.commit()
-        else:
-            store.engine.add(episode, limited=False)
-    if store.backend == "ray":
-        store.flush()
-    return store
-
-
-def is_ray_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / RAY_MANIFEST).exists()

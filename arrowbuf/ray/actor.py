@@ -1,0 +1,172 @@
+"""`ShardServer`: the body of one shard actor, a `ShardEngine` and nothing more.
+
+The router starts one actor per shard (``ray.remote(ShardServer)``, threaded,
+with the concurrency groups of `arrowbuf.ray.handles`). Every method calls the
+engine's public API; answers that change or reveal the shard's size carry a
+reading of it (mass, transitions, episodes, the shard's clock) for the caller's
+`SizeCache`. Data leaves as numpy / Arrow buffers (`Payload`), which the caller
+reads from Ray's object store without a copy.
+
+Rate limiters apply per shard: each shard judges its own inserts and samples
+(as Reverb does for a table served by several servers), and a call that must
+wait for the limiter waits here, in its concurrency group's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf.engine import ShardEngine
+from arrowbuf.errors import ArrowbufError, SchemaError
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.ray.options import INDEX_SHIFT, ray_module
+from arrowbuf.ray.persist import plain_rows
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+from arrowbuf.tensors import Payload
+
+Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
+
+
+class ShardServer:
+    """One shard of a Ray store.
+
+    Args:
+        capacity: rows of this shard.
+        shard: its number; ``num_shards`` the store's shard count.
+        seed: seed of its engine's generator.
+        sampler: its own copy of the store's sampler.
+        rate_limiter: its own copy of the store's limiter (counts are per shard).
+        schema_json: the store's schema, if known.
+        mode: "circular" or "fixed".
+        load_from: a checkpoint directory of this shard to start from.
+        track_reuse: count how often each row is sampled.
+    """
+
+    def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
+                 rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
+                 track_reuse: bool = False) -> None:
+        if load_from is not None:
+            from arrowbuf.checkpoint import load_engine
+
+            self.engine = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
+        else:
+            self.engine = ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
+                                      track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+        engine = self.engine
+        self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
+        self._limiter_spec = type(engine.rate_limiter)(**engine.rate_limiter.config())
+        self.shard = shard
+        self.num_shards = num_shards
+        self.index_base = shard << INDEX_SHIFT
+        if schema_json is not None:
+            engine.set_schema(Schema.from_json(schema_json))
+
+    def ping(self) -> str:
+        """This actor's node id (also proves it started)."""
+        return ray_module().get_runtime_context().get_node_id()
+
+    def config(self) -> dict:
+        engine = self.engine
+        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": engine.capacity,
+                "mode": engine.mode, "sampler": self._sampler_spec, "rate_limiter": self._limiter_spec,
+                "seed": engine.seed, "track_reuse": engine.track_reuse,
+                "schema": engine.schema.to_json() if engine.schema is not None else None}
+
+    def schema_json(self) -> str | None:
+        schema = self.engine.schema
+        return schema.to_json() if schema is not None else None
+
+    def size(self) -> Reading:
+        """(sampling mass, transitions, episodes, this shard's clock), read together."""
+        with self.engine.lock:
+            return (*self.engine.size(), time.monotonic())
+
+    def add_episodes(self, episodes: list[Episode], schema_json: str,
+                     timeout: float | None = None) -> tuple[list[int], Reading]:
+        """Store ``episodes`` in order; their ids and the shard's size after them.
+
+        Raises:
+            SchemaError: this shard stores another schema.
+            CapacityError, RateLimited, ...: the first refused episode's error,
+                saying how many of the batch were refused (the others are stored).
+        """
+        schema = Schema.from_json(schema_json)
+        if self.engine.schema is not None and self.engine.schema != schema:
+            raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
+                              f"of {schema}")
+        ids, refused = [], []
+        for episode in episodes:   # one refused episode must not take the rest of the batch with it
+            try:
+                ids.append(self.engine.add(episode, schema, timeout))
+            except (ArrowbufError, ValueError) as err:
+                refused.append(err)
+        if refused:
+            err = refused[0]
+            err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
+                        f"{len(episodes)} episodes of this write (they are dropped); it stored the others]",
+                        *err.args[1:])
+            raise err
+        return ids, self.size()
+
+    def sample(self, n: int, args: tuple, population: tuple[int, float] | None,
+               timeout: float | None) -> tuple[Payload, Reading]:
+        payload = self.engine.sample_payload(n, args, self.index_base, population, timeout)
+        return payload, self.size()
+
+    def live_range(self) -> tuple[int, int]:
+        return self.engine.live_range()
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.engine.episode_spans()
+
+    def gather(self, ranks: np.ndarray) -> Payload | None:
+        """The live ones of ``ranks``, in that order (None when none is live)."""
+        return self.engine.gather_payload(ranks, self.index_base)
+
+    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
+        """How many of ``ranks`` were live, and the shard's size (its mass changed)."""
+        return self.engine.update_priorities(ranks, priorities), self.size()
+
+    def episodes(self) -> pa.Table:
+        return self.engine.episodes()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        return self.engine.episode(episode_id)
+
+    def to_arrow(self) -> pa.Table:
+        return self.engine.to_arrow()
+
+    def clear(self) -> Reading:
+        self.engine.clear()
+        return self.size()
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "shard": self.shard, "node_id": self.ping()}
+
+    def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
+        """Write this shard's rows as Parquet parts into ``steps_dir`` (a shared directory)."""
+        if self.engine.shard is None:
+            return self.engine.episodes(), []
+        from arrowbuf.parquet import export_shard
+
+        return export_shard(self.engine.shard, self.engine.lock, Path(steps_dir), schema,
+                            shard_index=self.shard, progress=False, **options)
+
+    def save(self, path: str) -> str:
+        from arrowbuf.checkpoint import save_engine
+
+        engine = self.engine
+        info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
+                "track_reuse": engine.track_reuse, "created_at": 0.0}
+        save_engine(engine, path, info, progress=False)
+        return path
+
+    def plain_rows(self) -> pa.Table:
+        """This shard's rows in the Ray Data layout (`arrowbuf.ray.persist`)."""
+        return plain_rows(self.engine)

@@ -1,0 +1,94 @@
+"""`RayOptions`, the layout of a Ray store's indices, and the lazy ``import ray``.
+
+Nothing here imports Ray: `arrowbuf` exports `RayOptions` without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from arrowbuf._checks import check_bool, check_int
+
+NAMESPACE = "arrowbuf"               # Ray namespace of the named shard actors
+INDEX_SHIFT = 48                     # a batch's "index" = shard << 48 | rank
+RANK_MASK = (1 << INDEX_SHIFT) - 1
+
+
+def ray_module() -> Any:
+    """The ``ray`` module, imported now.
+
+    Raises:
+        ImportError: Ray is not installed (with the install hint).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("backend='ray' needs Ray: pip install 'arrowbuf[ray]'") from None
+    return ray
+
+
+def _check_seconds(name: str, value: Any, zero_ok: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"RayOptions.{name} must be a number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class RayOptions:
+    """How shard actors are started and how writers reach them.
+
+    Attributes:
+        num_cpus: CPUs each shard actor reserves (default 0: shards are mostly idle
+            between requests and must not starve the env runners of CPUs).
+        max_in_flight: unanswered writes per shard and writer before a write waits.
+        nodes: node ids to place shards on (round robin, hard affinity); None lets
+            Ray spread them.
+        node_affinity: writers send an env's episodes to a shard on their own node
+            when there is one.
+        allow_partial: `len` and `sample` skip dead shards instead of raising
+            (every call raises `ShardError` otherwise, until `close`). A request that
+            a shard dies answering is drawn again from the survivors; a write it
+            took raises `ShardError` at the writer's next call or `flush`.
+        write_batch_bytes: episodes smaller than this are copied and sent together
+            once this many bytes are waiting, or once the oldest has waited
+            ``delivery_latency``: each Ray call has a fixed cost of about a
+            millisecond, so small episodes travel in batches.
+        delivery_latency: seconds a writer's finished episode may wait before it
+            is sent to its shard without `flush` (a timer thread per writer sends
+            it); also how often that thread checks the answers, so that a dead
+            shard is reported at the writer's next call.
+        size_refresh: seconds after which `len(store)` asks the shards for their
+            sizes again, in the background (it never waits for them).
+        start_timeout: seconds to wait for the shard actors to start (they wait for
+            ``num_cpus`` free CPUs) before `ShardError`.
+
+    Example:
+        >>> import arrowbuf as ab
+        >>> ab.RayOptions(num_cpus=1, delivery_latency=0.05).max_in_flight
+        8
+    """
+
+    num_cpus: float = 0.0
+    max_in_flight: int = 8
+    nodes: Sequence[str] | None = None
+    node_affinity: bool = True
+    allow_partial: bool = False
+    write_batch_bytes: int = 4 << 20
+    delivery_latency: float = 0.1
+    size_refresh: float = 0.5
+    start_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.num_cpus = _check_seconds("num_cpus", self.num_cpus, zero_ok=True)
+        self.delivery_latency = _check_seconds("delivery_latency", self.delivery_latency, zero_ok=False)
+        self.size_refresh = _check_seconds("size_refresh", self.size_refresh, zero_ok=True)
+        self.start_timeout = _check_seconds("start_timeout", self.start_timeout, zero_ok=False)
+        check_int("RayOptions.max_in_flight", self.max_in_flight, 1)
+        check_int("RayOptions.write_batch_bytes", self.write_batch_bytes, 0)
+        check_bool("RayOptions.node_affinity", self.node_affinity)
+        check_bool("RayOptions.allow_partial", self.allow_partial)
+        if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
+            raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")

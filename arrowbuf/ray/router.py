@@ -1,0 +1,516 @@
+"""`RayBackend`: what ``ExperienceStore(backend="ray")`` holds; it routes, splits and assembles.
+
+The backend starts (or attaches to) one named actor per shard (`ShardServer`,
+each running a `ShardEngine`) and keeps their handles and last reported sizes.
+It offers the backend interface of `arrowbuf.local.LocalBackend`:
+
+- writes: `add` sends one episode and waits for its shard's answer, which
+  carries its id (a round trip); writers (`sink`) are the asynchronous, batched
+  path (`arrowbuf.ray.sink`);
+- samples are split across shards in proportion to their transitions (or
+  priority mass), requested from all of them at once, and assembled with one
+  copy (`arrowbuf.ray.assemble`); `sample_iter` keeps requests in flight;
+- epochs (`iter_batches`) shuffle the indices of every shard together;
+- reads by index (`gather`, `live_ranges`, `episode_spans`) use indices
+  ``shard << 48 | rank``, the values of a batch's ``"index"``.
+
+Sizes (`size`, hence ``len(store)``) come from a `SizeCache`: writes'
+acknowledgements and samples update it, and a background request refreshes it
+every ``RayOptions.size_refresh`` seconds, so reading it never waits. It is
+stale by at most that interval plus a round trip for changes made elsewhere;
+`flush` waits for this process's writes and refreshes it, so ``len`` right
+after `flush` is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tensordict import TensorDict
+
+from arrowbuf.errors import EmptyStoreError, ShardError
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.ray.actor import ShardServer
+from arrowbuf.ray.assemble import split_batches
+from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles, SizeCache
+from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE, RANK_MASK, RayOptions, ray_module
+from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.sink import RaySink
+from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+from arrowbuf.table import EpisodeTable
+
+logger = logging.getLogger(__name__)
+
+
+def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None, sampler: Sampler,
+                 rate_limiter: RateLimiter, schema: Schema | None, mode: str, track_reuse: bool,
+                 options: RayOptions, load_from: Sequence[str] | None = None) -> ShardHandles:
+    """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
+
+    Each shard gets ``capacity // num_shards`` rows (the first ones one more for the
+    remainder), its own copies of the sampler and rate limiter, and a seed derived
+    from ``seed``.
+
+    Raises:
+        ShardError: the actors did not start within ``options.start_timeout``.
+    """
+    ray = ray_module()
+    if not ray.is_initialized():
+        logger.info("no Ray cluster is running: starting a local one (ray.init())")
+        ray.init(logging_level=logging.WARNING)
+    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer)
+    seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
+    handles = []
+    for shard in range(num_shards):
+        placement = {}
+        if options.nodes:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node = options.nodes[shard % len(options.nodes)]
+            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        rows = capacity // num_shards + (shard < capacity % num_shards)
+        handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
+                                     max_concurrency=DEFAULT_CONCURRENCY, **placement).remote(
+            rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
+            schema.to_json() if schema is not None else None, mode,
+            load_from[shard] if load_from is not None else None, track_reuse))
+    limit = None if math.isinf(options.start_timeout) else options.start_timeout
+    try:
+        nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)
+    except BaseException as err:   # no half-started store: its named actors would block the name
+        for handle in handles:
+            ray.kill(handle)
+        if isinstance(err, ray.exceptions.GetTimeoutError):
+            raise ShardError(f"the {num_shards} shard actors of store {name!r} did not start within "
+                             f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
+                             f"{options.num_cpus} free CPUs for each?") from None
+        raise
+    return ShardHandles(name, handles, nodes, options)
+
+
+class RayBackend:
+    """A store's shards in Ray actors (see the module docstring).
+
+    Args:
+        shards: handles of the running shard actors (`start_shards`, `attach`).
+        sampler: the store's sampler (each shard runs its own copy).
+        seed: seed of the router's generator (splits and epochs).
+        schema: the store's schema, if known.
+        schema_fixed: the schema was given (or found on the shards), not
+            inferred from this process's first write.
+    """
+
+    kind = "ray"
+
+    def __init__(self, shards: ShardHandles, *, sampler: Sampler, seed: int | None, schema: Schema | None,
+                 schema_fixed: bool) -> None:
+        self.shards = shards
+        self.sampler = sampler
+        self._rng = np.random.default_rng(seed)
+        self._schema = schema
+        self._schema_fixed = schema_fixed
+        self._sizes = SizeCache(shards)
+        self._sizes.refresh()
+        self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
+        self._added = 0   # episodes sent by `add` without an env id: their routing keys
+
+    @classmethod
+    def attach(cls, name: str, seed: int | None = None, options: RayOptions | None = None
+               ) -> tuple["RayBackend", dict]:
+        """The backend of the running store ``name`` and the configuration of its shard 0
+        (capacity is the total over the shards).
+
+        Raises:
+            ValueError: no store of that name is running.
+            ShardError: one of its shards is not running.
+        """
+        ray = ray_module()
+        try:
+            first = ray.get_actor(f"{name}:0", namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"no arrowbuf store named {name!r} is running in namespace {NAMESPACE!r}") from None
+        config = ray.get(first.config.remote())
+        handles = [first]
+        for shard in range(1, config["num_shards"]):
+            try:
+                handles.append(ray.get_actor(f"{name}:{shard}", namespace=NAMESPACE))
+            except ValueError:
+                raise ShardError(f"shard {shard} of store {name!r} is not running (dead or closed)") from None
+        nodes = ray.get([h.ping.remote() for h in handles])
+        configs = ray.get([h.config.remote() for h in handles])
+        config["capacity"] = sum(c["capacity"] for c in configs)
+        schemas = [c["schema"] for c in configs if c["schema"] is not None]
+        schema = Schema.from_json(schemas[0]) if schemas else None
+        backend = cls(ShardHandles(name, handles, nodes, options or RayOptions()), sampler=config["sampler"],
+                      seed=seed, schema=schema, schema_fixed=schema is not None)
+        return backend, config
+
+    @classmethod
+    def load(cls, path: Path, num_shards: int | None, name: str | None, options: RayOptions
+             ) -> tuple["RayBackend", dict]:
+        """A backend from a Ray checkpoint (`arrowbuf.ray.persist.save_ray_store`), into
+        ``num_shards`` shards (default: as saved), and its configuration (capacity,
+        mode, seed, track_reuse, sampler, rate_limiter).
+
+        With the saved number of shards every shard actor loads its own directory
+        (sampler, limiter and generator state included). Into another number, the
+        episodes of each saved shard are streamed into the new shards by tasks in
+        parallel, the way writers send them; their ids are renumbered and sampler
+        state starts fresh.
+
+        Raises:
+            FormatError: no complete Ray checkpoint in ``path``.
+        """
+        from arrowbuf.checkpoint import load_engine
+
+        manifest, dirs = checkpoint_dirs(path)
+        num_shards = len(dirs) if num_shards is None else num_shards
+        first = load_engine(dirs[0], progress=False).engine
+        config = {"capacity": int(manifest["capacity"]), "mode": manifest["mode"], "seed": manifest["seed"],
+                  "track_reuse": first.track_reuse, "sampler": type(first.sampler)(**first.sampler.config()),
+                  "rate_limiter": type(first.rate_limiter)(**first.rate_limiter.config())}
+        shards = start_shards(name or cls.new_name(), config["capacity"], num_shards, seed=config["seed"],
+                              sampler=config["sampler"], rate_limiter=config["rate_limiter"], schema=first.schema,
+                              mode=config["mode"], track_reuse=config["track_reuse"], options=options,
+                              load_from=[str(d) for d in dirs] if num_shards == len(dirs) else None)
+        backend = cls(shards, sampler=config["sampler"], seed=config["seed"], schema=first.schema,
+                      schema_fixed=first.schema is not None)
+        if num_shards != len(dirs):
+            ray = ray_module()
+            reshard = ray.remote(reshard_task)
+            ray.get([reshard.remote(str(d), backend.sink(None, None)) for d in dirs])
+            backend.flush()
+        return backend, config
+
+    @staticmethod
+    def new_name() -> str:
+        return f"store-{uuid.uuid4().hex[:8]}"
+
+    # -- shape ----------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.shards.name
+
+    @property
+    def num_shards(self) -> int:
+        return self.shards.num_shards
+
+    @property
+    def options(self) -> RayOptions:
+        return self.shards.options
+
+    @property
+    def schema(self) -> Schema | None:
+        """The schema; asks the shards while none is known here."""
+        if self._schema is None:
+            found = [s for s in self.shards.broadcast("schema_json").values() if s is not None]
+            if found:
+                self._schema = Schema.from_json(found[0])
+                self._sink.set_schema(self._schema)
+        return self._schema
+
+    def set_schema(self, schema: Schema) -> None:
+        if self._schema is None:
+            self._schema = schema
+            self._sink.set_schema(schema)
+
+    def size(self) -> tuple[int, int]:
+        """(transitions, episodes) as last reported (never waits; see the module docstring)."""
+        self._sizes.poll()
+        return self._sizes.totals()
+
+    def shard_sizes(self) -> np.ndarray:
+        """Sampling mass of each shard as last reported (0 for dead ones)."""
+        return self._sizes.masses.copy()
+
+    # -- writing --------------------------------------------------------------------
+
+    def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
+        """Send one episode to its env's shard and wait for its id.
+
+        Episodes of a named env stay on one shard; those without an env id
+        (``"default"``) go to the least loaded shard.
+        """
+        known = self._schema is not None
+        self.set_schema(schema)
+        self._added += 1
+        key = episode.env_id if episode.env_id != "default" else f"episode-{self._added}"
+        self._sink.timeout = timeout
+        try:
+            return self._sink.write_now(episode, key)
+        except BaseException:
+            if not known:
+                self._forget_unstored_schema()
+            raise
+
+    def _forget_unstored_schema(self) -> None:
+        """After a refused first write: a schema that no shard stores is dropped, as a
+        local store's failed first write sets none."""
+        if self._schema_fixed:
+            return
+        try:
+            stored = any(s is not None for s in self.shards.broadcast("schema_json").values())
+        except ShardError:
+            return
+        if not stored:
+            self._schema = None
+            self._sink.forget_schema()
+
+    def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
+        """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
+        return RaySink(self.shards, self._sizes, self.schema, timeout)
+
+    def import_episodes(self, episodes: Iterable[Episode]) -> int:
+        """Store checked episodes of an import (spread over the shards); how many."""
+        count = 0
+        for count, episode in enumerate(episodes, 1):
+            self._sink.write(episode, route_key=f"import-{count}")
+            self._sink.commit()
+        self._sink.flush()
+        self._sizes.refresh()
+        return count
+
+    def flush(self) -> None:
+        """Wait for this backend's writes and refresh the sizes (``len`` is exact after it)."""
+        self._sink.flush()
+        self._sizes.refresh()
+
+    def close(self) -> None:
+        """End the shard actors (their data is gone)."""
+        if self.shards.closed:
+            return
+        self._sink.close()
+        ray = ray_module()
+        for handle in self.shards.handles:
+            ray.kill(handle)
+        self.shards.closed = True
+
+    def clear(self) -> None:
+        """Empty every shard; this backend's routes start afresh (by the shards' new sizes)."""
+        for shard, reading in self.shards.broadcast("clear").items():
+            self._sizes.note(shard, reading)
+        self._sink.close()
+        self._sink = RaySink(self.shards, self._sizes, self._schema)
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def _split(self, batch_size: int | np.ndarray, batches: int, shards: Sequence[int] | None = None
+               ) -> tuple[list[int], np.ndarray]:
+        """Live shards (of ``shards``, default all) and, per batch, how many items each
+        gives (multinomial by mass); ``batch_size`` may differ per batch (an array)."""
+        live = self.shards.live()
+        if (self._sizes.masses[live] <= 0).any():
+            # A shard seen empty gets no draws, hence no answers that would update its
+            # size: ask again, so a shard that filled since is not skipped forever.
+            self._sizes.refresh()
+            live = self.shards.live()
+        if shards is not None:
+            live = [s for s in live if s in shards] or live
+        masses = self._sizes.masses[live]
+        if masses.sum() <= 0:
+            raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
+        return live, self._rng.multinomial(batch_size, masses / masses.sum(), size=batches)
+
+    def _request(self, batch_size: int | np.ndarray, args: tuple, timeout: float | None, batches: int = 1,
+                 shards: Sequence[int] | None = None) -> tuple:
+        live, counts = self._split(batch_size, batches, shards)
+        population = None
+        if isinstance(self.sampler, PrioritizedSampler):
+            population = (int(self._sizes.transitions[live].sum()), float(self._sizes.masses[live].sum()))
+        refs = {shard: self.shards.call(shard, "sample", int(total), args, population, timeout)
+                for shard, total in zip(live, counts.sum(axis=0)) if total}
+        return refs, live, counts, population, (args, timeout, batches, shards)
+
+    def _collect(self, request: tuple, device: torch.device | None) -> tuple[list[dict], np.ndarray, tuple]:
+        """The answers of a request: tensors per answering shard, its rows per batch
+        ([batches, answers]) and the per-item shape.
+
+        Draws that fell on a shard that died answering (allow_partial) are drawn
+        again from the survivors and appended as more answers: each draw is then
+        one from the survivors in proportion to their mass, and the answers that
+        came are kept (their samples were counted). Prioritized weights are
+        rescaled to the survivors' population.
+        """
+        refs, live, counts, population, (args, timeout, batches, shards) = request
+        answers = {}
+        for shard, (payload, reading) in self.shards.get(refs).items():
+            self._sizes.note(shard, reading)
+            answers[shard] = payload
+        columns = [i for i, shard in enumerate(live) if shard in answers]
+        sources = [answers[live[i]].tensors(device) for i in columns]
+        kept = counts[:, columns]
+        tail = answers[live[columns[0]]].batch_shape[1:] if columns else None
+        missing = counts.sum(axis=1) - kept.sum(axis=1)
+        if missing.any():
+            if not self.shards.live():
+                raise ShardError(f"no shard of {self.name!r} is alive")
+            redraw = self._request(missing, args, timeout, batches, shards)
+            if population is not None:   # w = (N p / M)^-beta: from this population to the redraw's
+                (n_old, m_old), (n_new, m_new) = population, redraw[3]
+                scale = ((n_old / m_old) / (n_new / m_new)) ** self.sampler.beta
+                sources = [{**s, ("weight",): s[("weight",)] * scale} for s in sources]
+            more, more_kept, tail = self._collect(redraw, device)
+            sources, kept = sources + more, np.hstack([kept, more_kept])
+        return sources, kept, tail
+
+    def _assemble(self, request: tuple, device: torch.device | None) -> list[TensorDict]:
+        sources, kept, tail = self._collect(request, device)
+        return split_batches(sources, kept, tail, device, isinstance(self.sampler, PrioritizedSampler))
+
+    def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
+               timeout: float | None, num_workers: int | None,
+               worker_nodes: Sequence[str] | None) -> TensorDict | list[TensorDict]:
+        """Sample across shards, split in proportion to their transitions (or priority mass).
+
+        A batch drawn from several shards is concatenated once (writable); one
+        from a single shard is a view of read-only shared memory (clone before
+        writing in place). With ``worker_nodes``, a worker's batch is drawn from
+        the shards on its node (all shards when its node has none); workers that
+        share a node split one draw.
+        """
+        if worker_nodes is not None:
+            per_worker = batch_size // num_workers
+            groups: dict[str, list[int]] = {}
+            for worker, node in enumerate(worker_nodes):
+                groups.setdefault(node, []).append(worker)
+            requests = {node: self._request(per_worker * len(workers), args, timeout, 1,
+                                            [s for s, n in enumerate(self.shards.nodes) if n == node])
+                        for node, workers in groups.items()}
+            batches: list[TensorDict] = [None] * num_workers
+            for node, workers in groups.items():
+                parts = self._assemble(requests[node], device)[0].split(per_worker, dim=0)
+                for worker, part in zip(workers, parts):
+                    batches[worker] = part
+            return batches
+        batch, = self._assemble(self._request(batch_size, args, timeout), device)
+        return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+
+    def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
+                    batches_per_request: int | None) -> Iterator[TensorDict]:
+        """Endless batches with ``prefetch`` requests in flight, each of ``batches_per_request``
+        batches (default about 4 MiB, at most 64): a request costs a millisecond or two,
+        a batch a few microseconds."""
+        if batches_per_request is None:
+            batch_bytes = batch_size * (self.schema.row_bytes if self.schema is not None else 1)
+            batches_per_request = max(1, min(64, (4 << 20) // batch_bytes))
+        return self._prefetching(batch_size, prefetch, batches_per_request, args, device)
+
+    def _prefetching(self, batch_size: int, prefetch: int, batches_per_request: int, args: tuple,
+                     device: Any) -> Iterator[TensorDict]:
+        pending = deque(self._request(batch_size, args, None, batches_per_request) for _ in range(prefetch))
+        while True:
+            request = pending.popleft()
+            pending.append(self._request(batch_size, args, None, batches_per_request))
+            yield from self._assemble(request, device)
+
+    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool,
+                     device: torch.device | None) -> Iterator[TensorDict]:
+        """Every live transition of every shard once, the shards' indices shuffled together."""
+        index = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.live_ranges()]
+                               or [np.zeros(0, np.int64)])
+        return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), device)
+
+    def _epoch(self, chunks: list[np.ndarray], device: torch.device | None) -> Iterator[TensorDict]:
+        for chunk in chunks:
+            parts = [p for p in self._gather_parts(chunk, device) if p is not None]
+            if parts:
+                yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
+        """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
+        shards = index >> INDEX_SHIFT
+        refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & RANK_MASK)
+                for s in np.unique(shards) if 0 <= s < self.num_shards}
+        return [p.to_tensordict(device) if p is not None else None for p in self.shards.get(refs).values()]
+
+    # -- reads by index --------------------------------------------------------------
+
+    def gather(self, index: np.ndarray, device: torch.device | None) -> TensorDict:
+        """The live transitions of ``index``, in that order (writable tensors).
+
+        Raises:
+            KeyError: some indices are not live (evicted, cleared, never written, or
+                of a shard that does not exist).
+        """
+        shards = index >> INDEX_SHIFT
+        order = np.argsort(shards, kind="stable")   # the parts come shard by shard
+        parts = [p for p in self._gather_parts(index, device) if p is not None]
+        found = sum(p.batch_size[0] for p in parts)
+        if found != len(index):
+            raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
+                           "(evicted, cleared, or never written)")
+        if not parts:
+            return TensorDict({}, batch_size=[0])
+        if len(parts) == 1:   # views of Ray's read-only shared memory: copied, the caller may write in place
+            return parts[0].clone()
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """[first, stop) of each shard's live indices (``shard << 48 | rank``); empty for a dead shard."""
+        ranges = self.shards.broadcast("live_range")
+        return [((s << INDEX_SHIFT) + ranges[s][0], (s << INDEX_SHIFT) + ranges[s][1]) if s in ranges
+                else (s << INDEX_SHIFT, s << INDEX_SHIFT) for s in range(self.num_shards)]
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first index, transitions) of every live episode, shard by shard, oldest first."""
+        spans = self.shards.broadcast("episode_spans")
+        shard = [np.full(len(spans[s][0]), s, np.int64) for s in sorted(spans)]
+        first = [(np.int64(s) << INDEX_SHIFT) + spans[s][0].astype(np.int64) for s in sorted(spans)]
+        length = [spans[s][1].astype(np.int64) for s in sorted(spans)]
+        empty = [np.zeros(0, np.int64)]
+        return np.concatenate(shard or empty), np.concatenate(first or empty), np.concatenate(length or empty)
+
+    def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
+        shards = index >> INDEX_SHIFT
+        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & RANK_MASK,
+                                         priority[shards == s])
+                for s in np.unique(shards) if 0 <= s < self.num_shards}
+        updated = 0
+        for shard, (count, reading) in self.shards.get(refs).items():
+            self._sizes.note(shard, reading)
+            updated += count
+        return updated
+
+    # -- views ----------------------------------------------------------------------
+
+    def episodes(self) -> pa.Table:
+        tables = list(self.shards.broadcast("episodes").values())
+        return pa.concat_tables(tables, promote_options="permissive") if tables else EpisodeTable().to_arrow()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        shard = episode_id % self.num_shards
+        return self.shards.get({shard: self.shards.call(shard, "episode", episode_id)})[shard]
+
+    def to_arrow(self) -> pa.Table:
+        tables = [t for t in self.shards.broadcast("to_arrow").values() if t.num_columns]
+        return pa.concat_tables(tables) if tables else pa.table({})
+
+    def stats(self) -> dict:
+        per_shard = list(self.shards.broadcast("stats").values())
+        totals = {k: sum(s[k] for s in per_shard) for k in ("transitions", "episodes", "inserts", "samples")}
+        return {**totals, "capacity": sum(s["capacity"] for s in per_shard), "num_shards": self.num_shards,
+                "dead_shards": sorted(self.shards.dead), "shards": per_shard}
+
+    # -- persistence (every shard writes its own files, in parallel) ----------------------
+
+    def export_steps(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
+        options = {k: v for k, v in options.items() if k in ("compression", "rows_per_file")}
+        results = self.shards.broadcast("export_steps", str(steps_dir), schema, options)
+        # Shard by shard, in the order of the files: an import reads them in that order.
+        tables = [results[s][0] for s in sorted(results) if results[s][0].num_rows]
+        entries = [entry for s in sorted(results) for entry in results[s][1]]
+        return (pa.concat_tables(tables) if tables else EpisodeTable().to_arrow()), entries

@@ -1,0 +1,327 @@
+"""`RaySink`: a writer's route to the shards of a Ray store.
+
+A sink routes each sealed episode to a shard (an env sticks to the first shard
+it was sent to: on the writer's node when there is one, else the least
+loaded), batches small episodes into one request per shard, and keeps at most
+``RayOptions.max_in_flight`` requests unanswered per shard.
+
+Delivery: a timer thread per sink (started at its first episode, stopped by
+`close`, and gone with the sink) sends episodes that have waited
+``RayOptions.delivery_latency`` and collects the answers, so finished episodes
+reach their shard without `flush`, and a dead shard is known within about that
+latency. Errors are never dropped: one that the timer meets (a refused episode,
+a dead shard) is raised by the writer's next call on the sink (`write`,
+`commit`, `flush`, `close`). A `ShardError` names how many of the writer's
+episodes were lost, and how many still wait.
+
+A sink pickles into Ray tasks and actors; the copy starts with nothing queued
+or in flight: the errors of this process's requests surface here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from arrowbuf.errors import ShardError
+from arrowbuf.ray.handles import ShardHandles, SizeCache
+from arrowbuf.ray.options import ray_module
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+
+logger = logging.getLogger(__name__)
+
+
+def _owned(episode: Episode) -> Episode:
+    """An episode that owns its columns (a writer reuses its staging rows for the next episode)."""
+    if episode.owned:
+        return episode
+    return dataclasses.replace(episode, columns={n: a.copy() for n, a in episode.columns.items()}, owned=True)
+
+
+def _nbytes(episode: Episode) -> int:
+    return sum(column.nbytes for column in episode.columns.values())
+
+
+def _deliver(sink_ref: weakref.ref, stop: threading.Event, period: float) -> None:
+    """The timer thread: every ``period`` seconds, send what is due and collect answers."""
+    while not stop.wait(period):
+        sink = sink_ref()
+        if sink is None:
+            return
+        sink.tick()
+        del sink   # hold the sink only while ticking: it may be garbage collected
+
+
+class RaySink:
+    """Sends a writer's sealed episodes to the shards (see the module docstring).
+
+    Args:
+        shards: the store's shard handles.
+        sizes: the store's size cache (acknowledgements update it).
+        schema: the store's schema, if known.
+        timeout: seconds a shard waits for its rate limiter to take an episode.
+    """
+
+    def __init__(self, shards: ShardHandles, sizes: SizeCache, schema: Schema | None,
+                 timeout: float | None = None) -> None:
+        self._shards = shards
+        self._sizes = sizes
+        self._loads = sizes.transitions.astype(np.float64)   # rows routed to each shard, for routing
+        self._schema = schema
+        self.timeout = timeout   # public: claiming a restored writer sets it
+        self._routes: dict[str, int] = {}
+        self._node: str | None = None
+        self._start_local()
+
+    def _start_local(self) -> None:
+        """State that stays in this process (not pickled)."""
+        self._batches: dict[int, list[Episode]] = {}
+        self._waiting_bytes = 0
+        self._oldest: float | None = None                 # when the oldest waiting episode was queued
+        self._in_flight: dict[int, deque] = {}            # shard -> (ref, episodes) oldest first
+        self._error: BaseException | None = None          # met by the timer, raised by the next call
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+
+    def __getstate__(self) -> dict:
+        local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer")
+        return {k: v for k, v in self.__dict__.items() if k not in local}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._loads = self._loads.copy()   # read-only when it came through the object store
+        self._start_local()
+
+    # -- the EpisodeSink protocol ---------------------------------------------------
+
+    @property
+    def schema(self) -> Schema | None:
+        return self._schema
+
+    def set_schema(self, schema: Schema) -> None:
+        if self._schema is None:
+            self._schema = schema
+
+    def forget_schema(self) -> None:
+        """Drop the schema (after the first write was refused everywhere)."""
+        self._schema = None
+
+    def write(self, episode: Episode, route_key: str | None = None) -> None:
+        """Queue an episode for the shard of ``route_key`` (default: its env_id).
+
+        It never raises: a writer seals several episodes per call, and each must be
+        queued; errors (earlier ones included) are raised by `commit` and `flush`.
+        """
+        with self._lock:
+            shard = self._route(episode.env_id if route_key is None else route_key)
+            size = _nbytes(episode)
+            if size < self._shards.options.write_batch_bytes:
+                episode = _owned(episode)   # it waits for its batch: it must own its data
+                self._waiting_bytes += size
+            self._batches.setdefault(shard, []).append(episode)
+            self._loads[shard] += episode.num_rows
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+            self._start_timer()
+
+    def commit(self) -> None:
+        """End of a writer call: send what is ready (big episodes, or enough small ones)."""
+        with self._lock:
+            self._raise_pending()
+            self._reap(block=False)
+            self._send(self._waiting_bytes >= self._shards.options.write_batch_bytes, wait=True)
+
+    def flush(self) -> None:
+        """Send everything, wait until the shards stored it, raise the first error
+        (an error the timer met before is raised after the sending, with any new one
+        as its context)."""
+        with self._lock:
+            earlier, self._error = self._error, None
+            try:
+                self._send(True, wait=True)
+                self._reap(block=True)
+            finally:
+                if earlier is not None:
+                    raise earlier
+
+    def close(self) -> None:
+        """`flush`, then stop the timer thread (a later write starts it again)."""
+        try:
+            self.flush()
+        finally:
+            self._stop_timer()
+
+    def write_now(self, episode: Episode, route_key: str) -> int:
+        """Send one episode alone and wait for its shard's answer: its id (`add_episode`)."""
+        with self._lock:
+            self._raise_pending()
+            shard = self._route(route_key)
+            ref = self._shards.call(shard, "add_episodes", [episode], self._schema.to_json(), self.timeout)
+            self._loads[shard] += episode.num_rows
+            result = self._shards.get({shard: ref})
+            if shard not in result:
+                raise ShardError(f"shard {shard} of store {self._shards.name!r} died before storing the episode; "
+                                 "it is lost")
+            ids, reading = result[shard]
+            self._acknowledged(shard, reading)
+            return ids[0]
+
+    @property
+    def queued(self) -> int:
+        """Episodes not yet sent."""
+        return sum(len(episodes) for episodes in self._batches.values())
+
+    @property
+    def unacknowledged(self) -> int:
+        """Episodes sent whose shard has not answered yet."""
+        return sum(count for queue in self._in_flight.values() for _, count in queue)
+
+    # -- delivery ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """The timer's work: send episodes that waited ``delivery_latency``, collect answers."""
+        with self._lock:
+            if self._error is not None:
+                return
+            try:
+                self._reap(block=False)
+                due = self._oldest is not None and \
+                    time.monotonic() - self._oldest >= self._shards.options.delivery_latency
+                if due:
+                    self._send(True, wait=False)
+            except Exception as err:   # kept for the writer's next call, never dropped
+                self._error = err
+
+    def _start_timer(self) -> None:
+        if self._timer is None or not self._timer.is_alive():
+            self._stop = threading.Event()
+            self._timer = threading.Thread(target=_deliver, name="arrowbuf-sink",
+                                           args=(weakref.ref(self), self._stop,
+                                                 self._shards.options.delivery_latency / 2), daemon=True)
+            self._timer.start()
+
+    def _stop_timer(self) -> None:
+        self._stop.set()
+        timer = self._timer
+        if timer is not None and timer is not threading.current_thread():
+            timer.join()
+        self._timer = None
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    # -- routing, sending, answers ---------------------------------------------------------
+
+    def _route(self, key: str) -> int:
+        """The shard of ``key``; it may be a dead one (then sending raises, naming the episodes)."""
+        shards = self._shards
+        shard = self._routes.get(key)
+        if shard is None or (shard in shards.dead and shards.options.allow_partial):   # a dead shard's envs move
+            candidates = [s for s in range(shards.num_shards) if s not in shards.dead] or list(range(shards.num_shards))
+            if shards.options.node_affinity:
+                if self._node is None:
+                    self._node = ray_module().get_runtime_context().get_node_id()
+                local = [s for s in candidates if shards.nodes[s] == self._node]
+                candidates = local or candidates
+            shard = min(candidates, key=lambda s: (self._loads[s], s))
+            self._routes[key] = shard
+        return shard
+
+    def _send(self, everything: bool, wait: bool) -> None:
+        """Send the waiting batches (all of them, or only the big episodes).
+
+        With ``wait`` a shard with ``max_in_flight`` unanswered requests is waited
+        for; without, its batch stays for the next call. A shard found dead keeps
+        its batch (rerouted with ``allow_partial``) and raises `ShardError` with
+        the number of this writer's episodes that are not stored.
+        """
+        options = self._shards.options
+        schema_json = self._schema.to_json() if self._schema is not None else None
+        for shard in list(self._batches):
+            episodes = self._batches[shard]
+            ready = episodes if everything else [e for e in episodes if not e.owned]
+            if not ready:
+                continue
+            queue = self._in_flight.setdefault(shard, deque())
+            while len(queue) >= options.max_in_flight:
+                if not wait:
+                    break
+                self._settle(shard, *queue.popleft())   # raises an earlier write's error
+            if len(queue) >= options.max_in_flight:
+                continue
+            if shard in self._shards.dead:
+                self._requeue_dead(shard)
+                continue
+            ref = self._shards.call(shard, "add_episodes", ready, schema_json, self.timeout)
+            queue.append((ref, len(ready)))
+            kept = [] if everything else [e for e in episodes if e.owned]
+            if kept:
+                self._batches[shard] = kept
+            else:
+                del self._batches[shard]
+            self._waiting_bytes -= sum(_nbytes(e) for e in ready if e.owned)
+        if not self._batches:
+            self._oldest, self._waiting_bytes = None, 0
+
+    def _requeue_dead(self, shard: int) -> None:
+        """Episodes queued for a dead shard: rerouted (``allow_partial``), else an error naming them."""
+        if not self._shards.options.allow_partial or len(self._shards.dead) == self._shards.num_shards:
+            raise ShardError(f"shard {shard} of store {self._shards.name!r} is dead: {self.queued} episodes of "
+                             "this writer are queued and not stored (RayOptions(allow_partial=True) sends "
+                             "them to the other shards)")
+        for episode in self._batches.pop(shard):
+            self._batches.setdefault(self._route(episode.env_id), []).append(episode)
+
+    def _reap(self, block: bool) -> None:
+        ray = ray_module()
+        for shard, queue in self._in_flight.items():
+            while queue:
+                if not block and not ray.wait([queue[0][0]], timeout=0)[0]:
+                    break
+                self._settle(shard, *queue.popleft())
+
+    def _settle(self, shard: int, ref: Any, count: int) -> None:
+        try:
+            result = self._shards.get({shard: ref})
+        except ShardError:
+            raise self._lost(shard, count) from None
+        if shard not in result:   # dead, and allow_partial: the write is lost, and that is an error
+            raise self._lost(shard, count)
+        _, reading = result[shard]
+        self._acknowledged(shard, reading)
+
+    def _lost(self, shard: int, count: int) -> ShardError:
+        others = sum(c for queue in self._in_flight.values() for _, c in queue)
+        return ShardError(f"shard {shard} of store {self._shards.name!r} died before storing a write of this "
+                          f"writer: {count} episodes are lost; {others} more are unacknowledged and "
+                          f"{self.queued} queued (later episodes of its envs go to the other shards with "
+                          "RayOptions(allow_partial=True))")
+
+    def _acknowledged(self, shard: int, reading: tuple) -> None:
+        self._sizes.note(shard, reading)
+        self._loads[shard] = max(self._loads[shard], reading[1])
+
+    def __del__(self) -> None:
+        try:
+            if not (self._batches or any(self._in_flight.values())):
+                self._stop.set()
+                return
+        except AttributeError:   # a partly built sink
+            return
+        queued, sent = self.queued, self.unacknowledged
+        try:
+            self.close()
+        except Exception as err:   # nothing can raise here: say what became of the episodes
+            logger.error("an arrowbuf writer of store %r went away with %d queued and %d unacknowledged episodes, "
+                         "and storing them failed: %s", self._shards.name, queued, sent, err)

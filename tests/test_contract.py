@@ -1,0 +1,173 @@
+"""One contract, two backends: every test here runs on a local store and on a Ray store.
+
+Ray stores are started once per module (a few seconds each on 2 cores) and
+cleared before each test; local ones are made per test.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import arrowbuf as ab
+
+from conftest import EPISODE_SCHEMA, make_episode
+
+BACKENDS = ["local", "ray"]
+
+
+def build(backend: str, **kwargs) -> ab.ExperienceStore:
+    if backend == "ray":
+        return ab.ExperienceStore(2_000, backend="ray", num_shards=kwargs.pop("num_shards", 2), seed=0,
+                                  schema=EPISODE_SCHEMA, **kwargs)
+    return ab.ExperienceStore(2_000, seed=0, schema=EPISODE_SCHEMA, **kwargs)
+
+
+class Stores:
+    """Ray stores of this module, started at first use and closed at the end."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, ab.ExperienceStore] = {}
+
+    def get(self, backend: str, kind: str, **kwargs) -> ab.ExperienceStore:
+        if backend == "local":
+            return build("local", **kwargs)
+        if kind not in self.started:
+            self.started[kind] = build("ray", **kwargs)
+        store = self.started[kind]
+        store.clear()
+        return store
+
+
+@pytest.fixture(scope="module")
+def stores(request):
+    kept = Stores()
+    yield kept
+    for store in kept.started.values():
+        store.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+@pytest.fixture
+def store(backend, stores):
+    return stores.get(backend, "uniform")
+
+
+def add_tagged(store: ab.ExperienceStore, tags: range, steps: int = 6) -> list[int]:
+    return [store.add_episode(make_episode(tag, steps), env_id=f"env-{tag % 3}") for tag in tags]
+
+
+def test_add_episode_returns_the_id_under_which_the_episode_is_read_back(store):
+    ids = add_tagged(store, range(5))
+    assert len(set(ids)) == 5 and all(isinstance(i, int) for i in ids)
+    for tag, episode_id in enumerate(ids):
+        rows = store.episode(episode_id)
+        np.testing.assert_array_equal(rows.column("action").to_numpy()[:6], tag * 1000 + np.arange(6))
+    assert sorted(store.episodes().column("episode_id").to_pylist()) == sorted(ids)
+    with pytest.raises(KeyError, match="not in the store"):
+        store.episode(max(ids) + 1000)
+
+
+def test_len_after_flush_counts_every_transition_and_episode(store):
+    add_tagged(store, range(4), steps=5)
+    store.flush()
+    assert (len(store), store.num_episodes) == (20, 4)
+    assert "transitions=20" in repr(store)
+
+
+def test_samples_have_the_same_keys_and_shapes_on_both_backends(store):
+    add_tagged(store, range(6))
+    batch = store.sample(32)
+    assert batch.batch_size == (32,)
+    assert set(batch.keys(include_nested=True, leaves_only=True)) >= {
+        "obs", ("next", "obs"), "action", "reward", "terminated", "truncated", "index", "episode_id", "step"}
+    assert batch["obs"].shape == (32, 2) and batch["next", "obs"].shape == (32, 2)
+    np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), batch["obs"][:, 1].numpy() + 1)
+
+
+def test_gather_by_index_returns_the_sampled_transitions_in_order(store):
+    add_tagged(store, range(6))
+    batch = store.sample(16)
+    index = batch["index"].numpy()[::-1].copy()
+    again = store.gather(index)
+    np.testing.assert_array_equal(again["obs"].numpy(), batch["obs"].numpy()[::-1])
+    again["obs"] += 1   # writable on both backends
+    with pytest.raises(KeyError, match="not live"):
+        store.gather(np.array([int(index.max()) + 10_000]))
+
+
+def test_live_ranges_and_episode_spans_cover_every_transition(store):
+    add_tagged(store, range(5), steps=4)
+    ranges = store.live_ranges()
+    assert len(ranges) == store.num_shards and sum(b - a for a, b in ranges) == 20
+    shard, first, length = store.episode_spans()
+    assert length.sum() == 20 and len(first) == 5
+    index = np.concatenate([np.arange(a, b) for a, b in ranges])
+    assert store.gather(index).batch_size == (20,)
+
+
+def test_iter_batches_walks_every_transition_once(store):
+    add_tagged(store, range(7), steps=5)
+    seen = np.concatenate([b["action"].numpy() for b in store.iter_batches(8, shuffle=True)])
+    assert sorted(seen.tolist()) == sorted(tag * 1000 + t for tag in range(7) for t in range(5))
+
+
+def test_to_arrow_holds_every_row_and_clear_empties_the_store(store):
+    add_tagged(store, range(3), steps=4)
+    table = store.to_arrow()
+    assert isinstance(table, pa.Table) and table.num_rows == 3 * 5   # final observations included
+    store.clear()
+    store.flush()
+    assert (len(store), store.num_episodes, store.episodes().num_rows) == (0, 0, 0)
+    with pytest.raises(ab.EmptyStoreError):
+        store.sample(4)
+
+
+def test_named_writers_are_listed_unique_and_deliver_on_close(store):
+    with store.writer(num_envs=2, name="runner", autoreset_mode="disabled") as writer:
+        assert "runner" in store.writers
+        with pytest.raises(ValueError, match="already open"):
+            store.writer(num_envs=1, name="runner")
+        obs = np.zeros((2, 2))
+        for t in range(3):
+            writer.add(obs=obs + t, action=np.zeros(2, np.int64), reward=np.ones(2), terminated=np.zeros(2, bool),
+                       truncated=np.zeros(2, bool), next_obs=obs + t + 1)
+    store.flush()
+    assert (len(store), store.num_episodes) == (6, 2)   # close() cut and stored both open episodes
+
+
+def test_update_priorities_changes_what_is_sampled(backend, stores):
+    store = stores.get(backend, "prioritized", sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0))
+    add_tagged(store, range(6))
+    batch = store.sample(64)
+    assert float(batch["weight"].max()) == pytest.approx(1.0)
+    first = batch["index"].numpy()[:1]
+    everything = np.concatenate([np.arange(a, b) for a, b in store.live_ranges()])
+    priority = np.where(everything == first[0], 1e6, 1e-6)
+    assert store.update_priorities(everything, priority) == len(everything)
+    assert (store.sample(64)["index"].numpy() == first[0]).mean() > 0.9
+    with pytest.raises(ValueError, match="priority must be finite"):
+        store.update_priorities(first, [float("nan")])
+
+
+def test_a_rate_limiter_refuses_and_lets_a_waiting_sample_through_an_insert(backend, stores):
+    # On Ray the limiter applies per shard: one shard keeps the count global here.
+    store = stores.get(backend, "limited", rate_limiter=ab.MinSize(10), num_shards=1)
+    store.add_episode(make_episode(0, 5))
+    with pytest.raises(ab.RateLimited):
+        store.sample(4)
+    result = {}
+    waiting = threading.Thread(target=lambda: result.update(batch=store.sample(4, timeout=60)))
+    waiting.start()
+    store.add_episode(make_episode(1, 5))   # gets through while the sample waits
+    waiting.join(90)
+    assert result["batch"].batch_size == (4,)
