@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
-
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, register, \
     start_workload
 from ..results import Metric, WorkloadResult
@@ -59,6 +57,8 @@ class CompatRollout:
     """A compat ``DataBuffer`` driven as an RLightning engine drives it, over prebuilt env returns and responses."""
 
     def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], config: dict, engine: str) -> None:
+        import torch
+
         from arrowbuf.compat import BatchedData, DataBuffer, EnvMeta, EnvRet, PolicyResponse
         self.shape, self.engine = shape, engine
         self.buffer = DataBuffer(config, seed=0)
