@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..contenders import Arrowbuf
-from ..harness import Options, Workload, flag_noisy, load_note, log, profile_calls, register, rotated, \
-    start_workload
-from ..results import Metric, Series, WorkloadResult, speedup
+from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, over, profile_calls, \
+    register, start_workload
+from ..results import Metric, Series, WorkloadResult
 from ..specs import ReplaySpec, make_episodes, w1, w2
 
 
@@ -49,6 +49,13 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    """Seconds of one call of ``fn`` after a garbage collection (what it returns is dropped, untimed)."""
+    gc.collect()
+    seconds, _ = _timed(fn)
+    return seconds
 
 
 def run_parquet(spec: ParquetSpec, opts: Options) -> WorkloadResult:
@@ -97,33 +104,23 @@ def run_parquet(spec: ParquetSpec, opts: Options) -> WorkloadResult:
                 "read": {"arrowbuf": lambda d=ab_dir: ab.ExperienceStore.from_parquet(d, progress=False),
                          "pyarrow": lambda f=pa_file: pq.read_table(f)},
             }
-            rates = {op: {c: Series() for c in fns} for op, fns in ops.items()}
-            r, wanted = 0, rounds
-            while r <= wanted:                 # round 0 warms up (first touch of output memory, page cache)
-                started = time.perf_counter()
-                for op, fns in ops.items():
-                    for c in rotated(list(fns), r):
-                        gc.collect()
-                        seconds, result = _timed(fns[c])
-                        if op == "read" and c == "arrowbuf" and r == 0 and len(result) != len(store):
-                            notes.append(f"  BUG? {wname}: from_parquet holds {len(result):,} transitions, "
-                                         f"the exported store {len(store):,}")
-                        del result
-                        if r:
-                            rates[op][c].values.append(gb / seconds)
-                if r == 0:   # quick operations get more rounds (up to --rounds), within ~15 s
-                    per_round = time.perf_counter() - started
-                    wanted = max(rounds, min(opts.rounds, int(15 / max(per_round, 1e-3))))
-                else:
-                    log(f"  PARQUET {wname}: round {r}/{wanted} GB/s "
-                        + " ".join(f"{op} {c}={rates[op][c].values[-1]:.3f}" for op in ops for c in ops[op]))
-                r += 1
-            for op, title in (("write", "to_parquet"), ("read", "from_parquet")):
-                m = Metric(f"{wname} {title}", "GB/s", {**rates[op], "full_save": None},
-                           {"arrowbuf/pyarrow": speedup(rates[op]["arrowbuf"], rates[op]["pyarrow"])},
-                           target="arrowbuf/pyarrow >= 0.8")
-                m.met = m.ratios["arrowbuf/pyarrow"].median >= 0.8
-                metrics.append(m)
+            # A warm-up round (first touch of output memory, page cache) that checks the import and
+            # sizes the run: quick operations get more rounds (up to --rounds), within ~15 s.
+            started = time.perf_counter()
+            for op, fns in ops.items():
+                for c, fn in fns.items():
+                    gc.collect()
+                    result = fn()
+                    if op == "read" and c == "arrowbuf" and len(result) != len(store):
+                        notes.append(f"  BUG? {wname}: from_parquet holds {len(result):,} transitions, "
+                                     f"the exported store {len(store):,}")
+                    del result
+            wanted = max(rounds, min(opts.rounds, int(15 / max(time.perf_counter() - started, 1e-3))))
+            metrics += compare(f"PARQUET {wname}", [
+                Race(f"{wname} {title}", "GB/s", {c: (lambda fn=fn: _seconds(fn)) for c, fn in ops[op].items()},
+                     over("arrowbuf", "pyarrow"), target="arrowbuf/pyarrow >= 0.8",
+                     goal=at_least("arrowbuf/pyarrow", 0.8), units=gb, self_timed=True)
+                for op, title in (("write", "to_parquet"), ("read", "from_parquet"))], wanted, 0.0, 1)
             sizes = sum(f.stat().st_size for f in Path(ab_dir).rglob("*") if f.is_file())
             notes.append(f"  {wname}: table {table.nbytes / 2**20:,.0f} MiB in memory, {table.num_rows:,} rows; export "
                          f"{sizes / 2**20:,.0f} MiB, pyarrow file {os.path.getsize(pa_file) / 2**20:,.0f} MiB; "
