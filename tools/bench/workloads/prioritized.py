@@ -143,7 +143,7 @@ def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
         batch = store.sample(B)
         store.update_priorities(batch["index"], next(cycle_t))
 
-    sampler, table, rng = store.sampler, store._shard.table, np.random.default_rng(1)
+    sampler, table, rng = store.sampler, store.engine.table, np.random.default_rng(1)
 
     def arrowbuf_sampler() -> None:
         selection = sampler.sample(rng, B, table)
@@ -184,7 +184,7 @@ def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
     ], opts.rounds, opts.min_time, opts.slices)
     flag_noisy("PER", metrics, notes)
     notes.append("  ratios are speed-ups (time of the other / time of arrowbuf); arrowbuf sampler only = "
-                 "store.sampler.sample(rng, n, table) + sampler.update(table, ranks, p) on the store's shard")
+                 "store.sampler.sample(rng, n, table) + sampler.update(table, ranks, p) on store.engine.table")
     notes.append(load_note(load_start))
     if opts.profile:
         notes.append(profile_calls("arrowbuf sample + update_priorities", arrowbuf_step, 2000, top=18))
