@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from arrowbuf.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "SEED"]
 
 
-def bench(*args: str, module: tuple[str, ...] = ("tools/bench.py",)) -> subprocess.CompletedProcess:
-    """The benchmark's entry run from the repository root, this checkout's arrowbuf first on the path."""
+def bench(*args: str) -> subprocess.CompletedProcess:
+    """``python tools/bench.py *args`` from the repository root, this checkout's arrowbuf first on the path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          check=False)
+    return subprocess.run([sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
 
 
 def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
@@ -97,9 +99,11 @@ def test_a_saved_run_plots_as_a_png_bar_chart(onpolicy, tmp_path):
         image.verify()
 
 
-def test_arrowbuf_bench_runs_the_benchmark_with_its_arguments():
-    run = bench("bench", "--list", module=("-m", "arrowbuf.cli"))
-    assert run.returncode == 0, run.stderr
-    assert [line.split(":")[0] for line in run.stdout.splitlines() if not line.startswith(" ")] == WORKLOADS
-    wrong = bench("bench", "--only", "W9", module=("-m", "arrowbuf.cli"))
-    assert wrong.returncode == 2 and "arrowbuf bench: error: unknown workload(s) ['W9']" in wrong.stderr
+def test_arrowbuf_bench_runs_the_benchmark_with_its_arguments(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == WORKLOADS
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--only", "W9"])
+    assert exit_.value.code == 2
+    assert "arrowbuf bench: error: unknown workload(s) ['W9']" in capsys.readouterr().err
