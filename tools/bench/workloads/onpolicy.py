@@ -18,7 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, log, over, register, start_workload
+from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, log, over, profile_calls, register, \
+    start_workload
 from ..memory import rss_bytes
 from ..results import Metric, WorkloadResult
 from ..rollout_contenders import ArrowbufRollout, IdealRollout, RolloutContender, SeedRollout, TorchRLRollout, \
@@ -114,6 +115,10 @@ def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys:
         Race(f"{shape.name} {spec.epochs}x{spec.minibatches} epochs", "ms", epochs,
              {k: v for k, v in ratios.items() if v[0] in epochs}, per_call=True, scale=1e3),
     ], max(2, min(opts.rounds, 5)), opts.min_time, 2)
+    if opts.profile:
+        store = contenders["arrowbuf"]
+        notes.append(profile_calls(f"{shape.name} arrowbuf sample({shape.transitions})", store.sample_all, 3))
+        notes.append(profile_calls(f"{shape.name} arrowbuf {spec.epochs} epochs", lambda: store.epochs(spec.epochs), 1))
     notes.append(f"  {shape.name}: RSS {rss / 2**20:,.0f} MiB before the timed rounds, {rss_bytes() / 2**20:,.0f} "
                  f"MiB after; {shape.row_bytes:,} B per transition, {shape.transitions:,} transitions "
                  f"({shape.transitions * shape.row_bytes / 2**20:,.0f} MiB) per rollout sample")

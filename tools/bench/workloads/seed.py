@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, register, \
-    start_workload
+from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, profile_calls, \
+    register, start_workload
 from ..results import Metric, WorkloadResult
 from ..rollouts import RolloutShape, ingest_native, make_rollout, vla, wbc
 
@@ -159,6 +159,8 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
         Race("WBC ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
              target="compat/native >= 0.5", goal=at_least("compat/native", 0.5), units=shape.transitions,
              self_timed=True)], *timing)
+    if opts.profile:
+        notes.append(profile_calls("WBC compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
     pair.clear()
     del rollout
     gc.collect()
@@ -179,6 +181,10 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
                                                          for c, k in pair.items()}, RATIO,
              target="compat/native >= 0.8", goal=at_least("compat/native", 0.8), per_call=True, scale=1e3,
              self_timed=True)], *timing)
+    if opts.profile:
+        notes.append(profile_calls("VLA compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
+        notes.append(profile_calls(f"VLA compat ingest + sample({shape.transitions})",
+                                   lambda: sample_after_ingest(pair["compat"]), 1, 20))
     pair.clear()
     flag_noisy("SEED", metrics, notes)
     notes.append("  compat/native is a speed-up (> 1: compat is faster); native sample includes store.clear(), "
