@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..contenders import Arrowbuf, TorchRL
 from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, log, over, profile_calls, register, \
     start_workload
 from ..memory import rss_bytes
@@ -45,18 +46,9 @@ class OnPolicySpec:
         return " | ".join(s.describe() for s in self.shapes)
 
 
-class _Preload:
-    @staticmethod
-    def preload() -> None:
-        import tensordict  # noqa: F401
-        import torchrl.data  # noqa: F401
-
-        import arrowbuf  # noqa: F401
-
-
 def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
     """Time each shape's whole-rollout sample and epochs, one shape at a time."""
-    t0 = start_workload(_Preload)
+    t0 = start_workload(Arrowbuf, TorchRL)
     import arrowbuf as ab
     load_start = os.getloadavg()[0]
     notes: list[str] = []
