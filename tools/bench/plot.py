@@ -19,8 +19,10 @@ def bars(results: Sequence[WorkloadResult]) -> list[tuple[str, str, float, float
             for col in res.ratio_columns:
                 series = m.ratios.get(col)
                 if series is not None and series.values and min(series.values) > 0:
-                    out.append((res.name, f"{m.name}: {col}", series.median, min(series.values),
-                                max(series.values)))
+                    # Ratios are speed-ups, except those whose target caps them (incremental/full: a time ratio).
+                    lower = f"{col} <=" in m.target
+                    out.append((res.name, f"{m.name}: {col}" + (" (time: lower is better)" if lower else ""),
+                                series.median, min(series.values), max(series.values)))
     return out
 
 
@@ -44,7 +46,7 @@ def plot(results: Sequence[WorkloadResult], meta: dict, path: str) -> None:
     ax.set_yticks(list(y), [f"{r[0]} {r[1]}" for r in rows], fontsize=7)
     ax.set_xscale("log")
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("ratio (median over rounds, min-max bars; > 1: the first is faster)")
+    ax.set_xlabel("ratio a/b (median over rounds, min-max bars; > 1: a is faster)")
     ax.set_title(f"arrowbuf benchmark ({'quick' if meta.get('quick') else 'full'} run, {meta.get('cpus')} CPUs, "
                  f"load {meta.get('loadavg_start')})", fontsize=9)
     ax.grid(axis="x", which="both", alpha=0.3)
