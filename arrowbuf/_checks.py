@@ -166,6 +166,9 @@ def to_numpy(value: Any, name: str) -> tuple[np.ndarray, bool]:
 def real_numbers(value: Any, name: str) -> np.ndarray:
     """``value`` as numpy numbers: a bfloat16 tensor's bits decoded to float32."""
     array, bf16 = to_numpy(value, name)
-    if bf16:
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array
+    return bf16_bits_to_float32(array) if bf16 else array
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bfloat16 ``uint16`` bits (exact: bf16 is float32's top half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -120,6 +120,9 @@ class LocalBackend:
     def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
         return self.engine.update_priorities(index, priority)
 
+    def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
+        return self.engine.compute_gae(gamma, lam, value_key, bootstrap_value)
+
     def episodes(self) -> pa.Table:
         return self.engine.episodes()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from arrowbuf._checks import check_int
 from arrowbuf._sumtree import SumTree
 from arrowbuf.table import EpisodeTable
 
@@ -324,9 +325,7 @@ class SequenceSampler(Sampler):
 
     def __init__(self, length: int, strict: bool = True) -> None:
         super().__init__()
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
-            raise ValueError(f"length must be an int >= 1, got {length!r}")
-        self.length = int(length)
+        self.length = check_int("length", length, 1)
         self.strict = bool(strict)
         self._counter = f"windows{self.length}"
 

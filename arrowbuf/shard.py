@@ -124,6 +124,15 @@ class Shard:
     def __len__(self) -> int:
         return self.table.num_transitions
 
+    def extend(self, schema: Schema) -> None:
+        """Take on ``schema``: this shard's fields plus new (derived) ones, zero in every row."""
+        for name, f in schema.fields.items():
+            if name not in self.arena:
+                self.arena[name] = np.zeros((self.capacity, *f.shape), f.numpy_dtype)
+        self.schema = schema
+        self.specs = {**schema.fields, **SYSTEM_SPECS}
+        self.gather = Gather(self._gather_columns())
+
     def _gather_columns(self) -> dict:
         columns = {}
         for name, f in self.schema.fields.items():
@@ -185,8 +194,11 @@ class Shard:
         rows = episode.num_rows
         stop = start + rows
         for name in self.schema.fields:
-            data = episode.columns[name]
+            data = episode.columns.get(name)
             column = self.arena[name]
+            if data is None:        # a derived field the writer left out: zero until computed
+                column[start:stop] = 0
+                continue
             column[start:start + len(data)] = data
             if len(data) < rows:    # a step field beside a final observation: one row short
                 column[stop - 1] = 0

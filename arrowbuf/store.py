@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -443,25 +443,45 @@ class ExperienceStore:
         return self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     device: torch.device | str | None = None) -> Iterator[TensorDict]:
-        """Every stored transition once (an on-policy epoch), in batches.
+                     epochs: int = 1, device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
-        Transitions evicted while the epoch runs are skipped, not replaced.
+        Each epoch gathers each transition once, in a fresh random order (from the
+        store's generator; the first epoch's order is drawn by this call, each
+        later one when it starts). Transitions evicted while an epoch runs are
+        skipped, not replaced; those added join the next epoch.
 
         Args:
             batch_size: transitions per batch.
-            shuffle: random order (from the store's generator), else insertion order.
-            drop_last: drop the last batch if it is short.
+            shuffle: random order, else insertion order.
+            drop_last: drop each epoch's last batch if it is short.
+            epochs: passes over the store.
             device: where the tensors go.
 
         Raises:
-            ValueError: ``batch_size`` is not an int >= 1.
+            ValueError: a bad argument.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(100, seed=0)
+            >>> _ = store.add_episode({"obs": np.zeros((11, 2)), "action": np.zeros(10)})
+            >>> [len(b) for b in store.iter_batches(4, epochs=2)]
+            [4, 4, 2, 4, 4, 2]
         """
         batch_size = check_int("batch_size", batch_size, 1)
         shuffle = check_bool("shuffle", shuffle)
         drop_last = check_bool("drop_last", drop_last)
+        epochs = check_int("epochs", epochs, 1)
         device = check_device(device)
-        return self._backend.iter_batches(batch_size, shuffle, drop_last, device)
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device)
+        if epochs == 1:
+            return first
+        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device)
+
+    def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
+        yield from first
+        for _ in range(epochs - 1):
+            yield from self._backend.iter_batches(*args)
 
     def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
         """The transitions of ``index`` (values of a batch's ``"index"``), in that order.
@@ -527,6 +547,65 @@ class ExperienceStore:
             raise ValueError(f"priority {priority[too_big][:5].tolist()} too large: (priority + eps) ** alpha must stay "
                              f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
         return index.astype(np.int64), priority
+
+    def compute_gae(self, gamma: float = 0.99, lam: float = 0.95, *, value_key: str = "value",
+                    bootstrap_value: Callable[[TensorDict], Any] | None = None) -> int:
+        """Generalized advantages of every stored transition, written as new columns.
+
+        Writes ``"advantage"`` and ``"value_target"`` (advantage + value; TorchRL's
+        names), float32 per step. They extend the schema as *derived* fields: they
+        are sampled like any field (``batch["advantage"]``) and exported to
+        Parquet; episodes written later need not carry them and hold zeros until
+        the next call. Vectorized over all episodes (one vector step per step
+        index, not a Python loop over steps).
+
+        What the last transition of an episode bootstraps from:
+            - terminated: nothing (the return ends);
+            - cut after its final observation (truncated, or cut by a writer's
+              ``flush()`` at the end of a rollout): the value of that final
+              observation, ``bootstrap_value(final_obs)``, where ``final_obs`` is
+              a TensorDict [n] of the observation fields of those n episodes and
+              the result holds n values;
+            - stored without a final observation: the value of its last stored
+              step (that step has no next observation, so it is no transition).
+
+        Args:
+            gamma: discount in [0, 1].
+            lam: GAE's lambda in [0, 1].
+            value_key: the scalar step field holding V(s_t).
+            bootstrap_value: the value function for final observations; needed
+                only when some episode was cut after its final observation.
+
+        Returns:
+            The number of transitions written.
+
+        Raises:
+            ValueError: a bad argument, no scalar ``reward`` / ``value_key`` field,
+                cut episodes without ``bootstrap_value``, or a callable that does
+                not return one finite value per episode. Nothing is changed then.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(100)
+            >>> _ = store.add_episode({"obs": np.zeros((3, 2), np.float32), "reward": np.ones(2, np.float32),
+            ...                        "value": np.zeros(2, np.float32), "terminated": np.array([False, True]),
+            ...                        "truncated": np.zeros(2, bool)})
+            >>> store.compute_gae(gamma=1.0, lam=1.0)
+            2
+            >>> store.episode(0).column("advantage").to_pylist()
+            [2.0, 1.0, 0.0]
+        """
+        for name, value in (("gamma", gamma), ("lam", lam)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        schema = self.schema
+        if not isinstance(value_key, str) or schema is None or value_key not in schema.fields:
+            raise ValueError(f"value_key {value_key!r} is not a field of the store; fields: "
+                             f"{list(schema.fields) if schema else 'none yet'}")
+        if bootstrap_value is not None and not callable(bootstrap_value):
+            raise ValueError(f"bootstrap_value must be a callable (final_obs TensorDict -> values) or None, "
+                             f"got {describe(bootstrap_value)}")
+        return self._backend.compute_gae(float(gamma), float(lam), value_key, bootstrap_value)
 
     def stats(self) -> dict:
         """Size, episodes, inserts and samples (totals and per second), limiter state.

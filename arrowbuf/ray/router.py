@@ -485,6 +485,16 @@ class RayBackend:
             updated += count
         return updated
 
+    def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
+        """Not on Ray yet: the derived columns would change the schema each shard and
+        every writer checks, and ``bootstrap_value`` would have to travel to the shards.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("compute_gae is not implemented for backend='ray' yet; iter_batches() the "
+                                  "rollout and compute advantages in the trainer, or use a local store")
+
     # -- views ----------------------------------------------------------------------
 
     def episodes(self) -> pa.Table:
