@@ -115,10 +115,10 @@ def test_live_ranges_and_episode_spans_cover_every_transition(store):
     assert store.gather(index).batch_size == (20,)
 
 
-def test_iter_batches_walks_every_transition_once(store):
+def test_iter_batches_walks_every_transition_once_per_epoch(store):
     add_tagged(store, range(7), steps=5)
-    seen = np.concatenate([b["action"].numpy() for b in store.iter_batches(8, shuffle=True)])
-    assert sorted(seen.tolist()) == sorted(tag * 1000 + t for tag in range(7) for t in range(5))
+    seen = np.concatenate([b["action"].numpy() for b in store.iter_batches(8, shuffle=True, epochs=2)])
+    assert sorted(seen.tolist()) == sorted(2 * [tag * 1000 + t for tag in range(7) for t in range(5)])
 
 
 def test_to_arrow_holds_every_row_and_clear_empties_the_store(store):

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +14,10 @@ import ray
 from scipy.stats import chisquare
 
 import arrowbuf as ab
+from arrowbuf import RayOptions
+from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE
 
 from conftest import kill_and_wait
-from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE
-from arrowbuf import RayOptions
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

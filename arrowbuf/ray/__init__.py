@@ -7,6 +7,7 @@ Modules, lowest first (each imports only those before it):
 - `persist`: what exports, checkpoints and Ray Data share (the shards write their own files);
 - `actor`: `ShardServer`, the body of one shard actor;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
+- `start`: starting a store's named shard actors, or finding a running store's;
 - `assemble`: batches out of the shards' answers;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).
 

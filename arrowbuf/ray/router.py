@@ -1,7 +1,8 @@
 """`RayBackend`: what ``ExperienceStore(backend="ray")`` holds; it routes, splits and assembles.
 
-The backend starts (or attaches to) one named actor per shard (`ShardServer`,
-each running a `ShardEngine`) and keeps their handles and last reported sizes.
+The backend holds the handles of one named actor per shard (`ShardServer`,
+each running a `ShardEngine`; started or found by `arrowbuf.ray.start`) and
+the sizes they last reported.
 It offers the backend interface of `arrowbuf.local.LocalBackend`:
 
 - writes: `add` sends one episode and waits for its shard's answer, which
@@ -24,9 +25,6 @@ after `flush` is exact.
 
 from __future__ import annotations
 
-import copy
-import logging
-import math
 import uuid
 from collections import deque
 from pathlib import Path
@@ -38,66 +36,16 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError, ShardError
-from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.ray.actor import ShardServer
 from arrowbuf.ray.assemble import split_batches
-from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles, SizeCache
-from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE, RANK_MASK, RayOptions, ray_module
+from arrowbuf.ray.handles import ShardHandles, SizeCache
+from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
 from arrowbuf.ray.sink import RaySink
+from arrowbuf.ray.start import find_shards, start_shards
 from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
-
-logger = logging.getLogger(__name__)
-
-
-def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None, sampler: Sampler,
-                 rate_limiter: RateLimiter, schema: Schema | None, mode: str, track_reuse: bool,
-                 options: RayOptions, load_from: Sequence[str] | None = None) -> ShardHandles:
-    """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
-
-    Each shard gets ``capacity // num_shards`` rows (the first ones one more for the
-    remainder), its own copies of the sampler and rate limiter, and a seed derived
-    from ``seed``.
-
-    Raises:
-        ShardError: the actors did not start within ``options.start_timeout``.
-    """
-    ray = ray_module()
-    if not ray.is_initialized():
-        logger.info("no Ray cluster is running: starting a local one (ray.init())")
-        ray.init(logging_level=logging.WARNING)
-    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer)
-    seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
-    handles = []
-    for shard in range(num_shards):
-        placement = {}
-        if options.nodes:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            node = options.nodes[shard % len(options.nodes)]
-            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        rows = capacity // num_shards + (shard < capacity % num_shards)
-        handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
-                                     max_concurrency=DEFAULT_CONCURRENCY, **placement).remote(
-            rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
-            schema.to_json() if schema is not None else None, mode,
-            load_from[shard] if load_from is not None else None, track_reuse))
-    limit = None if math.isinf(options.start_timeout) else options.start_timeout
-    try:
-        nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)
-    except BaseException as err:   # no half-started store: its named actors would block the name
-        for handle in handles:
-            ray.kill(handle)
-        if isinstance(err, ray.exceptions.GetTimeoutError):
-            raise ShardError(f"the {num_shards} shard actors of store {name!r} did not start within "
-                             f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
-                             f"{options.num_cpus} free CPUs for each?") from None
-        raise
-    return ShardHandles(name, handles, nodes, options)
-
 
 class RayBackend:
     """A store's shards in Ray actors (see the module docstring).
@@ -135,25 +83,9 @@ class RayBackend:
             ValueError: no store of that name is running.
             ShardError: one of its shards is not running.
         """
-        ray = ray_module()
-        try:
-            first = ray.get_actor(f"{name}:0", namespace=NAMESPACE)
-        except ValueError:
-            raise ValueError(f"no arrowbuf store named {name!r} is running in namespace {NAMESPACE!r}") from None
-        config = ray.get(first.config.remote())
-        handles = [first]
-        for shard in range(1, config["num_shards"]):
-            try:
-                handles.append(ray.get_actor(f"{name}:{shard}", namespace=NAMESPACE))
-            except ValueError:
-                raise ShardError(f"shard {shard} of store {name!r} is not running (dead or closed)") from None
-        nodes = ray.get([h.ping.remote() for h in handles])
-        configs = ray.get([h.config.remote() for h in handles])
-        config["capacity"] = sum(c["capacity"] for c in configs)
-        schemas = [c["schema"] for c in configs if c["schema"] is not None]
-        schema = Schema.from_json(schemas[0]) if schemas else None
-        backend = cls(ShardHandles(name, handles, nodes, options or RayOptions()), sampler=config["sampler"],
-                      seed=seed, schema=schema, schema_fixed=schema is not None)
+        shards, config = find_shards(name, options or RayOptions())
+        schema = Schema.from_json(config["schema"]) if config["schema"] is not None else None
+        backend = cls(shards, sampler=config["sampler"], seed=seed, schema=schema, schema_fixed=schema is not None)
         return backend, config
 
     @classmethod

@@ -1,0 +1,98 @@
+"""Starting a store's shard actors, and finding those of a running store by name.
+
+Shard actors are named ``<store name>:<shard>`` in the Ray namespace
+``arrowbuf``, so any process of the cluster can find them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from arrowbuf.errors import ShardError
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.ray.actor import ShardServer
+from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles
+from arrowbuf.ray.options import NAMESPACE, RayOptions, ray_module
+from arrowbuf.samplers import Sampler
+from arrowbuf.schema import Schema
+
+logger = logging.getLogger(__name__)
+
+
+def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None, sampler: Sampler,
+                 rate_limiter: RateLimiter, schema: Schema | None, mode: str, track_reuse: bool,
+                 options: RayOptions, load_from: Sequence[str] | None = None) -> ShardHandles:
+    """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
+
+    Each shard gets ``capacity // num_shards`` rows (the first ones one more for the
+    remainder), its own copies of the sampler and rate limiter, and a seed derived
+    from ``seed``.
+
+    Raises:
+        ShardError: the actors did not start within ``options.start_timeout``.
+    """
+    ray = ray_module()
+    if not ray.is_initialized():
+        logger.info("no Ray cluster is running: starting a local one (ray.init())")
+        ray.init(logging_level=logging.WARNING)
+    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer)
+    seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
+    handles = []
+    for shard in range(num_shards):
+        placement = {}
+        if options.nodes:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node = options.nodes[shard % len(options.nodes)]
+            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        rows = capacity // num_shards + (shard < capacity % num_shards)
+        handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
+                                     max_concurrency=DEFAULT_CONCURRENCY, **placement).remote(
+            rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
+            schema.to_json() if schema is not None else None, mode,
+            load_from[shard] if load_from is not None else None, track_reuse))
+    limit = None if math.isinf(options.start_timeout) else options.start_timeout
+    try:
+        nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)
+    except BaseException as err:   # no half-started store: its named actors would block the name
+        for handle in handles:
+            ray.kill(handle)
+        if isinstance(err, ray.exceptions.GetTimeoutError):
+            raise ShardError(f"the {num_shards} shard actors of store {name!r} did not start within "
+                             f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
+                             f"{options.num_cpus} free CPUs for each?") from None
+        raise
+    return ShardHandles(name, handles, nodes, options)
+
+
+def find_shards(name: str, options: RayOptions) -> tuple[ShardHandles, dict]:
+    """The handles of the running store ``name``'s shards, and the configuration of
+    its shard 0 (with ``capacity`` the total over the shards and ``schema`` the JSON
+    of the first shard that has one).
+
+    Raises:
+        ValueError: no store of that name is running.
+        ShardError: one of its shards is not running.
+    """
+    ray = ray_module()
+    try:
+        first = ray.get_actor(f"{name}:0", namespace=NAMESPACE)
+    except ValueError:
+        raise ValueError(f"no arrowbuf store named {name!r} is running in namespace {NAMESPACE!r}") from None
+    config = ray.get(first.config.remote())
+    handles = [first]
+    for shard in range(1, config["num_shards"]):
+        try:
+            handles.append(ray.get_actor(f"{name}:{shard}", namespace=NAMESPACE))
+        except ValueError:
+            raise ShardError(f"shard {shard} of store {name!r} is not running (dead or closed)") from None
+    nodes = ray.get([h.ping.remote() for h in handles])
+    configs = ray.get([h.config.remote() for h in handles])
+    config["capacity"] = sum(c["capacity"] for c in configs)
+    config["schema"] = next((c["schema"] for c in configs if c["schema"] is not None), None)
+    return ShardHandles(name, handles, nodes, options), config
