@@ -1,7 +1,8 @@
 """`ShardServer`: the body of one shard actor, a `ShardEngine` and nothing more.
 
-The router starts one actor per shard (``ray.remote(ShardServer)``, threaded,
-with the concurrency groups of `arrowbuf.ray.handles`). Every method calls the
+`arrowbuf.ray.start` starts one actor per shard (``ray.remote(ShardServer)``;
+threaded, with the concurrency groups of `arrowbuf.ray.handles`, when the store
+has a rate limiter). Every method calls the
 engine's public API; answers that change or reveal the shard's size carry a
 reading of it (mass, transitions, episodes, the shard's clock) for the caller's
 `SizeCache`. Data leaves as numpy / Arrow buffers (`Payload`), which the caller

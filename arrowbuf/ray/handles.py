@@ -19,10 +19,12 @@ import numpy as np
 from arrowbuf.errors import ShardError
 from arrowbuf.ray.options import RayOptions, ray_module
 
-# Calls that may wait for the rate limiter run in their own concurrency group of
-# one thread each: a sample waiting for inserts never holds the thread an insert
-# needs (and the reverse), and writes keep their order. Other calls run in the
-# default group and never wait.
+# With a rate limiter, shard actors are threaded: calls that may wait for it run
+# in their own concurrency group of one thread each, so a sample waiting for
+# inserts never holds the thread an insert needs (and the reverse), and writes
+# keep their order; other calls run in the default group and never wait.
+# Without one nothing waits, and shards stay single-threaded (one call at a
+# time, no thread hand-off per call).
 GROUPS = {"add_episodes": "write", "sample": "sample"}
 CONCURRENCY_GROUPS = {"write": 1, "sample": 1}
 DEFAULT_CONCURRENCY = 4
@@ -36,6 +38,7 @@ class ShardHandles:
     handles: list
     nodes: list[str]
     options: RayOptions
+    threaded: bool = False                  # started with the concurrency groups above
     dead: set[int] = field(default_factory=set)
     closed: bool = False
 
@@ -53,7 +56,7 @@ class ShardHandles:
         if shard in self.dead and not self.options.allow_partial:
             raise self.dead_error()
         remote = getattr(self.handles[shard], method)
-        group = GROUPS.get(method)
+        group = GROUPS.get(method) if self.threaded else None
         return (remote.options(concurrency_group=group) if group else remote).remote(*args)
 
     def get(self, refs: Mapping[int, Any]) -> dict[int, Any]:
@@ -110,7 +113,7 @@ class SizeCache:
         self._stamps = np.full(n, -np.inf)
         self._pending: dict[int, Any] = {}
         self._asked = -np.inf
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def __getstate__(self) -> dict:
         state = {**self.__dict__, "_pending": {}}   # refs of this process's requests stay here
@@ -119,7 +122,7 @@ class SizeCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         for name in ("masses", "transitions", "episodes", "_stamps"):
             setattr(self, name, getattr(self, name).copy())   # read-only when it came through the object store
 
@@ -134,23 +137,25 @@ class SizeCache:
 
     def refresh(self) -> None:
         """Ask every live shard now and wait for the answers."""
-        self._pending = {}
-        for shard, reading in self._shards.broadcast("size").items():
-            self.note(shard, reading)
-        self._asked = time.monotonic()
+        with self._lock:
+            self._pending = {}
+            for shard, reading in self._shards.broadcast("size").items():
+                self.note(shard, reading)
+            self._asked = time.monotonic()
 
     def poll(self) -> None:
         """Collect the background request's answers that came; send another if they are stale."""
         ray = ray_module()
-        if self._pending:
-            ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=0)
-            if len(ready) == len(self._pending):
-                pending, self._pending = self._pending, {}
-                for shard, reading in self._shards.get(pending).items():
-                    self.note(shard, reading)
-        if not self._pending and time.monotonic() - self._asked >= self._shards.options.size_refresh:
-            self._pending = {s: self._shards.call(s, "size") for s in self._shards.live()}
-            self._asked = time.monotonic()
+        with self._lock:
+            if self._pending:
+                ready, _ = ray.wait(list(self._pending.values()), num_returns=len(self._pending), timeout=0)
+                if len(ready) == len(self._pending):
+                    pending, self._pending = self._pending, {}
+                    for shard, reading in self._shards.get(pending).items():
+                        self.note(shard, reading)
+            if not self._pending and time.monotonic() - self._asked >= self._shards.options.size_refresh:
+                self._pending = {s: self._shards.call(s, "size") for s in self._shards.live()}
+                self._asked = time.monotonic()
 
     def totals(self) -> tuple[int, int]:
         """(transitions, episodes) of the live shards, as last reported."""

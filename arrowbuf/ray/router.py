@@ -179,9 +179,8 @@ class RayBackend:
         self.set_schema(schema)
         self._added += 1
         key = episode.env_id if episode.env_id != "default" else f"episode-{self._added}"
-        self._sink.timeout = timeout
         try:
-            return self._sink.write_now(episode, key)
+            return self._sink.write_now(episode, key, timeout)
         except BaseException:
             if not known:
                 self._forget_unstored_schema()

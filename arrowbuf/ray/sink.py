@@ -160,12 +160,15 @@ class RaySink:
         finally:
             self._stop_timer()
 
-    def write_now(self, episode: Episode, route_key: str) -> int:
-        """Send one episode alone and wait for its shard's answer: its id (`add_episode`)."""
+    def write_now(self, episode: Episode, route_key: str, timeout: float | None) -> int:
+        """Send one episode alone and wait for its shard's answer: its id (`add_episode`).
+
+        ``timeout``: seconds the shard waits for its rate limiter to take it.
+        """
         with self._lock:
             self._raise_pending()
             shard = self._route(route_key)
-            ref = self._shards.call(shard, "add_episodes", [episode], self._schema.to_json(), self.timeout)
+            ref = self._shards.call(shard, "add_episodes", [episode], self._schema.to_json(), timeout)
             self._loads[shard] += episode.num_rows
             result = self._shards.get({shard: ref})
             if shard not in result:

@@ -40,7 +40,9 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
     if not ray.is_initialized():
         logger.info("no Ray cluster is running: starting a local one (ray.init())")
         ray.init(logging_level=logging.WARNING)
-    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer)
+    threaded = limits(rate_limiter)
+    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer) if threaded else ray.remote(ShardServer)
+    threads = {"max_concurrency": DEFAULT_CONCURRENCY} if threaded else {}
     seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
     handles = []
     for shard in range(num_shards):
@@ -52,7 +54,7 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         rows = capacity // num_shards + (shard < capacity % num_shards)
         handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
-                                     max_concurrency=DEFAULT_CONCURRENCY, **placement).remote(
+                                     **threads, **placement).remote(
             rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
             schema.to_json() if schema is not None else None, mode,
             load_from[shard] if load_from is not None else None, track_reuse))
@@ -67,7 +69,12 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
                              f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
                              f"{options.num_cpus} free CPUs for each?") from None
         raise
-    return ShardHandles(name, handles, nodes, options)
+    return ShardHandles(name, handles, nodes, options, threaded)
+
+
+def limits(rate_limiter: RateLimiter) -> bool:
+    """Whether ``rate_limiter`` can make calls wait (the base class never does)."""
+    return type(rate_limiter) is not RateLimiter
 
 
 def find_shards(name: str, options: RayOptions) -> tuple[ShardHandles, dict]:
@@ -95,4 +102,4 @@ def find_shards(name: str, options: RayOptions) -> tuple[ShardHandles, dict]:
     configs = ray.get([h.config.remote() for h in handles])
     config["capacity"] = sum(c["capacity"] for c in configs)
     config["schema"] = next((c["schema"] for c in configs if c["schema"] is not None), None)
-    return ShardHandles(name, handles, nodes, options), config
+    return ShardHandles(name, handles, nodes, options, limits(config["rate_limiter"])), config

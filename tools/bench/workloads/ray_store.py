@@ -47,7 +47,11 @@ class RaySpec:
         return " | ".join(f"{n}: {s.describe()}" for n, s in self.replays.items())
 
 
-WRITER_ENVS = 4   # divides both episode lengths: a writer call is exactly T rows
+def writer_envs(rs: ReplaySpec) -> int:
+    """Envs of the writer contender: as many as a vector env would run (at most 100) whose
+    staging fits in 64 MiB, dividing T so that a call is exactly T rows."""
+    T = rs.episode_len
+    return next(n for n in range(min(100, T), 0, -1) if T % n == 0 and n * (T + 1) * rs.row_bytes <= 64 << 20)
 
 
 def writer_calls(writer: Any, episodes: list[dict[str, np.ndarray]], T: int) -> Callable[[], None]:
@@ -91,11 +95,12 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
     flag_noisy("RAY", metrics, notes)
     notes.append(f"  arrowbuf: ExperienceStore(backend='ray', num_shards={spec.num_shards}); add = add_episode "
                  f"(env_id cycling over {spec.envs} envs; a round trip that returns the episode id); 'writer' = "
-                 f"the asynchronous batched path, a StepWriter of {WRITER_ENVS} envs fed T // {WRITER_ENVS} steps "
-                 "per call (T rows); both + flush() at the end of each timed slice; sample = "
+                 "the asynchronous batched path, a StepWriter of N envs ("
+                 + ", ".join(f"{n}: {writer_envs(rs)}" for n, rs in spec.replays.items())
+                 + ") fed T // N steps per call (T rows); both + flush() at the end of each timed slice; sample = "
                  f"sample_iter(batch, prefetch={spec.prefetch}), each slice ending with flush() (a size round "
-                 "trip to every shard; prefetched requests run in the shards' own sample thread and are not "
-                 "waited for); 'arrowbuf sample()' = one synchronous store.sample per batch")
+                 "trip to every shard, answered after the prefetched requests: shards without a rate limiter "
+                 "serve one call at a time); 'arrowbuf sample()' = one synchronous store.sample per batch")
     notes.append("  naive: one Ray actor (num_cpus=0), ray.get(actor.sample.remote(n)) / "
                  "ray.get(actor.add.remote(episode)) per call; local = embedded ExperienceStore.sample in the driver")
     notes.append(load_note(load_start))
@@ -145,7 +150,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                       "local": lambda: local.sample(B)}
         add_fns = {"naive": lambda: ray.get(naive.add.remote(next(feed))),
                    "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
-                   "arrowbuf_writer": writer_calls(store.writer(num_envs=WRITER_ENVS, autoreset_mode="disabled"),
+                   "arrowbuf_writer": writer_calls(store.writer(num_envs=writer_envs(rs), autoreset_mode="disabled"),
                                                    episodes, T),
                    "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
         sample_done = {"arrowbuf": store.flush}
