@@ -368,7 +368,8 @@ class ExperienceStore:
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               timeout: float | None = None, num_workers: int | None = None) -> TensorDict | list[TensorDict]:
+               timeout: float | None = None, num_workers: int | None = None,
+               keys: list | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -386,13 +387,18 @@ class ExperienceStore:
             timeout: seconds to wait for the rate limiter; None raises at once.
             num_workers: split the batch into this many disjoint, equal batches
                 (one per train worker) and return them as a list.
+            keys: gather only these fields (names or key tuples; ``("next", k)``
+                only when named), plus ``"index"``, ``"episode_id"``, ``"step"``
+                and the sampler's extras; None gathers every field.
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
             and episode samplers): every field at t, ``("next", obs)`` for
             observation fields, ``"index"`` (transition ranks, for
             `update_priorities`), ``"episode_id"`` and ``"step"``, plus the
-            sampler's ``"weight"`` or ``"mask"``.
+            sampler's ``"weight"`` or ``"mask"``. Its memory is reused by a later
+            sample once nothing refers to it (the batch, its tensors, or views,
+            slices or numpy arrays of them): what you keep is never overwritten.
 
         Raises:
             ValueError: a bad argument.
@@ -416,8 +422,9 @@ class ExperienceStore:
                 self._wait(lambda: limiter.can_sample(batch_size, len(self)), timeout,
                            lambda: limiter.why_not_sample(batch_size, len(self)))
             self._require_data()
+            keys = self._shard.gather.check_keys(keys)
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
-            batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
+            batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory, keys)
             limiter.samples += selection.rows.size
             if limited:
                 self._changed.notify_all()
@@ -442,9 +449,10 @@ class ExperienceStore:
         return list(batch.split(batch.batch_size[0] // num_workers, dim=0))
 
     def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
-                device: Any = None, pin_memory: bool = False) -> TensorDict:
+                device: Any = None, pin_memory: bool = False, keys: frozenset | None = None) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames)
-        batch = self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        batch = self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
+                                   keys=keys)
         self._count_samples(selection)
         return batch
 
@@ -575,7 +583,7 @@ class ExperienceStore:
                                   "add episodes first")
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     device: torch.device | str | None = None) -> Iterator[TensorDict]:
+                     device: torch.device | str | None = None, keys: list | None = None) -> Iterator[TensorDict]:
         """Every stored transition once (an on-policy epoch), in batches.
 
         Transitions evicted while the epoch runs are skipped, not replaced.
@@ -585,23 +593,26 @@ class ExperienceStore:
             shuffle: random order (from the store's generator), else insertion order.
             drop_last: drop the last batch if it is short.
             device: where the tensors go.
+            keys: the fields to gather, as in `sample`.
 
         Raises:
-            ValueError: ``batch_size`` is not an int >= 1.
+            ValueError: ``batch_size`` is not an int >= 1, or ``keys`` names no field.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         device = check_device(device)
         with self._lock:
+            if self._shard is not None:
+                keys = self._shard.gather.check_keys(keys)
             ranks = np.arange(*self._table.live_range(), dtype=np.int64)
             chunks = epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
-        return self._epoch(chunks, device)
+        return self._epoch(chunks, device, keys)
 
-    def _epoch(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
+    def _epoch(self, chunks: list[np.ndarray], device: Any, keys: frozenset | None) -> Iterator[TensorDict]:
         for ranks in chunks:
             with self._lock:
                 live = ranks[self._table.is_live(ranks)]
                 if len(live):
-                    batch = self._gather(select_ranks(self._table, live), device=device)
+                    batch = self._gather(select_ranks(self._table, live), device=device, keys=keys)
             if len(live):
                 yield batch
 
