@@ -140,9 +140,9 @@ class Slot:
     def _build(self) -> None:
         """(Re)build the TensorDict of the slot's tensors and the lists that check it."""
         self.td = make_td(nest(dict(zip(self._paths, self._tensors))), self._batch_size)
-        # Per TensorDict: (it, its attributes, its entries dict, their keys, the ids of
-        # their values), what `_intact` compares; ids are unambiguous as the slot
-        # keeps every value alive.
+        # Per TensorDict: (it, its attributes, its entries dict, their keys then the
+        # ids of their values), what `_intact` compares; ids are unambiguous as the
+        # slot keeps every value alive.
         self._containers = []
         self._objects = []   # every value of every TensorDict: nested TensorDicts and tensors
         pending = [self.td]
@@ -152,8 +152,7 @@ class Slot:
             # the only O(1) way to see that a returned batch had an entry replaced.
             children = container._tensordict
             values = list(children.values())
-            self._containers.append((container, dict(vars(container)), children, list(children),
-                                     list(map(id, values))))
+            self._containers.append((container, dict(vars(container)), children, [*children, *map(id, values)]))
             self._objects += values
             pending += [value for value in values if isinstance(value, TensorDict)]
 
@@ -163,8 +162,8 @@ class Slot:
 
     def _intact(self) -> bool:
         """Whether the TensorDict still has the layout's entries and attributes."""
-        for container, attributes, children, keys, ids in self._containers:
-            if list(map(id, children.values())) != ids or list(children) != keys or vars(container) != attributes:
+        for container, attributes, children, keys_and_ids in self._containers:
+            if [*children, *map(id, children.values())] != keys_and_ids or vars(container) != attributes:
                 return False
         return True
 

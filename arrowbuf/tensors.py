@@ -182,7 +182,8 @@ class Gather:
     def _plan(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None,
               next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[tuple, _Layout, tuple]:
         """(layout key, layout, rows by role) of one call."""
-        keys = self.check_keys(keys)
+        if keys is not None and type(keys) is not frozenset:
+            keys = self.check_keys(keys)
         obs_rows = rows if obs_rows is None else obs_rows
         next_rows = rows + 1 if next_rows is None else next_rows
         key = (rows.shape, obs_rows.shape, next_rows.shape, keys,
