@@ -47,6 +47,12 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 
+def _no_keys(keys: Any) -> None:
+    if keys is not None:
+        raise NotImplementedError("keys= is not implemented for backend='ray' yet: its shards gather every field; "
+                                  "select fields from the batch instead (batch.select(...))")
+
+
 class RayBackend:
     """A store's shards in Ray actors (see the module docstring).
 
@@ -301,8 +307,8 @@ class RayBackend:
         return split_batches(sources, kept, tail, device, isinstance(self.sampler, PrioritizedSampler))
 
     def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
-               timeout: float | None, num_workers: int | None,
-               worker_nodes: Sequence[str] | None) -> TensorDict | list[TensorDict]:
+               timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
+               keys: Any = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         A batch drawn from several shards is concatenated once (writable); one
@@ -310,7 +316,11 @@ class RayBackend:
         writing in place). With ``worker_nodes``, a worker's batch is drawn from
         the shards on its node (all shards when its node has none); workers that
         share a node split one draw.
+
+        Raises:
+            NotImplementedError: ``keys`` (shards gather every field so far).
         """
+        _no_keys(keys)
         if worker_nodes is not None:
             per_worker = batch_size // num_workers
             groups: dict[str, list[int]] = {}
@@ -346,9 +356,14 @@ class RayBackend:
             pending.append(self._request(batch_size, args, None, batches_per_request))
             yield from self._assemble(request, device)
 
-    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool,
-                     device: torch.device | None) -> Iterator[TensorDict]:
-        """Every live transition of every shard once, the shards' indices shuffled together."""
+    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
+                     keys: Any = None) -> Iterator[TensorDict]:
+        """Every live transition of every shard once, the shards' indices shuffled together.
+
+        Raises:
+            NotImplementedError: ``keys`` (shards gather every field so far).
+        """
+        _no_keys(keys)
         index = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.live_ranges()]
                                or [np.zeros(0, np.int64)])
         return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), device)
