@@ -309,7 +309,9 @@ class _RaySink:
     writer's process at its next call (and at `flush`).
     """
 
-    def __init__(self, shards: _Shards, loads: Sequence[float], schema: Schema | None) -> None:
+    def __init__(self, shards: _Shards, loads: Sequence[float], schema: Schema | None,
+                 capacity: int | None = None) -> None:
+        self.capacity = capacity   # rows of the smallest shard: the longest episode any shard takes
         self._shards = shards
         self._loads = np.asarray(loads, np.float64)
         self._schema = schema
@@ -639,8 +641,8 @@ class RayExperienceStore(ExperienceStore):
             prefix = uuid.uuid4().hex[:6]
             env_ids = [f"{prefix}-{i}" for i in range(_check_int("num_envs", num_envs, 1))]
         self._refresh_sizes()
-        return StepWriter(_RaySink(self._shards, self._sizes.astype(np.float64), self.schema),
-                          num_envs, autoreset_mode, env_ids)
+        return StepWriter(_RaySink(self._shards, self._sizes.astype(np.float64), self.schema,
+                                   self.capacity // self.num_shards), num_envs, autoreset_mode, env_ids)
 
     def clear(self) -> None:
         self.flush()

@@ -320,6 +320,16 @@ class Schema:
             return None
         return {name: data[name] for name in self.fields}, num_steps, num_obs == num_steps + 1
 
+    @functools.cached_property
+    def field_bytes(self) -> int:
+        """Bytes one row of the user fields takes (what the arena stores per row)."""
+        return sum(f.row_bytes for f in self.fields.values())
+
+    @functools.cached_property
+    def observation_bytes(self) -> int:
+        """Bytes one row of the observation fields takes."""
+        return sum(self.fields[name].row_bytes for name in self.observation_names)
+
     @property
     def row_bytes(self) -> int:
         """Bytes one row takes in the arena, system columns included."""

@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary, store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.episodes import StepWriter, read_episode
@@ -40,6 +41,10 @@ class _LocalSink:
     @property
     def schema(self) -> Schema | None:
         return self._store.schema
+
+    @property
+    def capacity(self) -> int:
+        return self._store.capacity
 
     def set_schema(self, schema: Schema) -> None:
         self._store._set_schema(schema)
@@ -298,6 +303,7 @@ class ExperienceStore:
 
     def _make_shard(self, schema: Schema) -> Shard:
         shard, num_shards = self._shard_position
+        check_arena(schema, self.capacity)
         return Shard(schema, self.capacity, self.mode, shard=shard, num_shards=num_shards)
 
     def _new_shard(self, schema: Schema) -> Shard:
@@ -416,6 +422,7 @@ class ExperienceStore:
                 self._wait(lambda: limiter.can_sample(batch_size, len(self)), timeout,
                            lambda: limiter.why_not_sample(batch_size, len(self)))
             self._require_data()
+            check_batch(self._shard.schema, self.sampler, self._shard.table, batch_size, frame_stack)
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
             batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
             limiter.samples += selection.rows.size
@@ -476,7 +483,9 @@ class ExperienceStore:
         obs_rows = next_rows = None
         if n > 1:
             last = first + table.col("length").take(pos) - 1   # the episode's last transition row
-            ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
+            # Windows stop at their episode's end: past the longest live episode, a
+            # longer n changes nothing but the cost.
+            ahead = n_step(rows, last, shard.arena["reward"], min(n, table.longest), gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):
