@@ -126,6 +126,7 @@ class StepWriter:
         >>> obs = np.zeros((2, 3), np.float32)
         >>> w.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2),
         ...       terminated=np.array([True, False]), truncated=np.zeros(2, bool), next_obs=obs + 1)
+        1
         >>> store.num_episodes, len(store)
         (1, 1)
     """
