@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 
-
 class RateLimiter:
     """Counts inserts and samples; the base class allows everything."""
 
@@ -26,6 +25,11 @@ class RateLimiter:
         return True
 
     def why_not_sample(self, n: int, size: int) -> str:
+        """Why a sample of ``n`` from a store of ``size`` transitions waits: a sentence."""
+        return ""
+
+    def why_not_insert(self, n: int) -> str:
+        """Why an insert of ``n`` transitions waits: a sentence."""
         return ""
 
     def state(self) -> dict:
@@ -76,7 +80,8 @@ class MinSize(RateLimiter):
         return size >= self.min_size
 
     def why_not_sample(self, n: int, size: int) -> str:
-        return f"the store holds {size} transitions, MinSize needs {self.min_size}"
+        return (f"Cannot sample {n} transitions yet: the store holds {size} transitions, MinSize needs "
+                f"{self.min_size} before the first sample. Add episodes first, or pass timeout= to wait for writers.")
 
     def state(self) -> dict:
         return {**super().state(), "min_size": self.min_size}
@@ -136,10 +141,19 @@ class SampleToInsertRatio(RateLimiter):
 
     def why_not_sample(self, n: int, size: int) -> str:
         if self.inserts < self.min_size:
-            return f"{self.inserts} transitions inserted, SampleToInsertRatio needs min_size={self.min_size}"
-        return (f"samples ({self.samples}) are too far ahead of inserts "
+            return (f"Cannot sample {n} transitions yet: {self.inserts} transitions inserted, SampleToInsertRatio "
+                    f"needs min_size={self.min_size} before the first sample. Insert more, or pass timeout= to wait "
+                    "for writers.")
+        return (f"Cannot sample {n} transitions: samples ({self.samples}) are too far ahead of inserts "
                 f"({self.inserts}) for samples_per_insert={self.samples_per_insert}, "
-                f"error_buffer={self.error_buffer}")
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff():g} "
+                f"must stay >= {self.min_diff:g}). Insert more, or pass timeout= to wait for writers.")
+
+    def why_not_insert(self, n: int) -> str:
+        return (f"Cannot insert {n} transitions: inserts ({self.inserts}) are too far ahead of samples "
+                f"({self.samples}) for samples_per_insert={self.samples_per_insert}, "
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff():g} "
+                f"must stay <= {self.max_diff:g}). Sample more, or pass timeout= to wait for trainers.")
 
     def state(self) -> dict:
         return {**super().state(), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,

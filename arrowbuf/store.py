@@ -286,7 +286,7 @@ class ExperienceStore:
             limited = type(limiter) is not RateLimiter   # the plain one only counts
             if limited:
                 self._wait(lambda: limiter.can_insert(transitions), timeout,
-                           lambda: f"insert of {transitions} transitions refused by {limiter.state()}")
+                           lambda: limiter.why_not_insert(transitions))
                 if self._shard is not None and shard is not self._shard:
                     # Another thread made the store's first write while this one waited.
                     if self._shard.schema != shard.schema:
@@ -326,7 +326,7 @@ class ExperienceStore:
         if allowed():
             return
         if timeout is None or not self._changed.wait_for(allowed, None if math.isinf(timeout) else timeout):
-            raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
+            raise RateLimited(why() + (f" Waited {timeout} s." if timeout else ""))
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",
                env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
