@@ -33,6 +33,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_batch
 from arrowbuf.episodes import StepWriter, _copied, read_episode
 from arrowbuf.errors import ArrowbufError, EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
@@ -754,6 +755,8 @@ class RayExperienceStore(ExperienceStore):
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         self._check_sample_args(n_step, gamma, frame_stack)
+        if self.schema is not None:   # the driver assembles the whole batch: it must fit here
+            check_batch(self.schema, self.sampler, self._table, batch_size, frame_stack)
         _check_workers(batch_size, num_workers)
         device = check_device(device)
         check_timeout(timeout)
