@@ -3,9 +3,12 @@
 A store's schema is a flat, ordered map of field name -> `Field`. Nested input
 (``{"obs": {"pixels": ..., "state": ...}}``) flattens to dotted names
 (``"obs.pixels"``) and comes back nested in TensorDicts. Fields that hold
-observations (given with T+1 rows, or passed as ``next_obs`` to a writer) are
-marked ``observation=True``: the store keeps them once and reads ``next`` from the
-following row.
+observations (declared, given with T+1 rows under an observation-like name, or
+passed as ``next_obs`` to a writer) are marked ``observation=True``: the store
+keeps them once and reads ``next`` from the following row. Inference refuses what
+it would have to guess (a T+1 field named like a step field, an episode without
+``terminated``, a legacy ``done``) with the explicit schema to pass instead.
+Integer values are stored in float fields only when exact.
 
 Arrow mapping: scalars are plain primitives, fixed shapes use the
 ``fixed_shape_tensor`` extension type, bfloat16 is stored as uint16 bits with the
