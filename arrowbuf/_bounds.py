@@ -117,11 +117,12 @@ def check_arena(schema: Schema, capacity: int) -> None:
         "spread the capacity over several nodes")
 
 
-def draw_steps(sampler: Sampler, table: EpisodeTable) -> int:
-    """Rows each drawn item gathers: a sequence's length, the longest episode, or 1."""
+def draw_steps(sampler: Sampler, table: EpisodeTable | None) -> int:
+    """Rows each drawn item gathers: a sequence's length, the longest episode (1 when
+    the table is not at hand: a Ray driver's), or 1."""
     if isinstance(sampler, SequenceSampler):
         return sampler.length
-    if isinstance(sampler, EpisodeSampler):
+    if isinstance(sampler, EpisodeSampler) and table is not None:
         return max(table.longest, 1)
     return 1
 
@@ -133,7 +134,7 @@ def batch_bytes(schema: Schema, items: int, frame_stack: int = 1) -> int:
     return items * (schema.field_bytes - schema.observation_bytes + frames + DRAW_OVERHEAD)
 
 
-def check_batch(schema: Schema, sampler: Sampler, table: EpisodeTable, batch_size: int,
+def check_batch(schema: Schema, sampler: Sampler, table: EpisodeTable | None, batch_size: int,
                 frame_stack: int = 1) -> None:
     """Refuse a sample whose batch cannot be allocated, before anything is drawn.
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from arrowbuf import __version__
+from arrowbuf.demo import NUM_ENVS, TOTAL_STEPS
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -96,8 +97,6 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `arrowbuf` command and its subcommands."""
-    from arrowbuf.demo import NUM_ENVS, TOTAL_STEPS
-
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="arrowbuf", description=__doc__.split("\n\n")[0], formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -25,8 +25,8 @@ def w1_episode(steps: int, tag: float = 0.0) -> dict:
 def snapshot(store: ab.ExperienceStore) -> tuple:
     """Everything a failed call must leave as it was."""
     episodes = store.episodes().drop_columns(["inserted_at"]).to_pylist() if store.num_episodes else []
-    return (len(store), store.num_episodes, store.schema, store.rate_limiter.inserts, store.rate_limiter.samples,
-            episodes)
+    stats = store.stats()
+    return len(store), store.num_episodes, store.schema, stats["inserts"], stats["samples"], episodes
 
 
 # -- the arena ----------------------------------------------------------------------------------
