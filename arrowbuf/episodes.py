@@ -198,8 +198,9 @@ class StepWriter:
             CapacityError: an env's open episode outgrew the store's capacity at
                 this step (its steps and final observation need more rows than a
                 shard holds), or an episode this step ended is longer than the
-                capacity. That env's episode is dropped and its next step starts a
-                new one; the other envs' steps are recorded.
+                capacity. That env's episode is dropped and its remaining steps are
+                skipped until it ends (or `flush` cuts it); the other envs' steps
+                are recorded.
         """
         self._push_pending()
         obs_cols = self._columns({"obs": obs}, "obs")
@@ -268,6 +269,7 @@ class StepWriter:
         for name, last in self._last_next.items():
             self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
         too_long = self._seal(open_envs, has_final=True)
+        self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
         self._push_pending()
         self._sink.flush()
         if too_long is not None:

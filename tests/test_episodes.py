@@ -295,6 +295,21 @@ def test_a_refused_episode_leaves_the_writers_other_envs_recording():
     assert store.episodes().column("env_id").to_pylist() == ["env-1"]
 
 
+def test_flush_ends_the_skipping_of_a_refused_episode():
+    store = ab.ExperienceStore(capacity=3, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    rollout = FakeVectorRollout([[9]], "disabled")
+    writer.add(**rollout.step_arrays())
+    writer.add(**rollout.step_arrays())
+    with pytest.raises(ab.CapacityError, match="at step 3"):
+        writer.add(**rollout.step_arrays())
+    writer.add(**rollout.step_arrays())
+    assert writer.open_steps.tolist() == [0], "the refused episode is skipped"
+    assert writer.flush() == 0
+    writer.add(**rollout.step_arrays())   # after a cut, steps start a new episode again
+    assert writer.open_steps.tolist() == [1]
+
+
 # -- the step writer on a real gymnasium vector env ----------------------------------------
 
 
@@ -348,3 +363,17 @@ def test_writer_records_cartpole_episodes_exactly_as_the_envs_played_them(mode):
             assert_episode_matches_log(store, episode_id, p)
     assert any(t for t in table.column("truncated").to_pylist())
     assert any(t for t in table.column("terminated").to_pylist())
+
+
+def test_a_refused_episode_stays_skipped_across_a_writer_state_round_trip():
+    store = ab.ExperienceStore(capacity=3, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    rollout = FakeVectorRollout([[9]], "disabled")
+    for _ in range(2):
+        writer.add(**rollout.step_arrays())
+    with pytest.raises(ab.CapacityError):
+        writer.add(**rollout.step_arrays())
+    restored = store.writer(num_envs=1, autoreset_mode="disabled")
+    restored.load_state_dict(writer.state_dict())
+    restored.add(**rollout.step_arrays())
+    assert restored.open_steps.tolist() == [0]
