@@ -1,4 +1,4 @@
-"""The `arrowbuf` command line: `arrowbuf demo`, `arrowbuf inspect`.
+"""The `arrowbuf` command line: `arrowbuf demo`, `arrowbuf inspect`, `arrowbuf bench`.
 
 Bad arguments end like any argparse error: usage, one ``arrowbuf <command>:
 error: ...`` line on stderr and exit status 2, never a traceback. Every check that
@@ -95,12 +95,18 @@ def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from arrowbuf._bench_cli import run_bench
+
+    return run_bench(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `arrowbuf` command and its subcommands."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="arrowbuf", description=__doc__.split("\n\n")[0], formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect,bench}")
     demo = commands.add_parser("demo", formatter_class=formatter,
                                help="train DQN on CartPole-v1 with an ExperienceStore as replay buffer",
                                description="Train DQN on CartPole-v1 with an ExperienceStore as replay buffer.")
@@ -120,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--plot", metavar="PNG", default=None,
                          help="also write the returns / lengths figure to this image file")
     inspect.set_defaults(run=_inspect, parser=inspect)
+    # No option of its own (prefix_chars no argument starts with): every argument goes to the benchmark's parser.
+    bench = commands.add_parser("bench", add_help=False, prefix_chars="\0",
+                                help="run the benchmarks of a source checkout (tools/bench.py; `bench --help`)")
+    bench.add_argument("args", nargs="*", help="arguments of tools/bench.py")
+    bench.set_defaults(run=_bench, parser=bench)
     return parser
 
 
