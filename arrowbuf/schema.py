@@ -69,11 +69,12 @@ FLAG_NAMES = ("terminated", "truncated")
 #: a schema without ``terminated`` rather than stored as ordinary fields.
 LEGACY_FLAG_NAMES = frozenset({"done", "dones", "terminal", "terminals", "is_terminal"})
 #: Names `Schema.infer` takes as observations when given with T+1 rows; so are
-#: names with a dotted part among them, starting with ``obs_`` / ``observation_``
-#: or ending with ``_obs``, ``_observation``, ``_pixels``, ``_image``, ``_rgb``, ``_depth``.
+#: names with a dotted part among them, starting with ``obs_``, ``observation_``,
+#: ``pixel`` (``pixel_values``), ``image_``, ``rgb_``, ``depth_``, or ending with
+#: ``_obs``, ``_observation``, ``_pixels``, ``_image``, ``_rgb``, ``_depth``.
 OBSERVATION_WORDS = frozenset({"obs", "observation", "observations", "pixels", "image", "images", "rgb", "depth",
                                "state", "states", "frame", "frames"})
-_OBSERVATION_PREFIXES = ("obs_", "observation_")
+_OBSERVATION_PREFIXES = ("obs_", "observation_", "pixel", "image_", "rgb_", "depth_")
 _OBSERVATION_SUFFIXES = ("_obs", "_observation", "_pixels", "_image", "_rgb", "_depth")
 
 _ROLE_KEY = b"arrowbuf.role"
@@ -480,8 +481,8 @@ class Schema:
                 raise SchemaError(
                     f"field {ambiguous[0]!r} has {distinct[1]} rows, one more than the step fields (T = "
                     f"{distinct[0]}), like an observation with its final one, but its name does not say it is one "
-                    f"(inferred observations are named like 'obs', 'observation', 'pixels' or '*_obs'); give it "
-                    f"{distinct[0]} rows, or declare it: {_declaration(columns, [*observation_names])}")
+                    "(inferred observations are named like 'obs', 'observation', 'pixels', 'pixel_values' or "
+                    f"'*_obs'); give it {distinct[0]} rows, or declare it: {_declaration(columns, observation_names)}")
         obs = set(observation_names)
         schema = cls(unflatten({name: Field(dtype, array.shape[1:], name in obs)
                                 for name, (array, dtype) in columns.items()}))

@@ -94,7 +94,8 @@ def test_an_action_with_one_row_too_many_is_refused_not_taken_as_an_observation(
     assert_untouched(store)
 
 
-@pytest.mark.parametrize("name", ["obs", "observation", "pixels", "agent_obs", "obs_goal", "rgb", "state"])
+@pytest.mark.parametrize("name", ["obs", "observation", "pixels", "agent_obs", "obs_goal", "rgb", "state",
+                                  "pixel_values", "critic_obs", "image_wrist"])
 def test_observation_names_are_inferred_from_their_extra_row(name):
     store = ab.ExperienceStore(capacity=50, seed=0)
     store.add_episode({name: np.zeros((T + 1, 2), np.float32), "action": np.zeros(T, np.int64), **flags()})
