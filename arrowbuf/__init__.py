@@ -5,8 +5,8 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, SchemaError,
-                             ShardError)
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
+                             SchemaError, ShardError)
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.ray.options import RayOptions
@@ -30,6 +30,7 @@ __all__ = [
     "RateLimited",
     "RateLimiter",
     "RayOptions",
+    "ResourceError",
     "SampleToInsertRatio",
     "Sampler",
     "SequenceSampler",

@@ -128,7 +128,7 @@ class ExperienceStore:
         shards = start_shards(name or RayBackend.new_name(), self.capacity, num_shards, seed=self.seed,
                               sampler=self.sampler, rate_limiter=self.rate_limiter, schema=schema, mode=self.mode,
                               track_reuse=self.track_reuse, options=ray_options)
-        return RayBackend(shards, sampler=self.sampler, seed=self.seed, schema=schema,
+        return RayBackend(shards, capacity=self.capacity, sampler=self.sampler, seed=self.seed, schema=schema,
                           schema_fixed=schema is not None)
 
     def _configure(self, seed: Any, sampler: Any, mode: Any, backend: Any, rate_limiter: Any,

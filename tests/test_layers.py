@@ -80,7 +80,7 @@ def test_the_ray_backend_never_imports_the_store_facade():
 
 def test_importing_arrowbuf_and_a_local_store_does_not_import_ray():
     code = ("import sys, numpy as np, arrowbuf as ab; s = ab.ExperienceStore(10); "
-            "s.add_episode({'obs': np.zeros((3, 2)), 'action': np.zeros(2)}); s.sample(2); "
+            "s.add_episode({'obs': np.zeros((3, 2)), 'action': np.zeros(2), 'terminated': np.zeros(2, bool)}); s.sample(2); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

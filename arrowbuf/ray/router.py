@@ -35,6 +35,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_batch
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.assemble import split_batches
 from arrowbuf.ray.handles import ShardHandles, SizeCache
@@ -58,6 +59,7 @@ class RayBackend:
 
     Args:
         shards: handles of the running shard actors (`start_shards`, `attach`).
+        capacity: rows of all shards together.
         sampler: the store's sampler (each shard runs its own copy).
         seed: seed of the router's generator (splits and epochs).
         schema: the store's schema, if known.
@@ -67,9 +69,10 @@ class RayBackend:
 
     kind = "ray"
 
-    def __init__(self, shards: ShardHandles, *, sampler: Sampler, seed: int | None, schema: Schema | None,
-                 schema_fixed: bool) -> None:
+    def __init__(self, shards: ShardHandles, *, capacity: int, sampler: Sampler, seed: int | None,
+                 schema: Schema | None, schema_fixed: bool) -> None:
         self.shards = shards
+        self.capacity = capacity   # total rows; the smallest shard holds capacity // num_shards
         self.sampler = sampler
         self._rng = np.random.default_rng(seed)
         self._schema = schema
@@ -91,7 +94,8 @@ class RayBackend:
         """
         shards, config = find_shards(name, options or RayOptions())
         schema = Schema.from_json(config["schema"]) if config["schema"] is not None else None
-        backend = cls(shards, sampler=config["sampler"], seed=seed, schema=schema, schema_fixed=schema is not None)
+        backend = cls(shards, capacity=config["capacity"], sampler=config["sampler"], seed=seed, schema=schema,
+                      schema_fixed=schema is not None)
         return backend, config
 
     @classmethod
@@ -122,8 +126,8 @@ class RayBackend:
                               sampler=config["sampler"], rate_limiter=config["rate_limiter"], schema=first.schema,
                               mode=config["mode"], track_reuse=config["track_reuse"], options=options,
                               load_from=[str(d) for d in dirs] if num_shards == len(dirs) else None)
-        backend = cls(shards, sampler=config["sampler"], seed=config["seed"], schema=first.schema,
-                      schema_fixed=first.schema is not None)
+        backend = cls(shards, capacity=config["capacity"], sampler=config["sampler"], seed=config["seed"],
+                      schema=first.schema, schema_fixed=first.schema is not None)
         if num_shards != len(dirs):
             ray = ray_module()
             reshard = ray.remote(reshard_task)
@@ -207,7 +211,7 @@ class RayBackend:
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
-        return RaySink(self.shards, self._sizes, self.schema, timeout)
+        return RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards)
 
     def import_episodes(self, episodes: Iterable[Episode]) -> int:
         """Store checked episodes of an import (spread over the shards); how many."""
@@ -319,8 +323,11 @@ class RayBackend:
 
         Raises:
             NotImplementedError: ``keys`` (shards gather every field so far).
+            ResourceError: the batch cannot be allocated here (before any shard draws).
         """
         _no_keys(keys)
+        if self.schema is not None:   # this process assembles the whole batch: it must fit here
+            check_batch(self.schema, self.sampler, None, batch_size, args[2])
         if worker_nodes is not None:
             per_worker = batch_size // num_workers
             groups: dict[str, list[int]] = {}

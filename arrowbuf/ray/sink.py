@@ -68,10 +68,13 @@ class RaySink:
         sizes: the store's size cache (acknowledgements update it).
         schema: the store's schema, if known.
         timeout: seconds a shard waits for its rate limiter to take an episode.
+        capacity: rows of the smallest shard: the longest episode any shard takes
+            (a writer refuses an episode at the step it outgrows it).
     """
 
     def __init__(self, shards: ShardHandles, sizes: SizeCache, schema: Schema | None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, capacity: int | None = None) -> None:
+        self.capacity = capacity
         self._shards = shards
         self._sizes = sizes
         self._loads = sizes.transitions.astype(np.float64)   # rows routed to each shard, for routing
