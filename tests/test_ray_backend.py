@@ -224,19 +224,21 @@ def test_a_killed_shard_raises_shard_error_and_survivors_serve_with_allow_partia
 
 
 def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
-    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0,
+    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0, mode="fixed",
                                ray_options=RayOptions(delivery_latency=60.0))   # one batch at flush
     try:
+        for key in range(6):
+            store.add_episode(encoded_episode(key, 10), env_id="a")   # 66 of the 100 rows
         writer = store.writer(num_envs=1, autoreset_mode="disabled")
-        obs = np.zeros((1, 2), np.float32)
-        for steps in (10, 150, 10, 10):   # 150 steps do not fit in 100 rows
-            for t in range(steps):
+        obs = np.zeros((1, 4), np.float32)
+        for _ in range(4):   # 4 x 11 rows: the shard has room for 3
+            for t in range(10):
                 writer.add(obs=obs, action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
-                           terminated=np.array([t == steps - 1]), truncated=np.zeros(1, bool), next_obs=obs)
+                           terminated=np.array([t == 9]), truncated=np.zeros(1, bool), next_obs=obs)
         with pytest.raises(ab.CapacityError, match="refused 1 of the 4 episodes"):
             writer.flush()
         store.flush()
-        assert len(store) == 30 and store.num_episodes == 3
+        assert len(store) == 90 and store.num_episodes == 9
     finally:
         store.close()
 
