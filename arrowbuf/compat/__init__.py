@@ -6,9 +6,18 @@ lists the semantics and what differs from the seed). The types are also
 `arrowbuf.types`.
 """
 
+from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
 from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer, build_data_buffer
-from arrowbuf.compat.types import BatchedData, EnvMeta, EnvRet, PolicyResponse, Processed_EnvRet_fields
+from arrowbuf.compat.types import (
+    BatchedData,
+    EnvMeta,
+    EnvRet,
+    MultiAgentEnvRet,
+    MultiAgentPolicyResponse,
+    PolicyResponse,
+    Processed_EnvRet_fields,
+)
 
 __all__ = [
     "BatchedData",
@@ -17,10 +26,13 @@ __all__ = [
     "DataBuffer",
     "EnvMeta",
     "EnvRet",
+    "MultiAgentEnvRet",
+    "MultiAgentPolicyResponse",
     "PolicyResponse",
     "Processed_EnvRet_fields",
     "ReplayBuffer",
     "RolloutBuffer",
     "build_data_buffer",
+    "compute_gae",
     "parse_config",
 ]

@@ -38,6 +38,13 @@ class LocalAccess:
             first, length = table.col("first_rank").copy(), table.col("length").copy()
         return np.zeros(len(first), np.int64), first, length
 
+    def empty(self, device: Any) -> TensorDict:
+        """A batch of no transitions, with the store's fields."""
+        return self.gather(0, np.zeros(0, np.int64), device)
+
+    def pin(self, env_id: str, shard: int) -> None:
+        """One shard only: nothing to pin."""
+
     def gather(self, shard: int, ranks: np.ndarray, device: Any) -> TensorDict:
         """The transitions of live ``ranks`` (1-D), in that order."""
         store = self.store
@@ -50,6 +57,13 @@ class RayAccess:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+
+    def empty(self, device: Any) -> TensorDict:
+        return TensorDict({}, batch_size=[0])
+
+    def pin(self, env_id: str, shard: int) -> None:
+        """Send env ``env_id``'s episodes to ``shard`` (node affinity): a route set before its first write."""
+        self.store._sink._routes.setdefault(env_id, shard)
 
     def live_ranges(self) -> list[tuple[int, int]]:
         self.store.flush()

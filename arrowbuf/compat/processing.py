@@ -9,11 +9,10 @@ takes the same callables as RLightning's buffer; these are the defaults.
   and ``policy_resp_preprocess_fn(transition_dict, policy_resp)`` fill one step
   record; ``preprocess_fn(transition_dict, env_ret, policy_resp, obs_preprocessor,
   reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn)`` calls them.
-- ``postprocess_fn(episode_buffer)``: a dict of per-step lists (T+1 records) ->
-  a dict of T-row arrays in the seed's format (``observation`` and
-  ``next_observation``). Only a custom one is called; the default path builds
-  arrowbuf columns directly (`arrowbuf.compat.episodes.step_columns`), which is
-  what `default_postprocess_fn` returns, reshaped to the seed's format.
+- ``postprocess_fn(episode_buffer)``: a dict of per-step lists (T+1 records, as
+  torch tensors on the storage device) -> a dict of T-row tensors, stored as
+  returned. Only a custom one is called; without one the buffer stores the same
+  transitions with the observation kept once (`arrowbuf.compat.segments`).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from arrowbuf.compat.episodes import step_columns
-from arrowbuf.schema import unflatten
+import torch
 
 
 def is_env_ret(value: Any) -> bool:
@@ -85,18 +83,34 @@ def default_preprocess_fn(transition_dict: dict, env_ret: Any = None, policy_res
     return transition_dict
 
 
+def _stack(values: list[Any]) -> Any:
+    if isinstance(values[0], dict):
+        return {key: _stack([value[key] for value in values]) for key in values[0]}
+    if isinstance(values[0], torch.Tensor):
+        return torch.stack(values, dim=0)
+    return torch.tensor(values)
+
+
+def _rows(value: Any, rows: slice) -> Any:
+    if isinstance(value, dict):
+        return {key: _rows(v, rows) for key, v in value.items()}
+    return value[rows]
+
+
 def default_postprocess_fn(episode_buffer: dict[str, list[Any]]) -> dict[str, Any]:
-    """The seed's default: per-step lists -> T-row arrays (``observation`` / ``next_observation``,
-    ``last_X`` -> ``X``, policy keys without the last step, ``*info*`` keys dropped)."""
-    keys = list(episode_buffer)
-    steps = len(episode_buffer[keys[0]]) if keys else 0
-    records = [{key: episode_buffer[key][t] for key in keys} for t in range(steps)]
-    columns = step_columns(records, "<episode>")
-    out = {}
-    for name, column in columns.items():
-        if name == "observation" or name.startswith("observation."):
-            out[name] = column[:-1]
-            out["next_" + name] = column[1:]
+    """The seed's default: per-step lists (T+1 records, torch) -> T-row tensors:
+    ``observation`` / ``next_observation``, ``last_X`` -> ``X``, other keys without
+    the last step, ``*info*`` keys dropped. Nested observations are stacked leaf by leaf."""
+    out: dict[str, Any] = {}
+    for key, values in episode_buffer.items():
+        if "info" in key:
+            continue
+        stacked = _stack(list(values))
+        if key.startswith("last_"):
+            out[key[len("last_"):]] = _rows(stacked, slice(1, None))
+        elif key == "observation":
+            out["observation"] = _rows(stacked, slice(None, -1))
+            out["next_observation"] = _rows(stacked, slice(1, None))
         else:
-            out[name] = column
-    return unflatten(out)
+            out[key] = _rows(stacked, slice(None, -1))
+    return out
