@@ -30,6 +30,11 @@ env's autoreset style, so that every env step's transition is stored exactly onc
   whatever the configured mode; with ``autoreset_mode="same_step"`` one without
   it is an error (the terminal observation would be lost).
 
+A segment that opens on a record with a flag (RSL-style rollouts re-add their
+last EnvRet as the next rollout's first record) opens a new episode there in
+``same_step`` style; in ``next_step`` style that record is a terminal one, and
+the episode starts at the reset after it.
+
 Without ``auto_truncate_episode`` a segment is a rollout window (as in the seed):
 flags are stored, nothing is cut, and at an internal reset the next observation
 is whatever the env returned.
@@ -125,12 +130,18 @@ class Segmenter:
         row = stage.write(*split_record(record))
         if not self.auto_truncate:
             return []
+        done = self._done(stage, row)
+        opening = done & (stage.starts == row)
         try:
-            ended = np.flatnonzero(self._done(stage, row) & (stage.starts < row))
+            ended = np.flatnonzero(done & (stage.starts < row))
             final = self._final_obs(stage, record.get("info"), ended, row) if len(ended) else None
         except ValueError:
             stage.unwrite()   # the record is refused whole
             raise
+        if self.autoreset_mode == "next_step" and opening.any() and not _has_final(record.get("info")):
+            # A segment that opens on a terminal record (a rollout's last EnvRet re-added as the
+            # next one's first): that episode is over; the next one starts at the reset.
+            stage.starts[opening] = row + 1
         if not len(ended):
             return []
         pieces = self._episodes(stage, ended, row, final)
@@ -168,9 +179,8 @@ class Segmenter:
 
     def _final_obs(self, stage: Stage, info: Any, ended: np.ndarray, row: int) -> dict[str, np.ndarray] | None:
         """The terminal observations of the ended sub-envs (``[num_envs, ...]`` per field), or None."""
-        given = None
-        if isinstance(info, Mapping):
-            given = next((info[key] for key in _FINAL_KEYS if info.get(key) is not None), None)
+        given = next((info[key] for key in _FINAL_KEYS if info.get(key) is not None), None) \
+            if _has_final(info) else None
         if given is None:
             if self.autoreset_mode == "same_step":
                 raise ValueError(f"env {stage.env_id!r}: autoreset_mode='same_step' but the EnvRet that ended "
@@ -295,6 +305,10 @@ class Segmenter:
             raise ValueError(f"env {env_id!r}: postprocess_fn returned fields of different lengths {shapes}; "
                              "every field of an episode needs the same number of rows")
         return lengths.pop() if lengths else 0
+
+
+def _has_final(info: Any) -> bool:
+    return isinstance(info, Mapping) and any(info.get(key) is not None for key in _FINAL_KEYS)
 
 
 def _per_step(value: Any) -> list[Any]:
