@@ -28,7 +28,7 @@ class VecWorker:
     """Env worker ``index`` (id ``f"{uuid}-{index}"``) of ``num_envs`` sub-envs (``vector=False``: one plain env)."""
 
     def __init__(self, index: int, num_envs: int = 4, autoreset: str = "next_step", seed: int = 0,
-                 vector: bool = True, max_len: int = 5, final_key: str = "final_observation",
+                 vector: bool = True, max_len: int = 5, final_key: str = "final_observation", min_len: int = 1,
                  uuid: str = "3f2a9c") -> None:
         self.env_id = f"{uuid}-{index}"
         self.base = 100 * index
@@ -37,7 +37,7 @@ class VecWorker:
         self.autoreset = autoreset
         self.final_key = final_key
         self.rng = np.random.default_rng(seed)
-        self.max_len = max_len
+        self.min_len, self.max_len = min_len, max_len
         self.episode = np.zeros(self.n, np.int64)
         self.t = np.zeros(self.n, np.int64)
         self.length = self._lengths()
@@ -45,7 +45,7 @@ class VecWorker:
         self.truth: list[tuple] = []            # every real transition played
 
     def _lengths(self) -> np.ndarray:
-        return self.rng.integers(1, self.max_len + 1, self.n)
+        return self.rng.integers(self.min_len, self.max_len + 1, self.n)
 
     def _obs(self) -> np.ndarray:
         return np.stack([self.base + np.arange(self.n), self.episode, self.t], axis=-1).astype(np.float32)

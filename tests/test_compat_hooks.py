@@ -53,7 +53,7 @@ class RemoteWorker(VecWorker):
 
 
 def test_the_rsl_engine_on_wbc_config_stores_one_episode_per_sub_env_with_next_keys_as_sent():
-    workers = [RemoteWorker(0, num_envs=4, seed=1, max_len=100)]   # no resets inside the 8 steps
+    workers = [RemoteWorker(0, num_envs=4, seed=1, min_len=1000, max_len=1000)]   # no resets inside the 8 steps
     buffer = RolloutBuffer(wbc_config(), postprocess_fn=torch_stack_postprocess, seed=0)
     buffer.init([w.meta() for w in workers], [w.env_id for w in workers])
     rsl_rollout(buffer, workers, steps=8)
