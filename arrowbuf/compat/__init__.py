@@ -8,7 +8,8 @@ lists the semantics and what differs from the seed). The types are also
 
 from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
-from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer, build_data_buffer
+from arrowbuf.compat.buffers import ReplayBuffer, RolloutBuffer, build_data_buffer
+from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer
 from arrowbuf.compat.types import (
     BatchedData,
     EnvMeta,

@@ -41,22 +41,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
-from arrowbuf.compat import processing as proc
 from arrowbuf.compat.config import BufferSettings, parse_config
+from arrowbuf.compat.ingest import Ingest, parse_env_meta, truncation_list
 from arrowbuf.compat.placement import Placement, check_env_nodes, driver_node, resolve_placement
+from arrowbuf.compat.processing import resolve_hooks
 from arrowbuf.compat.reading import Reader, positions, select, split
-from arrowbuf.compat.segments import Piece, Segmenter
+from arrowbuf.compat.segments import Segmenter
 from arrowbuf.compat.sink import BufferFullError, StoreSink
 from arrowbuf.compat.timing import Timers
-from arrowbuf.compat.types import _is_future
-from arrowbuf.schema import flatten
 from arrowbuf.store import ExperienceStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BufferFullError", "DataBuffer", "ReplayBuffer", "RolloutBuffer", "build_data_buffer"]
+__all__ = ["BufferFullError", "DataBuffer"]
 
 
 def _locked(method: Callable) -> Callable:
@@ -65,35 +64,6 @@ def _locked(method: Callable) -> Callable:
         with self._lock:
             return method(self, *args, **kwargs)
     return wrapper
-
-
-def _resolve(value: Any) -> Any:
-    """The value of a Ray ObjectRef (values sent by remote envs / policies), else the value."""
-    if _is_future(value):
-        import ray
-
-        return ray.get(value)
-    return value
-
-
-def _env_id_of(item: Any) -> str:
-    env_id = item if isinstance(item, str) else getattr(item, "env_id", None)
-    if not isinstance(env_id, str):
-        raise TypeError(f"expected an env_id str or an object with an env_id attribute, got {type(item).__name__}")
-    return env_id
-
-
-def _truncation_list(truncations: Any, count: int) -> list[bool]:
-    if truncations is None:
-        return [False] * count
-    if isinstance(truncations, (bool, np.bool_)):
-        return [bool(truncations)] * count
-    if isinstance(truncations, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(truncations, str):
-        flags = [bool(t) for t in truncations]
-        if len(flags) != count:
-            raise ValueError(f"truncations has {len(flags)} entries, expected {count} (one per item)")
-        return flags
-    raise TypeError(f"truncations must be None, a bool or a list of bools, got {type(truncations).__name__}")
 
 
 class DataBuffer:
@@ -127,8 +97,11 @@ class DataBuffer:
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> DataBuffer:
         # DataBuffer(config) builds the config's type: a ReplayBuffer or a RolloutBuffer.
-        kind = _BUFFERS[parse_config(config).type] if cls is DataBuffer else cls
-        return super().__new__(kind)
+        if cls is DataBuffer:
+            from arrowbuf.compat.buffers import BUFFERS   # the subclasses live there
+
+            cls = BUFFERS[parse_config(config).type]
+        return super().__new__(cls)
 
     def __init__(self, config: Any, obs_preprocessor: Callable | None = None,
                  reward_preprocessor: Callable | None = None, env_ret_preprocess_fn: Callable | None = None,
@@ -139,8 +112,8 @@ class DataBuffer:
                  component_distribution: Mapping[str, Any] | None = None) -> None:
         self.settings: BufferSettings = parse_config(config, self.buffer_type)
         self.config = copy.deepcopy(config)
-        self._set_hooks(obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn,
-                        preprocess_fn, postprocess_fn)
+        hooks = resolve_hooks(obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn,
+                              preprocess_fn, postprocess_fn)
         self.placement: Placement = resolve_placement(
             self.settings, cluster, num_train_workers=num_train_workers, backend=backend, num_shards=num_shards,
             component_distribution=component_distribution, driver_node=driver_node())
@@ -152,35 +125,9 @@ class DataBuffer:
         self._sink = StoreSink(self.settings, self.placement, seed, ray_options, self._timers)
         self._num_envs: dict[str, int] = {}
         self.env_ids: list[str] = []
-        self._segmenter = Segmenter(self.settings.auto_truncate_episode, self._num_envs_of, autoreset_mode,
-                                    self._postprocess_fn, self.settings.device, self._obs_preprocessor)
-        self._pending: dict[str, dict[str, Any]] = {}   # async: env id -> EnvRet record awaiting its response
-        self.dropped_env_rets = 0             # async EnvRets replaced before their response came
-
-    # -- construction ------------------------------------------------------------------
-
-    def _set_hooks(self, obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn, post_fn) -> None:
-        # The seed's rule: a custom outer hook would bypass a custom inner one. None or a
-        # default passed explicitly is not custom.
-        defaults = (proc.default_obs_preprocessor, proc.default_reward_preprocessor,
-                    proc.default_env_ret_preprocess_fn, proc.default_policy_resp_preprocess_fn,
-                    proc.default_preprocess_fn)
-        obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn = (
-            None if hook is default else hook
-            for hook, default in zip((obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn), defaults))
-        if (obs_pre is not None or reward_pre is not None) and (env_ret_fn is not None or pre_fn is not None):
-            raise ValueError("a custom obs_preprocessor / reward_preprocessor is only called by the default "
-                             "env_ret_preprocess_fn and preprocess_fn; apply it inside your custom "
-                             f"{'env_ret_preprocess_fn' if env_ret_fn is not None else 'preprocess_fn'} instead")
-        if pre_fn is not None and (env_ret_fn is not None or policy_fn is not None):
-            raise ValueError("a custom env_ret_preprocess_fn / policy_resp_preprocess_fn is only called by the "
-                             "default preprocess_fn; handle it inside your custom preprocess_fn instead")
-        self._obs_preprocessor = obs_pre or proc.default_obs_preprocessor
-        self._reward_preprocessor = reward_pre or proc.default_reward_preprocessor
-        self._env_ret_preprocess_fn = env_ret_fn or proc.default_env_ret_preprocess_fn
-        self._policy_resp_preprocess_fn = policy_fn or proc.default_policy_resp_preprocess_fn
-        self._preprocess_fn = pre_fn or proc.default_preprocess_fn
-        self._postprocess_fn = post_fn   # None: arrowbuf's direct path (same result as the seed's default)
+        segmenter = Segmenter(self.settings.auto_truncate_episode, self._num_envs_of, autoreset_mode,
+                              hooks.postprocess_fn, self.settings.device, hooks.obs_preprocessor)
+        self._ingest = Ingest(hooks, segmenter, self._sink, self._timers)
 
     def init(self, env_meta_list: Sequence[Any] | None = None, env_ids: Sequence[str] | None = None) -> None:
         """Declare the env workers: ``env_meta_list`` gives each one's ``num_envs``.
@@ -193,16 +140,7 @@ class DataBuffer:
             ValueError: an entry without an env_id or with a bad num_envs.
         """
         with self._lock:
-            num_envs = {}
-            for meta in env_meta_list or []:
-                get = meta.get if isinstance(meta, Mapping) else functools.partial(getattr, meta)
-                env_id, n = get("env_id", None), get("num_envs", None)
-                if not isinstance(env_id, str):
-                    raise ValueError(f"env meta {meta!r} has no env_id str")
-                n = 1 if n is None else n
-                if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-                    raise ValueError(f"env meta of {env_id!r}: num_envs must be an int >= 1 or None, got {n!r}")
-                num_envs[env_id] = int(n)
+            num_envs = parse_env_meta(env_meta_list)
             ids = list(env_ids) if env_ids is not None else list(num_envs)
             check_env_nodes(self.placement, ids)
             self._num_envs = num_envs
@@ -251,7 +189,7 @@ class DataBuffer:
         s = self.settings
         return (f"{type(self).__name__}(type={s.type!r}, capacity={s.capacity}, sampler={s.sampler!r}, "
                 f"unit={s.unit!r}, mode={s.mode!r}, backend={self.backend!r}, num_shards={self.num_shards}, "
-                f"size={self.size()}, open_envs={len(self._segmenter.open_envs())})")
+                f"size={self.size()}, open_envs={len(self._ingest.segmenter.open_envs())})")
 
     # -- ingestion -----------------------------------------------------------------------------
 
@@ -267,17 +205,7 @@ class DataBuffer:
                 not stack into an episode or do not match the stored schema.
             BufferFullError: a full fixed-mode buffer.
         """
-        env_ret, policy_resp = _resolve(env_ret), _resolve(policy_resp)
-        if getattr(env_ret, "env_id", env_id) != env_id:
-            raise ValueError(f"add_transition for env {env_id!r} got an EnvRet of env {env_ret.env_id!r}")
-        record = self._preprocess({}, env_ret, policy_resp)
-        self._sink.write(self._segmenter.append(env_id, record))
-        if truncated:
-            self.truncate_one_episode(env_id)
-
-    def _preprocess(self, record: dict, env_ret: Any, policy_resp: Any) -> dict:
-        return self._preprocess_fn(record, env_ret, policy_resp, self._obs_preprocessor, self._reward_preprocessor,
-                                   self._env_ret_preprocess_fn, self._policy_resp_preprocess_fn)
+        self._ingest.add_pair(env_id, env_ret, policy_resp, truncated)
 
     @_locked
     def add_batched_transition(self, batched_env_ret: Any, batched_policy_resp: Any,
@@ -294,7 +222,7 @@ class DataBuffer:
         if tuple(batched_env_ret.ids()) != tuple(batched_policy_resp.ids()):
             raise ValueError(f"batched_env_ret and batched_policy_resp have different env ids: "
                              f"{batched_env_ret.ids()} and {batched_policy_resp.ids()}")
-        flags = _truncation_list(truncations, len(batched_env_ret))
+        flags = truncation_list(truncations, len(batched_env_ret))
         for env_id, env_ret, policy_resp, truncated in zip(batched_env_ret.ids(), batched_env_ret.values(),
                                                             batched_policy_resp.values(), flags):
             self.add_transition(env_id, env_ret, policy_resp, truncated)
@@ -313,25 +241,7 @@ class DataBuffer:
                 silently merged it into an already stored step), or mismatched ids.
             TypeError: neither an EnvRet nor a PolicyResponse.
         """
-        data = _resolve(data)
-        if getattr(data, "env_id", env_id) != env_id:
-            raise ValueError(f"add_data_async for env {env_id!r} got data of env {data.env_id!r}")
-        if proc.is_env_ret(data):
-            if env_id in self._pending:
-                self.dropped_env_rets += 1
-                logger.warning("env %r: an EnvRet replaced one that never got its PolicyResponse "
-                               "(%d replaced so far); the older step is dropped", env_id, self.dropped_env_rets)
-            self._pending[env_id] = self._preprocess({}, data, None)
-        elif proc.is_policy_resp(data):
-            waiting = self._pending.pop(env_id, None)
-            if waiting is None:
-                raise ValueError(f"env {env_id!r}: a PolicyResponse arrived with no EnvRet waiting for it; "
-                                 "add the env's EnvRet first (each EnvRet is answered once)")
-            self._sink.write(self._segmenter.append(env_id, self._preprocess(waiting, None, data)))
-        else:
-            raise TypeError(f"add_data_async takes an EnvRet or a PolicyResponse, got {type(data).__name__}")
-        if truncated:
-            self.truncate_one_episode(env_id)
+        self._ingest.add_async(env_id, data, truncated)
 
     @_locked
     def add_batched_data_async(self, batched_data: Any, truncations: Any = None) -> None:
@@ -340,7 +250,7 @@ class DataBuffer:
         Raises:
             ValueError, TypeError: as `add_data_async`; truncations of another length or type.
         """
-        flags = _truncation_list(truncations, len(batched_data))
+        flags = truncation_list(truncations, len(batched_data))
         for (env_id, data), truncated in zip(batched_data.items(), flags):
             self.add_data_async(env_id, data, truncated)
 
@@ -360,26 +270,7 @@ class DataBuffer:
                 match the stored schema (`arrowbuf.SchemaError`).
             BufferFullError: a full fixed-mode buffer.
         """
-        episode = _resolve(episode)
-        if isinstance(episode, TensorDictBase):
-            episode = episode.to_dict()
-        if not isinstance(episode, Mapping):
-            raise TypeError(f"episode must be a dict or TensorDict, got {type(episode).__name__}")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
-        columns = flatten(episode)
-        if num_envs == 1:
-            lengths = [len(column) for column in columns.values()]
-            self._sink.write([Piece("add_episode", columns, min(lengths, default=0))])
-            return
-        for name, column in columns.items():
-            shape = tuple(column.shape)
-            if len(shape) < 2 or shape[1] != num_envs:
-                raise ValueError(f"add_episode: field {name!r} has shape {shape}, expected [T, {num_envs}, ...] "
-                                 f"for num_envs={num_envs}")
-        steps = min(len(column) for column in columns.values())
-        self._sink.write([Piece(f"add_episode/{i}", {name: column[:, i] for name, column in columns.items()}, steps)
-                          for i in range(int(num_envs))])
+        self._ingest.add_episode(episode, num_envs)
 
     # -- finishing episodes -----------------------------------------------------------------------
 
@@ -394,9 +285,7 @@ class DataBuffer:
                 (the episode is dropped).
             BufferFullError: a full fixed-mode buffer.
         """
-        env_id = _env_id_of(item)
-        with self._timers.timed("truncate"):
-            self._sink.write(self._segmenter.truncate(env_id))
+        self._ingest.truncate([item])
 
     @_locked
     def truncate_episodes(self, items: Sequence[Any]) -> None:
@@ -405,9 +294,7 @@ class DataBuffer:
         Raises:
             TypeError: an item without an env id (checked before any is truncated).
         """
-        env_ids = [_env_id_of(item) for item in items]
-        with self._timers.timed("truncate"):
-            self._sink.write([piece for env_id in env_ids for piece in self._segmenter.truncate(env_id)])
+        self._ingest.truncate(items)
 
     @_locked
     def __getitem__(self, item: Any) -> TensorDict:
@@ -523,53 +410,12 @@ class DataBuffer:
         """Drop everything: stored data, episodes in progress and EnvRets waiting for a response."""
         with self._timers.timed("clear"):
             size_before = self.size()
-            open_envs = len(self._segmenter.open_envs())
             self._sink.clear()
-            self._segmenter.clear()
-            self._pending.clear()
+            open_envs, waiting = self._ingest.clear()
         logger.debug("buffer cleared: %d %ss stored, %d open episodes and %d waiting EnvRets dropped",
-                     size_before, self.settings.unit, open_envs, len(self._pending))
+                     size_before, self.settings.unit, open_envs, waiting)
 
-
-class ReplayBuffer(DataBuffer):
-    """A DataBuffer for off-policy training: sampling keeps the data (config ``type`` may be omitted)."""
-
-    buffer_type = "ReplayBuffer"
-
-
-class RolloutBuffer(DataBuffer):
-    """A DataBuffer for on-policy training: sampling clears what was stored."""
-
-    buffer_type = "RolloutBuffer"
-
-    def _check_batch(self, batch_size: int | None, total: int) -> None:
-        if batch_size is None or self.settings.sampler == "all":
-            return
-        if batch_size > total:
-            super()._check_batch(batch_size, total)
-        if batch_size < total:
-            logger.warning("batch_size %d is smaller than the %d stored %ss: a RolloutBuffer discards the rest "
-                           "after sampling (pass batch_size=None or use sampler 'all' to use all data)",
-                           batch_size, total, self.settings.unit)
-
-    def _after_sample(self) -> None:
-        self._sink.clear()
-
-
-_BUFFERS = {"ReplayBuffer": ReplayBuffer, "RolloutBuffer": RolloutBuffer}
-#: The seed's registry names (``BUFFERS``): its classes, and DataBuffer (the type comes from the config).
-_REGISTRY = {**_BUFFERS, "DataBuffer": DataBuffer}
-
-
-def build_data_buffer(buffer_cls: Any, buffer_cfg: Any, *args: Any, **kwargs: Any) -> DataBuffer:
-    """The seed's builder: ``buffer_cls`` is a class or a registered name
-    ("ReplayBuffer", "RolloutBuffer", "DataBuffer"), e.g. ``config.buffer.type``.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if isinstance(buffer_cls, str):
-        if buffer_cls not in _REGISTRY:
-            raise ValueError(f"buffer_cls: unknown buffer class {buffer_cls!r}; expected one of {sorted(_REGISTRY)}")
-        buffer_cls = _REGISTRY[buffer_cls]
-    return buffer_cls(buffer_cfg, *args, **kwargs)
+    @property
+    def dropped_env_rets(self) -> int:
+        """Async EnvRets replaced before their PolicyResponse came (each logged as a warning)."""
+        return self._ingest.dropped_env_rets

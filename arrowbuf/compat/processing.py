@@ -18,6 +18,7 @@ takes the same callables as RLightning's buffer; these are the defaults.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,3 +115,45 @@ def default_postprocess_fn(episode_buffer: dict[str, list[Any]]) -> dict[str, An
         else:
             out[key] = _rows(stacked, slice(None, -1))
     return out
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The six hooks of a DataBuffer, defaults filled in (`resolve_hooks`)."""
+
+    obs_preprocessor: Callable
+    reward_preprocessor: Callable
+    env_ret_preprocess_fn: Callable
+    policy_resp_preprocess_fn: Callable
+    preprocess_fn: Callable
+    postprocess_fn: Callable | None   # None: the buffer's direct path (the same transitions as the default)
+
+    def preprocess(self, record: dict, env_ret: Any, policy_resp: Any) -> dict:
+        """One step record, through ``preprocess_fn`` with the seed's arguments."""
+        return self.preprocess_fn(record, env_ret, policy_resp, self.obs_preprocessor, self.reward_preprocessor,
+                                  self.env_ret_preprocess_fn, self.policy_resp_preprocess_fn)
+
+
+def resolve_hooks(obs_preprocessor: Callable | None, reward_preprocessor: Callable | None,
+                  env_ret_preprocess_fn: Callable | None, policy_resp_preprocess_fn: Callable | None,
+                  preprocess_fn: Callable | None, postprocess_fn: Callable | None) -> Hooks:
+    """The hooks with defaults for None, checked as the seed checks them.
+
+    Raises:
+        ValueError: a custom inner hook that a custom outer one would bypass (a
+            default passed explicitly is not custom).
+    """
+    defaults = (default_obs_preprocessor, default_reward_preprocessor, default_env_ret_preprocess_fn,
+                default_policy_resp_preprocess_fn, default_preprocess_fn)
+    given = (obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn, preprocess_fn)
+    obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn = (None if hook is default else hook
+                                                          for hook, default in zip(given, defaults))
+    if (obs_pre is not None or reward_pre is not None) and (env_ret_fn is not None or pre_fn is not None):
+        raise ValueError("a custom obs_preprocessor / reward_preprocessor is only called by the default "
+                         "env_ret_preprocess_fn and preprocess_fn; apply it inside your custom "
+                         f"{'env_ret_preprocess_fn' if env_ret_fn is not None else 'preprocess_fn'} instead")
+    if pre_fn is not None and (env_ret_fn is not None or policy_fn is not None):
+        raise ValueError("a custom env_ret_preprocess_fn / policy_resp_preprocess_fn is only called by the "
+                         "default preprocess_fn; handle it inside your custom preprocess_fn instead")
+    return Hooks(*(hook or default for hook, default in zip((obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn),
+                                                           defaults)), postprocess_fn)
