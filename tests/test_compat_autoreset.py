@@ -12,6 +12,7 @@ import pytest
 from _compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
 
 from arrowbuf.compat import BatchedData, DataBuffer, ReplayBuffer
+from arrowbuf.compat.processing import default_postprocess_fn
 
 
 def replay_config(**overrides) -> dict:
@@ -23,12 +24,13 @@ STYLES = [("next_step", "final_observation", True), ("same_step", "final_observa
           ("same_step", "final_observation", False), ("same_step", "final_obs", False)]
 
 
+@pytest.mark.parametrize("hook", [None, default_postprocess_fn], ids=["direct", "postprocess_fn"])
 @pytest.mark.parametrize("autoreset, final_key, vector", STYLES)
 def test_auto_truncation_stores_every_env_step_exactly_once_with_its_reward_and_next_observation(
-        autoreset, final_key, vector):
+        autoreset, final_key, vector, hook):
     workers = [VecWorker(k, num_envs=6, autoreset=autoreset, seed=k, vector=vector, final_key=final_key)
                for k in range(2)]
-    buffer = ReplayBuffer(replay_config(), seed=0, autoreset_mode=autoreset)
+    buffer = ReplayBuffer(replay_config(), seed=0, autoreset_mode=autoreset, postprocess_fn=hook)
     buffer.init([w.meta() for w in workers])
     sync_rollout(buffer, workers, steps=30)
     stored = transitions(buffer[:])
