@@ -51,7 +51,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -60,11 +60,11 @@ from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, b
                                check_format, check_size, fsync, join_arrays, plain_schema, progress_bar, read_json,
                                read_manifest, snapshot_and_write, split_arrays, table_arrays, take_rows, temp_path,
                                write_json)
+from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
-from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.checkpoint"
@@ -86,15 +86,24 @@ class _Snapshot:
     oldest_live: int | None        # oldest live episode id when the snapshot was taken
 
     def valid(self) -> bool:
-        """No row written was overwritten meanwhile (call under the store's lock)."""
+        """No row written was overwritten meanwhile (call under the engine's lock)."""
         return self.rows is None or self.rows.still_live(self.shard)
 
 
 # -- save ------------------------------------------------------------------------------
 
 
-def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Path:
-    """`ExperienceStore.save`.
+def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
+                writers: Callable[[], dict[str, Any]] = dict, progress: bool | None = None) -> Path:
+    """Checkpoint one shard engine into directory ``path``.
+
+    Args:
+        engine: the engine to save (its lock is held while the snapshot is taken).
+        path: the directory.
+        info: the store settings saved beside it (capacity, mode, seed,
+            track_reuse, created_at).
+        writers: returns the state of each open writer by name (called under the lock).
+        progress: a tqdm bar; None shows it when stderr is a terminal.
 
     Raises:
         FileExistsError: ``path`` is a file, or holds a manifest.json that is not
@@ -102,29 +111,18 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
     """
     from arrowbuf import __version__
 
-    if store.backend != "local":
-        raise NotImplementedError(f"save is not implemented for backend={store.backend!r} yet")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save needs a directory")
     path.mkdir(parents=True, exist_ok=True)
     key = str(path.resolve())
-    previous = _previous(path, store._checkpoints.get(key))
+    previous = _previous(path, engine.checkpoints.get(key))
     since = previous["last_episode_id"] if previous else None
     token = uuid.uuid4().hex[:16]
 
     def take(copy: bool) -> _Snapshot:
-        shard: Shard | None = store._shard
-        state = {
-            "store": {"capacity": store.capacity, "mode": store.mode, "seed": store.seed,
-                      "track_reuse": store.track_reuse, "created_at": store.created_at},
-            "schema": shard.schema.to_json() if shard is not None else None,
-            "rng": store._rng.bit_generator.state,
-            "sampler": store.sampler.state_dict(),
-            "rate_limiter": store.rate_limiter.state_dict(),
-            "shard": shard.state_dict() if shard is not None else None,
-            "writers": {name: writer.state_dict() for name, writer in store._writers.live().items()},
-        }
+        shard = engine.shard
+        state = {"store": dict(info), **engine.state_dict(), "writers": writers()}
         if shard is None:
             return _Snapshot(state, None, None, None, None)
         schema = plain_schema(shard.schema, {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT})
@@ -142,7 +140,7 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
         if entry is not None:
             (path / entry["path"]).unlink()
 
-    snapshot, entry = snapshot_and_write(store._lock, take, _Snapshot.valid, write, discard)
+    snapshot, entry = snapshot_and_write(engine.lock, take, _Snapshot.valid, write, discard)
     kept = [e for e in (previous["row_files"] if previous else [])
             if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
     row_files = kept + ([entry] if entry is not None else [])
@@ -156,7 +154,7 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None) -> Pa
         "state_file": {"path": state_file.name, "bytes": state_file.stat().st_size}, "state": tree,
     })
     _remove_unlisted(path, {e["path"] for e in row_files} | {state_file.name})
-    store._checkpoints[key] = token
+    engine.checkpoints[key] = token
     return path
 
 
@@ -219,8 +217,22 @@ def _remove_unlisted(path: Path, listed: set[str]) -> None:
 # -- load ------------------------------------------------------------------------------
 
 
-def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any:
-    """`ExperienceStore.load`: a new store, complete before it is returned.
+@dataclass
+class Loaded:
+    """A loaded checkpoint: the restored engine, the saved store settings and open writers."""
+
+    engine: ShardEngine
+    info: dict[str, Any]           # capacity, mode, seed, track_reuse, created_at
+    writers: dict[str, Any]        # name -> writer state_dict
+
+
+def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1) -> Loaded:
+    """The engine saved in ``path``, complete before it is returned.
+
+    Args:
+        path: the checkpoint directory.
+        progress: a tqdm bar; None shows it when stderr is a terminal.
+        shard, num_shards: the engine's place in a Ray store.
 
     Raises:
         FormatError: a missing or incomplete directory, a newer format version, a
@@ -236,36 +248,19 @@ def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any
         for entry in row_files:
             check_size(path / entry["path"], entry["bytes"])
         state = join_arrays(manifest["state"], table_arrays(_read_ipc(state_file)))
-        store = _build_store(cls, state, manifest_path)
-        shard = store._shard
-        if shard is not None:
-            shard.load_state_dict(state["shard"])
-            _fill(shard, path, row_files, progress)
-        store.sampler.load_state_dict(state["sampler"])
-        store.rate_limiter.load_state_dict(state["rate_limiter"])
-        store._rng.bit_generator.state = state["rng"]
-        for name, writer_state in state["writers"].items():
-            writer = store.writer(int(writer_state["num_envs"]), writer_state["autoreset_mode"],
-                                  writer_state["env_ids"], name=name)
-            writer.load_state_dict(writer_state)
-            store._writers.hold(name)
+        info = state["store"]
+        engine = ShardEngine(int(info["capacity"]), seed=info["seed"], mode=info["mode"],
+                             sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
+                             rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
+                             track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards)
+        engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
+        loaded = Loaded(engine, dict(info), dict(state["writers"]))
     except FormatError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
-    store._checkpoints[str(path.resolve())] = token
-    return store
-
-
-def _build_store(cls: type, state: Mapping[str, Any], where: Path) -> Any:
-    info = state["store"]
-    schema = Schema.from_json(state["schema"]) if state["schema"] is not None else None
-    store = cls(int(info["capacity"]), seed=info["seed"], schema=schema, mode=info["mode"],
-                sampler=_build(SAMPLERS, state["sampler"], "sampler", where),
-                rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", where),
-                track_reuse=bool(info["track_reuse"]))
-    store.created_at = float(info["created_at"])
-    return store
+    engine.checkpoints[str(path.resolve())] = token
+    return loaded
 
 
 def _build(registry: Mapping[str, type], state: Mapping[str, Any], what: str, where: Path) -> Any:

@@ -39,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -146,9 +146,13 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     return episodes, entries
 
 
-def export_store(store: Any, path: str | Path, *, compression: str = "zstd", rows_per_file: int | None = None,
-                 progress: bool | None = None, overwrite: bool = False) -> Path:
+def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,
+                 compression: str = "zstd", rows_per_file: int | None = None, progress: bool | None = None,
+                 overwrite: bool = False) -> Path:
     """`ExperienceStore.to_parquet`: write the export into a hidden sibling, then rename it.
+
+    ``export_steps(steps_dir, schema, **options)`` writes the rows of every shard
+    (the backend's; see `export_shard`) and returns (episode table, file entries).
 
     Raises:
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
@@ -170,9 +174,8 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
     tmp = temp_path(path)
     try:
         (tmp / STEPS).mkdir(parents=True)
-        episodes, entries = store._export_shards(tmp / STEPS, schema, compression=compression,
-                                                 rows_per_file=rows_per_file, progress=progress,
-                                                 label=f"export {path.name}")
+        episodes, entries = export_steps(tmp / STEPS, schema, compression=compression, rows_per_file=rows_per_file,
+                                         progress=progress, label=f"export {path.name}")
         finish_export(tmp, store_schema, info, episodes, entries)
         _replace_dir(tmp, path)
     except BaseException:
