@@ -1,9 +1,13 @@
 """Seed compatibility: RLightning's ``DataBuffer`` API, config and types on arrowbuf.
 
-``import arrowbuf.compat as compat``; ``compat.DataBuffer(cfg.buffer)`` takes the
-RLightning buffer config and offers its methods (`arrowbuf.compat.data_buffer`
-lists the semantics and what differs from the seed). The types are also
-`arrowbuf.types`.
+``import arrowbuf.compat as compat``; ``compat.DataBuffer(cfg.buffer, cluster=cfg.cluster)``
+takes the RLightning buffer config and cluster section and offers its methods.
+Modules, one job each: `config` (the buffer config), `placement` (shards, train
+workers, node affinity), `ingest` (EnvRets / PolicyResponses in), `staging` and
+`segments` (records -> episodes, autoreset styles), `sink` (the store),
+`reading` (indices and samplers), `data_buffer` and `buffers` (the facade),
+`advantages` (`compute_gae`), `types` (also `arrowbuf.types`). What still
+differs from the seed: the README's "Migrating from RLightning".
 """
 
 from arrowbuf.compat.advantages import compute_gae
