@@ -33,10 +33,6 @@ class LocalAccess:
         """(shard, first rank, transitions) of every live episode, oldest first."""
         return self.store.episode_spans()
 
-    def empty(self, device: Any) -> TensorDict:
-        """A batch of no transitions, with the store's fields."""
-        return self.gather(0, np.zeros(0, np.int64), device)
-
     def pin(self, env_id: str, shard: int) -> None:
         """One shard only: nothing to pin."""
 
@@ -50,9 +46,6 @@ class RayAccess:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-
-    def empty(self, device: Any) -> TensorDict:
-        return TensorDict({}, batch_size=[0])
 
     def pin(self, env_id: str, shard: int) -> None:
         """Send env ``env_id``'s episodes to ``shard`` (node affinity): a route set before its first write."""

@@ -62,6 +62,23 @@ def positions(item: Any, count: int, unit: str) -> tuple[np.ndarray, bool]:
     return array, False
 
 
+def empty_batch(schema: Any, device: Any) -> TensorDict:
+    """A batch of no transitions with every field of ``schema`` (what a draw of nothing returns),
+    in the seed's keys: observation fields also as ``next_<name>``."""
+    fields = {"index": torch.zeros(0, dtype=torch.int64), "episode_id": torch.zeros(0, dtype=torch.int64),
+              "step": torch.zeros(0, dtype=torch.int32)}
+    for name, spec in (schema.fields.items() if schema is not None else ()):
+        empty = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype)
+        *parents, leaf = name.split(".")
+        fields[tuple(parents) + (leaf,)] = empty
+        if spec.observation:
+            fields[("next", *parents, leaf)] = empty
+    batch = TensorDict({}, batch_size=[0])
+    for key, value in fields.items():
+        batch.set(key, value)
+    return to_seed_keys(batch.to(device) if device is not None else batch)
+
+
 class Reader:
     """Index reads of a store through its adapter (`LocalAccess` / `RayAccess`).
 
@@ -117,7 +134,7 @@ class Reader:
             ranks = np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards]
             span = mask = None
         if not len(where):
-            return to_seed_keys(self.access.empty(device))
+            return empty_batch(self.access.store.schema, device)
         parts, order = [], []
         for shard in np.unique(shards):
             chosen = np.flatnonzero(shards == shard)
