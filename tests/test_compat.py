@@ -552,3 +552,39 @@ def test_a_sharded_config_samples_exact_batches_from_ray_shards_of_unequal_size(
         assert_tagged_transitions(batch)
     assert_tagged_transitions(buffer[:])
     buffer.store.close()
+
+
+def test_multi_agent_returns_store_per_agent_rewards_and_end_when_any_agent_is_done():
+    from arrowbuf.compat import MultiAgentEnvRet, MultiAgentPolicyResponse
+
+    buffer = ReplayBuffer({"capacity": 100, "auto_truncate_episode": True}, seed=0)
+    agents = ("a", "b")
+    for t in range(4):
+        env_ret = MultiAgentEnvRet("ma-0", {k: np.full(2, t, np.float32) for k in agents},
+                                   last_reward={k: np.float32(t + i) for i, k in enumerate(agents)},
+                                   last_terminated={"a": False, "b": t == 2}, last_truncated={k: False for k in agents})
+        buffer.add_transition("ma-0", env_ret, MultiAgentPolicyResponse("ma-0", action={k: np.int64(t) for k in agents}))
+    batch = buffer[:]
+    assert len(buffer) == 2 and batch["reward", "b"].tolist() == [2.0, 3.0]
+    assert batch["terminated", "b"].tolist() == [False, True] and batch["next_observation", "a"][:, 0].tolist() == [1, 2]
+    assert ab_types.MultiAgentEnvRet is MultiAgentEnvRet
+
+
+def test_make_example_samples_actions_from_gymnasium_spaces():
+    from arrowbuf.compat import MultiAgentPolicyResponse
+
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    response = PolicyResponse.make_example(space, env_id="e-0", log_prob=0.0)
+    assert space.contains(response.action) and response.to_dict().keys() == {"action", "log_prob"}
+    multi = MultiAgentPolicyResponse.make_example({"a": space, "b": gym.spaces.Discrete(4)}, env_id="e-0")
+    assert isinstance(multi, MultiAgentPolicyResponse) and 0 <= multi.action["b"] < 4
+
+
+def test_build_data_buffer_takes_the_seeds_registry_names():
+    from arrowbuf.compat import build_data_buffer
+
+    assert isinstance(build_data_buffer("RolloutBuffer", {"type": "RolloutBuffer", "capacity": 10}), RolloutBuffer)
+    assert isinstance(build_data_buffer("DataBuffer", {"type": "ReplayBuffer", "capacity": 10}), ReplayBuffer)
+    assert isinstance(build_data_buffer(ReplayBuffer, {"capacity": 10}), ReplayBuffer)
+    with pytest.raises(ValueError, match="buffer_cls: unknown buffer class 'ReservoirBuffer'"):
+        build_data_buffer("ReservoirBuffer", {"type": "ReplayBuffer", "capacity": 10})
