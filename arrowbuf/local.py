@@ -74,6 +74,9 @@ class LocalBackend:
     def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
         return self.engine.add(episode, schema, timeout)
 
+    def pin(self, env_id: str, shard: int) -> None:
+        """One shard: every env's episodes go to it."""
+
     def sink(self, timeout: float | None, env_ids: Sequence[str]) -> EngineSink:
         return EngineSink(self.engine, timeout)
 

@@ -303,6 +303,19 @@ class ExperienceStore:
         self._writers.add(name or self._writers.new_name(), writer, sink)
         return writer
 
+    def pin_env(self, env_id: str, shard: int) -> None:
+        """Send the `add_episode` episodes of ``env_id`` to ``shard`` (e.g. the shard on
+        the node where that env runs), unless the env was already routed; on a local
+        store (one shard) it changes nothing.
+
+        Raises:
+            ValueError: a bad ``env_id``, or ``shard`` not in [0, num_shards).
+        """
+        check_env_id(env_id)
+        if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) or not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard must be an int in [0, {self.num_shards}), got {shard!r}")
+        self._backend.pin(env_id, int(shard))
+
     @property
     def writers(self) -> dict[str, StepWriter]:
         """Writers by name: those still referenced, and after `load` the restored

@@ -33,6 +33,10 @@ class StoreAccess:
         self.store.flush()
         return self.store.episode_spans()
 
+    def pin(self, env_id: str, shard: int) -> None:
+        """Send env ``env_id``'s episodes to ``shard`` (node affinity), if it has no route yet."""
+        self.store.pin_env(env_id, shard)
+
     def gather(self, shard: int, index: np.ndarray, device: Any) -> TensorDict:
         """The transitions of live ``index`` (1-D, of ``shard``), in that order, writable.
 

@@ -239,11 +239,14 @@ class RayBackend:
         self.shards.closed = True
 
     def clear(self) -> None:
-        """Empty every shard; this backend's routes start afresh (by the shards' new sizes)."""
+        """Empty every shard; new envs are routed by the shards' new sizes (known envs keep their shard)."""
         for shard, reading in self.shards.broadcast("clear").items():
             self._sizes.note(shard, reading)
-        self._sink.close()
-        self._sink = RaySink(self.shards, self._sizes, self._schema)
+        self._sink.reset_loads()
+
+    def pin(self, env_id: str, shard: int) -> None:
+        """Send `add` episodes of ``env_id`` to ``shard``, unless the env already has a shard."""
+        self._sink.pin(env_id, shard)
 
     # -- sampling ----------------------------------------------------------------------
 

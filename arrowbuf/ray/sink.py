@@ -181,6 +181,16 @@ class RaySink:
             self._acknowledged(shard, reading)
             return ids[0]
 
+    def pin(self, key: str, shard: int) -> None:
+        """Route ``key``'s episodes to ``shard`` unless it already has a route."""
+        with self._lock:
+            self._routes.setdefault(key, shard)
+
+    def reset_loads(self) -> None:
+        """Route by the shards' last reported sizes again (after a clear)."""
+        with self._lock:
+            self._loads = self._sizes.transitions.astype(np.float64)
+
     @property
     def queued(self) -> int:
         """Episodes not yet sent."""
