@@ -171,3 +171,12 @@ def test_a_rate_limiter_refuses_and_lets_a_waiting_sample_through_an_insert(back
     store.add_episode(make_episode(1, 5))   # gets through while the sample waits
     waiting.join(90)
     assert result["batch"].batch_size == (4,)
+
+
+def test_a_pinned_env_sends_its_episodes_to_its_shard(store):
+    last = store.num_shards - 1
+    store.pin_env("pinned", last)
+    ids = [store.add_episode(make_episode(tag, 3), env_id="pinned") for tag in range(3)]
+    assert all(i % store.num_shards == last for i in ids)   # a shard's ids are shard + k * num_shards
+    with pytest.raises(ValueError, match="shard must be an int in"):
+        store.pin_env("other", store.num_shards)
