@@ -90,3 +90,20 @@ def test_importing_arrowbuf_and_a_local_store_does_not_import_ray():
             "assert 'ray' not in sys.modules, 'ray imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_arrowbuf_module_imported_exists_in_this_tree():
+    # An editable install of another checkout would otherwise serve a deleted module.
+    paths = sorted(PACKAGE.rglob("*.py"))
+    known = {module_name(p) for p in paths}
+    missing = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("arrowbuf"):
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("arrowbuf")]
+            else:
+                continue
+            missing |= {f"{module_name(path)} imports {n}" for n in names if n not in known}
+    assert not missing, sorted(missing)

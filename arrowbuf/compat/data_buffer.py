@@ -84,7 +84,7 @@ class DataBuffer:
         num_train_workers: batches `sample` returns (default: from the cluster, else 1).
         backend: "local" or "ray" to override the placement's.
         num_shards: shards of a sharded store (``storage.num_shards`` wins).
-        ray_options: `arrowbuf.ray_backend.RayOptions` for a Ray store.
+        ray_options: `arrowbuf.RayOptions` for a Ray store.
         autoreset_mode: "next_step" or "same_step" (`arrowbuf.compat.segments`).
         component_distribution: RLightning's node -> component ids map for node
             affinity (default: the resource manager's, else all on this node).

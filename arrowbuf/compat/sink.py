@@ -32,7 +32,7 @@ class StoreSink:
         settings: the checked buffer config.
         placement: backend, shards and node affinity.
         seed: the store's seed.
-        ray_options: `arrowbuf.ray_backend.RayOptions` for a Ray store.
+        ray_options: `arrowbuf.RayOptions` for a Ray store.
         timers: where ``add_episode`` calls are timed.
     """
 
@@ -59,7 +59,7 @@ class StoreSink:
         if placement.backend == "ray":
             options = self._ray_options
             if options is None and placement.shard_nodes is not None and "driver" not in placement.shard_nodes:
-                from arrowbuf.ray_backend import RayOptions
+                from arrowbuf.ray.options import RayOptions
 
                 options = RayOptions(nodes=list(placement.shard_nodes))
             store = ExperienceStore(rows * placement.num_shards, backend="ray", num_shards=placement.num_shards,
