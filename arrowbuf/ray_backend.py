@@ -207,8 +207,11 @@ class ShardServer:
         return export_shard(self.store._shard, self.store._lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
-    def save(self, path: str) -> str:
-        self.store.save(path, progress=False)
+    def save(self, path: str, base: str | None = None) -> str:
+        """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
+        from arrowbuf.checkpoint import save_store
+
+        save_store(self.store, path, progress=False, base=base)
         return path
 
     def plain_rows(self) -> pa.Table:
