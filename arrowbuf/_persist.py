@@ -1,4 +1,4 @@
-"""What Parquet export and checkpoints share: plain columns, row snapshots, atomic files.
+"""What Parquet export and checkpoints share: plain columns, row snapshots, verified files.
 
 **Plain columns.** Files hold what any Arrow reader understands: fixed-shape fields
 are ``FixedSizeList`` columns (the storage of Arrow's ``fixed_shape_tensor``, the
@@ -12,6 +12,11 @@ is FIFO, so if the oldest episode written is still live once the file is complet
 no row of the file changed while it was written. `snapshot_and_write` checks that
 and, when an eviction raced the write, takes the snapshot again copying the rows
 under the lock, and writes that copy.
+
+**Verified files.** Manifests carry a checksum of their own content
+(`write_manifest`, `check_checksum`) and the size and SHA-256 of every file they
+list (`file_entry`, `check_file`); Arrow IPC record batches are validated in full
+before use (`ipc_batches`). Writing the files atomically is `arrowbuf._filesink`'s job.
 """
 
 from __future__ import annotations

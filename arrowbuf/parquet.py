@@ -243,8 +243,7 @@ def open_export(path: str | Path) -> Export:
         files = list(manifest["steps"])
         episodes_entry = manifest["episodes"]
         for entry in [*files, episodes_entry]:
-            if not isinstance(entry["path"], str) or Path(entry["path"]).is_absolute() or ".." in Path(entry["path"]).parts:
-                raise FormatError(f"{manifest_path}: file {entry['path']!r} is not a path inside the export")
+            _check_inside(entry["path"], manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
     expected = plain_schema(schema)
@@ -272,6 +271,12 @@ def open_export(path: str | Path) -> Export:
     if missing:
         raise FormatError(f"{episodes_path}: episode table lacks column(s) {missing}")
     return Export(path, manifest, schema, episodes, files)
+
+
+def _check_inside(name: Any, where: Path) -> None:
+    """Raises `FormatError` unless a manifest's file path is a relative path inside the export."""
+    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise FormatError(f"{where}: file {name!r} is not a path inside the export")
 
 
 def _footer(file: Path) -> pq.FileMetaData:

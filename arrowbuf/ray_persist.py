@@ -86,10 +86,16 @@ def save_ray_store(store: "RayExperienceStore", path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     with ManifestSink(path, RAY_MANIFEST) as sink:
         staged = sink.staging / generation
-        refs = {s: store._shards.call(s, "save", str(shard_dir(staged, s)),
-                                      str(shard_dir(previous, s)) if previous is not None else None)
-                for s in range(store.num_shards)}
-        _wait_all(refs, store.name)
+        refs: dict[int, Any] = {}
+        failure = None
+        for s in range(store.num_shards):
+            try:
+                refs[s] = store._shards.call(s, "save", str(shard_dir(staged, s)),
+                                             str(shard_dir(previous, s)) if previous is not None else None)
+            except ShardError as err:   # a shard known dead: wait for the others before the abort
+                failure = err
+                break
+        _wait_all(refs, store.name, failure)
         write_manifest(sink.staging / RAY_MANIFEST, {
             "format": RAY_FORMAT, "format_version": RAY_FORMAT_VERSION, "generation": generation,
             "num_shards": store.num_shards, "capacity": store.capacity, "mode": store.mode, "seed": store.seed})
@@ -99,10 +105,10 @@ def save_ray_store(store: "RayExperienceStore", path: Path) -> Path:
     return path
 
 
-def _wait_all(refs: dict[int, Any], name: str) -> None:
-    """Wait for every shard's answer, then raise the first failure (none is left running)."""
+def _wait_all(refs: dict[int, Any], name: str, failure: BaseException | None = None) -> None:
+    """Wait for every shard's answer, then raise the first failure (so no shard still
+    writes into a generation that is being deleted)."""
     ray = _ray()
-    failure: BaseException | None = None
     for shard, ref in refs.items():
         try:
             ray.get(ref)
