@@ -254,9 +254,14 @@ def _remove_unlisted(path: Path, listed: set[str]) -> None:
 def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any:
     """`ExperienceStore.load`: a new store, complete before it is returned.
 
+    Nothing read is trusted before it is checked: the manifest's checksum, every
+    file's size and SHA-256, every record batch (Arrow validation), then the state
+    against its domains (`arrowbuf._state_checks`).
+
     Raises:
         FormatError: a missing or incomplete directory, a newer format version, a
-            missing, truncated or inconsistent file; the message names the file.
+            missing, truncated, corrupted or inconsistent file, or a state outside
+            its domain; the message names the file.
     """
     path = Path(path)
     manifest_path, manifest = read_manifest(path, "checkpoint")

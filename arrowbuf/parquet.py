@@ -242,19 +242,21 @@ def open_export(path: str | Path) -> Export:
         schema = Schema.from_json(json.dumps(manifest["schema"]))
         files = list(manifest["steps"])
         episodes_entry = manifest["episodes"]
-        for entry in [*files, episodes_entry]:
-            _check_inside(entry["path"], manifest_path)
+        for entry in files:
+            _check_entry(entry, _STEP_ENTRY, manifest_path)
+        _check_entry(episodes_entry, _FILE_ENTRY, manifest_path)
+        _check_entry(manifest["store"], _STORE_ENTRY, manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
     expected = plain_schema(schema)
     for entry in files:
         file = path / entry["path"]
-        metadata = _footer(file)
-        check_columns(metadata.schema.to_arrow_schema(), expected, str(file))
-        if schema_of(metadata.schema.to_arrow_schema(), str(file)) != schema:
+        num_rows, arrow_schema = _footer(file)
+        check_columns(arrow_schema, expected, str(file))
+        if schema_of(arrow_schema, str(file)) != schema:
             raise FormatError(f"{file}: its arrowbuf schema differs from the manifest's {schema}")
-        if metadata.num_rows != entry["rows"]:
-            raise FormatError(f"{file}: {metadata.num_rows} rows, the manifest says {entry['rows']}")
+        if num_rows != entry["rows"]:
+            raise FormatError(f"{file}: {num_rows} rows, the manifest says {entry['rows']}")
         check_size(file, entry["bytes"])
     listed = {(path / e["path"]).name for e in files}
     strays = sorted(p.name for p in (path / STEPS).glob("*.parquet") if p.name not in listed)
@@ -273,18 +275,38 @@ def open_export(path: str | Path) -> Export:
     return Export(path, manifest, schema, episodes, files)
 
 
-def _check_inside(name: Any, where: Path) -> None:
-    """Raises `FormatError` unless a manifest's file path is a relative path inside the export."""
-    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+_FILE_ENTRY = {"path": str, "rows": int, "bytes": int, "sha256": (str, type(None))}
+_STEP_ENTRY = {**_FILE_ENTRY, "episodes": int, "first_episode_id": (int, type(None)),
+               "last_episode_id": (int, type(None))}
+_STORE_ENTRY = {"capacity": int, "mode": str}
+
+
+def _check_entry(entry: Any, fields: Mapping[str, Any], where: Path) -> None:
+    """Raises `FormatError` unless a manifest entry has ``fields`` of their types, and
+    its file path (if any) is a relative path inside the export."""
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: manifest entry {entry!r} is not an object")
+    for key, kind in fields.items():
+        value = entry.get(key)
+        if key not in entry or isinstance(value, bool) or not isinstance(value, kind):
+            raise FormatError(f"{where}: manifest entry {entry!r} has {key}={value!r}; expected {kind}")
+    name = entry.get("path", "")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
         raise FormatError(f"{where}: file {name!r} is not a path inside the export")
 
 
-def _footer(file: Path) -> pq.FileMetaData:
+def _footer(file: Path) -> tuple[int, pa.Schema]:
+    """The row count and Arrow schema in a Parquet file's footer.
+
+    Raises:
+        FormatError: a missing file, or a footer that does not parse.
+    """
     if not file.exists():
         raise FormatError(f"{file}: missing; the export's manifest lists it (a partial copy?)")
     try:
-        return pq.read_metadata(file)
-    except (pa.ArrowException, OSError) as err:
+        metadata = pq.read_metadata(file)
+        return metadata.num_rows, metadata.schema.to_arrow_schema()
+    except (pa.ArrowException, OSError, ValueError) as err:   # ValueError: a name that is not UTF-8
         raise FormatError(f"{file}: not a readable Parquet file ({err}); it is truncated or corrupted") from None
 
 

@@ -25,14 +25,27 @@ _spec.loader.exec_module(corrupt)
 
 
 def test_flipped_bytes_and_cut_files_never_crash_never_load_wrong_data_and_raise_format_error(tmp_path):
-    result = corrupt.campaign(flips=240, seed=1, root=tmp_path)
+    result = corrupt.campaign(flips=210, seed=1, root=tmp_path)
     total = result["total"]
     examples = [e for r in result["fixtures"].values() for e in r["examples"]]
-    assert total["flips"] == 240 and total["truncations"] > 0
-    assert (total["crash"], total["untyped"], total["wrong"]) == (0, 0, 0), examples
+    assert total["flips"] == 210 and total["truncations"] > 0
+    assert (total["crash"], total["untyped"], total["wrong"]) == (0, 0, 0), examples[:10]
     assert total["rejected"] + total["same"] == total["tried"]
     for fixture in corrupt.FIXTURES:   # every kind of file of every fixture was hit
-        assert result["fixtures"][fixture]["tried"] > 80
+        assert result["fixtures"][fixture]["tried"] > 70
+
+
+def test_corruptions_behind_a_resealed_manifest_never_crash_and_raise_only_format_error(tmp_path):
+    # The manifest is made to match each corruption, so the hashes cannot catch it:
+    # Arrow validation, page checksums and the state checks must. A flipped value in
+    # a checkpoint's data buffer then loads as written, which no check can tell.
+    result = corrupt.campaign(flips=120, seed=2, root=tmp_path, reseal=True)
+    total = result["total"]
+    examples = [e for r in result["fixtures"].values() for e in r["examples"] if "wrong" not in e]
+    assert total["flips"] == 120 and total["truncations"] > 0
+    assert (total["crash"], total["untyped"]) == (0, 0), examples[:10]
+    for fixture in ("parquet-none", "parquet-zstd"):   # page checksums: no wrong data from Parquet
+        assert result["fixtures"][fixture]["wrong"] == 0, result["fixtures"][fixture]["examples"][:10]
 
 
 def test_a_flipped_byte_in_a_data_page_fails_the_page_checksum_of_plain_readers(tmp_path):

@@ -17,6 +17,7 @@ the worker is then restarted on a fresh copy for the rest. Every outcome is one 
 
 Usage:
     python tools/corrupt.py --flips 2000 --seed 0
+    python tools/corrupt.py --flips 2000 --reseal     # the checks behind the hashes
 
 prints the counts per fixture and in total, as JSON with ``--json``.
 """
@@ -124,41 +125,73 @@ def plan(directory: Path, flips: int, seed: int) -> list[dict[str, Any]]:
     return jobs
 
 
-def _apply(directory: Path, job: dict[str, Any]) -> bytes:
-    """Corrupt one file in place; returns its original bytes."""
+def _apply(directory: Path, job: dict[str, Any], reseal: bool) -> dict[Path, bytes]:
+    """Corrupt one file in place (and with ``reseal`` make the manifest match it);
+    returns the original bytes of every file changed."""
     file = directory / job["file"]
-    original = file.read_bytes()
+    originals = {file: file.read_bytes()}
     if "truncate" in job:
-        file.write_bytes(original[:job["truncate"]])
+        file.write_bytes(originals[file][:job["truncate"]])
     else:
-        data = bytearray(original)
+        data = bytearray(originals[file])
         data[job["offset"]] ^= job["xor"]
         file.write_bytes(bytes(data))
-    return original
+    if reseal:
+        manifest = next(p for p in (directory / "manifest.json", directory / "_arrowbuf.json") if p.exists())
+        originals.setdefault(manifest, manifest.read_bytes())
+        _reseal(manifest, job["file"])
+    return originals
 
 
-def worker(fixture: str, pristine: Path, work: Path, jobs_file: Path) -> None:
+def _reseal(manifest_path: Path, changed: str) -> None:
+    """Record the changed file's size and hash in the manifest and seal it again,
+    as an editor who knows the format would."""
+    from arrowbuf import _persist
+
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError:
+        return                    # a manifest that no longer parses stays as it is
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if value.get("path") == changed and "sha256" in value:
+                value.update(_persist.file_entry(manifest_path.parent / changed))
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    if isinstance(manifest, dict):
+        walk(manifest)
+        _persist.write_manifest(manifest_path, manifest)
+
+
+def worker(fixture: str, pristine: Path, work: Path, jobs_file: Path, reseal: bool) -> None:
     """Load ``work`` once per corruption of ``jobs_file``; one outcome per line on stdout."""
     import arrowbuf as ab
 
     expected = fingerprint(fixture, pristine)
     for job in json.loads(jobs_file.read_text()):
-        original = _apply(work, job)
+        originals = _apply(work, job, reseal)
         try:
             outcome = "same" if fingerprint(fixture, work) == expected else "wrong"
         except ab.FormatError:
             outcome = "rejected"
         except Exception as err:   # anything else is what the campaign looks for
             outcome = f"untyped {type(err).__name__}: {str(err)[:200]}"
-        (work / job["file"]).write_bytes(original)
+        for file, data in originals.items():
+            file.write_bytes(data)
         print(json.dumps(outcome), flush=True)
 
 
-def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratch: Path,
+def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratch: Path, reseal: bool = False,
                 batch: int = 400) -> dict[str, Any]:
     """Run ``jobs`` against one fixture in worker subprocesses; the counts and examples."""
     counts = dict.fromkeys(OUTCOMES, 0)
     examples: list[str] = []
+    by_file: dict[str, int] = {}   # untyped or wrong loads per kind of file
     done = 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
@@ -170,13 +203,15 @@ def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratc
         jobs_file = scratch / f"jobs-{fixture}.json"
         jobs_file.write_text(json.dumps(todo))
         proc = subprocess.run([sys.executable, __file__, "--worker", fixture, str(pristine), str(work),
-                               str(jobs_file)], capture_output=True, text=True, env=env)
+                               str(jobs_file), *(["--reseal"] if reseal else [])],
+                              capture_output=True, text=True, env=env)
         outcomes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('"')]
         for job, outcome in zip(todo, outcomes):
             kind = outcome.split(" ", 1)[0]
             counts[kind] += 1
-            if kind in ("untyped", "wrong") and len(examples) < 10:
+            if kind in ("untyped", "wrong"):
                 examples.append(f"{job}: {outcome}")
+                by_file[job["file"].split("-")[0]] = by_file.get(job["file"].split("-")[0], 0) + 1
         done += len(outcomes)
         if len(outcomes) < len(todo):
             if proc.returncode >= 0 and not outcomes and proc.returncode != 0:
@@ -186,18 +221,26 @@ def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratc
             done += 1
     truncations = sum("truncate" in job for job in jobs)
     return {"tried": len(jobs), "flips": len(jobs) - truncations, "truncations": truncations, **counts,
-            "examples": examples}
+            "examples": examples, "untyped_or_wrong_by_file": by_file}
 
 
-def campaign(flips: int, seed: int = 0, root: Path | None = None) -> dict[str, Any]:
-    """Write the fixtures, corrupt them and load every corruption; counts per fixture and total."""
+def campaign(flips: int, seed: int = 0, root: Path | None = None, reseal: bool = False,
+             fixtures: tuple[str, ...] = FIXTURES) -> dict[str, Any]:
+    """Write the fixtures, corrupt them and load every corruption; counts per fixture and total.
+
+    With ``reseal`` every corruption is followed by a manifest that matches it
+    (sizes, hashes, checksum): the hashes no longer catch it, so this tries the
+    checks behind them (Arrow validation, page checksums, state domains). A
+    flipped value in a data buffer then loads as written (``wrong``): only
+    crashes and untyped errors count against arrowbuf there.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(root or tmp)
         paths = write_fixtures(base / "pristine")
         results = {}
-        for k, fixture in enumerate(FIXTURES):
-            jobs = plan(paths[fixture], flips // len(FIXTURES) + (k < flips % len(FIXTURES)), seed + k)
-            results[fixture] = run_fixture(fixture, paths[fixture], jobs, base)
+        for k, fixture in enumerate(fixtures):
+            jobs = plan(paths[fixture], flips // len(fixtures) + (k < flips % len(fixtures)), seed + k)
+            results[fixture] = run_fixture(fixture, paths[fixture], jobs, base, reseal)
         total = {key: sum(r[key] for r in results.values()) for key in COUNTS}
         return {"fixtures": results, "total": total}
 
@@ -208,20 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flips", type=int, default=2000, help="byte flips in total, across the fixtures")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled offsets and bytes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--reseal", action="store_true",
+                        help="make the manifest match each corruption (tests the checks behind the hashes)")
     parser.add_argument("--worker", nargs=4, metavar=("FIXTURE", "PRISTINE", "WORK", "JOBS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         fixture, pristine, work, jobs = args.worker
-        worker(fixture, Path(pristine), Path(work), Path(jobs))
+        worker(fixture, Path(pristine), Path(work), Path(jobs), args.reseal)
         return 0
-    result = campaign(args.flips, args.seed)
+    result = campaign(args.flips, args.seed, reseal=args.reseal)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0
     for name, counts in [*result["fixtures"].items(), ("total", result["total"])]:
         line = ", ".join(f"{key} {counts[key]}" for key in COUNTS)
         sys.stdout.write(f"{name:>13}: {line}\n")
-        for example in counts.get("examples", []):
+        if counts.get("untyped_or_wrong_by_file"):
+            sys.stdout.write(f"               untyped or wrong, by file: {counts['untyped_or_wrong_by_file']}\n")
+        for example in counts.get("examples", [])[:10]:
             sys.stdout.write(f"               {example}\n")
     return 0
 
