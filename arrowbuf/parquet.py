@@ -267,7 +267,7 @@ def open_export(path: str | Path) -> Export:
     check_file(episodes_path, episodes_entry)
     try:
         episodes = pq.read_table(episodes_path, page_checksum_verification=True)
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, ValueError) as err:   # ValueError: a footer name that is not UTF-8
         raise FormatError(f"{episodes_path}: unreadable episode table ({err})") from None
     missing = [c for c in _EPISODE_COLUMNS if c not in episodes.column_names]
     if missing:
