@@ -72,7 +72,8 @@ def plain_field(name: str, spec: Field, role: str) -> pa.Field:
 
 def plain_schema(schema: Schema, metadata: Mapping[str, str] | None = None) -> pa.Schema:
     """User fields then the system columns, with the arrowbuf schema in the metadata."""
-    fields = [plain_field(n, f, "observation" if f.observation else "step") for n, f in schema.fields.items()]
+    fields = [plain_field(n, f, "observation" if f.observation else "derived" if f.derived else "step")
+              for n, f in schema.fields.items()]
     fields += [plain_field(n, f, "system") for n, f in SYSTEM_SPECS.items()]
     meta = {"arrowbuf.schema_version": SCHEMA_VERSION, SCHEMA_KEY.decode(): schema.to_json(), **(metadata or {})}
     return pa.schema(fields, metadata=meta)

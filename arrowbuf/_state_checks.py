@@ -203,3 +203,13 @@ def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
     if np.any(pos < 0):
         raise _bad(where, f"{field}.pos", pos, "step counts >= 0")
     _array(where, f"{field}.skip", state["skip"], "b", num_envs)
+    env_ids = state["env_ids"]
+    if not isinstance(env_ids, list) or len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids):
+        raise _bad(where, f"{field}.env_ids", env_ids, f"a list of {num_envs} strings")
+    for part in ("stage", "last_next"):
+        arrays = state[part]
+        if not isinstance(arrays, dict) or not all(isinstance(a, np.ndarray) and a.ndim >= 1 and len(a) == num_envs
+                                                   for a in arrays.values()):
+            raise _bad(where, f"{field}.{part}", arrays, f"arrays with a row per env ({num_envs})")
+    if not isinstance(state["pending"], list):
+        raise _bad(where, f"{field}.pending", state["pending"], "a list of episodes")

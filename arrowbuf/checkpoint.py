@@ -60,9 +60,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -73,11 +74,11 @@ from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, b
                                plain_schema, progress_bar, read_json, read_manifest, snapshot_and_write,
                                split_arrays, table_arrays, take_rows, write_ipc, write_manifest)
 from arrowbuf._state_checks import check_state
+from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
-from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.checkpoint"
@@ -99,22 +100,27 @@ class _Snapshot:
     oldest_live: int | None        # oldest live episode id when the snapshot was taken
 
     def valid(self) -> bool:
-        """No row written was overwritten meanwhile (call under the store's lock)."""
+        """No row written was overwritten meanwhile (call under the engine's lock)."""
         return self.rows is None or self.rows.still_live(self.shard)
 
 
 # -- save ------------------------------------------------------------------------------
 
 
-def save_store(store: Any, path: str | Path, progress: bool | None = None, base: str | Path | None = None) -> Path:
-    """`ExperienceStore.save`, through a `ManifestSink` on ``path``.
+def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
+                writers: Callable[[], dict[str, Any]] = dict, progress: bool | None = None,
+                base: str | Path | None = None) -> Path:
+    """Checkpoint one shard engine into directory ``path``, through a `ManifestSink`.
 
     Args:
-        store: the (local) store to save.
-        path: the checkpoint directory.
-        progress: show a progress bar (None: when stderr is a terminal).
-        base: where this store's previous checkpoint is (default ``path``): when
-            it holds a save this store made or loaded, only the episodes added
+        engine: the engine to save (its lock is held while the snapshot is taken).
+        path: the directory.
+        info: the store settings saved beside it (capacity, mode, seed,
+            track_reuse, created_at).
+        writers: returns the state of each open writer by name (called under the lock).
+        progress: a tqdm bar; None shows it when stderr is a terminal.
+        base: where this engine's previous checkpoint is (default ``path``): when
+            it holds a save this engine made or loaded, only the episodes added
             since are written, and its row files that are still needed are linked
             into ``path`` (Ray checkpoints save each generation into a new directory).
 
@@ -124,29 +130,18 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None, base:
     """
     from arrowbuf import __version__
 
-    if store.backend != "local":
-        raise NotImplementedError(f"save is not implemented for backend={store.backend!r} yet")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save needs a directory")
     _refuse_foreign(path)
     base = path if base is None else Path(base)
-    previous = _previous(base, set(store._checkpoints.values()))
+    previous = _previous(base, set(engine.checkpoints.values()))
     since = previous["last_episode_id"] if previous else None
     token = uuid.uuid4().hex[:16]
 
     def take(copy: bool) -> _Snapshot:
-        shard: Shard | None = store._shard
-        state = {
-            "store": {"capacity": store.capacity, "mode": store.mode, "seed": store.seed,
-                      "track_reuse": store.track_reuse, "created_at": store.created_at},
-            "schema": shard.schema.to_json() if shard is not None else None,
-            "rng": store._rng.bit_generator.state,
-            "sampler": store.sampler.state_dict(),
-            "rate_limiter": store.rate_limiter.state_dict(),
-            "shard": shard.state_dict() if shard is not None else None,
-            "writers": {name: writer.state_dict() for name, writer in store._writers.live().items()},
-        }
+        shard = engine.shard
+        state = {"store": dict(info), **engine.state_dict(), "writers": writers()}
         if shard is None:
             return _Snapshot(state, None, None, None, None)
         schema = plain_schema(shard.schema, {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT})
@@ -166,7 +161,7 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None, base:
             if entry is not None:
                 (sink.staging / entry["path"]).unlink()
 
-        snapshot, entry = snapshot_and_write(store._lock, take, _Snapshot.valid, write, discard)
+        snapshot, entry = snapshot_and_write(engine.lock, take, _Snapshot.valid, write, discard)
         kept = [e for e in (previous["row_files"] if previous else [])
                 if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
         for e in kept:
@@ -185,7 +180,7 @@ def save_store(store: Any, path: str | Path, progress: bool | None = None, base:
             "state_file": {"path": state_file.name, **file_entry(state_file)}, "state": tree,
         })
     _remove_unlisted(path, {e["path"] for e in row_files} | {state_file.name})
-    store._checkpoints[str(path.resolve())] = token
+    engine.checkpoints[str(path.resolve())] = token
     return path
 
 
@@ -251,12 +246,44 @@ def _remove_unlisted(path: Path, listed: set[str]) -> None:
 # -- load ------------------------------------------------------------------------------
 
 
-def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any:
-    """`ExperienceStore.load`: a new store, complete before it is returned.
+@dataclass
+class Loaded:
+    """A loaded checkpoint: the restored engine, the saved store settings and open writers."""
+
+    engine: ShardEngine
+    info: dict[str, Any]           # capacity, mode, seed, track_reuse, created_at
+    writers: dict[str, Any]        # name -> writer state_dict
+    manifest: Path                 # named by errors of what is restored from it later (`typed_errors`)
+
+    def typed_errors(self) -> ContextManager[None]:
+        """Errors of restoring more of this checkpoint (its writers) become `FormatError`s."""
+        return typed_errors(self.manifest)
+
+
+@contextmanager
+def typed_errors(manifest_path: Path) -> Iterator[None]:
+    """Raise what goes wrong while a checkpoint's values are restored as a `FormatError`
+    naming its manifest (values the state checks did not cover)."""
+    try:
+        yield
+    except FormatError:
+        raise
+    except (ArrowbufError, pa.ArrowException, KeyError, TypeError, ValueError, IndexError, AttributeError,
+            OverflowError, MemoryError) as err:
+        raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
+
+
+def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1) -> Loaded:
+    """The engine saved in ``path``, complete before it is returned.
 
     Nothing read is trusted before it is checked: the manifest's checksum, every
     file's size and SHA-256, every record batch (Arrow validation), then the state
     against its domains (`arrowbuf._state_checks`).
+
+    Args:
+        path: the checkpoint directory.
+        progress: a tqdm bar; None shows it when stderr is a terminal.
+        shard, num_shards: the engine's place in a Ray store.
 
     Raises:
         FormatError: a missing or incomplete directory, a newer format version, a
@@ -266,7 +293,7 @@ def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any
     path = Path(path)
     manifest_path, manifest = read_manifest(path, "checkpoint")
     check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
-    try:
+    with typed_errors(manifest_path):
         state_entry, row_files, token = manifest["state_file"], manifest["row_files"], manifest["token"]
         state_file = path / _name(state_entry["path"], manifest_path)
         check_file(state_file, state_entry)
@@ -274,37 +301,15 @@ def load_store(cls: type, path: str | Path, progress: bool | None = None) -> Any
             check_file(path / _name(entry["path"], manifest_path), entry)
         state = join_arrays(manifest["state"], table_arrays(_read_state(state_file)))
         check_state(state, str(manifest_path))
-        store = _build_store(cls, state, manifest_path)
-        shard = store._shard
-        if shard is not None:
-            shard.load_state_dict(state["shard"])
-            _fill(shard, path, row_files, progress)
-        store.sampler.load_state_dict(state["sampler"])
-        store.rate_limiter.load_state_dict(state["rate_limiter"])
-        store._rng.bit_generator.state = state["rng"]
-        for name, writer_state in state["writers"].items():
-            writer = store.writer(int(writer_state["num_envs"]), writer_state["autoreset_mode"],
-                                  writer_state["env_ids"], name=name)
-            writer.load_state_dict(writer_state)
-            store._writers.hold(name)
-    except FormatError:
-        raise
-    except (ArrowbufError, pa.ArrowException, KeyError, TypeError, ValueError, IndexError, AttributeError,
-            OverflowError, MemoryError) as err:
-        raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
-    store._checkpoints[str(path.resolve())] = token
-    return store
-
-
-def _build_store(cls: type, state: Mapping[str, Any], where: Path) -> Any:
-    info = state["store"]
-    schema = Schema.from_json(state["schema"]) if state["schema"] is not None else None
-    store = cls(int(info["capacity"]), seed=info["seed"], schema=schema, mode=info["mode"],
-                sampler=_build(SAMPLERS, state["sampler"], "sampler", where),
-                rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", where),
-                track_reuse=bool(info["track_reuse"]))
-    store.created_at = float(info["created_at"])
-    return store
+        info = state["store"]
+        engine = ShardEngine(int(info["capacity"]), seed=info["seed"], mode=info["mode"],
+                             sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
+                             rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
+                             track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards)
+        engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
+        loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
+    engine.checkpoints[str(path.resolve())] = token
+    return loaded
 
 
 def _build(registry: Mapping[str, type], state: Mapping[str, Any], what: str, where: Path) -> Any:

@@ -196,10 +196,10 @@ class StepWriter:
         step_cols = self._columns({"action": action, "reward": reward, "terminated": terminated,
                                    "truncated": truncated, **extra}, "step")
         schema = self._schema_for(obs_cols, step_cols)
-        expected = {n: self.num_envs for n in schema.fields}
+        expected = {n: self.num_envs for n in schema.input_fields}
         given = {n: a.shape[0] if a.ndim else None for n, (a, _) in {**obs_cols, **step_cols}.items()}
         if given != expected:
-            missing = sorted(set(schema.fields) - set(given))
+            missing = sorted(set(schema.input_fields) - set(given))
             unknown = sorted(set(given) - set(schema.fields))
             wrong = {n: v for n, v in given.items() if n in expected and v != self.num_envs}
             raise SchemaError(f"writer step does not match the schema: missing {missing}, unknown {unknown}, "
@@ -362,7 +362,7 @@ class StepWriter:
 
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:
-            for name, f in schema.fields.items():
+            for name, f in schema.input_fields.items():
                 self._stage[name] = np.zeros((self.num_envs, max(64, steps), *f.shape), f.numpy_dtype)
             for name in schema.observation_names:
                 self._last_next[name] = np.zeros((self.num_envs, *schema.fields[name].shape),
@@ -382,7 +382,7 @@ class StepWriter:
         for i in envs:
             steps = int(self._pos[i])
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
-                       for name, f in schema.fields.items()}
+                       for name, f in schema.input_fields.items()}
             self._pos[i] = 0
             episode = Episode(columns, steps, has_final, self.env_ids[i])
             if self._pending:

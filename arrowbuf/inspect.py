@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._checks import check_int
 from arrowbuf._persist import CHECKPOINT_MANIFEST, EXPORT_MANIFEST
 from arrowbuf._stats import schema_rows
 from arrowbuf.errors import FormatError
@@ -198,18 +199,12 @@ def _draw_lengths(ax: Any, episodes: pa.Table, bins: int) -> None:
     ax.set(xlabel="length (transitions)", ylabel="episodes", title="episode lengths")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def plot_returns(source: Any, window: int = 20) -> Figure:
     """Episode returns in insertion order, with their moving average over ``window`` episodes.
 
     The axis holds two lines of one point per episode: the returns and the average.
     """
-    window = _check_int("window", window, 1)
+    window = check_int("window", window, 1)
     figure = _figure(figsize=(6, 3.5), layout="constrained")
     _draw_returns(figure.add_subplot(), _episodes_of(source), window)
     return figure
@@ -217,7 +212,7 @@ def plot_returns(source: Any, window: int = 20) -> Figure:
 
 def plot_lengths(source: Any, bins: int = 30) -> Figure:
     """A histogram of episode lengths (transitions) over ``bins`` bins."""
-    bins = _check_int("bins", bins, 1)
+    bins = check_int("bins", bins, 1)
     figure = _figure(figsize=(6, 3.5), layout="constrained")
     _draw_lengths(figure.add_subplot(), _episodes_of(source), bins)
     return figure
@@ -225,7 +220,7 @@ def plot_lengths(source: Any, bins: int = 30) -> Figure:
 
 def plot_summary(source: Any, window: int = 20, bins: int = 30) -> Figure:
     """Returns (with moving average) and the length histogram side by side (`arrowbuf inspect --plot`)."""
-    window, bins = _check_int("window", window, 1), _check_int("bins", bins, 1)
+    window, bins = check_int("window", window, 1), check_int("bins", bins, 1)
     episodes = _episodes_of(source)
     figure = _figure(figsize=(10, 3.5), layout="constrained")
     returns_ax, lengths_ax = figure.subplots(1, 2)
@@ -296,7 +291,7 @@ def plot_frames(source: Any, episode_id: int, field: str = "obs", max_frames: in
         KeyError: no such episode or field.
         ValueError: ``field`` does not hold uint8 images.
     """
-    max_frames = _check_int("max_frames", max_frames, 1)
+    max_frames = check_int("max_frames", max_frames, 1)
     rows, _ = _episode_rows(source, episode_id)
     if field not in rows.column_names:
         raise KeyError(f"field {field!r} is not a column of episode {episode_id}; it has {rows.column_names}")

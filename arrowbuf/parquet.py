@@ -41,7 +41,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -149,10 +149,14 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     return episodes, entries
 
 
-def export_store(store: Any, path: str | Path, *, compression: str = "zstd", rows_per_file: int | None = None,
-                 progress: bool | None = None, overwrite: bool = False) -> Path:
+def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,
+                 compression: str = "zstd", rows_per_file: int | None = None, progress: bool | None = None,
+                 overwrite: bool = False) -> Path:
     """`ExperienceStore.to_parquet`: written through a `DirectorySink` (a hidden sibling
     directory, flushed, then swapped in: an old export stays until the new one is complete).
+
+    ``export_steps(steps_dir, schema, **options)`` writes the rows of every shard
+    (the backend's; see `export_shard`) and returns (episode table, file entries).
 
     Raises:
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
@@ -172,9 +176,8 @@ def export_store(store: Any, path: str | Path, *, compression: str = "zstd", row
     schema = plain_schema(store_schema, file_metadata(info))
     with DirectorySink(path) as sink:
         (sink.staging / STEPS).mkdir()
-        episodes, entries = store._export_shards(sink.staging / STEPS, schema, compression=compression,
-                                                 rows_per_file=rows_per_file, progress=progress,
-                                                 label=f"export {path.name}")
+        episodes, entries = export_steps(sink.staging / STEPS, schema, compression=compression,
+                                         rows_per_file=rows_per_file, progress=progress, label=f"export {path.name}")
         finish_export(sink.staging, store_schema, info, episodes, entries)
     return path
 

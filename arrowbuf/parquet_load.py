@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from arrowbuf._persist import batch_columns, check_file, progress_bar
+from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import CapacityError, FormatError
 from arrowbuf.parquet import EPISODES, STEPS, Export, group_rows, open_export
 from arrowbuf.schema import SYSTEM_SPECS, Schema
@@ -89,8 +90,8 @@ def newest_that_fit(num_rows: np.ndarray, selected: np.ndarray, capacity: int, m
     return kept
 
 
-def load_episodes(shard: Shard, export: Export, kept: np.ndarray, progress: bool | None = None) -> int:
-    """Stream the kept episodes' rows into an empty ``shard``, oldest first; returns transitions added.
+def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progress: bool | None = None) -> None:
+    """Stream the kept episodes' rows into an empty ``engine``, oldest first.
 
     Reads row group by row group (about 64 MiB each), skipping files and row groups
     without kept episodes. Episode ids and indices are kept when the kept episodes
@@ -109,11 +110,12 @@ def load_episodes(shard: Shard, export: Export, kept: np.ndarray, progress: bool
     inserted = episodes.column("inserted_at").cast(pa.int64()).to_numpy()
     metadata = (episodes.column("metadata").to_pylist() if "metadata" in episodes.column_names
                 else [None] * len(ids))
+    shard = engine.shard
     _resume_numbering(shard, episodes, export.store)
     schema = export.schema
     specs = {**schema.fields, **SYSTEM_SPECS}
     group = group_rows(schema.row_bytes)
-    added, transitions = 0, 0
+    added = 0
     parts: list[dict[str, np.ndarray]] = []
     have = 0
     with progress_bar(progress, int(num_rows.sum()), f"import {export.path.name}") as bar:
@@ -145,8 +147,7 @@ def load_episodes(shard: Shard, export: Export, kept: np.ndarray, progress: bool
                         if have == num_rows[k]:
                             episode = _episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k],
                                                metadata[k], int(inserted[k]))
-                            shard.add(episode)
-                            transitions += shard.transitions_of(episode)
+                            engine.add(episode, limited=False)
                             bar.update(have)
                             parts, have, added = [], 0, added + 1
             except (pa.ArrowException, OSError) as err:
@@ -154,7 +155,6 @@ def load_episodes(shard: Shard, export: Export, kept: np.ndarray, progress: bool
     if added != len(ids):
         raise FormatError(f"{export.path}: episode {int(ids[added])} of {EPISODES} has "
                           f"{'only some of its' if have else 'no'} rows in {STEPS}/")
-    return transitions
 
 
 def _resume_numbering(shard: Shard, episodes: pa.Table, store: Mapping[str, Any]) -> None:
@@ -213,6 +213,5 @@ def load_store(cls: type, path: str | Path, capacity: int | None = None,
     store = cls(capacity, schema=export.schema, **store_kwargs)
     selected = select_episodes(export.episodes, episode_filter)
     kept = newest_that_fit(export.episodes.column("num_rows").to_numpy(), selected, store.capacity, mode)
-    with store._lock:
-        store.rate_limiter.inserts += load_episodes(store._shard, export, kept, progress)
+    load_episodes(store.engine, export, kept, progress)
     return store

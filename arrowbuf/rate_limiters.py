@@ -1,55 +1,68 @@
 """Rate limiters: when sampling and inserting may proceed (in the spirit of Reverb).
 
-A limiter counts transitions inserted and sampled and answers two questions:
+A limiter is configuration: given the transitions inserted and sampled so far
+(`Counts`, kept by the shard engine that counts them), it answers two questions:
 may a batch of n be sampled now, and may n more transitions be inserted now. The
 store raises `RateLimited` when the answer is no, or waits up to ``timeout``
-seconds for another thread to change it.
+seconds for another thread to change it. A Ray store applies its limiter to each
+shard with that shard's counts, as Reverb does for a table on several servers.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+
+@dataclass
+class Counts:
+    """Transitions inserted into and sampled from one shard engine."""
+
+    inserts: int = 0
+    samples: int = 0
 
 
 class RateLimiter:
-    """Counts inserts and samples; the base class allows everything."""
+    """The base class allows everything."""
 
-    def __init__(self) -> None:
-        self.inserts = 0
-        self.samples = 0
-
-    def can_sample(self, n: int, size: int) -> bool:
+    def can_sample(self, n: int, size: int, counts: Counts) -> bool:
         return True
 
-    def can_insert(self, n: int) -> bool:
+    def can_insert(self, n: int, counts: Counts) -> bool:
         return True
 
-    def why_not_sample(self, n: int, size: int) -> str:
+    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
         return ""
 
-    def state(self) -> dict:
-        return {"type": type(self).__name__, "inserts": self.inserts, "samples": self.samples}
+    def why_not_insert(self, n: int, counts: Counts) -> str:
+        return ""
+
+    def state(self, counts: Counts) -> dict:
+        return {"type": type(self).__name__, "inserts": counts.inserts, "samples": counts.samples}
 
     def config(self) -> dict:
         """The constructor arguments that rebuild this limiter (JSON values)."""
         return {}
 
-    def state_dict(self) -> dict:
-        """Type, `config` and the insert / sample counters."""
-        return {"type": type(self).__name__, "config": self.config(), "inserts": self.inserts,
-                "samples": self.samples}
+    def state_dict(self, counts: Counts) -> dict:
+        """Type, `config` and the counters it was judging."""
+        return {"type": type(self).__name__, "config": self.config(), "inserts": counts.inserts,
+                "samples": counts.samples}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the counters of a `state_dict` into a limiter built from its ``config``.
+    def counts_of(self, state: dict) -> Counts:
+        """The counters of a `state_dict` saved by a limiter of this type and configuration.
 
         Raises:
-            ValueError: the state is of another limiter type or configuration.
+            ValueError: the state is of another limiter type or configuration, or
+                its counters are not ints >= 0.
         """
         if state.get("type") != type(self).__name__ or dict(state.get("config", {})) != self.config():
             raise ValueError(f"rate limiter state of {state.get('type')}({state.get('config')}) cannot be "
                              f"loaded into {type(self).__name__}({self.config()})")
-        self.inserts, self.samples = int(state["inserts"]), int(state["samples"])
+        inserts, samples = state["inserts"], state["samples"]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (inserts, samples)):
+            raise ValueError(f"rate limiter counters must be ints >= 0, got inserts={inserts!r}, samples={samples!r}")
+        return Counts(inserts, samples)
 
 
 class MinSize(RateLimiter):
@@ -67,19 +80,18 @@ class MinSize(RateLimiter):
     """
 
     def __init__(self, min_size: int) -> None:
-        super().__init__()
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
             raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
         self.min_size = min_size
 
-    def can_sample(self, n: int, size: int) -> bool:
+    def can_sample(self, n: int, size: int, counts: Counts) -> bool:
         return size >= self.min_size
 
-    def why_not_sample(self, n: int, size: int) -> str:
+    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
         return f"the store holds {size} transitions, MinSize needs {self.min_size}"
 
-    def state(self) -> dict:
-        return {**super().state(), "min_size": self.min_size}
+    def state(self, counts: Counts) -> dict:
+        return {**super().state(counts), "min_size": self.min_size}
 
     def config(self) -> dict:
         return {"min_size": self.min_size}
@@ -110,7 +122,6 @@ class SampleToInsertRatio(RateLimiter):
     """
 
     def __init__(self, samples_per_insert: float, min_size: int, error_buffer: float) -> None:
-        super().__init__()
         if not (math.isfinite(samples_per_insert) and samples_per_insert > 0):
             raise ValueError(f"samples_per_insert must be a finite number > 0, got {samples_per_insert!r}")
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
@@ -124,26 +135,31 @@ class SampleToInsertRatio(RateLimiter):
         self.min_diff = offset - self.error_buffer
         self.max_diff = offset + self.error_buffer
 
-    def _diff(self) -> float:
-        return self.inserts * self.samples_per_insert - self.samples
+    def _diff(self, counts: Counts) -> float:
+        return counts.inserts * self.samples_per_insert - counts.samples
 
-    def can_sample(self, n: int, size: int) -> bool:
-        return self.inserts >= self.min_size and self._diff() >= self.min_diff
+    def can_sample(self, n: int, size: int, counts: Counts) -> bool:
+        return counts.inserts >= self.min_size and self._diff(counts) >= self.min_diff
 
-    def can_insert(self, n: int) -> bool:
+    def can_insert(self, n: int, counts: Counts) -> bool:
         # Inserts are always allowed before min_size is reached, else sampling could never start.
-        return self.inserts < self.min_size or self._diff() <= self.max_diff
+        return counts.inserts < self.min_size or self._diff(counts) <= self.max_diff
 
-    def why_not_sample(self, n: int, size: int) -> str:
-        if self.inserts < self.min_size:
-            return f"{self.inserts} transitions inserted, SampleToInsertRatio needs min_size={self.min_size}"
-        return (f"samples ({self.samples}) are too far ahead of inserts "
-                f"({self.inserts}) for samples_per_insert={self.samples_per_insert}, "
+    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
+        if counts.inserts < self.min_size:
+            return f"{counts.inserts} transitions inserted, SampleToInsertRatio needs min_size={self.min_size}"
+        return (f"samples ({counts.samples}) are too far ahead of inserts "
+                f"({counts.inserts}) for samples_per_insert={self.samples_per_insert}, "
                 f"error_buffer={self.error_buffer}")
 
-    def state(self) -> dict:
-        return {**super().state(), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,
-                "error_buffer": self.error_buffer, "diff": self._diff()}
+    def why_not_insert(self, n: int, counts: Counts) -> str:
+        return (f"inserting {n} transitions would put inserts ({counts.inserts}) too far ahead of samples "
+                f"({counts.samples}) for samples_per_insert={self.samples_per_insert}, "
+                f"error_buffer={self.error_buffer}: sample more first")
+
+    def state(self, counts: Counts) -> dict:
+        return {**super().state(counts), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,
+                "error_buffer": self.error_buffer, "diff": self._diff(counts)}
 
     def config(self) -> dict:
         return {"samples_per_insert": self.samples_per_insert, "min_size": self.min_size,

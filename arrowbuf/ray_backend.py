@@ -40,9 +40,14 @@ from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, WithoutReplac
                                select_ranks)
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.store import (ExperienceStore, _check_episode_id, _check_int, _check_workers, _check_write_args,
-                            check_timeout)
-from arrowbuf.tensors import Payload, check_device, make_tensordict
+from arrowbuf.table import EpisodeTable
+from arrowbuf._checks import check_episode_id as _check_episode_id
+from arrowbuf._checks import check_int as _check_int
+from arrowbuf._checks import check_workers as _check_workers
+from arrowbuf._checks import check_device, check_env_id, check_metadata, check_timeout, tensor_to_numpy
+from arrowbuf.engine import ShardEngine
+from arrowbuf.store import ExperienceStore
+from arrowbuf.tensors import Payload, make_tensordict
 
 logger = logging.getLogger(__name__)
 
@@ -104,42 +109,46 @@ class RayOptions:
 
 
 class ShardServer:
-    """The body of a shard actor: one embedded store holding this shard's episodes."""
+    """The body of a shard actor: one `ShardEngine` holding this shard's episodes."""
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False) -> None:
         if load_from is not None:
-            self.store = ExperienceStore.load(load_from)
-            sampler = self.store.sampler
+            from arrowbuf.checkpoint import load_engine
+
+            self.engine = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
         else:
-            self.store = ExperienceStore(capacity, seed=seed, sampler=sampler, mode=mode, track_reuse=track_reuse)
+            self.engine = ShardEngine(capacity, sampler=sampler, rate_limiter=RateLimiter(), mode=mode, seed=seed,
+                                      track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+        sampler = self.engine.sampler
         self._sampler_spec = type(sampler)(**sampler.config())   # unbound, for `attach`
-        self.store._shard_position = (shard, num_shards)
         self.shard = shard
         self.num_shards = num_shards
-        if schema_json is not None and self.store.schema is None:
-            self.store._set_schema(Schema.from_json(schema_json))
+        self.index_base = shard << INDEX_SHIFT
+        if schema_json is not None:
+            self.engine.set_schema(Schema.from_json(schema_json))
 
     def ping(self) -> str:
         """This actor's node id (also proves it started)."""
         return _ray().get_runtime_context().get_node_id()
 
     def config(self) -> dict:
-        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": self.store.capacity,
-                "mode": self.store.mode, "sampler": self._sampler_spec}
+        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": self.engine.capacity,
+                "mode": self.engine.mode, "sampler": self._sampler_spec}
 
     def schema_json(self) -> str | None:
-        return self.store.schema.to_json() if self.store.schema is not None else None
+        schema = self.engine.schema
+        return schema.to_json() if schema is not None else None
 
     def add_episodes(self, episodes: list[Episode], schema_json: str) -> tuple[float, int, int]:
         schema = Schema.from_json(schema_json)
-        if self.store.schema is not None and self.store.schema != schema:
-            raise _schema_mismatch(self.shard, self.store.schema, schema)
+        if self.engine.schema is not None and self.engine.schema != schema:
+            raise _schema_mismatch(self.shard, self.engine.schema, schema)
         refused = []
         for episode in episodes:   # one refused episode must not take the rest of the batch with it
             try:
-                self.store._add(episode, schema)
+                self.engine.add(episode, schema)
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
         if refused:
@@ -152,72 +161,62 @@ class ShardServer:
 
     def size(self) -> tuple[float, int, int]:
         """(sampling mass, transitions, episodes)."""
-        if self.store._shard is None:
-            return 0.0, 0, 0
-        return self.store.sampler.mass(self.store._table), len(self.store), self.store.num_episodes
+        return self.engine.size()
 
     def sample(self, n: int, n_step: int, gamma: float, frame_stack: int,
                population: tuple[int, float] | None) -> tuple[Payload, tuple[float, int, int]]:
-        store = self.store
-        store._require_data()
-        if isinstance(store.sampler, PrioritizedSampler):
-            selection = store.sampler.sample(store._rng, n, store._table, population)
-        else:
-            selection = store.sampler.sample(store._rng, n, store._table)
-        payload = store._payload(selection, n_step, gamma, frame_stack, index_base=self.shard << INDEX_SHIFT)
-        store.rate_limiter.samples += selection.rows.size
+        payload = self.engine.sample_payload(n, (n_step, gamma, frame_stack), self.index_base, population)
         return payload, self.size()
 
     def live_range(self) -> tuple[int, int]:
-        return self.store._table.live_range()
+        return self.engine.live_range()
 
     def gather(self, ranks: np.ndarray) -> Payload | None:
         """The live ones of ``ranks`` (an epoch's share of this shard)."""
-        table = self.store._table
-        live = ranks[table.is_live(ranks)]
-        if not len(live):
-            return None
-        return self.store._payload(select_ranks(table, live), index_base=self.shard << INDEX_SHIFT)
+        return self.engine.gather_payload(ranks, self.index_base)
 
     def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> int:
-        return self.store.update_priorities(ranks, priorities)
+        return self.engine.update_priorities(ranks, priorities)
 
     def episodes(self) -> pa.Table:
-        return self.store.episodes()
+        return self.engine.episodes()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
-        return self.store.episode(episode_id)
+        return self.engine.episode(episode_id)
 
     def to_arrow(self) -> pa.Table:
-        return self.store.to_arrow()
+        return self.engine.to_arrow()
 
     def clear(self) -> tuple[float, int, int]:
-        self.store.clear()
+        self.engine.clear()
         return self.size()
 
     def stats(self) -> dict:
-        return {**self.store.stats(), "shard": self.shard, "node_id": self.ping()}
+        return {**self.engine.stats(), "shard": self.shard, "node_id": self.ping()}
 
     def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
         """Write this shard's rows as Parquet parts into ``steps_dir`` (a shared directory)."""
-        if self.store._shard is None:
-            return self.store._table.to_arrow(), []
+        if self.engine.shard is None:
+            return self.engine.episodes(), []
         from arrowbuf.parquet import export_shard
 
-        return export_shard(self.store._shard, self.store._lock, Path(steps_dir), schema,
+        return export_shard(self.engine.shard, self.engine.lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
     def save(self, path: str, base: str | None = None) -> str:
         """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
-        from arrowbuf.checkpoint import save_store
+        from arrowbuf.checkpoint import save_engine
 
-        save_store(self.store, path, progress=False, base=base)
+        engine = self.engine
+        info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
+                "track_reuse": engine.track_reuse, "created_at": 0.0}
+        save_engine(engine, path, info, progress=False, base=base)
         return path
 
     def plain_rows(self) -> pa.Table:
         from arrowbuf.ray_persist import plain_rows
 
-        return plain_rows(self.store)
+        return plain_rows(self.engine)
 
 
 def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: int) -> dict:
@@ -234,15 +233,10 @@ def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: 
         dest_tensor = None if on_cpu else torch.from_numpy(dest).to(next(iter(part.values())).device)
         for key, tensor in part.items():
             if on_cpu:   # numpy's row scatter: 6x torch's index_copy_ for image rows
-                _numpy_view(combined[key])[dest] = _numpy_view(tensor)
+                tensor_to_numpy(combined[key])[dest] = tensor_to_numpy(tensor)
             else:
                 combined[key].index_copy_(0, dest_tensor, tensor)
     return combined
-
-
-def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's numpy view (bfloat16 as its int16 bits)."""
-    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
@@ -458,7 +452,10 @@ class RayExperienceStore(ExperienceStore):
         capacity = _check_int("capacity", capacity, num_shards)
         if rate_limiter is not None:
             raise ValueError("rate limiters are not supported with backend='ray' yet (they would apply per shard)")
-        super().__init__(capacity, seed=seed, sampler=sampler, schema=None, mode=mode, track_reuse=track_reuse)
+        self.capacity = capacity
+        self._configure(seed, sampler, mode, "ray", RateLimiter(), track_reuse)
+        self._backend = self
+        self._rng = np.random.default_rng(self.seed)
         if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
             raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                              "cannot agree on; use num_shards=1 or a SequenceSampler")
@@ -598,7 +595,9 @@ class RayExperienceStore(ExperienceStore):
             SchemaError: the episode does not match the schema (checked here).
             Any error of an earlier write to the shards.
         """
-        _check_write_args(env_id, metadata, timeout)   # no rate limiter here: the timeout is only checked
+        check_timeout(timeout)   # no rate limiter here: the timeout is only checked
+        check_env_id(env_id)
+        metadata = check_metadata(metadata)
         checked, schema = read_episode(episode, self.schema, env_id, metadata)
         self._sink.set_schema(schema)
         self._schema = self._sink.schema
@@ -754,7 +753,7 @@ class RayExperienceStore(ExperienceStore):
                 data in proportion to its workers.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
-        self._check_sample_args(n_step, gamma, frame_stack)
+        n_step, gamma, frame_stack = self._sample_args(n_step, gamma, frame_stack)
         _check_workers(batch_size, num_workers)
         device = check_device(device)
         check_timeout(timeout)
@@ -785,7 +784,7 @@ class RayExperienceStore(ExperienceStore):
                     batches[worker] = part
             return batches
         batch, = self._assemble(self._request(batch_size, sample_args), device)
-        return self._split_workers(batch, num_workers)
+        return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -799,7 +798,7 @@ class RayExperienceStore(ExperienceStore):
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         prefetch = _check_int("prefetch", prefetch, 1)
-        self._check_sample_args(n_step, gamma, frame_stack)
+        n_step, gamma, frame_stack = self._sample_args(n_step, gamma, frame_stack)
         device = check_device(device)
         self.flush()
         if batches_per_request is None:
@@ -872,14 +871,14 @@ class RayExperienceStore(ExperienceStore):
 
     # -- persistence (every shard writes its own files, in parallel) ----------------------
 
-    def _export_shards(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
+    def export_steps(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
         self.flush()
         options = {k: v for k, v in options.items() if k in ("compression", "rows_per_file")}
         results = self._shards.broadcast("export_steps", str(steps_dir), schema, options)
         # Shard by shard, in the order of the files: an import reads them in that order.
         tables = [results[s][0] for s in sorted(results) if results[s][0].num_rows]
         entries = [entry for s in sorted(results) for entry in results[s][1]]
-        return (pa.concat_tables(tables) if tables else self._table.to_arrow()), entries
+        return (pa.concat_tables(tables) if tables else EpisodeTable().to_arrow()), entries
 
     def save(self, path: str | Path, progress: bool | None = None) -> Path:
         """Checkpoint every shard into ``path/shard-<k>`` in parallel (incremental per shard).

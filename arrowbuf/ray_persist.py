@@ -31,6 +31,7 @@ import pyarrow as pa
 from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, remove
 from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_json, schema_of, take_rows,
                                write_manifest)
+from arrowbuf.engine import ShardEngine
 from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.schema import SYSTEM_SPECS, Schema
@@ -56,9 +57,9 @@ def shard_dir(path: Path, shard: int) -> Path:
     return path / f"shard-{shard}"
 
 
-def plain_rows(store: "ExperienceStore") -> pa.Table:
+def plain_rows(engine: ShardEngine) -> pa.Table:
     """One shard's rows in the Ray Data layout (see the module docstring)."""
-    shard = store._shard
+    shard = engine.shard
     if shard is None or not len(shard.table):
         return pa.table({})
     rows = take_rows(shard, 0, len(shard.table), plain_schema(shard.schema), copy=False)
@@ -262,7 +263,7 @@ def from_ray_dataset(cls: type, dataset: Any, capacity: int, **store_kwargs: Any
             store._sink.write(episode)
             store._sink.commit()
         else:
-            store._add(episode)
+            store.engine.add(episode, limited=False)
     if store.backend == "ray":
         store.flush()
     return store

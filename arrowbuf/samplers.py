@@ -7,8 +7,10 @@ sampler costs O(batch), whatever the capacity or the number of episodes: live
 transitions (and live windows of a sequence length) hold contiguous ranges of
 serial numbers, so a uniform draw is an integer draw plus a binary search.
 
-Stateful samplers (prioritized, without replacement) are bound to one shard and
-listen to its writes and evictions; a Ray store gives each shard its own copy.
+Stateful samplers (prioritized, without replacement) are bound to one shard; the
+shard engine that owns both tells the sampler of each write and eviction
+(`Sampler.on_add`, `Sampler.on_evict`): the shard never calls the sampler. A Ray
+store gives each shard its own copy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from arrowbuf._checks import check_int
 from arrowbuf._sumtree import SumTree
 from arrowbuf.table import EpisodeTable
 
@@ -68,8 +71,12 @@ def epoch_batches(rng: np.random.Generator, indices: np.ndarray, batch_size: int
 class Sampler:
     """Base of the samplers: `bind` attaches one to a shard, `sample` selects.
 
-    Subclasses override `sample`; stateful ones also `bind`, `on_add`, `on_evict`.
+    Subclasses override `sample`; those that keep per-row state set
+    ``tracks_rows`` and override `on_add` and `on_evict`, which the shard engine
+    calls after each write (evictions first, then the new rows).
     """
+
+    tracks_rows = False   # whether on_add / on_evict do anything (the engine skips the spans otherwise)
 
     def __init__(self) -> None:
         self._shard = None
@@ -83,6 +90,12 @@ class Sampler:
         if self._shard is not None and self._shard is not shard:
             raise ValueError(f"{self!r} is already used by another store; create one sampler per store")
         self._shard = shard
+
+    def on_add(self, first_row: int, length: int) -> None:
+        """Transitions at arena rows ``[first_row, first_row + length)`` were written."""
+
+    def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
+        """Episodes at ``first_rows`` (of ``num_rows`` rows each) were evicted."""
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         raise NotImplementedError
@@ -222,18 +235,18 @@ class PrioritizedSampler(Sampler):
         self.max_priority = 1.0
         self.tree: SumTree | None = None
 
+    tracks_rows = True
+
     def bind(self, shard) -> None:
         super().bind(shard)
         if self.tree is None:
             shard.index_rows()
             self.tree = SumTree(shard.capacity)
-            shard.add_listeners.append(self._on_add)
-            shard.evict_listeners.append(self._on_evict)
 
-    def _on_add(self, first_row: int, length: int) -> None:
+    def on_add(self, first_row: int, length: int) -> None:
         self.tree.fill(first_row, first_row + length, self.max_priority ** self.alpha)
 
-    def _on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
+    def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
         for first, rows in zip(first_rows.tolist(), num_rows.tolist()):
             self.tree.fill(first, first + rows, 0.0)
 
@@ -312,9 +325,7 @@ class SequenceSampler(Sampler):
 
     def __init__(self, length: int, strict: bool = True) -> None:
         super().__init__()
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
-            raise ValueError(f"length must be an int >= 1, got {length!r}")
-        self.length = int(length)
+        self.length = check_int("length", length, 1)
         self.strict = bool(strict)
         self._counter = f"windows{self.length}"
 

@@ -76,6 +76,9 @@ class Field:
             float64, bfloat16 (a numpy or torch dtype is accepted and named).
         shape: the shape of one step's value; () for scalars.
         observation: True for fields whose next value is read from the next row.
+        derived: True for per-step columns the store computes (``advantage``,
+            ``value_target`` of `ExperienceStore.compute_gae`): writes may leave
+            them out, and they are zero until computed.
 
     Raises:
         SchemaError: an unknown dtype or a shape with negative or non-integer sizes.
@@ -84,6 +87,7 @@ class Field:
     dtype: str
     shape: tuple[int, ...] = ()
     observation: bool = False
+    derived: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -278,6 +282,23 @@ class Schema:
         return tuple(self.fields)
 
     @functools.cached_property
+    def input_fields(self) -> dict[str, Field]:
+        """The fields writes carry: every field but the derived ones."""
+        return {n: f for n, f in self.fields.items() if not f.derived}
+
+    def extended(self, fields: Mapping[str, Field]) -> "Schema":
+        """This schema plus new (derived) fields.
+
+        Raises:
+            SchemaError: a new name is already a field of another spec.
+        """
+        clash = [n for n, f in fields.items() if n in self.fields and self.fields[n] != f]
+        if clash:
+            raise SchemaError(f"fields {clash} already exist with other specs: "
+                              f"{ {n: self.fields[n] for n in clash} }")
+        return Schema(unflatten({**self.fields, **fields}))
+
+    @functools.cached_property
     def observation_names(self) -> tuple[str, ...]:
         return tuple(n for n, f in self.fields.items() if f.observation)
 
@@ -285,7 +306,7 @@ class Schema:
     def _exact_specs(self) -> tuple[tuple[str, np.dtype, int, tuple[int, ...], bool], ...] | None:
         """(name, numpy dtype, ndim, shape, observation) of each field, for `read_exact`;
         None when no dict can match exactly (dotted names, bfloat16 fields)."""
-        if any("." in name or f.dtype == "bfloat16" for name, f in self.fields.items()):
+        if any("." in name or f.dtype == "bfloat16" or f.derived for name, f in self.fields.items()):
             return None
         return tuple((name, f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation)
                      for name, f in self.fields.items())
@@ -341,7 +362,7 @@ class Schema:
         """The Arrow schema of stored rows: user fields, then the system columns."""
         fields = []
         for name, f in self.fields.items():
-            meta = {_ROLE_KEY: b"observation" if f.observation else b"step"}
+            meta = {_ROLE_KEY: b"observation" if f.observation else b"derived" if f.derived else b"step"}
             if f.dtype == "bfloat16":
                 meta[_DTYPE_KEY] = b"bfloat16"
             fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata=meta))
@@ -381,15 +402,17 @@ class Schema:
                 except (NotImplementedError, SchemaError):
                     raise SchemaError(f"column {field.name!r} has Arrow type {field.type}, "
                                       "which arrowbuf cannot store") from None
-            fields[field.name] = Field(dtype, shape, observation)
+            fields[field.name] = Field(dtype, shape, observation, meta.get(_ROLE_KEY) == b"derived")
         return cls(unflatten(fields))
 
     def to_json(self) -> str:
-        return json.dumps({n: [f.dtype, list(f.shape), f.observation] for n, f in self.fields.items()})
+        return json.dumps({n: [f.dtype, list(f.shape), f.observation, *([True] if f.derived else [])]
+                           for n, f in self.fields.items()})
 
     @classmethod
     def from_json(cls, text: str) -> "Schema":
-        return cls(unflatten({n: Field(d, tuple(s), o) for n, (d, s, o) in json.loads(text).items()}))
+        """The schema of `to_json` (a 4th entry per field, when present, marks it derived)."""
+        return cls(unflatten({n: Field(spec[0], tuple(spec[1]), *spec[2:]) for n, spec in json.loads(text).items()}))
 
     # -- inference and checks ------------------------------------------------------
 
@@ -430,14 +453,14 @@ class Schema:
             SchemaError: a missing or unknown field, a wrong dtype or shape, ragged
                 lengths, or an empty episode.
         """
-        missing = [n for n in self.fields if n not in columns]
+        missing = [n for n in self.input_fields if n not in columns]
         unknown = [n for n in columns if n not in self.fields]
         if missing or unknown:
             raise SchemaError(f"episode fields do not match the schema: missing {missing}, unknown {unknown}; "
                               f"the schema has {list(self.fields)}")
         for name, (array, dtype) in columns.items():
             check_column(self.fields[name], name, array, dtype)
-        steps = {n: columns[n][0].shape[0] for n, f in self.fields.items() if not f.observation}
+        steps = {n: columns[n][0].shape[0] for n, f in self.fields.items() if not f.observation and n in columns}
         if len(set(steps.values())) != 1:
             raise SchemaError(f"ragged episode: step fields have lengths {steps}; expected one length T")
         num_steps = next(iter(steps.values()))

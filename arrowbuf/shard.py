@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -93,11 +93,6 @@ class Shard:
         mode: "circular" evicts the oldest episodes; "fixed" raises `CapacityError`.
         shard: this shard's number (Ray backend); ``num_shards`` spaces episode ids.
 
-    Attributes:
-        add_listeners: called with (first_row, transitions) of each new episode.
-        evict_listeners: called with (first_rows, num_rows) of evicted episodes
-            before their rows are reused (samplers that keep per-row state listen).
-
     Raises:
         ValueError: a capacity below 1 or an unknown mode.
     """
@@ -124,12 +119,19 @@ class Shard:
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
-        self.add_listeners: list[Callable[[int, int], None]] = []
-        self.evict_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
         self.gather = Gather(self._gather_columns())
 
     def __len__(self) -> int:
         return self.table.num_transitions
+
+    def extend(self, schema: Schema) -> None:
+        """Take on ``schema``: this shard's fields plus new (derived) ones, zero in every row."""
+        for name, f in schema.fields.items():
+            if name not in self.arena:
+                self.arena[name] = np.zeros((self.capacity, *f.shape), f.numpy_dtype)
+        self.schema = schema
+        self.specs = {**schema.fields, **SYSTEM_SPECS}
+        self.gather = Gather(self._gather_columns())
 
     def _gather_columns(self) -> dict:
         columns = {}
@@ -163,6 +165,10 @@ class Shard:
                 f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
         return start, evicted
 
+    def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first row, rows) of the ``count`` oldest episodes: what a write that evicts them frees."""
+        return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
+
     def add(self, episode: Episode, plan: tuple[int, int] | None = None) -> int:
         """Copy an episode into the arena, evicting the oldest as needed; returns its id.
 
@@ -184,12 +190,15 @@ class Shard:
         ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
-            self._evict(evicted)
+            self.table.pop_oldest(evicted)
         rows = episode.num_rows
         stop = start + rows
         for name in self.schema.fields:
-            data = episode.columns[name]
+            data = episode.columns.get(name)
             column = self.arena[name]
+            if data is None:        # a derived field the writer left out: zero until computed
+                column[start:stop] = 0
+                continue
             column[start:start + len(data)] = data
             if len(data) < rows:    # a step field beside a final observation: one row short
                 column[stop - 1] = 0
@@ -203,22 +212,10 @@ class Shard:
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
                                        inserted_at=episode.inserted_at)
         self.write_pos = stop
-        for listener in self.add_listeners:
-            listener(start, length)
         return episode_id
-
-    def _evict(self, count: int) -> None:
-        if self.evict_listeners:
-            first = self.table.col("first_row")[:count]
-            num_rows = self.table.col("num_rows")[:count]
-            for listener in self.evict_listeners:
-                listener(first, num_rows)
-        self.table.pop_oldest(count)
 
     def clear(self) -> None:
         """Drop every episode (the arena stays allocated for reuse)."""
-        if len(self.table):
-            self._evict(len(self.table))
         self.table.clear()
         self.write_pos = 0
 

@@ -1,10 +1,14 @@
-"""`ExperienceStore`: the public store, composing schema, shard, sampler and gather."""
+"""`ExperienceStore`: the public store, a facade over one backend.
+
+The facade checks every argument once, reads and checks episodes against the
+schema, keeps the named writers, and hands the work to its backend: a
+`arrowbuf.local.LocalBackend` (one `ShardEngine` in this process) or the Ray
+backend (shard actors, each running the same engine). Both backends keep one
+contract; where they differ (asynchronous Ray writes) the docstrings say so.
+"""
 
 from __future__ import annotations
 
-import json
-import math
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -14,104 +18,20 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._stats import priority_histogram, reuse_summary, store_html
+from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_int,
+                              check_metadata, check_name, check_timeout, check_workers, real_numbers, to_numpy)
+from arrowbuf._stats import store_html
 from arrowbuf._writers import WriterRegistry
+from arrowbuf.engine import ShardEngine
 from arrowbuf.episodes import StepWriter, read_episode
-from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError, describe
-from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.errors import describe
+from arrowbuf.local import LocalBackend
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.samplers import (PrioritizedSampler, Sampler, Selection, UniformSampler, WithoutReplacementSampler,
-                               epoch_batches, select_ranks)
+from arrowbuf.samplers import PrioritizedSampler, Sampler, UniformSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
-from arrowbuf.shard import MODES, Episode, Shard
-from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload, check_device
+from arrowbuf.shard import MODES
 
 BACKENDS = ("local", "ray")
-
-
-class _LocalSink:
-    """Sends a writer's sealed episodes straight into an embedded store."""
-
-    def __init__(self, store: "ExperienceStore", timeout: float | None) -> None:
-        self._store = store
-        self.timeout = timeout   # public: claiming a restored writer sets it
-
-    @property
-    def schema(self) -> Schema | None:
-        return self._store.schema
-
-    def set_schema(self, schema: Schema) -> None:
-        self._store._set_schema(schema)
-
-    def write(self, episode: Episode) -> None:
-        self._store._add(episode, timeout=self.timeout)
-
-    def commit(self) -> None:
-        """Writes are synchronous: nothing to send."""
-
-    def flush(self) -> None:
-        """Writes are synchronous: nothing to wait for."""
-
-
-def _as_numpy(value: Any, name: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu()
-        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()   # numpy has no bfloat16
-    try:
-        return np.asarray(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an array or tensor, got {describe(value)}") from None
-
-
-def _check_workers(batch_size: int, num_workers: int | None) -> None:
-    if num_workers is not None:
-        _check_int("num_workers", num_workers, 1)
-        if batch_size % num_workers:
-            raise ValueError(f"batch_size {batch_size} is not a multiple of num_workers={num_workers}")
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """A rate-limiter wait: None (do not wait) or seconds >= 0, ``math.inf`` for no limit.
-
-    Raises:
-        ValueError: anything else (NaN, negative, not a number).
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
-            or math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be None (do not wait) or seconds >= 0 (math.inf: no limit), got {timeout!r}")
-    # Waits past threading's limit (about 292 years) cannot be timed: they are unlimited.
-    return math.inf if timeout > threading.TIMEOUT_MAX else float(timeout)
-
-
-def _check_write_args(env_id: Any, metadata: Any, timeout: Any) -> float | None:
-    """Check `add_episode`'s arguments besides the episode; returns the timeout."""
-    timeout = check_timeout(timeout)
-    if not isinstance(env_id, str):
-        raise ValueError(f"env_id must be a str, got {env_id!r}")
-    if metadata is not None:
-        if not isinstance(metadata, Mapping):
-            raise ValueError(f"metadata must be a dict or None, got {describe(metadata)}")
-        try:
-            json.dumps(dict(metadata))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"metadata must be JSON-serializable: {err}") from None
-    return timeout
-
-
-def _check_episode_id(episode_id: Any) -> None:
-    if isinstance(episode_id, bool) or not isinstance(episode_id, (int, np.integer)):
-        raise ValueError(f"episode_id must be an int (an id from episodes()), got {episode_id!r}")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if type(value) is int and value >= minimum:   # the common case, checked first
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class ExperienceStore:
@@ -135,8 +55,8 @@ class ExperienceStore:
             the first write when None, then enforced.
         mode: "circular" evicts the oldest whole episodes when full; "fixed"
             refuses the write with `CapacityError`.
-        backend: "local" (in-process) or "ray" (sharded Ray actors; see
-            `arrowbuf.ray_backend.RayExperienceStore` for its extra arguments).
+        backend: "local" (in-process, the default) or "ray" (sharded Ray actors;
+            see `arrowbuf.ray` and `RayOptions`).
         num_shards: shards of a Ray store (1 for the local backend).
         track_reuse: count how often each stored step is sampled, for the
             ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
@@ -168,15 +88,23 @@ class ExperienceStore:
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
                  track_reuse: bool = False) -> None:
-        self.capacity = _check_int("capacity", capacity, 1)
+        self.capacity = check_int("capacity", capacity, 1)
         if num_shards != 1:
             raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
+        self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
+        if schema is not None and not isinstance(schema, Schema):
+            schema = Schema(schema)
+        self._backend = LocalBackend(ShardEngine(self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter,
+                                                 mode=mode, seed=self.seed, schema=schema,
+                                                 track_reuse=self.track_reuse))
+
+    def _configure(self, seed: Any, sampler: Any, mode: Any, backend: Any, rate_limiter: Any,
+                   track_reuse: Any) -> None:
+        """Check and keep the settings both backends share."""
         if seed is not None:
-            seed = _check_int("seed", seed, 0)   # a plain int (it is saved as JSON)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            seed = check_int("seed", seed, 0)   # a plain int (it is saved as JSON)
+        check_choice("mode", mode, MODES)
+        check_choice("backend", backend, BACKENDS)
         sampler = UniformSampler() if sampler is None else sampler
         if not isinstance(sampler, Sampler):
             raise ValueError(f"sampler must be an arrowbuf Sampler (UniformSampler(), PrioritizedSampler(), ...), "
@@ -185,28 +113,14 @@ class ExperienceStore:
         if not isinstance(rate_limiter, RateLimiter):
             raise ValueError(f"rate_limiter must be an arrowbuf RateLimiter (MinSize, SampleToInsertRatio), "
                              f"got {describe(rate_limiter)}")
-        if schema is not None and not isinstance(schema, Schema):
-            schema = Schema(schema)
+        self.track_reuse = check_bool("track_reuse", track_reuse)
+        self.seed = seed
         self.mode = mode
         self.backend = backend
         self.sampler = sampler
         self.rate_limiter = rate_limiter
-        if not isinstance(track_reuse, bool):
-            raise ValueError(f"track_reuse must be True or False, got {track_reuse!r}")
-        self.track_reuse = track_reuse
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)   # wakes callers waiting on the rate limiter
-        self._shard: Shard | None = None
-        self._empty_table = EpisodeTable()
-        self._shard_position = (0, 1)   # (shard, num_shards): set by a Ray shard actor
-        self._created = time.monotonic()
         self.created_at = time.time()              # wall clock, recorded in exports and checkpoints
         self._writers = WriterRegistry()           # writers by name: `save` stores their open episodes
-        self._checkpoints: dict[str, str] = {}     # checkpoint dir -> token of the save made or loaded here
-        if schema is not None:
-            self._shard = self._new_shard(schema)
 
     @classmethod
     def attach(cls, name: str, seed: int | None = None, ray_options: Any = None) -> "ExperienceStore":
@@ -222,24 +136,33 @@ class ExperienceStore:
     # -- shape of the store ---------------------------------------------------------
 
     @property
+    def engine(self) -> ShardEngine:
+        """The shard engine of a local store (for persistence and tools).
+
+        Raises:
+            AttributeError: a Ray store, whose engines live in its shard actors.
+        """
+        engine = getattr(self._backend, "engine", None)
+        if engine is None:
+            raise AttributeError(f"a {self.backend} store has no in-process engine; its engines live in its shards")
+        return engine
+
+    @property
     def schema(self) -> Schema | None:
         """The enforced schema, or None before the first write."""
-        return self._shard.schema if self._shard is not None else None
+        return self._backend.schema
 
     @property
     def num_episodes(self) -> int:
-        return len(self._shard.table) if self._shard is not None else 0
+        return self._backend.size()[1]
 
     def __len__(self) -> int:
-        return len(self._shard) if self._shard is not None else 0
-
-    @property
-    def _table(self) -> EpisodeTable:
-        return self._shard.table if self._shard is not None else self._empty_table
+        return self._backend.size()[0]
 
     def __repr__(self) -> str:
-        return (f"ExperienceStore(capacity={self.capacity}, transitions={len(self)}, "
-                f"episodes={self.num_episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "
+        transitions, episodes = self._backend.size()
+        return (f"ExperienceStore(capacity={self.capacity}, transitions={transitions}, "
+                f"episodes={episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "
                 f"schema={self.schema!r})")
 
     # -- writing ----------------------------------------------------------------------
@@ -267,60 +190,11 @@ class ExperienceStore:
             ValueError: a bad ``env_id`` or ``metadata``.
             Nothing is changed when it raises.
         """
-        timeout = _check_write_args(env_id, metadata, timeout)
-        with self._lock:
-            checked, schema = read_episode(episode, self.schema, env_id, metadata)
-            return self._add(checked, schema, timeout)
-
-    def _add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None) -> int:
-        with self._changed:
-            shard = self._shard if self._shard is not None else self._make_shard(schema)
-            plan = shard.check_fits(episode)
-            transitions = shard.transitions_of(episode)
-            limiter = self.rate_limiter
-            limited = type(limiter) is not RateLimiter   # the plain one only counts
-            if limited:
-                self._wait(lambda: limiter.can_insert(transitions), timeout,
-                           lambda: f"insert of {transitions} transitions refused by {limiter.state()}")
-                if self._shard is not None and shard is not self._shard:
-                    # Another thread made the store's first write while this one waited.
-                    if self._shard.schema != shard.schema:
-                        raise SchemaError(f"episode of {shard.schema} does not match the store's {self.schema}")
-                    shard = self._shard
-                plan = shard.check_fits(episode)   # other threads may have written while we waited
-            if self._shard is None:
-                self._bind(shard)
-            episode_id = shard.add(episode, plan)
-            limiter.inserts += transitions
-            if limited:
-                self._changed.notify_all()
-            return episode_id
-
-    def _make_shard(self, schema: Schema) -> Shard:
-        shard, num_shards = self._shard_position
-        return Shard(schema, self.capacity, self.mode, shard=shard, num_shards=num_shards)
-
-    def _new_shard(self, schema: Schema) -> Shard:
-        shard = self._make_shard(schema)
-        self._bind(shard)
-        return shard
-
-    def _bind(self, shard: Shard) -> None:
-        self.sampler.bind(shard)
-        if self.track_reuse:
-            shard.track_reuse()
-        self._shard = shard
-
-    def _set_schema(self, schema: Schema) -> None:
-        with self._lock:
-            if self._shard is None:
-                self._new_shard(schema)
-
-    def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
-        if allowed():
-            return
-        if timeout is None or not self._changed.wait_for(allowed, None if math.isinf(timeout) else timeout):
-            raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
+        timeout = check_timeout(timeout)
+        check_env_id(env_id)
+        metadata = check_metadata(metadata)
+        checked, schema = read_episode(episode, self.schema, env_id, metadata)
+        return self._backend.add(checked, schema, timeout)
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",
                env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
@@ -331,44 +205,58 @@ class ExperienceStore:
         ``name`` identifies the writer in checkpoints (default ``writer-<k>``):
         `save` stores the open episodes of every writer still referenced, and on a
         loaded store ``writer(..., name=name)`` hands back the restored writer with
-        those episodes (see `writers`).
+        those episodes (see `writers`). A Ray store's writer pickles into Ray tasks
+        and actors (env runners).
 
         Raises:
             ValueError: a bad argument; a writer of this name is already open; a
                 restored writer of this name has another num_envs, mode or env_ids.
         """
-        if name is not None and not (isinstance(name, str) and name):
-            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        name = check_name(name)
         timeout = check_timeout(timeout)
-        with self._lock:
-            claimed = self._writers.claim(name, num_envs, autoreset_mode, env_ids) if name else None
-            if claimed is not None:
-                writer, sink = claimed
-                sink.timeout = timeout
-                return writer
-            sink = _LocalSink(self, timeout)
-            writer = StepWriter(sink, num_envs, autoreset_mode, env_ids)
-            self._writers.add(name or self._writers.new_name(), writer, sink)
+        num_envs = check_int("num_envs", num_envs, 1)
+        claimed = self._writers.claim(name, num_envs, autoreset_mode, env_ids) if name else None
+        if claimed is not None:
+            writer, sink = claimed
+            sink.timeout = timeout
             return writer
+        sink = self._backend.sink(timeout, env_ids)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids)
+        self._writers.add(name or self._writers.new_name(), writer, sink)
+        return writer
 
     @property
     def writers(self) -> dict[str, StepWriter]:
         """Writers by name: those still referenced, and after `load` the restored
         ones (held by the store until claimed with ``writer(..., name=name)``)."""
-        with self._lock:
-            return self._writers.live()
+        return self._writers.live()
+
+    def _restore_writers(self, states: Mapping[str, Any]) -> None:
+        """Writers of a loaded checkpoint, held until claimed by name."""
+        for name, state in states.items():
+            writer = self.writer(int(state["num_envs"]), state["autoreset_mode"], state["env_ids"], name=name)
+            writer.load_state_dict(state)
+            self._writers.hold(name)
+
+    def flush(self) -> None:
+        """Wait until every write so far is stored and raise the first error (a
+        local store writes synchronously: nothing to wait for)."""
+        self._backend.flush()
+
+    def close(self) -> None:
+        """Release the backend (a Ray store ends its shard actors; their data is gone)."""
+        self._backend.close()
 
     def clear(self) -> None:
         """Remove every episode. Indices sampled before stay stale forever."""
-        with self._lock:
-            if self._shard is not None:
-                self._shard.clear()
+        self._backend.clear()
 
     # -- sampling ---------------------------------------------------------------------
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               timeout: float | None = None, num_workers: int | None = None) -> TensorDict | list[TensorDict]:
+               timeout: float | None = None, num_workers: int | None = None,
+               worker_nodes: Sequence[str] | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -386,11 +274,13 @@ class ExperienceStore:
             timeout: seconds to wait for the rate limiter; None raises at once.
             num_workers: split the batch into this many disjoint, equal batches
                 (one per train worker) and return them as a list.
+            worker_nodes: with ``num_workers`` on a Ray store, the node id of each
+                worker: each draws from the shards on its node.
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
             and episode samplers): every field at t, ``("next", obs)`` for
-            observation fields, ``"index"`` (transition ranks, for
+            observation fields, ``"index"`` (transition indices, for
             `update_priorities`), ``"episode_id"`` and ``"step"``, plus the
             sampler's ``"weight"`` or ``"mask"``.
 
@@ -399,93 +289,131 @@ class ExperienceStore:
             EmptyStoreError: the store holds no transition.
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
-        batch_size = _check_int("batch_size", batch_size, 1)
-        if n_step != 1 or frame_stack != 1 or gamma != 0.99 or type(n_step) is not int or type(frame_stack) is not int:
-            self._check_sample_args(n_step, gamma, frame_stack)
+        batch_size = check_int("batch_size", batch_size, 1)
+        args = self._sample_args(n_step, gamma, frame_stack)
         device = check_device(device)
         timeout = check_timeout(timeout)
-        _check_workers(batch_size, num_workers)
+        pin_memory = check_bool("pin_memory", pin_memory)
+        num_workers = check_workers(batch_size, num_workers)
+        self._check_worker_nodes(num_workers, worker_nodes)
         if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        limiter = self.rate_limiter
-        limited = type(limiter) is not RateLimiter   # the plain one only counts
-        with self._changed:
-            if limited:
-                self._wait(lambda: limiter.can_sample(batch_size, len(self)), timeout,
-                           lambda: limiter.why_not_sample(batch_size, len(self)))
-            self._require_data()
-            selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
-            batch = self._gather(selection, n_step, gamma, frame_stack, device, pin_memory)
-            limiter.samples += selection.rows.size
-            if limited:
-                self._changed.notify_all()
-        return self._split_workers(batch, num_workers)
+        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes)
 
-    def _check_sample_args(self, n_step: int, gamma: float, frame_stack: int) -> None:
-        _check_int("n_step", n_step, 1)
-        _check_int("frame_stack", frame_stack, 1)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
-            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+    def _sample_args(self, n_step: Any, gamma: Any, frame_stack: Any) -> tuple:
+        """(n_step, gamma, frame_stack), checked; gamma is 1.0 when unused."""
+        if n_step == 1 and frame_stack == 1 and type(n_step) is int and type(frame_stack) is int:
+            if gamma != 0.99:
+                self._check_gamma(gamma)
+            return 1, 1.0, 1
+        n_step = check_int("n_step", n_step, 1)
+        frame_stack = check_int("frame_stack", frame_stack, 1)
+        self._check_gamma(gamma)
         schema = self.schema
         if n_step > 1 and (schema is None or "reward" not in schema.fields):
             raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
                              f"{list(schema.fields) if schema else 'no fields yet'}")
         if n_step > 1 and schema.fields["reward"].shape != ():
             raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
+        return n_step, float(gamma), frame_stack
 
     @staticmethod
-    def _split_workers(batch: TensorDict, num_workers: int | None) -> TensorDict | list[TensorDict]:
-        if num_workers is None:
-            return batch
-        return list(batch.split(batch.batch_size[0] // num_workers, dim=0))
+    def _check_gamma(gamma: Any) -> None:
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
 
-    def _gather(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
-                device: Any = None, pin_memory: bool = False) -> TensorDict:
-        rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames)
-        batch = self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
-        self._count_samples(selection)
-        return batch
+    def _check_worker_nodes(self, num_workers: int | None, worker_nodes: Any) -> None:
+        if worker_nodes is None:
+            return
+        if self.backend != "ray":
+            raise ValueError("worker_nodes needs backend='ray' (a local store has one node)")
+        if num_workers is None or isinstance(worker_nodes, str) or len(worker_nodes) != num_workers \
+                or not all(isinstance(n, str) for n in worker_nodes):
+            raise ValueError(f"worker_nodes must list one node id (str) per worker (num_workers={num_workers}), "
+                             f"got {worker_nodes!r}")
 
-    def _payload(self, selection: Selection, n: int = 1, gamma: float = 1.0, frames: int = 1,
-                 pin_memory: bool = False, index_base: int = 0) -> Payload:
-        """Gather a selection (plus n-step / frame-stack look-ups) into a `Payload`."""
-        rows, extra, obs_rows, next_rows = self._gather_args(selection, n, gamma, frames, index_base)
-        payload = self._shard.gather.payload(rows, extra, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
-        self._count_samples(selection)
-        return payload
+    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
+                    n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` would give them. A Ray store keeps ``prefetch``
+        requests in flight per shard so that sampling overlaps training.
 
-    def _count_samples(self, selection: Selection) -> None:
-        """Count a gathered selection's rows when the shard tracks reuse."""
-        if self._shard.reuse is not None:
-            self._shard.count_samples(selection.rows, selection.extra.get("mask"))
+        Raises:
+            ValueError: a bad argument.
+        """
+        batch_size = check_int("batch_size", batch_size, 1)
+        prefetch = check_int("prefetch", prefetch, 1)
+        if batches_per_request is not None:
+            batches_per_request = check_int("batches_per_request", batches_per_request, 1)
+        args = self._sample_args(n_step, gamma, frame_stack)
+        device = check_device(device)
+        return self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
 
-    def _gather_args(self, selection: Selection, n: int, gamma: float, frames: int,
-                     index_base: int = 0) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
-        """(rows, extra arrays, observation rows, next-observation rows) of a selection."""
-        shard = self._shard
-        table = shard.table
-        rows, pos = selection.rows, selection.pos
-        # episode_id and step come from the episode table, not from per-row columns.
-        step = selection.step
-        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
-                 "episode_id": table.col("episode_id").take(pos),
-                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
-        obs_rows = next_rows = None
-        if n > 1:
-            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
-            ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
-            next_rows = ahead.next_rows
-            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
-            for flag in ("terminated", "truncated"):
-                if flag in shard.schema.fields:
-                    extra[flag] = shard.arena[flag][ahead.last_rows]
-        if frames > 1:
-            obs_rows = frame_rows(rows, first, frames)
-            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
-        return rows, extra, obs_rows, next_rows
+    def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
+                     epochs: int = 1, device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Every stored transition once per epoch (on-policy PPO epochs), in batches.
+
+        Each epoch gathers each transition once, in a fresh random order (from the
+        store's generator; the first epoch's order is drawn by this call, each
+        later one when it starts). Transitions evicted while an epoch runs are
+        skipped, not replaced; those added join the next epoch.
+
+        Args:
+            batch_size: transitions per batch.
+            shuffle: random order, else insertion order.
+            drop_last: drop each epoch's last batch if it is short.
+            epochs: passes over the store.
+            device: where the tensors go.
+
+        Raises:
+            ValueError: a bad argument.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(100, seed=0)
+            >>> _ = store.add_episode({"obs": np.zeros((11, 2)), "action": np.zeros(10)})
+            >>> [len(b) for b in store.iter_batches(4, epochs=2)]
+            [4, 4, 2, 4, 4, 2]
+        """
+        batch_size = check_int("batch_size", batch_size, 1)
+        shuffle = check_bool("shuffle", shuffle)
+        drop_last = check_bool("drop_last", drop_last)
+        epochs = check_int("epochs", epochs, 1)
+        device = check_device(device)
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device)
+        if epochs == 1:
+            return first
+        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device)
+
+    def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
+        yield from first
+        for _ in range(epochs - 1):
+            yield from self._backend.iter_batches(*args)
+
+    def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
+        """The transitions of ``index`` (values of a batch's ``"index"``), in that order.
+
+        Reads by index, as a trainer that keeps indices or the RLightning API
+        does; it is not counted as a sample.
+
+        Raises:
+            ValueError: ``index`` is not a 1-D array of ints.
+            KeyError: some of the indices are not live (evicted, cleared, never written).
+        """
+        array, _ = to_numpy(index, "index")
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"index must be a 1-D array of ints, got {describe(array)}")
+        return self._backend.gather(array.astype(np.int64), check_device(device))
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """[first, stop) of the live indices of each shard (a shard's indices are contiguous)."""
+        return self._backend.live_ranges()
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first index, transitions) of every live episode, shard by shard, oldest first."""
+        return self._backend.episode_spans()
 
     def update_priorities(self, index: Any, priority: Any) -> int:
         """Set the priorities of sampled transitions (`PrioritizedSampler` only).
@@ -502,17 +430,14 @@ class ExperienceStore:
             ValueError: not a prioritized store, or mismatched / negative / non-finite input.
         """
         index, priority = self._check_priorities(index, priority)
-        with self._lock:
-            if self._shard is None:
-                return 0
-            return self.sampler.update(self._shard.table, index, priority)
+        return self._backend.update_priorities(index, priority)
 
     def _check_priorities(self, index: Any, priority: Any) -> tuple[np.ndarray, np.ndarray]:
         """(int64 index, float64 priority) of an `update_priorities` call, or ValueError."""
         if not isinstance(self.sampler, PrioritizedSampler):
             raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
-        index = _as_numpy(index, "index").reshape(-1)
-        priority = _as_numpy(priority, "priority").reshape(-1)
+        index = to_numpy(index, "index")[0].reshape(-1)
+        priority = real_numbers(priority, "priority").reshape(-1)
         if not np.issubdtype(index.dtype, np.integer):
             raise ValueError(f"index must hold integers (a batch's 'index'), got dtype {index.dtype}")
         if not (np.issubdtype(priority.dtype, np.floating) or np.issubdtype(priority.dtype, np.integer)):
@@ -532,85 +457,86 @@ class ExperienceStore:
                              f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
         return index.astype(np.int64), priority
 
+    def compute_gae(self, gamma: float = 0.99, lam: float = 0.95, *, value_key: str = "value",
+                    bootstrap_value: Callable[[TensorDict], Any] | None = None) -> int:
+        """Generalized advantages of every stored transition, written as new columns.
+
+        Writes ``"advantage"`` and ``"value_target"`` (advantage + value; TorchRL's
+        names), float32 per step. They extend the schema as *derived* fields: they
+        are sampled like any field (``batch["advantage"]``) and exported to
+        Parquet; episodes written later need not carry them and hold zeros until
+        the next call. Vectorized over all episodes (one vector step per step
+        index, not a Python loop over steps).
+
+        What the last transition of an episode bootstraps from:
+            - terminated: nothing (the return ends);
+            - cut after its final observation (truncated, or cut by a writer's
+              ``flush()`` at the end of a rollout): the value of that final
+              observation, ``bootstrap_value(final_obs)``, where ``final_obs`` is
+              a TensorDict [n] of the observation fields of those n episodes and
+              the result holds n values;
+            - stored without a final observation: the value of its last stored
+              step (that step has no next observation, so it is no transition).
+
+        Args:
+            gamma: discount in [0, 1].
+            lam: GAE's lambda in [0, 1].
+            value_key: the scalar step field holding V(s_t).
+            bootstrap_value: the value function for final observations; needed
+                only when some episode was cut after its final observation.
+
+        Returns:
+            The number of transitions written.
+
+        Raises:
+            ValueError: a bad argument, no scalar ``reward`` / ``value_key`` field,
+                cut episodes without ``bootstrap_value``, or a callable that does
+                not return one finite value per episode. Nothing is changed then.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(100)
+            >>> _ = store.add_episode({"obs": np.zeros((3, 2), np.float32), "reward": np.ones(2, np.float32),
+            ...                        "value": np.zeros(2, np.float32), "terminated": np.array([False, True]),
+            ...                        "truncated": np.zeros(2, bool)})
+            >>> store.compute_gae(gamma=1.0, lam=1.0)
+            2
+            >>> store.episode(0).column("advantage").to_pylist()
+            [2.0, 1.0, 0.0]
+        """
+        for name, value in (("gamma", gamma), ("lam", lam)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        schema = self.schema
+        if not isinstance(value_key, str) or schema is None or value_key not in schema.fields:
+            raise ValueError(f"value_key {value_key!r} is not a field of the store; fields: "
+                             f"{list(schema.fields) if schema else 'none yet'}")
+        if bootstrap_value is not None and not callable(bootstrap_value):
+            raise ValueError(f"bootstrap_value must be a callable (final_obs TensorDict -> values) or None, "
+                             f"got {describe(bootstrap_value)}")
+        return self._backend.compute_gae(float(gamma), float(lam), value_key, bootstrap_value)
+
     def stats(self) -> dict:
         """Size, episodes, inserts and samples (totals and per second), limiter state.
 
         ``"reuse"`` is how often the live transitions were sampled (min / mean /
         max) in a store made with ``track_reuse=True``, else None; ``"priorities"``
         the counts of live priorities over log-spaced bins (``edges``, ``counts``)
-        in a prioritized store, else None.
+        in a prioritized store, else None. A Ray store adds ``"shards"``, one entry
+        per shard.
         """
-        with self._lock:
-            elapsed = max(time.monotonic() - self._created, 1e-9)
-            limiter = self.rate_limiter
-            return {
-                "transitions": len(self),
-                "episodes": self.num_episodes,
-                "capacity": self.capacity,
-                "inserts": limiter.inserts,
-                "samples": limiter.samples,
-                "inserts_per_s": limiter.inserts / elapsed,
-                "samples_per_s": limiter.samples / elapsed,
-                "sample_to_insert_ratio": limiter.samples / limiter.inserts if limiter.inserts else 0.0,
-                "rate_limiter": limiter.state(),
-                "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,
-                "priorities": self._priorities(),
-            }
-
-    def _priorities(self) -> dict | None:
-        sampler = self.sampler
-        if not isinstance(sampler, PrioritizedSampler) or self._shard is None:
-            return None
-        leaves = sampler.tree.leaves[self._shard.transition_rows()]   # p^alpha
-        return priority_histogram(leaves ** (1 / sampler.alpha) if sampler.alpha else leaves)
+        return self._backend.stats()
 
     def _repr_html_(self) -> str:
         """The schema and `stats` as HTML tables, for notebooks."""
         return store_html(f"{type(self).__name__} ({self.backend}, {self.mode}, sampler {self.sampler!r})",
                           self.schema, self.stats())
 
-    def _require_data(self) -> None:
-        if not len(self):
-            raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
-                                  "add episodes first")
-
-    def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     device: torch.device | str | None = None) -> Iterator[TensorDict]:
-        """Every stored transition once (an on-policy epoch), in batches.
-
-        Transitions evicted while the epoch runs are skipped, not replaced.
-
-        Args:
-            batch_size: transitions per batch.
-            shuffle: random order (from the store's generator), else insertion order.
-            drop_last: drop the last batch if it is short.
-            device: where the tensors go.
-
-        Raises:
-            ValueError: ``batch_size`` is not an int >= 1.
-        """
-        batch_size = _check_int("batch_size", batch_size, 1)
-        device = check_device(device)
-        with self._lock:
-            ranks = np.arange(*self._table.live_range(), dtype=np.int64)
-            chunks = epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
-        return self._epoch(chunks, device)
-
-    def _epoch(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
-        for ranks in chunks:
-            with self._lock:
-                live = ranks[self._table.is_live(ranks)]
-                if len(live):
-                    batch = self._gather(select_ranks(self._table, live), device=device)
-            if len(live):
-                yield batch
-
     # -- views -------------------------------------------------------------------------
 
     def episodes(self) -> pa.Table:
         """The episode table (one row per live episode, oldest first)."""
-        with self._lock:
-            return self._table.to_arrow()
+        return self._backend.episodes()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One episode's rows as a zero-copy RecordBatch (valid until it is evicted).
@@ -619,22 +545,11 @@ class ExperienceStore:
             KeyError: no live episode has this id.
             ValueError: ``episode_id`` is not an int.
         """
-        _check_episode_id(episode_id)
-        with self._lock:
-            if self._shard is not None:
-                position = self._table.position_of(int(episode_id))
-                if 0 <= position < len(self._table) and self._table.col("episode_id")[position] == episode_id:
-                    return self._shard.episode_view(int(position))
-            ids = self._table.col("episode_id")
-            live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
-            raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
+        return self._backend.episode(check_episode_id(episode_id))
 
     def to_arrow(self) -> pa.Table:
         """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
-        with self._lock:
-            if self._shard is None:
-                return pa.table({})
-            return self._shard.to_arrow()
+        return self._backend.to_arrow()
 
     # -- persistence (arrowbuf.parquet, arrowbuf.checkpoint) -----------------------------
 
@@ -664,8 +579,8 @@ class ExperienceStore:
         """
         from arrowbuf.parquet import export_store
 
-        return export_store(self, path, compression=compression, rows_per_file=rows_per_file,
-                            progress=progress, overwrite=overwrite)
+        return export_store(self, self._backend.export_steps, path, compression=compression,
+                            rows_per_file=rows_per_file, progress=progress, overwrite=overwrite)
 
     @classmethod
     def from_parquet(cls, path: str | Path, capacity: int | None = None, episode_filter: Any = None,
@@ -699,12 +614,6 @@ class ExperienceStore:
 
         return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
 
-    def _export_shards(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
-        """Write the rows of every shard into ``steps_dir``: (episode table, file entries)."""
-        from arrowbuf.parquet import export_shard
-
-        return export_shard(self._shard, self._lock, steps_dir, schema, **options)
-
     def save(self, path: str | Path, progress: bool | None = None) -> Path:
         """Checkpoint the store into directory ``path`` (Arrow IPC files and a JSON manifest).
 
@@ -721,9 +630,14 @@ class ExperienceStore:
         Raises:
             FileExistsError: ``path`` is a file or holds a foreign manifest.json.
         """
-        from arrowbuf.checkpoint import save_store
+        from arrowbuf.checkpoint import save_engine
 
-        return save_store(self, path, progress)
+        if self.backend != "local":
+            raise NotImplementedError(f"save is not implemented for backend={self.backend!r} yet")
+        info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
+                "created_at": self.created_at}
+        return save_engine(self.engine, path, info,
+                           lambda: {name: w.state_dict() for name, w in self._writers.live().items()}, progress)
 
     @classmethod
     def load(cls, path: str | Path, progress: bool | None = None, **ray_options: Any) -> "ExperienceStore":
@@ -737,7 +651,7 @@ class ExperienceStore:
             FormatError: a missing or incomplete checkpoint, a truncated file, or a
                 newer format version; the message names the file.
         """
-        from arrowbuf.checkpoint import load_store
+        from arrowbuf.checkpoint import load_engine
         from arrowbuf.ray_persist import is_ray_checkpoint
 
         if is_ray_checkpoint(path):
@@ -746,7 +660,21 @@ class ExperienceStore:
             return RayExperienceStore.load(path, progress, **ray_options)
         if ray_options:
             raise ValueError(f"{sorted(ray_options)} apply to Ray checkpoints only; {path} is a local one")
-        return load_store(cls, path, progress)
+        loaded = load_engine(path, progress)
+        store = cls._of_engine(loaded.engine, float(loaded.info["created_at"]))
+        with loaded.typed_errors():
+            store._restore_writers(loaded.writers)
+        return store
+
+    @classmethod
+    def _of_engine(cls, engine: ShardEngine, created_at: float) -> "ExperienceStore":
+        """A local store around a restored engine."""
+        store = super().__new__(cls)
+        store.capacity = engine.capacity
+        store._configure(engine.seed, engine.sampler, engine.mode, "local", engine.rate_limiter, engine.track_reuse)
+        store.created_at = created_at
+        store._backend = LocalBackend(engine)
+        return store
 
     @classmethod
     def from_ray_dataset(cls, dataset: Any, capacity: int, **store_kwargs: Any) -> "ExperienceStore":

@@ -51,25 +51,6 @@ def pinned(pin_memory: bool, device: torch.device | None) -> bool:
     return (pin_memory or (device is not None and device.type == "cuda")) and torch.cuda.is_available()
 
 
-def check_device(device: torch.device | str | None) -> torch.device | None:
-    """``device`` as a torch.device (None stays None), checked before anything is drawn.
-
-    Raises:
-        ValueError: not a device, or a CUDA device that this process lacks.
-    """
-    if device is None:
-        return None
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a name like 'cpu' or 'cuda:0', got {device!r}") from None
-    if parsed.type == "cuda" and (not torch.cuda.is_available()
-                                  or (parsed.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
-                         "CUDA device(s)")
-    return parsed
-
-
 def nest(flat: Mapping[tuple[str, ...], torch.Tensor]) -> dict:
     """{("next", "obs"): t} -> {"next": {"obs": t}}."""
     root: dict = {}

@@ -187,7 +187,7 @@ def test_reuse_counts_equal_the_counts_of_the_sampled_indices():
     _fill(store)
     index = np.concatenate([store.sample(16)["index"].numpy() for _ in range(10)])
     counts = np.bincount(index, minlength=len(store))
-    np.testing.assert_array_equal(store._shard.reuse_counts(), counts)
+    np.testing.assert_array_equal(store.engine.shard.reuse_counts(), counts)
     assert store.stats()["reuse"] == {"min": counts.min(), "mean": 160 / 20, "max": counts.max()}
 
 
@@ -202,7 +202,7 @@ def test_padding_of_sequences_is_not_counted_as_a_sample():
     store = ab.ExperienceStore(100, seed=0, sampler=ab.SequenceSampler(4, strict=False), track_reuse=True)
     _fill(store)
     batch = store.sample(32)
-    assert store._shard.reuse_counts().sum() == int(batch["mask"].sum()) < 32 * 4
+    assert store.engine.shard.reuse_counts().sum() == int(batch["mask"].sum()) < 32 * 4
 
 
 def test_rows_rewritten_by_new_episodes_start_unsampled():
@@ -211,14 +211,14 @@ def test_rows_rewritten_by_new_episodes_start_unsampled():
     store.sample(15)
     _fill(store, episodes=1)   # evicts the oldest episode, reuses its rows
     assert store.stats()["reuse"] == {"min": 0, "mean": 10 / 15, "max": 1}
-    np.testing.assert_array_equal(store._shard.reuse_counts(), [1] * 10 + [0] * 5)
+    np.testing.assert_array_equal(store.engine.shard.reuse_counts(), [1] * 10 + [0] * 5)
 
 
 def test_reuse_is_only_tracked_when_asked_for():
     store = ab.ExperienceStore(100, seed=0)
     _fill(store)
     store.sample(8)
-    assert store.stats()["reuse"] is None and store._shard.reuse is None
+    assert store.stats()["reuse"] is None and store.engine.shard.reuse is None
     with pytest.raises(ValueError, match="track_reuse must be True or False, got 1"):
         ab.ExperienceStore(100, track_reuse=1)
 

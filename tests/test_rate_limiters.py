@@ -89,7 +89,7 @@ def test_a_refused_sample_changes_nothing_and_counts_nothing():
     add(store)
     with pytest.raises(ab.RateLimited):
         store.sample(4)
-    assert store.stats()["samples"] == 0 and store.rate_limiter.samples == 0
+    assert store.stats()["samples"] == 0 and store.engine.counts.samples == 0
 
 
 # -- SampleToInsertRatio -----------------------------------------------------------------
@@ -119,9 +119,9 @@ def test_sample_to_insert_ratio_blocks_inserts_when_samples_fall_too_far_behind(
     store = ratio_store()
     for _ in range(5):                          # 15 inserted: diff = 15 > 12 after the fifth
         add(store)
-    with pytest.raises(ab.RateLimited, match=r"insert of 3 transitions refused"):
+    with pytest.raises(ab.RateLimited, match=r"inserting 3 transitions would put inserts \(15\) too far ahead of samples \(0\)"):
         add(store)
-    assert (store.num_episodes, len(store), store.rate_limiter.inserts) == (5, 15, 15), "a refused insert changes nothing"
+    assert (store.num_episodes, len(store), store.engine.counts.inserts) == (5, 15, 15), "a refused insert changes nothing"
     store.sample(4)                             # diff = 11
     add(store)
 
@@ -137,7 +137,7 @@ def test_a_blocked_sample_waits_until_another_thread_inserts():
     add(store)
     assert sampler.join().batch_size == (2,)
     assert time.monotonic() - start < WAIT
-    assert store.rate_limiter.samples == 10
+    assert store.engine.counts.samples == 10
 
 
 def test_a_blocked_insert_waits_until_another_thread_samples():
@@ -179,7 +179,7 @@ def test_stats_show_the_rate_limiter_state():
 def test_inserts_count_transitions_not_rows():
     store = ratio_store()
     store.add_episode(encoded_episode(0, 4, has_final=False))   # 4 rows, 3 transitions
-    assert store.rate_limiter.inserts == 3 == len(store)
+    assert store.engine.counts.inserts == 3 == len(store)
 
 
 # -- the step writer under back-pressure ----------------------------------------------------

@@ -102,15 +102,17 @@ def test_fixed_mode_refuses_to_evict_and_changes_nothing():
     assert shard.table.col("first_row").tolist() == [0, 4, 8]
 
 
-def test_eviction_tells_listeners_which_rows_go_before_they_are_reused():
+def test_a_plan_names_the_spans_its_write_evicts_before_the_rows_are_reused():
     shard = Shard(SCHEMA, capacity=10)
-    calls = []
-    shard.evict_listeners.append(lambda first, rows: calls.append((first.tolist(), rows.tolist(),
-                                                                    shard.arena["action"][first[0]])))
     shard.add(shard_episode(5, 3))
     shard.add(shard_episode(6, 3))
-    shard.add(shard_episode(7, 3))   # 4 rows: wraps, evicts the first episode only
-    assert calls == [([0], [4], 5000)]  # the old action is still in the arena when told
+    episode = shard_episode(7, 3)
+    start, evicted = shard.check_fits(episode)   # 4 rows: wraps, evicts the first episode only
+    first, rows = shard.evicted_spans(evicted)
+    assert (start, first.tolist(), rows.tolist()) == (0, [0], [4])
+    assert shard.arena["action"][first[0]] == 5000   # still the old episode's until the write
+    shard.add(episode, (start, evicted))
+    assert shard.table.col("episode_id").tolist() == [1, 2]
 
 
 def test_the_final_row_holds_the_last_observation_and_zeros_in_step_fields():

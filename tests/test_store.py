@@ -356,7 +356,7 @@ ZERO_COPY = ["obs", "action", "reward"]   # data columns; system columns are com
 
 def test_an_episode_view_shares_memory_with_the_arena(filled_store):
     store, model = filled_store
-    arena = store._shard.arena
+    arena = store.engine.shard.arena
     for e in model.live:
         view = store.episode(e.episode_id)
         for name in ZERO_COPY:
@@ -368,9 +368,9 @@ def test_an_episode_view_shares_memory_with_the_arena(filled_store):
 
 def test_to_arrow_chunks_share_memory_with_the_arena(filled_store):
     store, model = filled_store
-    arena = store._shard.arena
+    arena = store.engine.shard.arena
     table = store.to_arrow()
-    first, num = store._shard.table.col("first_row"), store._shard.table.col("num_rows")
+    first, num = store.engine.shard.table.col("first_row"), store.engine.shard.table.col("num_rows")
     runs = [(int(first[a]), int(first[b - 1] + num[b - 1])) for a, b in position_runs(first, num)]
     assert len(runs) == 2, "the fixture should have wrapped the ring"
     for name in ZERO_COPY:

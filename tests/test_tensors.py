@@ -137,7 +137,7 @@ def test_sampled_tensors_of_a_store_share_one_gather_buffer():
     spans = sorted((batch.get(k).data_ptr(), batch.get(k).data_ptr() + batch.get(k).nbytes) for k in keys)
     gaps = [start - stop for (_, stop), (start, _) in zip(spans, spans[1:])]
     assert all(0 <= gap < ALIGN for gap in gaps), "every gathered field should lie in one gather buffer"
-    arena_columns = store._shard.arena
+    arena_columns = store.engine.shard.arena
     for name, column in arena_columns.items():
         start, stop = column.ctypes.data, column.ctypes.data + column.nbytes
         for k in keys:

@@ -1191,7 +1191,7 @@ def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
         batch = store.sample(B)
         store.update_priorities(batch["index"], next(cycle_t))
 
-    sampler, table, rng = store.sampler, store._shard.table, np.random.default_rng(1)
+    sampler, table, rng = store.sampler, store.engine.shard.table, np.random.default_rng(1)
 
     def arrowbuf_sampler() -> None:
         selection = sampler.sample(rng, B, table)

@@ -16,33 +16,26 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf.samplers import select_ranks
 from arrowbuf.store import ExperienceStore
 
 
 class LocalAccess:
-    """One in-process store: a single shard."""
+    """One in-process store: a single shard, read through the store's public API."""
 
     def __init__(self, store: ExperienceStore) -> None:
         self.store = store
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """[first, stop) of the live transition ranks of each shard."""
-        with self.store._lock:
-            return [self.store._table.live_range()]
+        return self.store.live_ranges()
 
     def episodes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, first rank, transitions) of every live episode, oldest first."""
-        with self.store._lock:
-            table = self.store._table
-            first, length = table.col("first_rank").copy(), table.col("length").copy()
-        return np.zeros(len(first), np.int64), first, length
+        return self.store.episode_spans()
 
     def gather(self, shard: int, ranks: np.ndarray, device: Any) -> TensorDict:
         """The transitions of live ``ranks`` (1-D), in that order."""
-        store = self.store
-        with store._lock:
-            return store._gather(select_ranks(store._table, ranks), device=device)
+        return self.store.gather(ranks, device=device)
 
 
 class RayAccess:

@@ -1,0 +1,524 @@
+"""`ShardEngine`: one shard with its sampler, generator, limiter counters and lock.
+
+The engine is the unit that both backends run: the embedded store holds one, and
+every Ray shard actor holds one. It composes the parts and calls them in order;
+no part calls back into its owner:
+
+- a write checks that the episode fits, waits for the rate limiter, copies the
+  episode into the `Shard`, then tells the sampler which rows it evicted and
+  which it added (`Sampler.on_evict`, `Sampler.on_add`);
+- a sample waits for the rate limiter, asks the sampler for a `Selection`, adds
+  the n-step / frame-stack look-ups (`arrowbuf.indexing`) and gathers the rows
+  (`arrowbuf.tensors.Gather`).
+
+Limiters are configuration (`arrowbuf.rate_limiters`): the engine keeps the
+insert / sample `Counts` they judge. Every method takes the engine's lock, so an
+engine may be shared by threads; arguments are checked by the caller (the store
+facade checks them once), except where only the engine can tell (the data).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tensordict import TensorDict
+
+from arrowbuf._checks import bf16_bits_to_float32, real_numbers
+from arrowbuf._stats import priority_histogram, reuse_summary
+from arrowbuf.advantages import gae
+from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError, describe
+from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.rate_limiters import Counts, RateLimiter
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_ranks
+from arrowbuf.schema import Field, Schema
+from arrowbuf.shard import Episode, Shard
+from arrowbuf.table import EpisodeTable
+from arrowbuf.tensors import Payload, make_tensordict
+
+# Columns `compute_gae` writes (TorchRL's names).
+DERIVED = ("advantage", "value_target")
+
+# Sample arguments in one tuple: (n_step, gamma, frame_stack).
+PLAIN = (1, 1.0, 1)
+
+
+class ShardEngine:
+    """One shard of a store: arena, episode table, sampler, generator, counters, lock.
+
+    Args:
+        capacity: rows of the arena.
+        sampler: the shard's own `Sampler` (bound to the shard when it is made).
+        rate_limiter: the limiter's configuration; the engine keeps its counts.
+        mode: "circular" or "fixed" (see `Shard`).
+        seed: seed of the engine's `numpy.random.Generator`.
+        schema: the fields; the shard is made at the first write when None.
+        track_reuse: count how often each row is sampled.
+        shard: this shard's number and ``num_shards`` the store's shard count
+            (episode ids are spaced by it; 0 and 1 for the embedded store).
+
+    Example:
+        >>> import numpy as np, arrowbuf as ab
+        >>> from arrowbuf.engine import ShardEngine
+        >>> from arrowbuf.episodes import read_episode
+        >>> engine = ShardEngine(100, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0)
+        >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)}, None)
+        >>> engine.add(episode, schema)
+        0
+        >>> engine.sample(5)["next", "obs"].shape
+        torch.Size([5, 2])
+    """
+
+    def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
+                 seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
+                 shard: int = 0, num_shards: int = 1) -> None:
+        self.capacity = capacity
+        self.mode = mode
+        self.sampler = sampler
+        self.rate_limiter = rate_limiter
+        self.track_reuse = track_reuse
+        self.seed = seed
+        self.shard_index = shard
+        self.num_shards = num_shards
+        self.counts = Counts()
+        self.lock = threading.RLock()
+        self._changed = threading.Condition(self.lock)   # wakes callers waiting on the rate limiter
+        self._rng = np.random.default_rng(seed)
+        self._shard: Shard | None = None
+        self._empty_table = EpisodeTable()
+        self._created = time.monotonic()
+        # Checkpoint directory -> token of the save made or loaded here: a save into
+        # the same directory again writes only what is new (`arrowbuf.checkpoint`).
+        self.checkpoints: dict[str, str] = {}
+        # The plain limiter only counts: the waits are skipped for it.
+        self._limited = type(rate_limiter) is not RateLimiter
+        if schema is not None:
+            self._bind(self._make_shard(schema))
+
+    # -- shape ----------------------------------------------------------------------
+
+    @property
+    def schema(self) -> Schema | None:
+        """The enforced schema, or None before the first write."""
+        return self._shard.schema if self._shard is not None else None
+
+    @property
+    def shard(self) -> Shard | None:
+        """The shard (None before the first write), for snapshots: read it under `lock`."""
+        return self._shard
+
+    @property
+    def table(self) -> EpisodeTable:
+        """The episode table (an empty one before the first write); read it under `lock`."""
+        return self._shard.table if self._shard is not None else self._empty_table
+
+    def __len__(self) -> int:
+        """Transitions stored."""
+        return len(self._shard) if self._shard is not None else 0
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self._shard.table) if self._shard is not None else 0
+
+    def size(self) -> tuple[float, int, int]:
+        """(sampling mass, transitions, episodes), as one consistent reading."""
+        with self.lock:
+            if self._shard is None:
+                return 0.0, 0, 0
+            return self.sampler.mass(self._shard.table), len(self._shard), len(self._shard.table)
+
+    def set_schema(self, schema: Schema) -> None:
+        """Make the shard for ``schema`` now (no-op once there is one)."""
+        with self.lock:
+            if self._shard is None:
+                self._bind(self._make_shard(schema))
+
+    def _make_shard(self, schema: Schema) -> Shard:
+        return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards)
+
+    def _bind(self, shard: Shard) -> None:
+        self.sampler.bind(shard)
+        if self.track_reuse:
+            shard.track_reuse()
+        self._shard = shard
+
+    # -- writing --------------------------------------------------------------------
+
+    def add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None,
+            limited: bool = True) -> int:
+        """Copy a checked episode into the shard; returns its id.
+
+        Args:
+            episode: from `arrowbuf.episodes.read_episode` or a writer.
+            schema: the schema the episode was checked against (makes the shard
+                at the first write).
+            timeout: seconds to wait for the rate limiter (None: raise at once).
+            limited: False for imports of saved data: counted, never refused by
+                the rate limiter.
+
+        Raises:
+            CapacityError: it does not fit (see `Shard.check_fits`).
+            RateLimited: the rate limiter refuses the insert.
+            SchemaError: another thread's first write fixed another schema.
+            Nothing is changed when it raises.
+        """
+        with self._changed:
+            shard = self._shard if self._shard is not None else self._make_shard(schema)
+            plan = shard.check_fits(episode)
+            transitions = shard.transitions_of(episode)
+            if self._limited and limited:
+                limiter, counts = self.rate_limiter, self.counts
+                self._wait(lambda: limiter.can_insert(transitions, counts), timeout,
+                           lambda: limiter.why_not_insert(transitions, counts))
+                if self._shard is not None and shard is not self._shard:
+                    # Another thread made the store's first write while this one waited.
+                    if self._shard.schema != shard.schema:
+                        raise SchemaError(f"episode of {shard.schema} does not match the store's {self.schema}")
+                    shard = self._shard
+                plan = shard.check_fits(episode)   # other threads may have written while we waited
+            if self._shard is None:
+                self._bind(shard)
+            sampler = self.sampler
+            evicted = shard.evicted_spans(plan[1]) if sampler.tracks_rows and plan[1] else None
+            episode_id = shard.add(episode, plan)
+            if sampler.tracks_rows:
+                if evicted is not None:
+                    sampler.on_evict(*evicted)
+                sampler.on_add(plan[0], transitions)
+            self.counts.inserts += transitions
+            if self._limited:
+                self._changed.notify_all()
+            return episode_id
+
+    def clear(self) -> None:
+        """Remove every episode; ranks keep counting, so indices sampled before stay stale."""
+        with self.lock:
+            shard = self._shard
+            if shard is None:
+                return
+            if self.sampler.tracks_rows and len(shard.table):
+                self.sampler.on_evict(*shard.evicted_spans(len(shard.table)))
+            shard.clear()
+
+    def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
+        if allowed():
+            return
+        if timeout is None or not self._changed.wait_for(allowed, None if math.isinf(timeout) else timeout):
+            raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
+
+    # -- sampling -------------------------------------------------------------------
+
+    def require_data(self) -> None:
+        """Raises `EmptyStoreError` when no transition is stored."""
+        if not len(self):
+            raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
+                                  "add episodes first")
+
+    def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
+               timeout: float | None = None) -> TensorDict:
+        """Draw with the sampler and gather: the store's `sample` on one shard.
+
+        Args:
+            batch_size: what the sampler draws (transitions, windows or episodes).
+            args: (n_step, gamma, frame_stack), checked by the caller.
+            device: a checked torch.device or None.
+            pin_memory: gather into pinned memory.
+            timeout: seconds to wait for the rate limiter.
+
+        Raises:
+            EmptyStoreError: no transition stored.
+            RateLimited: the limiter refuses the sample.
+        """
+        with self._changed:
+            self._wait_to_sample(batch_size, timeout)
+            selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
+            batch = self._gather(selection, args, device, pin_memory)
+            self._sampled(selection)
+            return batch
+
+    def sample_payload(self, batch_size: int, args: tuple = PLAIN, index_base: int = 0,
+                       population: tuple[int, float] | None = None, timeout: float | None = None) -> Payload:
+        """`sample` into a `Payload` (what a Ray shard sends); ``index_base`` is added to
+        the ranks, ``population`` = (transitions, mass) of every shard for global PER weights."""
+        with self._changed:
+            self._wait_to_sample(batch_size, timeout)
+            sampler, table = self.sampler, self._shard.table
+            if population is not None and isinstance(sampler, PrioritizedSampler):
+                selection = sampler.sample(self._rng, batch_size, table, population)
+            else:
+                selection = sampler.sample(self._rng, batch_size, table)
+            rows, extra, obs_rows, next_rows = self._lookups(selection, args, index_base)
+            payload = self._shard.gather.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows)
+            self._sampled(selection)
+            return payload
+
+    def _wait_to_sample(self, batch_size: int, timeout: float | None) -> None:
+        if self._limited:
+            limiter, counts = self.rate_limiter, self.counts
+            self._wait(lambda: limiter.can_sample(batch_size, len(self), counts), timeout,
+                       lambda: limiter.why_not_sample(batch_size, len(self), counts))
+        self.require_data()
+
+    def _sampled(self, selection: Selection) -> None:
+        """Count a gathered selection (the limiter's counts, the rows' reuse)."""
+        self.counts.samples += selection.rows.size
+        shard = self._shard
+        if shard.reuse is not None:
+            shard.count_samples(selection.rows, selection.extra.get("mask"))
+        if self._limited:
+            self._changed.notify_all()
+
+    def live_range(self) -> tuple[int, int]:
+        """[first, stop) of the live transition ranks."""
+        with self.lock:
+            return self.table.live_range()
+
+    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
+        """Every live rank once, in batches (shuffled by the engine's generator, drawn now)."""
+        with self.lock:
+            ranks = np.arange(*self.table.live_range(), dtype=np.int64)
+            return epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
+
+    def gather(self, ranks: np.ndarray, device: Any = None) -> TensorDict | None:
+        """The live ones of transition ``ranks`` (1-D), in that order; None before the first write.
+
+        Reads by index, as `iter_batches` does: counted in the rows' reuse, not
+        as a sample for the rate limiter.
+        """
+        with self.lock:
+            shard = self._shard
+            if shard is None:
+                return None
+            selection = select_ranks(shard.table, ranks[shard.table.is_live(ranks)])
+            batch = self._gather(selection, PLAIN, device, False)
+            if shard.reuse is not None:
+                shard.count_samples(selection.rows)
+            return batch
+
+    def gather_payload(self, ranks: np.ndarray, index_base: int = 0) -> Payload | None:
+        """`gather` into a `Payload` (what a Ray shard sends); None when none is live."""
+        with self.lock:
+            if self._shard is None:
+                return None
+            live = ranks[self._shard.table.is_live(ranks)]
+            if not len(live):
+                return None
+            rows, extra, _, _ = self._lookups(select_ranks(self._shard.table, live), PLAIN, index_base)
+            return self._shard.gather.payload(rows, extra)
+
+    def iter_ranks(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
+        """`gather` each chunk of ranks (an epoch), skipping those evicted meanwhile."""
+        for ranks in chunks:
+            batch = self.gather(ranks, device)
+            if batch is not None and batch.batch_size[0]:
+                yield batch
+
+    def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool) -> TensorDict:
+        rows, extra, obs_rows, next_rows = self._lookups(selection, args)
+        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+
+    def _lookups(self, selection: Selection, args: tuple, index_base: int = 0
+                 ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection."""
+        n, gamma, frames = args
+        shard = self._shard
+        table = shard.table
+        rows, pos = selection.rows, selection.pos
+        # episode_id and step come from the episode table, not from per-row columns.
+        step = selection.step
+        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
+                 "episode_id": table.col("episode_id").take(pos),
+                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+        obs_rows = next_rows = None
+        if n > 1:
+            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
+            ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
+            next_rows = ahead.next_rows
+            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in shard.schema.fields:
+                    extra[flag] = shard.arena[flag][ahead.last_rows]
+        if frames > 1:
+            obs_rows = frame_rows(rows, first, frames)
+            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        return rows, extra, obs_rows, next_rows
+
+    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> int:
+        """Set checked priorities (int64 ranks, float64 values >= 0) of live ranks; returns how many were live."""
+        with self.lock:
+            if self._shard is None:
+                return 0
+            return self.sampler.update(self._shard.table, ranks, priorities)
+
+    # -- derived columns ----------------------------------------------------------------
+
+    def compute_gae(self, gamma: float, lam: float, value_key: str,
+                    bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+        """Write ``"advantage"`` and ``"value_target"`` of every live transition; returns how many.
+
+        Arguments are checked by the caller (`ExperienceStore.compute_gae` says
+        what is bootstrapped from what). The derived columns are added to the
+        schema at the first call.
+
+        Raises:
+            ValueError: no ``value_key`` / ``reward`` scalar field, episodes cut
+                after a final observation but no ``bootstrap_value``, or a
+                callable that returns something other than one finite value per
+                episode. Nothing is changed when it raises.
+        """
+        with self.lock:
+            shard = self._shard
+            if shard is None:
+                return 0
+            for name in ("reward", value_key):
+                spec = shard.schema.fields.get(name)
+                if spec is None or spec.observation or spec.shape not in ((), (1,)):
+                    raise ValueError(f"compute_gae needs a scalar step field {name!r}; the schema is {shard.schema}")
+            table = shard.table
+            first, length = table.col("first_row"), table.col("length")
+            has_final, terminated = table.col("has_final").astype(bool), table.col("terminated").astype(bool)
+            values = self._numbers(value_key)
+            # After the last transition: nothing (terminated), the last stored step's
+            # value (no final observation), or the value of the final observation.
+            last_value = np.where(has_final, 0.0, values[np.minimum(first + length, shard.capacity - 1)])
+            cut = np.flatnonzero(has_final & ~terminated & (length > 0))
+            if len(cut):
+                last_value[cut] = self._bootstrap(bootstrap_value, first[cut] + length[cut], len(cut))
+            rows = shard.transition_rows()
+            advantage, target = gae(self._numbers("reward")[rows], values[rows],
+                                    last_value, length, gamma, lam)
+            if "advantage" not in shard.schema.fields:
+                shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
+            shard.arena["advantage"][rows] = advantage
+            shard.arena["value_target"][rows] = target
+            return len(rows)
+
+    def _numbers(self, name: str) -> np.ndarray:
+        """A scalar column of the arena as numbers (bfloat16 bits decoded)."""
+        column = self._shard.arena[name].reshape(self._shard.capacity)
+        return bf16_bits_to_float32(column) if self._shard.schema.fields[name].dtype == "bfloat16" else column
+
+    def _bootstrap(self, bootstrap_value: Callable[[TensorDict], Any] | None, rows: np.ndarray,
+                   count: int) -> np.ndarray:
+        """The values a callable gives the final observations at arena ``rows``."""
+        if bootstrap_value is None:
+            raise ValueError(f"{count} episode(s) were cut after a final observation (truncated, or cut by "
+                             "flush at the end of a rollout) and bootstrap from its value: pass "
+                             "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
+        shard = self._shard
+        observations = {}
+        for name in shard.schema.observation_names:
+            spec = shard.schema.fields[name]
+            tensor = torch.from_numpy(shard.arena[name][rows])
+            observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
+        result = bootstrap_value(make_tensordict(observations, (count,)))
+        values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
+        if values.size != count or not np.isfinite(values).all():
+            raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
+                             "one per final observation")
+        return values.reshape(count)
+
+    # -- views ----------------------------------------------------------------------
+
+    def episodes(self) -> pa.Table:
+        """The episode table (one row per live episode, oldest first)."""
+        with self.lock:
+            return self.table.to_arrow()
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first rank, transitions) of every live episode, oldest first (copies)."""
+        with self.lock:
+            table = self.table
+            return table.col("first_rank").copy(), table.col("length").copy()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        """One live episode's rows as a zero-copy RecordBatch.
+
+        Raises:
+            KeyError: no live episode has this id.
+        """
+        with self.lock:
+            table = self.table
+            if self._shard is not None:
+                position = table.position_of(episode_id)
+                if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
+                    return self._shard.episode_view(int(position))
+            ids = table.col("episode_id")
+            live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
+            raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
+
+    def to_arrow(self) -> pa.Table:
+        """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
+        with self.lock:
+            return self._shard.to_arrow() if self._shard is not None else pa.table({})
+
+    def stats(self) -> dict:
+        """Sizes, counts (totals and per second), limiter state, reuse and priorities."""
+        with self.lock:
+            elapsed = max(time.monotonic() - self._created, 1e-9)
+            counts = self.counts
+            return {
+                "transitions": len(self),
+                "episodes": self.num_episodes,
+                "capacity": self.capacity,
+                "inserts": counts.inserts,
+                "samples": counts.samples,
+                "inserts_per_s": counts.inserts / elapsed,
+                "samples_per_s": counts.samples / elapsed,
+                "sample_to_insert_ratio": counts.samples / counts.inserts if counts.inserts else 0.0,
+                "rate_limiter": self.rate_limiter.state(counts),
+                "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,
+                "priorities": self._priorities(),
+            }
+
+    def _priorities(self) -> dict | None:
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler) or self._shard is None:
+            return None
+        leaves = sampler.tree.leaves[self._shard.transition_rows()]   # p^alpha
+        return priority_histogram(leaves ** (1 / sampler.alpha) if sampler.alpha else leaves)
+
+    # -- state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator, sampler, limiter counts and shard state (the rows are saved apart).
+
+        Call under `lock` together with the row snapshot it belongs to.
+        """
+        shard = self._shard
+        return {
+            "schema": shard.schema.to_json() if shard is not None else None,
+            "rng": self._rng.bit_generator.state,
+            "sampler": self.sampler.state_dict(),
+            "rate_limiter": self.rate_limiter.state_dict(self.counts),
+            "shard": shard.state_dict() if shard is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], fill_rows: Callable[[Shard], None] | None = None) -> None:
+        """Restore `state_dict` into a new engine built with the saved configuration.
+
+        Args:
+            state: a `state_dict`.
+            fill_rows: copies the live episodes' rows into the shard's arena at
+                their ``first_row`` (called after the shard state is restored).
+
+        Raises:
+            ValueError, KeyError, TypeError: a state of another configuration, or
+                values outside their domains.
+        """
+        with self.lock:
+            counts = self.rate_limiter.counts_of(state["rate_limiter"])
+            if state["schema"] is not None:
+                self.set_schema(Schema.from_json(state["schema"]))
+                self._shard.load_state_dict(state["shard"])
+                if fill_rows is not None:
+                    fill_rows(self._shard)
+            self.sampler.load_state_dict(state["sampler"])
+            self._rng.bit_generator.state = state["rng"]
+            self.counts = counts

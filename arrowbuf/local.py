@@ -1,0 +1,141 @@
+"""The embedded backend: one `ShardEngine` in this process.
+
+`ExperienceStore` holds a backend and talks to it through the methods below;
+the Ray backend (`arrowbuf.ray`) offers the same ones over shard actors.
+Arguments arrive checked by the facade.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+from tensordict import TensorDict
+
+from arrowbuf.engine import ShardEngine
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+
+
+class EngineSink:
+    """Sends a writer's sealed episodes straight into an engine (synchronous)."""
+
+    def __init__(self, engine: ShardEngine, timeout: float | None) -> None:
+        self._engine = engine
+        self.timeout = timeout   # public: claiming a restored writer sets it
+
+    @property
+    def schema(self) -> Schema | None:
+        return self._engine.schema
+
+    @property
+    def capacity(self) -> int:
+        return self._engine.capacity
+
+    def set_schema(self, schema: Schema) -> None:
+        self._engine.set_schema(schema)
+
+    def write(self, episode: Episode) -> None:
+        self._engine.add(episode, timeout=self.timeout)
+
+    def commit(self) -> None:
+        """Writes are synchronous: nothing to send."""
+
+    def flush(self) -> None:
+        """Writes are synchronous: nothing to wait for."""
+
+
+class LocalBackend:
+    """An in-process store: one engine, one shard."""
+
+    kind = "local"
+    num_shards = 1
+
+    def __init__(self, engine: ShardEngine) -> None:
+        self.engine = engine
+
+    @property
+    def schema(self) -> Schema | None:
+        return self.engine.schema
+
+    def size(self) -> tuple[int, int]:
+        """(transitions, episodes)."""
+        _, transitions, episodes = self.engine.size()
+        return transitions, episodes
+
+    def set_schema(self, schema: Schema) -> None:
+        self.engine.set_schema(schema)
+
+    def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
+        return self.engine.add(episode, schema, timeout)
+
+    def sink(self, timeout: float | None, env_ids: Sequence[str]) -> EngineSink:
+        return EngineSink(self.engine, timeout)
+
+    def sample(self, batch_size: int, args: tuple, device: Any, pin_memory: bool, timeout: float | None,
+               num_workers: int | None, worker_nodes: Sequence[str] | None) -> TensorDict | list[TensorDict]:
+        batch = self.engine.sample(batch_size, args, device, pin_memory, timeout)
+        if num_workers is None:
+            return batch
+        return list(batch.split(batch_size // num_workers, dim=0))
+
+    def sample_iter(self, batch_size: int, args: tuple, device: Any, prefetch: int,
+                    batches_per_request: int | None) -> Iterator[TensorDict]:
+        """Endless samples: in-process there is no round trip to hide, so no prefetch."""
+        while True:
+            yield self.engine.sample(batch_size, args, device)
+
+    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any) -> Iterator[TensorDict]:
+        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device)
+
+    def gather(self, index: np.ndarray, device: Any) -> TensorDict:
+        """The live transitions of ``index`` (ranks), in that order."""
+        batch = self.engine.gather(index, device)
+        found = 0 if batch is None else batch.batch_size[0]
+        if found != len(index):
+            raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
+                           "(evicted, cleared, or never written)")
+        return batch
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        return [self.engine.live_range()]
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first index, transitions) of every live episode, shard by shard, oldest first."""
+        first, length = self.engine.episode_spans()
+        return np.zeros(len(first), np.int64), first, length
+
+    def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
+        return self.engine.update_priorities(index, priority)
+
+    def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
+        return self.engine.compute_gae(gamma, lam, value_key, bootstrap_value)
+
+    def episodes(self) -> pa.Table:
+        return self.engine.episodes()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        return self.engine.episode(episode_id)
+
+    def to_arrow(self) -> pa.Table:
+        return self.engine.to_arrow()
+
+    def clear(self) -> None:
+        self.engine.clear()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def export_steps(self, steps_dir: Path, schema: pa.Schema, **options: Any) -> tuple[pa.Table, list]:
+        """Write the rows into ``steps_dir`` as Parquet parts: (episode table, file entries)."""
+        from arrowbuf.parquet import export_shard
+
+        return export_shard(self.engine.shard, self.engine.lock, steps_dir, schema, **options)
+
+    def flush(self) -> None:
+        """Writes are synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release: the arena goes with the store object."""

@@ -1,0 +1,143 @@
+"""GAE over ragged episodes matches a per-step loop; the store computes it over its episodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.advantages import gae
+
+
+def loop_gae(reward, value, last_value, lengths, gamma, lam):
+    """The textbook recursion, one step at a time."""
+    advantage, start = np.zeros(len(reward)), 0
+    for length, last in zip(lengths, last_value):
+        carry = 0.0
+        for t in reversed(range(length)):
+            following = value[start + t + 1] if t < length - 1 else last
+            carry = reward[start + t] + gamma * following - value[start + t] + gamma * lam * carry
+            advantage[start + t] = carry
+        start += length
+    return advantage
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=8), seed=st.integers(0, 2**31),
+       gamma=st.floats(0, 1), lam=st.floats(0, 1))
+def test_gae_matches_the_per_step_loop_on_ragged_episodes(lengths, seed, gamma, lam):
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    reward, value, last = rng.normal(size=n), rng.normal(size=n), rng.normal(size=len(lengths))
+    advantage, target = gae(reward, value, last, np.array(lengths), gamma, lam)
+    np.testing.assert_allclose(advantage, loop_gae(reward, value, last, lengths, gamma, lam), atol=1e-9)
+    np.testing.assert_allclose(target, advantage + value)
+
+
+def add(store, steps, *, terminated, final=True, value_of=lambda t: t * 0.1, reward=1.0):
+    obs_rows = steps + 1 if final else steps
+    return store.add_episode({
+        "obs": np.arange(obs_rows, dtype=np.float32)[:, None].repeat(2, 1),
+        "action": np.zeros(steps, np.int64),
+        "reward": np.full(steps, reward, np.float32),
+        "value": np.array([value_of(t) for t in range(steps)], np.float32),
+        "terminated": np.arange(steps) == steps - 1 if terminated else np.zeros(steps, bool),
+        "truncated": np.zeros(steps, bool) if terminated else np.arange(steps) == steps - 1,
+    })
+
+
+def test_compute_gae_bootstraps_cut_episodes_from_their_final_observation_and_not_terminated_ones():
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=True)
+    add(store, 4, terminated=False)
+    seen = []
+
+    def bootstrap(final_obs):
+        seen.append(final_obs["obs"].clone())
+        return final_obs["obs"][:, 0] * 10.0   # final obs of the cut episode is [4, 4] -> 40
+
+    store.compute_gae(gamma=0.9, lam=0.8, bootstrap_value=bootstrap)
+    assert len(seen) == 1 and seen[0].tolist() == [[4.0, 4.0]]
+    rows = store.to_arrow()
+    values = [0.0, 0.1, 0.2, 0.0, 0.1, 0.2, 0.3]
+    expected = loop_gae(np.ones(7), np.array(values), [0.0, 40.0], [3, 4], 0.9, 0.8)
+    transitions = ~rows.column("is_last").to_numpy(zero_copy_only=False)
+    advantage = rows.column("advantage").to_numpy()[transitions]
+    np.testing.assert_allclose(advantage, expected, rtol=1e-6)
+    np.testing.assert_allclose(rows.column("value_target").to_numpy()[transitions],
+                               expected + np.array(values), rtol=1e-6)
+    batch = store.sample(16)
+    assert {"advantage", "value_target"} <= set(batch.keys())
+
+
+SCHEMA = ab.Schema({"obs": ab.Field("float32", (2,), observation=True), "action": ab.Field("int64"),
+                    "reward": ab.Field("float32"),
+                    "value": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")})
+
+
+def test_an_episode_without_its_final_observation_bootstraps_from_its_last_stored_value():
+    store = ab.ExperienceStore(100, seed=0, schema=SCHEMA)
+    add(store, 4, terminated=False, final=False)   # 3 transitions; step 3's value closes the last one
+    store.compute_gae(gamma=0.5, lam=1.0)           # no callable needed: nothing was cut after a final obs
+    episode = store.episode(0)
+    expected = loop_gae(np.ones(3), np.array([0.0, 0.1, 0.2]), [0.3], [3], 0.5, 1.0)
+    np.testing.assert_allclose(episode.column("advantage").to_numpy()[:3], expected, rtol=1e-6)
+
+
+def test_cut_episodes_without_a_bootstrap_callable_raise_and_change_nothing():
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=False)
+    with pytest.raises(ValueError, match="1 episode.*bootstrap_value"):
+        store.compute_gae(gamma=0.99, lam=0.95)
+    assert "advantage" not in store.schema.fields
+
+
+def test_episodes_written_after_compute_gae_get_zeros_until_the_next_call():
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=True)
+    store.compute_gae(gamma=0.99, lam=0.95)
+    add(store, 2, terminated=True, reward=5.0)     # written without the derived columns
+    w = store.writer(num_envs=1)
+    w.add(obs=np.zeros((1, 2), np.float32), action=np.zeros(1, np.int64), reward=np.ones(1, np.float32), value=np.zeros(1, np.float32),
+          terminated=np.ones(1, bool), truncated=np.zeros(1, bool), next_obs=np.ones((1, 2), np.float32))
+    assert store.num_episodes == 3
+    assert store.episode(1).column("advantage").to_numpy().tolist() == [0.0, 0.0, 0.0]
+    store.compute_gae(gamma=1.0, lam=1.0)
+    assert store.episode(1).column("advantage").to_numpy()[:2].tolist() == pytest.approx([10.0, 4.9])
+    assert store.episode(2).column("advantage").to_numpy().tolist()[:1] == [1.0]
+
+
+def test_derived_columns_survive_a_parquet_round_trip_and_a_checkpoint(tmp_path):
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=True)
+    store.compute_gae(gamma=0.9, lam=0.9)
+    before = store.episode(0).column("advantage").to_numpy()
+    store.to_parquet(tmp_path / "out")
+    loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
+    np.testing.assert_array_equal(loaded.episode(0).column("advantage").to_numpy(), before)
+    assert loaded.schema.fields["advantage"].derived
+    store.save(tmp_path / "ckpt")
+    restored = ab.ExperienceStore.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(restored.episode(0).column("advantage").to_numpy(), before)
+    add(restored, 2, terminated=True)               # writes keep working without the derived columns
+
+
+def test_compute_gae_checks_its_arguments_first():
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=True)
+    for kwargs, match in [({"gamma": 1.5}, "gamma"), ({"lam": -0.1}, "lam"), ({"value_key": "nope"}, "nope"),
+                          ({"bootstrap_value": 3}, "bootstrap_value")]:
+        with pytest.raises(ValueError, match=match):
+            store.compute_gae(**{"gamma": 0.9, "lam": 0.9, **kwargs})
+    assert "advantage" not in store.schema.fields
+
+
+def test_a_bootstrap_callable_returning_the_wrong_shape_is_named():
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=False)
+    with pytest.raises(ValueError, match=r"bootstrap_value returned .*\(5,\).*expected 1"):
+        store.compute_gae(gamma=0.9, lam=0.9, bootstrap_value=lambda obs: torch.zeros(5))
+    assert "advantage" not in store.schema.fields
