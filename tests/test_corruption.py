@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -70,7 +71,7 @@ def _last(state: dict, column: str) -> int:
     return int(state["shard"]["table"]["columns"][column][-1])
 
 
-def _set(path: tuple, value) -> callable:
+def _set(path: tuple, value: Any) -> Callable[[dict], None]:
     def edit(state: dict) -> None:
         target = state
         for key in path[:-1]:
@@ -86,8 +87,8 @@ def _overlap(state: dict) -> None:
 
 EDITS = {
     "write_pos inside the newest episode": (_set(("shard", "write_pos"), lambda s: _last(s, "first_row") + 1),
-                                            "write_pos is 1[0-9]*|write_pos is [0-9]+; expected .*newest"),
-    "overlapping episodes": (_overlap, "first_row .*do not overlap|write_pos"),
+                                            "shard.write_pos is [0-9]+; expected [0-9]+, the row after the newest"),
+    "overlapping episodes": (_overlap, "first_row is .*; expected episodes whose rows do not overlap"),
     "rows past the arena": (_set(("shard", "table", "columns", "num_rows"),
                                  lambda s: s["shard"]["table"]["columns"]["num_rows"] + 1000), "inside the arena"),
     "mode": (_set(("store", "mode"), "sideways"), "store.mode is 'sideways'"),

@@ -214,8 +214,9 @@ def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratc
                 by_file[job["file"].split("-")[0]] = by_file.get(job["file"].split("-")[0], 0) + 1
         done += len(outcomes)
         if len(outcomes) < len(todo):
-            if proc.returncode >= 0 and not outcomes and proc.returncode != 0:
-                raise RuntimeError(f"worker for {fixture} failed to start:\n{proc.stderr[-2000:]}")
+            if proc.returncode >= 0:    # the harness failed, not the load: no signal killed the worker
+                raise RuntimeError(f"worker for {fixture} failed (return code {proc.returncode}):\n"
+                                   f"{proc.stderr[-2000:]}")
             counts["crash"] += 1
             examples.append(f"{todo[len(outcomes)]}: crash (return code {proc.returncode})")
             done += 1
