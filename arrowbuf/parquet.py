@@ -270,9 +270,10 @@ def open_export(path: str | Path) -> Export:
     check_file(episodes_path, episodes_entry)
     try:
         episodes = pq.read_table(episodes_path, page_checksum_verification=True)
-    except (pa.ArrowException, OSError, ValueError) as err:   # ValueError: a footer name that is not UTF-8
+        names = episodes.column_names     # decoded here: a name may not be UTF-8
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise FormatError(f"{episodes_path}: unreadable episode table ({err})") from None
-    missing = [c for c in _EPISODE_COLUMNS if c not in episodes.column_names]
+    missing = [c for c in _EPISODE_COLUMNS if c not in names]
     if missing:
         raise FormatError(f"{episodes_path}: episode table lacks column(s) {missing}")
     return Export(path, manifest, schema, episodes, files)
@@ -308,8 +309,10 @@ def _footer(file: Path) -> tuple[int, pa.Schema]:
         raise FormatError(f"{file}: missing; the export's manifest lists it (a partial copy?)")
     try:
         metadata = pq.read_metadata(file)
-        return metadata.num_rows, metadata.schema.to_arrow_schema()
-    except (pa.ArrowException, OSError, ValueError) as err:   # ValueError: a name that is not UTF-8
+        schema = metadata.schema.to_arrow_schema()
+        _ = schema.names                  # decoded here: a name may not be UTF-8
+        return metadata.num_rows, schema
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise FormatError(f"{file}: not a readable Parquet file ({err}); it is truncated or corrupted") from None
 
 
