@@ -159,6 +159,14 @@ def _truncation_list(truncations: Any, count: int) -> list[bool]:
     raise TypeError(f"truncations must be None, a bool or a list of bools, got {type(truncations).__name__}")
 
 
+def _with_flags(columns: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``columns`` with False ``terminated`` / ``truncated`` where they are missing: the
+    seed's records default ``last_terminated`` and ``last_truncated`` to False, and a
+    store refuses inferred episodes without terminal flags."""
+    missing = [flag for flag in ("terminated", "truncated") if flag not in columns]
+    return {**columns, **{flag: np.zeros(steps, bool) for flag in missing}} if missing else columns
+
+
 def _to_seed_keys(batch: TensorDict) -> TensorDict:
     """``("next", k)`` -> ``next_k`` (``next_observation``), the seed's key for next observations."""
     if "next" in batch.keys():
@@ -596,7 +604,7 @@ class DataBuffer:
                            for name, column in columns.items()}
                 steps = capacity
             with self._timed("add_episode"):
-                store.add_episode(unflatten(columns), env_id=env_id)
+                store.add_episode(unflatten(_with_flags(columns, steps)), env_id=env_id)
             self._stored_transitions += steps
             sealed = True
         if sealed and self.backend == "ray":
