@@ -486,7 +486,7 @@ class Schema:
         obs = set(observation_names)
         schema = cls(unflatten({name: Field(dtype, array.shape[1:], name in obs)
                                 for name, (array, dtype) in columns.items()}))
-        if "terminated" not in schema.fields:
+        if not any(name == "terminated" or name.startswith("terminated.") for name in schema.fields):
             raise SchemaError(
                 f"episode has no 'terminated' field (fields: {list(columns)}); without it n-step targets and "
                 "value bootstraps run through the ends of terminated episodes. Add 'terminated' and 'truncated' "
