@@ -785,7 +785,8 @@ class ExperienceStore:
         engine = loaded.engine
         store = cls._of_backend(LocalBackend(engine), engine.capacity, engine.seed, engine.sampler, engine.mode,
                                 engine.rate_limiter, engine.track_reuse, float(loaded.info["created_at"]))
-        store._restore_writers(loaded.writers)
+        with loaded.typed_errors():
+            store._restore_writers(loaded.writers)
         return store
 
     # -- Ray Data -------------------------------------------------------------------------

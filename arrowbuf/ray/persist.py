@@ -4,6 +4,15 @@ Each shard actor writes its own files (Parquet parts, a checkpoint directory, or
 Arrow tables in the object store); the driver only writes the small shared pieces
 (episode table, manifests). Paths must be on storage every node can reach.
 
+Layout of a Ray checkpoint::
+
+    ckpt/
+      ray_checkpoint.json     names the committed generation (replaced last, checksummed)
+      gen-<id>/shard-<k>/     one local checkpoint per shard (`arrowbuf.checkpoint`)
+
+A save stages a new generation, and replacing the manifest commits it at once:
+a save that fails on any shard leaves the previous generation named, complete.
+
 The router (`arrowbuf.ray.router`) starts shards from a checkpoint; this module
 holds what the shards, the router and the facade share, and imports none of them.
 
@@ -15,15 +24,19 @@ episodes exactly.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf._persist import batch_columns, plain_schema, read_json, schema_of, take_rows, write_json
+from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, remove
+from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_json, schema_of, take_rows,
+                               write_manifest)
 from arrowbuf.engine import ShardEngine
-from arrowbuf.errors import FormatError
+from arrowbuf.errors import FormatError, ShardError
+from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
 
@@ -33,6 +46,7 @@ if TYPE_CHECKING:
 
 RAY_MANIFEST = "ray_checkpoint.json"
 RAY_FORMAT = "arrowbuf-ray-checkpoint"
+RAY_FORMAT_VERSION = 2     # 2: generations committed by the manifest, which carries a checksum
 FINAL = "final_observation"
 
 
@@ -58,27 +72,103 @@ def plain_rows(engine: ShardEngine) -> pa.Table:
 
 
 def save_ray_store(backend: "RayBackend", path: Path, info: dict) -> Path:
-    """Every shard saves into ``path/shard-<k>`` in parallel; the manifest (with the
-    store's ``info``: capacity, mode, seed) comes last."""
+    """Every shard saves into a new generation ``path/gen-<id>/shard-<k>`` in parallel;
+    replacing the manifest (with the store's ``info``: capacity, mode, seed) commits
+    the generation, and older generations are deleted.
+
+    The generation is staged by a `ManifestSink`: if any shard fails, the staged
+    generation is deleted and the manifest still names the previous one, complete.
+    Each shard links the row files it still needs from its previous generation
+    and writes only the episodes added since.
+
+    Raises:
+        ShardError: a shard died during the save (the previous checkpoint stays).
+    """
     backend.flush()
-    path.mkdir(parents=True, exist_ok=True)
     shards = backend.shards
-    shards.get({s: shards.call(s, "save", str(shard_dir(path, s))) for s in range(backend.num_shards)})
-    write_json(path / RAY_MANIFEST, {"format": RAY_FORMAT, "format_version": 1, "num_shards": backend.num_shards,
-                                     **info})
+    previous = _committed_generation(path)
+    generation = f"gen-{uuid.uuid4().hex[:16]}"
+    path.mkdir(parents=True, exist_ok=True)
+    with ManifestSink(path, RAY_MANIFEST) as sink:
+        staged = sink.staging / generation
+        refs: dict[int, Any] = {}
+        failure = None
+        for s in range(backend.num_shards):
+            try:
+                refs[s] = shards.call(s, "save", str(shard_dir(staged, s)),
+                                      str(shard_dir(previous, s)) if previous is not None else None)
+            except ShardError as err:   # a shard known dead: wait for the others before the abort
+                failure = err
+                break
+        _wait_all(refs, backend.name, failure)
+        write_manifest(sink.staging / RAY_MANIFEST, {
+            "format": RAY_FORMAT, "format_version": RAY_FORMAT_VERSION, "generation": generation,
+            "num_shards": backend.num_shards, **info})
+    for old in [*path.glob("gen-*"), *path.glob("shard-*"), *path.glob(f"{STAGING_PREFIX}*")]:
+        if old.name != generation:
+            remove(old)
     return path
 
 
+def _wait_all(refs: dict[int, Any], name: str, failure: BaseException | None = None) -> None:
+    """Wait for every shard's answer, then raise the first failure (so no shard still
+    writes into a generation that is being deleted)."""
+    ray = ray_module()
+    for shard, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            failure = failure or ShardError(f"shard {shard} of store {name!r} died during the save: {err}; the "
+                                            "previous checkpoint is kept")
+        except Exception as err:   # the shard's own error (a RayTaskError of its type), raised once all are done
+            failure = failure or err
+    if failure is not None:
+        raise failure
+
+
+def _committed_generation(path: Path) -> Path | None:
+    """The generation directory the Ray checkpoint in ``path`` commits, if any is readable."""
+    try:
+        return generation_dir(path, _read_manifest(path))
+    except FormatError:
+        return None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / RAY_MANIFEST
+    manifest = read_json(manifest_path, "Ray checkpoint manifest")
+    check_format(manifest, manifest_path, RAY_FORMAT, RAY_FORMAT_VERSION)
+    return manifest
+
+
+def generation_dir(path: Path, manifest: Mapping[str, Any]) -> Path:
+    """The directory of the committed generation (``path`` itself for format version 1).
+
+    Raises:
+        FormatError: a generation that is not a directory name inside ``path``.
+    """
+    generation = manifest.get("generation", ".")
+    if generation == "." and manifest.get("format_version") == 1:
+        return path
+    if not isinstance(generation, str) or not generation.startswith("gen-") or Path(generation).name != generation:
+        raise FormatError(f"{path / RAY_MANIFEST}: generation {generation!r} is not a gen-<id> directory name")
+    return path / generation
+
+
 def checkpoint_dirs(path: Path) -> tuple[dict, list[Path]]:
-    """The manifest of the Ray checkpoint in ``path`` and its shards' directories.
+    """The manifest of the Ray checkpoint in ``path`` and its committed shards' directories.
 
     Raises:
         FormatError: no complete Ray checkpoint in ``path``.
     """
-    manifest = read_json(path / RAY_MANIFEST, "Ray checkpoint manifest")
-    if manifest.get("format") != RAY_FORMAT or int(manifest.get("format_version", 0)) > 1:
-        raise FormatError(f"{path / RAY_MANIFEST}: not a Ray checkpoint this arrowbuf can read ({manifest})")
-    dirs = [shard_dir(path, s) for s in range(int(manifest["num_shards"]))]
+    manifest = _read_manifest(path)
+    try:
+        saved = int(manifest["num_shards"])
+        int(manifest["capacity"]), manifest["mode"], manifest["seed"]   # present, the capacity an int
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path / RAY_MANIFEST}: incomplete manifest ({err!r})") from None
+    generation = generation_dir(path, manifest)
+    dirs = [shard_dir(generation, s) for s in range(saved)]
     for directory in dirs:
         if not (directory / "manifest.json").exists():
             raise FormatError(f"{directory}: shard checkpoint missing; the Ray checkpoint is incomplete")
