@@ -15,6 +15,7 @@ import pytest
 
 import arrowbuf as ab
 from arrowbuf import _filesink, parquet
+from arrowbuf.ray.options import NAMESPACE
 from _persist_data import assert_same_store, edit_checkpoint, wrapped_store
 
 _spec = importlib.util.spec_from_file_location("corrupt", Path(__file__).parents[1] / "tools" / "corrupt.py")
@@ -224,7 +225,9 @@ def test_a_ray_save_that_fails_on_one_shard_leaves_the_previous_checkpoint_loadi
         for key in range(12, 20):
             store.add_episode(_episode(key, 4), env_id=f"env-{key % 4}")
         store.flush()
-        _kill(store._shards.handles[1])   # shard 0 saves, shard 1 fails
+        import ray
+
+        _kill(ray.get_actor(f"{store.name}:1", namespace=NAMESPACE))   # shard 0 saves, shard 1 fails
         with pytest.raises(ab.ShardError, match="shard 1"):
             store.save(tmp_path / "ckpt")
         names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
