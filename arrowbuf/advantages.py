@@ -18,10 +18,20 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from tensordict import TensorDict
+
+from arrowbuf._checks import bf16_bits_to_float32, real_numbers
+from arrowbuf.errors import describe
+from arrowbuf.schema import Field
+from arrowbuf.shard import Shard
+from arrowbuf.tensors import make_tensordict
+
+# Columns `write_advantages` adds (TorchRL's names).
+DERIVED = ("advantage", "value_target")
 
 
 def discounted_segments(delta: np.ndarray, lengths: np.ndarray, decay: float) -> np.ndarray:
@@ -137,3 +147,69 @@ def _steps(array: Any, name: str, n: int | None) -> np.ndarray:
     if array.ndim != 1 or (n is not None and len(array) != n):
         raise ValueError(f"{name} must be a 1-D array of {n if n is not None else 'N'} steps, got shape {array.shape}")
     return array if array.dtype == bool else array.astype(np.float64)
+
+
+def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
+                     bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+    """GAE of every live transition of ``shard``, written to its derived columns.
+
+    What each episode's last transition bootstraps from is documented at
+    `arrowbuf.ExperienceStore.compute_gae`. The columns ``"advantage"`` and
+    ``"value_target"`` extend the shard's schema at the first call.
+
+    Returns:
+        The number of transitions written.
+
+    Raises:
+        ValueError: no scalar ``reward`` / ``value_key`` step field, episodes cut
+            after a final observation but no ``bootstrap_value``, or a callable
+            that returns something other than one finite value per episode.
+            Nothing is changed when it raises.
+    """
+    for name in ("reward", value_key):
+        spec = shard.schema.fields.get(name)
+        if spec is None or spec.observation or spec.shape not in ((), (1,)):
+            raise ValueError(f"compute_gae needs a scalar step field {name!r}; the schema is {shard.schema}")
+    table = shard.table
+    first, length = table.col("first_row"), table.col("length")
+    has_final, terminated = table.col("has_final").astype(bool), table.col("terminated").astype(bool)
+    values = _numbers(shard, value_key)
+    # After the last transition: nothing (terminated), the last stored step's value
+    # (no final observation), or the value of the final observation (cut).
+    last_value = np.where(has_final, 0.0, values[np.minimum(first + length, shard.capacity - 1)])
+    cut = np.flatnonzero(has_final & ~terminated & (length > 0))
+    if len(cut):
+        last_value[cut] = _bootstrap(shard, bootstrap_value, first[cut] + length[cut])
+    rows = shard.transition_rows()
+    advantage, target = gae(_numbers(shard, "reward")[rows], values[rows], last_value, length, gamma, lam)
+    if "advantage" not in shard.schema.fields:
+        shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
+    shard.arena["advantage"][rows] = advantage
+    shard.arena["value_target"][rows] = target
+    return len(rows)
+
+
+def _numbers(shard: Shard, name: str) -> np.ndarray:
+    """A scalar column of the arena as numbers (bfloat16 bits decoded)."""
+    column = shard.arena[name].reshape(shard.capacity)
+    return bf16_bits_to_float32(column) if shard.schema.fields[name].dtype == "bfloat16" else column
+
+
+def _bootstrap(shard: Shard, bootstrap_value: Callable[[TensorDict], Any] | None, rows: np.ndarray) -> np.ndarray:
+    """The values ``bootstrap_value`` gives the final observations at arena ``rows``."""
+    count = len(rows)
+    if bootstrap_value is None:
+        raise ValueError(f"{count} episode(s) were cut after a final observation (truncated, or cut by "
+                         "flush at the end of a rollout) and bootstrap from its value: pass "
+                         "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
+    observations = {}
+    for name in shard.schema.observation_names:
+        spec = shard.schema.fields[name]
+        tensor = torch.from_numpy(shard.arena[name][rows])
+        observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
+    result = bootstrap_value(make_tensordict(observations, (count,)))
+    values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
+    if values.size != count or not np.isfinite(values).all():
+        raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
+                         "one per final observation")
+    return values.reshape(count)

@@ -26,24 +26,19 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import torch
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_arena, check_batch
-from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf._stats import priority_histogram, reuse_summary
-from arrowbuf.advantages import gae
-from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError, describe
+from arrowbuf.advantages import write_advantages
+from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_ranks
-from arrowbuf.schema import Field, Schema
+from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload, make_tensordict
-
-# Columns `compute_gae` writes (TorchRL's names).
-DERIVED = ("advantage", "value_target")
+from arrowbuf.tensors import Payload
 
 # Sample arguments in one tuple: (n_step, gamma, frame_stack).
 PLAIN = (1, 1.0, 1)
@@ -381,69 +376,12 @@ class ShardEngine:
 
     def compute_gae(self, gamma: float, lam: float, value_key: str,
                     bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
-        """Write ``"advantage"`` and ``"value_target"`` of every live transition; returns how many.
-
-        Arguments are checked by the caller (`ExperienceStore.compute_gae` says
-        what is bootstrapped from what). The derived columns are added to the
-        schema at the first call.
-
-        Raises:
-            ValueError: no ``value_key`` / ``reward`` scalar field, episodes cut
-                after a final observation but no ``bootstrap_value``, or a
-                callable that returns something other than one finite value per
-                episode. Nothing is changed when it raises.
-        """
+        """Write ``"advantage"`` and ``"value_target"`` of every live transition
+        (`arrowbuf.advantages.write_advantages`, under the lock); returns how many."""
         with self.lock:
-            shard = self._shard
-            if shard is None:
+            if self._shard is None:
                 return 0
-            for name in ("reward", value_key):
-                spec = shard.schema.fields.get(name)
-                if spec is None or spec.observation or spec.shape not in ((), (1,)):
-                    raise ValueError(f"compute_gae needs a scalar step field {name!r}; the schema is {shard.schema}")
-            table = shard.table
-            first, length = table.col("first_row"), table.col("length")
-            has_final, terminated = table.col("has_final").astype(bool), table.col("terminated").astype(bool)
-            values = self._numbers(value_key)
-            # After the last transition: nothing (terminated), the last stored step's
-            # value (no final observation), or the value of the final observation.
-            last_value = np.where(has_final, 0.0, values[np.minimum(first + length, shard.capacity - 1)])
-            cut = np.flatnonzero(has_final & ~terminated & (length > 0))
-            if len(cut):
-                last_value[cut] = self._bootstrap(bootstrap_value, first[cut] + length[cut], len(cut))
-            rows = shard.transition_rows()
-            advantage, target = gae(self._numbers("reward")[rows], values[rows],
-                                    last_value, length, gamma, lam)
-            if "advantage" not in shard.schema.fields:
-                shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
-            shard.arena["advantage"][rows] = advantage
-            shard.arena["value_target"][rows] = target
-            return len(rows)
-
-    def _numbers(self, name: str) -> np.ndarray:
-        """A scalar column of the arena as numbers (bfloat16 bits decoded)."""
-        column = self._shard.arena[name].reshape(self._shard.capacity)
-        return bf16_bits_to_float32(column) if self._shard.schema.fields[name].dtype == "bfloat16" else column
-
-    def _bootstrap(self, bootstrap_value: Callable[[TensorDict], Any] | None, rows: np.ndarray,
-                   count: int) -> np.ndarray:
-        """The values a callable gives the final observations at arena ``rows``."""
-        if bootstrap_value is None:
-            raise ValueError(f"{count} episode(s) were cut after a final observation (truncated, or cut by "
-                             "flush at the end of a rollout) and bootstrap from its value: pass "
-                             "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
-        shard = self._shard
-        observations = {}
-        for name in shard.schema.observation_names:
-            spec = shard.schema.fields[name]
-            tensor = torch.from_numpy(shard.arena[name][rows])
-            observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
-        result = bootstrap_value(make_tensordict(observations, (count,)))
-        values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
-        if values.size != count or not np.isfinite(values).all():
-            raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
-                             "one per final observation")
-        return values.reshape(count)
+            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value)
 
     # -- views ----------------------------------------------------------------------
 
