@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from arrowbuf._checks import check_episode_id as _check_episode_id
 from arrowbuf._checks import check_int as _check_int
 from arrowbuf._checks import check_workers as _check_workers
 from arrowbuf._checks import check_device, check_env_id, check_metadata, check_timeout, tensor_to_numpy
+from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.store import ExperienceStore
 from arrowbuf.tensors import Payload, make_tensordict
@@ -85,6 +87,9 @@ class RayOptions:
             fixed cost of about a millisecond, so small episodes travel in batches.
         start_timeout: seconds to wait for the shard actors to start (they wait for
             ``num_cpus`` free CPUs) before `ShardError`.
+        max_restarts: times Ray restarts a shard actor that died (-1: always); None
+            is -1 for a durable store (it recovers its episodes) and 0 otherwise (a
+            restarted shard would come back empty). Calls in flight are retried.
     """
 
     num_cpus: float = 0.0
@@ -94,6 +99,7 @@ class RayOptions:
     allow_partial: bool = False
     write_batch_bytes: int = 4 << 20
     start_timeout: float = 120.0   # seconds for the shard actors to start (e.g. waiting for CPUs)
+    max_restarts: int | None = None   # durable shards
 
     def __post_init__(self) -> None:
         for name in ("num_cpus", "start_timeout"):
@@ -104,6 +110,8 @@ class RayOptions:
                                  f"got {value!r}")
         _check_int("RayOptions.max_in_flight", self.max_in_flight, 1)
         _check_int("RayOptions.write_batch_bytes", self.write_batch_bytes, 0)
+        if self.max_restarts is not None:   # durable shards
+            _check_int("RayOptions.max_restarts", self.max_restarts, -1)
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
             raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")
 
@@ -113,14 +121,18 @@ class ShardServer:
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  schema_json: str | None, mode: str, load_from: str | None = None,
-                 track_reuse: bool = False) -> None:
-        if load_from is not None:
-            from arrowbuf.checkpoint import load_engine
+                 track_reuse: bool = False, durable: str | None = None) -> None:
+        def make_engine() -> ShardEngine:
+            if load_from is not None:
+                from arrowbuf.checkpoint import load_engine
 
-            self.engine = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
-        else:
-            self.engine = ShardEngine(capacity, sampler=sampler, rate_limiter=RateLimiter(), mode=mode, seed=seed,
-                                      track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
+            return ShardEngine(capacity, sampler=sampler, rate_limiter=RateLimiter(), mode=mode, seed=seed,
+                               track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+
+        # durable shards: the last checkpoint of the durable directory and the log replayed
+        self.durable = DurableShard(durable, shard, num_shards) if durable is not None else None
+        self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         sampler = self.engine.sampler
         self._sampler_spec = type(sampler)(**sampler.config())   # unbound, for `attach`
         self.shard = shard
@@ -141,16 +153,22 @@ class ShardServer:
         schema = self.engine.schema
         return schema.to_json() if schema is not None else None
 
-    def add_episodes(self, episodes: list[Episode], schema_json: str) -> tuple[float, int, int]:
+    def add_episodes(self, episodes: list[Episode], schema_json: str,
+                     batch: tuple[str, int] | None = None) -> tuple[float, int, int]:
+        """Store a writer's episodes; ``batch`` = (writer id, batch number) makes a retry a no-op."""
+        if self.durable is not None and self.durable.seen(batch):   # durable: a retried write, logged already
+            return self.size()
         schema = Schema.from_json(schema_json)
         if self.engine.schema is not None and self.engine.schema != schema:
             raise _schema_mismatch(self.shard, self.engine.schema, schema)
-        refused = []
+        refused, added = [], []
         for episode in episodes:   # one refused episode must not take the rest of the batch with it
             try:
-                self.engine.add(episode, schema)
+                added.append((self.engine.add(episode, schema), episode))
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
+        if self.durable is not None:   # durable: logged and flushed before the answer
+            self.durable.commit(self.engine, added, batch)
         if refused:
             err = refused[0]
             err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
@@ -189,6 +207,8 @@ class ShardServer:
 
     def clear(self) -> tuple[float, int, int]:
         self.engine.clear()
+        if self.durable is not None:   # durable: a restart must not bring the episodes back
+            self.durable.cleared(self.engine)
         return self.size()
 
     def stats(self) -> dict:
@@ -210,6 +230,8 @@ class ShardServer:
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
         save_engine(engine, path, info, progress=False)
+        if self.durable is not None:   # durable: its own checkpoint, then the log is compacted
+            self.durable.checkpoint(engine, info)
         return path
 
     def plain_rows(self) -> pa.Table:
@@ -236,6 +258,22 @@ def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: 
             else:
                 combined[key].index_copy_(0, dest_tensor, tensor)
     return combined
+
+
+def _durable_dir(durable: Any, name: str) -> Path | None:
+    """The parent directory of a durable store's shard logs: ``durable`` itself, or
+    ``~/.cache/arrowbuf/<name>`` for True; None for False.
+
+    Raises:
+        ValueError: anything but a bool or a path.
+    """
+    if durable is False or durable is None:
+        return None
+    if durable is True:
+        return Path.home() / ".cache" / "arrowbuf" / name
+    if isinstance(durable, (str, os.PathLike)) and str(durable):
+        return Path(durable).expanduser()
+    raise ValueError(f"durable must be True, False or a directory path, got {durable!r}")
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
@@ -314,6 +352,7 @@ class _RaySink:
         self._waiting_bytes = 0
         self._in_flight: dict[int, deque] = {}
         self._node: str | None = None
+        self._writer, self._batch_number = uuid.uuid4().hex, 0   # durable shards: retried writes are recognised
 
     def __getstate__(self) -> dict:
         # A copy in another process starts with nothing in flight: errors of this
@@ -323,6 +362,7 @@ class _RaySink:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._loads = self._loads.copy()   # read-only when it came through the object store
+        self._writer, self._batch_number = uuid.uuid4().hex, 0   # durable shards: each copy is a writer of its own
 
     @property
     def schema(self) -> Schema | None:
@@ -374,7 +414,9 @@ class _RaySink:
                 queue = self._in_flight.setdefault(shard, deque())
                 while len(queue) >= self._shards.options.max_in_flight:
                     self._settle(shard, queue.popleft())   # raises an earlier write's error
-                queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json))
+                self._batch_number += 1   # durable shards: (writer, number) names this write in the log
+                queue.append(self._shards.call(shard, "add_episodes", episodes, schema_json,
+                                               (self._writer, self._batch_number)))
                 del unsent[shard]
         finally:
             for shard, episodes in unsent.items():   # an error stopped the loop: keep them for the next call
@@ -432,6 +474,11 @@ class RayExperienceStore(ExperienceStore):
         num_shards: shard actors to start (>= 1).
         name: the store's name, for `attach` from another process (default: random).
         ray_options: `RayOptions` (CPUs per actor, placement, in-flight writes, ...).
+        durable: True or a directory: each shard logs every episode it stores to
+            ``<dir>/shard-<k>`` (default dir ``~/.cache/arrowbuf/<name>``) and flushes
+            it to disk before answering the write; Ray restarts a dead shard, which
+            recovers from its last checkpoint there plus the log (`arrowbuf.durable`).
+            The directory must be local to the shard's node or shared.
 
     Raises:
         ValueError: a bad argument; a rate limiter (not supported across shards yet).
@@ -446,6 +493,7 @@ class RayExperienceStore(ExperienceStore):
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "ray", rate_limiter: RateLimiter | None = None, num_shards: int = 2,
                  name: str | None = None, ray_options: RayOptions | None = None, track_reuse: bool = False,
+                 durable: bool | str | os.PathLike = False,
                  _shards: _Shards | None = None, _load_from: Sequence[str] | None = None) -> None:
         num_shards = _check_int("num_shards", num_shards, 1)
         capacity = _check_int("capacity", capacity, num_shards)
@@ -467,6 +515,7 @@ class RayExperienceStore(ExperienceStore):
         self.num_shards = num_shards
         self.name = name or f"store-{uuid.uuid4().hex[:8]}"
         self.ray_options = _shards.options if _shards is not None else (ray_options or RayOptions())
+        self.durable = _durable_dir(durable, self.name)   # durable shards: None, or their parent directory
         self._schema = schema
         self._schema_fixed = schema is not None   # given (or found by attach), not inferred from a write
         self._shards = _shards or self._start(schema, _load_from)
@@ -484,6 +533,7 @@ class RayExperienceStore(ExperienceStore):
             ray.init(logging_level=logging.WARNING)
         options = self.ray_options
         actor = ray.remote(ShardServer)
+        restarts = options.max_restarts if options.max_restarts is not None else -1 if self.durable else 0  # durable
         seeds = np.random.SeedSequence(self.seed).generate_state(self.num_shards).tolist()
         handles = []
         for shard in range(self.num_shards):
@@ -495,10 +545,12 @@ class RayExperienceStore(ExperienceStore):
                 placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             capacity = self.capacity // self.num_shards + (shard < self.capacity % self.num_shards)
             handles.append(actor.options(name=f"{self.name}:{shard}", namespace=NAMESPACE,
-                                         num_cpus=options.num_cpus, **placement).remote(
+                                         num_cpus=options.num_cpus, max_restarts=restarts,   # durable
+                                         max_task_retries=-1 if restarts else 0, **placement).remote(
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
                 schema.to_json() if schema is not None else None, self.mode,
-                load_from[shard] if load_from is not None else None, self.track_reuse))
+                load_from[shard] if load_from is not None else None, self.track_reuse,
+                str(self.durable / f"shard-{shard}") if self.durable else None))   # durable
         limit = None if math.isinf(options.start_timeout) else options.start_timeout
         try:
             nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)

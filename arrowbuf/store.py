@@ -60,6 +60,8 @@ class ExperienceStore:
         num_shards: shards of a Ray store (1 for the local backend).
         track_reuse: count how often each stored step is sampled, for the
             ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
+        durable: Ray only: True or a directory for the shards' episode logs
+            (see `RayExperienceStore`); False keeps episodes in memory only.
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -87,10 +89,13 @@ class ExperienceStore:
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
-                 track_reuse: bool = False) -> None:
+                 track_reuse: bool = False, durable: Any = False) -> None:
         self.capacity = check_int("capacity", capacity, 1)
         if num_shards != 1:
             raise ValueError(f"num_shards={num_shards!r} needs backend='ray'; the local backend has one shard")
+        if durable is not False:
+            raise ValueError(f"durable={durable!r} needs backend='ray' (durable shard actors); a local store is "
+                             "saved with save()")
         self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
         if schema is not None and not isinstance(schema, Schema):
             schema = Schema(schema)

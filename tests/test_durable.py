@@ -221,3 +221,101 @@ def test_a_writer_killed_mid_append_leaves_a_log_of_exactly_its_acknowledged_epi
     assert list(stored) == list(range(len(stored)))
     assert stored == {i: i for i in stored}
     assert len(stored) - len(acknowledged) <= 3
+
+
+# -- a durable Ray store under writers ----------------------------------------------------
+
+EPISODE_STEPS = 10
+
+
+@pytest.fixture
+def ray_cluster(ray_session):
+    return pytest.importorskip("ray")
+
+
+def durable_runner():
+    """A Ray task that writes rounds of episodes through a writer handle until told the kill is over."""
+    ray = pytest.importorskip("ray")
+
+    @ray.remote
+    class Gate:
+        """Where the driver and the runners meet: rounds written, and the kill."""
+
+        def __init__(self) -> None:
+            self.rounds: dict[int, int] = {}
+            self.killed_at: dict[int, int] | None = None
+
+        def report(self, runner: int, rounds: int) -> bool:
+            """Record progress; True when the runner may stop (three rounds written after the kill)."""
+            self.rounds[runner] = rounds
+            return self.killed_at is not None and rounds >= self.killed_at.get(runner, 0) + 3
+
+        def least_rounds(self, runners: int) -> int:
+            return min(self.rounds.get(r, 0) for r in range(runners))
+
+        def kill_done(self) -> None:
+            self.killed_at = dict(self.rounds)
+
+    @ray.remote
+    def run(writer, gate, runner: int) -> list[tuple[int, int, int]]:
+        """Episodes (runner, env, number) of EPISODE_STEPS steps; obs = (runner, env, number, t)."""
+        n = writer.num_envs
+        finished, number, rounds = [], 0, 0
+        while True:
+            for t in range(EPISODE_STEPS):
+                obs = np.stack([np.full(n, runner), np.arange(n), np.full(n, number), np.full(n, t)], 1)
+                end = np.full(n, t == EPISODE_STEPS - 1)
+                writer.add(obs=obs.astype(np.float32), action=np.zeros(n, np.int64), reward=np.ones(n, np.float32),
+                           terminated=end, truncated=np.zeros(n, bool),
+                           next_obs=(obs + [0, 0, 0, 1]).astype(np.float32))
+            finished += [(runner, env, number) for env in range(n)]
+            number += 1
+            writer.flush()   # acknowledged: every episode so far is stored (and logged)
+            rounds += 1
+            if ray.get(gate.report.remote(runner, rounds)):
+                return finished
+
+    return Gate, run
+
+
+def test_a_killed_durable_shard_restarts_with_every_acknowledged_episode_once_while_writers_keep_writing(
+        tmp_path, ray_cluster):
+    ray = ray_cluster
+    Gate, run = durable_runner()
+    store = ab.ExperienceStore(capacity=20_000, backend="ray", num_shards=2, seed=1, durable=tmp_path)
+    try:
+        gate = Gate.remote()
+        writers = [store.writer(num_envs=3, autoreset_mode="disabled") for _ in range(2)]
+        runs = [run.remote(w, gate, k) for k, w in enumerate(writers)]
+        while ray.get(gate.least_rounds.remote(2)) < 2:
+            ray.wait(runs, timeout=0.2)
+        victim = store._shards.handles[0]   # noqa: SLF001 - the test kills one shard actor
+        pid = ray.get(victim.__ray_call__.remote(lambda server: os.getpid()))
+        episodes_before = ray.get(victim.size.remote())[2]
+        ray.kill(victim, no_restart=False)
+        gate.kill_done.remote()
+        written = [e for episodes in ray.get(runs) for e in episodes]
+
+        assert ray.get(victim.__ray_call__.remote(lambda server: os.getpid())) != pid   # a new process
+        assert episodes_before > 0
+        rows = store.to_arrow()
+        obs = np.stack(rows.column("obs").to_numpy(zero_copy_only=False))
+        first = rows.column("step").to_numpy() == 0
+        stored = sorted(tuple(int(v) for v in row[:3]) for row in obs[first])
+        assert stored == sorted(written)   # every episode once: none lost, none twice
+        batch = store.sample(256)
+        np.testing.assert_array_equal(batch["next", "obs"][:, 3].numpy(), batch["obs"][:, 3].numpy() + 1)
+        assert (tmp_path / "shard-0").is_dir() and list((tmp_path / "shard-0").glob("log-*.arrowlog"))
+    finally:
+        store.close()
+
+
+def test_durable_arguments_are_checked_before_any_shard_starts():
+    from arrowbuf.ray_backend import RayOptions
+
+    with pytest.raises(ValueError, match=r"durable must be True, False or a directory path, got 5"):
+        ab.ExperienceStore(100, backend="ray", durable=5)
+    with pytest.raises(ValueError, match=r"durable=True needs backend='ray'"):
+        ab.ExperienceStore(100, durable=True)
+    with pytest.raises(ValueError, match=r"RayOptions.max_restarts must be an int >= -1, got -2"):
+        RayOptions(max_restarts=-2)
