@@ -18,9 +18,9 @@ Each record is a header and an Arrow IPC stream::
 
 The payload's schema metadata says what the record is: a segment's ``start``
 (the writers' last batch numbers, so retried writes stay recognised after
-compaction), ``episodes`` (one 1-row RecordBatch per episode: each field one list
-of its rows in the plain layout of checkpoints, then episode_id, env_id, metadata,
-inserted_at, has_final, num_steps) or ``clear``.
+compaction), ``episodes`` (a RecordBatch of one row per episode: each field the
+list of its rows in the plain layout of checkpoints, then episode_id, env_id,
+metadata, inserted_at, has_final, num_steps) or ``clear``.
 
 **Exactly once.** Episode ids follow from the order of writes (``shard + k *
 num_shards`` for the k-th episode a shard stores), so the log records each
@@ -30,8 +30,8 @@ others get their logged ids again. A retried write (the shard died after logging
 it, before its answer arrived) carries the batch number its writer gave it, and
 `DurableShard.seen` recognises it.
 
-**Crashes.** A record is written with one ``write`` and flushed before the
-answer, so a crash can only leave a torn last record (its bytes run past the end
+**Crashes.** A record is appended and flushed before the answer, and nothing
+is written after it until then, so a crash can only leave a torn last record (its bytes run past the end
 of the newest segment): it was never acknowledged, and opening the log drops it.
 Any other damage (a bad header or checksum, a short older segment, ids that skip)
 raises `FormatError` naming the file.
@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._checks import check_bool, check_int
 from arrowbuf._persist import CHECKPOINT_MANIFEST, fsync, plain_array, plain_field, schema_of
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError, SchemaError, ShardError
@@ -109,11 +110,11 @@ def _digest(payload: memoryview) -> tuple[int, int]:
     return int(np.add.reduce(words, dtype=np.uint64)), int(np.bitwise_xor.reduce(words))
 
 
-def _frame(payload: pa.Buffer) -> bytes:
-    """Header + payload of one record."""
+def _header(payload: pa.Buffer) -> bytes:
+    """The header of the record holding ``payload``."""
     total, xor = _digest(memoryview(payload))
     header = _HEADER.pack(MAGIC, payload.size, total, xor)
-    return header + struct.pack("<I", zlib.crc32(header)) + memoryview(payload)
+    return header + struct.pack("<I", zlib.crc32(header))
 
 
 def _stream(schema: pa.Schema, meta: Mapping[str, Any], batches: Sequence[pa.RecordBatch] = ()) -> pa.Buffer:
@@ -136,20 +137,22 @@ def _episodes_schema(schema: Schema) -> pa.Schema:
     return pa.schema([*fields, *_SYSTEM], metadata=meta)
 
 
-def _episode_batch(arrow_schema: pa.Schema, schema: Schema, episode_id: int, episode: Episode,
-                   inserted_at: int) -> pa.RecordBatch:
-    """One row: the episode's columns as lists (views of its arrays, bools aside)."""
+def _episodes_batch(arrow_schema: pa.Schema, schema: Schema, entries: Sequence[tuple[int, Episode, int]]
+                    ) -> pa.RecordBatch:
+    """One row per (id, episode, inserted_at): each field the list of the episode's rows."""
     arrays = []
     for name, spec in schema.fields.items():
-        data = episode.columns.get(name)
-        if data is None:   # a derived field the writer left out
-            data = np.zeros((0, *spec.shape), spec.numpy_dtype)
-        values = plain_array(spec, np.asarray(data, spec.numpy_dtype))
-        arrays.append(pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values))
-    metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
-    arrays += [pa.array([episode_id], pa.int64()), pa.array([episode.env_id]), pa.array([metadata], pa.string()),
-               pa.array([inserted_at], pa.int64()), pa.array([episode.has_final]),
-               pa.array([episode.num_steps], pa.int64())]
+        parts = [np.asarray(e.columns[name], spec.numpy_dtype) if name in e.columns   # a derived field left out: []
+                 else np.zeros((0, *spec.shape), spec.numpy_dtype) for _, e, _ in entries]
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(part) for part in parts], out=offsets[1:])
+        values = plain_array(spec, parts[0] if len(parts) == 1 else np.concatenate(parts))
+        arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets), values))
+    episodes = [e for _, e, _ in entries]
+    arrays += [pa.array([i for i, _, _ in entries], pa.int64()), pa.array([e.env_id for e in episodes], pa.string()),
+               pa.array([json.dumps(e.metadata) if e.metadata is not None else None for e in episodes], pa.string()),
+               pa.array([t for _, _, t in entries], pa.int64()), pa.array([e.has_final for e in episodes], pa.bool_()),
+               pa.array([e.num_steps for e in episodes], pa.int64())]
     return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
 
 
@@ -175,29 +178,35 @@ class _Record:
         return (batch[0], int(batch[1])) if batch else None
 
     def ids(self) -> list[int]:
-        return [batch.column("episode_id")[0].as_py() for batch in self.batches]
+        return [i for batch in self.batches for i in batch.column("episode_id").to_pylist()]
 
     def episodes(self) -> Iterator[tuple[int, Episode]]:
         """(logged id, episode) of each episode, columns as zero-copy views of the record."""
         for batch in self.batches:
-            row = {name: batch.column(name)[0].as_py() for name in _SYSTEM.names}
-            steps, has_final = int(row["num_steps"]), bool(row["has_final"])
-            columns = {}
+            rows = {name: batch.column(name).to_pylist() for name in _SYSTEM.names}
+            fields = {}
             for name, spec in self.schema.fields.items():
+                column = batch.column(name)
                 try:
-                    data = arrow_to_numpy(batch.column(name).flatten(), name, spec.shape)
+                    fields[name] = (arrow_to_numpy(column.values, name, spec.shape), column.offsets.to_numpy())
                 except SchemaError as err:
                     raise FormatError(f"{self.where}: {err}") from None
-                if not len(data) and spec.derived:
-                    continue
-                expected = steps + int(has_final and spec.observation)
-                if len(data) != expected:
-                    raise FormatError(f"{self.where}: field {name!r} of episode {row['episode_id']} has "
-                                      f"{len(data)} rows, expected {expected}")
-                columns[name] = data
-            metadata = json.loads(row["metadata"]) if row["metadata"] is not None else None
-            yield int(row["episode_id"]), Episode(columns, steps, has_final, row["env_id"], metadata, owned=True,
-                                                  inserted_at=int(row["inserted_at"]))
+            for k, episode_id in enumerate(rows["episode_id"]):
+                steps, has_final = rows["num_steps"][k], rows["has_final"][k]
+                columns = {}
+                for name, (values, offsets) in fields.items():
+                    data = values[offsets[k]:offsets[k + 1]]
+                    spec = self.schema.fields[name]
+                    if not len(data) and spec.derived:
+                        continue
+                    expected = steps + int(has_final and spec.observation)
+                    if len(data) != expected:
+                        raise FormatError(f"{self.where}: field {name!r} of episode {episode_id} has "
+                                          f"{len(data)} rows, expected {expected}")
+                    columns[name] = data
+                metadata = json.loads(rows["metadata"][k]) if rows["metadata"][k] is not None else None
+                yield episode_id, Episode(columns, steps, has_final, rows["env_id"][k], metadata, owned=True,
+                                          inserted_at=rows["inserted_at"][k])
 
 
 def _read_segment(path: Path, last: bool) -> tuple[list[_Record], int]:
@@ -255,8 +264,6 @@ class EpisodeLog:
     """
 
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20, sync: bool = True) -> None:
-        from arrowbuf._checks import check_bool, check_int
-
         if not isinstance(directory, (str, os.PathLike)):
             raise ValueError(f"directory must be a path, got {directory!r}")
         self.directory = Path(directory)
@@ -268,6 +275,7 @@ class EpisodeLog:
         self._records: list[_Record] | None = []  # kept from opening until `replay`
         self._segments: list[tuple[Path, int]] = []   # sealed segments and the next id after their records
         self._next_after = 0
+        self._arrow_schema: tuple[Schema, pa.Schema] | None = None   # of the last append, reused
         self._open()
 
     def _open(self) -> None:
@@ -318,10 +326,11 @@ class EpisodeLog:
 
     def _write(self, payload: pa.Buffer) -> None:
         """Append one record and flush it; a failed append leaves no partial record behind."""
-        record = _frame(payload)
+        header = _header(payload)
         start = self._file.tell()
         try:
-            self._file.write(record)
+            self._file.write(header)
+            self._file.write(memoryview(payload))
             self._file.flush()
             if self.sync:
                 os.fdatasync(self._file.fileno())
@@ -344,12 +353,14 @@ class EpisodeLog:
             schema: the engine's schema.
             batch: (writer id, batch number) of the write they came in, for `seen`.
         """
-        arrow_schema = _episodes_schema(schema)
-        batches = [_episode_batch(arrow_schema, schema, i, e, t) for i, e, t in episodes]
+        if self._arrow_schema is None or self._arrow_schema[0] != schema:
+            self._arrow_schema = (schema, _episodes_schema(schema))
+        arrow_schema = self._arrow_schema[1]
         meta = {"kind": "episodes", "batch": list(batch) if batch is not None else None}
+        payload = _stream(arrow_schema, meta, [_episodes_batch(arrow_schema, schema, episodes)])
         with self._lock:
             self._rotate_if_full()
-            self._write(_stream(arrow_schema, meta, batches))
+            self._write(payload)
             if batch is not None:
                 self._remember(batch)
 

@@ -278,6 +278,12 @@ def durable_runner():
     return Gate, run
 
 
+def rows_ids(rows) -> list[int]:
+    """The episode ids of a store's rows, shard by shard (the order of `episodes`)."""
+    ids = rows.column("episode_id").to_numpy()
+    return ids[rows.column("step").to_numpy() == 0].tolist()
+
+
 def test_a_killed_durable_shard_restarts_with_every_acknowledged_episode_once_while_writers_keep_writing(
         tmp_path, ray_cluster):
     ray = ray_cluster
@@ -305,7 +311,17 @@ def test_a_killed_durable_shard_restarts_with_every_acknowledged_episode_once_wh
         assert stored == sorted(written)   # every episode once: none lost, none twice
         batch = store.sample(256)
         np.testing.assert_array_equal(batch["next", "obs"][:, 3].numpy(), batch["obs"][:, 3].numpy() + 1)
-        assert (tmp_path / "shard-0").is_dir() and list((tmp_path / "shard-0").glob("log-*.arrowlog"))
+
+        # A save compacts every shard's log into its durable checkpoint, which a restart then loads.
+        store.save(tmp_path / "saved")
+        for shard in ("shard-0", "shard-1"):
+            assert (tmp_path / shard / "checkpoint" / "manifest.json").exists()
+            assert len(list((tmp_path / shard).glob("log-*.arrowlog"))) == 1
+        other = store._shards.handles[1]   # noqa: SLF001
+        pid = ray.get(other.__ray_call__.remote(lambda server: os.getpid()))
+        ray.kill(other, no_restart=False)
+        assert ray.get(other.__ray_call__.remote(lambda server: os.getpid())) != pid
+        assert store.episodes().column("episode_id").to_pylist() == rows_ids(rows)
     finally:
         store.close()
 
