@@ -53,6 +53,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -80,7 +81,8 @@ _HEADER = struct.Struct("<4sQQQ")        # magic, payload bytes, word sum, word 
 _HEADER_BYTES = _HEADER.size + 4         # + crc32 of the header
 _META = b"arrowbuf.log"
 _SEGMENT = re.compile(r"log-(\d{8})\.arrowlog")
-_MAX_WRITERS = 4096                      # writers whose last batch is remembered
+_MAX_WRITERS = 4096                      # writers whose batches are remembered (the most recent ones)
+_WINDOW = 1024                           # batch numbers of a writer kept above its first gap
 Batch = tuple[str, int]                  # (writer id, the writer's batch number)
 
 # Columns after the user fields in an episodes record.
@@ -271,7 +273,10 @@ class EpisodeLog:
         self.sync = check_bool("sync", sync)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.batches: dict[str, int] = {}        # writer -> its last logged batch number
+        # writer -> [n, [numbers above n]]: its batches 1..n and those listed are logged.
+        # Exact whatever order retries come in; a number that never comes (a write
+        # refused before it was logged) is passed over once _WINDOW later ones came.
+        self.batches: dict[str, list] = {}
         self._records: list[_Record] | None = []  # kept from opening until `replay`
         self._segments: list[tuple[Path, int]] = []   # sealed segments and the next id after their records
         self._next_after = 0
@@ -312,8 +317,12 @@ class EpisodeLog:
 
     def _remember(self, batch: Batch) -> None:
         writer, number = batch
-        self.batches.pop(writer, None)   # newest last: the oldest writers are forgotten first
-        self.batches[writer] = number
+        upto, above = self.batches.pop(writer, [0, []])   # newest last: the oldest writers are forgotten first
+        if number > upto and number not in above:
+            bisect.insort(above, number)
+        while above and (above[0] == upto + 1 or len(above) > _WINDOW):
+            upto = above.pop(0)
+        self.batches[writer] = [upto, above]
         while len(self.batches) > _MAX_WRITERS:
             del self.batches[next(iter(self.batches))]
 
@@ -341,8 +350,9 @@ class EpisodeLog:
     # -- appending ------------------------------------------------------------------------
 
     def seen(self, batch: Batch) -> bool:
-        """Whether the writer's batch number ``batch[1]`` (or a later one) is logged."""
-        return self.batches.get(batch[0], -1) >= batch[1]
+        """Whether the writer's batch number ``batch[1]`` is logged."""
+        upto, above = self.batches.get(batch[0], (0, ()))
+        return batch[1] <= upto or batch[1] in above
 
     def append(self, episodes: Sequence[tuple[int, Episode, int]], schema: Schema,
                batch: Batch | None = None) -> None:
