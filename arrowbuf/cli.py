@@ -1,4 +1,4 @@
-"""The `arrowbuf` command line: `arrowbuf demo`, `arrowbuf inspect`."""
+"""The `arrowbuf` command line: `arrowbuf demo`, `arrowbuf inspect`, `arrowbuf bench`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from arrowbuf._bench_cli import run_bench
+
+    return run_bench(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arrowbuf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a directory written by store.to_parquet or store.save")
     inspect.add_argument("--plot", metavar="PNG", default=None, help="also write the returns / lengths figure")
     inspect.set_defaults(run=_inspect)
+    # No option of its own (prefix_chars no argument starts with): every argument goes to the benchmark's parser.
+    bench = commands.add_parser("bench", add_help=False, prefix_chars="\0",
+                                help="run the benchmarks of a source checkout (tools/bench.py; `bench --help`)")
+    bench.add_argument("args", nargs="*", help="arguments of tools/bench.py")
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""tools/bench.py: the quick ONPOLICY and SEED runs complete and report, and saved runs render.
+
+Each run is a subprocess of the real entry (``python tools/bench.py``), with the
+numbers it measures checked for shape only: performance is reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from arrowbuf.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "SEED"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    """``python tools/bench.py *args`` from the repository root, this checkout's arrowbuf first on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
+
+
+def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
+    path = tmp_path_factory.mktemp(name) / "run.json"
+    run = bench("--quick", "--only", name, "--rounds", "2", "--json", str(path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def onpolicy(tmp_path_factory):
+    return quick_run("ONPOLICY", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    return quick_run("SEED", tmp_path_factory)
+
+
+def headline_ratios(saved: dict, workload: str) -> dict[tuple[str, str], list[float]]:
+    """(metric, ratio column) -> the per-round ratios of each headline ratio the run measured."""
+    result, = [w for w in saved["workloads"] if w["name"] == workload]
+    return {(m["name"], col): m["ratios"][col]["rounds"] for m in result["metrics"] for col in result["ratio_columns"]
+            if col in m["ratios"]}
+
+
+def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the_seed_like_store(onpolicy):
+    run, saved = onpolicy
+    assert "ONPOLICY: whole-rollout sample and 4 epochs x 8 minibatches" in run.stdout
+    for header in ("seed-like TensorDict", "torchrl LazyTensorStorage", "arrowbuf/ideal", "arrowbuf/seed"):
+        assert header in run.stdout
+    ratios = headline_ratios(saved, "ONPOLICY")
+    for shape in ("WBC", "VLA"):
+        for metric in (f"{shape} rollout sample", f"{shape} 4x8 epochs"):
+            assert f"{metric} ms" in run.stdout
+            for col in ("arrowbuf/ideal", "arrowbuf/seed"):
+                assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col])
+
+
+def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_ingest_and_sample(seed):
+    run, saved = seed
+    assert "SEED: arrowbuf.compat vs the native writer" in run.stdout
+    ratios = headline_ratios(saved, "SEED")
+    for metric in ("WBC ingest", "VLA ingest", "VLA sample(320)"):
+        assert metric in run.stdout
+        assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
+    assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+
+
+def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, seed, tmp_path):
+    merged = {"meta": onpolicy[1]["meta"], "workloads": onpolicy[1]["workloads"] + seed[1]["workloads"]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(merged))
+    run = bench("--markdown", str(path))
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    headers = [line for line in rows if line.startswith("| metric |")]
+    assert len(headers) == 2 and len(rows) == 2 + 4 + 3
+    assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
+    assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout
+
+
+def test_a_saved_run_plots_as_a_png_bar_chart(onpolicy, tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(onpolicy[1]))
+    png = tmp_path / "bench.png"
+    run = bench("--plot", str(saved), "--png", str(png))
+    assert run.returncode == 0, run.stderr
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.height > image.width / 4
+        image.verify()
+
+
+def test_arrowbuf_bench_runs_the_benchmark_with_its_arguments(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == WORKLOADS
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--only", "W9"])
+    assert exit_.value.code == 2
+    assert "arrowbuf bench: error: unknown workload(s) ['W9']" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""arrowbuf benchmarks: throughput and memory against an ideal baseline and peers.
+
+Every performance claim is a *ratio measured in the same run*: the machine is
+shared and noisy, so absolute numbers drift while paired ratios hold. In each
+timing round the contenders take turns in short slices (rotating order), a ratio
+is taken per round, and the median over rounds is reported with its min-max range.
+
+Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,SEED``; ``--list`` shows
+them), one module each under ``workloads/`` with its protocol and targets in its
+docstring:
+
+- W1, W2 (`workloads.replay`): uniform replay of state rows (1M rows, batch 256)
+  and pixel rows (100k rows of u8[84,84,3], batch 32): add, sample, peak RSS.
+- W3 (`workloads.sequences`): 64 windows of 32 steps vs TorchRL's SliceSampler.
+- PER (`workloads.prioritized`): proportional PER sample + update_priorities.
+- RAY (`workloads.ray_store`): a 2-shard Ray store vs a naive replay actor.
+- PARQUET (`workloads.persistence`): Parquet export/import vs pyarrow;
+  incremental checkpoints vs full saves.
+- ONPOLICY (`workloads.onpolicy`): PPO rollouts (WBC 4,096 x 24, VLA 32 x 160):
+  whole-rollout sample and 4 x 8 minibatch epochs vs an ideal np.take, a
+  seed-like TensorDict store and TorchRL.
+- SEED (`workloads.seed`): RLightning's engines through ``arrowbuf.compat``
+  vs the native writer on the same data.
+
+Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
+one path from rounds to ratios to metrics), `results`, `memory` (RSS and
+per-contender probes in child processes), `report` (terminal tables, Markdown,
+JSON), `plot` (the bar chart), `specs` and `contenders` (replay data and
+stores), `rollouts` and `rollout_contenders` (on-policy data and stores), `cli`.
+
+Adding a workload: a module under ``workloads/`` with a ``run(spec, opts) ->
+WorkloadResult`` that times its contenders with `harness.compare`, registered
+with `harness.register` (full and quick specs), and imported in
+``workloads/__init__.py``; a ``probe(spec, contender) -> dict`` adds
+per-contender memory probes.
+
+Examples:
+    python tools/bench.py                    # full run (all workloads)
+    python tools/bench.py --quick            # smoke test, smaller sizes
+    python tools/bench.py --only W1 --json out/bench.json
+    python tools/bench.py --only W1 --profile   # cProfile arrowbuf's add and sample
+    python tools/bench.py --markdown out/bench.json   # README tables of a saved run
+    python tools/bench.py --plot out/bench.json       # tools/bench.png
+    arrowbuf bench --quick --only ONPOLICY   # the same, from the installed CLI
+"""

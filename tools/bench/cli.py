@@ -1,0 +1,107 @@
+"""The command line: run workloads (``--only``, ``--quick``, ``--rounds``, ``--profile``,
+``--json``), or render a saved run (``--markdown``, ``--plot``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from . import __doc__ as OVERVIEW
+from . import workloads  # noqa: F401  registers the workloads
+from .harness import WORKLOADS, Options, log
+from .report import load, markdown, render, save
+
+DEFAULT_PNG = Path(__file__).resolve().parents[1] / "bench.png"   # tools/bench.png
+
+
+def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=OVERVIEW.split("\n\n")[0],
+        epilog="workloads: " + "; ".join(f"{w.name}: {w.help}" for w in WORKLOADS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", metavar="W1,W2", help="comma-separated workloads to run (default: all): "
+                        + ",".join(WORKLOADS))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (smoke test)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7, quick 3)")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help="seconds each contender runs per round (default 0.3, quick 0.06)")
+    parser.add_argument("--slices", type=int, default=6,
+                        help="turns per round: contenders alternate in slices of min-time/slices (default 6)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocess probes")
+    parser.add_argument("--profile", action="store_true",
+                        help="print cProfiles of arrowbuf's timed operations (add, sample, export, ...)")
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument("--markdown", nargs="?", const="", metavar="JSON",
+                        help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
+    parser.add_argument("--plot", metavar="JSON", help="draw the ratios of a saved JSON run as a bar chart and exit")
+    parser.add_argument("--png", metavar="PATH", default=str(DEFAULT_PNG),
+                        help=f"where --plot writes the chart (default {DEFAULT_PNG})")
+    parser.add_argument("--_probe", help=argparse.SUPPRESS)
+    return parser
+
+
+def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
+    """Run the named workloads; returns their results and the run's metadata."""
+    meta = {"argv": sys.argv[1:], "quick": opts.quick, "rounds": opts.rounds, "min_time": opts.min_time,
+            "slices": opts.slices, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    for mod in ("numpy", "torch", "pyarrow", "tensordict", "torchrl", "arrowbuf"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception as err:  # noqa: BLE001  a missing peer is reported, not fatal here
+            meta[mod] = f"unavailable: {err}"
+    start = time.perf_counter()
+    results = []
+    for n in names:
+        log(f"running {n} ({'quick' if opts.quick else 'full'})")
+        w = WORKLOADS[n]
+        results.append(w.run(w.spec(opts.quick), opts))
+    meta["seconds"] = time.perf_counter() - start
+    meta["loadavg_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return results, meta
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
+    """Entry of ``python tools/bench.py`` and ``arrowbuf bench``."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args._probe:
+        wname, contender = args._probe.split(":")
+        workload = WORKLOADS[wname]
+        print(json.dumps(workload.probe(workload.spec(args.quick), contender)))
+        return 0
+    if args.list:
+        for w in WORKLOADS.values():
+            print(f"{w.name}: {w.help}\n    full: {w.full.describe()}\n    quick: {w.quick.describe()}")
+        return 0
+    if args.markdown:
+        print(markdown(*load(args.markdown)), end="")
+    if args.plot:
+        from .plot import plot
+
+        plot(*load(args.plot), args.png)
+        log(f"wrote {args.png}")
+    if args.markdown or args.plot:
+        return 0
+    names = list(WORKLOADS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
+    opts = Options(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
+                   min_time=args.min_time or (0.06 if args.quick else 0.3), slices=max(1, args.slices),
+                   memory=not args.no_memory, profile=args.profile)
+    results, meta = run(names, opts)
+    render(results, meta)
+    if args.markdown is not None:
+        print(markdown(results, meta), end="")
+    if args.json:
+        save(args.json, results, meta)
+        log(f"wrote {args.json}")
+    return 0

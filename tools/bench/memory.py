@@ -1,0 +1,74 @@
+"""Process memory: RSS now and at peak, and the per-contender probes run in child processes.
+
+A probe runs in a fresh process (this benchmark's entry with a hidden flag), so
+that one contender's allocations do not hide another's: the peak RSS growth
+(VmHWM, reset once the inputs are built) over a lap and a tenth plus some
+samples, divided by the raw bytes of the rows stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .harness import Options, log
+from .results import Metric, Series
+
+ENTRY = Path(__file__).resolve().parents[1] / "bench.py"   # tools/bench.py, the script that runs a probe
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size (VmHWM) of this process."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_probe(workload: str, contender: str, quick: bool) -> dict[str, Any]:
+    """The probe's JSON answer, from a child process."""
+    cmd = [sys.executable, str(ENTRY), "--_probe", f"{workload}:{contender}"] + (["--quick"] if quick else [])
+    log(f"  {workload}: memory probe {contender} (fresh process)")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe {workload}:{contender} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memory_metric(workload: str, contenders: Sequence[tuple[str, bool]], opts: Options,
+                  limit: float) -> Metric:
+    """"peak RSS / raw bytes" of each (contender, probed) pair; arrowbuf's must be <= ``limit``."""
+    values: dict[str, Series | float | None] = {}
+    detail: dict[str, Any] = {}
+    for name, probed in contenders:
+        if not probed:
+            values[name] = None
+            continue
+        probe = run_probe(workload, name, opts.quick)
+        detail[name] = probe
+        values[name] = probe["peak_delta"] / probe["raw_bytes"]
+    ratio = values["arrowbuf"]
+    return Metric("peak RSS / raw bytes", "x", values, {}, target=f"arrowbuf <= {limit}",
+                  met=ratio is not None and ratio <= limit, detail=detail)

@@ -1,0 +1,153 @@
+"""The stores ONPOLICY replays a rollout from: a whole-rollout sample, and PPO epochs of minibatches.
+
+- ``ideal``: one contiguous numpy column per field; a sample is one
+  ``np.take`` per field into a preallocated, pre-touched output.
+- ``seed``: the seed's ``DataContainer``: a preallocated TensorDict of capacity
+  rows, written with ``update_at_`` and read with ``td[idx]``.
+- ``torchrl``: ``LazyTensorStorage`` read directly (``storage[idx]``) for the
+  rollout, and a ``ReplayBuffer(SamplerWithoutReplacement)`` for the epochs.
+- ``arrowbuf``: ``store.sample(n)`` and ``iter_batches(batch, shuffle=True)``;
+  ``arrowbuf_keys``: the same with ``keys=`` (PPO's fields only, no ``next``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+import numpy as np
+
+from .rollouts import RolloutShape, episodes, transitions
+
+
+def _touched(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    out.reshape(-1).view(np.uint8)[:] = 0   # pre-touch every page
+    return out
+
+
+class RolloutContender:
+    """A rollout store: ``sample_all`` draws every transition once, ``epochs`` runs PPO's minibatches."""
+
+    name = "?"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int) -> None:
+        self.shape = shape
+        self.n = shape.transitions
+        self.batch = self.n // minibatches
+
+    def sample_all(self) -> Any:
+        raise NotImplementedError
+
+    def minibatch(self, index: Any) -> Any:
+        raise NotImplementedError
+
+    def epochs(self, epochs: int) -> None:
+        """``epochs`` fresh permutations, each read in minibatches."""
+        import torch
+        for _ in range(epochs):
+            order = torch.randperm(self.n)
+            for start in range(0, self.n - self.batch + 1, self.batch):
+                self.minibatch(order[start:start + self.batch])
+
+
+class IdealRollout(RolloutContender):
+    name = "ideal"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int) -> None:
+        super().__init__(shape, rollout, minibatches)
+        import torch
+        self.cols = {}
+        for name, tensor in transitions(shape, rollout).items():
+            f = shape.fields[name]
+            col = _touched((self.n, *f.shape), f.numpy_dtype)
+            col[:] = tensor.view(torch.uint16).numpy() if f.dtype == "bfloat16" else tensor.numpy()
+            self.cols[name] = col
+        self.out = {n: _touched(c.shape, c.dtype) for n, c in self.cols.items()}
+        self.out_batch = {n: _touched((self.batch, *c.shape[1:]), c.dtype) for n, c in self.cols.items()}
+        self.rng = np.random.default_rng(0)
+
+    def _take(self, index: np.ndarray, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for name, col in self.cols.items():
+            np.take(col, index, axis=0, out=out[name], mode="clip")   # "raise" would buffer the output
+        return out
+
+    def sample_all(self) -> Any:
+        return self._take(self.rng.permutation(self.n), self.out)
+
+    def minibatch(self, index: Any) -> Any:
+        return self._take(index.numpy(), self.out_batch)
+
+
+class SeedRollout(RolloutContender):
+    name = "seed"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int) -> None:
+        super().__init__(shape, rollout, minibatches)
+        import torch
+        from tensordict import TensorDict
+        data = TensorDict(transitions(shape, rollout), batch_size=[self.n])
+        # The DataContainer's columns: torch.empty((capacity, *shape)) per leaf at the first push.
+        self.td = TensorDict({k: torch.empty((self.n, *v.shape[1:]), dtype=v.dtype) for k, v in data.items()},
+                             batch_size=[self.n])
+        self.td.update_at_(data, slice(0, self.n))
+
+    def sample_all(self) -> Any:
+        import torch
+        return self.td[torch.randperm(self.n)]
+
+    def minibatch(self, index: Any) -> Any:
+        return self.td[index]
+
+
+class TorchRLRollout(RolloutContender):
+    name = "torchrl"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int) -> None:
+        super().__init__(shape, rollout, minibatches)
+        from tensordict import TensorDict
+        from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
+        self.storage = LazyTensorStorage(self.n)
+        self.rb = ReplayBuffer(storage=self.storage, sampler=SamplerWithoutReplacement(), batch_size=self.batch)
+        self.rb.extend(TensorDict(transitions(shape, rollout), batch_size=[self.n]))
+
+    def sample_all(self) -> Any:
+        import torch
+        return self.storage[torch.randperm(self.n)]
+
+    def epochs(self, epochs: int) -> None:
+        for _ in range(epochs * (self.n // self.batch)):
+            self.rb.sample()
+
+
+def accepts(method: Any, parameter: str) -> bool:
+    """Whether ``method`` takes ``parameter`` (arrowbuf's API grows: keys=, epochs=)."""
+    return parameter in inspect.signature(method).parameters
+
+
+class ArrowbufRollout(RolloutContender):
+    """An ``ExperienceStore`` holding the rollout's episodes (``keys``: gather only these fields)."""
+
+    name = "arrowbuf"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int,
+                 keys: list[str] | None = None) -> None:
+        super().__init__(shape, rollout, minibatches)
+        import arrowbuf as ab
+        self.store = ab.ExperienceStore(shape.envs * (shape.steps + 1), seed=0)
+        for episode in episodes(shape, rollout):
+            self.store.add_episode(episode)
+        self.keys = {"keys": keys} if keys is not None else {}
+        self.epochs_at_once = accepts(self.store.iter_batches, "epochs")
+
+    def sample_all(self) -> Any:
+        return self.store.sample(self.n, **self.keys)
+
+    def epochs(self, epochs: int) -> None:
+        if self.epochs_at_once:
+            for _ in self.store.iter_batches(self.batch, shuffle=True, epochs=epochs, **self.keys):
+                pass
+            return
+        for _ in range(epochs):
+            for _ in self.store.iter_batches(self.batch, shuffle=True, **self.keys):
+                pass

@@ -1,0 +1,138 @@
+"""ONPOLICY: replaying a PPO rollout, the seed's own workload (issue 13).
+
+Shapes: WBC (4,096 envs x 24 steps; obs f32[160], critic obs f32[286], action
+f32[29], log-prob, value, reward, flags) and VLA (32 envs x 160 steps; bf16
+pixel_values[6,112,112], action tokens int64[7], log-probs f32[7], value,
+reward, flags). Operations: a sample of the whole rollout, and 4 epochs x 8
+minibatches. Contenders: see `rollout_contenders`; arrowbuf twice, with its
+default sample (every field and ``("next", obs)``) and with ``keys=`` (PPO's
+fields), the latter only where ``ExperienceStore.sample`` / ``iter_batches``
+accept ``keys``. Targets (the keys= path where it exists): rollout sample >= 0.9x
+the ideal and >= 3x the seed-like store; epochs >= 0.9x the ideal.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+from ..contenders import Arrowbuf, TorchRL
+from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, log, over, profile_calls, register, \
+    start_workload
+from ..memory import rss_bytes
+from ..results import Metric, WorkloadResult
+from ..rollout_contenders import ArrowbufRollout, IdealRollout, RolloutContender, SeedRollout, TorchRLRollout, \
+    accepts
+from ..rollouts import RolloutShape, make_rollout, vla, wbc
+
+CONTENDERS = ["ideal", "seed", "torchrl", "arrowbuf", "arrowbuf_keys"]
+
+
+@dataclass(frozen=True)
+class OnPolicySpec:
+    """Rollout shapes, and PPO's epochs x minibatches over each."""
+
+    shapes: tuple[RolloutShape, ...]
+    epochs: int = 4
+    minibatches: int = 8
+
+    def short(self) -> str:
+        return (f"whole-rollout sample and {self.epochs} epochs x {self.minibatches} minibatches; "
+                + "; ".join(s.short() for s in self.shapes))
+
+    def describe(self) -> str:
+        return " | ".join(s.describe() for s in self.shapes)
+
+
+def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
+    """Time each shape's whole-rollout sample and epochs, one shape at a time."""
+    t0 = start_workload(Arrowbuf, TorchRL)
+    import arrowbuf as ab
+    load_start = os.getloadavg()[0]
+    notes: list[str] = []
+    keys = {"sample": accepts(ab.ExperienceStore.sample, "keys"),
+            "iter_batches": accepts(ab.ExperienceStore.iter_batches, "keys")}
+    for method, accepted in keys.items():
+        if not accepted:
+            notes.append(f"  arrowbuf_keys: ExperienceStore.{method} takes no keys= yet: no {method} column")
+    metrics: list[Metric] = []
+    for shape in spec.shapes:
+        metrics += onpolicy_shape(shape, spec, opts, keys, notes)
+        gc.collect()
+    judged = "arrowbuf_keys" if all(keys.values()) else "arrowbuf"
+    for metric in metrics:
+        metric.met = metric.ratios[f"{judged}/ideal"].median >= 0.9 and (
+            "epochs" in metric.name or metric.ratios[f"{judged}/seed"].median >= 3)
+        metric.target = f"{judged}/ideal >= 0.9" + ("" if "epochs" in metric.name else f", {judged}/seed >= 3")
+    flag_noisy("ONPOLICY", metrics, notes)
+    notes.append("  ms = median time of one call; ratios are speed-ups (time of the other / time of arrowbuf). "
+                 "arrowbuf samples the rollout with store.sample(n) (uniform, with replacement), the others "
+                 "with a permutation: the same rows gathered")
+    notes.append(load_note(load_start))
+    return WorkloadResult("ONPOLICY", spec.short(), spec.describe(), CONTENDERS, metrics, notes,
+                          time.perf_counter() - t0,
+                          labels={"ideal": "ideal (np.take, out=)", "seed": "seed-like TensorDict",
+                                  "torchrl": "torchrl LazyTensorStorage", "arrowbuf_keys": "arrowbuf keys="},
+                          ratio_columns=["arrowbuf/ideal", "arrowbuf/seed", "arrowbuf_keys/ideal",
+                                         "arrowbuf_keys/seed"])
+
+
+def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys: dict[str, bool],
+                   notes: list[str]) -> list[Metric]:
+    """Build the contenders over one rollout, time them, and drop them."""
+    rollout = make_rollout(shape)
+    contenders: dict[str, RolloutContender] = {
+        "ideal": IdealRollout(shape, rollout, spec.minibatches),
+        "seed": SeedRollout(shape, rollout, spec.minibatches),
+        "torchrl": TorchRLRollout(shape, rollout, spec.minibatches),
+        "arrowbuf": ArrowbufRollout(shape, rollout, spec.minibatches),
+    }
+    if any(keys.values()):
+        contenders["arrowbuf_keys"] = ArrowbufRollout(shape, rollout, spec.minibatches, keys=list(shape.fields))
+    del rollout
+    log(f"  ONPOLICY {shape.name}: {len(contenders)} stores filled ({shape.transitions:,} transitions)")
+    samplers = {c: k.sample_all for c, k in contenders.items() if c != "arrowbuf_keys" or keys["sample"]}
+    epochs = {c: (lambda k=k: k.epochs(spec.epochs)) for c, k in contenders.items()
+              if c != "arrowbuf_keys" or keys["iter_batches"]}
+    check_batches(shape, {c: contenders[c] for c in samplers}, notes)
+    for fn in [*samplers.values(), *epochs.values()]:   # warm-up (first touch, lazy imports)
+        fn()
+    ratios = {**over("arrowbuf", "ideal", "seed", "torchrl"), **over("arrowbuf_keys", "ideal", "seed", "torchrl")}
+    rss = rss_bytes()
+    metrics = compare(f"ONPOLICY {shape.name}", [
+        Race(f"{shape.name} rollout sample", "ms", samplers, {k: v for k, v in ratios.items() if v[0] in samplers},
+             per_call=True, scale=1e3),
+        Race(f"{shape.name} {spec.epochs}x{spec.minibatches} epochs", "ms", epochs,
+             {k: v for k, v in ratios.items() if v[0] in epochs}, per_call=True, scale=1e3),
+    ], max(2, min(opts.rounds, 5)), opts.min_time, 2)
+    if opts.profile:
+        store = contenders["arrowbuf"]
+        notes.append(profile_calls(f"{shape.name} arrowbuf sample({shape.transitions})", store.sample_all, 3))
+        notes.append(profile_calls(f"{shape.name} arrowbuf {spec.epochs} epochs", lambda: store.epochs(spec.epochs), 1))
+    notes.append(f"  {shape.name}: RSS {rss / 2**20:,.0f} MiB before the timed rounds, {rss_bytes() / 2**20:,.0f} "
+                 f"MiB after; {shape.row_bytes:,} B per transition, {shape.transitions:,} transitions "
+                 f"({shape.transitions * shape.row_bytes / 2**20:,.0f} MiB) per rollout sample")
+    contenders.clear()
+    return metrics
+
+
+def check_batches(shape: RolloutShape, contenders: dict[str, RolloutContender], notes: list[str]) -> None:
+    """arrowbuf's samples carry every field (and with keys=, no ``next``)."""
+    for name in ("arrowbuf", "arrowbuf_keys"):
+        if name not in contenders:
+            continue
+        got = contenders[name].sample_all().keys(include_nested=True, leaves_only=True)
+        missing = [f for f in shape.fields if f not in got]
+        if missing:
+            notes.append(f"  BUG? {shape.name}: {name} sample lacks {missing}")
+        if name == "arrowbuf_keys" and any(isinstance(k, tuple) and k[0] == "next" for k in got):
+            notes.append(f"  {shape.name}: arrowbuf keys= sample still gathers next observations")
+
+
+register(Workload(
+    "ONPOLICY", "on-policy PPO: whole-rollout sample and 4x8 minibatch epochs, WBC 4096x24 and VLA 32x160 rows",
+    full=OnPolicySpec((wbc(4096), vla(32, 160))),
+    quick=OnPolicySpec((wbc(256), vla(8, 40))),
+    run=run_onpolicy))

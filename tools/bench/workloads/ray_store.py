@@ -1,0 +1,166 @@
+"""RAY: the sharded store in Ray actors vs a naive replay actor.
+
+``ray.init(address="local", num_cpus=2)`` for this workload only; W1 (200k rows)
+and W2 (20k rows) schemas in a 2-shard store: ``sample_iter(batch, prefetch=4)``
+vs a naive Ray actor (``ray.get(actor.sample.remote(n))`` per batch; target >=
+5x), ``add_episode`` + ``flush`` vs ``ray.get(actor.add.remote(episode))`` per
+episode (target >= 3x); ratio to the embedded store's sample. Timed in longer
+slices than the in-process workloads, each ending with a wait for the work it
+left in flight (a flush, or the prefetched requests).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..contenders import Arrowbuf, NaiveReplay
+from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, over, \
+    profile_calls, register, start_workload
+from ..results import Metric, Series, WorkloadResult
+from ..specs import ReplaySpec, make_episodes, w1, w2
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """Schemas to run through a sharded store, with its shard count and prefetch depth."""
+
+    replays: Mapping[str, ReplaySpec]   # schema name -> spec (capacity, episodes, batch)
+    num_shards: int = 2
+    prefetch: int = 4
+    envs: int = 8                       # env ids the episodes cycle through (a shard per env)
+
+    def short(self) -> str:
+        return (f"{self.num_shards} shards, sample_iter(prefetch={self.prefetch}) vs a naive actor; "
+                + "; ".join(f"{n}: {s.capacity:,} rows, batch {s.batch_size}" for n, s in self.replays.items()))
+
+    def describe(self) -> str:
+        return " | ".join(f"{n}: {s.describe()}" for n, s in self.replays.items())
+
+
+def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
+    """Start a local Ray, run each schema's contenders, shut Ray down."""
+    t0 = start_workload(Arrowbuf)
+    import ray
+
+    import arrowbuf as ab
+    load_start = os.getloadavg()[0]
+    notes: list[str] = []
+    metrics: list[Metric] = []
+    # Ray workers cannot import this package by name: its classes travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__package__.partition(".")[0]])
+    # Longer slices than the in-process workloads: a Ray call costs ~1 ms, and each
+    # slice ends by waiting for what it left in flight.
+    timing = (max(2, min(opts.rounds, 5)), opts.min_time * 3, 3)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    log(f"  RAY: ray.init {time.perf_counter() - t0:.1f} s")
+    try:
+        for wname, rs in spec.replays.items():
+            metrics += ray_schema(wname, rs, spec, timing, notes, opts.profile, ray, ab)
+    finally:
+        ray.shutdown()
+    flag_noisy("RAY", metrics, notes)
+    notes.append(f"  arrowbuf: ExperienceStore(backend='ray', num_shards={spec.num_shards}); add = add_episode "
+                 f"(env_id cycling over {spec.envs} envs) + flush() at the end of each timed slice; sample = "
+                 f"sample_iter(batch, prefetch={spec.prefetch}), each slice ending with len(store), which waits "
+                 "for the prefetched requests; 'arrowbuf sample()' = one synchronous store.sample per batch")
+    notes.append("  naive: one Ray actor (num_cpus=0), ray.get(actor.sample.remote(n)) / "
+                 "ray.get(actor.add.remote(episode)) per call; local = embedded ExperienceStore.sample in the driver")
+    notes.append(load_note(load_start))
+    notes.append("  put: ray.put of each episode alone (nothing stored): the bound of one writer, whose episodes "
+                 "must enter the object store")
+    return WorkloadResult("RAY", spec.short(), spec.describe(), ["naive", "arrowbuf", "arrowbuf_sync", "local", "put"],
+                          metrics, notes, time.perf_counter() - t0,
+                          labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter",
+                                  "arrowbuf_sync": "arrowbuf sample()", "local": "local store",
+                                  "put": "ray.put only"},
+                          ratio_columns=["arrowbuf/naive", "arrowbuf/local"])
+
+
+def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, float, int], notes: list[str],
+               profile: bool, ray: Any, ab: Any) -> list[Metric]:
+    """Fill, time and tear down the contenders of one schema."""
+    T, B = rs.episode_len, rs.batch_size
+    episodes = make_episodes(rs)
+    start = time.perf_counter()
+    naive = ray.remote(num_cpus=0)(NaiveReplay).remote(rs)
+    store = ab.ExperienceStore(rs.capacity, backend="ray", num_shards=spec.num_shards, seed=0)
+    local = ab.ExperienceStore(rs.capacity, seed=0)
+    log(f"  RAY {wname}: actors started in {time.perf_counter() - start:.1f} s")
+    laps = rs.capacity // (T + 1)
+    env = itertools.count()
+    try:
+        start = time.perf_counter()
+        for i in range(laps):
+            ray.get(naive.add.remote(episodes[i % len(episodes)]))
+        cold_naive = laps * T / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for i in range(laps):
+            store.add_episode(episodes[i % len(episodes)], env_id=f"env-{next(env) % spec.envs}")
+        store.flush()
+        cold_ab = laps * T / (time.perf_counter() - start)
+        for i in range(laps):
+            local.add_episode(episodes[i % len(episodes)])
+        shards = [s["transitions"] for s in store.stats()["shards"]]
+        log(f"  RAY {wname}: filled; shards hold {shards} transitions, local {len(local):,}")
+
+        iterator = store.sample_iter(B, prefetch=spec.prefetch)
+        feed = itertools.cycle(episodes)
+        sample_fns = {"naive": lambda: ray.get(naive.sample.remote(B)),
+                      "arrowbuf": lambda: next(iterator),
+                      "arrowbuf_sync": lambda: store.sample(B),
+                      "local": lambda: local.sample(B)}
+        add_fns = {"naive": lambda: ray.get(naive.add.remote(next(feed))),
+                   "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
+                   "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
+        sample_done = {"arrowbuf": lambda: len(store)}   # waits for the prefetched requests
+        batch = next(iterator)
+        for key in [*rs.fields, ("next", "obs")]:
+            if key not in batch.keys(include_nested=True):
+                notes.append(f"  RAY {wname}: arrowbuf batch lacks {key!r}")
+        for fn in sample_fns.values():   # warm-up
+            for _ in range(10):
+                fn()
+        sample_done["arrowbuf"]()
+        rounds, min_time, slices = timing
+        sample, add = compare(f"RAY {wname}", [
+            Race(f"{wname} sample", "batches/s", sample_fns,
+                 {**over("arrowbuf", "naive", "local"), "arrowbuf sample()/naive": ("arrowbuf_sync", "naive")},
+                 target="arrowbuf/naive >= 5", goal=at_least("arrowbuf/naive", 5), finish=sample_done),
+            Race(f"{wname} add", "rows/s", add_fns, {**over("arrowbuf", "naive", "put"), **over("put", "naive")},
+                 target="arrowbuf/naive >= 3", goal=at_least("arrowbuf/naive", 3), units=T,
+                 finish={"arrowbuf": store.flush}),
+        ], rounds, min_time, slices)
+        if profile:
+            notes.append(profile_calls(f"RAY {wname}: driver side of arrowbuf sample_iter", lambda: next(iterator),
+                                       2000, top=16))
+            len(store)
+            notes.append(profile_calls(f"RAY {wname}: driver side of arrowbuf sample()", lambda: store.sample(B),
+                                       300, top=12))
+            notes.append(profile_calls(f"RAY {wname}: driver side of arrowbuf add_episode (+flush every 20)",
+                                       lambda: (store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
+                                                next(env) % 20 or store.flush()), 200, top=12))
+            store.flush()
+    finally:
+        store.close()
+        ray.kill(naive)
+    sample_fns.clear()
+    gc.collect()
+    first = Metric(f"{wname} 1st lap", "rows/s", {"naive": cold_naive, "arrowbuf": cold_ab},
+                   {"arrowbuf/naive": Series([cold_ab / cold_naive])},
+                   target="info: fresh memory (naive pre-touched)")
+    return [sample, add, first]
+
+
+register(Workload(
+    "RAY", "Ray: 2 shards, sample_iter and add_episode vs a naive replay actor (W1 200k rows, W2 20k rows)",
+    full=RaySpec({"W1": w1(200_000), "W2": w2(20_000)}),
+    quick=RaySpec({"W1": w1(50_000), "W2": w2(5_000)}),
+    run=run_ray))

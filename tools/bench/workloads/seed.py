@@ -1,0 +1,203 @@
+"""SEED: RLightning's engines through ``arrowbuf.compat.DataBuffer`` vs the native writer (issue 12).
+
+The same rollout (`rollouts.make_rollout`, torch tensors as local envs and
+policies hand them over) goes both ways:
+
+- WBC (RSLRLEngine, wbc_tracking: unit episode, ``batch`` sampler,
+  ``auto_truncate_episode``), 4,096 envs x 24 steps with about 1/500
+  terminations per step: per step ``add_batched_data_async`` of the env
+  returns, then of the policy responses; the final records, then
+  ``truncate_episodes``. Native: ``store.writer(num_envs,
+  autoreset_mode="same_step")`` (IsaacLab resets inside the step), one ``add``
+  per step, ``flush``. Metric: ingest env-steps/s; target compat/native >= 0.5.
+- VLA (SyncRLEngine, OpenVLA PPO: RolloutBuffer, ``all`` sampler), 32 envs x
+  160 steps: ``add_batched_transition`` per step (truncation on the last), then
+  ``sample(5120)``, which clears the buffer. Native: writer + flush, then
+  ``store.sample(5120)`` and ``clear``. Metrics: ingest env-steps/s and the
+  sample's time; target compat within 1.25x of native on both (ratio >= 0.8).
+
+Each call ingests one whole rollout into an empty buffer and times only the
+part its metric counts (the clear or the ingest before a sample is not timed).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, profile_calls, \
+    register, start_workload
+from ..results import Metric, WorkloadResult
+from ..rollouts import RolloutShape, ingest_native, make_rollout, vla, wbc
+
+ENV = "env-worker-0"
+RATIO = {"compat/native": ("compat", "native")}
+
+
+@dataclass(frozen=True)
+class SeedSpec:
+    """The WBC and VLA rollouts, and the batch the VLA trainer samples."""
+
+    wbc: RolloutShape
+    vla: RolloutShape
+
+    def short(self) -> str:
+        return f"arrowbuf.compat vs the native writer: {self.wbc.short()}; {self.vla.short()}"
+
+    def describe(self) -> str:
+        return (f"{self.wbc.describe()}, terminations {self.wbc.terminations:.2%} per step (RSLRLEngine, "
+                f"add_batched_data_async, auto-truncate) | {self.vla.describe()} (SyncRLEngine, "
+                f"add_batched_transition, then sample({self.vla.transitions}))")
+
+
+class CompatRollout:
+    """A compat ``DataBuffer`` driven as an RLightning engine drives it, over prebuilt env returns and responses."""
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], config: dict, engine: str) -> None:
+        import torch
+
+        from arrowbuf.compat import BatchedData, DataBuffer, EnvMeta, EnvRet, PolicyResponse
+        self.shape, self.engine = shape, engine
+        self.buffer = DataBuffer(config, seed=0)
+        self.buffer.init([EnvMeta(ENV, num_envs=shape.envs)], [ENV])
+        T, obs = shape.steps, shape.observations
+        policy = [n for n in shape.fields if n not in obs and n not in ("reward", "terminated", "truncated")]
+        zeros = {n: torch.zeros_like(rollout[n][0]) for n in ("reward", "terminated", "truncated")}
+        self.env_rets, self.responses = [], []
+        for t in range(T + 1):   # T steps and the final record (its response is dropped, as the seed does)
+            last = {n: rollout[n][t - 1] if t else zeros[n] for n in zeros}
+            self.env_rets.append(BatchedData([ENV], [EnvRet(
+                ENV, {n: rollout[n][t] for n in obs}, last_reward=last["reward"],
+                last_terminated=last["terminated"], last_truncated=last["truncated"])]))
+            self.responses.append(BatchedData([ENV], [PolicyResponse(
+                ENV, **{n: rollout[n][min(t, T - 1)] for n in policy})]))
+
+    def ingest(self) -> float:
+        start = time.perf_counter()
+        if self.engine == "rsl":
+            for env_rets, responses in zip(self.env_rets, self.responses):
+                self.buffer.add_batched_data_async(env_rets)
+                self.buffer.add_batched_data_async(responses)
+            self.buffer.truncate_episodes([ENV])
+        else:
+            last = len(self.env_rets) - 1
+            for t, (env_rets, responses) in enumerate(zip(self.env_rets, self.responses)):
+                self.buffer.add_batched_transition(env_rets, responses, [t == last])
+        return time.perf_counter() - start
+
+    def sample(self) -> Any:
+        return self.buffer.sample(self.shape.transitions)   # a RolloutBuffer clears itself
+
+    def clear(self) -> None:
+        self.buffer.clear()
+
+    def transitions(self) -> int:
+        return len(self.buffer.store)
+
+
+class NativeRollout:
+    """An ``ExperienceStore`` fed by ``store.writer`` from the same rollout."""
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], autoreset_mode: str) -> None:
+        import arrowbuf as ab
+        self.shape, self.rollout, self.mode = shape, rollout, autoreset_mode
+        self.store = ab.ExperienceStore(2 * shape.envs * (shape.steps + 1), seed=0)
+
+    def ingest(self) -> float:
+        start = time.perf_counter()
+        ingest_native(self.store, self.shape, self.rollout, autoreset_mode=self.mode)
+        return time.perf_counter() - start
+
+    def sample(self) -> Any:
+        batch = self.store.sample(self.shape.transitions)
+        self.store.clear()
+        return batch
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def transitions(self) -> int:
+        return len(self.store)
+
+
+def ingest_then_clear(contender: CompatRollout | NativeRollout) -> float:
+    """Seconds of one rollout's ingest (the clear after it untimed)."""
+    seconds = contender.ingest()
+    contender.clear()
+    return seconds
+
+
+def sample_after_ingest(contender: CompatRollout | NativeRollout) -> float:
+    """Seconds of sampling the whole rollout (and clearing, as a RolloutBuffer does) after an untimed ingest."""
+    contender.ingest()
+    start = time.perf_counter()
+    contender.sample()
+    return time.perf_counter() - start
+
+
+def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
+    """Time the WBC ingest, then the VLA ingest and sample, compat against native."""
+    t0 = start_workload()
+    load_start = os.getloadavg()[0]
+    notes: list[str] = []
+    timing = (max(2, min(opts.rounds, 5)), opts.min_time, 1)
+    shape = spec.wbc
+    rollout = make_rollout(shape)
+    wbc_config = {"type": "RolloutBuffer", "capacity": 2 * shape.transitions, "auto_truncate_episode": True,
+                  "storage": {"unit": "episode"}, "sampler": {"type": "batch"}}
+    pair = {"compat": CompatRollout(shape, rollout, wbc_config, "rsl"),
+            "native": NativeRollout(shape, rollout, "same_step")}
+    for c, contender in pair.items():   # warm-up, and what each stores of the same data
+        contender.ingest()
+        notes.append(f"  WBC: {c} stores {contender.transitions():,} of {shape.transitions:,} env steps")
+        contender.clear()
+    log(f"  SEED: WBC {shape.transitions:,} env steps a rollout")
+    metrics = compare("SEED WBC", [
+        Race("WBC ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
+             target="compat/native >= 0.5", goal=at_least("compat/native", 0.5), units=shape.transitions,
+             self_timed=True)], *timing)
+    if opts.profile:
+        notes.append(profile_calls("WBC compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
+    pair.clear()
+    del rollout
+    gc.collect()
+
+    shape = spec.vla
+    rollout = make_rollout(shape)
+    vla_config = {"type": "RolloutBuffer", "capacity": shape.transitions, "sampler": {"type": "all"}}
+    pair = {"compat": CompatRollout(shape, rollout, vla_config, "sync"),
+            "native": NativeRollout(shape, rollout, "next_step")}
+    for contender in pair.values():   # warm-up
+        sample_after_ingest(contender)
+    log(f"  SEED: VLA {shape.transitions:,} env steps a rollout")
+    metrics += compare("SEED VLA", [
+        Race("VLA ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
+             target="compat/native >= 0.8", goal=at_least("compat/native", 0.8), units=shape.transitions,
+             self_timed=True),
+        Race(f"VLA sample({shape.transitions})", "ms", {c: (lambda k=k: sample_after_ingest(k))
+                                                         for c, k in pair.items()}, RATIO,
+             target="compat/native >= 0.8", goal=at_least("compat/native", 0.8), per_call=True, scale=1e3,
+             self_timed=True)], *timing)
+    if opts.profile:
+        notes.append(profile_calls("VLA compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
+        notes.append(profile_calls(f"VLA compat ingest + sample({shape.transitions})",
+                                   lambda: sample_after_ingest(pair["compat"]), 1, 20))
+    pair.clear()
+    flag_noisy("SEED", metrics, notes)
+    notes.append("  compat/native is a speed-up (> 1: compat is faster); native sample includes store.clear(), "
+                 "as the RolloutBuffer's sample clears it")
+    notes.append(load_note(load_start))
+    return WorkloadResult("SEED", spec.short(), spec.describe(), ["compat", "native"], metrics, notes,
+                          time.perf_counter() - t0,
+                          labels={"compat": "arrowbuf.compat DataBuffer", "native": "arrowbuf writer"},
+                          ratio_columns=["compat/native"])
+
+
+register(Workload(
+    "SEED", "RLightning compat vs native: WBC 4096x24 ingest (async, auto-truncate), VLA 32x160 ingest + sample",
+    full=SeedSpec(wbc(4096, terminations=1 / 500), vla(32, 160)),
+    quick=SeedSpec(wbc(256, terminations=1 / 500), vla(8, 40)),
+    run=run_seed))
