@@ -257,8 +257,8 @@ class EpisodeLog:
     Args:
         directory: where the segments live (created if missing).
         segment_bytes: a segment this large is closed and a new one started.
-        sync: flush each append to disk before it returns (False only for tests
-            and benchmarks that measure without the disk).
+        sync: flush each append to disk (``fdatasync``) before it returns; False
+            leaves it to the OS: appends survive a dead process, not a node crash.
 
     Raises:
         FormatError: a damaged record or segment (never a torn last record).

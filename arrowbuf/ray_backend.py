@@ -45,7 +45,7 @@ from arrowbuf.table import EpisodeTable
 from arrowbuf._checks import check_episode_id as _check_episode_id
 from arrowbuf._checks import check_int as _check_int
 from arrowbuf._checks import check_workers as _check_workers
-from arrowbuf._checks import check_device, check_env_id, check_metadata, check_timeout, tensor_to_numpy
+from arrowbuf._checks import check_bool, check_device, check_env_id, check_metadata, check_timeout, tensor_to_numpy
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.store import ExperienceStore
@@ -90,6 +90,10 @@ class RayOptions:
         max_restarts: times Ray restarts a shard actor that died (-1: always); None
             is -1 for a durable store (it recovers its episodes) and 0 otherwise (a
             restarted shard would come back empty). Calls in flight are retried.
+        durable_sync: a durable shard flushes its log to disk (``fdatasync``) before it
+            answers a write; False leaves the flush to the OS: writes survive a dead
+            actor (the kernel holds them) but not a crash of the node, and cost no disk
+            wait (the log is disk-bound: ~70-150 MB/s on this machine).
     """
 
     num_cpus: float = 0.0
@@ -100,6 +104,7 @@ class RayOptions:
     write_batch_bytes: int = 4 << 20
     start_timeout: float = 120.0   # seconds for the shard actors to start (e.g. waiting for CPUs)
     max_restarts: int | None = None   # durable shards
+    durable_sync: bool = True         # durable shards
 
     def __post_init__(self) -> None:
         for name in ("num_cpus", "start_timeout"):
@@ -112,6 +117,7 @@ class RayOptions:
         _check_int("RayOptions.write_batch_bytes", self.write_batch_bytes, 0)
         if self.max_restarts is not None:   # durable shards
             _check_int("RayOptions.max_restarts", self.max_restarts, -1)
+        check_bool("RayOptions.durable_sync", self.durable_sync)   # durable shards
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
             raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")
 
@@ -121,7 +127,7 @@ class ShardServer:
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  schema_json: str | None, mode: str, load_from: str | None = None,
-                 track_reuse: bool = False, durable: str | None = None) -> None:
+                 track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True) -> None:
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
@@ -131,7 +137,7 @@ class ShardServer:
                                track_reuse=track_reuse, shard=shard, num_shards=num_shards)
 
         # durable shards: the last checkpoint of the durable directory and the log replayed
-        self.durable = DurableShard(durable, shard, num_shards) if durable is not None else None
+        self.durable = DurableShard(durable, shard, num_shards, durable_sync) if durable is not None else None
         self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         sampler = self.engine.sampler
         self._sampler_spec = type(sampler)(**sampler.config())   # unbound, for `attach`
@@ -550,7 +556,7 @@ class RayExperienceStore(ExperienceStore):
                 capacity, shard, self.num_shards, seeds[shard], copy.deepcopy(self.sampler),
                 schema.to_json() if schema is not None else None, self.mode,
                 load_from[shard] if load_from is not None else None, self.track_reuse,
-                str(self.durable / f"shard-{shard}") if self.durable else None))   # durable
+                str(self.durable / f"shard-{shard}") if self.durable else None, options.durable_sync))   # durable
         limit = None if math.isinf(options.start_timeout) else options.start_timeout
         try:
             nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)

@@ -336,3 +336,5 @@ def test_durable_arguments_are_checked_before_any_shard_starts():
         ab.ExperienceStore(100, durable=True)
     with pytest.raises(ValueError, match=r"RayOptions.max_restarts must be an int >= -1, got -2"):
         RayOptions(max_restarts=-2)
+    with pytest.raises(ValueError, match=r"RayOptions.durable_sync must be True or False, got 'no'"):
+        RayOptions(durable_sync="no")
