@@ -90,6 +90,22 @@ _SYSTEM = pa.schema([("episode_id", pa.int64()), ("env_id", pa.string()), ("meta
                      ("inserted_at", pa.int64()), ("has_final", pa.bool_()), ("num_steps", pa.int64())])
 
 
+def durable_directory(durable: Any, name: str) -> Path | None:
+    """Where a store's durable shards keep ``shard-<k>``: the directory ``durable``, or
+    ``~/.cache/arrowbuf/<name>`` for True; None for False (or None).
+
+    Raises:
+        ValueError: anything but a bool or a path.
+    """
+    if durable is False or durable is None:
+        return None
+    if durable is True:
+        return Path.home() / ".cache" / "arrowbuf" / name
+    if isinstance(durable, (str, os.PathLike)) and str(durable):
+        return Path(durable).expanduser()
+    raise ValueError(f"durable must be True, False or a directory path, got {durable!r}")
+
+
 def next_episode_id(engine: ShardEngine) -> int:
     """The id the engine's next stored episode gets."""
     if engine.shard is None:

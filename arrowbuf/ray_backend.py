@@ -46,7 +46,7 @@ from arrowbuf._checks import check_episode_id as _check_episode_id
 from arrowbuf._checks import check_int as _check_int
 from arrowbuf._checks import check_workers as _check_workers
 from arrowbuf._checks import check_bool, check_device, check_env_id, check_metadata, check_timeout, tensor_to_numpy
-from arrowbuf.durable import DurableShard
+from arrowbuf.durable import DurableShard, durable_directory
 from arrowbuf.engine import ShardEngine
 from arrowbuf.store import ExperienceStore
 from arrowbuf.tensors import Payload, make_tensordict
@@ -264,22 +264,6 @@ def _interleave(parts: list[dict], kept: np.ndarray, starts: np.ndarray, total: 
             else:
                 combined[key].index_copy_(0, dest_tensor, tensor)
     return combined
-
-
-def _durable_dir(durable: Any, name: str) -> Path | None:
-    """The parent directory of a durable store's shard logs: ``durable`` itself, or
-    ``~/.cache/arrowbuf/<name>`` for True; None for False.
-
-    Raises:
-        ValueError: anything but a bool or a path.
-    """
-    if durable is False or durable is None:
-        return None
-    if durable is True:
-        return Path.home() / ".cache" / "arrowbuf" / name
-    if isinstance(durable, (str, os.PathLike)) and str(durable):
-        return Path(durable).expanduser()
-    raise ValueError(f"durable must be True, False or a directory path, got {durable!r}")
 
 
 def _schema_mismatch(shard: int, have: Schema, got: Schema):
@@ -521,7 +505,7 @@ class RayExperienceStore(ExperienceStore):
         self.num_shards = num_shards
         self.name = name or f"store-{uuid.uuid4().hex[:8]}"
         self.ray_options = _shards.options if _shards is not None else (ray_options or RayOptions())
-        self.durable = _durable_dir(durable, self.name)   # durable shards: None, or their parent directory
+        self.durable = durable_directory(durable, self.name)   # durable shards: None, or their parent directory
         self._schema = schema
         self._schema_fixed = schema is not None   # given (or found by attach), not inferred from a write
         self._shards = _shards or self._start(schema, _load_from)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.durable import DurableShard, EpisodeLog, next_episode_id
+from arrowbuf.durable import DurableShard, EpisodeLog, durable_directory, next_episode_id
 from arrowbuf.engine import ShardEngine
 from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError
@@ -332,6 +332,8 @@ def test_durable_arguments_are_checked_before_any_shard_starts():
 
     with pytest.raises(ValueError, match=r"durable must be True, False or a directory path, got 5"):
         ab.ExperienceStore(100, backend="ray", durable=5)
+    assert durable_directory(True, "s") == Path.home() / ".cache" / "arrowbuf" / "s"
+    assert durable_directory("~/logs", "s") == Path.home() / "logs" and durable_directory(False, "s") is None
     with pytest.raises(ValueError, match=r"durable=True needs backend='ray'"):
         ab.ExperienceStore(100, durable=True)
     with pytest.raises(ValueError, match=r"RayOptions.max_restarts must be an int >= -1, got -2"):
