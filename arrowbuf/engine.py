@@ -220,7 +220,7 @@ class ShardEngine:
                                   "add episodes first")
 
     def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
-               timeout: float | None = None) -> TensorDict:
+               timeout: float | None = None, keys: Any = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
@@ -229,15 +229,18 @@ class ShardEngine:
             device: a checked torch.device or None.
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
+            keys: the fields to gather (see `check_keys`); None: all.
 
         Raises:
             EmptyStoreError: no transition stored.
             RateLimited: the limiter refuses the sample.
+            ValueError: ``keys`` names no field (nothing is drawn).
         """
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
+            keys = self._shard.gather.check_keys(keys)
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
-            batch = self._gather(selection, args, device, pin_memory)
+            batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
 
@@ -278,13 +281,23 @@ class ShardEngine:
         with self.lock:
             return self.table.live_range()
 
+    def check_keys(self, keys: Any) -> frozenset | None:
+        """``keys`` as `sample` and `gather` take them: see `arrowbuf.tensors.Gather.check_keys`.
+        Before the first write (no schema) there is nothing to check them against, nor to gather.
+
+        Raises:
+            ValueError: ``keys`` is not a list of keys, or names a key that is not gathered.
+        """
+        with self.lock:
+            return keys if self._shard is None else self._shard.gather.check_keys(keys)
+
     def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
         """Every live rank once, in batches (shuffled by the engine's generator, drawn now)."""
         with self.lock:
             ranks = np.arange(*self.table.live_range(), dtype=np.int64)
             return epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
 
-    def gather(self, ranks: np.ndarray, device: Any = None) -> TensorDict | None:
+    def gather(self, ranks: np.ndarray, device: Any = None, keys: Any = None) -> TensorDict | None:
         """The live ones of transition ``ranks`` (1-D), in that order; None before the first write.
 
         Reads by index, as `iter_batches` does: counted in the rows' reuse, not
@@ -295,7 +308,7 @@ class ShardEngine:
             if shard is None:
                 return None
             selection = select_ranks(shard.table, ranks[shard.table.is_live(ranks)])
-            batch = self._gather(selection, PLAIN, device, False)
+            batch = self._gather(selection, PLAIN, device, False, keys)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
             return batch
@@ -311,16 +324,18 @@ class ShardEngine:
             rows, extra, _, _ = self._lookups(select_ranks(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def iter_ranks(self, chunks: list[np.ndarray], device: Any) -> Iterator[TensorDict]:
+    def iter_ranks(self, chunks: list[np.ndarray], device: Any, keys: Any = None) -> Iterator[TensorDict]:
         """`gather` each chunk of ranks (an epoch), skipping those evicted meanwhile."""
         for ranks in chunks:
-            batch = self.gather(ranks, device)
+            batch = self.gather(ranks, device, keys)
             if batch is not None and batch.batch_size[0]:
                 yield batch
 
-    def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool) -> TensorDict:
+    def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
+                keys: Any = None) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._lookups(selection, args)
-        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows)
+        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
+                                  keys=keys)
 
     def _lookups(self, selection: Selection, args: tuple, index_base: int = 0
                  ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:

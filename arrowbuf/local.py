@@ -75,8 +75,9 @@ class LocalBackend:
         return EngineSink(self.engine, timeout)
 
     def sample(self, batch_size: int, args: tuple, device: Any, pin_memory: bool, timeout: float | None,
-               num_workers: int | None, worker_nodes: Sequence[str] | None) -> TensorDict | list[TensorDict]:
-        batch = self.engine.sample(batch_size, args, device, pin_memory, timeout)
+               num_workers: int | None, worker_nodes: Sequence[str] | None,
+               keys: Any = None) -> TensorDict | list[TensorDict]:
+        batch = self.engine.sample(batch_size, args, device, pin_memory, timeout, keys)
         if num_workers is None:
             return batch
         return list(batch.split(batch_size // num_workers, dim=0))
@@ -87,8 +88,10 @@ class LocalBackend:
         while True:
             yield self.engine.sample(batch_size, args, device)
 
-    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any) -> Iterator[TensorDict]:
-        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device)
+    def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
+                     keys: Any = None) -> Iterator[TensorDict]:
+        keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
+        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device, keys)
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The live transitions of ``index`` (ranks), in that order."""

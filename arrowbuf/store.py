@@ -261,7 +261,8 @@ class ExperienceStore:
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
-               worker_nodes: Sequence[str] | None = None) -> TensorDict | list[TensorDict]:
+               worker_nodes: Sequence[str] | None = None,
+               keys: list | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -281,13 +282,18 @@ class ExperienceStore:
                 (one per train worker) and return them as a list.
             worker_nodes: with ``num_workers`` on a Ray store, the node id of each
                 worker: each draws from the shards on its node.
+            keys: gather only these fields (names or key tuples; ``("next", k)``
+                only when named), plus ``"index"``, ``"episode_id"``, ``"step"``
+                and the sampler's extras; None gathers every field.
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
             and episode samplers): every field at t, ``("next", obs)`` for
             observation fields, ``"index"`` (transition indices, for
             `update_priorities`), ``"episode_id"`` and ``"step"``, plus the
-            sampler's ``"weight"`` or ``"mask"``.
+            sampler's ``"weight"`` or ``"mask"``. Its memory is reused by a later
+            sample once nothing refers to it (the batch, its tensors, or views,
+            slices or numpy arrays of them): what you keep is never overwritten.
 
         Raises:
             ValueError: a bad argument.
@@ -305,7 +311,7 @@ class ExperienceStore:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes)
+        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
 
     def _sample_args(self, n_step: Any, gamma: Any, frame_stack: Any) -> tuple:
         """(n_step, gamma, frame_stack), checked; gamma is 1.0 when unused."""
@@ -357,7 +363,8 @@ class ExperienceStore:
         return self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     epochs: int = 1, device: torch.device | str | None = None) -> Iterator[TensorDict]:
+                     epochs: int = 1, device: torch.device | str | None = None,
+                     keys: list | None = None) -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch gathers each transition once, in a fresh random order (from the
@@ -371,6 +378,7 @@ class ExperienceStore:
             drop_last: drop each epoch's last batch if it is short.
             epochs: passes over the store.
             device: where the tensors go.
+            keys: the fields to gather, as in `sample`.
 
         Raises:
             ValueError: a bad argument.
@@ -387,10 +395,10 @@ class ExperienceStore:
         drop_last = check_bool("drop_last", drop_last)
         epochs = check_int("epochs", epochs, 1)
         device = check_device(device)
-        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device)
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
         if epochs == 1:
             return first
-        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device)
+        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
         yield from first

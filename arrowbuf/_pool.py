@@ -1,0 +1,233 @@
+"""Reused gather outputs: pre-faulted buffers whose TensorDict of views is built once.
+
+A fresh multi-GB output per sample page-faults on every call (0.12-2 s per 5,120-row
+VLA batch on this machine, DESIGN.md section 5), and wrapping a small batch as a
+TensorDict costs about as much as gathering it. A `SlotPool` keeps, per batch
+layout, a few `Slot`\\ s: one buffer each, faulted in by its first gather, and the
+TensorDict of views of it handed out on every sample that reuses the slot.
+
+A slot is reused only when nothing outside it refers to its memory, so a batch
+the trainer kept is never overwritten. `Slot.claim` counts, against the counts
+taken when the slot was built:
+
+- references to the TensorDict, to its nested TensorDicts and to its tensors (a
+  kept batch, a kept ``batch["next"]`` or ``batch["obs"]``, a ``.numpy()`` of one);
+- users of each tensor's C++ object (autograd keeps inputs it saved for backward;
+  torch 2.13 then also adds a Python reference, which this does not rely on);
+- users of the buffer's one torch storage (any slice, view, ``detach()`` or
+  ``.numpy()`` of a slice made from the batch holds it).
+
+A TensorDict that came back changed (a key added, replaced or deleted, a new batch
+size) is rebuilt from the slot's tensors before reuse, so the next batch has the
+layout's keys only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+#: Slots kept per layout. A training loop holds one batch while drawing the next
+#: (two slots); prefetching queues and kept batches need a few more. Past this, a
+#: sample gathers into a fresh buffer that is not kept.
+MAX_SLOTS = 4
+#: Bytes the pool keeps in all: reaching it drops the least recently used layouts'
+#: slots (a slot still in use lives on with its batch); a slot that would not fit
+#: even alone is a fresh, unkept buffer.
+MAX_BYTES = 8 << 30
+#: Pooled buffers ask for transparent huge pages (madvise), fresh ones refuse them.
+#: Measured here (2 shared cores, THP "madvise", kernel 6.18; one np.take of 1,280
+#: rows x 75 KB = 96 MB from a 5,120-row arena, two interleaved runs): creating a
+#: slot (mapping + first gather, which faults it in) took 25-660 ms (medians 39 and
+#: 58) with huge pages and 86-405 ms (medians 149 and 209) without; gathering into
+#: the warm slot took the same either way (medians 19-21 ms, min 9-15 ms). So huge
+#: pages make the one-time faulting of a pooled slot ~3x cheaper, with rare
+#: compaction stalls that a kept slot pays once. A fresh buffer pays them on every
+#: sample (0.12-2 s per 770 MB batch, DESIGN.md section 5): 4 KB pages, stable.
+#: W1 slots (~48 KB) are below the 2 MB huge-page size: the advice cannot apply.
+HUGEPAGES = True
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """What a slot holds: one buffer, numpy views to gather into, tensors to hand out.
+
+    Attributes:
+        nbytes: size of the buffer (>= 1).
+        outs: (numpy dtype, shape, byte offset) of each numpy view written by a sample.
+        leaves: (key path, torch dtype, byte offset, byte size, shape) of each
+            tensor of the TensorDict, views of the same bytes as ``outs``.
+        batch_size: the TensorDict's batch size.
+    """
+
+    nbytes: int
+    outs: tuple[tuple[np.dtype, tuple[int, ...], int], ...]
+    leaves: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]
+    batch_size: torch.Size
+
+
+def leaf_views(flat: torch.Tensor, leaves: tuple) -> list[torch.Tensor]:
+    """Each leaf of a `SlotSpec` (or `Payload` spec) as a view of the byte tensor ``flat``."""
+    return [flat[offset:offset + size].view(dtype).view(shape) for _, dtype, offset, size, shape in leaves]
+
+
+def make_td(source: dict, batch_size: torch.Size, device: torch.device | None = None) -> TensorDict:
+    """A TensorDict of a nested dict of tensors already shaped for ``batch_size``."""
+    # TensorDict's per-key validation (~13 us a batch, as much as the whole gather)
+    # is skipped: the tensors were built with the right shapes.
+    new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if new_unsafe is not None:
+        return new_unsafe(source, batch_size=batch_size, device=device)
+    return TensorDict(source, batch_size=batch_size, device=device)
+
+
+def nest(flat: dict[tuple[str, ...], torch.Tensor]) -> dict:
+    """{("next", "obs"): t} -> {"next": {"obs": t}}."""
+    root: dict = {}
+    for key, value in flat.items():
+        node = root
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+    return root
+
+
+def allocate(nbytes: int, hugepages: bool) -> np.ndarray:
+    """``nbytes`` of page-aligned anonymous memory, with transparent huge pages
+    asked for or refused (not left to the system's default)."""
+    # Private: a shared anonymous mapping is shmem, which huge-page advice does not reach.
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if hugepages else "MADV_NOHUGEPAGE", None)
+    if advice is not None:   # Linux only
+        region.madvise(advice)
+    return np.frombuffer(region, np.uint8, count=nbytes)
+
+
+class Slot:
+    """One gather buffer, the numpy views a sample writes and the TensorDict it returns.
+
+    Args:
+        spec: the layout.
+        hugepages: ask for transparent huge pages for the buffer.
+    """
+
+    def __init__(self, spec: SlotSpec, hugepages: bool) -> None:
+        buffer = allocate(spec.nbytes, hugepages)
+        # The byte tensor all leaves view: kept so that the storage's use count
+        # taken below stays the count of an unused slot.
+        self._flat = torch.from_numpy(buffer)
+        self.nbytes = spec.nbytes
+        self.outs = [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs]
+        self._tensors = leaf_views(self._flat, spec.leaves)
+        self._paths = [path for path, *_ in spec.leaves]
+        self._batch_size = spec.batch_size
+        self._build()
+        # Counts of an unused slot, taken once: a TensorDict rebuilt later has the
+        # same structure, hence the same counts when nobody else holds it.
+        self._storage = self._flat.untyped_storage()
+        self._storage_uses = torch._C._storage_Use_Count(self._storage._cdata)
+        self._root_refs = sys.getrefcount(self.td)
+        self._counts = self._refcounts()
+
+    def _build(self) -> None:
+        """(Re)build the TensorDict of the slot's tensors and the lists that check it."""
+        self.td = make_td(nest(dict(zip(self._paths, self._tensors))), self._batch_size)
+        # Per TensorDict: (it, its attributes, its entries dict, their keys then the
+        # ids of their values), what `_intact` compares; ids are unambiguous as the
+        # slot keeps every value alive.
+        self._containers = []
+        self._objects = []   # every value of every TensorDict: nested TensorDicts and tensors
+        pending = [self.td]
+        while pending:
+            container = pending.pop()
+            # tensordict keeps a TensorDict's entries in the plain dict `_tensordict`:
+            # the only O(1) way to see that a returned batch had an entry replaced.
+            children = container._tensordict
+            values = list(children.values())
+            self._containers.append((container, dict(vars(container)), children, [*children, *map(id, values)]))
+            self._objects += values
+            pending += [value for value in values if isinstance(value, TensorDict)]
+
+    def _refcounts(self) -> list[int]:
+        """Python references to each value, then C++ users of each tensor."""
+        return [*map(sys.getrefcount, self._objects), *map(torch.Tensor._use_count, self._tensors)]
+
+    def _intact(self) -> bool:
+        """Whether the TensorDict still has the layout's entries and attributes."""
+        for container, attributes, children, keys_and_ids in self._containers:
+            if [*children, *map(id, children.values())] != keys_and_ids or vars(container) != attributes:
+                return False
+        return True
+
+    def claim(self) -> TensorDict | None:
+        """The slot's TensorDict, to refill, or None while anything else refers to its memory."""
+        if sys.getrefcount(self.td) != self._root_refs:
+            return None
+        if not self._intact():
+            self._build()
+        if torch._C._storage_Use_Count(self._storage._cdata) != self._storage_uses:
+            return None
+        return self.td if self._refcounts() == self._counts else None
+
+
+class SlotPool:
+    """Slots per layout key, reused once their batches are gone.
+
+    ``claim`` is safe across threads: a slot is handed to one caller at a time,
+    since the caller's reference to its TensorDict marks it in use.
+
+    Example:
+        >>> pool = SlotPool()
+        >>> spec = SlotSpec(4, ((np.dtype("float32"), (1,), 0),), ((("x",), torch.float32, 0, 4, (1,)),),
+        ...                 torch.Size([1]))
+        >>> outs, td = pool.claim("k", spec)
+        >>> outs[0][:] = 1.5
+        >>> td["x"].tolist()
+        [1.5]
+        >>> del td
+        >>> pool.claim("k", spec)[1]["x"].data_ptr() == outs[0].ctypes.data   # the same slot again
+        True
+    """
+
+    def __init__(self, max_slots: int = MAX_SLOTS, max_bytes: int = MAX_BYTES) -> None:
+        self.max_slots = max_slots
+        self.max_bytes = max_bytes
+        self._slots: OrderedDict[Hashable, list[Slot]] = OrderedDict()   # least recently used first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def claim(self, key: Hashable, spec: SlotSpec) -> tuple[list[np.ndarray], TensorDict]:
+        """(numpy views to fill, the TensorDict of them) of a free slot of ``key``'s layout;
+        a new slot when none is free (kept while the bounds allow)."""
+        with self._lock:
+            slots = self._slots.get(key)
+            if slots is None:
+                slots = self._slots[key] = []
+            self._slots.move_to_end(key)
+            for slot in slots:
+                td = slot.claim()
+                if td is not None:
+                    return slot.outs, td
+            keep = len(slots) < self.max_slots and self._make_room(spec.nbytes, key)
+            slot = Slot(spec, hugepages=HUGEPAGES and keep)
+            if keep:
+                slots.append(slot)
+                self._bytes += slot.nbytes
+            return slot.outs, slot.td
+
+    def _make_room(self, nbytes: int, key: Hashable) -> bool:
+        """Drop least recently used layouts (other than ``key``) until ``nbytes`` more fit."""
+        for other in list(self._slots):
+            if self._bytes + nbytes <= self.max_bytes:
+                break
+            if other != key:
+                self._bytes -= sum(slot.nbytes for slot in self._slots.pop(other))
+        return self._bytes + nbytes <= self.max_bytes
