@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +280,25 @@ def durable_runner():
     return Gate, run
 
 
+def pid_of(ray, handle) -> int:
+    return ray.get(handle.__ray_call__.remote(lambda server: os.getpid()))
+
+
+def kill_and_await_restart(ray, handle) -> None:
+    """Kill a shard actor (Ray restarts it) and wait until calls reach the new process.
+
+    ``ray.kill`` returns before the process is gone: a call made at once may still
+    be answered by the old one.
+    """
+    old = pid_of(ray, handle)
+    ray.kill(handle, no_restart=False)
+    for _ in range(600):
+        if pid_of(ray, handle) != old:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"shard actor process {old} still answers after ray.kill")
+
+
 def rows_ids(rows) -> list[int]:
     """The episode ids of a store's rows, shard by shard (the order of `episodes`)."""
     ids = rows.column("episode_id").to_numpy()
@@ -297,13 +317,11 @@ def test_a_killed_durable_shard_restarts_with_every_acknowledged_episode_once_wh
         while ray.get(gate.least_rounds.remote(2)) < 2:
             ray.wait(runs, timeout=0.2)
         victim = store._shards.handles[0]   # noqa: SLF001 - the test kills one shard actor
-        pid = ray.get(victim.__ray_call__.remote(lambda server: os.getpid()))
         episodes_before = ray.get(victim.size.remote())[2]
-        ray.kill(victim, no_restart=False)
+        kill_and_await_restart(ray, victim)
         gate.kill_done.remote()
         written = [e for episodes in ray.get(runs) for e in episodes]
 
-        assert ray.get(victim.__ray_call__.remote(lambda server: os.getpid())) != pid   # a new process
         assert episodes_before > 0
         rows = store.to_arrow()
         obs = np.stack(rows.column("obs").to_numpy(zero_copy_only=False))
@@ -318,10 +336,7 @@ def test_a_killed_durable_shard_restarts_with_every_acknowledged_episode_once_wh
         for shard in ("shard-0", "shard-1"):
             assert (tmp_path / shard / "checkpoint" / "manifest.json").exists()
             assert len(list((tmp_path / shard).glob("log-*.arrowlog"))) == 1
-        other = store._shards.handles[1]   # noqa: SLF001
-        pid = ray.get(other.__ray_call__.remote(lambda server: os.getpid()))
-        ray.kill(other, no_restart=False)
-        assert ray.get(other.__ray_call__.remote(lambda server: os.getpid())) != pid
+        kill_and_await_restart(ray, store._shards.handles[1])   # noqa: SLF001
         assert store.episodes().column("episode_id").to_pylist() == rows_ids(rows)
     finally:
         store.close()
