@@ -5,8 +5,8 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, SchemaError,
-                             ShardError)
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
+                             SchemaError, ShardError)
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
@@ -28,6 +28,7 @@ __all__ = [
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
+    "ResourceError",
     "SampleToInsertRatio",
     "Sampler",
     "SequenceSampler",

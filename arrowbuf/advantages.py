@@ -1,10 +1,13 @@
-"""Generalized advantage estimation over ragged episodes, without a per-step Python loop.
+"""Generalized advantage estimation over ragged segments, without a per-step Python loop.
 
-Episodes are laid end to end in flat per-step arrays. The backward recursion
+One implementation for the store (`ExperienceStore.compute_gae`, through `gae`)
+and for trainers and the RLightning layer (`gae_steps`, per-step arrays as the
+seed passes them). Segments (episodes, or the collected part of one) are laid
+end to end in flat per-step arrays. The backward recursion
 ``A_t = delta_t + gamma * lam * A_{t+1}`` runs once per step index, over every
-episode that has that step at once: the Python loop has as many iterations as
-the longest episode, not as there are steps (4,096 episodes of 24 steps: 24
-iterations of vector work).
+segment that has that step at once (`discounted_segments`): the Python loop has
+as many iterations as the longest segment, not as there are steps (4,096
+episodes of 24 steps: 24 iterations of vector work), and nothing is padded.
 
 Example:
     >>> import numpy as np
@@ -15,7 +18,33 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
+
+
+def discounted_segments(delta: np.ndarray, lengths: np.ndarray, decay: float) -> np.ndarray:
+    """``A_t = delta_t + decay * A_{t+1}`` within each segment (0 past its last step).
+
+    Args:
+        delta: [N] per-step terms, segment after segment.
+        lengths: [S] steps of each segment (>= 0), summing to N.
+        decay: the factor (gamma * lambda for GAE).
+    """
+    lengths = np.asarray(lengths, np.int64)
+    starts = np.cumsum(lengths) - lengths
+    result = np.empty(len(delta), np.float64)
+    # Longest segments first: at step index s, the segments that have it are a prefix.
+    order = np.argsort(-lengths, kind="stable")
+    sorted_starts, sorted_lengths = starts[order], lengths[order]
+    carry = np.zeros(len(lengths))
+    for s in range(int(sorted_lengths[0]) - 1 if len(lengths) else -1, -1, -1):
+        k = int(np.searchsorted(-sorted_lengths, -s, side="left"))   # segments longer than s
+        rows = sorted_starts[:k] + s
+        carry[:k] = delta[rows] + decay * carry[:k]
+        result[rows] = carry[:k]
+    return result
 
 
 def gae(reward: np.ndarray, value: np.ndarray, last_value: np.ndarray, lengths: np.ndarray,
@@ -38,22 +67,73 @@ def gae(reward: np.ndarray, value: np.ndarray, last_value: np.ndarray, lengths: 
     lengths = np.asarray(lengths, np.int64)
     reward = np.asarray(reward, np.float64)
     value = np.asarray(value, np.float64)
-    starts = np.cumsum(lengths) - lengths
     next_value = np.empty_like(value)
     next_value[:-1] = value[1:]
-    ends = starts + lengths - 1
+    ends = np.cumsum(lengths) - 1
     has_steps = lengths > 0
     next_value[ends[has_steps]] = np.asarray(last_value, np.float64)[has_steps]
-    delta = reward + gamma * next_value - value
-    advantage = np.empty_like(delta)
-    # Longest episodes first: at step index s, the episodes that have it are a prefix.
-    order = np.argsort(-lengths, kind="stable")
-    sorted_starts, sorted_lengths = starts[order], lengths[order]
-    carry = np.zeros(len(lengths))
-    decay = gamma * lam
-    for s in range(int(sorted_lengths[0]) - 1 if len(lengths) else -1, -1, -1):
-        k = int(np.searchsorted(-sorted_lengths, -s, side="left"))   # episodes longer than s
-        rows = sorted_starts[:k] + s
-        carry[:k] = delta[rows] + decay * carry[:k]
-        advantage[rows] = carry[:k]
+    advantage = discounted_segments(reward + gamma * next_value - value, lengths, gamma * lam)
     return advantage, advantage + value
+
+
+def gae_steps(rewards: Any, values: Any, next_values: Any, terminated: Any, ends: Any, gamma: float = 0.99,
+              lam: float = 0.95) -> tuple[Any, Any]:
+    """Advantages and value targets of flat per-step arrays (the form trainers hold).
+
+    For step t with ``terminated`` d_t and next value v'_t (the value of the next
+    observation; for a truncated episode's last step, the value of its final
+    observation, so truncations bootstrap)::
+
+        delta_t  = r_t + gamma * v'_t * (1 - d_t) - v_t
+        A_t      = delta_t + gamma * lam * (1 - d_t) * (1 - end_t) * A_{t+1}
+        target_t = A_t + v_t
+
+    Args:
+        rewards, values, next_values: float arrays (numpy or torch) of N steps.
+        terminated: bools: the episode ended in a terminal state (no bootstrap).
+        ends: bools: the last step of each segment (terminated, truncated, or the
+            end of the collected steps); ``ends[-1]`` must be True.
+        gamma, lam: discount and GAE lambda, in [0, 1].
+
+    Returns:
+        ``(advantages, value_targets)``: torch tensors of ``rewards``' dtype and
+        device if ``rewards`` is a tensor, else float64 numpy arrays.
+
+    Raises:
+        ValueError: arrays of other shapes or lengths, ``ends[-1]`` False, or
+            gamma / lam outside [0, 1].
+
+    Example:
+        >>> adv, target = gae_steps(np.ones(3), np.zeros(3), np.zeros(3), np.array([False, False, True]),
+        ...                         np.array([False, False, True]), gamma=1.0, lam=1.0)
+        >>> adv.tolist()
+        [3.0, 2.0, 1.0]
+    """
+    for name, number in (("gamma", gamma), ("lam", lam)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number <= 1:
+            raise ValueError(f"{name} must be a number in [0, 1], got {number!r}")
+    r = _steps(rewards, "rewards", None)
+    n = len(r)
+    v = _steps(values, "values", n)
+    nv = _steps(next_values, "next_values", n)
+    done = _steps(terminated, "terminated", n).astype(bool)
+    end = _steps(ends, "ends", n).astype(bool)
+    if n and not end[-1]:
+        raise ValueError("ends: the last step must end a segment (ends[-1] is False)")
+    # A terminal step stops the recursion as the end of a segment does.
+    bounds = np.flatnonzero(end | done) + 1
+    lengths = np.diff(bounds, prepend=0)
+    advantage = discounted_segments(r + gamma * nv * ~done - v, lengths, gamma * lam)
+    target = advantage + v
+    if isinstance(rewards, torch.Tensor):
+        return (torch.from_numpy(advantage).to(rewards.device, rewards.dtype),
+                torch.from_numpy(target).to(rewards.device, rewards.dtype))
+    return advantage, target
+
+
+def _steps(array: Any, name: str, n: int | None) -> np.ndarray:
+    """A 1-D float64 (or bool) numpy copy of per-step values, checked against ``n`` steps."""
+    array = array.detach().cpu().double().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+    if array.ndim != 1 or (n is not None and len(array) != n):
+        raise ValueError(f"{name} must be a 1-D array of {n if n is not None else 'N'} steps, got shape {array.shape}")
+    return array if array.dtype == bool else array.astype(np.float64)

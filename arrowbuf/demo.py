@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from arrowbuf._checks import check_int
 from arrowbuf.store import ExperienceStore
 
 logger = logging.getLogger(__name__)
@@ -70,12 +71,6 @@ class DemoResult:
 def _q_network(obs_dim: int, num_actions: int) -> nn.Module:
     return nn.Sequential(nn.Linear(obs_dim, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                          nn.Linear(HIDDEN, num_actions))
-
-
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 class _DQN:
@@ -133,8 +128,8 @@ def run_demo(total_steps: int | None = TOTAL_STEPS, seed: int = 0, num_envs: int
     Raises:
         ValueError: ``total_steps`` or ``num_envs`` is not an int >= 1.
     """
-    total_steps = _check_positive("total_steps", TOTAL_STEPS if total_steps is None else total_steps)
-    num_envs = _check_positive("num_envs", NUM_ENVS if num_envs is None else num_envs)
+    total_steps = check_int("total_steps", TOTAL_STEPS if total_steps is None else total_steps, 1)
+    num_envs = check_int("num_envs", NUM_ENVS if num_envs is None else num_envs, 1)
     store = ExperienceStore(**{"capacity": CAPACITY, "seed": seed, **(store_kwargs or {})})
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)

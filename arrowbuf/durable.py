@@ -44,7 +44,8 @@ Example:
     >>> make = lambda: ShardEngine(100, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0)
     >>> durable = DurableShard(tempfile.mkdtemp())
     >>> engine = durable.recover(make)
-    >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)}, None)
+    >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3),
+    ...                                 "terminated": np.arange(3) == 2}, None)
     >>> durable.commit(engine, [(engine.add(episode, schema), episode)])
     >>> durable.close()
     >>> DurableShard(durable.directory).recover(make).num_episodes   # after a crash, from the log

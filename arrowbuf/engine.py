@@ -29,6 +29,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import gae
@@ -139,6 +140,7 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def _make_shard(self, schema: Schema) -> Shard:
+        check_arena(schema, self.capacity)
         return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards)
 
     def _bind(self, shard: Shard) -> None:
@@ -209,7 +211,7 @@ class ShardEngine:
         if allowed():
             return
         if timeout is None or not self._changed.wait_for(allowed, None if math.isinf(timeout) else timeout):
-            raise RateLimited(why() + (f" (waited {timeout} s)" if timeout else ""))
+            raise RateLimited(why() + (f" Waited {timeout} s." if timeout else ""))
 
     # -- sampling -------------------------------------------------------------------
 
@@ -239,6 +241,7 @@ class ShardEngine:
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
             keys = self._shard.gather.check_keys(keys)
+            check_batch(self._shard.schema, self.sampler, self._shard.table, batch_size, args[2])
             selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
@@ -250,6 +253,7 @@ class ShardEngine:
         the ranks, ``population`` = (transitions, mass) of every shard for global PER weights."""
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
+            check_batch(self._shard.schema, self.sampler, self._shard.table, batch_size, args[2])
             sampler, table = self.sampler, self._shard.table
             if population is not None and isinstance(sampler, PrioritizedSampler):
                 selection = sampler.sample(self._rng, batch_size, table, population)
@@ -353,7 +357,9 @@ class ShardEngine:
         obs_rows = next_rows = None
         if n > 1:
             last = first + table.col("length").take(pos) - 1   # the episode's last transition row
-            ahead = n_step(rows, last, shard.arena["reward"], n, gamma)
+            # Windows stop at their episode's end: past the longest live episode, a
+            # longer n changes nothing but the cost.
+            ahead = n_step(rows, last, shard.arena["reward"], min(n, table.longest), gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):

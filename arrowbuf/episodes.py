@@ -86,6 +86,10 @@ class EpisodeSink(Protocol):
     @property
     def schema(self) -> Schema | None: ...
 
+    @property
+    def capacity(self) -> int | None:
+        """Rows one episode may take at most (a shard's capacity); None when unknown."""
+
     def set_schema(self, schema: Schema) -> None:
         """Adopt ``schema`` if none is set yet."""
 
@@ -122,6 +126,7 @@ class StepWriter:
         >>> obs = np.zeros((2, 3), np.float32)
         >>> w.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2),
         ...       terminated=np.array([True, False]), truncated=np.zeros(2, bool), next_obs=obs + 1)
+        1
         >>> store.num_episodes, len(store)
         (1, 1)
     """
@@ -143,6 +148,9 @@ class StepWriter:
         self._last_next: dict[str, np.ndarray] = {}
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
         self._skip = np.zeros(num_envs, bool)         # next_step mode: the coming step is a reset
+        # An episode that outgrew the capacity was refused: the rest of it is skipped,
+        # so that its tail is not stored as an episode of its own.
+        self._refused = np.zeros(num_envs, bool)
         # Sealed episodes the store refused (rate limiter, full fixed store): kept,
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
@@ -151,7 +159,7 @@ class StepWriter:
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
-        self._pos, self._skip = self._pos.copy(), self._skip.copy()
+        self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
         self._last_next = {n: a.copy() for n, a in self._last_next.items()}
 
@@ -187,8 +195,12 @@ class StepWriter:
             RateLimited, CapacityError: the store still refuses episodes sealed
                 earlier; nothing is recorded, retry the step later. (Episodes this
                 step seals that the store refuses are kept and pushed first next time.)
-            CapacityError: an episode this step ended is longer than the capacity;
-                it is dropped, the step itself is recorded.
+            CapacityError: an env's open episode outgrew the store's capacity at
+                this step (its steps and final observation need more rows than a
+                shard holds), or an episode this step ended is longer than the
+                capacity. That env's episode is dropped and its remaining steps are
+                skipped until it ends (or `flush` cuts it); the other envs' steps
+                are recorded.
         """
         self._push_pending()
         obs_cols = self._columns({"obs": obs}, "obs")
@@ -216,13 +228,16 @@ class StepWriter:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
 
         active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
-        envs = np.flatnonzero(active)
+        outgrown = self._outgrown(active)
+        refused = self._refuse(outgrown) if len(outgrown) else None
+        recorded = active & ~self._refused
+        envs = np.flatnonzero(recorded)
         self._ensure_stage(schema, int(self._pos.max(initial=0)) + 2)
         pos = self._pos[envs]
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
                 self._stage[name][envs, pos] = array[envs]
-        ended = np.flatnonzero(done & active)
+        ended = np.flatnonzero(done & recorded)
         for name, array in final.items():
             self._stage[name][ended, self._pos[ended] + 1] = array[ended]
         for name, (array, _) in next_cols.items():
@@ -231,7 +246,10 @@ class StepWriter:
         too_long = self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
+        self._refused &= ~(done & active)   # a refused episode's end: the env's next one is recorded
         self._sink.commit()
+        if refused is not None:
+            raise refused
         if too_long is not None:
             raise too_long
         return len(ended)
@@ -251,6 +269,7 @@ class StepWriter:
         for name, last in self._last_next.items():
             self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
         too_long = self._seal(open_envs, has_final=True)
+        self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
         self._push_pending()
         self._sink.flush()
         if too_long is not None:
@@ -269,6 +288,7 @@ class StepWriter:
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
+            "refused": self._refused.copy(),
             "stage": {name: stage[:, :steps].copy() for name, stage in self._stage.items()},
             "last_next": {name: last.copy() for name, last in self._last_next.items()},
             "pending": [{"columns": {n: a.copy() for n, a in e.columns.items()}, "num_steps": e.num_steps,
@@ -291,6 +311,7 @@ class StepWriter:
         self.episodes_written = int(state["episodes_written"])
         self._pos = np.array(state["pos"], np.int64)
         self._skip = np.array(state["skip"], bool)
+        self._refused = np.array(state.get("refused", np.zeros(self.num_envs, bool)), bool)   # older states lack it
         self._stage, self._last_next = {}, {}
         if state["stage"]:
             schema = self._sink.schema
@@ -359,6 +380,27 @@ class StepWriter:
                 raise SchemaError(f"{what}: {err}") from None
             if leading and array.shape[0] != self.num_envs:
                 raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
+
+    def _outgrown(self, active: np.ndarray) -> np.ndarray:
+        """Envs whose open episode this step would make too long for the store: its
+        steps plus the final observation would need more rows than a shard holds."""
+        capacity = self._sink.capacity
+        if capacity is None:
+            return np.zeros(0, np.int64)
+        return np.flatnonzero(active & ~self._refused & (self._pos + 2 > capacity))
+
+    def _refuse(self, envs: np.ndarray) -> CapacityError:
+        """Drop the open episodes of ``envs`` and skip the rest of them; the error that names them."""
+        capacity = self._sink.capacity
+        named = ", ".join(f"{self.env_ids[i]!r} (env {i}) at step {n + 1}"
+                          for i, n in zip(envs.tolist(), self._pos[envs].tolist()))
+        self._pos[envs] = 0
+        self._refused[envs] = True
+        return CapacityError(
+            f"writer refused the open episode of {named}: with its final observation it needs more than the "
+            f"store's capacity of {capacity:,} rows, so it can never be stored. Its staged steps are dropped and "
+            "its remaining steps are skipped until it ends; the other envs' steps are recorded. Raise the "
+            "capacity, or cut long episodes with flush()")
 
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:

@@ -25,6 +25,15 @@ class CapacityError(ArrowbufError):
         self.retryable = retryable
 
 
+class ResourceError(CapacityError):
+    """A request the store or the machine cannot serve, refused before any work is done.
+
+    An arena that does not fit in the memory available, or a batch too large to
+    gather (`arrowbuf._bounds`). The message names the request, the bytes it needs,
+    the bytes available and the largest request that fits.
+    """
+
+
 class EmptyStoreError(ArrowbufError):
     """Sampling from a store that holds no transitions."""
 

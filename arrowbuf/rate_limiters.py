@@ -32,9 +32,11 @@ class RateLimiter:
         return True
 
     def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
+        """Why a sample of ``n`` from a store of ``size`` transitions waits: a sentence."""
         return ""
 
     def why_not_insert(self, n: int, counts: Counts) -> str:
+        """Why an insert of ``n`` transitions waits: a sentence."""
         return ""
 
     def state(self, counts: Counts) -> dict:
@@ -88,7 +90,8 @@ class MinSize(RateLimiter):
         return size >= self.min_size
 
     def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
-        return f"the store holds {size} transitions, MinSize needs {self.min_size}"
+        return (f"Cannot sample {n} transitions yet: the store holds {size} transitions, MinSize needs "
+                f"{self.min_size} before the first sample. Add episodes first, or pass timeout= to wait for writers.")
 
     def state(self, counts: Counts) -> dict:
         return {**super().state(counts), "min_size": self.min_size}
@@ -147,15 +150,19 @@ class SampleToInsertRatio(RateLimiter):
 
     def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
         if counts.inserts < self.min_size:
-            return f"{counts.inserts} transitions inserted, SampleToInsertRatio needs min_size={self.min_size}"
-        return (f"samples ({counts.samples}) are too far ahead of inserts "
+            return (f"Cannot sample {n} transitions yet: {counts.inserts} transitions inserted, SampleToInsertRatio "
+                    f"needs min_size={self.min_size} before the first sample. Insert more, or pass timeout= to wait "
+                    "for writers.")
+        return (f"Cannot sample {n} transitions: samples ({counts.samples}) are too far ahead of inserts "
                 f"({counts.inserts}) for samples_per_insert={self.samples_per_insert}, "
-                f"error_buffer={self.error_buffer}")
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff(counts):g} "
+                f"must stay >= {self.min_diff:g}). Insert more, or pass timeout= to wait for writers.")
 
     def why_not_insert(self, n: int, counts: Counts) -> str:
-        return (f"inserting {n} transitions would put inserts ({counts.inserts}) too far ahead of samples "
+        return (f"Cannot insert {n} transitions: inserts ({counts.inserts}) are too far ahead of samples "
                 f"({counts.samples}) for samples_per_insert={self.samples_per_insert}, "
-                f"error_buffer={self.error_buffer}: sample more first")
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff(counts):g} "
+                f"must stay <= {self.max_diff:g}). Sample more, or pass timeout= to wait for trainers.")
 
     def state(self, counts: Counts) -> dict:
         return {**super().state(counts), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,

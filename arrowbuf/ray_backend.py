@@ -34,6 +34,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_batch
 from arrowbuf.episodes import StepWriter, _copied, read_episode
 from arrowbuf.errors import ArrowbufError, EmptyStoreError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
@@ -333,7 +334,9 @@ class _RaySink:
     writer's process at its next call (and at `flush`).
     """
 
-    def __init__(self, shards: _Shards, loads: Sequence[float], schema: Schema | None) -> None:
+    def __init__(self, shards: _Shards, loads: Sequence[float], schema: Schema | None,
+                 capacity: int | None = None) -> None:
+        self.capacity = capacity   # rows of the smallest shard: the longest episode any shard takes
         self._shards = shards
         self._loads = np.asarray(loads, np.float64)
         self._schema = schema
@@ -682,8 +685,8 @@ class RayExperienceStore(ExperienceStore):
             prefix = uuid.uuid4().hex[:6]
             env_ids = [f"{prefix}-{i}" for i in range(_check_int("num_envs", num_envs, 1))]
         self._refresh_sizes()
-        return StepWriter(_RaySink(self._shards, self._sizes.astype(np.float64), self.schema),
-                          num_envs, autoreset_mode, env_ids)
+        return StepWriter(_RaySink(self._shards, self._sizes.astype(np.float64), self.schema,
+                                   self.capacity // self.num_shards), num_envs, autoreset_mode, env_ids)
 
     def clear(self) -> None:
         self.flush()
@@ -795,6 +798,8 @@ class RayExperienceStore(ExperienceStore):
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         n_step, gamma, frame_stack = self._sample_args(n_step, gamma, frame_stack)
+        if self.schema is not None:   # the driver assembles the whole batch: it must fit here
+            check_batch(self.schema, self.sampler, None, batch_size, frame_stack)
         _check_workers(batch_size, num_workers)
         device = check_device(device)
         check_timeout(timeout)

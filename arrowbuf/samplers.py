@@ -133,7 +133,7 @@ class UniformSampler(Sampler):
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, sampler=ab.UniformSampler(), seed=0)
-        >>> _ = store.add_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)})
+        >>> _ = store.add_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3), "terminated": np.zeros(3, bool)})
         >>> store.sample(5)["index"].shape
         torch.Size([5])
     """
@@ -156,7 +156,7 @@ class WithoutReplacementSampler(Sampler):
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, sampler=ab.WithoutReplacementSampler(), seed=0)
-        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4)})
+        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4), "terminated": np.zeros(4, bool)})
         >>> sorted(store.sample(4)["index"].tolist())
         [0, 1, 2, 3]
     """
@@ -198,6 +198,10 @@ class WithoutReplacementSampler(Sampler):
         return f"WithoutReplacementSampler(drop_last={self.drop_last})"
 
 
+#: The smallest sum-tree leaf of a live transition: the smallest normal float64.
+MIN_LEAF = float(np.finfo(np.float64).tiny)
+
+
 class PrioritizedSampler(Sampler):
     """Proportional prioritized replay (Schaul et al., 2016) over a sum tree.
 
@@ -206,6 +210,16 @@ class PrioritizedSampler(Sampler):
     (N * P(i))^-beta, divided by the largest weight in the batch. Priorities are
     set with `ExperienceStore.update_priorities` from a batch's ``"index"``;
     indices of transitions evicted since are ignored.
+
+    Priority underflow: with a large ``alpha``, ``(p + eps) ** alpha`` rounds to 0
+    (``1e-6 ** 60``); a tree of such leaves has no mass to draw from. Every live
+    leaf is therefore at least `MIN_LEAF` (2.2e-308), the smallest normal float64.
+    That keeps eps's promise (no live transition is undrawable), keeps the total
+    positive and exact, and changes P(i) only among leaves below 2.2e-308, which
+    are drawn alike (uniformly, when all are that small). Bounding ``alpha``
+    would refuse settings that are fine for the priorities a run actually has,
+    and a uniform fallback when the total is 0 would still let subnormal totals
+    lose the proportions; clamping at the leaf is the one place that covers both.
 
     Args:
         alpha: how much priorities count (0 = uniform).
@@ -218,9 +232,10 @@ class PrioritizedSampler(Sampler):
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.PrioritizedSampler(alpha=0.6, beta=0.4))
-        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4)})
+        >>> _ = store.add_episode({"obs": np.zeros((5, 2)), "action": np.zeros(4), "terminated": np.zeros(4, bool)})
         >>> batch = store.sample(8)
         >>> store.update_priorities(batch["index"], np.ones(8))
+        8
     """
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6) -> None:
@@ -244,7 +259,7 @@ class PrioritizedSampler(Sampler):
             self.tree = SumTree(shard.capacity)
 
     def on_add(self, first_row: int, length: int) -> None:
-        self.tree.fill(first_row, first_row + length, self.max_priority ** self.alpha)
+        self.tree.fill(first_row, first_row + length, float(self._leaves(np.float64(self.max_priority))))
 
     def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
         for first, rows in zip(first_rows.tolist(), num_rows.tolist()):
@@ -278,9 +293,14 @@ class PrioritizedSampler(Sampler):
         ranks, priorities = ranks[live], priorities[live]
         if len(ranks):
             priorities = priorities + self.eps
-            self.tree.update(table.rows_of(ranks), priorities ** self.alpha)
+            self.tree.update(table.rows_of(ranks), self._leaves(priorities))
             self.max_priority = max(self.max_priority, float(priorities.max()))
         return int(live.sum())
+
+    def _leaves(self, priorities: np.ndarray) -> np.ndarray:
+        """Sum-tree leaves of priorities (eps added): p ** alpha, at least `MIN_LEAF`."""
+        with np.errstate(under="ignore"):
+            return np.maximum(priorities ** self.alpha, MIN_LEAF)
 
     def config(self) -> dict:
         return {"alpha": self.alpha, "beta": self.beta, "eps": self.eps}
@@ -318,7 +338,7 @@ class SequenceSampler(Sampler):
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(length=3))
-        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5)})
+        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5), "terminated": np.zeros(5, bool)})
         >>> store.sample(2)["obs"].shape
         torch.Size([2, 3])
     """
@@ -375,8 +395,8 @@ class EpisodeSampler(Sampler):
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.EpisodeSampler())
-        >>> _ = store.add_episode({"obs": np.arange(4.0), "action": np.zeros(3)})
-        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5)})
+        >>> _ = store.add_episode({"obs": np.arange(4.0), "action": np.zeros(3), "terminated": np.zeros(3, bool)})
+        >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5), "terminated": np.zeros(5, bool)})
         >>> batch = store.sample(2)
         >>> batch["mask"].sum(1).tolist() in ([3, 5], [5, 3], [3, 3], [5, 5])
         True

@@ -3,9 +3,12 @@
 A store's schema is a flat, ordered map of field name -> `Field`. Nested input
 (``{"obs": {"pixels": ..., "state": ...}}``) flattens to dotted names
 (``"obs.pixels"``) and comes back nested in TensorDicts. Fields that hold
-observations (given with T+1 rows, or passed as ``next_obs`` to a writer) are
-marked ``observation=True``: the store keeps them once and reads ``next`` from the
-following row.
+observations (declared, given with T+1 rows under an observation-like name, or
+passed as ``next_obs`` to a writer) are marked ``observation=True``: the store
+keeps them once and reads ``next`` from the following row. Inference refuses what
+it would have to guess (a T+1 field named like a step field, an episode without
+``terminated``, a legacy ``done``) with the explicit schema to pass instead.
+Integer values are stored in float fields only when exact.
 
 Arrow mapping: scalars are plain primitives, fixed shapes use the
 ``fixed_shape_tensor`` extension type, bfloat16 is stored as uint16 bits with the
@@ -61,6 +64,18 @@ SYSTEM_FIELDS: dict[str, str] = {
 RESERVED_NAMES = frozenset(SYSTEM_FIELDS) | {"index", "next", "weight", "mask"}
 # Episode-end flags: one per step, as gymnasium's () or TorchRL's (1,).
 FLAG_NAMES = ("terminated", "truncated")
+#: Episode-end flags of older APIs and datasets (gym's ``done``, D4RL's
+#: ``terminals``): they mix terminations with time limits, so they are refused in
+#: a schema without ``terminated`` rather than stored as ordinary fields.
+LEGACY_FLAG_NAMES = frozenset({"done", "dones", "terminal", "terminals", "is_terminal"})
+#: Names `Schema.infer` takes as observations when given with T+1 rows; so are
+#: names with a dotted part among them, starting with ``obs_``, ``observation_``,
+#: ``pixel`` (``pixel_values``), ``image_``, ``rgb_``, ``depth_``, or ending with
+#: ``_obs``, ``_observation``, ``_pixels``, ``_image``, ``_rgb``, ``_depth``.
+OBSERVATION_WORDS = frozenset({"obs", "observation", "observations", "pixels", "image", "images", "rgb", "depth",
+                               "state", "states", "frame", "frames"})
+_OBSERVATION_PREFIXES = ("obs_", "observation_", "pixel", "image_", "rgb_", "depth_")
+_OBSERVATION_SUFFIXES = ("_obs", "_observation", "_pixels", "_image", "_rgb", "_depth")
 
 _ROLE_KEY = b"arrowbuf.role"
 _DTYPE_KEY = b"arrowbuf.dtype"
@@ -276,6 +291,13 @@ class Schema:
                 "a schema needs at least one step field (action, reward, ...), "
                 f"but every field is an observation: {list(self.fields)}"
             )
+        legacy = [n for n in self.fields if n in LEGACY_FLAG_NAMES]
+        if legacy and "terminated" not in self.fields:
+            raise SchemaError(
+                f"field {legacy[0]!r} is a legacy episode-end flag; arrowbuf follows gymnasium and needs "
+                f"'terminated' (the episode really ended: n-step targets do not bootstrap) and 'truncated' "
+                f"(cut by a time limit: they bootstrap). Rename {legacy[0]!r} to 'terminated' if it marks "
+                f"true ends, and add 'truncated' for time limits (e.g. D4RL's 'timeouts')")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -340,6 +362,16 @@ class Schema:
         if num_steps < 1 or (num_obs != -1 and num_obs != num_steps and num_obs != num_steps + 1):
             return None
         return {name: data[name] for name in self.fields}, num_steps, num_obs == num_steps + 1
+
+    @functools.cached_property
+    def field_bytes(self) -> int:
+        """Bytes one row of the user fields takes (what the arena stores per row)."""
+        return sum(f.row_bytes for f in self.fields.values())
+
+    @functools.cached_property
+    def observation_bytes(self) -> int:
+        """Bytes one row of the observation fields takes."""
+        return sum(self.fields[name].row_bytes for name in self.observation_names)
 
     @property
     def row_bytes(self) -> int:
@@ -422,10 +454,16 @@ class Schema:
         """Infer a schema from one episode's columns.
 
         Without ``observation_names``, fields with one row more than the others are
-        the observations (they carry the final observation).
+        the observations (they carry the final observation), provided their names
+        say so (`looks_like_observation`): a T+1 ``action`` is a mistake to report,
+        not an observation to guess. Inferred data must carry a ``terminated`` flag
+        (n-step targets must not bootstrap through terminal states); data without
+        terminal flags is declared by giving the schema explicitly.
 
         Raises:
-            SchemaError: ragged lengths, or columns without a time dimension.
+            SchemaError: ragged lengths, columns without a time dimension, a T+1
+                field whose name does not look like an observation, or no
+                ``terminated`` field; each names the fix.
         """
         lengths = {}
         for name, (array, _) in columns.items():
@@ -438,9 +476,23 @@ class Schema:
                 raise SchemaError(f"ragged episode: field lengths {lengths}; expected T rows for step "
                                   "fields and T or T+1 rows for observation fields")
             observation_names = [n for n, length in lengths.items() if len(distinct) == 2 and length == distinct[1]]
+            ambiguous = [n for n in observation_names if not looks_like_observation(n)]
+            if ambiguous:
+                raise SchemaError(
+                    f"field {ambiguous[0]!r} has {distinct[1]} rows, one more than the step fields (T = "
+                    f"{distinct[0]}), like an observation with its final one, but its name does not say it is one "
+                    "(inferred observations are named like 'obs', 'observation', 'pixels', 'pixel_values' or "
+                    f"'*_obs'); give it {distinct[0]} rows, or declare it: {_declaration(columns, observation_names)}")
         obs = set(observation_names)
-        return cls(unflatten({name: Field(dtype, array.shape[1:], name in obs)
-                              for name, (array, dtype) in columns.items()}))
+        schema = cls(unflatten({name: Field(dtype, array.shape[1:], name in obs)
+                                for name, (array, dtype) in columns.items()}))
+        if not any(name == "terminated" or name.startswith("terminated.") for name in schema.fields):
+            raise SchemaError(
+                f"episode has no 'terminated' field (fields: {list(columns)}); without it n-step targets and "
+                "value bootstraps run through the ends of terminated episodes. Add 'terminated' and 'truncated' "
+                "(one bool per step), or declare data without terminal flags by giving its schema explicitly: "
+                f"{_declaration(columns, obs)}")
+        return schema
 
     def check(self, columns: Mapping[str, tuple[np.ndarray, str]]) -> tuple[int, bool]:
         """Check one episode's columns against the schema.
@@ -474,6 +526,28 @@ class Schema:
         return num_steps, has_final
 
 
+def looks_like_observation(name: str) -> bool:
+    """Whether a field name says it holds observations (see `OBSERVATION_WORDS`)."""
+    return any(part in OBSERVATION_WORDS or part.startswith(_OBSERVATION_PREFIXES)
+               or part.endswith(_OBSERVATION_SUFFIXES) for part in name.split("."))
+
+
+def _declaration(columns: Mapping[str, tuple[np.ndarray, str]], observations: Iterable[str]) -> str:
+    """The `ExperienceStore` argument that declares ``columns`` explicitly, as code to copy."""
+    obs = set(observations)
+    specs = {}
+    for name, (array, dtype) in columns.items():
+        shape = f", {tuple(array.shape[1:])}" if array.ndim > 1 else ""
+        specs[name] = f"ab.Field({dtype or array.dtype.name!r}{shape}{', observation=True' if name in obs else ''})"
+    return f"ExperienceStore(..., schema={_as_code(unflatten(specs))})"
+
+
+def _as_code(node: Any) -> str:
+    if isinstance(node, str):
+        return node
+    return "{" + ", ".join(f"{key!r}: {_as_code(value)}" for key, value in node.items()) + "}"
+
+
 def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading: int = 1) -> None:
     """Check one column's dtype and per-step shape (after ``leading`` batch dimensions).
 
@@ -486,9 +560,18 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     if tuple(array.shape[leading:]) != field.shape:
         raise SchemaError(f"field {name!r}: per-step shape {tuple(array.shape[leading:])} "
                           f"(from {describe(array)}); expected {field.shape}")
-    if not dtype_fits(dtype or array.dtype.name, field.dtype):
-        raise SchemaError(f"field {name!r}: dtype {dtype or array.dtype.name}; expected {field.dtype} "
+    received = dtype or array.dtype.name
+    if not dtype_fits(received, field.dtype):
+        raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
                           "(or a dtype that casts to it without loss)")
+    limit = exact_int_limit(received, field.dtype)
+    if limit is not None and array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < -limit or high > limit:
+            bad = high if high > limit else low
+            raise SchemaError(f"field {name!r}: {received} value {bad} has no exact {field.dtype} (integers are "
+                              f"exact up to 2**{limit.bit_length() - 1} = {limit:,} in magnitude); store the "
+                              f"field as {received}, or cast it yourself if rounding is acceptable")
 
 
 @functools.lru_cache(maxsize=None)
@@ -499,6 +582,20 @@ def dtype_fits(received: str, expected: str) -> bool:
     if "bfloat16" in (received, expected):
         return False
     return bool(np.can_cast(np.dtype(received), np.dtype(expected), "safe"))
+
+
+@functools.lru_cache(maxsize=None)
+def exact_int_limit(received: str, expected: str) -> int | None:
+    """The largest magnitude up to which every integer of dtype ``received`` is
+    exact in float dtype ``expected``, when some are not (int64 -> float64:
+    2**53); None when every value casts exactly, or for other kinds of cast."""
+    if received == expected or "bfloat16" in (received, expected):
+        return None
+    source, target = np.dtype(received), np.dtype(expected)
+    if source.kind not in "iu" or target.kind != "f":
+        return None
+    exact_bits = np.finfo(target).nmant + 1
+    return 2 ** exact_bits if np.iinfo(source).bits - (source.kind == "i") > exact_bits else None
 
 
 def _as_field(spec: Any, name: str) -> Field:

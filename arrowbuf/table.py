@@ -13,6 +13,7 @@ user (the ``"index"`` of a sample) can always be told stale from live.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -62,6 +63,10 @@ class EpisodeTable:
         # rank % capacity -> serial of its episode (mod 2**32); live ranks span at
         # most `capacity` values, so live entries never collide.
         self._rank_episode = np.zeros(capacity, np.uint32) if capacity else None
+        # (serial, length) of the live episodes that no younger episode outlasts, in
+        # decreasing length: its front is the longest live episode, kept in O(1)
+        # amortized per append and evict (a monotonic queue).
+        self._longest: deque[tuple[int, int]] = deque()
 
     def __len__(self) -> int:
         return self.tail - self.head
@@ -75,6 +80,11 @@ class EpisodeTable:
     def num_transitions(self) -> int:
         first, stop = self.live_range()
         return stop - first
+
+    @property
+    def longest(self) -> int:
+        """Transitions of the longest live episode (0 when empty)."""
+        return self._longest[0][1] if self._longest else 0
 
     @property
     def first_live_rank(self) -> int:
@@ -135,9 +145,15 @@ class EpisodeTable:
         if self._rank_episode is not None and length:
             self._map_ranks(self.next_rank - length, length, self.episodes_added)
         self._metadata[i] = metadata
+        self._push_longest(self.episodes_added, length)
         self.tail += 1
         self.episodes_added += 1
         return episode_id
+
+    def _push_longest(self, serial: int, length: int) -> None:
+        while self._longest and self._longest[-1][1] <= length:
+            self._longest.pop()
+        self._longest.append((serial, length))
 
     def episode_id_of(self, k: int) -> int:
         """The id of the k-th episode ever added to this table."""
@@ -146,10 +162,14 @@ class EpisodeTable:
     def pop_oldest(self, count: int) -> None:
         """Drop the ``count`` oldest episodes."""
         self.head += count
+        first_serial = self.episodes_added - len(self)
+        while self._longest and self._longest[0][0] < first_serial:
+            self._longest.popleft()
 
     def clear(self) -> None:
         """Drop every episode; ids and ranks keep counting, so old indices stay stale."""
         self.head = self.tail = 0
+        self._longest.clear()
 
     def resume(self, episodes_added: int, next_rank: int) -> None:
         """Continue the numbering of another table: the next episode is the
@@ -216,6 +236,9 @@ class EpisodeTable:
         for name, (_, serial) in self._counters.items():
             serial[0] = int(state["counters"][name])
         self.head, self.tail = 0, n
+        self._longest.clear()
+        for k, length in enumerate(self._cols["length"][:n].tolist()):
+            self._push_longest(self.episodes_added - n + k, length)
         if self._rank_episode is not None:   # rebuild the rank -> episode map of the live episodes
             lengths = self._cols["length"][:n]
             serials = np.repeat(np.arange(self.episodes_added - n, self.episodes_added, dtype=np.int64), lengths)

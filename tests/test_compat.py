@@ -386,21 +386,23 @@ def test_clear_drops_episodes_in_progress_but_a_rollout_buffers_sample_keeps_the
         buffer.add_data_async("w8", PolicyResponse("w8", action=np.int64(0)))
 
 
-def test_add_episode_takes_the_seed_format_splits_vector_envs_and_cuts_at_resets():
+def test_add_episode_takes_the_seed_format_as_given_and_splits_vector_envs():
     buffer = ReplayBuffer({"capacity": 100, "storage": {"unit": "episode"}}, seed=0)
     T, n = 4, 2
     obs = np.arange(T + 1, dtype=np.float32)[:, None, None] + np.array([0, 100], np.float32)[None, :, None]
     next_obs = obs[1:].copy()
-    next_obs[1, 1] = -1.0                        # env 1 ended after step 1 and reset: [0..1] and [2..3]
+    next_obs[1, 1] = -1.0                        # env 1 ended after step 1 and reset: kept as sent, not cut
     episode = {"observation": obs[:-1], "next_observation": next_obs,
                "reward": np.ones((T, n), np.float32), "action": np.zeros((T, n), np.int64)}
     buffer.add_episode(episode, num_envs=n)
     table = buffer.store.episodes()
-    assert table.column("env_id").to_pylist() == ["add_episode/0", "add_episode/1", "add_episode/1"]
-    assert table.column("length").to_pylist() == [4, 2, 2]
-    second = buffer[1]
-    np.testing.assert_array_equal(second["next_observation"][:, 0].numpy(), [101, -1])
-    np.testing.assert_array_equal(buffer[2]["observation"][:, 0].numpy(), [102, 103])
+    assert table.column("env_id").to_pylist() == ["add_episode/0", "add_episode/1"]
+    assert table.column("length").to_pylist() == [4, 4]
+    np.testing.assert_array_equal(buffer[1]["next_observation"][:, 0].numpy(), [101, -1, 103, 104])
+    np.testing.assert_array_equal(buffer[1]["observation"][:, 0].numpy(), [100, 101, 102, 103])
+    with pytest.raises(ValueError, match=r"field 'reward' has shape \(4,\), expected \[T, 2, ...\]"):
+        buffer.add_episode({**episode, "reward": np.ones(T, np.float32)}, num_envs=n)
+    assert buffer.size() == 2
 
 
 def test_indices_address_all_items_oldest_first_and_reject_what_is_out_of_range():
@@ -472,7 +474,6 @@ def test_print_timing_summary_logs_the_store_calls_at_debug(caplog):
      "'auto_truncate_episode': got 'yes', expected true or false"),
     ({"type": "ReplayBuffer", "capacity": 10, "storage": {"num_shards": 2}},
      "'storage.num_shards': got 2, expected 1 or nothing with storage.type='unified'"),
-    ({"type": "ReplayBuffer", "capacity": 10, "storage": {"type": "sharded"}}, "no shard count is given"),
     ({"type": "ReplayBuffer", "capacity": 10, "storage": {"type": "sharded", "num_shards": 2, "device": "cuda"}},
      "'storage.device': got 'cuda', expected 'cpu' with storage.type='sharded'"),
     ({"type": "ReplayBuffer", "capacity": 10, "storage": {"device": "tpu"}}, "'storage.device': got 'tpu'"),
@@ -504,7 +505,8 @@ def test_env_ret_flattens_extra_fields_and_converts_into_copies():
     assert sorted(env_ret.to_dict()) == ["critic_obs", "info", "last_reward", "last_terminated", "last_truncated",
                                          "observation"]
     as_numpy = env_ret.numpy()
-    assert isinstance(as_numpy.observation, np.ndarray) and as_numpy.observation.dtype == np.float32
+    assert isinstance(as_numpy.observation, np.ndarray) and as_numpy.observation.dtype == np.uint16   # bf16 bits
+    assert torch.equal(torch.from_numpy(as_numpy.observation.view(np.int16)).view(torch.bfloat16), env_ret.observation)
     assert isinstance(as_numpy._extra["critic_obs"], np.ndarray)
     assert isinstance(env_ret.observation, torch.Tensor)      # the original is unchanged
     assert env_ret.cpu() is not env_ret
@@ -550,3 +552,39 @@ def test_a_sharded_config_samples_exact_batches_from_ray_shards_of_unequal_size(
         assert_tagged_transitions(batch)
     assert_tagged_transitions(buffer[:])
     buffer.store.close()
+
+
+def test_multi_agent_returns_store_per_agent_rewards_and_end_when_any_agent_is_done():
+    from arrowbuf.compat import MultiAgentEnvRet, MultiAgentPolicyResponse
+
+    buffer = ReplayBuffer({"capacity": 100, "auto_truncate_episode": True}, seed=0)
+    agents = ("a", "b")
+    for t in range(4):
+        env_ret = MultiAgentEnvRet("ma-0", {k: np.full(2, t, np.float32) for k in agents},
+                                   last_reward={k: np.float32(t + i) for i, k in enumerate(agents)},
+                                   last_terminated={"a": False, "b": t == 2}, last_truncated={k: False for k in agents})
+        buffer.add_transition("ma-0", env_ret, MultiAgentPolicyResponse("ma-0", action={k: np.int64(t) for k in agents}))
+    batch = buffer[:]
+    assert len(buffer) == 2 and batch["reward", "b"].tolist() == [2.0, 3.0]
+    assert batch["terminated", "b"].tolist() == [False, True] and batch["next_observation", "a"][:, 0].tolist() == [1, 2]
+    assert ab_types.MultiAgentEnvRet is MultiAgentEnvRet
+
+
+def test_make_example_samples_actions_from_gymnasium_spaces():
+    from arrowbuf.compat import MultiAgentPolicyResponse
+
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    response = PolicyResponse.make_example(space, env_id="e-0", log_prob=0.0)
+    assert space.contains(response.action) and response.to_dict().keys() == {"action", "log_prob"}
+    multi = MultiAgentPolicyResponse.make_example({"a": space, "b": gym.spaces.Discrete(4)}, env_id="e-0")
+    assert isinstance(multi, MultiAgentPolicyResponse) and 0 <= multi.action["b"] < 4
+
+
+def test_build_data_buffer_takes_the_seeds_registry_names():
+    from arrowbuf.compat import build_data_buffer
+
+    assert isinstance(build_data_buffer("RolloutBuffer", {"type": "RolloutBuffer", "capacity": 10}), RolloutBuffer)
+    assert isinstance(build_data_buffer("DataBuffer", {"type": "ReplayBuffer", "capacity": 10}), ReplayBuffer)
+    assert isinstance(build_data_buffer(ReplayBuffer, {"capacity": 10}), ReplayBuffer)
+    with pytest.raises(ValueError, match="buffer_cls: unknown buffer class 'ReservoirBuffer'"):
+        build_data_buffer("ReservoirBuffer", {"type": "ReplayBuffer", "capacity": 10})

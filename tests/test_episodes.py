@@ -261,19 +261,53 @@ def test_episodes_a_full_fixed_store_refuses_are_kept_and_pushed_later():
     assert writer.open_steps.tolist() == [1]
 
 
-def test_an_episode_longer_than_the_capacity_raises_when_sealed_and_does_not_wedge_the_writer():
+def test_an_episode_that_outgrows_the_capacity_is_refused_at_that_step_and_does_not_wedge_the_writer():
     store = ab.ExperienceStore(capacity=5, seed=0)
     writer = store.writer(num_envs=1, autoreset_mode="disabled")
     rollout = FakeVectorRollout([[6, 2]], "disabled")
-    for _ in range(5):
-        writer.add(**rollout.step_arrays())
-    with pytest.raises(ab.CapacityError, match="capacity of 5 rows"):
-        writer.add(**rollout.step_arrays())   # seals 6 steps = 7 rows: can never fit
-    assert writer.pending == 0, "an episode that can never fit must not be kept for a retry"
+    for _ in range(3):
+        writer.add(**rollout.step_arrays())   # 3 steps + the final observation: 4 rows, fits
+    writer.add(**rollout.step_arrays())       # 4 steps: 5 rows, still fits
+    with pytest.raises(ab.CapacityError, match=r"'env-0' \(env 0\) at step 5.*capacity of 5 rows"):
+        writer.add(**rollout.step_arrays())   # 5 steps = 6 rows: can never fit, refused now, not when sealed
+    assert writer.pending == 0 and writer.open_steps.tolist() == [0]
+    writer.add(**rollout.step_arrays())       # the refused episode's last step: skipped, not an episode
+    assert store.num_episodes == 0
     for _ in range(2):
         writer.add(**rollout.step_arrays())   # the next episode (2 steps) is recorded and stored
     assert store.episodes().column("length").to_pylist() == [2]
     np.testing.assert_array_equal(column_numpy(store.episode(0).column("obs")), tagged_obs(1, np.arange(3)))
+
+
+def test_a_refused_episode_leaves_the_writers_other_envs_recording():
+    store = ab.ExperienceStore(capacity=3, seed=0)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    rollout = FakeVectorRollout([[9], [2, 1]], "disabled")
+    for _ in range(2):
+        writer.add(**rollout.step_arrays())   # env 1 ends a 2-step episode (3 rows)
+    with pytest.raises(ab.CapacityError, match=r"'env-0' \(env 0\) at step 3") as caught:
+        writer.add(**rollout.step_arrays())   # env 0 outgrows 3 rows; env 1 plays a 1-step episode
+    assert "'env-1'" not in str(caught.value)
+    assert writer.episodes_written == 2                       # env 1's episodes of 2 and 1 steps
+    assert store.episodes().column("length").to_pylist() == [1]   # (3 rows: the second evicted the first)
+    writer.add(**rollout.step_arrays())       # env 0's refused episode goes on: skipped
+    assert writer.open_steps.tolist() == [0, 1]
+    assert store.episodes().column("env_id").to_pylist() == ["env-1"]
+
+
+def test_flush_ends_the_skipping_of_a_refused_episode():
+    store = ab.ExperienceStore(capacity=3, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    rollout = FakeVectorRollout([[9]], "disabled")
+    writer.add(**rollout.step_arrays())
+    writer.add(**rollout.step_arrays())
+    with pytest.raises(ab.CapacityError, match="at step 3"):
+        writer.add(**rollout.step_arrays())
+    writer.add(**rollout.step_arrays())
+    assert writer.open_steps.tolist() == [0], "the refused episode is skipped"
+    assert writer.flush() == 0
+    writer.add(**rollout.step_arrays())   # after a cut, steps start a new episode again
+    assert writer.open_steps.tolist() == [1]
 
 
 # -- the step writer on a real gymnasium vector env ----------------------------------------
@@ -329,3 +363,17 @@ def test_writer_records_cartpole_episodes_exactly_as_the_envs_played_them(mode):
             assert_episode_matches_log(store, episode_id, p)
     assert any(t for t in table.column("truncated").to_pylist())
     assert any(t for t in table.column("terminated").to_pylist())
+
+
+def test_a_refused_episode_stays_skipped_across_a_writer_state_round_trip():
+    store = ab.ExperienceStore(capacity=3, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    rollout = FakeVectorRollout([[9]], "disabled")
+    for _ in range(2):
+        writer.add(**rollout.step_arrays())
+    with pytest.raises(ab.CapacityError):
+        writer.add(**rollout.step_arrays())
+    restored = store.writer(num_envs=1, autoreset_mode="disabled")
+    restored.load_state_dict(writer.state_dict())
+    restored.add(**rollout.step_arrays())
+    assert restored.open_steps.tolist() == [0]

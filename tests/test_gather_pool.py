@@ -233,7 +233,8 @@ def test_a_pool_over_max_bytes_drops_its_least_recently_used_layouts():
 def test_resident_memory_stays_flat_across_a_thousand_samples():
     store = ab.ExperienceStore(capacity=3_000, seed=0)
     for tag in range(10):
-        store.add_episode({"obs": np.full((201, 1024), tag, np.float32), "action": np.zeros(200, np.int64)})
+        store.add_episode({"obs": np.full((201, 1024), tag, np.float32), "action": np.zeros(200, np.int64),
+                           "terminated": np.arange(200) == 199})
     recent = []
     for _ in range(50):   # warm up: the pool reaches its steady size
         recent = [*recent[-2:], store.sample(256)]   # a trainer holding its last few batches (2 MB each)

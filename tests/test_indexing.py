@@ -164,7 +164,7 @@ def test_bad_lookahead_arguments_are_refused_naming_them(kwargs, match):
 
 
 def test_n_step_needs_a_reward_field():
-    store = ab.ExperienceStore(capacity=50, seed=0)
+    store = ab.ExperienceStore(capacity=50, seed=0, schema={"obs": ab.Field("float64", (2,), True), "action": "float64"})
     store.add_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)})
     with pytest.raises(ValueError, match=r"n_step > 1 needs a 'reward' field.*\['obs', 'action'\]"):
         store.sample(4, n_step=3)

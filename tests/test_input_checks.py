@@ -128,7 +128,7 @@ def test_sample_arguments_of_the_wrong_type_are_refused(kwargs, match):
 
 
 def test_n_step_needs_a_scalar_reward():
-    store = ab.ExperienceStore(capacity=50)
+    store = ab.ExperienceStore(capacity=50, schema={"obs": ab.Field("float64", (2,), True), "reward": ("float64", (2,))})
     store.add_episode({"obs": np.zeros((5, 2)), "reward": np.ones((4, 2))})
     with pytest.raises(ValueError, match="scalar 'reward'.*\\(2,\\)"):
         store.sample(4, n_step=2)

@@ -170,7 +170,7 @@ def test_episode_rows_of_an_export_equal_the_stored_episode(sources):
 def _fill(store: ab.ExperienceStore, episodes: int = 4, steps: int = 5) -> None:
     for k in range(episodes):
         store.add_episode({"obs": np.full((steps + 1, 2), k, np.float32), "action": np.zeros(steps),
-                           "reward": np.ones(steps)})
+                           "reward": np.ones(steps), "terminated": np.arange(steps) == steps - 1})
 
 
 def test_one_epoch_without_replacement_samples_every_live_transition_once():

@@ -42,8 +42,10 @@ def test_a_wrapped_store_round_trips_every_column_episode_and_sample(tmp_path):
 def test_an_episode_with_its_final_observation_keeps_the_extra_row(tmp_path):
     store = ab.ExperienceStore(capacity=100, seed=0)
     obs = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)
-    store.add_episode({"obs": obs, "action": np.arange(4), "reward": np.ones(4, np.float32)})
-    store.add_episode({"obs": obs[:3] + 100, "action": np.arange(3), "reward": np.ones(3, np.float32)})
+    store.add_episode({"obs": obs, "action": np.arange(4), "reward": np.ones(4, np.float32),
+                       "terminated": np.arange(4) == 3})
+    store.add_episode({"obs": obs[:3] + 100, "action": np.arange(3), "reward": np.ones(3, np.float32),
+                       "terminated": np.zeros(3, bool)})
     store.to_parquet(tmp_path / "out")
 
     steps = pq.read_table(tmp_path / "out" / "steps")

@@ -119,7 +119,9 @@ def test_sample_to_insert_ratio_blocks_inserts_when_samples_fall_too_far_behind(
     store = ratio_store()
     for _ in range(5):                          # 15 inserted: diff = 15 > 12 after the fifth
         add(store)
-    with pytest.raises(ab.RateLimited, match=r"inserting 3 transitions would put inserts \(15\) too far ahead of samples \(0\)"):
+    with pytest.raises(ab.RateLimited, match=r"^Cannot insert 3 transitions: inserts \(15\) are too far ahead of "
+                                             r"samples \(0\) .* = 15 must stay <= 12\)\. Sample more, or pass "
+                                             r"timeout= to wait for trainers\.$"):
         add(store)
     assert (store.num_episodes, len(store), store.engine.counts.inserts) == (5, 15, 15), "a refused insert changes nothing"
     store.sample(4)                             # diff = 11
@@ -156,7 +158,7 @@ def test_a_wait_that_times_out_raises_rate_limited_and_says_how_long_it_waited()
     store = ratio_store()
     add(store)
     start = time.monotonic()
-    with pytest.raises(ab.RateLimited, match=r"min_size=6 \(waited 0\.05 s\)"):
+    with pytest.raises(ab.RateLimited, match=r"min_size=6 before the first sample\. .* Waited 0\.05 s\.$"):
         store.sample(1, timeout=0.05)
     assert time.monotonic() - start >= 0.05
 

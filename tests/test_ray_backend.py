@@ -246,7 +246,8 @@ def test_a_refused_first_write_leaves_no_schema_behind():
         with pytest.raises(ab.CapacityError):
             store.flush()
         assert store.schema is None   # as in a local store: a refused first episode sets nothing
-        store.add_episode({"obs": np.zeros((5, 7), np.float32), "action": np.zeros(4, np.int64)})
+        store.add_episode({"obs": np.zeros((5, 7), np.float32), "action": np.zeros(4, np.int64),
+                           "terminated": np.zeros(4, bool)})
         store.flush()
         assert store.schema.fields["obs"].shape == (7,) and len(store) == 4
     finally:

@@ -125,7 +125,8 @@ def test_field_names_must_be_plain_non_empty_strings(key):
 
 
 def test_infer_takes_fields_with_one_more_row_as_observations():
-    columns = {"obs": (np.zeros((6, 2), np.float32), "float32"), "action": (np.zeros(5, np.int64), "int64")}
+    columns = {"obs": (np.zeros((6, 2), np.float32), "float32"), "action": (np.zeros(5, np.int64), "int64"),
+               "terminated": (np.zeros(5, bool), "bool")}
     schema = Schema.infer(columns)
     assert schema.fields["obs"] == ab.Field("float32", (2,), True)
     assert schema.fields["action"] == ab.Field("int64", (), False)

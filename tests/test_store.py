@@ -167,17 +167,17 @@ DTYPES = ["bool", "uint8", "int32", "int64", "float16", "float32", "float64", "b
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_dtype_is_stored_and_sampled_back_with_identical_values(dtype):
     T = 6
-    episode = {"o": values_of(dtype, (2, 3), T + 1, 1), "x": values_of(dtype, (), T, 1),
-               "v": values_of(dtype, (4,), T, 1)}
+    episode = {"obs": values_of(dtype, (2, 3), T + 1, 1), "x": values_of(dtype, (), T, 1),
+               "v": values_of(dtype, (4,), T, 1), "terminated": np.arange(T) == T - 1}
     store = ab.ExperienceStore(capacity=20, seed=0)
     store.add_episode(episode)
     assert store.schema.fields["x"].dtype == dtype
-    assert store.schema.observation_names == ("o",)
+    assert store.schema.observation_names == ("obs",)
     batch = store.sample(40)
     step = batch["step"].numpy()
     torch_dtype = ab.Field(dtype).torch_dtype
-    for key, values, rows in [("x", episode["x"], step), ("v", episode["v"], step), ("o", episode["o"], step),
-                              (("next", "o"), episode["o"], step + 1)]:
+    for key, values, rows in [("x", episode["x"], step), ("v", episode["v"], step), ("obs", episode["obs"], step),
+                              (("next", "obs"), episode["obs"], step + 1)]:
         assert batch[key].dtype == torch_dtype, key
         expected = values[torch.from_numpy(rows.astype(np.int64))] if isinstance(values, torch.Tensor) else values[rows]
         if isinstance(expected, torch.Tensor):
@@ -185,7 +185,7 @@ def test_every_dtype_is_stored_and_sampled_back_with_identical_values(dtype):
         else:
             np.testing.assert_array_equal(batch[key].numpy(), expected, err_msg=str(key))
     rows = store.to_arrow()   # the export holds the same values (bfloat16 as its uint16 bits)
-    for name in ("o", "x", "v"):
+    for name in ("obs", "x", "v"):
         stored = column_numpy(rows.column(name))
         assert stored.dtype == ab.Field(dtype).numpy_dtype, name
         np.testing.assert_array_equal(stored[:len(episode[name])], bits(episode[name]), err_msg=name)
@@ -200,7 +200,7 @@ def bits(values: np.ndarray | torch.Tensor) -> np.ndarray:
 def test_bfloat16_is_stored_as_uint16_bits_with_field_metadata():
     values = torch.tensor([0.1, -3.5, 1e30, -0.0], dtype=torch.bfloat16)
     store = ab.ExperienceStore(capacity=10, seed=0)
-    store.add_episode({"obs": torch.zeros(5, 2), "w": values})
+    store.add_episode({"obs": torch.zeros(5, 2), "w": values, "terminated": torch.zeros(4, dtype=torch.bool)})
     field = store.to_arrow().schema.field("w")
     assert field.type == pa.uint16() and field.metadata[b"arrowbuf.dtype"] == b"bfloat16"
     bits = column_numpy(store.episode(0).column("w"))[:4]
@@ -210,14 +210,14 @@ def test_bfloat16_is_stored_as_uint16_bits_with_field_metadata():
 
 
 NESTED = ab.Schema({"obs": {"pixels": ab.Field("uint8", (2, 2), True), "state": ab.Field("float32", (2,), True)},
-                    "action": ab.Field("int64"), "reward": ab.Field("float32")})
+                    "action": ab.Field("int64"), "reward": ab.Field("float32"), "terminated": ab.Field("bool")})
 
 
 def nested_episode(tag: int, steps: int) -> dict:
     t = np.arange(steps + 1)
     return {"obs": {"pixels": np.broadcast_to((tag * 10 + t)[:, None, None], (steps + 1, 2, 2)).astype(np.uint8),
                     "state": tagged_obs(tag, t).astype(np.float32)},
-            "action": tag * 1000 + t[:-1], "reward": np.ones(steps, np.float32)}
+            "action": tag * 1000 + t[:-1], "reward": np.ones(steps, np.float32), "terminated": t[:-1] == steps - 1}
 
 
 def assert_nested_batch(batch) -> None:
@@ -309,8 +309,8 @@ def test_a_plain_record_batch_is_an_episode_without_final_observation():
 
 def readd_cases() -> dict[str, tuple[dict, ab.Schema | None]]:
     reward = np.linspace(-1.0, 1.0, 5)   # a return that is not NaN: Arrow's equals says NaN != NaN
-    cases = {d: ({"o": values_of(d, (2,), 6, 2), "x": values_of(d, (), 5, 2), "v": values_of(d, (3,), 5, 2),
-                  "reward": reward}, None) for d in DTYPES}
+    cases = {d: ({"obs": values_of(d, (2,), 6, 2), "x": values_of(d, (), 5, 2), "v": values_of(d, (3,), 5, 2),
+                  "reward": reward, "terminated": np.arange(5) == 4}, None) for d in DTYPES}
     cases["no final obs"] = ({"o": values_of("float32", (2,), 5, 2), "x": values_of("int64", (), 5, 2),
                               "reward": reward},
                              ab.Schema({"o": ab.Field("float32", (2,), True), "x": ab.Field("int64"),

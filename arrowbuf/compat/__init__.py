@@ -1,14 +1,28 @@
 """Seed compatibility: RLightning's ``DataBuffer`` API, config and types on arrowbuf.
 
-``import arrowbuf.compat as compat``; ``compat.DataBuffer(cfg.buffer)`` takes the
-RLightning buffer config and offers its methods (`arrowbuf.compat.data_buffer`
-lists the semantics and what differs from the seed). The types are also
-`arrowbuf.types`.
+``import arrowbuf.compat as compat``; ``compat.DataBuffer(cfg.buffer, cluster=cfg.cluster)``
+takes the RLightning buffer config and cluster section and offers its methods.
+Modules, one job each: `config` (the buffer config), `placement` (shards, train
+workers, node affinity), `ingest` (EnvRets / PolicyResponses in), `staging` and
+`segments` (records -> episodes, autoreset styles), `sink` (the store),
+`reading` (indices and samplers), `data_buffer` and `buffers` (the facade),
+`advantages` (`compute_gae`), `types` (also `arrowbuf.types`). What still
+differs from the seed: the README's "Migrating from RLightning".
 """
 
+from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
-from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer, build_data_buffer
-from arrowbuf.compat.types import BatchedData, EnvMeta, EnvRet, PolicyResponse, Processed_EnvRet_fields
+from arrowbuf.compat.buffers import ReplayBuffer, RolloutBuffer, build_data_buffer
+from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer
+from arrowbuf.compat.types import (
+    BatchedData,
+    EnvMeta,
+    EnvRet,
+    MultiAgentEnvRet,
+    MultiAgentPolicyResponse,
+    PolicyResponse,
+    Processed_EnvRet_fields,
+)
 
 __all__ = [
     "BatchedData",
@@ -17,10 +31,13 @@ __all__ = [
     "DataBuffer",
     "EnvMeta",
     "EnvRet",
+    "MultiAgentEnvRet",
+    "MultiAgentPolicyResponse",
     "PolicyResponse",
     "Processed_EnvRet_fields",
     "ReplayBuffer",
     "RolloutBuffer",
     "build_data_buffer",
+    "compute_gae",
     "parse_config",
 ]

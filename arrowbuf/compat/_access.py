@@ -33,6 +33,9 @@ class LocalAccess:
         """(shard, first rank, transitions) of every live episode, oldest first."""
         return self.store.episode_spans()
 
+    def pin(self, env_id: str, shard: int) -> None:
+        """One shard only: nothing to pin."""
+
     def gather(self, shard: int, ranks: np.ndarray, device: Any) -> TensorDict:
         """The transitions of live ``ranks`` (1-D), in that order."""
         return self.store.gather(ranks, device=device)
@@ -43,6 +46,10 @@ class RayAccess:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+
+    def pin(self, env_id: str, shard: int) -> None:
+        """Send env ``env_id``'s episodes to ``shard`` (node affinity): a route set before its first write."""
+        self.store._sink._routes.setdefault(env_id, shard)
 
     def live_ranges(self) -> list[tuple[int, int]]:
         self.store.flush()

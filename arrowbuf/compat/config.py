@@ -51,8 +51,8 @@ def _fail(path: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"buffer config {path!r}: got {value!r}, expected {expected}")
 
 
-def _plain(value: Any, path: str) -> dict[str, Any]:
-    """A section of the config as a plain dict of its keys."""
+def plain_section(value: Any, path: str) -> dict[str, Any]:
+    """A config section (dict, pydantic model, OmegaConf, dataclass or object) as a plain dict of its keys."""
     if isinstance(value, Mapping):
         return dict(value)
     dump = getattr(value, "model_dump", None)     # pydantic v2 (RLightning's Config)
@@ -114,7 +114,7 @@ def parse_config(config: Any, buffer_type: str | None = None) -> BufferSettings:
         ValueError: an unknown key or a bad value, named with the value received
             and what is expected.
     """
-    top = _plain(config, "")
+    top = plain_section(config, "")
     _check_keys(top, _TOP_KEYS, "")
     kind = top.get("type", None) if top.get("type", None) is not None else buffer_type
     kind = _choice({"type": kind}, "type", BUFFER_TYPES, None, "type")
@@ -125,12 +125,12 @@ def parse_config(config: Any, buffer_type: str | None = None) -> BufferSettings:
     capacity = _int(top["capacity"], "capacity")
 
     sampler = top.get("sampler")
-    sampler = {} if sampler is None else _plain(sampler, "sampler")
+    sampler = {} if sampler is None else plain_section(sampler, "sampler")
     _check_keys(sampler, _SAMPLER_KEYS, "sampler.")
     sampler_type = _choice(sampler, "type", SAMPLER_TYPES, DEFAULT_SAMPLER[kind], "sampler.type")
 
     storage = top.get("storage")
-    storage = {} if storage is None else _plain(storage, "storage")
+    storage = {} if storage is None else plain_section(storage, "storage")
     _check_keys(storage, _STORAGE_KEYS, "storage.")
     mode = _choice(storage, "mode", MODES, "circular", "storage.mode")
     storage_type = _choice(storage, "type", STORAGE_TYPES, "unified", "storage.type")

@@ -9,20 +9,19 @@ takes the same callables as RLightning's buffer; these are the defaults.
   and ``policy_resp_preprocess_fn(transition_dict, policy_resp)`` fill one step
   record; ``preprocess_fn(transition_dict, env_ret, policy_resp, obs_preprocessor,
   reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn)`` calls them.
-- ``postprocess_fn(episode_buffer)``: a dict of per-step lists (T+1 records) ->
-  a dict of T-row arrays in the seed's format (``observation`` and
-  ``next_observation``). Only a custom one is called; the default path builds
-  arrowbuf columns directly (`arrowbuf.compat.episodes.step_columns`), which is
-  what `default_postprocess_fn` returns, reshaped to the seed's format.
+- ``postprocess_fn(episode_buffer)``: a dict of per-step lists (T+1 records, as
+  torch tensors on the storage device) -> a dict of T-row tensors, stored as
+  returned. Only a custom one is called; without one the buffer stores the same
+  transitions with the observation kept once (`arrowbuf.compat.segments`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from arrowbuf.compat.episodes import step_columns
-from arrowbuf.schema import unflatten
+import torch
 
 
 def is_env_ret(value: Any) -> bool:
@@ -85,18 +84,76 @@ def default_preprocess_fn(transition_dict: dict, env_ret: Any = None, policy_res
     return transition_dict
 
 
+def _stack(values: list[Any]) -> Any:
+    if isinstance(values[0], dict):
+        return {key: _stack([value[key] for value in values]) for key in values[0]}
+    if isinstance(values[0], torch.Tensor):
+        return torch.stack(values, dim=0)
+    return torch.tensor(values)
+
+
+def _rows(value: Any, rows: slice) -> Any:
+    if isinstance(value, dict):
+        return {key: _rows(v, rows) for key, v in value.items()}
+    return value[rows]
+
+
 def default_postprocess_fn(episode_buffer: dict[str, list[Any]]) -> dict[str, Any]:
-    """The seed's default: per-step lists -> T-row arrays (``observation`` / ``next_observation``,
-    ``last_X`` -> ``X``, policy keys without the last step, ``*info*`` keys dropped)."""
-    keys = list(episode_buffer)
-    steps = len(episode_buffer[keys[0]]) if keys else 0
-    records = [{key: episode_buffer[key][t] for key in keys} for t in range(steps)]
-    columns = step_columns(records, "<episode>")
-    out = {}
-    for name, column in columns.items():
-        if name == "observation" or name.startswith("observation."):
-            out[name] = column[:-1]
-            out["next_" + name] = column[1:]
+    """The seed's default: per-step lists (T+1 records, torch) -> T-row tensors:
+    ``observation`` / ``next_observation``, ``last_X`` -> ``X``, other keys without
+    the last step, ``*info*`` keys dropped. Nested observations are stacked leaf by leaf."""
+    out: dict[str, Any] = {}
+    for key, values in episode_buffer.items():
+        if "info" in key:
+            continue
+        stacked = _stack(list(values))
+        if key.startswith("last_"):
+            out[key[len("last_"):]] = _rows(stacked, slice(1, None))
+        elif key == "observation":
+            out["observation"] = _rows(stacked, slice(None, -1))
+            out["next_observation"] = _rows(stacked, slice(1, None))
         else:
-            out[name] = column
-    return unflatten(out)
+            out[key] = _rows(stacked, slice(None, -1))
+    return out
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The six hooks of a DataBuffer, defaults filled in (`resolve_hooks`)."""
+
+    obs_preprocessor: Callable
+    reward_preprocessor: Callable
+    env_ret_preprocess_fn: Callable
+    policy_resp_preprocess_fn: Callable
+    preprocess_fn: Callable
+    postprocess_fn: Callable | None   # None: the buffer's direct path (the same transitions as the default)
+
+    def preprocess(self, record: dict, env_ret: Any, policy_resp: Any) -> dict:
+        """One step record, through ``preprocess_fn`` with the seed's arguments."""
+        return self.preprocess_fn(record, env_ret, policy_resp, self.obs_preprocessor, self.reward_preprocessor,
+                                  self.env_ret_preprocess_fn, self.policy_resp_preprocess_fn)
+
+
+def resolve_hooks(obs_preprocessor: Callable | None, reward_preprocessor: Callable | None,
+                  env_ret_preprocess_fn: Callable | None, policy_resp_preprocess_fn: Callable | None,
+                  preprocess_fn: Callable | None, postprocess_fn: Callable | None) -> Hooks:
+    """The hooks with defaults for None, checked as the seed checks them.
+
+    Raises:
+        ValueError: a custom inner hook that a custom outer one would bypass (a
+            default passed explicitly is not custom).
+    """
+    defaults = (default_obs_preprocessor, default_reward_preprocessor, default_env_ret_preprocess_fn,
+                default_policy_resp_preprocess_fn, default_preprocess_fn)
+    given = (obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn, preprocess_fn)
+    obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn = (None if hook is default else hook
+                                                          for hook, default in zip(given, defaults))
+    if (obs_pre is not None or reward_pre is not None) and (env_ret_fn is not None or pre_fn is not None):
+        raise ValueError("a custom obs_preprocessor / reward_preprocessor is only called by the default "
+                         "env_ret_preprocess_fn and preprocess_fn; apply it inside your custom "
+                         f"{'env_ret_preprocess_fn' if env_ret_fn is not None else 'preprocess_fn'} instead")
+    if pre_fn is not None and (env_ret_fn is not None or policy_fn is not None):
+        raise ValueError("a custom env_ret_preprocess_fn / policy_resp_preprocess_fn is only called by the "
+                         "default preprocess_fn; handle it inside your custom preprocess_fn instead")
+    return Hooks(*(hook or default for hook, default in zip((obs_pre, reward_pre, env_ret_fn, policy_fn, pre_fn),
+                                                           defaults)), postprocess_fn)

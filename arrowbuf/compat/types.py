@@ -10,8 +10,8 @@ Changes from the seed, none of which a caller relies on:
 - `BatchedData` does not import Ray: a value is a future if it is a
   ``ray.ObjectRef`` and Ray is already imported (nothing else can make one).
 - Tensor conversion (``cpu``/``cuda``/``numpy``) walks nested dicts, lists and
-  tuples; bfloat16 tensors become float32 arrays in ``numpy()`` (numpy has no
-  bfloat16), where the seed raised.
+  tuples; as in the seed, ``numpy()`` sends bfloat16 tensors as uint16 views of
+  their bits, which the buffer turns back into bfloat16.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BatchedData", "EnvMeta", "EnvRet", "PolicyResponse", "Processed_EnvRet_fields"]
+__all__ = ["BatchedData", "EnvMeta", "EnvRet", "MultiAgentEnvRet", "MultiAgentPolicyResponse", "PolicyResponse",
+           "Processed_EnvRet_fields"]
 
 #: Keys of a post-processed step (the seed's ``Processed_EnvRet_fields``).
 Processed_EnvRet_fields = ("next_observation", "reward", "terminated", "truncated", "info")
@@ -46,7 +47,7 @@ def _map_tensors(value: Any, fn) -> Any:
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
+        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)   # the seed's bf16 carrier
     return tensor.numpy()
 
 
@@ -75,7 +76,7 @@ class _TensorConversions:
         return self._apply(lambda t: t.to(device))
 
     def numpy(self):
-        """Every tensor as a numpy array (bfloat16 as float32)."""
+        """Every tensor as a numpy array (bfloat16 as its uint16 bits, as the seed sends it)."""
         return self._apply(_to_numpy)
 
 
@@ -182,8 +183,34 @@ class PolicyResponse(_TensorConversions, SimpleNamespace):
     def __reduce__(self) -> tuple:
         return (self.__class__.__new__, (self.__class__,), self.__dict__)
 
+    @staticmethod
+    def make_example(action_space: Any, env_id: str | None = None, **data: Any) -> PolicyResponse:
+        """A response with an action sampled from ``action_space`` (a gymnasium space) and ``data``."""
+        return PolicyResponse(env_id=env_id, action=action_space.sample(), **data)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+@dataclass
+class MultiAgentEnvRet(EnvRet):
+    """An EnvRet of several agents: ``last_reward``, ``last_terminated`` and
+    ``last_truncated`` are dicts agent id -> value (stored as nested fields
+    ``reward.<agent>``, ...); an episode ends when any agent's flag is set."""
+
+    last_reward: dict[str, Any] = field(default_factory=dict)
+    last_terminated: dict[str, Any] = field(default_factory=dict)
+    last_truncated: dict[str, Any] = field(default_factory=dict)
+
+
+class MultiAgentPolicyResponse(PolicyResponse):
+    """A PolicyResponse whose ``action`` is a dict agent id -> action."""
+
+    @staticmethod
+    def make_example(action_spaces: dict[str, Any], env_id: str | None = None, **data: Any) -> MultiAgentPolicyResponse:
+        """A response with one action sampled per agent from ``action_spaces``."""
+        return MultiAgentPolicyResponse(env_id=env_id, action={k: v.sample() for k, v in action_spaces.items()},
+                                        **data)
 
 
 def _is_future(value: Any) -> bool:

@@ -56,12 +56,13 @@ class SeedSpec:
 class CompatRollout:
     """A compat ``DataBuffer`` driven as an RLightning engine drives it, over prebuilt env returns and responses."""
 
-    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], config: dict, engine: str) -> None:
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], config: dict, engine: str,
+                 autoreset_mode: str = "next_step") -> None:
         import torch
 
         from arrowbuf.compat import BatchedData, DataBuffer, EnvMeta, EnvRet, PolicyResponse
         self.shape, self.engine = shape, engine
-        self.buffer = DataBuffer(config, seed=0)
+        self.buffer = DataBuffer(config, seed=0, autoreset_mode=autoreset_mode)
         self.buffer.init([EnvMeta(ENV, num_envs=shape.envs)], [ENV])
         T, obs = shape.steps, shape.observations
         policy = [n for n in shape.fields if n not in obs and n not in ("reward", "terminated", "truncated")]
@@ -69,9 +70,13 @@ class CompatRollout:
         self.env_rets, self.responses = [], []
         for t in range(T + 1):   # T steps and the final record (its response is dropped, as the seed does)
             last = {n: rollout[n][t - 1] if t else zeros[n] for n in zeros}
+            observation = {n: rollout[n][t] for n in obs}
+            # Same-step autoreset (IsaacLab): an env return that ends episodes carries their
+            # terminal observations in info, as the native writer gets final_obs.
+            ended = autoreset_mode == "same_step" and bool((last["terminated"] | last["truncated"]).any())
             self.env_rets.append(BatchedData([ENV], [EnvRet(
-                ENV, {n: rollout[n][t] for n in obs}, last_reward=last["reward"],
-                last_terminated=last["terminated"], last_truncated=last["truncated"])]))
+                ENV, observation, last_reward=last["reward"], last_terminated=last["terminated"],
+                last_truncated=last["truncated"], info={"final_observation": observation} if ended else {})]))
             self.responses.append(BatchedData([ENV], [PolicyResponse(
                 ENV, **{n: rollout[n][min(t, T - 1)] for n in policy})]))
 
@@ -148,7 +153,7 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
     rollout = make_rollout(shape)
     wbc_config = {"type": "RolloutBuffer", "capacity": 2 * shape.transitions, "auto_truncate_episode": True,
                   "storage": {"unit": "episode"}, "sampler": {"type": "batch"}}
-    pair = {"compat": CompatRollout(shape, rollout, wbc_config, "rsl"),
+    pair = {"compat": CompatRollout(shape, rollout, wbc_config, "rsl", autoreset_mode="same_step"),
             "native": NativeRollout(shape, rollout, "same_step")}
     for c, contender in pair.items():   # warm-up, and what each stores of the same data
         contender.ingest()

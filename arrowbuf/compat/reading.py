@@ -1,0 +1,196 @@
+"""Reading a DataBuffer by index and sampling it: index arithmetic, the seed's samplers, the worker split.
+
+Indices count the stored transitions (episodes with ``storage.unit="episode"``),
+oldest first, over all shards together, or over one shard with ``(shard,
+indices)``. Samplers draw positions with an explicit `numpy.random.Generator`;
+`Reader.read` gathers them through the store adapters in `arrowbuf.compat._access`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+logger = logging.getLogger(__name__)
+
+
+def to_seed_keys(batch: TensorDict) -> TensorDict:
+    """``("next", k)`` -> ``next_k`` (``next_observation``), the seed's key for next observations."""
+    if "next" in batch.keys():
+        for key in list(batch["next"].keys()):
+            batch.rename_key_(("next", key), f"next_{key}")
+        del batch["next"]
+    return batch
+
+
+def positions(item: Any, count: int, unit: str) -> tuple[np.ndarray, bool]:
+    """Indices into ``count`` items as an int64 array, and whether ``item`` was a scalar.
+
+    Raises:
+        IndexError: an index out of range (negative ones count from the end).
+        TypeError: not an int, slice, or array / list / tensor of ints or bools.
+    """
+    if isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)):
+        index = int(item) + count if item < 0 else int(item)
+        if not 0 <= index < count:
+            raise IndexError(f"{unit} index {item} out of range for a buffer of {count} {unit}s")
+        return np.array([index], np.int64), True
+    if isinstance(item, slice):
+        return np.arange(*item.indices(count), dtype=np.int64), False
+    if isinstance(item, torch.Tensor):
+        item = item.detach().cpu().numpy()
+    array = np.asarray(item)
+    if array.dtype == bool:
+        if array.shape != (count,):
+            raise IndexError(f"boolean index of shape {array.shape} for a buffer of {count} {unit}s")
+        return np.flatnonzero(array), False
+    if array.size == 0:
+        return np.zeros(0, np.int64), False
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{unit} indices must be ints, a slice, or an array / list / tensor of ints; "
+                        f"got {type(item).__name__} of dtype {array.dtype}")
+    array = array.reshape(-1).astype(np.int64)
+    array = np.where(array < 0, array + count, array)
+    bad = array[(array < 0) | (array >= count)]
+    if len(bad):
+        raise IndexError(f"{unit} index {int(bad[0])} out of range for a buffer of {count} {unit}s")
+    return array, False
+
+
+def empty_batch(schema: Any, device: Any) -> TensorDict:
+    """A batch of no transitions with every field of ``schema`` (what a draw of nothing returns),
+    in the seed's keys: observation fields also as ``next_<name>``."""
+    fields = {"index": torch.zeros(0, dtype=torch.int64), "episode_id": torch.zeros(0, dtype=torch.int64),
+              "step": torch.zeros(0, dtype=torch.int32)}
+    for name, spec in (schema.fields.items() if schema is not None else ()):
+        empty = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype)
+        *parents, leaf = name.split(".")
+        fields[tuple(parents) + (leaf,)] = empty
+        if spec.observation:
+            fields[("next", *parents, leaf)] = empty
+    batch = TensorDict({}, batch_size=[0])
+    for key, value in fields.items():
+        batch.set(key, value)
+    return to_seed_keys(batch.to(device) if device is not None else batch)
+
+
+class Reader:
+    """Index reads of a store through its adapter (`LocalAccess` / `RayAccess`).
+
+    Args:
+        access: the store adapter.
+        unit: "transition" or "episode".
+        device: device of returned batches (None: CPU).
+    """
+
+    def __init__(self, access: Any, unit: str, device: Any) -> None:
+        self.access = access
+        self.unit = unit
+        self.device = device
+
+    def space(self, shards: Any = None) -> Any:
+        """What indices address: per-shard live rank ranges (transition unit) or the episode table,
+        restricted to ``shards`` (an int or a collection; None: all)."""
+        if isinstance(shards, (int, np.integer)):
+            shards = (int(shards),)
+        if self.unit == "episode":
+            shard, first, length = self.access.episodes()
+            if shards is not None:
+                keep = np.isin(shard, list(shards))
+                shard, first, length = shard[keep], first[keep], length[keep]
+            return shard, first, length
+        ranges = self.access.live_ranges()
+        if shards is not None:
+            for s in shards:
+                if not 0 <= s < len(ranges):
+                    raise IndexError(f"storage index {s} out of range for {len(ranges)} shard(s)")
+            ranges = [(a, b) if s in shards else (a, a) for s, (a, b) in enumerate(ranges)]
+        return ranges
+
+    @staticmethod
+    def count(space: Any) -> int:
+        if isinstance(space, tuple):
+            return len(space[0])
+        return int(sum(b - a for a, b in space))
+
+    def read(self, where: np.ndarray, space: Any) -> TensorDict:
+        """The items at positions ``where`` of ``space``, in that order, as one TensorDict."""
+        device = self.device
+        if isinstance(space, tuple):
+            shards, first, length = (column[where] for column in space)
+            span = int(length.max()) if len(length) else 0
+            steps = np.arange(span, dtype=np.int64)
+            ranks = first[:, None] + np.minimum(steps[None, :], length[:, None] - 1)
+            mask = steps[None, :] < length[:, None]
+        else:
+            sizes = np.array([b - a for a, b in space], np.int64)
+            bounds = np.cumsum(sizes)
+            shards = np.searchsorted(bounds, where, side="right")
+            ranks = np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards]
+            span = mask = None
+        if not len(where):
+            return empty_batch(self.access.store.schema, device)
+        parts, order = [], []
+        for shard in np.unique(shards):
+            chosen = np.flatnonzero(shards == shard)
+            part = self.access.gather(int(shard), ranks[chosen].reshape(-1), device)
+            parts.append(part.reshape(len(chosen), span) if span is not None else part)
+            order.append(chosen)
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if len(parts) > 1:
+            batch = batch[torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))]
+        if mask is not None:
+            mask = torch.from_numpy(mask)
+            batch["mask"] = mask.to(batch.device) if batch.device is not None else mask
+        return to_seed_keys(batch)
+
+
+def select(rng: np.random.Generator, sampler: str, batch_size: int | None, count: int, shuffle: bool) -> np.ndarray:
+    """Positions drawn by the seed's sampler: ``uniform`` (with replacement), ``batch``
+    (without), ``all`` (every item, shuffled if ``shuffle``).
+
+    Raises:
+        ValueError: no batch_size for 'uniform' / 'batch', an empty buffer, or a
+            'batch' larger than ``count``.
+    """
+    if sampler == "all":
+        if batch_size is not None and batch_size != count:
+            logger.warning("sampler 'all' returns all %d stored items; batch_size=%d is ignored", count, batch_size)
+        return rng.permutation(count) if shuffle else np.arange(count)
+    if batch_size is None:
+        raise ValueError(f"sampler {sampler!r} needs a batch_size (got None); only sampler 'all' samples "
+                         "everything without one")
+    if sampler == "uniform":
+        if count == 0:
+            raise ValueError("cannot sample: the buffer is empty")
+        return rng.integers(0, count, size=batch_size)
+    if batch_size > count:
+        raise ValueError(f"sampler 'batch' draws without replacement: batch_size {batch_size} is more than "
+                         f"the {count} stored items")
+    return rng.choice(count, size=batch_size, replace=False)
+
+
+def split(indices: np.ndarray, workers: int, drop_last: bool) -> list[np.ndarray]:
+    """The seed's split over train workers: worker k gets indices k, k+W, ...
+
+    ``drop_last`` trims to a multiple of ``workers``; otherwise the first indices
+    are repeated to fill the last round.
+
+    Raises:
+        ValueError: fewer indices than workers with ``drop_last``.
+    """
+    n = len(indices)
+    if drop_last:
+        per_worker = n // workers
+        if per_worker == 0 and n:
+            raise ValueError(f"a batch of {n} items cannot be split over {workers} train workers with "
+                             "drop_last=True; sample more or pass drop_last=False")
+        indices = indices[:per_worker * workers]
+    else:
+        indices = np.resize(indices, math.ceil(n / workers) * workers) if n else indices
+    return [indices[k::workers] for k in range(workers)]

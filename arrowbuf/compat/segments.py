@@ -1,0 +1,320 @@
+"""Step records -> episodes: where segments end, and what each one stores.
+
+A *record* is one env step as the seed keeps it: an EnvRet's fields (observation
+o_t, ``last_reward`` r_{t-1}, ``last_terminated`` / ``last_truncated`` of the
+previous action, ``_extra`` keys) merged with its PolicyResponse's (a_t and any
+policy output, ``next_*`` keys included, stored as sent). A segment of records
+s..k is T = k - s transitions: ``observation`` rows s..k (stored once, read back as
+``observation`` and ``next_observation``), ``last_X`` rows s+1..k as ``X``, every
+other field rows s..k-1; ``*info*`` keys are not stored.
+
+Segments end only where the seed ends them: `Segmenter.truncate` (a truncation,
+or the end of a rollout) and, with ``auto_truncate_episode``, a record whose
+``last_terminated`` or ``last_truncated`` is set (per sub-env for vector envs,
+found with numpy masks over the env axis). What a boundary stores depends on the
+env's autoreset style, so that every env step's transition is stored exactly once:
+
+- ``next_step`` (gymnasium's default, and the seed's reading): the record with the
+  flag holds the terminal observation; it is the last of its episode. The next
+  record of that sub-env is the reset (its ``last_reward`` is a dummy and the
+  action sent at the terminal observation is ignored by the env): the next
+  episode starts there. Nothing real is dropped; the reset step is not a transition.
+- ``same_step`` (ManiSkill, IsaacLab, gymnasium < 1.0): the env resets inside the
+  step that ended the episode; the record with the flag holds the *new* episode's
+  first observation and the terminal one is in ``info["final_observation"]`` or
+  ``info["final_obs"]`` (an ``[num_envs, ...]`` array / tensor / dict of them, or an
+  object array with None for sub-envs that did not end). The ended episode's last
+  transition gets that terminal observation as its next observation, and the
+  record itself starts the next episode (its action is that episode's first).
+  A done record whose info carries a final observation is read as ``same_step``
+  whatever the configured mode; with ``autoreset_mode="same_step"`` one without
+  it is an error (the terminal observation would be lost).
+
+A segment that opens on a record with a flag (RSL-style rollouts re-add their
+last EnvRet as the next rollout's first record) opens a new episode there in
+``same_step`` style; in ``next_step`` style that record is a terminal one, and
+the episode starts at the reset after it.
+
+Without ``auto_truncate_episode`` a segment is a rollout window (as in the seed):
+flags are stored, nothing is cut, and at an internal reset the next observation
+is whatever the env returned.
+
+With a custom ``postprocess_fn`` the segment is handed to it as the seed does:
+a dict of per-step lists (T+1 records; ``*info*`` values as sent, the rest converted by
+``to_device`` (numpy -> torch on the storage device, uint16 -> bfloat16), with
+the same-step terminal observation in the last record; every key it returns is
+stored as a step field as returned (T rows each, ``next_*`` included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from arrowbuf.compat.staging import Stage, split_record, to_column, to_device, to_tensor
+from arrowbuf.schema import flatten, unflatten
+
+AUTORESET_MODES = ("next_step", "same_step")
+_FINAL_KEYS = ("final_observation", "final_obs")
+
+
+@dataclass
+class Piece:
+    """One episode ready for the store: flat columns (observation fields with T+1 rows)."""
+
+    env_id: str
+    columns: dict[str, Any]
+    steps: int
+
+
+def is_observation(name: str) -> bool:
+    return name == "observation" or name.startswith("observation.")
+
+
+def _field_of(name: str) -> str:
+    return name[len("last_"):] if name.startswith("last_") else name
+
+
+class Segmenter:
+    """Open segments per env worker; hands back finished episodes as `Piece` s.
+
+    Args:
+        auto_truncate: end an episode at a record whose ``last_terminated`` or
+            ``last_truncated`` is set.
+        num_envs: env id -> its vector size (1: not vectorized).
+        autoreset_mode: ``"next_step"`` or ``"same_step"`` (see the module docstring).
+        postprocess_fn: the seed's hook, or None for the direct path.
+        device: the storage device the hook's tensors are put on.
+        obs_preprocessor: applied to a same-step terminal observation from ``info``.
+
+    Raises:
+        ValueError: an unknown autoreset mode.
+    """
+
+    def __init__(self, auto_truncate: bool, num_envs: Callable[[str], int], autoreset_mode: str = "next_step",
+                 postprocess_fn: Callable | None = None, device: Any = "cpu",
+                 obs_preprocessor: Callable[[Any], Any] | None = None) -> None:
+        if autoreset_mode not in AUTORESET_MODES:
+            raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
+        self.auto_truncate = auto_truncate
+        self.autoreset_mode = autoreset_mode
+        self._num_envs = num_envs
+        self._postprocess_fn = postprocess_fn
+        self._device = device
+        self._obs_preprocessor = obs_preprocessor or (lambda obs: obs)
+        self._stages: dict[str, Stage] = {}
+
+    def open_envs(self) -> list[str]:
+        return list(self._stages)
+
+    def clear(self) -> None:
+        self._stages.clear()
+
+    def append(self, env_id: str, record: Mapping[str, Any]) -> list[Piece]:
+        """Stage one record; returns the episodes it ended (auto-truncate only).
+
+        Raises:
+            ValueError: a record that does not match the env's earlier ones, flags of
+                the wrong shape, or a same-step terminal observation that is missing
+                or malformed (the record is not kept).
+        """
+        stage = self._stages.get(env_id)
+        if stage is None:
+            n = self._num_envs(env_id)
+            stage = self._stages[env_id] = Stage(env_id, n, n > 1)
+        row = stage.write(*split_record(record))
+        if not self.auto_truncate:
+            return []
+        done = self._done(stage, row)
+        opening = done & (stage.starts == row)
+        try:
+            ended = np.flatnonzero(done & (stage.starts < row))
+            final = self._final_obs(stage, record.get("info"), ended, row) if len(ended) else None
+        except ValueError:
+            stage.unwrite()   # the record is refused whole
+            raise
+        if self.autoreset_mode == "next_step" and opening.any() and not _has_final(record.get("info")):
+            # A segment that opens on a terminal record (a rollout's last EnvRet re-added as the
+            # next one's first): that episode is over; the next one starts at the reset.
+            stage.starts[opening] = row + 1
+        if not len(ended):
+            return []
+        pieces = self._episodes(stage, ended, row, final)
+        stage.starts[ended] = row if final is not None else row + 1
+        return pieces
+
+    def truncate(self, env_id: str) -> list[Piece]:
+        """End the open episode(s) of ``env_id`` (or of one sub-env ``"<env_id>/<i>"``).
+
+        Nothing open is not an error (the seed raised KeyError right after an
+        automatic truncation).
+        """
+        stage = self._stages.pop(env_id, None)
+        if stage is not None:
+            last = stage.rows - 1
+            return self._episodes(stage, np.arange(stage.num_envs), last, None) if last >= 0 else []
+        parent, _, index = env_id.rpartition("/")
+        stage = self._stages.get(parent)
+        if stage is None or not stage.vector or not index.isdigit() or int(index) >= stage.num_envs:
+            return []
+        i = np.array([int(index)])
+        pieces = self._episodes(stage, i, stage.rows - 1, None)
+        stage.starts[i] = stage.rows
+        return pieces
+
+    # -- boundaries ---------------------------------------------------------------------
+
+    @staticmethod
+    def _done(stage: Stage, row: int) -> np.ndarray:
+        done = np.zeros(stage.num_envs, bool)
+        for name in stage.columns:
+            if name.split(".", 1)[0] in ("last_terminated", "last_truncated"):   # multi-agent: any agent's flag
+                done |= stage.row(name, row).reshape(stage.num_envs, -1).any(axis=1)
+        return done
+
+    def _final_obs(self, stage: Stage, info: Any, ended: np.ndarray, row: int) -> dict[str, np.ndarray] | None:
+        """The terminal observations of the ended sub-envs (``[num_envs, ...]`` per field), or None."""
+        given = next((info[key] for key in _FINAL_KEYS if info.get(key) is not None), None) \
+            if _has_final(info) else None
+        if given is None:
+            if self.autoreset_mode == "same_step":
+                raise ValueError(f"env {stage.env_id!r}: autoreset_mode='same_step' but the EnvRet that ended "
+                                 f"sub-env(s) {ended.tolist()} has no info['final_observation'] / info['final_obs'];"
+                                 " the terminal observation is needed as the last transition's next observation")
+            return None
+        names = [name for name in stage.columns if is_observation(name)]
+        out = {name: stage.row(name, row).copy() for name in names}
+        if stage.vector and isinstance(given, np.ndarray) and given.dtype == object:
+            for i in ended:
+                if given[i] is None:
+                    raise ValueError(f"env {stage.env_id!r}: sub-env {int(i)} ended but info's final observation "
+                                     "for it is None")
+                self._fill(out, self._obs_columns(stage, given[i], f"final observation of sub-env {int(i)}"), i)
+            return out
+        columns = self._obs_columns(stage, given, "info's final observation")
+        for name, array in columns.items():
+            if stage.vector and (array.ndim == 0 or array.shape[0] != stage.num_envs):
+                raise ValueError(f"env {stage.env_id!r}: final observation field {name!r} has shape {array.shape}, "
+                                 f"expected ({stage.num_envs}, ...) (or an object array of per-env entries)")
+            out[name][ended] = array[ended] if stage.vector else array
+        return out
+
+    def _obs_columns(self, stage: Stage, obs: Any, what: str) -> dict[str, np.ndarray]:
+        flat = flatten({"observation": self._obs_preprocessor(obs)})
+        names = {name for name in stage.columns if is_observation(name)}
+        if flat.keys() != names:
+            raise ValueError(f"env {stage.env_id!r}: {what} has fields {sorted(flat)}, expected {sorted(names)}")
+        return {name: to_column(value, name)[0] for name, value in flat.items()}
+
+    @staticmethod
+    def _fill(out: dict[str, np.ndarray], columns: dict[str, np.ndarray], i: int) -> None:
+        for name, array in columns.items():
+            out[name][i] = array
+
+    # -- episodes -----------------------------------------------------------------------
+
+    def _episodes(self, stage: Stage, envs: np.ndarray, last: int, final: dict | None) -> list[Piece]:
+        """Episodes of sub-envs ``envs``, from their start row to record ``last``."""
+        starts = stage.starts[envs]
+        keep = starts < last
+        envs, starts = envs[keep], starts[keep]
+        if not len(envs):
+            return []
+        ids = [f"{stage.env_id}/{i}" if stage.vector else stage.env_id for i in envs]
+        if self._postprocess_fn is not None:
+            return self._processed(stage, envs, starts, last, final, ids)
+        names = list(stage.columns)
+        fields = [_field_of(name) for name in names]
+        if len(set(fields)) != len(fields):
+            clash = sorted({f for f in fields if fields.count(f) > 1})
+            raise ValueError(f"env {stage.env_id!r}: fields {clash} come from two keys each (e.g. 'reward' and "
+                             "'last_reward'); rename one of them")
+        pieces = []
+        for env_id, i, s in zip(ids, envs.tolist(), starts.tolist()):
+            columns = {}
+            for name, field in zip(names, fields):
+                if is_observation(name):
+                    column = stage.rows_of(name, s, last + 1, i)
+                    if final is not None:
+                        column = np.concatenate([column[:-1], final[name][i][None]])
+                elif name.startswith("last_"):
+                    column = stage.rows_of(name, s + 1, last + 1, i)
+                else:
+                    column = stage.rows_of(name, s, last, i)
+                columns[field] = to_tensor(column, "bfloat16") if stage.dtypes[name] == "bfloat16" else column
+            pieces.append(Piece(env_id, columns, last - s))
+        return pieces
+
+    def _processed(self, stage: Stage, envs: np.ndarray, starts: np.ndarray, last: int, final: dict | None,
+                   ids: list[str]) -> list[Piece]:
+        """Segments through the user's ``postprocess_fn``, as the seed calls it."""
+        if not self.auto_truncate and stage.vector and (starts == starts[0]).all():
+            # The seed's vector-env window: one call on [T+1] records of [num_envs, ...] values.
+            block = {name: stage.columns[name][starts[0] - stage.base:last + 1 - stage.base] for name in stage.columns}
+            out = self._call_hook(stage, block, int(starts[0]), last)
+            steps = self._length(out, stage.env_id, stage.num_envs)
+            return [Piece(env_id, {name: value[:, i] for name, value in out.items()}, steps)
+                    for env_id, i in zip(ids, envs.tolist())]
+        pieces = []
+        for env_id, i, s in zip(ids, envs.tolist(), starts.tolist()):
+            block = {name: stage.rows_of(name, s, last + 1, i) for name in stage.columns}
+            if final is not None:
+                block.update({name: np.concatenate([block[name][:-1], final[name][i][None]]) for name in final})
+            out = self._call_hook(stage, block, s, last)
+            pieces.append(Piece(env_id, out, self._length(out, env_id, None)))
+        return pieces
+
+    def _call_hook(self, stage: Stage, block: dict[str, np.ndarray], first: int, last: int) -> dict[str, Any]:
+        tensors = {name: to_device(to_tensor(column, stage.dtypes[name]), self._device)
+                   for name, column in block.items()}
+        buffer: dict[str, list[Any]] = {}
+        for top, value in unflatten(tensors).items():
+            buffer[top] = _per_step(value)
+        infos = stage.infos[first - stage.base:last + 1 - stage.base]
+        for key in infos[0] if infos else ():
+            buffer[key] = [info.get(key) for info in infos]
+        result = self._postprocess_fn(buffer)
+        if isinstance(result, TensorDictBase):
+            result = result.to_dict()
+        if not isinstance(result, Mapping):
+            raise ValueError(f"postprocess_fn returned {type(result).__name__}; expected a dict of per-step "
+                             "tensors (T rows each)")
+        return flatten(result)
+
+    @staticmethod
+    def _length(columns: Mapping[str, Any], env_id: str, num_envs: int | None) -> int:
+        """The rows every returned field has (and ``num_envs`` as its second dim for a vector window).
+
+        Raises:
+            ValueError: fields of different lengths, naming them.
+        """
+        shapes = {name: tuple(value.shape) if hasattr(value, "shape") else None for name, value in columns.items()}
+        bad = {name: shape for name, shape in shapes.items()
+               if shape is None or not shape or (num_envs is not None and (len(shape) < 2 or shape[1] != num_envs))}
+        if bad:
+            expected = f"[T, {num_envs}, ...]" if num_envs is not None else "[T, ...]"
+            raise ValueError(f"env {env_id!r}: postprocess_fn returned fields of shapes {bad}; expected {expected} "
+                             "arrays or tensors")
+        lengths = {shape[0] for shape in shapes.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"env {env_id!r}: postprocess_fn returned fields of different lengths {shapes}; "
+                             "every field of an episode needs the same number of rows")
+        return lengths.pop() if lengths else 0
+
+
+def _has_final(info: Any) -> bool:
+    return isinstance(info, Mapping) and any(info.get(key) is not None for key in _FINAL_KEYS)
+
+
+def _per_step(value: Any) -> list[Any]:
+    """A stacked value (or nested dict of them) -> its list of per-step values."""
+    if isinstance(value, Mapping):
+        keys = list(value)
+        steps = list(zip(*(_per_step(value[key]) for key in keys)))
+        return [dict(zip(keys, step)) for step in steps]
+    return list(torch.unbind(value, 0))

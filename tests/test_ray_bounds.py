@@ -1,0 +1,48 @@
+"""Bounded resources on a Ray store: writers know a shard's capacity, the driver bounds batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def step(num_envs: int, t: int, done: np.ndarray) -> dict:
+    obs = np.full((num_envs, 2), float(t))
+    return {"obs": obs, "action": np.zeros(num_envs, np.int64), "reward": np.ones(num_envs),
+            "terminated": done, "truncated": np.zeros(num_envs, bool), "next_obs": obs + 1}
+
+
+def test_a_ray_writer_refuses_an_episode_at_the_step_it_outgrows_a_shard_and_keeps_the_other_env():
+    store = ab.ExperienceStore(20, backend="ray", num_shards=2, seed=0)   # 10 rows a shard
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled", env_ids=["long", "short"])
+        for t in range(8):    # 8 steps + the final observation: 9 rows, fits a shard
+            writer.add(**step(2, t, np.array([False, t % 4 == 3])))
+        writer.add(**step(2, 8, np.zeros(2, bool)))   # 9 steps: 10 rows, the most a shard holds
+        with pytest.raises(ab.CapacityError, match=r"'long' \(env 0\) at step 10.*capacity of 10 rows"):
+            writer.add(**step(2, 9, np.zeros(2, bool)))
+        writer.flush()
+        table = store.episodes()
+        assert set(table.column("env_id").to_pylist()) == {"short"}
+        assert writer.open_steps.tolist() == [0, 0]
+    finally:
+        store.close()
+
+
+def test_a_ray_batch_that_cannot_be_allocated_is_refused_before_any_shard_draws():
+    store = ab.ExperienceStore(100, backend="ray", num_shards=2, seed=0)
+    try:
+        steps = 6
+        store.add_episode({"obs": np.zeros((steps + 1, 17), np.float32), "action": np.zeros((steps, 6), np.float32),
+                           "terminated": np.arange(steps) == steps - 1}, env_id="a")
+        store.flush()
+        with pytest.raises(ab.ResourceError, match="batch_size=2,147,483,648"):
+            store.sample(2**31)
+        assert store.stats()["samples"] == 0
+        assert store.sample(8).batch_size == (8,)
+    finally:
+        store.close()
