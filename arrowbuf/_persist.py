@@ -1,4 +1,4 @@
-"""What Parquet export and checkpoints share: plain columns, row snapshots, atomic files.
+"""What Parquet export and checkpoints share: plain columns, row snapshots, verified files.
 
 **Plain columns.** Files hold what any Arrow reader understands: fixed-shape fields
 are ``FixedSizeList`` columns (the storage of Arrow's ``fixed_shape_tensor``, the
@@ -12,18 +12,22 @@ is FIFO, so if the oldest episode written is still live once the file is complet
 no row of the file changed while it was written. `snapshot_and_write` checks that
 and, when an eviction raced the write, takes the snapshot again copying the rows
 under the lock, and writes that copy.
+
+**Verified files.** Manifests carry a checksum of their own content
+(`write_manifest`, `check_checksum`) and the size and SHA-256 of every file they
+list (`file_entry`, `check_file`); Arrow IPC record batches are validated in full
+before use (`ipc_batches`). Writing the files atomically is `arrowbuf._filesink`'s job.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import os
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +42,7 @@ ROLE, DTYPE, SHAPE = b"arrowbuf.role", b"arrowbuf.dtype", b"arrowbuf.shape"
 EXPORT_MANIFEST = "_arrowbuf.json"        # of a Parquet export (arrowbuf.parquet)
 CHECKPOINT_MANIFEST = "manifest.json"     # of a checkpoint (arrowbuf.checkpoint)
 SCHEMA_KEY = b"arrowbuf.schema"
+CHECKSUM = "checksum"                     # a manifest's hash of its own content
 _ARRAY = "__arrowbuf_array__"
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -220,29 +225,59 @@ def snapshot_and_write(lock: ContextManager, take: Callable[[bool], _T], valid: 
 # -- files -----------------------------------------------------------------------------
 
 
-def temp_path(path: Path) -> Path:
-    """A hidden sibling of ``path`` no one else uses (readers skip dot files)."""
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex (recorded in manifests, checked on load)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def fsync(path: Path) -> None:
-    """Flush a file or directory to disk (a crash then cannot lose a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def file_entry(path: Path) -> dict[str, Any]:
+    """What a manifest records to check a file: its size and content hash."""
+    return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Write JSON atomically: a temporary file, flushed, renamed over ``path``."""
-    tmp = temp_path(path)
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync(path.parent)
+def check_file(path: Path, entry: Mapping[str, Any]) -> None:
+    """Check a file against its manifest entry: present, ``bytes`` long, and with
+    its recorded ``sha256`` (manifests of format version 1 have none).
+
+    Raises:
+        FormatError: naming the file and what differs.
+    """
+    check_size(path, entry["bytes"])
+    expected = entry.get("sha256")
+    if expected is not None and file_digest(path) != expected:
+        raise FormatError(f"{path}: its content hash differs from the one the manifest recorded; the file is "
+                          "corrupted or was modified")
+
+
+def _canonical(value: Mapping[str, Any]) -> bytes:
+    return json.dumps({k: v for k, v in value.items() if k != CHECKSUM}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def write_manifest(path: Path, value: Mapping[str, Any]) -> None:
+    """Write a manifest with a checksum of its own content (`read_manifest` checks it).
+
+    The file is written in place: manifests are written into a `FileSink`'s
+    staging directory, whose commit flushes and publishes them.
+    """
+    sealed = {**value, CHECKSUM: hashlib.sha256(_canonical(value)).hexdigest()}
+    path.write_text(json.dumps(sealed, indent=1))
+
+
+def check_checksum(manifest: Mapping[str, Any], path: Path) -> None:
+    """Check a manifest's checksum of its own content (required from format version 2).
+
+    Raises:
+        FormatError: no checksum where one is required, or content that differs.
+    """
+    found = manifest.get(CHECKSUM)
+    if found is None:
+        if manifest.get("format_version", 1) >= 2:
+            raise FormatError(f"{path}: no {CHECKSUM!r}; the manifest is corrupted or was edited")
+        return
+    if found != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise FormatError(f"{path}: its content differs from its checksum; the manifest is corrupted or was edited")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -287,10 +322,11 @@ def read_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
 
 
 def check_format(manifest: Mapping[str, Any], path: Path, fmt: str, version: int) -> None:
-    """Check a manifest's format name and version.
+    """Check a manifest's format name, version and checksum (`check_checksum`).
 
     Raises:
-        FormatError: another format, or a version newer than this arrowbuf reads.
+        FormatError: another format, a version newer than this arrowbuf reads, or
+            a manifest whose content does not match its checksum.
     """
     from arrowbuf import __version__
 
@@ -303,6 +339,7 @@ def check_format(manifest: Mapping[str, Any], path: Path, fmt: str, version: int
         raise FormatError(f"{path}: {fmt} format version {found} was written by arrowbuf "
                           f"{manifest.get('arrowbuf_version', '?')}; this arrowbuf ({__version__}) reads versions "
                           f"up to {version}. Upgrade arrowbuf to read it.")
+    check_checksum(manifest, path)
 
 
 def check_size(path: Path, expected: int) -> None:
@@ -364,3 +401,44 @@ def table_arrays(table: pa.Table) -> dict[str, np.ndarray]:
     """Inverse of `arrays_table` (flat arrays)."""
     return {name: table.column(name)[0].values.to_numpy(zero_copy_only=False)
             for name in table.column_names if name != "_"}
+
+
+# -- Arrow IPC -----------------------------------------------------------------------------
+
+
+def ipc_batches(file: Path) -> Iterator[pa.RecordBatch]:
+    """The record batches of an Arrow IPC file, each fully validated before it is
+    handed out (no offset of the file is trusted unchecked).
+
+    Raises:
+        FormatError: an unreadable or invalid file, naming it.
+    """
+    try:
+        with pa.memory_map(str(file)) as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                batch.validate(full=True)
+                yield batch
+    except (pa.ArrowException, OSError) as err:
+        raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or corrupted") from None
+
+
+def ipc_schema(file: Path) -> pa.Schema:
+    """The schema of an Arrow IPC file.
+
+    Raises:
+        FormatError: an unreadable file, naming it.
+    """
+    try:
+        with pa.memory_map(str(file)) as source:
+            return pa.ipc.open_file(source).schema
+    except (pa.ArrowException, OSError) as err:
+        raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or corrupted") from None
+
+
+def write_ipc(file: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> None:
+    """Write record batches as an Arrow IPC file (into a sink's staging directory)."""
+    with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)

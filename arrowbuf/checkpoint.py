@@ -3,8 +3,9 @@
 Layout of ``store.save("ckpt/")``::
 
     ckpt/
-      manifest.json                   written last (atomic rename): the files below, the
-                                      schema, store settings and the JSON part of the state
+      manifest.json                   written last (atomic rename): the files below with
+                                      their sizes and SHA-256, the schema, store settings,
+                                      the JSON part of the state, and its own checksum
       rows-<first id>-<token>.arrow   rows of live episodes (plain columns, as in Parquet
                                       exports), one file per save that added episodes
       state-<token>.arrow             the arrays of the state: episode table, sampler
@@ -16,11 +17,20 @@ the open episodes of the store's writers; nothing is pickled. `load` puts every
 episode back at its arena row, so sampling the loaded store gives the same batches
 as sampling the original would have.
 
-**Incremental saves.** A save into the directory this store last saved to (or was
-loaded from) writes only the episodes added since, a new state file and the
+**Incremental saves.** A save into a directory holding a save this store made (or
+was loaded from) writes only the episodes added since, a new state file and the
 manifest, and deletes row files whose episodes were all evicted (row files that
 are partly evicted stay until all their episodes are). Any other directory gets
-a full save, replacing the checkpoint files there.
+a full save, replacing the checkpoint files there. ``base=`` points at the
+previous save elsewhere: Ray checkpoints write each generation into a new
+directory and link the unchanged row files.
+
+**Verified loads.** `load` checks, before trusting anything it reads: the
+manifest's checksum, every file's size and SHA-256, Arrow validation of every
+record batch (`arrowbuf._persist.ipc_batches`), and the state against its domains
+(`arrowbuf._state_checks`: episodes inside the arena and not overlapping, the
+write position after the newest episode, sampler, limiter, generator and writer
+state). Any mismatch is a `FormatError` naming the file.
 
 **Consistency.** The store's lock is held while the snapshot is taken (episode
 positions and a copy of the state), not while rows are written: see
@@ -29,9 +39,11 @@ detected and re-copied. Writers are snapshotted as they are, so take a save
 between the steps of writers driven by other threads. One save at a time per
 directory.
 
-**Crashes.** New files get fresh names and the manifest is replaced last, so a
-crash during a save leaves the previous checkpoint loadable (or, on the first
-save, no manifest, which `load` refuses).
+**Crashes.** A save is one `arrowbuf._filesink.ManifestSink`: new files are
+staged and flushed, moved in under fresh names, and the manifest is replaced
+last, so a crash during a save leaves the previous checkpoint loadable (or, on
+the first save, no manifest, which `load` refuses). The next save removes what a
+crashed one left.
 
 Example:
     >>> import numpy as np, arrowbuf as ab, tempfile
@@ -46,29 +58,31 @@ Example:
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, fsync, link_or_copy, remove
 from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, batch_columns, check_columns,
-                               check_format, check_size, fsync, join_arrays, plain_schema, progress_bar, read_json,
-                               read_manifest, snapshot_and_write, split_arrays, table_arrays, take_rows, temp_path,
-                               write_json)
+                               check_file, check_format, file_entry, ipc_batches, ipc_schema, join_arrays,
+                               plain_schema, progress_bar, read_json, read_manifest, snapshot_and_write,
+                               split_arrays, table_arrays, take_rows, write_ipc, write_manifest)
+from arrowbuf._state_checks import check_state
 from arrowbuf.engine import ShardEngine
-from arrowbuf.errors import FormatError
+from arrowbuf.errors import ArrowbufError, FormatError
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: content hashes of every file, and of the manifest
 MANIFEST = CHECKPOINT_MANIFEST
 _BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
 
@@ -94,8 +108,9 @@ class _Snapshot:
 
 
 def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
-                writers: Callable[[], dict[str, Any]] = dict, progress: bool | None = None) -> Path:
-    """Checkpoint one shard engine into directory ``path``.
+                writers: Callable[[], dict[str, Any]] = dict, progress: bool | None = None,
+                base: str | Path | None = None) -> Path:
+    """Checkpoint one shard engine into directory ``path``, through a `ManifestSink`.
 
     Args:
         engine: the engine to save (its lock is held while the snapshot is taken).
@@ -104,6 +119,10 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
             track_reuse, created_at).
         writers: returns the state of each open writer by name (called under the lock).
         progress: a tqdm bar; None shows it when stderr is a terminal.
+        base: where this engine's previous checkpoint is (default ``path``): when
+            it holds a save this engine made or loaded, only the episodes added
+            since are written, and its row files that are still needed are linked
+            into ``path`` (Ray checkpoints save each generation into a new directory).
 
     Raises:
         FileExistsError: ``path`` is a file, or holds a manifest.json that is not
@@ -114,9 +133,9 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save needs a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    key = str(path.resolve())
-    previous = _previous(path, engine.checkpoints.get(key))
+    _refuse_foreign(path)
+    base = path if base is None else Path(base)
+    previous = _previous(base, set(engine.checkpoints.values()))
     since = previous["last_episode_id"] if previous else None
     token = uuid.uuid4().hex[:16]
 
@@ -131,45 +150,64 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
         return _Snapshot(state, shard, schema, take_rows(shard, start, len(ids), schema, copy),
                          int(ids[0]) if len(ids) else None)
 
-    def write(snapshot: _Snapshot) -> dict[str, Any] | None:
-        if snapshot.rows is None or not len(snapshot.rows.ids):
-            return None
-        return _write_rows(path, snapshot.rows, snapshot.schema, token, progress)
+    path.mkdir(parents=True, exist_ok=True)
+    with ManifestSink(path, MANIFEST) as sink:
+        def write(snapshot: _Snapshot) -> dict[str, Any] | None:
+            if snapshot.rows is None or not len(snapshot.rows.ids):
+                return None
+            return _write_rows(sink.staging, snapshot.rows, snapshot.schema, token, progress)
 
-    def discard(entry: dict[str, Any] | None) -> None:
-        if entry is not None:
-            (path / entry["path"]).unlink()
+        def discard(entry: dict[str, Any] | None) -> None:
+            if entry is not None:
+                (sink.staging / entry["path"]).unlink()
 
-    snapshot, entry = snapshot_and_write(engine.lock, take, _Snapshot.valid, write, discard)
-    kept = [e for e in (previous["row_files"] if previous else [])
-            if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
-    row_files = kept + ([entry] if entry is not None else [])
-    tree, arrays = split_arrays(snapshot.state)
-    state_file = _write_ipc(path / f"state-{token}.arrow", arrays_table(arrays))
-    last = entry["last_episode_id"] if entry is not None else (previous["last_episode_id"] if previous else -1)
-    write_json(path / MANIFEST, {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "arrowbuf_version": __version__,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": token,
-        "last_episode_id": last, "row_files": row_files,
-        "state_file": {"path": state_file.name, "bytes": state_file.stat().st_size}, "state": tree,
-    })
+        snapshot, entry = snapshot_and_write(engine.lock, take, _Snapshot.valid, write, discard)
+        kept = [e for e in (previous["row_files"] if previous else [])
+                if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
+        for e in kept:
+            if not (path / e["path"]).exists():
+                link_or_copy(base / e["path"], sink.staging / e["path"])
+        row_files = kept + ([entry] if entry is not None else [])
+        tree, arrays = split_arrays(snapshot.state)
+        state_file = sink.staging / f"state-{token}.arrow"
+        table = arrays_table(arrays)
+        write_ipc(state_file, table.schema, table.to_batches())
+        last = entry["last_episode_id"] if entry is not None else (previous["last_episode_id"] if previous else -1)
+        write_manifest(sink.staging / MANIFEST, {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "arrowbuf_version": __version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": token,
+            "last_episode_id": last, "row_files": row_files,
+            "state_file": {"path": state_file.name, **file_entry(state_file)}, "state": tree,
+        })
     _remove_unlisted(path, {e["path"] for e in row_files} | {state_file.name})
-    engine.checkpoints[key] = token
+    engine.checkpoints[str(path.resolve())] = token
     return path
 
 
-def _previous(path: Path, token: str | None) -> dict[str, Any] | None:
-    """The manifest of this store's previous save into ``path``, if it is still intact."""
+def _refuse_foreign(path: Path) -> None:
+    """Raises `FileExistsError` when ``path`` holds a manifest.json of something else."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
+        return
+    try:
+        fmt = read_json(manifest_path, "").get("format")
+    except FormatError:
+        fmt = FORMAT          # a damaged checkpoint of ours: the save replaces it
+    if fmt != FORMAT:
+        raise FileExistsError(f"{manifest_path} is not an arrowbuf checkpoint manifest; refusing to overwrite it")
+
+
+def _previous(path: Path, tokens: set[str]) -> dict[str, Any] | None:
+    """The manifest in ``path`` when it is intact and one of ``tokens`` (a save this store made or loaded)."""
+    manifest_path = path / MANIFEST
+    if not tokens or not manifest_path.exists():
         return None
     try:
         manifest = read_json(manifest_path, "")
+        check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
     except FormatError:
-        manifest = {}
-    if manifest.get("format") != FORMAT:
-        raise FileExistsError(f"{manifest_path} is not an arrowbuf checkpoint manifest; refusing to overwrite it")
-    if token is None or manifest.get("token") != token or manifest.get("format_version") != FORMAT_VERSION:
+        return None
+    if manifest.get("token") not in tokens or manifest.get("format_version") != FORMAT_VERSION:
         return None
     for entry in manifest["row_files"]:
         file = path / entry["path"]
@@ -178,39 +216,30 @@ def _previous(path: Path, token: str | None) -> dict[str, Any] | None:
     return manifest
 
 
-def _write_rows(path: Path, rows: EpisodeRows, schema: pa.Schema, token: str, progress: bool | None) -> dict:
-    final = path / f"rows-{int(rows.ids[0]):012d}-{token}.arrow"
-    tmp = temp_path(final)
-    with progress_bar(progress, rows.rows, f"save {path.name}") as bar:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+def _write_rows(directory: Path, rows: EpisodeRows, schema: pa.Schema, token: str, progress: bool | None) -> dict:
+    file = directory / f"rows-{int(rows.ids[0]):012d}-{token}.arrow"
+
+    def pieces() -> Iterator[pa.RecordBatch]:
+        with progress_bar(progress, rows.rows, f"save {directory.parent.name}") as bar:
             for batch in rows.batches:
                 for offset in range(0, batch.num_rows, _BATCH_ROWS):
                     piece = batch.slice(offset, _BATCH_ROWS)
-                    writer.write_batch(piece)
+                    yield piece
                     bar.update(piece.num_rows)
-    fsync(tmp)
-    os.replace(tmp, final)
-    return {"path": final.name, "first_episode_id": int(rows.ids[0]), "last_episode_id": int(rows.ids[-1]),
-            "episodes": len(rows.ids), "rows": rows.rows, "bytes": final.stat().st_size}
 
-
-def _write_ipc(final: Path, table: pa.Table) -> Path:
-    tmp = temp_path(final)
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    fsync(tmp)
-    os.replace(tmp, final)
-    return final
+    write_ipc(file, schema, pieces())
+    return {"path": file.name, "first_episode_id": int(rows.ids[0]), "last_episode_id": int(rows.ids[-1]),
+            "episodes": len(rows.ids), "rows": rows.rows, **file_entry(file)}
 
 
 def _remove_unlisted(path: Path, listed: set[str]) -> None:
-    """Delete checkpoint files (and temporaries of crashed saves) the manifest no longer lists."""
+    """Delete checkpoint files the manifest no longer lists, and what crashed saves left."""
     for file in path.iterdir():
         name = file.name
-        ours = (name.startswith(("rows-", "state-")) and name.endswith(".arrow")) or (
-            name.startswith(".") and ".tmp-" in name)
-        if ours and name not in listed and file.is_file():
-            file.unlink()
+        ours = (name.startswith(("rows-", "state-")) and name.endswith(".arrow")) or name.startswith(
+            STAGING_PREFIX) or (name.startswith(".") and ".tmp-" in name)
+        if ours and name not in listed:
+            remove(file)
     fsync(path)
 
 
@@ -224,10 +253,32 @@ class Loaded:
     engine: ShardEngine
     info: dict[str, Any]           # capacity, mode, seed, track_reuse, created_at
     writers: dict[str, Any]        # name -> writer state_dict
+    manifest: Path                 # named by errors of what is restored from it later (`typed_errors`)
+
+    def typed_errors(self) -> ContextManager[None]:
+        """Errors of restoring more of this checkpoint (its writers) become `FormatError`s."""
+        return typed_errors(self.manifest)
+
+
+@contextmanager
+def typed_errors(manifest_path: Path) -> Iterator[None]:
+    """Raise what goes wrong while a checkpoint's values are restored as a `FormatError`
+    naming its manifest (values the state checks did not cover)."""
+    try:
+        yield
+    except FormatError:
+        raise
+    except (ArrowbufError, pa.ArrowException, KeyError, TypeError, ValueError, IndexError, AttributeError,
+            OverflowError, MemoryError) as err:
+        raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
 
 
 def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1) -> Loaded:
     """The engine saved in ``path``, complete before it is returned.
+
+    Nothing read is trusted before it is checked: the manifest's checksum, every
+    file's size and SHA-256, every record batch (Arrow validation), then the state
+    against its domains (`arrowbuf._state_checks`).
 
     Args:
         path: the checkpoint directory.
@@ -236,29 +287,27 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
 
     Raises:
         FormatError: a missing or incomplete directory, a newer format version, a
-            missing, truncated or inconsistent file; the message names the file.
+            missing, truncated, corrupted or inconsistent file, or a state outside
+            its domain; the message names the file.
     """
     path = Path(path)
     manifest_path, manifest = read_manifest(path, "checkpoint")
     check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
-    try:
+    with typed_errors(manifest_path):
         state_entry, row_files, token = manifest["state_file"], manifest["row_files"], manifest["token"]
-        state_file = path / state_entry["path"]
-        check_size(state_file, state_entry["bytes"])
+        state_file = path / _name(state_entry["path"], manifest_path)
+        check_file(state_file, state_entry)
         for entry in row_files:
-            check_size(path / entry["path"], entry["bytes"])
-        state = join_arrays(manifest["state"], table_arrays(_read_ipc(state_file)))
+            check_file(path / _name(entry["path"], manifest_path), entry)
+        state = join_arrays(manifest["state"], table_arrays(_read_state(state_file)))
+        check_state(state, str(manifest_path))
         info = state["store"]
         engine = ShardEngine(int(info["capacity"]), seed=info["seed"], mode=info["mode"],
                              sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
                              rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
                              track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards)
         engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
-        loaded = Loaded(engine, dict(info), dict(state["writers"]))
-    except FormatError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
+        loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
     engine.checkpoints[str(path.resolve())] = token
     return loaded
 
@@ -271,12 +320,15 @@ def _build(registry: Mapping[str, type], state: Mapping[str, Any], what: str, wh
     return kind(**state["config"])
 
 
-def _read_ipc(file: Path) -> pa.Table:
-    try:
-        with pa.memory_map(str(file)) as source:
-            return pa.ipc.open_file(source).read_all()
-    except (pa.ArrowException, OSError) as err:
-        raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or corrupted") from None
+def _name(name: Any, where: Path) -> str:
+    """A file name from a manifest: a plain name inside the checkpoint directory."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise FormatError(f"{where}: file name {name!r} is not a plain file name in the checkpoint directory")
+    return name
+
+
+def _read_state(file: Path) -> pa.Table:
+    return pa.Table.from_batches(list(ipc_batches(file)), schema=ipc_schema(file))
 
 
 def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress: bool | None) -> None:
@@ -288,27 +340,21 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
     with progress_bar(progress, int(num.sum()), f"load {path.name}") as bar:
         for entry in row_files:
             file = path / entry["path"]
-            try:
-                source = pa.memory_map(str(file))
-                reader = pa.ipc.open_file(source)
-                check_columns(reader.schema, expected, str(file))
-                for i in range(reader.num_record_batches):
-                    columns = batch_columns(reader.get_batch(i), shard.specs, str(file))
-                    ids, step = columns["episode_id"], columns["step"].astype(np.int64)
-                    pos = np.asarray(table.position_of(ids))
-                    live = (pos >= 0) & (pos < len(table))
-                    live[live] = live_ids[pos[live]] == ids[live]
-                    pos, step = pos[live], step[live]
-                    if np.any((step < 0) | (step >= num[pos])):
-                        raise FormatError(f"{file}: rows with steps outside their episode")
-                    target = first[pos] + step
-                    for name in shard.schema.fields:   # system columns follow from the table
-                        shard.arena[name][target] = columns[name][live]
-                    filled += np.bincount(pos, minlength=len(table))
-                    bar.update(len(pos))
-            except (pa.ArrowException, OSError) as err:
-                raise FormatError(f"{file}: not a readable Arrow IPC file ({err}); it is truncated or "
-                                  "corrupted") from None
+            check_columns(ipc_schema(file), expected, str(file))
+            for batch in ipc_batches(file):
+                columns = batch_columns(batch, shard.specs, str(file))
+                ids, step = columns["episode_id"], columns["step"].astype(np.int64)
+                pos = np.asarray(table.position_of(ids))
+                live = (pos >= 0) & (pos < len(table))
+                live[live] = live_ids[pos[live]] == ids[live]
+                pos, step = pos[live], step[live]
+                if np.any((step < 0) | (step >= num[pos])):
+                    raise FormatError(f"{file}: rows with steps outside their episode")
+                target = first[pos] + step
+                for name in shard.schema.fields:   # system columns follow from the table
+                    shard.arena[name][target] = columns[name][live]
+                filled += np.bincount(pos, minlength=len(table))
+                bar.update(len(pos))
     short = np.flatnonzero(filled != num)
     if len(short):
         k = short[0]

@@ -69,7 +69,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._checks import check_bool, check_int
-from arrowbuf._persist import CHECKPOINT_MANIFEST, fsync, plain_array, plain_field, schema_of
+from arrowbuf._filesink import fsync
+from arrowbuf._persist import CHECKPOINT_MANIFEST, plain_array, plain_field, schema_of
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError, SchemaError, ShardError
 from arrowbuf.schema import Schema, arrow_to_numpy

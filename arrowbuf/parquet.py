@@ -14,8 +14,12 @@ in the field metadata). Every Parquet file carries the arrowbuf version, the sch
 JSON (dtypes, shapes, which fields are observations) and the store's settings
 (capacity, mode, creation time) in its key-value metadata.
 
-An export is written into a hidden sibling directory and renamed into place, and
-readers require the manifest: an interrupted export never looks complete.
+An export is written through a `arrowbuf._filesink.DirectorySink`: into a hidden
+sibling directory, flushed, then renamed into place (an old export is swapped out
+atomically and deleted only after), and readers require the manifest: an
+interrupted export never looks complete. Every page carries a CRC checksum that
+readers verify, and the manifest records every file's size and SHA-256 (checked
+by `from_parquet` for the files it reads) and a checksum of its own content.
 `open_export` checks a directory, `read_parquet` opens its rows as a dataset, and
 `arrowbuf.parquet_load` loads it into a store (`ExperienceStore.from_parquet`).
 
@@ -34,9 +38,7 @@ Example:
 from __future__ import annotations
 
 import json
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -45,15 +47,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_format, check_size, fsync,
-                               plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write, take_rows,
-                               temp_path, tensor_schema, write_json)
+from arrowbuf._filesink import DirectorySink, aside_copies
+from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format, check_size,
+                               file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
+                               take_rows, tensor_schema, write_manifest)
 from arrowbuf.errors import FormatError
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.parquet"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: page checksums, content hashes of every file and of the manifest
 MANIFEST = EXPORT_MANIFEST
 STEPS = "steps"
 EPISODES = "episodes.parquet"
@@ -105,7 +108,7 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
         last_row = int(ends[stop - 1]) if stop else 0
         path = steps_dir / f"part-{shard:05d}-{len(entries):05d}.parquet"
         part = table.slice(first_row, last_row - first_row)
-        with pq.ParquetWriter(path, schema, compression=compression) as writer:
+        with pq.ParquetWriter(path, schema, compression=compression, write_page_checksum=True) as writer:
             for offset in range(0, max(part.num_rows, 1), group):
                 piece = part.slice(offset, group)
                 writer.write_table(piece, row_group_size=group)
@@ -114,7 +117,7 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
         ids = rows.ids[first_episode:stop]
         entries.append({"path": f"{STEPS}/{path.name}", "shard": shard, "rows": part.num_rows,
                         "episodes": len(ids), "first_episode_id": int(ids[0]) if len(ids) else None,
-                        "last_episode_id": int(ids[-1]) if len(ids) else None, "bytes": path.stat().st_size})
+                        "last_episode_id": int(ids[-1]) if len(ids) else None, **file_entry(path)})
         first_episode, first_row = stop, last_row
     return entries
 
@@ -149,7 +152,8 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
 def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,
                  compression: str = "zstd", rows_per_file: int | None = None, progress: bool | None = None,
                  overwrite: bool = False) -> Path:
-    """`ExperienceStore.to_parquet`: write the export into a hidden sibling, then rename it.
+    """`ExperienceStore.to_parquet`: written through a `DirectorySink` (a hidden sibling
+    directory, flushed, then swapped in: an old export stays until the new one is complete).
 
     ``export_steps(steps_dir, schema, **options)`` writes the rows of every shard
     (the backend's; see `export_shard`) and returns (episode table, file entries).
@@ -170,17 +174,11 @@ def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]],
         raise ValueError("nothing to export: the store has no schema yet (add an episode first)")
     info = store_info(store)
     schema = plain_schema(store_schema, file_metadata(info))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        (tmp / STEPS).mkdir(parents=True)
-        episodes, entries = export_steps(tmp / STEPS, schema, compression=compression, rows_per_file=rows_per_file,
-                                         progress=progress, label=f"export {path.name}")
-        finish_export(tmp, store_schema, info, episodes, entries)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with DirectorySink(path) as sink:
+        (sink.staging / STEPS).mkdir()
+        episodes, entries = export_steps(sink.staging / STEPS, schema, compression=compression,
+                                         rows_per_file=rows_per_file, progress=progress, label=f"export {path.name}")
+        finish_export(sink.staging, store_schema, info, episodes, entries)
     return path
 
 
@@ -194,33 +192,18 @@ def store_info(store: Any) -> dict[str, Any]:
 
 def finish_export(directory: Path, schema: Schema, info: Mapping[str, Any], episodes: pa.Table,
                   entries: Sequence[Mapping[str, Any]]) -> None:
-    """Write the episode table, then the manifest (last: it marks the export complete)."""
+    """Write the episode table, then the manifest (it lists every file with its hash)."""
     from arrowbuf import __version__
 
     episodes = episodes.replace_schema_metadata(file_metadata(info))
-    pq.write_table(episodes, directory / EPISODES, compression="zstd")
-    for entry in entries:
-        fsync(directory / entry["path"])
-    fsync(directory / EPISODES)
-    fsync(directory / STEPS)
-    write_json(directory / MANIFEST, {
+    pq.write_table(episodes, directory / EPISODES, compression="zstd", write_page_checksum=True)
+    write_manifest(directory / MANIFEST, {
         "format": FORMAT, "format_version": FORMAT_VERSION, "arrowbuf_version": __version__,
         "exported_at": _iso(time.time()), "store": dict(info), "schema": json.loads(schema.to_json()),
         "steps": list(entries),
-        "episodes": {"path": EPISODES, "rows": episodes.num_rows, "bytes": (directory / EPISODES).stat().st_size},
+        "episodes": {"path": EPISODES, "rows": episodes.num_rows, **file_entry(directory / EPISODES)},
         "num_rows": sum(e["rows"] for e in entries), "num_episodes": episodes.num_rows,
     })
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    old = None
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:12]}")
-        path.rename(old)
-    tmp.rename(path)
-    fsync(path.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def _iso(seconds: float) -> str:
@@ -253,23 +236,30 @@ def open_export(path: str | Path) -> Export:
             truncated or foreign file; the message names the file.
     """
     path = Path(path)
+    if not path.exists() and aside_copies(path):
+        raise FormatError(f"{path}: no such directory, but {aside_copies(path)[-1]} holds the export it replaced: "
+                          "an overwrite was interrupted; rename that directory back to use it")
     manifest_path, manifest = read_manifest(path, "export")
     check_format(manifest, manifest_path, FORMAT, FORMAT_VERSION)
     try:
         schema = Schema.from_json(json.dumps(manifest["schema"]))
         files = list(manifest["steps"])
         episodes_entry = manifest["episodes"]
+        for entry in files:
+            _check_entry(entry, _STEP_ENTRY, manifest_path)
+        _check_entry(episodes_entry, _FILE_ENTRY, manifest_path)
+        _check_entry(manifest["store"], _STORE_ENTRY, manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
     expected = plain_schema(schema)
     for entry in files:
         file = path / entry["path"]
-        metadata = _footer(file)
-        check_columns(metadata.schema.to_arrow_schema(), expected, str(file))
-        if schema_of(metadata.schema.to_arrow_schema(), str(file)) != schema:
+        num_rows, arrow_schema = _footer(file)
+        check_columns(arrow_schema, expected, str(file))
+        if schema_of(arrow_schema, str(file)) != schema:
             raise FormatError(f"{file}: its arrowbuf schema differs from the manifest's {schema}")
-        if metadata.num_rows != entry["rows"]:
-            raise FormatError(f"{file}: {metadata.num_rows} rows, the manifest says {entry['rows']}")
+        if num_rows != entry["rows"]:
+            raise FormatError(f"{file}: {num_rows} rows, the manifest says {entry['rows']}")
         check_size(file, entry["bytes"])
     listed = {(path / e["path"]).name for e in files}
     strays = sorted(p.name for p in (path / STEPS).glob("*.parquet") if p.name not in listed)
@@ -277,24 +267,52 @@ def open_export(path: str | Path) -> Export:
         raise FormatError(f"{path / STEPS}: files {strays} are not part of this export (the manifest lists "
                           f"{sorted(listed)}); plain readers of steps/*.parquet would mix them in")
     episodes_path = path / episodes_entry["path"]
-    _footer(episodes_path)
-    check_size(episodes_path, episodes_entry["bytes"])
+    check_file(episodes_path, episodes_entry)
     try:
-        episodes = pq.read_table(episodes_path)
-    except (pa.ArrowException, OSError) as err:
+        episodes = pq.read_table(episodes_path, page_checksum_verification=True)
+        names = episodes.column_names     # decoded here: a name may not be UTF-8
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise FormatError(f"{episodes_path}: unreadable episode table ({err})") from None
-    missing = [c for c in _EPISODE_COLUMNS if c not in episodes.column_names]
+    missing = [c for c in _EPISODE_COLUMNS if c not in names]
     if missing:
         raise FormatError(f"{episodes_path}: episode table lacks column(s) {missing}")
     return Export(path, manifest, schema, episodes, files)
 
 
-def _footer(file: Path) -> pq.FileMetaData:
+_FILE_ENTRY = {"path": str, "rows": int, "bytes": int, "sha256": (str, type(None))}
+_STEP_ENTRY = {**_FILE_ENTRY, "episodes": int, "first_episode_id": (int, type(None)),
+               "last_episode_id": (int, type(None))}
+_STORE_ENTRY = {"capacity": int, "mode": str}
+
+
+def _check_entry(entry: Any, fields: Mapping[str, Any], where: Path) -> None:
+    """Raises `FormatError` unless a manifest entry has ``fields`` of their types, and
+    its file path (if any) is a relative path inside the export."""
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: manifest entry {entry!r} is not an object")
+    for key, kind in fields.items():
+        value = entry.get(key)
+        if key not in entry or isinstance(value, bool) or not isinstance(value, kind):
+            raise FormatError(f"{where}: manifest entry {entry!r} has {key}={value!r}; expected {kind}")
+    name = entry.get("path", "")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise FormatError(f"{where}: file {name!r} is not a path inside the export")
+
+
+def _footer(file: Path) -> tuple[int, pa.Schema]:
+    """The row count and Arrow schema in a Parquet file's footer.
+
+    Raises:
+        FormatError: a missing file, or a footer that does not parse.
+    """
     if not file.exists():
         raise FormatError(f"{file}: missing; the export's manifest lists it (a partial copy?)")
     try:
-        return pq.read_metadata(file)
-    except (pa.ArrowException, OSError) as err:
+        metadata = pq.read_metadata(file)
+        schema = metadata.schema.to_arrow_schema()
+        _ = schema.names                  # decoded here: a name may not be UTF-8
+        return metadata.num_rows, schema
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise FormatError(f"{file}: not a readable Parquet file ({err}); it is truncated or corrupted") from None
 
 
@@ -315,4 +333,6 @@ def read_parquet(path: str | Path) -> ds.Dataset:
     export = open_export(path)
     meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
     schema = tensor_schema(export.schema, meta)
-    return ds.dataset([str(export.path / e["path"]) for e in export.files], schema=schema, format="parquet")
+    checked = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+        page_checksum_verification=True))
+    return ds.dataset([str(export.path / e["path"]) for e in export.files], schema=schema, format=checked)

@@ -4,7 +4,8 @@
 group (about 64 MiB each, `arrowbuf.parquet.group_rows`) and copied into the
 store's arena one episode at a time, so an export larger than memory loads into a
 store of any capacity: the newest selected episodes that fit are kept, the files
-and row groups of the others are not read.
+and row groups of the others are not read. Every file read is checked against the
+SHA-256 the manifest recorded first, and its page checksums as it is read.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from arrowbuf._persist import batch_columns, progress_bar
+from arrowbuf._persist import batch_columns, check_file, progress_bar
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import CapacityError, FormatError
 from arrowbuf.parquet import EPISODES, STEPS, Export, group_rows, open_export
@@ -122,9 +123,10 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
             if not len(ids) or entry["episodes"] == 0 or not _overlaps(entry, ids):
                 continue
             file = export.path / entry["path"]
-            reader = pq.ParquetFile(file)
-            groups = _row_groups(reader, int(ids.min()), int(ids.max()))
+            check_file(file, entry)
             try:
+                reader = pq.ParquetFile(file, page_checksum_verification=True)
+                groups = _row_groups(reader, int(ids.min()), int(ids.max()))
                 batches = reader.iter_batches(batch_size=group, row_groups=groups)
                 for batch in batches:
                     columns = batch_columns(batch, specs, str(file))

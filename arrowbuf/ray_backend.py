@@ -230,13 +230,14 @@ class ShardServer:
         return export_shard(self.engine.shard, self.engine.lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
-    def save(self, path: str) -> str:
+    def save(self, path: str, base: str | None = None) -> str:
+        """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
         from arrowbuf.checkpoint import save_engine
 
         engine = self.engine
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
-        save_engine(engine, path, info, progress=False)
+        save_engine(engine, path, info, progress=False, base=base)
         if self.durable is not None:   # durable: its own checkpoint, then the log is compacted
             self.durable.checkpoint(engine, info)
         return path

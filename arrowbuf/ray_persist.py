@@ -4,6 +4,15 @@ Each shard actor writes its own files (Parquet parts, a checkpoint directory, or
 Arrow tables in the object store); the driver only writes the small shared pieces
 (episode table, manifests). Paths must be on storage every node can reach.
 
+Layout of a Ray checkpoint::
+
+    ckpt/
+      ray_checkpoint.json     names the committed generation (replaced last, checksummed)
+      gen-<id>/shard-<k>/     one local checkpoint per shard (`arrowbuf.checkpoint`)
+
+A save stages a new generation, and replacing the manifest commits it at once:
+a save that fails on any shard leaves the previous generation named, complete.
+
 Ray Data rows use the plain export layout (fixed-size lists, Arrow booleans, the
 system columns) plus one bool column, ``final_observation``: True on the row that
 holds only an episode's final observation, so `from_ray_dataset` can rebuild
@@ -12,16 +21,19 @@ episodes exactly.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf._persist import batch_columns, plain_schema, read_json, schema_of, take_rows, write_json
+from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, remove
+from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_json, schema_of, take_rows,
+                               write_manifest)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.episodes import read_episode
-from arrowbuf.errors import FormatError
+from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
 
@@ -31,7 +43,14 @@ if TYPE_CHECKING:
 
 RAY_MANIFEST = "ray_checkpoint.json"
 RAY_FORMAT = "arrowbuf-ray-checkpoint"
+RAY_FORMAT_VERSION = 2     # 2: generations committed by the manifest, which carries a checksum
 FINAL = "final_observation"
+
+
+def _ray() -> Any:
+    from arrowbuf.ray_backend import _ray as ray
+
+    return ray()
 
 
 def shard_dir(path: Path, shard: int) -> Path:
@@ -51,13 +70,85 @@ def plain_rows(engine: ShardEngine) -> pa.Table:
 
 
 def save_ray_store(store: "RayExperienceStore", path: Path) -> Path:
-    """Every shard saves into ``path/shard-<k>`` in parallel; the manifest comes last."""
+    """Every shard saves into a new generation ``path/gen-<id>/shard-<k>`` in parallel;
+    replacing the manifest commits the generation, and older generations are deleted.
+
+    The generation is staged by a `ManifestSink`: if any shard fails, the staged
+    generation is deleted and the manifest still names the previous one, complete.
+    Each shard links the row files it still needs from its previous generation
+    and writes only the episodes added since.
+
+    Raises:
+        ShardError: a shard died during the save (the previous checkpoint stays).
+    """
     store.flush()
+    previous = _committed_generation(path)
+    generation = f"gen-{uuid.uuid4().hex[:16]}"
     path.mkdir(parents=True, exist_ok=True)
-    store._shards.get({s: store._shards.call(s, "save", str(shard_dir(path, s))) for s in range(store.num_shards)})
-    write_json(path / RAY_MANIFEST, {"format": RAY_FORMAT, "format_version": 1, "num_shards": store.num_shards,
-                                     "capacity": store.capacity, "mode": store.mode, "seed": store.seed})
+    with ManifestSink(path, RAY_MANIFEST) as sink:
+        staged = sink.staging / generation
+        refs: dict[int, Any] = {}
+        failure = None
+        for s in range(store.num_shards):
+            try:
+                refs[s] = store._shards.call(s, "save", str(shard_dir(staged, s)),
+                                             str(shard_dir(previous, s)) if previous is not None else None)
+            except ShardError as err:   # a shard known dead: wait for the others before the abort
+                failure = err
+                break
+        _wait_all(refs, store.name, failure)
+        write_manifest(sink.staging / RAY_MANIFEST, {
+            "format": RAY_FORMAT, "format_version": RAY_FORMAT_VERSION, "generation": generation,
+            "num_shards": store.num_shards, "capacity": store.capacity, "mode": store.mode, "seed": store.seed})
+    for old in [*path.glob("gen-*"), *path.glob("shard-*"), *path.glob(f"{STAGING_PREFIX}*")]:
+        if old.name != generation:
+            remove(old)
     return path
+
+
+def _wait_all(refs: dict[int, Any], name: str, failure: BaseException | None = None) -> None:
+    """Wait for every shard's answer, then raise the first failure (so no shard still
+    writes into a generation that is being deleted)."""
+    ray = _ray()
+    for shard, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            failure = failure or ShardError(f"shard {shard} of store {name!r} died during the save: {err}; the "
+                                            "previous checkpoint is kept")
+        except Exception as err:   # the shard's own error (a RayTaskError of its type), raised once all are done
+            failure = failure or err
+    if failure is not None:
+        raise failure
+
+
+def _committed_generation(path: Path) -> Path | None:
+    """The generation directory the Ray checkpoint in ``path`` commits, if any is readable."""
+    try:
+        return generation_dir(path, _read_manifest(path))
+    except FormatError:
+        return None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / RAY_MANIFEST
+    manifest = read_json(manifest_path, "Ray checkpoint manifest")
+    check_format(manifest, manifest_path, RAY_FORMAT, RAY_FORMAT_VERSION)
+    return manifest
+
+
+def generation_dir(path: Path, manifest: Mapping[str, Any]) -> Path:
+    """The directory of the committed generation (``path`` itself for format version 1).
+
+    Raises:
+        FormatError: a generation that is not a directory name inside ``path``.
+    """
+    generation = manifest.get("generation", ".")
+    if generation == "." and manifest.get("format_version") == 1:
+        return path
+    if not isinstance(generation, str) or not generation.startswith("gen-") or Path(generation).name != generation:
+        raise FormatError(f"{path / RAY_MANIFEST}: generation {generation!r} is not a gen-<id> directory name")
+    return path / generation
 
 
 def load_ray_store(path: Path, num_shards: int | None, **options: Any) -> "RayExperienceStore":
@@ -71,29 +162,29 @@ def load_ray_store(path: Path, num_shards: int | None, **options: Any) -> "RayEx
     Raises:
         FormatError: no complete Ray checkpoint in ``path``.
     """
-    from arrowbuf.ray_backend import RayExperienceStore, _ray
+    from arrowbuf.ray_backend import RayExperienceStore
 
-    manifest = read_json(path / RAY_MANIFEST, "Ray checkpoint manifest")
-    if manifest.get("format") != RAY_FORMAT or int(manifest.get("format_version", 0)) > 1:
-        raise FormatError(f"{path / RAY_MANIFEST}: not a Ray checkpoint this arrowbuf can read ({manifest})")
-    saved = int(manifest["num_shards"])
-    dirs = [shard_dir(path, s) for s in range(saved)]
+    manifest = _read_manifest(path)
+    try:
+        saved = int(manifest["num_shards"])
+        capacity, kwargs = int(manifest["capacity"]), {"mode": manifest["mode"], "seed": manifest["seed"], **options}
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path / RAY_MANIFEST}: incomplete manifest ({err!r})") from None
+    generation = generation_dir(path, manifest)
+    dirs = [shard_dir(generation, s) for s in range(saved)]
     for directory in dirs:
         if not (directory / "manifest.json").exists():
             raise FormatError(f"{directory}: shard checkpoint missing; the Ray checkpoint is incomplete")
     num_shards = saved if num_shards is None else num_shards
-    kwargs = {"mode": manifest["mode"], "seed": manifest["seed"], **options}
     if num_shards == saved:
-        store = RayExperienceStore(int(manifest["capacity"]), num_shards=saved, _load_from=[str(d) for d in dirs],
-                                   **kwargs)
+        store = RayExperienceStore(capacity, num_shards=saved, _load_from=[str(d) for d in dirs], **kwargs)
         store.sampler = store._shards.get({0: store._shards.call(0, "config")})[0]["sampler"]
         return store
     from arrowbuf.store import ExperienceStore
 
     first = ExperienceStore.load(dirs[0])
     sampler = type(first.sampler)(**first.sampler.config())
-    store = RayExperienceStore(int(manifest["capacity"]), num_shards=num_shards, schema=first.schema,
-                               sampler=sampler, **kwargs)
+    store = RayExperienceStore(capacity, num_shards=num_shards, schema=first.schema, sampler=sampler, **kwargs)
     reshard = _ray().remote(_reshard_task)
     _ray().get([reshard.remote(str(d), store._sink) for d in dirs])
     store._refresh_sizes()

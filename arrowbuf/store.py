@@ -675,7 +675,8 @@ class ExperienceStore:
             raise ValueError(f"{sorted(ray_options)} apply to Ray checkpoints only; {path} is a local one")
         loaded = load_engine(path, progress)
         store = cls._of_engine(loaded.engine, float(loaded.info["created_at"]))
-        store._restore_writers(loaded.writers)
+        with loaded.typed_errors():
+            store._restore_writers(loaded.writers)
         return store
 
     @classmethod

@@ -8,13 +8,16 @@ observation, and a few carry metadata. Stores are small enough to wrap their rin
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 import arrowbuf as ab
+from arrowbuf import _persist, checkpoint
 
 KINDS = ("w1", "pixels", "nested")
 
@@ -121,3 +124,21 @@ def assert_same_store(a: ab.ExperienceStore, b: ab.ExperienceStore, skip: tuple[
     assert (len(a), a.num_episodes) == (len(b), b.num_episodes)
     assert_same_episodes(a, b, skip)
     assert_same_rows(a.to_arrow(), b.to_arrow())
+
+
+def edit_checkpoint(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change a checkpoint's state as a deliberate editor would: ``edit`` mutates the
+    state (arrays joined in); the state file and the manifest are rewritten with
+    matching hashes, so only the checks of the state's domains can catch it."""
+    manifest_path = path / checkpoint.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    state_file = path / manifest["state_file"]["path"]
+    state = _persist.join_arrays(manifest["state"], _persist.table_arrays(pa.ipc.open_file(
+        pa.memory_map(str(state_file))).read_all()))
+    edit(state)
+    tree, arrays = _persist.split_arrays(state)
+    table = _persist.arrays_table(arrays)
+    _persist.write_ipc(state_file, table.schema, table.to_batches())
+    manifest["state"] = tree
+    manifest["state_file"] = {"path": state_file.name, **_persist.file_entry(state_file)}
+    _persist.write_manifest(manifest_path, manifest)
