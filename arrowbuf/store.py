@@ -77,6 +77,11 @@ class ExperienceStore:
         ray_options: a Ray store's `RayOptions` (placement, writer delivery, ...).
         track_reuse: count how often each stored step is sampled, for the
             ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
+        durable: Ray only: True (``~/.cache/arrowbuf/<name>``) or a directory for the
+            shards' episode logs: each shard logs every episode before it answers,
+            and Ray restarts a shard that dies, which rebuilds itself from its last
+            checkpoint plus the log (`arrowbuf.durable`); False keeps episodes in
+            memory only.
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -97,7 +102,8 @@ class ExperienceStore:
     def __init__(self, capacity: int, *, seed: int | None = None, sampler: Any = None,
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
-                 track_reuse: bool = False, name: str | None = None, ray_options: RayOptions | None = None) -> None:
+                 track_reuse: bool = False, name: str | None = None, ray_options: RayOptions | None = None,
+                 durable: Any = False) -> None:
         self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
         num_shards = check_int("num_shards", num_shards, 1)
         self.capacity = check_int("capacity", capacity, num_shards)
@@ -107,15 +113,22 @@ class ExperienceStore:
             if num_shards != 1 or name is not None or ray_options is not None:
                 raise ValueError(f"num_shards={num_shards!r}, name={name!r} and ray_options={ray_options!r} "
                                  "need backend='ray'; the local backend has one unnamed shard")
+            if durable is not False:
+                raise ValueError(f"durable={durable!r} needs backend='ray' (durable shard actors); a local store is "
+                                 "saved with save()")
             self._backend: Any = LocalBackend(ShardEngine(
                 self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter, mode=mode, seed=self.seed,
                 schema=schema, track_reuse=self.track_reuse))
         else:
-            self._backend = self._start_ray(num_shards, schema, name, ray_options)
+            self._backend = self._start_ray(num_shards, schema, name, ray_options, durable)
 
-    def _start_ray(self, num_shards: int, schema: Schema | None, name: Any, ray_options: Any) -> Any:
+    def _start_ray(self, num_shards: int, schema: Schema | None, name: Any, ray_options: Any, durable: Any) -> Any:
         """The Ray backend of a new store (see `arrowbuf.ray.router`)."""
-        name = check_name(name)
+        from arrowbuf.durable import durable_directory
+        from arrowbuf.ray.router import RayBackend, start_shards
+
+        name = check_name(name) or RayBackend.new_name()
+        directory = durable_directory(durable, name)
         ray_options = _ray_options(ray_options)
         if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
             raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
@@ -123,11 +136,9 @@ class ExperienceStore:
         if isinstance(self.sampler, WithoutReplacementSampler) and num_shards > 1:
             raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
                              "different times; use num_shards=1, or iter_batches() for epochs across shards")
-        from arrowbuf.ray.router import RayBackend, start_shards
-
-        shards = start_shards(name or RayBackend.new_name(), self.capacity, num_shards, seed=self.seed,
-                              sampler=self.sampler, rate_limiter=self.rate_limiter, schema=schema, mode=self.mode,
-                              track_reuse=self.track_reuse, options=ray_options)
+        shards = start_shards(name, self.capacity, num_shards, seed=self.seed, sampler=self.sampler,
+                              rate_limiter=self.rate_limiter, schema=schema, mode=self.mode,
+                              track_reuse=self.track_reuse, options=ray_options, durable=directory)
         return RayBackend(shards, capacity=self.capacity, sampler=self.sampler, seed=self.seed, schema=schema,
                           schema_fixed=schema is not None)
 

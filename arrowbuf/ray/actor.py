@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError
 from arrowbuf.rate_limiters import RateLimiter
@@ -47,18 +48,25 @@ class ShardServer:
         mode: "circular" or "fixed".
         load_from: a checkpoint directory of this shard to start from.
         track_reuse: count how often each row is sampled.
+        durable: this shard's durable directory (`arrowbuf.durable`): it starts from
+            the last checkpoint there plus its episode log, and logs every write
+            before answering; None keeps episodes in memory only.
+        durable_sync: flush the log to disk before answering a write.
     """
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
-                 track_reuse: bool = False) -> None:
-        if load_from is not None:
-            from arrowbuf.checkpoint import load_engine
+                 track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True) -> None:
+        def make_engine() -> ShardEngine:
+            if load_from is not None:
+                from arrowbuf.checkpoint import load_engine
 
-            self.engine = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
-        else:
-            self.engine = ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
-                                      track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
+            return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
+                               track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+
+        self.durable = DurableShard(durable, shard, num_shards, durable_sync) if durable is not None else None
+        self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
         self._limiter_spec = type(engine.rate_limiter)(**engine.rate_limiter.config())
@@ -88,25 +96,34 @@ class ShardServer:
         with self.engine.lock:
             return (*self.engine.size(), time.monotonic())
 
-    def add_episodes(self, episodes: list[Episode], schema_json: str,
-                     timeout: float | None = None) -> tuple[list[int], Reading]:
+    def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
+                     batch: tuple[str, int] | None = None) -> tuple[list[int], Reading]:
         """Store ``episodes`` in order; their ids and the shard's size after them.
+
+        ``batch`` = (writer id, batch number) names a writer's write: a durable
+        shard answers a retry of a write it already logged (Ray retries calls
+        that a restart interrupted) without storing it again.
 
         Raises:
             SchemaError: this shard stores another schema.
             CapacityError, RateLimited, ...: the first refused episode's error,
                 saying how many of the batch were refused (the others are stored).
         """
+        if self.durable is not None and self.durable.seen(batch):
+            return [], self.size()
         schema = Schema.from_json(schema_json)
         if self.engine.schema is not None and self.engine.schema != schema:
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
-        ids, refused = [], []
+        ids, refused, added = [], [], []
         for episode in episodes:   # one refused episode must not take the rest of the batch with it
             try:
                 ids.append(self.engine.add(episode, schema, timeout))
+                added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
+        if self.durable is not None:   # logged (and flushed) before the answer
+            self.durable.commit(self.engine, added, batch)
         if refused:
             err = refused[0]
             err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
@@ -145,6 +162,8 @@ class ShardServer:
 
     def clear(self) -> Reading:
         self.engine.clear()
+        if self.durable is not None:   # a restart must not bring the episodes back
+            self.durable.cleared(self.engine)
         return self.size()
 
     def stats(self) -> dict:
@@ -167,6 +186,8 @@ class ShardServer:
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
         save_engine(engine, path, info, progress=False, base=base)
+        if self.durable is not None:   # its own checkpoint, then the log is compacted
+            self.durable.checkpoint(engine, info)
         return path
 
     def plain_rows(self) -> pa.Table:

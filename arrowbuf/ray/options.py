@@ -64,6 +64,12 @@ class RayOptions:
             sizes again, in the background (it never waits for them).
         start_timeout: seconds to wait for the shard actors to start (they wait for
             ``num_cpus`` free CPUs) before `ShardError`.
+        max_restarts: times Ray restarts a shard actor that died (-1: always); None
+            is -1 for a durable store (it recovers its episodes) and 0 otherwise (a
+            restarted shard would come back empty). Calls in flight are retried.
+        durable_sync: a durable shard flushes its log to disk (``fdatasync``) before it
+            answers a write; False leaves the flush to the OS: writes survive a dead
+            actor (the kernel holds them) but not a crash of the node.
 
     Example:
         >>> import arrowbuf as ab
@@ -80,6 +86,8 @@ class RayOptions:
     delivery_latency: float = 0.1
     size_refresh: float = 0.5
     start_timeout: float = 120.0
+    max_restarts: int | None = None
+    durable_sync: bool = True
 
     def __post_init__(self) -> None:
         self.num_cpus = _check_seconds("num_cpus", self.num_cpus, zero_ok=True)
@@ -90,5 +98,8 @@ class RayOptions:
         check_int("RayOptions.write_batch_bytes", self.write_batch_bytes, 0)
         check_bool("RayOptions.node_affinity", self.node_affinity)
         check_bool("RayOptions.allow_partial", self.allow_partial)
+        check_bool("RayOptions.durable_sync", self.durable_sync)
+        if self.max_restarts is not None:
+            check_int("RayOptions.max_restarts", self.max_restarts, -1)
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
             raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Any
@@ -83,6 +84,7 @@ class RaySink:
         self._routes: dict[str, int] = {}
         self._node: str | None = None
         self._start_local()
+        self._new_writer()
 
     def _start_local(self) -> None:
         """State that stays in this process (not pickled)."""
@@ -103,6 +105,11 @@ class RaySink:
         self.__dict__.update(state)
         self._loads = self._loads.copy()   # read-only when it came through the object store
         self._start_local()
+        self._new_writer()   # each unpickled copy writes on its own
+
+    def _new_writer(self) -> None:
+        """A fresh writer id and batch count: (id, number) names each write for durable shards."""
+        self._writer, self._batch_number = uuid.uuid4().hex, 0
 
     # -- the EpisodeSink protocol ---------------------------------------------------
 
@@ -279,7 +286,9 @@ class RaySink:
             if shard in self._shards.dead:
                 self._requeue_dead(shard)
                 continue
-            ref = self._shards.call(shard, "add_episodes", ready, schema_json, self.timeout)
+            self._batch_number += 1   # (writer, number) names this write: a durable shard stores a retry once
+            ref = self._shards.call(shard, "add_episodes", ready, schema_json, self.timeout,
+                                    (self._writer, self._batch_number))
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -26,12 +27,15 @@ logger = logging.getLogger(__name__)
 
 def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None, sampler: Sampler,
                  rate_limiter: RateLimiter, schema: Schema | None, mode: str, track_reuse: bool,
-                 options: RayOptions, load_from: Sequence[str] | None = None) -> ShardHandles:
+                 options: RayOptions, load_from: Sequence[str] | None = None,
+                 durable: Path | None = None) -> ShardHandles:
     """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
 
     Each shard gets ``capacity // num_shards`` rows (the first ones one more for the
     remainder), its own copies of the sampler and rate limiter, and a seed derived
-    from ``seed``.
+    from ``seed``. With a ``durable`` directory, shard k logs into
+    ``durable/shard-<k>`` and Ray restarts it when it dies (``max_restarts``), retrying
+    the calls in flight.
 
     Raises:
         ShardError: the actors did not start within ``options.start_timeout``.
@@ -44,6 +48,7 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
     actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer) if threaded else ray.remote(ShardServer)
     threads = {"max_concurrency": DEFAULT_CONCURRENCY} if threaded else {}
     seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
+    restarts = options.max_restarts if options.max_restarts is not None else -1 if durable is not None else 0
     handles = []
     for shard in range(num_shards):
         placement = {}
@@ -54,10 +59,12 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         rows = capacity // num_shards + (shard < capacity % num_shards)
         handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
+                                     max_restarts=restarts, max_task_retries=-1 if restarts else 0,
                                      **threads, **placement).remote(
             rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
             schema.to_json() if schema is not None else None, mode,
-            load_from[shard] if load_from is not None else None, track_reuse))
+            load_from[shard] if load_from is not None else None, track_reuse,
+            str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync))
     limit = None if math.isinf(options.start_timeout) else options.start_timeout
     try:
         nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)

@@ -6,8 +6,11 @@ vs a naive Ray actor (``ray.get(actor.sample.remote(n))`` per batch; target >=
 5x); writes vs ``ray.get(actor.add.remote(episode))`` per episode (target >=
 3x) through both of arrowbuf's paths: ``add_episode`` (a round trip that
 returns the shard's episode id) and a step writer (asynchronous, batched, the
-throughput path); ratio to the embedded store's sample. Timed in longer slices
-than the in-process workloads, each ending with a flush.
+throughput path); ratio to the embedded store's sample; the same
+``add_episode`` calls into a ``durable=`` store, whose shards log and fsync each
+write before answering it, vs the plain store (arrowbuf/durable: durable time
+over plain time, target <= 1.3). Timed in longer slices than the in-process
+workloads, each ending with a flush.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import gc
 import itertools
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -104,25 +109,37 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
     notes.append("  naive: one Ray actor (num_cpus=0), ray.get(actor.sample.remote(n)) / "
                  "ray.get(actor.add.remote(episode)) per call; local = embedded ExperienceStore.sample in the driver")
     notes.append(load_note(load_start))
+    notes.append("  durable: add_episode + flush into ExperienceStore(backend='ray', durable=dir), each shard "
+                 "logging and fsyncing every write request before answering it; unsynced: the same with "
+                 "RayOptions(durable_sync=False) (the log written, its flush to disk left to the OS)")
     notes.append("  put: ray.put of each episode alone (nothing stored): the bound of one writer, whose episodes "
                  "must enter the object store")
     return WorkloadResult("RAY", spec.short(), spec.describe(),
-                          ["naive", "arrowbuf", "arrowbuf_sync", "arrowbuf_writer", "local", "put"],
+                          ["naive", "arrowbuf", "arrowbuf_sync", "arrowbuf_writer", "local", "put", "durable",
+                           "unsynced"],
                           metrics, notes, time.perf_counter() - t0,
                           labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter / add_episode",
                                   "arrowbuf_sync": "arrowbuf sample()", "arrowbuf_writer": "arrowbuf writer",
-                                  "local": "local store", "put": "ray.put only"},
+                                  "local": "local store", "put": "ray.put only", "durable": "arrowbuf durable=True",
+                                  "unsynced": "durable, durable_sync=False"},
                           ratio_columns=["arrowbuf/naive", "arrowbuf/local"])
 
 
 def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, float, int], notes: list[str],
                profile: bool, ray: Any, ab: Any) -> list[Metric]:
     """Fill, time and tear down the contenders of one schema."""
+    from arrowbuf import RayOptions
+
     T, B = rs.episode_len, rs.batch_size
     episodes = make_episodes(rs)
     start = time.perf_counter()
     naive = ray.remote(num_cpus=0)(NaiveReplay).remote(rs)
     store = ab.ExperienceStore(rs.capacity, backend="ray", num_shards=spec.num_shards, seed=0)
+    durable_dir = tempfile.mkdtemp(prefix="arrowbuf-bench-durable-")
+    durable = ab.ExperienceStore(rs.capacity, backend="ray", num_shards=spec.num_shards, seed=0, durable=durable_dir)
+    unsynced = ab.ExperienceStore(rs.capacity, backend="ray", num_shards=spec.num_shards, seed=0,
+                                  durable=os.path.join(durable_dir, "unsynced"),
+                                  ray_options=RayOptions(durable_sync=False))
     local = ab.ExperienceStore(rs.capacity, seed=0)
     log(f"  RAY {wname}: actors started in {time.perf_counter() - start:.1f} s")
     laps = rs.capacity // (T + 1)
@@ -137,6 +154,10 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
             store.add_episode(episodes[i % len(episodes)], env_id=f"env-{next(env) % spec.envs}")
         store.flush()
         cold_ab = laps * T / (time.perf_counter() - start)
+        for durable_store in (durable, unsynced):
+            for i in range(laps):
+                durable_store.add_episode(episodes[i % len(episodes)], env_id=f"env-{next(env) % spec.envs}")
+            durable_store.flush()
         for i in range(laps):
             local.add_episode(episodes[i % len(episodes)])
         shards = [s["transitions"] for s in store.stats()["shards"]]
@@ -152,6 +173,8 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                    "arrowbuf": lambda: store.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
                    "arrowbuf_writer": writer_calls(store.writer(num_envs=writer_envs(rs), autoreset_mode="disabled"),
                                                    episodes, T),
+                   "durable": lambda: durable.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
+                   "unsynced": lambda: unsynced.add_episode(next(feed), env_id=f"env-{next(env) % spec.envs}"),
                    "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
         sample_done = {"arrowbuf": store.flush}
         batch = next(iterator)
@@ -168,10 +191,12 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                  {**over("arrowbuf", "naive", "local"), "arrowbuf sample()/naive": ("arrowbuf_sync", "naive")},
                  target="arrowbuf/naive >= 5", goal=at_least("arrowbuf/naive", 5), finish=sample_done),
             Race(f"{wname} add", "rows/s", add_fns,
-                 {**over("arrowbuf", "naive", "put"), **over("put", "naive"),
+                 {**over("arrowbuf", "naive", "put", "durable", "unsynced"), **over("put", "naive"),
                   "writer/naive": ("arrowbuf_writer", "naive")},
-                 target="arrowbuf/naive >= 3", goal=at_least("arrowbuf/naive", 3), units=T,
-                 finish={"arrowbuf": store.flush, "arrowbuf_writer": store.flush}),
+                 target="arrowbuf/naive >= 3, arrowbuf/durable <= 1.3",
+                 goal=lambda m: at_least("arrowbuf/naive", 3)(m) and m.ratios["arrowbuf/durable"].median <= 1.3,
+                 units=T, finish={"arrowbuf": store.flush, "arrowbuf_writer": store.flush, "durable": durable.flush,
+                                  "unsynced": unsynced.flush}),
         ], rounds, min_time, slices)
         if profile:
             notes.append(profile_calls(f"RAY {wname}: driver side of arrowbuf sample_iter", lambda: next(iterator),
@@ -185,6 +210,9 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
             store.flush()
     finally:
         store.close()
+        durable.close()
+        unsynced.close()
+        shutil.rmtree(durable_dir, ignore_errors=True)
         ray.kill(naive)
     sample_fns.clear()
     gc.collect()
