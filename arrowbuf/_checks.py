@@ -172,3 +172,78 @@ def real_numbers(value: Any, name: str) -> np.ndarray:
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """The float32 values of bfloat16 ``uint16`` bits (exact: bf16 is float32's top half)."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """A number in [0, 1] (a discount, GAE's lambda), or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) -> tuple[int, float, int]:
+    """(n_step, gamma, frame_stack) of a sample, checked against the store's schema; gamma is 1.0 when unused.
+
+    Raises:
+        ValueError: a bad value, or n_step > 1 without a scalar ``reward`` field.
+    """
+    if n_step == 1 and frame_stack == 1 and type(n_step) is int and type(frame_stack) is int:   # the common case
+        if gamma != 0.99:
+            check_fraction("gamma", gamma)
+        return 1, 1.0, 1
+    n_step = check_int("n_step", n_step, 1)
+    frame_stack = check_int("frame_stack", frame_stack, 1)
+    gamma = check_fraction("gamma", gamma)
+    if n_step > 1 and (schema is None or "reward" not in schema.fields):
+        raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
+                         f"{list(schema.fields) if schema else 'no fields yet'}")
+    if n_step > 1 and schema.fields["reward"].shape != ():
+        raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
+    return n_step, gamma, frame_stack
+
+
+def check_worker_nodes(backend: str, num_workers: int | None, worker_nodes: Any) -> None:
+    """None, or one node id (str) per worker of a Ray store's sample.
+
+    Raises:
+        ValueError: a local store, or not one str per worker.
+    """
+    if worker_nodes is None:
+        return
+    if backend != "ray":
+        raise ValueError("worker_nodes needs backend='ray' (a local store has one node)")
+    if num_workers is None or isinstance(worker_nodes, str) or len(worker_nodes) != num_workers \
+            or not all(isinstance(n, str) for n in worker_nodes):
+        raise ValueError(f"worker_nodes must list one node id (str) per worker (num_workers={num_workers}), "
+                         f"got {worker_nodes!r}")
+
+
+def check_priorities(index: Any, priority: Any, alpha: float, eps: float,
+                     capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 index, float64 priority) of an `update_priorities` call.
+
+    Raises:
+        ValueError: mismatched lengths, non-integer indices, or priorities that
+            are negative, not finite, or so large that ``(p + eps) ** alpha`` over
+            ``capacity`` leaves would overflow the sum tree's total.
+    """
+    index = to_numpy(index, "index")[0].reshape(-1)
+    priority = real_numbers(priority, "priority").reshape(-1)
+    if not np.issubdtype(index.dtype, np.integer):
+        raise ValueError(f"index must hold integers (a batch's 'index'), got dtype {index.dtype}")
+    if not (np.issubdtype(priority.dtype, np.floating) or np.issubdtype(priority.dtype, np.integer)):
+        raise ValueError(f"priority must hold real numbers, got dtype {priority.dtype}")
+    priority = priority.astype(np.float64)
+    if index.shape != priority.shape:
+        raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
+    if not np.all(np.isfinite(priority)) or np.any(priority < 0):
+        bad = priority[~(np.isfinite(priority) & (priority >= 0))][:5]
+        raise ValueError(f"priority must be finite and >= 0, got {bad.tolist()}")
+    # Each leaf at most max/capacity, so that the tree's total stays finite.
+    limit = np.finfo(np.float64).max / capacity
+    with np.errstate(over="ignore"):
+        too_big = (priority + eps) ** alpha > limit
+    if too_big.any():
+        raise ValueError(f"priority {priority[too_big][:5].tolist()} too large: (priority + eps) ** alpha must stay "
+                         f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
+    return index.astype(np.int64), priority

@@ -48,7 +48,8 @@ crashed one left.
 Example:
     >>> import numpy as np, arrowbuf as ab, tempfile
     >>> store = ab.ExperienceStore(capacity=100, seed=0)
-    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64)})
+    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64),
+    ...                        "terminated": np.array([False, False, True])})
     >>> ckpt = tempfile.mkdtemp()
     >>> _ = store.save(ckpt)
     >>> loaded = ab.ExperienceStore.load(ckpt)

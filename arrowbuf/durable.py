@@ -48,7 +48,8 @@ Example:
     ...                                 "terminated": np.arange(3) == 2}, None)
     >>> durable.commit(engine, [(engine.add(episode, schema), episode)])
     >>> durable.close()
-    >>> DurableShard(durable.directory).recover(make).num_episodes   # after a crash, from the log
+    >>> with DurableShard(durable.directory) as restarted:   # after a crash: from the log
+    ...     restarted.recover(make).num_episodes
     1
 """
 

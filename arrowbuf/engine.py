@@ -63,7 +63,8 @@ class ShardEngine:
         >>> from arrowbuf.engine import ShardEngine
         >>> from arrowbuf.episodes import read_episode
         >>> engine = ShardEngine(100, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0)
-        >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)}, None)
+        >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3),
+        ...                                 "terminated": np.array([False, False, True])}, None)
         >>> engine.add(episode, schema)
         0
         >>> engine.sample(5)["next", "obs"].shape

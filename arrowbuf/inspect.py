@@ -12,7 +12,8 @@ Example:
     >>> from arrowbuf.inspect import plot_returns
     >>> store = ab.ExperienceStore(capacity=100, seed=0)
     >>> for k in range(3):
-    ...     _ = store.add_episode({"obs": np.zeros((5, 2)), "reward": np.full(4, k)})
+    ...     _ = store.add_episode({"obs": np.zeros((5, 2)), "reward": np.full(4, k),
+    ...                            "terminated": np.arange(4) == 3})
     >>> [len(line.get_ydata()) for line in plot_returns(store).axes[0].lines]
     [3, 3]
 """

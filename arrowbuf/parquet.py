@@ -26,7 +26,8 @@ by `from_parquet` for the files it reads) and a checksum of its own content.
 Example:
     >>> import numpy as np, arrowbuf as ab, tempfile, os
     >>> store = ab.ExperienceStore(capacity=100, seed=0)
-    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64)})
+    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64),
+    ...                        "terminated": np.array([False, False, True])})
     >>> out = os.path.join(tempfile.mkdtemp(), "export")
     >>> _ = store.to_parquet(out)
     >>> ab.read_parquet(out).to_table().num_rows

@@ -12,7 +12,6 @@ as last reported) the docstrings say so.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -20,8 +19,9 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_int,
-                              check_metadata, check_name, check_timeout, check_workers, real_numbers, to_numpy)
+from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id,
+                              check_fraction, check_int, check_metadata, check_name, check_priorities,
+                              check_sample_args, check_timeout, check_worker_nodes, check_workers, to_numpy)
 from arrowbuf._stats import store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.engine import ShardEngine
@@ -29,7 +29,8 @@ from arrowbuf.episodes import StepWriter, read_episode
 from arrowbuf.errors import describe
 from arrowbuf.local import LocalBackend
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.ray.options import RayOptions
+from arrowbuf._store_io import StoreIO
+from arrowbuf.ray.options import RayOptions, as_ray_options
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.schema import Schema
@@ -38,16 +39,7 @@ from arrowbuf.shard import MODES
 BACKENDS = ("local", "ray")
 
 
-def _ray_options(value: Any) -> RayOptions:
-    """``value`` (None: the defaults) as `RayOptions`, or ValueError."""
-    if value is None:
-        return RayOptions()
-    if not isinstance(value, RayOptions):
-        raise ValueError(f"ray_options must be an arrowbuf.RayOptions or None, got {describe(value)}")
-    return value
-
-
-class ExperienceStore:
+class ExperienceStore(StoreIO):
     """A replay / rollout store of whole episodes, sampled into TensorDicts.
 
     Rows follow RLDS: one row per step, observations stored once; the ``next``
@@ -129,7 +121,7 @@ class ExperienceStore:
 
         name = check_name(name) or RayBackend.new_name()
         directory = durable_directory(durable, name)
-        ray_options = _ray_options(ray_options)
+        ray_options = as_ray_options(ray_options)
         if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
             raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                              "cannot agree on; use num_shards=1 or a SequenceSampler")
@@ -183,7 +175,7 @@ class ExperienceStore:
 
         if check_name(name) is None:
             raise ValueError("name must be the name of a running Ray store, got None")
-        backend, config = RayBackend.attach(name, seed=seed, options=_ray_options(ray_options))
+        backend, config = RayBackend.attach(name, seed=seed, options=as_ray_options(ray_options))
         return cls._of_backend(backend, config["capacity"], seed, config["sampler"], config["mode"],
                                config["rate_limiter"], config["track_reuse"], time.time())
 
@@ -411,49 +403,17 @@ class ExperienceStore:
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = check_int("batch_size", batch_size, 1)
-        args = self._sample_args(n_step, gamma, frame_stack)
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema)
         device = check_device(device)
         timeout = check_timeout(timeout)
         pin_memory = check_bool("pin_memory", pin_memory)
         num_workers = check_workers(batch_size, num_workers)
-        self._check_worker_nodes(num_workers, worker_nodes)
+        check_worker_nodes(self.backend, num_workers, worker_nodes)
         if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
         return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
-
-    def _sample_args(self, n_step: Any, gamma: Any, frame_stack: Any) -> tuple:
-        """(n_step, gamma, frame_stack), checked; gamma is 1.0 when unused."""
-        if n_step == 1 and frame_stack == 1 and type(n_step) is int and type(frame_stack) is int:
-            if gamma != 0.99:
-                self._check_gamma(gamma)
-            return 1, 1.0, 1
-        n_step = check_int("n_step", n_step, 1)
-        frame_stack = check_int("frame_stack", frame_stack, 1)
-        self._check_gamma(gamma)
-        schema = self.schema
-        if n_step > 1 and (schema is None or "reward" not in schema.fields):
-            raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
-                             f"{list(schema.fields) if schema else 'no fields yet'}")
-        if n_step > 1 and schema.fields["reward"].shape != ():
-            raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
-        return n_step, float(gamma), frame_stack
-
-    @staticmethod
-    def _check_gamma(gamma: Any) -> None:
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
-            raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
-
-    def _check_worker_nodes(self, num_workers: int | None, worker_nodes: Any) -> None:
-        if worker_nodes is None:
-            return
-        if self.backend != "ray":
-            raise ValueError("worker_nodes needs backend='ray' (a local store has one node)")
-        if num_workers is None or isinstance(worker_nodes, str) or len(worker_nodes) != num_workers \
-                or not all(isinstance(n, str) for n in worker_nodes):
-            raise ValueError(f"worker_nodes must list one node id (str) per worker (num_workers={num_workers}), "
-                             f"got {worker_nodes!r}")
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -468,7 +428,7 @@ class ExperienceStore:
         prefetch = check_int("prefetch", prefetch, 1)
         if batches_per_request is not None:
             batches_per_request = check_int("batches_per_request", batches_per_request, 1)
-        args = self._sample_args(n_step, gamma, frame_stack)
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema)
         device = check_device(device)
         return self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
 
@@ -496,7 +456,8 @@ class ExperienceStore:
         Example:
             >>> import numpy as np, arrowbuf as ab
             >>> store = ab.ExperienceStore(100, seed=0)
-            >>> _ = store.add_episode({"obs": np.zeros((11, 2)), "action": np.zeros(10)})
+            >>> _ = store.add_episode({"obs": np.zeros((11, 2)), "action": np.zeros(10),
+            ...                        "terminated": np.arange(10) == 9})
             >>> [len(b) for b in store.iter_batches(4, epochs=2)]
             [4, 4, 2, 4, 4, 2]
         """
@@ -552,33 +513,11 @@ class ExperienceStore:
         Raises:
             ValueError: not a prioritized store, or mismatched / negative / non-finite input.
         """
-        index, priority = self._check_priorities(index, priority)
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler):
+            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {sampler!r}")
+        index, priority = check_priorities(index, priority, sampler.alpha, sampler.eps, self.capacity)
         return self._backend.update_priorities(index, priority)
-
-    def _check_priorities(self, index: Any, priority: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(int64 index, float64 priority) of an `update_priorities` call, or ValueError."""
-        if not isinstance(self.sampler, PrioritizedSampler):
-            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {self.sampler!r}")
-        index = to_numpy(index, "index")[0].reshape(-1)
-        priority = real_numbers(priority, "priority").reshape(-1)
-        if not np.issubdtype(index.dtype, np.integer):
-            raise ValueError(f"index must hold integers (a batch's 'index'), got dtype {index.dtype}")
-        if not (np.issubdtype(priority.dtype, np.floating) or np.issubdtype(priority.dtype, np.integer)):
-            raise ValueError(f"priority must hold real numbers, got dtype {priority.dtype}")
-        priority = priority.astype(np.float64)
-        if index.shape != priority.shape:
-            raise ValueError(f"index has {index.size} entries but priority has {priority.size}; expected equal")
-        if not np.all(np.isfinite(priority)) or np.any(priority < 0):
-            bad = priority[~(np.isfinite(priority) & (priority >= 0))][:5]
-            raise ValueError(f"priority must be finite and >= 0, got {bad.tolist()}")
-        # Each leaf at most max/capacity, so that the tree's total stays finite.
-        sampler, limit = self.sampler, np.finfo(np.float64).max / self.capacity
-        with np.errstate(over="ignore"):
-            too_big = (priority + sampler.eps) ** sampler.alpha > limit
-        if too_big.any():
-            raise ValueError(f"priority {priority[too_big][:5].tolist()} too large: (priority + eps) ** alpha must stay "
-                             f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
-        return index.astype(np.int64), priority
 
     def compute_gae(self, gamma: float = 0.99, lam: float = 0.95, *, value_key: str = "value",
                     bootstrap_value: Callable[[TensorDict], Any] | None = None) -> int:
@@ -627,9 +566,7 @@ class ExperienceStore:
             >>> store.episode(0).column("advantage").to_pylist()
             [2.0, 1.0, 0.0]
         """
-        for name, value in (("gamma", gamma), ("lam", lam)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        gamma, lam = check_fraction("gamma", gamma), check_fraction("lam", lam)
         schema = self.schema
         if not isinstance(value_key, str) or schema is None or value_key not in schema.fields:
             raise ValueError(f"value_key {value_key!r} is not a field of the store; fields: "
@@ -637,7 +574,7 @@ class ExperienceStore:
         if bootstrap_value is not None and not callable(bootstrap_value):
             raise ValueError(f"bootstrap_value must be a callable (final_obs TensorDict -> values) or None, "
                              f"got {describe(bootstrap_value)}")
-        return self._backend.compute_gae(float(gamma), float(lam), value_key, bootstrap_value)
+        return self._backend.compute_gae(gamma, lam, value_key, bootstrap_value)
 
     def stats(self) -> dict:
         """Size, episodes, inserts and samples (totals and per second), limiter state.
@@ -673,163 +610,3 @@ class ExperienceStore:
     def to_arrow(self) -> pa.Table:
         """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
         return self._backend.to_arrow()
-
-    # -- persistence (arrowbuf.parquet, arrowbuf.checkpoint) -----------------------------
-
-    def to_parquet(self, path: str | Path, compression: str = "zstd", rows_per_file: int | None = None,
-                   progress: bool | None = None, *, overwrite: bool = False) -> Path:
-        """Export the live episodes as a Parquet directory any dataframe tool reads.
-
-        ``steps/part-<shard>-<n>.parquet`` hold the rows (oldest episode first,
-        whole episodes per file, at most ``rows_per_file`` rows unless one episode
-        is longer), ``episodes.parquet`` the episode table, ``_arrowbuf.json`` the
-        manifest. The store's lock is held only while the snapshot is taken.
-        `arrowbuf.read_parquet` opens the rows as a dataset. Details: `arrowbuf.parquet`.
-
-        Args:
-            path: the directory to create (written beside it, then renamed).
-            compression: Parquet codec ("zstd", "snappy", "lz4", "none", ...).
-            rows_per_file: rows per step file; None for one file.
-            progress: a tqdm bar; None shows it when stderr is a terminal.
-            overwrite: replace an existing ``path``.
-
-        Returns:
-            ``path``.
-
-        Raises:
-            ValueError: the store has no schema yet, or a bad argument.
-            FileExistsError: ``path`` exists, is not empty, and ``overwrite`` is False.
-        """
-        from arrowbuf.parquet import export_store
-
-        return export_store(self, self._backend.export_steps, path, compression=compression,
-                            rows_per_file=rows_per_file, progress=progress, overwrite=overwrite)
-
-    @classmethod
-    def from_parquet(cls, path: str | Path, capacity: int | None = None, episode_filter: Any = None,
-                     progress: bool | None = None, **store_kwargs: Any) -> "ExperienceStore":
-        """A new store holding the episodes of a `to_parquet` export (offline RL).
-
-        Rows are streamed row group by row group, so an export larger than memory
-        loads into a smaller ``capacity``: the newest episodes that fit are kept,
-        as FIFO eviction would. Episodes keep their final observations, so samples
-        hold the same transitions and ``next`` observations as the original; ids
-        and indices are kept unless a filter leaves gaps (then they count from 0).
-
-        Args:
-            path: the export directory.
-            capacity: rows of the new store; None for the exported store's capacity.
-            episode_filter: which episodes to load: a `pyarrow.compute.Expression`
-                over the episode table (``pc.field("return") > 100``), or a callable
-                taking the episode table (a pyarrow.Table) and returning a boolean
-                mask over its rows or a list of episode ids.
-            progress: a tqdm bar; None shows it when stderr is a terminal.
-            **store_kwargs: seed, sampler, rate_limiter, mode (default: the
-                exported mode) of the new store.
-
-        Raises:
-            FormatError: a missing, incomplete or corrupted export, a file of
-                another schema, or a newer format; the message names the file.
-            CapacityError: a selected episode is longer than ``capacity``, or a
-                ``mode="fixed"`` store cannot hold them all.
-        """
-        from arrowbuf.parquet_load import load_store
-
-        return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
-
-    def save(self, path: str | Path, progress: bool | None = None) -> Path:
-        """Checkpoint the store into directory ``path`` (Arrow IPC files and a JSON manifest).
-
-        Saves the live episodes, the episode table, the sampler's and rate
-        limiter's state, the generator's state and the open episodes of this
-        store's writers. Saving again into the same directory writes only the
-        episodes added since and drops files whose episodes were all evicted.
-        The lock is held only while the snapshot is taken. Details:
-        `arrowbuf.checkpoint`.
-
-        Returns:
-            ``path``.
-
-        Raises:
-            FileExistsError: ``path`` is a file or holds a foreign manifest.json.
-        """
-        info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
-                "created_at": self.created_at}
-        if self.backend == "ray":
-            from arrowbuf.ray.persist import save_ray_store
-
-            return save_ray_store(self._backend, Path(path), info)
-        from arrowbuf.checkpoint import save_engine
-
-        return save_engine(self.engine, path, info,
-                           lambda: {name: w.state_dict() for name, w in self._writers.live().items()}, progress)
-
-    @classmethod
-    def load(cls, path: str | Path, progress: bool | None = None, *, num_shards: int | None = None,
-             name: str | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
-        """The store saved in ``path``; it samples exactly as the saved one would have.
-
-        Restored writers are in `writers`; ``store.writer(..., name=name)`` claims one.
-        A Ray store's checkpoint loads as a Ray store (its writers' open episodes are
-        not saved); ``num_shards`` spreads it over another number of shards, and
-        ``name`` / ``ray_options`` are those of the new store.
-
-        Raises:
-            FormatError: a missing or incomplete checkpoint, a truncated file, or a
-                newer format version; the message names the file.
-            ValueError: Ray arguments for a local checkpoint.
-        """
-        from arrowbuf.checkpoint import load_engine
-        from arrowbuf.ray.persist import is_ray_checkpoint
-
-        if is_ray_checkpoint(path):
-            from arrowbuf.ray.router import RayBackend
-
-            if num_shards is not None:
-                check_int("num_shards", num_shards, 1)
-            backend, config = RayBackend.load(Path(path), num_shards, check_name(name), _ray_options(ray_options))
-            return cls._of_backend(backend, config["capacity"], config["seed"], config["sampler"], config["mode"],
-                                   config["rate_limiter"], config["track_reuse"], time.time())
-        if (num_shards, name, ray_options) != (None, None, None):
-            raise ValueError(f"num_shards, name and ray_options apply to Ray checkpoints only; {path} is a local one")
-        loaded = load_engine(path, progress)
-        engine = loaded.engine
-        store = cls._of_backend(LocalBackend(engine), engine.capacity, engine.seed, engine.sampler, engine.mode,
-                                engine.rate_limiter, engine.track_reuse, float(loaded.info["created_at"]))
-        with loaded.typed_errors():
-            store._restore_writers(loaded.writers)
-        return store
-
-    # -- Ray Data -------------------------------------------------------------------------
-
-    def to_ray_dataset(self) -> Any:
-        """The stored rows as a `ray.data.Dataset`, built where the shards live
-        (``ds.write_parquet(...)`` then exports from all nodes at once); see
-        `arrowbuf.ray.persist` for the row layout.
-
-        Raises:
-            ValueError: a local store (export it with `to_parquet`, or use ``backend="ray"``).
-        """
-        if self.backend != "ray":
-            raise ValueError("to_ray_dataset needs backend='ray'; a local store exports with to_parquet(), "
-                             "which ray.data.read_parquet() reads")
-        from arrowbuf.ray.persist import to_ray_dataset
-
-        self.flush()
-        return to_ray_dataset(self._backend)
-
-    @classmethod
-    def from_ray_dataset(cls, dataset: Any, capacity: int, **store_kwargs: Any) -> "ExperienceStore":
-        """A new store (local unless ``backend="ray"``) holding the episodes of a
-        `ray.data.Dataset` made by `to_ray_dataset` (or any dataset in that row
-        layout; see `arrowbuf.ray.persist`). ``store_kwargs`` are the store's arguments.
-
-        Raises:
-            FormatError: the dataset is not in that layout, or ends inside an episode.
-        """
-        from arrowbuf.ray.persist import episodes_of_dataset
-
-        schema, episodes = episodes_of_dataset(dataset)
-        store = cls(capacity, schema=schema, **store_kwargs)
-        store._backend.import_episodes(episodes)
-        return store

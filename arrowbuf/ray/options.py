@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from arrowbuf._checks import check_bool, check_int
+from arrowbuf.errors import describe
 
 NAMESPACE = "arrowbuf"               # Ray namespace of the named shard actors
 INDEX_SHIFT = 48                     # a batch's "index" = shard << 48 | rank
@@ -103,3 +104,12 @@ class RayOptions:
             check_int("RayOptions.max_restarts", self.max_restarts, -1)
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):
             raise ValueError(f"RayOptions.nodes must be a list of node ids or None, got {self.nodes!r}")
+
+
+def as_ray_options(value: Any) -> RayOptions:
+    """``value`` (None: the defaults) as `RayOptions`, or ValueError."""
+    if value is None:
+        return RayOptions()
+    if not isinstance(value, RayOptions):
+        raise ValueError(f"ray_options must be an arrowbuf.RayOptions or None, got {describe(value)}")
+    return value
