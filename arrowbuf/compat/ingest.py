@@ -22,7 +22,7 @@ from arrowbuf.compat.processing import Hooks, is_env_ret, is_policy_resp
 from arrowbuf.compat.segments import Piece, Segmenter
 from arrowbuf.compat.sink import StoreSink
 from arrowbuf.compat.timing import Timers
-from arrowbuf.compat.types import _is_future
+from arrowbuf.compat.types import is_future_ref
 from arrowbuf.schema import flatten
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def resolve(value: Any) -> Any:
     """The value of a Ray ObjectRef (values sent by remote envs / policies), else the value."""
-    if _is_future(value):
+    if is_future_ref(value):
         import ray
 
         return ray.get(value)

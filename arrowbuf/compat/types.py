@@ -213,7 +213,8 @@ class MultiAgentPolicyResponse(PolicyResponse):
                                         **data)
 
 
-def _is_future(value: Any) -> bool:
+def is_future_ref(value: Any) -> bool:
+    """Whether ``value`` is a Ray ObjectRef (data a remote env or policy sent), without importing Ray."""
     ray = sys.modules.get("ray")
     object_ref = getattr(ray, "ObjectRef", None) if ray is not None else None
     return object_ref is not None and isinstance(value, object_ref)
@@ -232,7 +233,7 @@ class BatchedData:
             raise ValueError(f"BatchedData got {len(ids)} ids but {len(data)} values; expected as many of each")
         self._ids = ids
         self._data = data
-        self.is_future = any(_is_future(d) for d in data)
+        self.is_future = any(is_future_ref(d) for d in data)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return zip(self._ids, self._data)
