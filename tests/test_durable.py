@@ -129,15 +129,20 @@ def test_a_retried_write_is_recognised_after_a_restart_and_a_compaction(tmp_path
     again.close()
 
 
-@pytest.mark.parametrize("cut", ["in its payload", "in its header"])
-def test_a_torn_last_record_is_dropped_and_appends_continue_after_it(tmp_path, cut):
-    durable = DurableShard(tmp_path)
+def two_records(directory):
+    """A closed log of two writes: its segment and where the first record ends."""
+    durable = DurableShard(directory)
     engine = durable.recover(new_engine)
     write(durable, engine, [0])
     first_end = durable.log.segments()[-1].stat().st_size
     write(durable, engine, [1])
     durable.close()
-    segment = durable.log.segments()[-1]
+    return durable.log.segments()[-1], first_end
+
+
+@pytest.mark.parametrize("cut", ["in its payload", "in its header"])
+def test_a_torn_last_record_is_dropped_and_appends_continue_after_it(tmp_path, cut):
+    segment, first_end = two_records(tmp_path)
     os.truncate(segment, segment.stat().st_size - 1 if cut == "in its payload" else first_end + 10)
     assert contents(recovered(tmp_path)) == {0: 0}
     assert segment.stat().st_size == first_end   # the torn bytes were removed
@@ -150,13 +155,7 @@ def test_a_torn_last_record_is_dropped_and_appends_continue_after_it(tmp_path, c
 
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_a_damaged_record_before_the_tail_raises_format_error_naming_the_file(tmp_path, where):
-    durable = DurableShard(tmp_path)
-    engine = durable.recover(new_engine)
-    write(durable, engine, [0])
-    first_end = durable.log.segments()[-1].stat().st_size
-    write(durable, engine, [1])
-    durable.close()
-    segment = durable.log.segments()[-1]
+    segment, first_end = two_records(tmp_path)
     data = bytearray(segment.read_bytes())
     offset = first_end - 100 if where == "payload" else first_end + 6   # a value byte / the length field
     data[offset] ^= 0x10
