@@ -37,18 +37,13 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found - {module_name(path)}
 
 
-# Known, to be removed by its owner: compat's DataBuffer looks up its subclasses with a
-# lazy import (data_buffer.py) of the module that defines them (buffers.py).
-KNOWN_CIRCLE_EDGES = {("arrowbuf.compat.data_buffer", "arrowbuf.compat.buffers")}
-
-
 def import_graph() -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     known = {module_name(p) for p in paths}
     graph = {module_name(p): imports_of(p, known) for p in paths}
     # A package's __init__ re-exports its modules: importing a module imports its
     # package first, so an edge into a package's module is not a circle through it.
-    return {m: {d for d in deps if not m.startswith(d + ".") and (m, d) not in KNOWN_CIRCLE_EDGES}
+    return {m: {d for d in deps if not m.startswith(d + ".")}
             for m, deps in graph.items()}
 
 

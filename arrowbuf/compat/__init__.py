@@ -12,8 +12,8 @@ differs from the seed: the README's "Migrating from RLightning".
 
 from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
-from arrowbuf.compat.buffers import ReplayBuffer, RolloutBuffer, build_data_buffer
-from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer
+from arrowbuf.compat.buffers import build_data_buffer
+from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer
 from arrowbuf.compat.types import (
     BatchedData,
     EnvMeta,

@@ -98,8 +98,6 @@ class DataBuffer:
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> DataBuffer:
         # DataBuffer(config) builds the config's type: a ReplayBuffer or a RolloutBuffer.
         if cls is DataBuffer:
-            from arrowbuf.compat.buffers import BUFFERS   # the subclasses live there
-
             cls = BUFFERS[parse_config(config).type]
         return super().__new__(cls)
 
@@ -419,3 +417,32 @@ class DataBuffer:
     def dropped_env_rets(self) -> int:
         """Async EnvRets replaced before their PolicyResponse came (each logged as a warning)."""
         return self._ingest.dropped_env_rets
+
+
+class ReplayBuffer(DataBuffer):
+    """A DataBuffer for off-policy training: sampling keeps the data (config ``type`` may be omitted)."""
+
+    buffer_type = "ReplayBuffer"
+
+
+class RolloutBuffer(DataBuffer):
+    """A DataBuffer for on-policy training: sampling clears what was stored."""
+
+    buffer_type = "RolloutBuffer"
+
+    def _check_batch(self, batch_size: int | None, total: int) -> None:
+        if batch_size is None or self.settings.sampler == "all":
+            return
+        if batch_size > total:
+            super()._check_batch(batch_size, total)
+        if batch_size < total:
+            logger.warning("batch_size %d is smaller than the %d stored %ss: a RolloutBuffer discards the rest "
+                           "after sampling (pass batch_size=None or use sampler 'all' to use all data)",
+                           batch_size, total, self.settings.unit)
+
+    def _after_sample(self) -> None:
+        self._sink.clear()
+
+
+#: The config's ``type`` -> its class.
+BUFFERS = {"ReplayBuffer": ReplayBuffer, "RolloutBuffer": RolloutBuffer}
