@@ -237,8 +237,7 @@ class ShardEngine:
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
             keys = self._shard.gather.check_keys(keys)
-            check_batch(self._shard.schema, self.sampler, self._shard.table, batch_size, args[2])
-            selection = self.sampler.sample(self._rng, batch_size, self._shard.table)
+            selection = self._draw(batch_size, args)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
@@ -249,16 +248,19 @@ class ShardEngine:
         the ranks, ``population`` = (transitions, mass) of every shard for global PER weights."""
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
-            check_batch(self._shard.schema, self.sampler, self._shard.table, batch_size, args[2])
-            sampler, table = self.sampler, self._shard.table
-            if population is not None and isinstance(sampler, PrioritizedSampler):
-                selection = sampler.sample(self._rng, batch_size, table, population)
-            else:
-                selection = sampler.sample(self._rng, batch_size, table)
+            selection = self._draw(batch_size, args, population)
             rows, extra, obs_rows, next_rows = self._lookups(selection, args, index_base)
             payload = self._shard.gather.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows)
             self._sampled(selection)
             return payload
+
+    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None) -> Selection:
+        """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
+        sampler, table = self.sampler, self._shard.table
+        check_batch(self._shard.schema, sampler, table, batch_size, args[2])
+        if population is not None and isinstance(sampler, PrioritizedSampler):
+            return sampler.sample(self._rng, batch_size, table, population)
+        return sampler.sample(self._rng, batch_size, table)
 
     def _wait_to_sample(self, batch_size: int, timeout: float | None) -> None:
         if self._limited:
