@@ -254,6 +254,26 @@ class ShardEngine:
             self._sampled(selection)
             return payload
 
+    def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
+               timeout: float | None = None) -> Selection:
+        """Draw as `sample` does, without gathering: the selection, counted as a sample.
+
+        A Ray shard answers with it when the rows are gathered by the reader, from
+        the shard's sealed blocks (`arrowbuf.ray.reader`).
+        """
+        with self._changed:
+            self._wait_to_sample(batch_size, timeout)
+            selection = self._draw(batch_size, args, population)
+            self._sampled(selection)
+            return selection
+
+    def count_samples(self, count: int) -> None:
+        """Count ``count`` items drawn elsewhere (by a Ray reader) as samples of this shard."""
+        with self._changed:
+            self.counts.samples += count
+            if self._limited:
+                self._changed.notify_all()
+
     def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None) -> Selection:
         """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table

@@ -26,13 +26,16 @@ from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError
 from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.ray.blocks import BlockRing, Manifest, check_object_store
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
+from arrowbuf.samplers import EpisodeSampler, SequenceSampler, UniformSampler
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
 
 Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
+READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler)   # stateless: readers draw them
 
 
 class ShardServer:
@@ -52,11 +55,14 @@ class ShardServer:
             the last checkpoint there plus its episode log, and logs every write
             before answering; None keeps episodes in memory only.
         durable_sync: flush the log to disk before answering a write.
+        blocks: (block bytes, seal latency) of the blocks this shard publishes
+            (`arrowbuf.ray.blocks`).
     """
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
-                 track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True) -> None:
+                 track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
+                 blocks: tuple[int, float] = (16 << 20, 0.1)) -> None:
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
@@ -75,6 +81,13 @@ class ShardServer:
         self.index_base = shard << INDEX_SHIFT
         if schema_json is not None:
             engine.set_schema(Schema.from_json(schema_json))
+        # Readers draw from the blocks themselves unless the draw needs this shard:
+        # a limiter judges every sample, and per-row state lives here.
+        draws_here = type(engine.sampler) in READER_SAMPLERS and type(engine.rate_limiter) is RateLimiter \
+            and not engine.track_reuse
+        self.blocks = BlockRing(*blocks, draws_here=draws_here)
+        with engine.lock:
+            self.blocks.resume(engine)
 
     def ping(self) -> str:
         """This actor's node id (also proves it started)."""
@@ -112,6 +125,8 @@ class ShardServer:
         if self.durable is not None and self.durable.seen(batch):
             return [], self.size()
         schema = Schema.from_json(schema_json)
+        if self.engine.schema is None:
+            check_object_store(self.engine.capacity * self.num_shards, schema)
         if self.engine.schema is not None and self.engine.schema != schema:
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
@@ -124,6 +139,9 @@ class ShardServer:
                 refused.append(err)
         if self.durable is not None:   # logged (and flushed) before the answer
             self.durable.commit(self.engine, added, batch)
+        if added:
+            with self.engine.lock:
+                self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()))
         if refused:
             err = refused[0]
             err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
@@ -136,6 +154,42 @@ class ShardServer:
                timeout: float | None) -> tuple[Payload, Reading]:
         payload = self.engine.sample_payload(n, args, self.index_base, population, timeout)
         return payload, self.size()
+
+    def manifest(self, token: str | None, version: int, drawn: int = 0, seal: bool = False
+                 ) -> tuple[Manifest | None, Reading]:
+        """This shard's block manifest, None when the caller's (``token``, ``version``) is current.
+
+        ``drawn``: items a reader drew from this shard's blocks since its last
+        request (counted as samples). ``seal``: seal the open episodes first
+        (else they are sealed once they waited ``seal_latency``).
+        """
+        engine = self.engine
+        with engine.lock:
+            if drawn:
+                engine.count_samples(drawn)
+            if engine.shard is not None and (seal or self.blocks.due()):
+                self.blocks.seal(engine)
+            manifest = self.blocks.manifest(engine)
+            known = manifest.token == token and manifest.version == version
+            return (None if known else manifest), self.size()
+
+    def select(self, n: int, args: tuple, population: tuple[int, float] | None, timeout: float | None,
+               token: str | None, version: int) -> tuple[np.ndarray, dict, Manifest | None, Reading]:
+        """Draw ``n`` items here (the limiter and sampler state are here): (ranks, extras such
+        as weights and masks, the manifest if the caller's is not current, size).
+
+        Drawn rows that are not sealed yet are sealed before the answer, so the
+        manifest sent with it holds every drawn rank.
+        """
+        engine = self.engine
+        selection = engine.select(n, args, population, timeout)
+        with engine.lock:
+            manifest = self.blocks.manifest(engine)
+            if selection.ranks.size and int(selection.ranks.max()) >= manifest.stop_rank:
+                self.blocks.seal(engine)
+                manifest = self.blocks.manifest(engine)
+            known = manifest.token == token and manifest.version == version
+            return selection.ranks, selection.extra, (None if known else manifest), self.size()
 
     def live_range(self) -> tuple[int, int]:
         return self.engine.live_range()
@@ -161,7 +215,9 @@ class ShardServer:
         return self.engine.to_arrow()
 
     def clear(self) -> Reading:
-        self.engine.clear()
+        with self.engine.lock:
+            self.engine.clear()
+            self.blocks.clear()
         if self.durable is not None:   # a restart must not bring the episodes back
             self.durable.cleared(self.engine)
         return self.size()

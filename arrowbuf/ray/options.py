@@ -71,6 +71,24 @@ class RayOptions:
         durable_sync: a durable shard flushes its log to disk (``fdatasync``) before it
             answers a write; False leaves the flush to the OS: writes survive a dead
             actor (the kernel holds them) but not a crash of the node.
+        block_bytes: a shard seals its newest episodes into a block of the object
+            store once they reach this size (`arrowbuf.ray.blocks`): larger blocks
+            mean fewer ``np.take`` calls per batch, smaller ones less memory held
+            by readers after eviction.
+        seal_latency: seconds a shard's newest episodes may wait before they are
+            sealed (readers see rows about one to two of these after they reach
+            the shard; ``store.flush()`` seals at once); also how often a reader
+            asks each shard for its manifest.
+        reader_cache_bytes: bytes of blocks a reading process keeps fetched (least
+            recently used dropped first); None keeps every listed block. On the
+            shard's node a fetched block costs no memory of its own (a view of the
+            object store) but keeps the block alive after eviction; from another
+            node it is a local copy. Below the store's size, batches fetch blocks
+            again (latency for memory).
+        copy_blocks: copy each fetched block into the reading process's memory, as
+            a block that comes from another node is: frees the shared memory of
+            evicted blocks at once, costs a copy per fetch (also how tests run
+            the remote-reader path on one node).
 
     Example:
         >>> import arrowbuf as ab
@@ -89,6 +107,10 @@ class RayOptions:
     start_timeout: float = 120.0
     max_restarts: int | None = None
     durable_sync: bool = True
+    block_bytes: int = 16 << 20
+    seal_latency: float = 0.1
+    reader_cache_bytes: int | None = None
+    copy_blocks: bool = False
 
     def __post_init__(self) -> None:
         self.num_cpus = _check_seconds("num_cpus", self.num_cpus, zero_ok=True)
@@ -100,6 +122,11 @@ class RayOptions:
         check_bool("RayOptions.node_affinity", self.node_affinity)
         check_bool("RayOptions.allow_partial", self.allow_partial)
         check_bool("RayOptions.durable_sync", self.durable_sync)
+        check_int("RayOptions.block_bytes", self.block_bytes, 1)
+        self.seal_latency = _check_seconds("seal_latency", self.seal_latency, zero_ok=False)
+        if self.reader_cache_bytes is not None:
+            check_int("RayOptions.reader_cache_bytes", self.reader_cache_bytes, 0)
+        check_bool("RayOptions.copy_blocks", self.copy_blocks)
         if self.max_restarts is not None:
             check_int("RayOptions.max_restarts", self.max_restarts, -1)
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):

@@ -36,22 +36,25 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
+from arrowbuf.engine import PLAIN
 from arrowbuf.errors import EmptyStoreError, ShardError
-from arrowbuf.ray.assemble import split_batches
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
-from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
+from arrowbuf.tensors import pinned
 
-def _no_keys(keys: Any) -> None:
-    if keys is not None:
-        raise NotImplementedError("keys= is not implemented for backend='ray' yet: its shards gather every field; "
-                                  "select fields from the batch instead (batch.select(...))")
+
+def _scaled(selection: Selection, scale: float) -> Selection:
+    """A prioritized selection whose weights are multiplied by ``scale``."""
+    extra = {**selection.extra, "weight": selection.extra["weight"] * scale}
+    return Selection(selection.rows, selection.ranks, selection.pos, extra, selection.step)
 
 
 class RayBackend:
@@ -80,6 +83,8 @@ class RayBackend:
         self._sizes = SizeCache(shards)
         self._sizes.refresh()
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
+        # This process's view of the shards' sealed blocks: draws and gathers here.
+        self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
     @classmethod
@@ -190,7 +195,9 @@ class RayBackend:
         self._added += 1
         key = episode.env_id if episode.env_id != "default" else f"episode-{self._added}"
         try:
-            return self._sink.write_now(episode, key, timeout)
+            episode_id = self._sink.write_now(episode, key, timeout)
+            self._reader.wrote(episode_id % self.num_shards)   # read your own writes
+            return episode_id
         except BaseException:
             if not known:
                 self._forget_unstored_schema()
@@ -224,15 +231,19 @@ class RayBackend:
         return count
 
     def flush(self) -> None:
-        """Wait for this backend's writes and refresh the sizes (``len`` is exact after it)."""
+        """Wait for this backend's writes, have every shard seal its open episodes, and
+        refresh the sizes and this process's manifests (``len`` is exact after it, and
+        every episode stored so far is sampled here)."""
         self._sink.flush()
         self._sizes.refresh()
+        self._reader.sync()
 
     def close(self) -> None:
         """End the shard actors (their data is gone)."""
         if self.shards.closed:
             return
         self._sink.close()
+        self._reader.reset()   # this process's references to the blocks
         ray = ray_module()
         for handle in self.shards.handles:
             ray.kill(handle)
@@ -243,6 +254,7 @@ class RayBackend:
         for shard, reading in self.shards.broadcast("clear").items():
             self._sizes.note(shard, reading)
         self._sink.reset_loads()
+        self._reader.reset()
 
     def pin(self, env_id: str, shard: int) -> None:
         """Send `add` episodes of ``env_id`` to ``shard``, unless the env already has a shard."""
@@ -250,10 +262,9 @@ class RayBackend:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _split(self, batch_size: int | np.ndarray, batches: int, shards: Sequence[int] | None = None
-               ) -> tuple[list[int], np.ndarray]:
-        """Live shards (of ``shards``, default all) and, per batch, how many items each
-        gives (multinomial by mass); ``batch_size`` may differ per batch (an array)."""
+    def _split(self, batch_size: int, shards: Sequence[int] | None = None) -> tuple[list[int], np.ndarray]:
+        """Live shards (of ``shards``, default all) and how many items each draws
+        (multinomial by the mass the shards last reported)."""
         live = self.shards.live()
         if (self._sizes.masses[live] <= 0).any():
             # A shard seen empty gets no draws, hence no answers that would update its
@@ -265,124 +276,148 @@ class RayBackend:
         masses = self._sizes.masses[live]
         if masses.sum() <= 0:
             raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
-        return live, self._rng.multinomial(batch_size, masses / masses.sum(), size=batches)
+        return live, self._rng.multinomial(batch_size, masses / masses.sum())
 
-    def _request(self, batch_size: int | np.ndarray, args: tuple, timeout: float | None, batches: int = 1,
-                 shards: Sequence[int] | None = None) -> tuple:
-        live, counts = self._split(batch_size, batches, shards)
+    def _shards_of(self, shards: Sequence[int] | None) -> list[int]:
+        live = self.shards.live()
+        return [s for s in live if s in shards] or live if shards is not None else live
+
+    def _check_keys(self, keys: Any) -> Any:
+        """``keys`` checked before anything is drawn (nothing to check them against before the first write)."""
+        return self._reader.check_keys(keys) if keys is not None and self.schema is not None else keys
+
+    def _select(self, batch_size: int, args: tuple, timeout: float | None,
+                shards: Sequence[int] | None = None) -> tuple:
+        """Ask the shards to draw (the index path): the request in flight."""
+        live, counts = self._split(batch_size, shards)
         population = None
         if isinstance(self.sampler, PrioritizedSampler):
             population = (int(self._sizes.transitions[live].sum()), float(self._sizes.masses[live].sum()))
-        refs = {shard: self.shards.call(shard, "sample", int(total), args, population, timeout)
-                for shard, total in zip(live, counts.sum(axis=0)) if total}
-        return refs, live, counts, population, (args, timeout, batches, shards)
+        refs = {shard: self.shards.call(shard, "select", int(n), args, population, timeout,
+                                        *self._reader.known(shard))
+                for shard, n in zip(live, counts.tolist()) if n}
+        return refs, population, (batch_size, args, timeout, shards)
 
-    def _collect(self, request: tuple, device: torch.device | None) -> tuple[list[dict], np.ndarray, tuple]:
-        """The answers of a request: tensors per answering shard, its rows per batch
-        ([batches, answers]) and the per-item shape.
+    def _selected(self, request: tuple) -> tuple[list, tuple[int, float] | None]:
+        """The parts (view, selection) of a request's answers.
 
-        Draws that fell on a shard that died answering (allow_partial) are drawn
-        again from the survivors and appended as more answers: each draw is then
-        one from the survivors in proportion to their mass, and the answers that
-        came are kept (their samples were counted). Prioritized weights are
-        rescaled to the survivors' population.
+        Items of a shard that died answering (allow_partial), or whose rows this
+        reader cannot find any more (evicted meanwhile), are drawn again from the
+        survivors; prioritized weights of the first answers are rescaled to the
+        redraw's population (w = (N p / M)^-beta).
         """
-        refs, live, counts, population, (args, timeout, batches, shards) = request
-        answers = {}
-        for shard, (payload, reading) in self.shards.get(refs).items():
+        refs, population, (batch_size, args, timeout, shards) = request
+        parts = []
+        answers = self.shards.get(refs)
+        for shard, ref in refs.items():
+            if shard not in answers:
+                continue
+            ranks, extra, manifest, reading = answers[shard]
             self._sizes.note(shard, reading)
-            answers[shard] = payload
-        columns = [i for i, shard in enumerate(live) if shard in answers]
-        sources = [answers[live[i]].tensors(device) for i in columns]
-        kept = counts[:, columns]
-        tail = answers[live[columns[0]]].batch_shape[1:] if columns else None
-        missing = counts.sum(axis=1) - kept.sum(axis=1)
-        if missing.any():
+            if manifest is not None:
+                self._reader.apply(shard, manifest)
+            part = self._reader.select(shard, ranks, extra)
+            if part is not None:
+                parts.append(part)
+        missing = batch_size - sum(len(selection.rows) for _, selection in parts)
+        if missing:
             if not self.shards.live():
                 raise ShardError(f"no shard of {self.name!r} is alive")
-            redraw = self._request(missing, args, timeout, batches, shards)
-            if population is not None:   # w = (N p / M)^-beta: from this population to the redraw's
-                (n_old, m_old), (n_new, m_new) = population, redraw[3]
+            more, population_new = self._selected(self._select(missing, args, timeout, shards))
+            if population is not None and population_new is not None:
+                (n_old, m_old), (n_new, m_new) = population, population_new
                 scale = ((n_old / m_old) / (n_new / m_new)) ** self.sampler.beta
-                sources = [{**s, ("weight",): s[("weight",)] * scale} for s in sources]
-            more, more_kept, tail = self._collect(redraw, device)
-            sources, kept = sources + more, np.hstack([kept, more_kept])
-        return sources, kept, tail
-
-    def _assemble(self, request: tuple, device: torch.device | None) -> list[TensorDict]:
-        sources, kept, tail = self._collect(request, device)
-        return split_batches(sources, kept, tail, device, isinstance(self.sampler, PrioritizedSampler))
+                parts = [(view, _scaled(selection, scale)) for view, selection in parts]
+            parts += more
+        return parts, population
 
     def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
                timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
-        A batch drawn from several shards is concatenated once (writable); one
-        from a single shard is a view of read-only shared memory (clone before
-        writing in place). With ``worker_nodes``, a worker's batch is drawn from
-        the shards on its node (all shards when its node has none); workers that
-        share a node split one draw.
+        Uniform, sequence and episode draws happen here, from the shards' sealed
+        blocks; other samplers (and rate-limited stores) ask each shard for its
+        indices. Either way the rows are gathered here, from the blocks, into one
+        reused buffer (writable tensors, as a local store's). With
+        ``worker_nodes``, a worker's batch is drawn from the shards on its node
+        (all shards when its node has none); workers that share a node split one draw.
 
         Raises:
-            NotImplementedError: ``keys`` (shards gather every field so far).
             ResourceError: the batch cannot be allocated here (before any shard draws).
+            ValueError: ``keys`` names no field (nothing is drawn).
         """
-        _no_keys(keys)
-        if self.schema is not None:   # this process assembles the whole batch: it must fit here
+        if self.schema is not None:   # this process gathers the whole batch: it must fit here
             check_batch(self.schema, self.sampler, None, batch_size, args[2])
-        if worker_nodes is not None:
-            per_worker = batch_size // num_workers
-            groups: dict[str, list[int]] = {}
-            for worker, node in enumerate(worker_nodes):
-                groups.setdefault(node, []).append(worker)
-            requests = {node: self._request(per_worker * len(workers), args, timeout, 1,
-                                            [s for s, n in enumerate(self.shards.nodes) if n == node])
-                        for node, workers in groups.items()}
-            batches: list[TensorDict] = [None] * num_workers
-            for node, workers in groups.items():
-                parts = self._assemble(requests[node], device)[0].split(per_worker, dim=0)
-                for worker, part in zip(workers, parts):
-                    batches[worker] = part
-            return batches
-        batch, = self._assemble(self._request(batch_size, args, timeout), device)
-        return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+        keys = self._check_keys(keys)
+        if worker_nodes is None:
+            batch = self._draw(batch_size, args, timeout, keys, device, pin_memory)
+            return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+        per_worker = batch_size // num_workers
+        groups: dict[str, list[int]] = {}
+        for worker, node in enumerate(worker_nodes):
+            groups.setdefault(node, []).append(worker)
+        batches: list[TensorDict] = [None] * num_workers
+        for node, workers in groups.items():
+            local = [s for s, n in enumerate(self.shards.nodes) if n == node]
+            batch = self._draw(per_worker * len(workers), args, timeout, keys, device, pin_memory, local)
+            for worker, part in zip(workers, batch.split(per_worker, dim=0)):
+                batches[worker] = part
+        return batches
+
+    def _draw(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
+              pin_memory: bool, shards: Sequence[int] | None = None) -> TensorDict:
+        reader = self._reader
+        on_cpu = device is None or device.type == "cpu"
+        if reader.draws_here():
+            batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
+        else:
+            parts, _ = self._selected(self._select(batch_size, args, timeout, shards))
+            batch = reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler))
+        # Gathered into a reused buffer; pinned memory is asked for by copying it there.
+        return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
     def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
-        """Endless batches with ``prefetch`` requests in flight, each of ``batches_per_request``
-        batches (default about 4 MiB, at most 64): a request costs a millisecond or two,
-        a batch a few microseconds."""
-        if batches_per_request is None:
-            batch_bytes = batch_size * (self.schema.row_bytes if self.schema is not None else 1)
-            batches_per_request = max(1, min(64, (4 << 20) // batch_bytes))
-        return self._prefetching(batch_size, prefetch, batches_per_request, args, device)
+        """Endless batches. Draws made here need no prefetching (no call per batch);
+        draws made by the shards keep ``prefetch`` index requests in flight."""
+        if self._reader.draws_here():
+            return self._drawing_here(batch_size, args, device)
+        return self._prefetching(batch_size, prefetch, args, device)
 
-    def _prefetching(self, batch_size: int, prefetch: int, batches_per_request: int, args: tuple,
-                     device: Any) -> Iterator[TensorDict]:
-        pending = deque(self._request(batch_size, args, None, batches_per_request) for _ in range(prefetch))
+    def _drawing_here(self, batch_size: int, args: tuple, device: Any) -> Iterator[TensorDict]:
+        reader = self._reader
+        while True:
+            yield reader.sample(batch_size, args, None, device, self.shards.live())
+
+    def _prefetching(self, batch_size: int, prefetch: int, args: tuple, device: Any) -> Iterator[TensorDict]:
+        pending = deque(self._select(batch_size, args, None) for _ in range(prefetch))
+        normalize = isinstance(self.sampler, PrioritizedSampler)
         while True:
             request = pending.popleft()
-            pending.append(self._request(batch_size, args, None, batches_per_request))
-            yield from self._assemble(request, device)
+            pending.append(self._select(batch_size, args, None))
+            parts, _ = self._selected(request)
+            yield self._reader.gather(parts, args, None, device, normalize)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None) -> Iterator[TensorDict]:
-        """Every live transition of every shard once, the shards' indices shuffled together.
+        """Every live transition of every shard once, the shards' indices shuffled together,
+        gathered here from the blocks of every shard's manifest at the epoch's start
+        (the shards seal their open episodes first)."""
+        keys = self._check_keys(keys)
+        self._reader.sync()
+        views = dict(self._reader.views)   # this epoch's snapshot: its blocks stay readable
+        index = np.concatenate([np.arange(*view.table.live_range(), dtype=np.int64) + (shard << INDEX_SHIFT)
+                                for shard, view in sorted(views.items())] or [np.zeros(0, np.int64)])
+        return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), views, keys, device)
 
-        Raises:
-            NotImplementedError: ``keys`` (shards gather every field so far).
-        """
-        _no_keys(keys)
-        index = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.live_ranges()]
-                               or [np.zeros(0, np.int64)])
-        return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), device)
-
-    def _epoch(self, chunks: list[np.ndarray], device: torch.device | None) -> Iterator[TensorDict]:
+    def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any) -> Iterator[TensorDict]:
         for chunk in chunks:
-            parts = [p for p in self._gather_parts(chunk, device) if p is not None]
-            if parts:
-                yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            shards = chunk >> INDEX_SHIFT
+            parts = [self._reader.select_in(views[s], chunk[shards == s] & RANK_MASK, {})
+                     for s in np.unique(shards).tolist()]
+            parts = [part for part in parts if part is not None]
+            yield self._reader.gather(parts, PLAIN, keys, device)
 
     def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
         """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
@@ -466,10 +501,11 @@ class RayBackend:
         return pa.concat_tables(tables) if tables else pa.table({})
 
     def stats(self) -> dict:
+        self._reader.report()   # draws made here count as the shards' samples
         per_shard = list(self.shards.broadcast("stats").values())
         totals = {k: sum(s[k] for s in per_shard) for k in ("transitions", "episodes", "inserts", "samples")}
         return {**totals, "capacity": sum(s["capacity"] for s in per_shard), "num_shards": self.num_shards,
-                "dead_shards": sorted(self.shards.dead), "shards": per_shard}
+                "dead_shards": sorted(self.shards.dead), "shards": per_shard, "reader": self._reader.stats()}
 
     # -- persistence (every shard writes its own files, in parallel) ----------------------
 

@@ -17,6 +17,7 @@ import numpy as np
 from arrowbuf.errors import ShardError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.actor import ShardServer
+from arrowbuf.ray.blocks import check_object_store
 from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles
 from arrowbuf.ray.options import NAMESPACE, RayOptions, ray_module
 from arrowbuf.samplers import Sampler
@@ -44,6 +45,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
     if not ray.is_initialized():
         logger.info("no Ray cluster is running: starting a local one (ray.init())")
         ray.init(logging_level=logging.WARNING)
+    if schema is not None:
+        check_object_store(capacity, schema)
     threaded = limits(rate_limiter)
     actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer) if threaded else ray.remote(ShardServer)
     threads = {"max_concurrency": DEFAULT_CONCURRENCY} if threaded else {}
@@ -64,7 +67,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
             schema.to_json() if schema is not None else None, mode,
             load_from[shard] if load_from is not None else None, track_reuse,
-            str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync))
+            str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync,
+            (options.block_bytes, options.seal_latency)))
     limit = None if math.isinf(options.start_timeout) else options.start_timeout
     try:
         nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)

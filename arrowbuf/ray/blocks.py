@@ -1,0 +1,220 @@
+"""`BlockRing`: a shard actor's rows published as sealed blocks in Ray's object store.
+
+A block holds whole episodes: one numpy array per field (the episodes' rows, back
+to back), and beside it, as a small object of its own, the episodes' chunk of the
+episode table (their ids, ranks, lengths, flags; ``first_row`` counted inside the
+block). It is put into the object store once (`ray.put`, owned by the shard actor) and never changes: every process on a
+node reads it without a copy, Ray moves it across nodes once, and reference
+counting frees it when the shard dropped it and no reader holds it any more. A
+reader gathering from a block can therefore never see torn or overwritten rows.
+
+The shard keeps its arena (`ShardEngine`): it serves prioritized draws, durable
+logs, checkpoints, exports and reads by index, and blocks are copied out of it.
+Measured on W2 rows, the copy into a block costs about what the write into the
+arena costs, and the arena avoids rebuilding the engine over immutable blocks;
+the price is that the object store holds the ring once more (see the README).
+
+Episodes written since the last seal are *open*. They are sealed into a new
+block when they reach ``RayOptions.block_bytes``, or once the oldest has waited
+``RayOptions.seal_latency`` (checked at each write and each reader's manifest
+poll), or at once by `seal` (``store.flush()``). Blocks sealed early are small:
+a new seal absorbs the newest block while that one is smaller than the new rows
+and than ``block_bytes`` (a binary counter), so a slow writer leaves O(log) small
+blocks, and each row is copied O(log) times at most.
+
+Eviction drops a block's reference once every episode in it is evicted. The
+*manifest* names the blocks and the first live episode; its version changes at
+each seal and `clear`, and its token at each start of the actor (a restarted
+shard publishes its blocks anew).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from arrowbuf.engine import ShardEngine
+from arrowbuf.errors import ResourceError
+from arrowbuf.ray.options import ray_module
+from arrowbuf.schema import Schema
+from arrowbuf.shard import position_runs
+from arrowbuf.table import EpisodeTable
+
+#: A seal absorbs the newest block while that one is below ``block_bytes`` and at most
+#: this many times the rows being sealed: small blocks shrink geometrically by this
+#: factor from old to new (at most log_4(block_bytes / rows per seal) of them, each a
+#: group of ``np.take`` calls per batch), and a row is copied at most
+#: log_1.25(block_bytes / rows per seal) times, by a writer slow enough for it to matter.
+MERGE = 4
+#: The episode-table columns a block carries (those of a table without sampler counters).
+CHUNK_COLUMNS = tuple(EpisodeTable().state_dict()["columns"])
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What a manifest says of one block (the block itself stays in the object store)."""
+
+    ref: Any                 # ObjectRef of the rows: {field: array}
+    episodes: Any            # ObjectRef of the episodes' table chunk: {column: array per episode}
+    first_serial: int        # serial (0, 1, ... per shard) of its first episode
+    num_episodes: int
+    num_rows: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A shard's published blocks, oldest first, and which of their episodes are live."""
+
+    token: str               # this actor's publication (a restarted actor has another)
+    version: int             # changes at each seal and clear
+    blocks: tuple[BlockInfo, ...]
+    first_live_serial: int   # episodes before it are evicted (their blocks may still be listed)
+    stop_serial: int         # serial after the newest sealed episode
+    stop_rank: int           # rank after its last transition
+    draws_here: bool         # readers may draw themselves (no limiter, no per-row state)
+
+
+class BlockRing:
+    """The blocks of one shard (see the module docstring).
+
+    Args:
+        block_bytes: a block is sealed once its open rows reach this size.
+        seal_latency: seconds an open episode may wait before it is sealed.
+        draws_here: readers may draw from the blocks themselves (told in the manifest).
+    """
+
+    def __init__(self, block_bytes: int, seal_latency: float, draws_here: bool) -> None:
+        self.block_bytes = block_bytes
+        self.seal_latency = seal_latency
+        self.draws_here = draws_here
+        self.token = uuid.uuid4().hex
+        self.version = 0
+        self.blocks: list[BlockInfo] = []
+        self._sealed_serial = 0        # serial of the first open episode
+        self._open_since: float | None = None
+        self._open_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the listed blocks (what this shard keeps in the object store)."""
+        return sum(b.nbytes for b in self.blocks)
+
+    def resume(self, engine: ShardEngine) -> None:
+        """Start publishing an engine that already holds episodes (loaded, recovered): they are open."""
+        table = engine.table
+        self._sealed_serial = table.episodes_added - len(table)
+        if len(table):
+            self._open_since = time.monotonic() - self.seal_latency   # due at once
+            self._open_bytes = self.block_bytes   # sealed in full blocks
+
+    def added(self, engine: ShardEngine, nbytes: int) -> None:
+        """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
+        if self._open_since is None:
+            self._open_since = time.monotonic()
+        self._open_bytes += nbytes
+        self._drop_evicted(engine.table)
+        if self._open_bytes >= self.block_bytes or self.due():
+            self.seal(engine)
+
+    def due(self) -> bool:
+        """Open episodes have waited ``seal_latency``."""
+        return self._open_since is not None and time.monotonic() - self._open_since >= self.seal_latency
+
+    def clear(self) -> None:
+        """The engine was cleared: every block is dropped."""
+        self.blocks = []
+        self._open_since, self._open_bytes = None, 0
+        self.version += 1
+
+    def seal(self, engine: ShardEngine) -> None:
+        """Put the open episodes into a block (absorbing small newest blocks); call under the engine's lock."""
+        table = engine.table
+        first_live = table.episodes_added - len(table)
+        self._drop_evicted(table)
+        start = max(self._sealed_serial, first_live)
+        stop = table.episodes_added
+        self._open_since, self._open_bytes = None, 0
+        if start >= stop:
+            if self._sealed_serial != stop:
+                self._sealed_serial = stop
+                self.version += 1
+            return
+        row_bytes = engine.schema.field_bytes
+        new_bytes = int(table.col("num_rows")[start - first_live:stop - first_live].sum()) * row_bytes
+        while self.blocks:
+            last = self.blocks[-1]
+            if last.nbytes >= self.block_bytes or last.nbytes > MERGE * new_bytes or last.first_serial < first_live \
+                    or last.first_serial + last.num_episodes != start:
+                break
+            self.blocks.pop()
+            start, new_bytes = last.first_serial, new_bytes + last.nbytes
+        while start < stop:   # full blocks first when much is open (a resumed engine)
+            end = self._block_end(table, start - first_live, stop - first_live, row_bytes) + first_live
+            self.blocks.append(_put_block(engine, start - first_live, end - first_live, start))
+            start = end
+        self._sealed_serial = stop
+        self.version += 1
+
+    def _block_end(self, table: EpisodeTable, a: int, b: int, row_bytes: int) -> int:
+        """Position after the episodes from ``a`` that fill about one block (at least one episode)."""
+        sizes = np.cumsum(table.col("num_rows")[a:b]) * row_bytes
+        return min(b, a + 1 + int(np.searchsorted(sizes, self.block_bytes, side="left")))
+
+    def _drop_evicted(self, table: EpisodeTable) -> None:
+        first_live = table.episodes_added - len(table)
+        gone = 0
+        while gone < len(self.blocks) and \
+                self.blocks[gone].first_serial + self.blocks[gone].num_episodes <= first_live:
+            gone += 1
+        if gone:
+            del self.blocks[:gone]
+
+    def manifest(self, engine: ShardEngine) -> Manifest:
+        """The current manifest (call under the engine's lock)."""
+        table = engine.table
+        first_live = table.episodes_added - len(table)
+        stop = self._sealed_serial
+        if len(table) and stop > first_live:
+            position = stop - first_live - 1
+            stop_rank = int(table.col("first_rank")[position] + table.col("length")[position])
+        else:
+            stop_rank = table.live_range()[0]
+        return Manifest(self.token, self.version, tuple(self.blocks), first_live, stop, stop_rank,
+                        self.draws_here)
+
+
+def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockInfo:
+    """Put the live episodes at positions [a, b) of the engine's table into the object store."""
+    shard, table = engine.shard, engine.table
+    first_row, num_rows = table.col("first_row")[a:b], table.col("num_rows")[a:b]
+    runs = position_runs(first_row, num_rows)
+    columns = {}
+    for name, arena in shard.arena.items():
+        parts = [arena[first_row[i]:first_row[j - 1] + num_rows[j - 1]] for i, j in runs]
+        columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)   # ray.put copies once
+    episodes = {name: table.col(name)[a:b].copy() for name in CHUNK_COLUMNS}
+    episodes["first_row"] = np.cumsum(num_rows) - num_rows
+    ray = ray_module()
+    return BlockInfo(ray.put(columns), ray.put(episodes), first_serial, b - a, int(num_rows.sum()),
+                     sum(c.nbytes for c in columns.values()))
+
+
+def check_object_store(rows: int, schema: Schema) -> None:
+    """Refuse a store whose full ring of ``rows`` rows exceeds the cluster's object store:
+    its shards keep every live row in sealed blocks there.
+
+    Raises:
+        ResourceError: naming the bytes of the ring and of the object store, and the fix.
+    """
+    ring = rows * schema.field_bytes
+    store = ray_module().cluster_resources().get("object_store_memory")
+    if store is not None and ring > store:
+        raise ResourceError(
+            f"a full store of {rows:,} rows of {schema.field_bytes:,} bytes keeps {ring / 2**30:,.2f} GiB of "
+            f"sealed blocks in Ray's object store, which holds {store / 2**30:,.2f} GiB: use a smaller "
+            "capacity, or start Ray with a larger object_store_memory")

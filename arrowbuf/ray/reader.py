@@ -1,0 +1,417 @@
+"""`BlockReader`: a process's view of a Ray store's sealed blocks, sampled and gathered here.
+
+Each shard publishes a manifest (`arrowbuf.ray.blocks`): its blocks, oldest
+first, and its first live episode. The reader keeps, per shard, a `ShardView`:
+the manifest, an `EpisodeTable` rebuilt from the blocks' episode chunks (with the
+shard's own ranks, so a batch's ``"index"`` is the one the shard knows), and a
+copy of the store's sampler bound to that table. Block rows are placed at
+*virtual* rows (each block after the previous one), so the sampler's rows say
+which block an item comes from.
+
+- Uniform, sequence and episode sampling draw here, from the views, and gather
+  from the blocks: no actor call per batch. The draws are counted, and the
+  counts reach the shards with the next manifest poll.
+- Prioritized sampling, rate-limited stores, without-replacement epochs and
+  ``track_reuse`` draw in the shard (`select`: indices only, a small call), and
+  are gathered here.
+
+Freshness: one manifest request per shard is kept in flight; a sample collects
+it when it has come back (``ray.wait``, never blocking) and sends the next once
+``RayOptions.seal_latency`` has passed since the last. Rows written elsewhere are
+thus seen about one to two latency bounds after they reach their shard.
+`sync` waits for every shard's manifest (after sealing its open episodes): the
+first sample, ``store.flush()`` and an epoch start with it, and a sample after
+this process's own `add_episode` syncs that shard, so a process reads its own
+writes. A dead shard is found by its failed manifest request.
+
+Blocks are fetched on first use (`ray.get`: zero-copy on the node, one transfer
+from another node) into an LRU cache bounded by ``RayOptions.reader_cache_bytes``
+(blocks of the current batch are never dropped). ``RayOptions.copy_blocks``
+copies each fetched block into this process's memory, as a block fetched from
+another node is: it tests that path on one node, and frees shared memory.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from arrowbuf.errors import EmptyStoreError
+from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.ray.blocks import BlockInfo, Manifest
+from arrowbuf.ray.gather import BlockGather, Group
+from arrowbuf.ray.handles import ShardHandles, SizeCache
+from arrowbuf.ray.options import INDEX_SHIFT, ray_module
+from arrowbuf.samplers import Sampler, Selection
+from arrowbuf.schema import Schema
+from arrowbuf.table import EpisodeTable
+
+_TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
+
+
+@dataclass
+class ShardView:
+    """One shard as this reader sees it: its manifest, a table of its live sealed episodes."""
+
+    shard: int
+    manifest: Manifest
+    bases: np.ndarray          # virtual first row of each listed block
+    table: EpisodeTable
+    sampler: Sampler | None    # a copy bound to `table`, when readers draw
+    mass: float
+
+
+class BlockCache:
+    """Fetched blocks by ObjectRef, least recently used first, within ``limit`` bytes."""
+
+    def __init__(self, limit: int | None, copy: bool) -> None:
+        self.limit = limit
+        self.copy = copy
+        self.entries: OrderedDict[Any, tuple[dict, int]] = OrderedDict()
+        self.nbytes = 0
+        self.fetches = 0
+
+    def get(self, block: BlockInfo, keep: set) -> dict:
+        """The block's columns (fetched now if not cached); blocks in ``keep`` are not dropped."""
+        entry = self.entries.get(block.ref)
+        if entry is not None:
+            self.entries.move_to_end(block.ref)
+            return entry[0]
+        value = ray_module().get(block.ref)
+        if self.copy:   # what a block from another node is: this process's own memory
+            value = {name: np.array(column, copy=True) for name, column in value.items()}
+        self.fetches += 1
+        self.entries[block.ref] = (value, block.nbytes)
+        self.nbytes += block.nbytes
+        if self.limit is not None:
+            for ref in list(self.entries):
+                if self.nbytes <= self.limit:
+                    break
+                if ref not in keep and ref is not block.ref:
+                    self.nbytes -= self.entries.pop(ref)[1]
+        return value
+
+    def retain(self, refs: set) -> None:
+        """Drop every block not in ``refs`` (no manifest lists it any more)."""
+        for ref in [r for r in self.entries if r not in refs]:
+            self.nbytes -= self.entries.pop(ref)[1]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+
+class BlockReader:
+    """This process's views of a store's shards (see the module docstring).
+
+    Args:
+        shards: the store's shard handles.
+        sizes: the store's size cache (manifest answers carry readings).
+        sampler: the store's sampler (each view binds a copy).
+        rng: the generator that draws here (the router's).
+        schema: returns the store's schema (None while unknown).
+    """
+
+    def __init__(self, shards: ShardHandles, sizes: SizeCache, sampler: Sampler, rng: np.random.Generator,
+                 schema: Callable[[], Schema | None]) -> None:
+        self.shards = shards
+        self.schema = schema
+        self.sizes = sizes
+        self.sampler = sampler
+        self.rng = rng
+        options = shards.options
+        self.cache = BlockCache(options.reader_cache_bytes, options.copy_blocks)
+        self.views: dict[int, ShardView] = {}
+        self._chunks: dict[Any, dict] = {}     # episode chunks of listed blocks, by block ref
+        self._pending: dict[int, Any] = {}     # shard -> manifest request in flight
+        self._sent: dict[int, float] = {}
+        self._drawn = np.zeros(shards.num_shards, np.int64)   # draws not yet reported to each shard
+        self._stale: set[int] = set()          # shards this process wrote to since their last sync
+        self._polled = -np.inf
+        self._gather: BlockGather | None = None
+
+    # -- manifests -----------------------------------------------------------------
+
+    def wrote(self, shard: int) -> None:
+        """This process stored episodes on ``shard``: sync it before the next sample."""
+        self._stale.add(shard)
+
+    def reset(self) -> None:
+        """Forget every view and block (after `clear`, at `close`)."""
+        self.views.clear()
+        self._chunks.clear()
+        self._pending.clear()
+        self.cache.clear()
+
+    def known(self, shard: int) -> tuple[str | None, int]:
+        """(token, version) of the manifest this reader holds of ``shard``."""
+        return self._known(shard)
+
+    def apply(self, shard: int, manifest: Manifest) -> None:
+        """Take a manifest that came with an answer (the index path)."""
+        self._apply({shard: (manifest, None)}, {shard: None})
+
+    def check_keys(self, keys: Any) -> frozenset | None:
+        """``keys`` checked against the store's fields (see `BlockGather.check_keys`)."""
+        return self._gatherer().check_keys(keys)
+
+    def _gatherer(self) -> BlockGather:
+        if self._gather is None:
+            schema = self.schema()
+            if schema is None:
+                raise EmptyStoreError(f"cannot sample: store {self.shards.name!r} holds no episode yet")
+            self._gather = BlockGather(schema)
+        return self._gather
+
+    def _known(self, shard: int) -> tuple[str | None, int]:
+        view = self.views.get(shard)
+        return (view.manifest.token, view.manifest.version) if view is not None else (None, -1)
+
+    def _ask(self, shard: int, seal: bool) -> Any:
+        drawn, self._drawn[shard] = int(self._drawn[shard]), 0
+        self._sent[shard] = time.monotonic()
+        return self.shards.call(shard, "manifest", *self._known(shard), drawn, seal)
+
+    def poll(self) -> None:
+        """Collect manifest answers that came back, ask again where due; never waits."""
+        now = time.monotonic()
+        latency = self.shards.options.seal_latency
+        if now - self._polled < latency / 8:
+            return
+        self._polled = now
+        for shard in self.shards.live():
+            if shard not in self._pending and now - self._sent.get(shard, -np.inf) >= latency:
+                self._pending[shard] = self._ask(shard, False)
+        if self._pending:   # a request to an actor known dead fails at once: collected here
+            ready, _ = ray_module().wait(list(self._pending.values()), num_returns=len(self._pending), timeout=0)
+            ready = set(ready)
+            done = {s: ref for s, ref in self._pending.items() if ref in ready}
+            for shard in done:
+                del self._pending[shard]
+            self._apply(self.shards.get(done), done)
+
+    def sync(self, shards: list[int] | None = None, seal: bool = True) -> None:
+        """Ask ``shards`` (default: every live one) for their manifest and wait (they seal first)."""
+        shards = self.shards.live() if shards is None else shards
+        for shard in shards:
+            self._pending.pop(shard, None)
+            self._stale.discard(shard)
+        refs = {s: self._ask(s, seal) for s in shards}
+        self._apply(self.shards.get(refs), refs)
+
+    def report(self) -> None:
+        """Send the draws counted here to their shards now (before `stats`)."""
+        if self._drawn.any():
+            self.sync([s for s in self.shards.live() if self._drawn[s]], seal=False)
+
+    def _apply(self, answers: dict[int, Any], asked: dict[int, Any]) -> None:
+        for shard in asked:
+            if shard not in answers:   # dead (allow_partial): its blocks are no longer served
+                self.views.pop(shard, None)
+        for shard, (manifest, reading) in answers.items():
+            if reading is not None:
+                self.sizes.note(shard, reading)
+            if manifest is not None:
+                self._install(shard, manifest)
+        listed = {b.ref for view in self.views.values() for b in view.manifest.blocks}
+        self.cache.retain(listed)
+        for ref in [r for r in self._chunks if r not in listed]:
+            del self._chunks[ref]
+
+    def _install(self, shard: int, manifest: Manifest) -> None:
+        token, version = self._known(shard)
+        if manifest.token == token and manifest.version <= version:
+            return   # an older answer than the view's
+        blocks = manifest.blocks
+        missing = [b.episodes for b in blocks if b.episodes not in self._chunks]
+        for ref, chunk in zip(missing, ray_module().get(missing)):
+            self._chunks[ref] = chunk
+        sizes = np.array([b.num_rows for b in blocks], np.int64)
+        bases = np.cumsum(sizes) - sizes
+        columns: dict[str, list] = {name: [empty] for name, empty in _TEMPLATE.items()}
+        for block, base in zip(blocks, bases.tolist()):
+            chunk = self._chunks[block.episodes]
+            skip = max(0, manifest.first_live_serial - block.first_serial)
+            for name in columns:
+                part = chunk[name][skip:]
+                columns[name].append(part + base if name == "first_row" else part)
+        columns = {name: np.concatenate(parts) for name, parts in columns.items()}
+        n = self.shards.num_shards
+        table = EpisodeTable(shard=shard, id_offset=shard, id_stride=n)
+        table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": n,
+                               "episodes_added": manifest.stop_serial, "env_names": [],
+                               "counters": {"rank": manifest.stop_rank}, "columns": columns, "metadata": []})
+        sampler, mass = None, 0.0
+        if manifest.draws_here:   # a copy that draws from this view (stateless samplers only)
+            sampler = type(self.sampler)(**self.sampler.config())
+            sampler.bind(types.SimpleNamespace(table=table))
+            mass = sampler.mass(table) if len(table) else 0.0
+        self.views[shard] = ShardView(shard, manifest, bases, table, sampler, mass)
+
+    # -- sampling ------------------------------------------------------------------
+
+    def draws_here(self) -> bool:
+        """Whether samples are drawn here (else each shard draws its indices)."""
+        if not self.views:
+            self.sync()
+        return all(view.manifest.draws_here for view in self.views.values())
+
+    def views_of(self, shards: list[int]) -> list[ShardView]:
+        """Current views of live ``shards``: synced first where this process wrote, or none is known."""
+        self.poll()
+        stale = [s for s in shards if s in self._stale or s not in self.views]
+        if stale:
+            self.sync(stale)
+        return [self.views[s] for s in shards if s in self.views]
+
+    def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
+               shards: list[int]) -> TensorDict:
+        """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
+        views = self.views_of(shards)
+        masses = np.array([v.mass for v in views])
+        if masses.sum() <= 0:   # nothing sealed yet may only mean: not sealed yet
+            self.sync(shards)
+            views = [self.views[s] for s in shards if s in self.views]
+            masses = np.array([v.mass for v in views])
+            if masses.sum() <= 0:
+                raise EmptyStoreError(f"cannot sample: the {len(shards)} shards of {self.shards.name!r} hold "
+                                      "0 transitions")
+        counts = self.rng.multinomial(batch_size, masses / masses.sum())
+        parts = []
+        for view, count in zip(views, counts.tolist()):
+            if count:
+                parts.append((view, view.sampler.sample(self.rng, count, view.table)))
+                self._drawn[view.shard] += count
+        return self.gather(parts, args, keys, device)
+
+    def select(self, shard: int, ranks: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
+        """The selection of ``shard``'s ranks (drawn by the shard), or None if this view lacks one."""
+        view = self.views.get(shard)
+        return self.select_in(view, ranks, extra) if view is not None else None
+
+    @staticmethod
+    def select_in(view: ShardView, ranks: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
+        """The selection of ranks in ``view``, or None if it lacks one of them."""
+        if not len(view.table) or not view.table.is_live(ranks).all():
+            return None
+        pos, step = view.table.locate(ranks)
+        return view, Selection(view.table.col("first_row").take(pos) + step, ranks, pos, extra, step)
+
+    def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
+               device: torch.device | None, normalize_weights: bool = False) -> TensorDict:
+        """One batch of every part's items, shard after shard, block after block within a shard."""
+        gather = self._gatherer()
+        keys = gather.check_keys(keys)
+        parts = [(view, *_by_block(view, selection)) for view, selection in _same_width(parts)]
+        keep = {view.manifest.blocks[b].ref for view, _, _, touched, _ in parts for b in touched.tolist()}
+        groups, extras, offset = [], [], 0
+        for view, selection, block, touched, starts in parts:
+            extra, roles = self._lookups(view, selection, block, touched, starts, args, keep)
+            extras.append(extra)
+            blocks = view.manifest.blocks
+            for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
+                groups.append(Group(self.cache.get(blocks[b], keep), offset + lo, offset + hi,
+                                    (roles[0][lo:hi], roles[1][lo:hi], roles[2][lo:hi])))
+            offset += len(selection.rows)
+        item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
+        frames = (args[2],) if args[2] > 1 else ()
+        shapes = ((offset, *item), (offset, *item, *frames), (offset, *item, *frames))
+        extra = extras[0] if len(extras) == 1 else {name: np.concatenate([e[name] for e in extras])
+                                                     for name in extras[0]}
+        if normalize_weights and "weight" in extra:
+            extra["weight"] = extra["weight"] / extra["weight"].max()
+        return gather(groups, extra, shapes, keys, device)
+
+    def _lookups(self, view: ShardView, selection: Selection, block: np.ndarray, touched: np.ndarray,
+                 starts: np.ndarray, args: tuple, keep: set) -> tuple[dict, tuple[np.ndarray, ...]]:
+        """(extras, block-local rows by role) of a selection ordered by block."""
+        n, gamma, frames = args
+        table = view.table
+        rows, pos, step = selection.rows, selection.pos, selection.step
+        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        extra = {"index": selection.ranks + (view.shard << INDEX_SHIFT),
+                 "episode_id": table.col("episode_id").take(pos),
+                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+        base = view.bases.take(block)
+        if rows.ndim == 2:
+            base = base[:, None]
+        local = rows - base
+        if n == 1 and frames == 1:
+            return extra, (local, local, local + 1)
+        first = first - base
+        next_rows = local + 1
+        if n > 1:   # rewards summed inside each item's block
+            last = first + table.col("length").take(pos) - 1
+            looked: dict[str, list] = {}
+            ahead_rows = []
+            for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
+                columns = self.cache.get(view.manifest.blocks[b], keep)
+                ahead = n_step(local[lo:hi], last[lo:hi], columns["reward"], min(n, table.longest), gamma)
+                ahead_rows.append(ahead.next_rows)
+                looked.setdefault("reward", []).append(ahead.reward)
+                looked.setdefault("discount", []).append(ahead.discount)
+                looked.setdefault("n_steps", []).append(ahead.steps)
+                for flag in ("terminated", "truncated"):
+                    if flag in columns:
+                        looked.setdefault(flag, []).append(columns[flag][ahead.last_rows])
+            next_rows = np.concatenate(ahead_rows)
+            extra.update({name: np.concatenate(values) for name, values in looked.items()})
+        obs_rows = local
+        if frames > 1:
+            obs_rows = frame_rows(local, first, frames)
+            next_rows = frame_rows(next_rows, first, frames)
+        return extra, (local, obs_rows, next_rows)
+
+    def stats(self) -> dict:
+        cache = self.cache
+        return {"cached_blocks": len(cache.entries), "cached_bytes": cache.nbytes, "cache_limit": cache.limit,
+                "fetches": cache.fetches, "copy_blocks": cache.copy,
+                "blocks": sum(len(v.manifest.blocks) for v in self.views.values())}
+
+
+def _by_block(view: ShardView, selection: Selection
+              ) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray]:
+    """The selection with its items ordered by block: (selection, block of each item,
+    the blocks touched, where each one's items start and, last, stop)."""
+    rows = selection.rows
+    bases = view.bases
+    if len(bases) == 1:
+        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)])
+    block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
+    order = np.argsort(block, kind="stable")
+    block = block.take(order)
+    selection = Selection(rows.take(order, axis=0), selection.ranks.take(order, axis=0),
+                          selection.pos.take(order, axis=0),
+                          {k: v.take(order, axis=0) for k, v in selection.extra.items()},
+                          None if selection.step is None else selection.step.take(order, axis=0))
+    counts = np.bincount(block, minlength=len(bases))
+    touched = np.flatnonzero(counts)
+    starts = np.zeros(len(touched) + 1, np.int64)
+    np.cumsum(counts.take(touched), out=starts[1:])
+    return selection, block, touched, starts
+
+
+def _same_width(parts: list[tuple[ShardView, Selection]]) -> list[tuple[ShardView, Selection]]:
+    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
+    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
+    if len(widths) <= 1:
+        return parts
+    width = max(widths)
+    padded = []
+    for view, s in parts:
+        pad = width - s.rows.shape[1]
+        if pad:
+            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
+            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
+            s = Selection(edge(s.rows), edge(s.ranks), edge(np.ascontiguousarray(s.pos)), extra,
+                          None if s.step is None else edge(s.step))
+        padded.append((view, s))
+    return padded
+

@@ -1,0 +1,263 @@
+"""The Ray data plane: shards publish sealed blocks, readers in any process draw and gather them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import arrowbuf as ab
+from arrowbuf import RayOptions
+from arrowbuf.ray.options import INDEX_SHIFT
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+# Ray workers cannot import this test module by name: its functions travel by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+#: Seconds the stress test runs (20 for a soak run: ARROWBUF_STRESS_SECONDS=20).
+STRESS_SECONDS = float(os.environ.get("ARROWBUF_STRESS_SECONDS", "5"))
+
+
+def checksum(key: np.ndarray, step: np.ndarray) -> np.ndarray:
+    return (key.astype(np.int64) * 7919 + step.astype(np.int64) * 104729) % 1_000_003
+
+
+def keyed_episode(key: int, steps: int) -> dict:
+    """obs[t] = (key, t), action = key, check = checksum(key, t): every row says which it is."""
+    t = np.arange(steps + 1)
+    obs = np.stack([np.full(steps + 1, key), t], axis=1).astype(np.float32)
+    return {"obs": obs, "action": np.full(steps, key, np.int64), "check": checksum(np.full(steps, key), t[:-1]),
+            "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1,
+            "truncated": np.zeros(steps, bool)}
+
+
+def check_rows(batch, seen: dict) -> int:
+    """Raise unless every row is internally consistent and its index always names the same row."""
+    key, step = batch["obs"][:, 0].numpy().astype(np.int64), batch["obs"][:, 1].numpy().astype(np.int64)
+    np.testing.assert_array_equal(batch["action"].numpy(), key)
+    np.testing.assert_array_equal(batch["step"].numpy(), step)
+    np.testing.assert_array_equal(batch["check"].numpy(), checksum(key, step))
+    np.testing.assert_array_equal(batch["next", "obs"][:, 0].numpy(), key)
+    np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), step + 1)
+    for index, episode_id, k, s in zip(batch["index"].tolist(), batch["episode_id"].tolist(), key.tolist(),
+                                       step.tolist()):
+        assert seen.setdefault(("index", index), (k, s)) == (k, s), "an index read two different rows"
+        assert seen.setdefault(("episode", episode_id), k) == k, "an episode id read two different episodes"
+    return len(key)
+
+
+@ray.remote
+def write_for(name: str, seconds: float, first_key: int) -> int:
+    """Write episodes of 20 to 60 steps into the store ``name`` for ``seconds``; how many."""
+    store = ab.ExperienceStore.attach(name)
+    rng = np.random.default_rng(first_key)
+    key = first_key
+    with store.writer(num_envs=1, name=f"stress-{first_key}", autoreset_mode="disabled") as writer:
+        sink_deadline = time.monotonic() + seconds
+        while time.monotonic() < sink_deadline:
+            steps = int(rng.integers(20, 60))
+            episode = keyed_episode(key, steps)
+            for t in range(steps):
+                writer.add(obs=episode["obs"][t:t + 1], action=episode["action"][t:t + 1],
+                           check=episode["check"][t:t + 1], reward=episode["reward"][t:t + 1],
+                           terminated=episode["terminated"][t:t + 1], truncated=episode["truncated"][t:t + 1],
+                           next_obs=episode["obs"][t + 1:t + 2])
+            key += 1
+    return key - first_key
+
+
+@ray.remote
+def sample_for(name: str, seconds: float, options: RayOptions) -> dict:
+    """Sample from the store ``name`` for ``seconds``, checking every row; what was seen."""
+    store = ab.ExperienceStore.attach(name, ray_options=options)
+    seen: dict = {}
+    rows = batches = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        rows += check_rows(store.sample(64), seen)
+        batches += 1
+    for batch in store.iter_batches(256):   # an epoch over a moving store: consistent too
+        rows += check_rows(batch, seen)
+    return {"rows": rows, "batches": batches, "reader": store.stats()["reader"]}
+
+
+def test_readers_in_two_processes_sample_consistent_rows_while_writers_evict():
+    # Small blocks and a small ring: blocks are sealed, merged and evicted all the time.
+    options = RayOptions(block_bytes=16 << 10, seal_latency=0.02)
+    store = ab.ExperienceStore(6_000, backend="ray", num_shards=2, seed=0, ray_options=options)
+    try:
+        store.add_episode(keyed_episode(0, 30), env_id="seed")   # the schema, and something to sample
+        store.flush()
+        writers = [write_for.remote(store.name, STRESS_SECONDS, 1_000_000 * (i + 1)) for i in range(2)]
+        readers = [sample_for.remote(store.name, STRESS_SECONDS, options),
+                   # the other reader treats every block as remote (copied), in a cache of about 4 blocks
+                   sample_for.remote(store.name, STRESS_SECONDS,
+                                     RayOptions(block_bytes=16 << 10, seal_latency=0.02, copy_blocks=True,
+                                                reader_cache_bytes=64 << 10))]
+        written = ray.get(writers)
+        seen = ray.get(readers)
+        store.flush()
+        assert sum(written) * 20 > 6_000, "the writers did not fill the ring once (no eviction)"
+        for result in seen:
+            assert result["batches"] > 10 and result["rows"] > 640
+        assert seen[1]["reader"]["copy_blocks"] and seen[1]["reader"]["fetches"] > seen[1]["reader"]["cached_blocks"]
+        check_rows(store.sample(512), {})
+    finally:
+        store.close()
+
+
+@ray.remote
+def write_and_flush(name: str, key: int) -> int:
+    store = ab.ExperienceStore.attach(name)
+    first = store.add_episode(keyed_episode(key, 25), env_id="w")   # sealed by the latency bound, or by flush
+    with store.writer(num_envs=1, autoreset_mode="disabled") as writer:   # delivered within the latency bound, sealed by flush
+        episode = keyed_episode(key + 1, 17)
+        for t in range(17):
+            writer.add(obs=episode["obs"][t:t + 1], action=episode["action"][t:t + 1],
+                       check=episode["check"][t:t + 1], reward=episode["reward"][t:t + 1],
+                       terminated=episode["terminated"][t:t + 1], truncated=episode["truncated"][t:t + 1],
+                       next_obs=episode["obs"][t + 1:t + 2])
+    store.flush()
+    return first
+
+
+@ray.remote
+class Reader:
+    def __init__(self, name: str) -> None:
+        self.store = ab.ExperienceStore.attach(name, ray_options=RayOptions(seal_latency=30.0))
+
+    def sample(self, n: int) -> np.ndarray:
+        return self.store.sample(n)["action"].numpy()
+
+    def epoch(self) -> list:
+        rows = []
+        for batch in self.store.iter_batches(64):
+            rows += zip(batch["action"].tolist(), batch["step"].tolist())
+        return rows
+
+
+def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another():
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0)
+    try:
+        for key in range(4):
+            store.add_episode(keyed_episode(key, 10 + key), env_id=f"e{key}")
+        reader = Reader.remote(store.name)
+        assert set(ray.get(reader.sample.remote(256)).tolist()) <= {0, 1, 2, 3}   # the reader has its blocks
+        ray.get(write_and_flush.remote(store.name, 100))
+        # A long seal_latency: the reader polls no manifest on its own; its epoch syncs.
+        rows = ray.get(reader.epoch.remote())
+        expected = [(key, t) for key in range(4) for t in range(10 + key)] + \
+                   [(100, t) for t in range(25)] + [(101, t) for t in range(17)]
+        assert sorted(rows) == sorted(expected)   # every transition once, the new ones included
+        deadline = time.monotonic() + 10   # this process sees them within about seal_latency (0.1 s)
+        while not {100, 101} <= set(store.sample(4096)["action"].tolist()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        store.close()
+
+
+def test_a_process_samples_its_own_add_episode_at_once():
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=RayOptions(seal_latency=30.0))
+    try:
+        for key in range(6):
+            store.add_episode(keyed_episode(key, 5), env_id=f"e{key}")
+            assert (store.sample(512)["action"].numpy() == key).any()
+    finally:
+        store.close()
+
+
+def test_the_reader_cache_stays_within_its_bound_and_fetches_again():
+    episode = 41 * 30   # bytes of an episode of 40 steps (30 bytes a row)
+    limit = 6 * episode   # blocks of about 2 episodes: a cache of about 3
+    options = RayOptions(block_bytes=episode + 1, reader_cache_bytes=limit)
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=2, seed=0, ray_options=options)
+    try:
+        for key in range(40):
+            store.add_episode(keyed_episode(key, 40), env_id=f"e{key % 4}")
+        store.flush()
+        seen: dict = {}
+        for _ in range(200):
+            check_rows(store.sample(1), seen)
+            assert store.stats()["reader"]["cached_bytes"] <= limit
+        reader = store.stats()["reader"]
+        assert reader["blocks"] > 10   # many blocks, a cache of 3: fetched again and again
+        assert reader["fetches"] > reader["blocks"]
+        for batch in store.iter_batches(500):   # batches touching every block: all of them held meanwhile
+            check_rows(batch, seen)
+    finally:
+        store.close()
+
+
+def test_close_releases_every_block_of_the_object_store():
+    def free() -> float:
+        return ray.available_resources().get("object_store_memory", 0.0)
+
+    time.sleep(0.5)
+    before = free()
+    store = ab.ExperienceStore(200_000, backend="ray", num_shards=2, seed=0)
+    for key in range(200):
+        store.add_episode(keyed_episode(key, 999), env_id=f"e{key}")
+    store.flush()
+    check_rows(store.sample(1024), {})
+    time.sleep(1.5)
+    assert free() < before - 4_000_000   # the blocks are in the object store (200k rows of 30 bytes)
+    store.close()
+    deadline = time.monotonic() + 30
+    while free() < before - 100_000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free() >= before - 100_000
+
+
+def test_keys_gather_only_the_named_fields_on_ray():
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
+    try:
+        for key in range(4):
+            store.add_episode(keyed_episode(key, 20), env_id=f"e{key}")
+        batch = store.sample(32, keys=["action"])
+        assert sorted(batch.keys()) == ["action", "episode_id", "index", "step"]
+        batch = store.sample(32, keys=["obs", ("next", "obs")])
+        np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), batch["step"].numpy() + 1)
+        assert "action" not in batch.keys()
+        epoch = list(store.iter_batches(30, keys=["check"]))
+        assert sum(b.batch_size[0] for b in epoch) == 80 and sorted(epoch[0].keys()) == \
+            ["check", "episode_id", "index", "step"]
+        samples = store.stats()["samples"]
+        with pytest.raises(ValueError, match="no field 'nope'"):
+            store.sample(8, keys=["nope"])
+        assert store.stats()["samples"] == samples   # nothing drawn
+    finally:
+        store.close()
+
+
+def test_rows_gathered_across_many_blocks_match_the_shards_own_gather():
+    options = RayOptions(block_bytes=400)
+    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options)
+    seq = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options,
+                             sampler=ab.SequenceSampler(length=4))
+    try:
+        for key in range(30):
+            for s in (store, seq):
+                s.add_episode(keyed_episode(key, 10 + key % 7), env_id=f"e{key % 5}")
+        store.flush()
+        assert store.stats()["reader"]["blocks"] > 15
+        batch = store.sample(300, n_step=3, gamma=0.5, frame_stack=2)
+        again = store.gather(batch["index"].numpy())   # the shards' own gather, from their arenas
+        np.testing.assert_array_equal(batch["obs"][:, -1].numpy(), again["obs"].numpy())
+        np.testing.assert_array_equal(batch["action"].numpy(), again["action"].numpy())
+        steps_left = batch["obs"][:, -1, 1].numpy()
+        assert (batch["n_steps"].numpy() <= 3).all() and (batch["next", "obs"][:, -1, 1].numpy() ==
+                                                         steps_left + batch["n_steps"].numpy()).all()
+        windows = seq.sample(64)
+        assert windows["obs"].shape == (64, 4, 2)
+        np.testing.assert_array_equal(np.diff(windows["obs"][:, :, 1].numpy(), axis=1), 1)
+        assert (windows["obs"][:, :, 0].numpy() == windows["obs"][:, :1, 0].numpy()).all()
+        assert set((batch["index"].numpy() >> INDEX_SHIFT).tolist()) == {0, 1}
+    finally:
+        store.close()
+        seq.close()
