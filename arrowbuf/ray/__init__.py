@@ -5,10 +5,12 @@ Modules, lowest first (each imports only those before it):
 - `options`: `RayOptions`, index layout, the lazy ``import ray``;
 - `handles`: the shard actors' handles and the sizes they last reported;
 - `persist`: what exports, checkpoints and Ray Data share (the shards write their own files);
+- `blocks`: `BlockRing`, a shard's rows sealed into immutable blocks of the object store;
 - `actor`: `ShardServer`, the body of one shard actor;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
 - `start`: starting a store's named shard actors, or finding a running store's;
-- `assemble`: batches out of the shards' answers;
+- `gather`: `BlockGather`, rows of many blocks into one pooled TensorDict;
+- `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.

@@ -62,7 +62,7 @@ class ShardServer:
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
-                 blocks: tuple[int, float] = (16 << 20, 0.1)) -> None:
+                 blocks: tuple[int, float] = (64 << 20, 0.1)) -> None:
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
@@ -169,6 +169,8 @@ class ShardServer:
                 engine.count_samples(drawn)
             if engine.shard is not None and (seal or self.blocks.due()):
                 self.blocks.seal(engine)
+            if engine.shard is not None:
+                self.blocks.compact(engine)
             manifest = self.blocks.manifest(engine)
             known = manifest.token == token and manifest.version == version
             return (None if known else manifest), self.size()

@@ -18,9 +18,11 @@ Episodes written since the last seal are *open*. They are sealed into a new
 block when they reach ``RayOptions.block_bytes``, or once the oldest has waited
 ``RayOptions.seal_latency`` (checked at each write and each reader's manifest
 poll), or at once by `seal` (``store.flush()``). Blocks sealed early are small:
-a new seal absorbs the newest block while that one is smaller than the new rows
-and than ``block_bytes`` (a binary counter), so a slow writer leaves O(log) small
-blocks, and each row is copied O(log) times at most.
+a new seal absorbs the newest block while that one is smaller than ``block_bytes``
+and than the new rows, so a slow writer leaves O(log) small blocks, and each row
+is copied O(log) times at most. Once no write came for ``seal_latency``, the next
+manifest request compacts the small blocks into blocks of up to ``block_bytes``
+(a batch costs one ``np.take`` per field and block it touches).
 
 Eviction drops a block's reference once every episode in it is evicted. The
 *manifest* names the blocks and the first live episode; its version changes at
@@ -45,11 +47,12 @@ from arrowbuf.shard import position_runs
 from arrowbuf.table import EpisodeTable
 
 #: A seal absorbs the newest block while that one is below ``block_bytes`` and at most
-#: this many times the rows being sealed: small blocks shrink geometrically by this
-#: factor from old to new (at most log_4(block_bytes / rows per seal) of them, each a
-#: group of ``np.take`` calls per batch), and a row is copied at most
-#: log_1.25(block_bytes / rows per seal) times, by a writer slow enough for it to matter.
-MERGE = 4
+#: this many times the rows being sealed (a binary counter): at most
+#: log2(block_bytes / rows per seal) small blocks while writes go on, each a group of
+#: ``np.take`` calls per batch, and a row copied at most that many times. A factor of 4
+#: (fewer, larger blocks) copies each row about 2.5 times on a W1 fill; idle shards
+#: compact their small blocks anyway (`BlockRing.compact`).
+MERGE = 1
 #: The episode-table columns a block carries (those of a table without sampler counters).
 CHUNK_COLUMNS = tuple(EpisodeTable().state_dict()["columns"])
 
@@ -98,6 +101,8 @@ class BlockRing:
         self._sealed_serial = 0        # serial of the first open episode
         self._open_since: float | None = None
         self._open_bytes = 0
+        self._written = -np.inf          # when the last write came (compaction waits for a pause)
+        self._compacted = -1             # the version last compacted
 
     @property
     def nbytes(self) -> int:
@@ -114,8 +119,9 @@ class BlockRing:
 
     def added(self, engine: ShardEngine, nbytes: int) -> None:
         """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
+        self._written = time.monotonic()
         if self._open_since is None:
-            self._open_since = time.monotonic()
+            self._open_since = self._written
         self._open_bytes += nbytes
         self._drop_evicted(engine.table)
         if self._open_bytes >= self.block_bytes or self.due():
@@ -173,6 +179,40 @@ class BlockRing:
             gone += 1
         if gone:
             del self.blocks[:gone]
+
+    def compact(self, engine: ShardEngine) -> None:
+        """Merge runs of adjacent small blocks (all episodes live) into blocks of up to
+        ``block_bytes``, once the shard is idle (no open episodes, no write for
+        ``seal_latency``); call under the engine's lock."""
+        if self._open_since is not None or time.monotonic() - self._written < self.seal_latency \
+                or self._compacted == self.version:
+            return
+        self._compacted = self.version
+        table = engine.table
+        first_live = table.episodes_added - len(table)
+        merged, run = [], []
+
+        def close_run() -> None:
+            if len(run) > 1:
+                a, b = run[0].first_serial, run[-1].first_serial + run[-1].num_episodes
+                merged.append(_put_block(engine, a - first_live, b - first_live, a))
+            else:
+                merged.extend(run)
+            run.clear()
+
+        for block in self.blocks:
+            small = block.nbytes < self.block_bytes // 2 and block.first_serial >= first_live
+            if not small or (run and sum(b.nbytes for b in run) + block.nbytes > self.block_bytes):
+                close_run()
+            if small:
+                run.append(block)
+            else:
+                merged.append(block)
+        close_run()
+        if len(merged) != len(self.blocks):
+            self.blocks = merged
+            self.version += 1
+            self._compacted = self.version
 
     def manifest(self, engine: ShardEngine) -> Manifest:
         """The current manifest (call under the engine's lock)."""

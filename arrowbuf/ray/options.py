@@ -107,7 +107,7 @@ class RayOptions:
     start_timeout: float = 120.0
     max_restarts: int | None = None
     durable_sync: bool = True
-    block_bytes: int = 16 << 20
+    block_bytes: int = 64 << 20
     seal_latency: float = 0.1
     reader_cache_bytes: int | None = None
     copy_blocks: bool = False

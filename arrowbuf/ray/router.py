@@ -8,10 +8,14 @@ It offers the backend interface of `arrowbuf.local.LocalBackend`:
 - writes: `add` sends one episode and waits for its shard's answer, which
   carries its id (a round trip); writers (`sink`) are the asynchronous, batched
   path (`arrowbuf.ray.sink`);
-- samples are split across shards in proportion to their transitions (or
-  priority mass), requested from all of them at once, and assembled with one
-  copy (`arrowbuf.ray.assemble`); `sample_iter` keeps requests in flight;
-- epochs (`iter_batches`) shuffle the indices of every shard together;
+- samples are drawn and gathered in this process by a `BlockReader`
+  (`arrowbuf.ray.reader`), from the sealed blocks the shards publish in the
+  object store: uniform, sequence and episode draws with no actor call;
+  prioritized, rate-limited and stateful samplers ask the shards for indices
+  (split in proportion to their priority mass, or transitions), and
+  `sample_iter` keeps those requests in flight;
+- epochs (`iter_batches`) shuffle the indices of every shard together and
+  gather them from the blocks;
 - reads by index (`gather`, `live_ranges`, `episode_spans`) use indices
   ``shard << 48 | rank``, the values of a batch's ``"index"``.
 
