@@ -19,7 +19,7 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError
 
-from conftest import EPISODE_SCHEMA, make_episode
+from support.episodes import EPISODE_SCHEMA, make_episode
 
 
 def new_engine(capacity: int = 200, shard: int = 0, num_shards: int = 1) -> ShardEngine:
@@ -183,7 +183,7 @@ KILLED_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from conftest import EPISODE_SCHEMA, make_episode
+    from support.episodes import EPISODE_SCHEMA, make_episode
     from test_durable import new_engine
     from arrowbuf.durable import DurableShard
     from arrowbuf.episodes import read_episode
