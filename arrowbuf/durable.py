@@ -74,7 +74,8 @@ from arrowbuf._filesink import fsync
 from arrowbuf._persist import CHECKPOINT_MANIFEST, plain_array, plain_field, schema_of
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError, SchemaError, ShardError
-from arrowbuf.schema import Schema, arrow_to_numpy
+from arrowbuf.fields import arrow_to_numpy
+from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 
 logger = logging.getLogger("arrowbuf")
