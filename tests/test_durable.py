@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.durable import DurableShard, EpisodeLog, durable_directory, next_episode_id
+from arrowbuf.durable import DurableShard, durable_directory
 from arrowbuf.engine import ShardEngine
+from arrowbuf.episode_log import EpisodeLog, next_episode_id
 from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError
 
