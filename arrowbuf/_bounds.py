@@ -121,7 +121,7 @@ def draw_steps(sampler: Sampler, table: EpisodeTable | None) -> int:
     """Rows each drawn item gathers: a sequence's length, the longest episode (1 when
     the table is not at hand: a Ray driver's), or 1."""
     if isinstance(sampler, SequenceSampler):
-        return sampler.length
+        return sampler.seq_len
     if isinstance(sampler, EpisodeSampler) and table is not None:
         return max(table.longest, 1)
     return 1

@@ -15,6 +15,7 @@ store gives each shard its own copy.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -323,7 +324,7 @@ class PrioritizedSampler(Sampler):
 
 
 class SequenceSampler(Sampler):
-    """Windows of ``length`` consecutive steps inside one episode; batches [B, length].
+    """Windows of ``seq_len`` consecutive steps inside one episode; batches [B, seq_len].
 
     With ``strict=True`` only windows that fit in their episode are drawn, each
     with equal probability. With ``strict=False`` any transition can start a
@@ -332,27 +333,39 @@ class SequenceSampler(Sampler):
     boundary and never reads an evicted row.
 
     Args:
-        length: steps per window (>= 1).
+        seq_len: steps per window (>= 1). An episode's *length* is its count of
+            transitions everywhere in arrowbuf; a window's is its ``seq_len``
+            (TorchRL's ``slice_len``, RLlib's ``max_seq_len``).
         strict: only windows that fit.
+        length: the former name of ``seq_len`` (deprecated; checkpoints written
+            before the rename still load).
 
     Example:
         >>> import numpy as np, arrowbuf as ab
-        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(length=3))
+        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(seq_len=3))
         >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5), "terminated": np.zeros(5, bool)})
         >>> store.sample(2)["obs"].shape
         torch.Size([2, 3])
     """
 
-    def __init__(self, length: int, strict: bool = True) -> None:
+    def __init__(self, seq_len: int | None = None, strict: bool = True, *, length: int | None = None) -> None:
         super().__init__()
-        self.length = check_int("length", length, 1)
+        if length is not None:
+            if seq_len is not None:
+                raise TypeError(f"SequenceSampler got seq_len={seq_len!r} and its former name length={length!r}; "
+                                "pass seq_len only")
+            warnings.warn("SequenceSampler(length=) is now SequenceSampler(seq_len=)", DeprecationWarning, stacklevel=2)
+            seq_len = length
+        if seq_len is None:
+            raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
+        self.seq_len = check_int("seq_len", seq_len, 1)
         self.strict = bool(strict)
-        self._counter = f"windows{self.length}"
+        self._counter = f"windows{self.seq_len}"
 
     def bind(self, shard) -> None:
         super().bind(shard)
         if self.strict:
-            span = self.length
+            span = self.seq_len
             shard.table.add_counter(self._counter, lambda n: max(0, n - span + 1))
 
     def mass(self, table: EpisodeTable) -> float:
@@ -362,16 +375,16 @@ class SequenceSampler(Sampler):
         return float(stop - first)
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        offsets = np.arange(self.length, dtype=np.int64)
+        offsets = np.arange(self.seq_len, dtype=np.int64)
         if self.strict:
             first, stop = table.live_range(self._counter)
             if stop <= first:
-                raise ValueError(f"no episode has {self.length} transitions for a strict window "
+                raise ValueError(f"no episode has {self.seq_len} transitions for a strict window "
                                  f"(longest: {int(table.col('length').max(initial=0))}); "
-                                 "use strict=False or a shorter length")
+                                 "use strict=False or a shorter seq_len")
             pos, start = table.locate(rng.integers(first, stop, size=n, dtype=np.int64), self._counter)
             steps = start[:, None] + offsets
-            mask = np.ones((n, self.length), bool)
+            mask = np.ones((n, self.seq_len), bool)
         else:
             pos, step = table.locate(uniform_indices(rng, n, *table.live_range()))
             last = table.col("length")[pos] - 1
@@ -383,10 +396,10 @@ class SequenceSampler(Sampler):
         return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
 
     def config(self) -> dict:
-        return {"length": self.length, "strict": self.strict}
+        return {"seq_len": self.seq_len, "strict": self.strict}
 
     def __repr__(self) -> str:
-        return f"SequenceSampler(length={self.length}, strict={self.strict})"
+        return f"SequenceSampler(seq_len={self.seq_len}, strict={self.strict})"
 
 
 class EpisodeSampler(Sampler):
