@@ -8,7 +8,7 @@ import pytest
 
 import arrowbuf as ab
 
-from support.episodes import EPISODE_SCHEMA, make_episode
+from support.episodes import EPISODE_SCHEMA, make_episode, tagged_action, tagged_obs, tagged_reward
 
 
 WAIT = 5.0     # generous: a passing test never waits this long
@@ -189,10 +189,9 @@ def test_inserts_count_transitions_not_rows():
 # -- the step writer under back-pressure ----------------------------------------------------
 
 def step(w, t, done):
-    """One step of a single env whose obs encode (tag 7, step t)."""
-    obs = np.array([[7.0, t]])
-    w.add(obs=obs, action=np.array([t]), reward=np.array([1.0], np.float32), terminated=np.array([done]),
-          truncated=np.array([False]), next_obs=obs + [0.0, 1.0])
+    """One step of a single env playing the episode tagged 7 (step t)."""
+    w.add(obs=tagged_obs(7, [t]), action=tagged_action(7, [t]), reward=tagged_reward(7, [t]),
+          terminated=np.array([done]), truncated=np.array([False]), next_obs=tagged_obs(7, [t + 1]))
 
 
 def run_episode(w, steps=3, first=0):
