@@ -242,18 +242,6 @@ class ShardEngine:
             self._sampled(selection)
             return batch
 
-    def sample_payload(self, batch_size: int, args: tuple = PLAIN, index_base: int = 0,
-                       population: tuple[int, float] | None = None, timeout: float | None = None) -> Payload:
-        """`sample` into a `Payload` (what a Ray shard sends); ``index_base`` is added to
-        the indices, ``population`` = (transitions, mass) of every shard for global PER weights."""
-        with self._changed:
-            self._wait_to_sample(batch_size, timeout)
-            selection = self._draw(batch_size, args, population)
-            rows, extra, obs_rows, next_rows = self._lookups(selection, args, index_base)
-            payload = self._shard.gather.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows)
-            self._sampled(selection)
-            return payload
-
     def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
         """Draw as `sample` does, without gathering: the selection, counted as a sample.

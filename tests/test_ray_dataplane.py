@@ -50,7 +50,7 @@ def check_rows(batch, seen: dict) -> int:
     return len(key)
 
 
-@ray.remote
+@ray.remote(num_cpus=0)   # writers and readers run at once, whatever the CPUs
 def write_for(name: str, seconds: float, first_key: int) -> int:
     """Write episodes of 20 to 60 steps into the store ``name`` for ``seconds``; how many."""
     store = ab.ExperienceStore.attach(name)
@@ -70,7 +70,7 @@ def write_for(name: str, seconds: float, first_key: int) -> int:
     return key - first_key
 
 
-@ray.remote
+@ray.remote(num_cpus=0)
 def sample_for(name: str, seconds: float, options: RayOptions) -> dict:
     """Sample from the store ``name`` for ``seconds``, checking every row; what was seen."""
     store = ab.ExperienceStore.attach(name, ray_options=options)
@@ -110,7 +110,7 @@ def test_readers_in_two_processes_sample_consistent_rows_while_writers_evict():
         store.close()
 
 
-@ray.remote
+@ray.remote(num_cpus=0)
 def write_and_flush(name: str, key: int) -> int:
     store = ab.ExperienceStore.attach(name)
     first = store.add_episode(keyed_episode(key, 25), env_id="w")   # sealed by the latency bound, or by flush
@@ -239,7 +239,7 @@ def test_rows_gathered_across_many_blocks_match_the_shards_own_gather():
     options = RayOptions(block_bytes=400)
     store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options)
     seq = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options,
-                             sampler=ab.SequenceSampler(length=4))
+                             sampler=ab.SequenceSampler(seq_len=4))
     try:
         for key in range(30):
             for s in (store, seq):

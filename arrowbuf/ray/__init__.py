@@ -11,6 +11,7 @@ Modules, lowest first (each imports only those before it):
 - `start`: starting a store's named shard actors, or finding a running store's;
 - `gather`: `BlockGather`, rows of many blocks into one pooled TensorDict;
 - `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
+- `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.

@@ -150,11 +150,6 @@ class ShardServer:
             raise err
         return ids, self.size()
 
-    def sample(self, n: int, args: tuple, population: tuple[int, float] | None,
-               timeout: float | None) -> tuple[Payload, Reading]:
-        payload = self.engine.sample_payload(n, args, self.index_base, population, timeout)
-        return payload, self.size()
-
     def manifest(self, token: str | None, version: int, drawn: int = 0, seal: bool = False
                  ) -> tuple[Manifest | None, Reading]:
         """This shard's block manifest, None when the caller's (``token``, ``version``) is current.
@@ -177,21 +172,21 @@ class ShardServer:
 
     def select(self, n: int, args: tuple, population: tuple[int, float] | None, timeout: float | None,
                token: str | None, version: int) -> tuple[np.ndarray, dict, Manifest | None, Reading]:
-        """Draw ``n`` items here (the limiter and sampler state are here): (ranks, extras such
+        """Draw ``n`` items here (the limiter and sampler state are here): (indices, extras such
         as weights and masks, the manifest if the caller's is not current, size).
 
         Drawn rows that are not sealed yet are sealed before the answer, so the
-        manifest sent with it holds every drawn rank.
+        manifest sent with it holds every drawn index.
         """
         engine = self.engine
         selection = engine.select(n, args, population, timeout)
         with engine.lock:
             manifest = self.blocks.manifest(engine)
-            if selection.ranks.size and int(selection.ranks.max()) >= manifest.stop_rank:
+            if selection.indices.size and int(selection.indices.max()) >= manifest.stop_index:
                 self.blocks.seal(engine)
                 manifest = self.blocks.manifest(engine)
             known = manifest.token == token and manifest.version == version
-            return selection.ranks, selection.extra, (None if known else manifest), self.size()
+            return selection.indices, selection.extra, (None if known else manifest), self.size()
 
     def live_range(self) -> tuple[int, int]:
         return self.engine.live_range()

@@ -2,7 +2,7 @@
 
 A block holds whole episodes: one numpy array per field (the episodes' rows, back
 to back), and beside it, as a small object of its own, the episodes' chunk of the
-episode table (their ids, ranks, lengths, flags; ``first_row`` counted inside the
+episode table (their ids, indices, lengths, flags; ``first_row`` counted inside the
 block). It is put into the object store once (`ray.put`, owned by the shard actor) and never changes: every process on a
 node reads it without a copy, Ray moves it across nodes once, and reference
 counting frees it when the shard dropped it and no reader holds it any more. A
@@ -78,7 +78,7 @@ class Manifest:
     blocks: tuple[BlockInfo, ...]
     first_live_serial: int   # episodes before it are evicted (their blocks may still be listed)
     stop_serial: int         # serial after the newest sealed episode
-    stop_rank: int           # rank after its last transition
+    stop_index: int           # index after its last transition
     draws_here: bool         # readers may draw themselves (no limiter, no per-row state)
 
 
@@ -102,7 +102,8 @@ class BlockRing:
         self._open_since: float | None = None
         self._open_bytes = 0
         self._written = -np.inf          # when the last write came (compaction waits for a pause)
-        self._compacted = -1             # the version last compacted
+        self._compacted = -1             # the version last compacted, and when
+        self._compacted_at = -np.inf
 
     @property
     def nbytes(self) -> int:
@@ -181,35 +182,44 @@ class BlockRing:
             del self.blocks[:gone]
 
     def compact(self, engine: ShardEngine) -> None:
-        """Merge runs of adjacent small blocks (all episodes live) into blocks of up to
-        ``block_bytes``, once the shard is idle (no open episodes, no write for
-        ``seal_latency``); call under the engine's lock."""
-        if self._open_since is not None or time.monotonic() - self._written < self.seal_latency \
-                or self._compacted == self.version:
+        """Merge runs of adjacent small blocks into blocks of up to ``block_bytes`` (the
+        oldest one without its evicted episodes), once the shard is idle (no open
+        episodes, no write for ``seal_latency``) or at most every 10 ``seal_latency``
+        while writes go on; call under the engine's lock."""
+        now = time.monotonic()
+        idle = self._open_since is None and now - self._written >= self.seal_latency
+        if self._compacted == self.version or not (idle or now - self._compacted_at >= 10 * self.seal_latency):
             return
-        self._compacted = self.version
+        self._compacted, self._compacted_at = self.version, now
         table = engine.table
         first_live = table.episodes_added - len(table)
         merged, run = [], []
 
         def close_run() -> None:
+            # The oldest block, partly evicted, is rewritten with its live episodes only.
             if len(run) > 1:
-                a, b = run[0].first_serial, run[-1].first_serial + run[-1].num_episodes
+                a = max(run[0].first_serial, first_live)
+                b = run[-1].first_serial + run[-1].num_episodes
                 merged.append(_put_block(engine, a - first_live, b - first_live, a))
             else:
                 merged.extend(run)
             run.clear()
 
+        row_bytes = engine.schema.field_bytes
         for block in self.blocks:
-            small = block.nbytes < self.block_bytes // 2 and block.first_serial >= first_live
-            if not small or (run and sum(b.nbytes for b in run) + block.nbytes > self.block_bytes):
+            live = block.nbytes
+            if block.first_serial < first_live:   # its evicted episodes would not be copied
+                rows = table.col("num_rows")[:block.first_serial + block.num_episodes - first_live]
+                live = int(rows.sum()) * row_bytes
+            small = live < self.block_bytes // 2
+            if not small or (run and sum(b.nbytes for b in run) + live > self.block_bytes):
                 close_run()
             if small:
                 run.append(block)
             else:
                 merged.append(block)
         close_run()
-        if len(merged) != len(self.blocks):
+        if [b.ref for b in merged] != [b.ref for b in self.blocks]:
             self.blocks = merged
             self.version += 1
             self._compacted = self.version
@@ -221,10 +231,10 @@ class BlockRing:
         stop = self._sealed_serial
         if len(table) and stop > first_live:
             position = stop - first_live - 1
-            stop_rank = int(table.col("first_rank")[position] + table.col("length")[position])
+            stop_index = int(table.col("first_index")[position] + table.col("length")[position])
         else:
-            stop_rank = table.live_range()[0]
-        return Manifest(self.token, self.version, tuple(self.blocks), first_live, stop, stop_rank,
+            stop_index = table.live_range()[0]
+        return Manifest(self.token, self.version, tuple(self.blocks), first_live, stop, stop_index,
                         self.draws_here)
 
 

@@ -3,7 +3,7 @@
 Each shard publishes a manifest (`arrowbuf.ray.blocks`): its blocks, oldest
 first, and its first live episode. The reader keeps, per shard, a `ShardView`:
 the manifest, an `EpisodeTable` rebuilt from the blocks' episode chunks (with the
-shard's own ranks, so a batch's ``"index"`` is the one the shard knows), and a
+shard's own indices, so a batch's ``"index"`` is the one the shard knows), and a
 copy of the store's sampler bound to that table. Block rows are placed at
 *virtual* rows (each block after the previous one), so the sampler's rows say
 which block an item comes from.
@@ -49,7 +49,7 @@ from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.gather import BlockGather, Group
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
-from arrowbuf.samplers import Sampler, Selection
+from arrowbuf.samplers import Sampler, Selection, UniformSampler, select_indices, uniform_indices
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
@@ -247,7 +247,7 @@ class BlockReader:
         table = EpisodeTable(shard=shard, id_offset=shard, id_stride=n)
         table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": n,
                                "episodes_added": manifest.stop_serial, "env_names": [],
-                               "counters": {"rank": manifest.stop_rank}, "columns": columns, "metadata": []})
+                               "counters": {"index": manifest.stop_index}, "columns": columns, "metadata": []})
         sampler, mass = None, 0.0
         if manifest.draws_here:   # a copy that draws from this view (stateless samplers only)
             sampler = type(self.sampler)(**self.sampler.config())
@@ -286,23 +286,29 @@ class BlockReader:
         counts = self.rng.multinomial(batch_size, masses / masses.sum())
         parts = []
         for view, count in zip(views, counts.tolist()):
-            if count:
+            if not count:
+                continue
+            if type(view.sampler) is UniformSampler:   # drawn in index order: items come grouped by block
+                indices = uniform_indices(self.rng, count, *view.table.live_range())
+                indices.sort()
+                parts.append((view, select_indices(view.table, indices)))
+            else:
                 parts.append((view, view.sampler.sample(self.rng, count, view.table)))
-                self._drawn[view.shard] += count
+            self._drawn[view.shard] += count
         return self.gather(parts, args, keys, device)
 
-    def select(self, shard: int, ranks: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
-        """The selection of ``shard``'s ranks (drawn by the shard), or None if this view lacks one."""
+    def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
+        """The selection of ``shard``'s indices (drawn by the shard), or None if this view lacks one."""
         view = self.views.get(shard)
-        return self.select_in(view, ranks, extra) if view is not None else None
+        return self.select_in(view, indices, extra) if view is not None else None
 
     @staticmethod
-    def select_in(view: ShardView, ranks: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
-        """The selection of ranks in ``view``, or None if it lacks one of them."""
-        if not len(view.table) or not view.table.is_live(ranks).all():
+    def select_in(view: ShardView, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
+        """The selection of indices in ``view``, or None if it lacks one of them."""
+        if not len(view.table) or not view.table.is_live(indices).all():
             return None
-        pos, step = view.table.locate(ranks)
-        return view, Selection(view.table.col("first_row").take(pos) + step, ranks, pos, extra, step)
+        pos, step = view.table.locate(indices)
+        return view, Selection(view.table.col("first_row").take(pos) + step, indices, pos, extra, step)
 
     def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
                device: torch.device | None, normalize_weights: bool = False) -> TensorDict:
@@ -336,7 +342,7 @@ class BlockReader:
         table = view.table
         rows, pos, step = selection.rows, selection.pos, selection.step
         first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        extra = {"index": selection.ranks + (view.shard << INDEX_SHIFT),
+        extra = {"index": selection.indices + (view.shard << INDEX_SHIFT),
                  "episode_id": table.col("episode_id").take(pos),
                  "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
         base = view.bases.take(block)
@@ -385,9 +391,12 @@ def _by_block(view: ShardView, selection: Selection
     if len(bases) == 1:
         return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)])
     block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
-    order = np.argsort(block, kind="stable")
-    block = block.take(order)
-    selection = Selection(rows.take(order, axis=0), selection.ranks.take(order, axis=0),
+    if len(block) < 2 or (block[1:] >= block[:-1]).all():   # already in order (uniform draws, epochs)
+        order = None
+    else:
+        order = np.argsort(block, kind="stable")
+        block = block.take(order)
+    selection = selection if order is None else Selection(rows.take(order, axis=0), selection.indices.take(order, axis=0),
                           selection.pos.take(order, axis=0),
                           {k: v.take(order, axis=0) for k, v in selection.extra.items()},
                           None if selection.step is None else selection.step.take(order, axis=0))
@@ -410,7 +419,7 @@ def _same_width(parts: list[tuple[ShardView, Selection]]) -> list[tuple[ShardVie
         if pad:
             edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
             extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
-            s = Selection(edge(s.rows), edge(s.ranks), edge(np.ascontiguousarray(s.pos)), extra,
+            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
                           None if s.step is None else edge(s.step))
         padded.append((view, s))
     return padded

@@ -41,24 +41,19 @@ from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.engine import PLAIN
-from arrowbuf.errors import EmptyStoreError, ShardError
+from arrowbuf.errors import ShardError
+from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
 from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches
+from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import pinned
-
-
-def _scaled(selection: Selection, scale: float) -> Selection:
-    """A prioritized selection whose weights are multiplied by ``scale``."""
-    extra = {**selection.extra, "weight": selection.extra["weight"] * scale}
-    return Selection(selection.rows, selection.ranks, selection.pos, extra, selection.step)
 
 
 class RayBackend:
@@ -89,6 +84,7 @@ class RayBackend:
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
+        self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
     @classmethod
@@ -266,22 +262,6 @@ class RayBackend:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _split(self, batch_size: int, shards: Sequence[int] | None = None) -> tuple[list[int], np.ndarray]:
-        """Live shards (of ``shards``, default all) and how many items each draws
-        (multinomial by the mass the shards last reported)."""
-        live = self.shards.live()
-        if (self._sizes.masses[live] <= 0).any():
-            # A shard seen empty gets no draws, hence no answers that would update its
-            # size: ask again, so a shard that filled since is not skipped forever.
-            self._sizes.refresh()
-            live = self.shards.live()
-        if shards is not None:
-            live = [s for s in live if s in shards] or live
-        masses = self._sizes.masses[live]
-        if masses.sum() <= 0:
-            raise EmptyStoreError(f"cannot sample: the {self.num_shards} shards of {self.name!r} hold 0 transitions")
-        return live, self._rng.multinomial(batch_size, masses / masses.sum())
-
     def _shards_of(self, shards: Sequence[int] | None) -> list[int]:
         live = self.shards.live()
         return [s for s in live if s in shards] or live if shards is not None else live
@@ -289,51 +269,6 @@ class RayBackend:
     def _check_keys(self, keys: Any) -> Any:
         """``keys`` checked before anything is drawn (nothing to check them against before the first write)."""
         return self._reader.check_keys(keys) if keys is not None and self.schema is not None else keys
-
-    def _select(self, batch_size: int, args: tuple, timeout: float | None,
-                shards: Sequence[int] | None = None) -> tuple:
-        """Ask the shards to draw (the index path): the request in flight."""
-        live, counts = self._split(batch_size, shards)
-        population = None
-        if isinstance(self.sampler, PrioritizedSampler):
-            population = (int(self._sizes.transitions[live].sum()), float(self._sizes.masses[live].sum()))
-        refs = {shard: self.shards.call(shard, "select", int(n), args, population, timeout,
-                                        *self._reader.known(shard))
-                for shard, n in zip(live, counts.tolist()) if n}
-        return refs, population, (batch_size, args, timeout, shards)
-
-    def _selected(self, request: tuple) -> tuple[list, tuple[int, float] | None]:
-        """The parts (view, selection) of a request's answers.
-
-        Items of a shard that died answering (allow_partial), or whose rows this
-        reader cannot find any more (evicted meanwhile), are drawn again from the
-        survivors; prioritized weights of the first answers are rescaled to the
-        redraw's population (w = (N p / M)^-beta).
-        """
-        refs, population, (batch_size, args, timeout, shards) = request
-        parts = []
-        answers = self.shards.get(refs)
-        for shard, ref in refs.items():
-            if shard not in answers:
-                continue
-            ranks, extra, manifest, reading = answers[shard]
-            self._sizes.note(shard, reading)
-            if manifest is not None:
-                self._reader.apply(shard, manifest)
-            part = self._reader.select(shard, ranks, extra)
-            if part is not None:
-                parts.append(part)
-        missing = batch_size - sum(len(selection.rows) for _, selection in parts)
-        if missing:
-            if not self.shards.live():
-                raise ShardError(f"no shard of {self.name!r} is alive")
-            more, population_new = self._selected(self._select(missing, args, timeout, shards))
-            if population is not None and population_new is not None:
-                (n_old, m_old), (n_new, m_new) = population, population_new
-                scale = ((n_old / m_old) / (n_new / m_new)) ** self.sampler.beta
-                parts = [(view, _scaled(selection, scale)) for view, selection in parts]
-            parts += more
-        return parts, population
 
     def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
                timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
@@ -376,7 +311,7 @@ class RayBackend:
         if reader.draws_here():
             batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
         else:
-            parts, _ = self._selected(self._select(batch_size, args, timeout, shards))
+            parts = self._draws.collect(self._draws.request(batch_size, args, timeout, shards))
             batch = reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler))
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
@@ -395,12 +330,13 @@ class RayBackend:
             yield reader.sample(batch_size, args, None, device, self.shards.live())
 
     def _prefetching(self, batch_size: int, prefetch: int, args: tuple, device: Any) -> Iterator[TensorDict]:
-        pending = deque(self._select(batch_size, args, None) for _ in range(prefetch))
+        draws = self._draws
+        pending = deque(draws.request(batch_size, args, None) for _ in range(prefetch))
         normalize = isinstance(self.sampler, PrioritizedSampler)
         while True:
             request = pending.popleft()
-            pending.append(self._select(batch_size, args, None))
-            parts, _ = self._selected(request)
+            pending.append(draws.request(batch_size, args, None))
+            parts = draws.collect(request)
             yield self._reader.gather(parts, args, None, device, normalize)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
@@ -418,7 +354,7 @@ class RayBackend:
     def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any) -> Iterator[TensorDict]:
         for chunk in chunks:
             shards = chunk >> INDEX_SHIFT
-            parts = [self._reader.select_in(views[s], chunk[shards == s] & RANK_MASK, {})
+            parts = [self._reader.select_in(views[s], chunk[shards == s] & LOCAL_MASK, {})
                      for s in np.unique(shards).tolist()]
             parts = [part for part in parts if part is not None]
             yield self._reader.gather(parts, PLAIN, keys, device)
