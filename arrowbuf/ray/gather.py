@@ -8,6 +8,9 @@ the trainer's tensors. The output comes from a `SlotPool`, as a local store's
 samples do: a batch is reused only once nothing refers to it any more, and
 steady sampling neither faults fresh memory nor rebuilds a TensorDict.
 
+`by_block` orders a selection's items by block (and says where each block's
+items are); `same_width` pads episode batches of several shards to one width.
+
 The layout follows `arrowbuf.tensors.Gather`: fields in schema order (an
 observation field also as ``("next", ...)``), then the extras (index,
 episode_id, step, and weights, masks, n-step targets); an extra named like a
@@ -24,6 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
+from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
 from arrowbuf.tensors import Gather
 
@@ -130,3 +134,45 @@ class BlockGather:
         for name, dtype, shape in extras:
             place(name, -1, _key(name), dtype, _torch_dtype(dtype), tuple(shape))
         return tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0]))
+
+
+def by_block(bases: np.ndarray, selection: Selection) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray]:
+    """The selection with its items ordered by block (``bases``: first row of each block):
+    (selection, block of each item, the blocks touched, where each one's items start and, last, stop)."""
+    rows = selection.rows
+    if len(bases) == 1:
+        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)])
+    block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
+    if len(block) < 2 or (block[1:] >= block[:-1]).all():   # already in order (uniform draws, epochs)
+        order = None
+    else:
+        order = np.argsort(block, kind="stable")
+        block = block.take(order)
+    selection = selection if order is None else Selection(rows.take(order, axis=0), selection.indices.take(order, axis=0),
+                          selection.pos.take(order, axis=0),
+                          {k: v.take(order, axis=0) for k, v in selection.extra.items()},
+                          None if selection.step is None else selection.step.take(order, axis=0))
+    counts = np.bincount(block, minlength=len(bases))
+    touched = np.flatnonzero(counts)
+    starts = np.zeros(len(touched) + 1, np.int64)
+    np.cumsum(counts.take(touched), out=starts[1:])
+    return selection, block, touched, starts
+
+
+def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:
+    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
+    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
+    if len(widths) <= 1:
+        return parts
+    width = max(widths)
+    padded = []
+    for view, s in parts:
+        pad = width - s.rows.shape[1]
+        if pad:
+            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
+            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
+            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
+                          None if s.step is None else edge(s.step))
+        padded.append((view, s))
+    return padded
+

@@ -33,6 +33,8 @@ another node is: it tests that path on one node, and frees shared memory.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 import types
 from collections import OrderedDict
@@ -46,7 +48,7 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.ray.blocks import BlockInfo, Manifest
-from arrowbuf.ray.gather import BlockGather, Group
+from arrowbuf.ray.gather import BlockGather, Group, by_block, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.samplers import Sampler, Selection, UniformSampler, select_indices, uniform_indices
@@ -58,14 +60,24 @@ _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of ev
 
 @dataclass
 class ShardView:
-    """One shard as this reader sees it: its manifest, a table of its live sealed episodes."""
+    """Shards as this reader sees them: their blocks and a table of their live sealed episodes.
 
-    shard: int
-    manifest: Manifest
-    bases: np.ndarray          # virtual first row of each listed block
+    A view of one shard keeps the shard's own indices; a view of several (`BlockReader`
+    draws from one over all the shards it samples: one draw, one gather plan) numbers
+    their transitions one after the other, and ``index_base`` per episode turns
+    those numbers back into the shards' indices.
+    """
+
+    shard: int                 # -1 for a view of several shards
+    manifest: Manifest | None  # of the one shard
+    blocks: tuple[BlockInfo, ...]
+    bases: np.ndarray          # virtual first row of each block
     table: EpisodeTable
     sampler: Sampler | None    # a copy bound to `table`, when readers draw
     mass: float
+    columns: dict[str, np.ndarray]        # what `table` was built from
+    index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
+    shards: np.ndarray | None = None      # shard of each episode (a view of several)
 
 
 class BlockCache:
@@ -108,6 +120,16 @@ class BlockCache:
         self.nbytes = 0
 
 
+def _locked(method: Callable) -> Callable:
+    """Run ``method`` under the reader's lock: a store handle may be shared by threads
+    (a trainer sampling while another thread writes)."""
+    @functools.wraps(method)
+    def run(self: "BlockReader", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class BlockReader:
     """This process's views of a store's shards (see the module docstring).
 
@@ -136,16 +158,21 @@ class BlockReader:
         self._stale: set[int] = set()          # shards this process wrote to since their last sync
         self._polled = -np.inf
         self._gather: BlockGather | None = None
+        self._joined_view: tuple | None = None   # (the views it joins, the joined view)
+        self._lock = threading.RLock()
 
     # -- manifests -----------------------------------------------------------------
 
+    @_locked
     def wrote(self, shard: int) -> None:
         """This process stored episodes on ``shard``: sync it before the next sample."""
         self._stale.add(shard)
 
+    @_locked
     def reset(self) -> None:
         """Forget every view and block (after `clear`, at `close`)."""
         self.views.clear()
+        self._joined_view = None
         self._chunks.clear()
         self._pending.clear()
         self.cache.clear()
@@ -154,10 +181,12 @@ class BlockReader:
         """(token, version) of the manifest this reader holds of ``shard``."""
         return self._known(shard)
 
+    @_locked
     def apply(self, shard: int, manifest: Manifest) -> None:
         """Take a manifest that came with an answer (the index path)."""
         self._apply({shard: (manifest, None)}, {shard: None})
 
+    @_locked
     def check_keys(self, keys: Any) -> frozenset | None:
         """``keys`` checked against the store's fields (see `BlockGather.check_keys`)."""
         return self._gatherer().check_keys(keys)
@@ -179,6 +208,7 @@ class BlockReader:
         self._sent[shard] = time.monotonic()
         return self.shards.call(shard, "manifest", *self._known(shard), drawn, seal)
 
+    @_locked
     def poll(self) -> None:
         """Collect manifest answers that came back, ask again where due; never waits."""
         now = time.monotonic()
@@ -197,6 +227,7 @@ class BlockReader:
                 del self._pending[shard]
             self._apply(self.shards.get(done), done)
 
+    @_locked
     def sync(self, shards: list[int] | None = None, seal: bool = True) -> None:
         """Ask ``shards`` (default: every live one) for their manifest and wait (they seal first)."""
         shards = self.shards.live() if shards is None else shards
@@ -206,6 +237,7 @@ class BlockReader:
         refs = {s: self._ask(s, seal) for s in shards}
         self._apply(self.shards.get(refs), refs)
 
+    @_locked
     def report(self) -> None:
         """Send the draws counted here to their shards now (before `stats`)."""
         if self._drawn.any():
@@ -244,25 +276,68 @@ class BlockReader:
                 columns[name].append(part + base if name == "first_row" else part)
         columns = {name: np.concatenate(parts) for name, parts in columns.items()}
         n = self.shards.num_shards
-        table = EpisodeTable(shard=shard, id_offset=shard, id_stride=n)
-        table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": n,
-                               "episodes_added": manifest.stop_serial, "env_names": [],
-                               "counters": {"index": manifest.stop_index}, "columns": columns, "metadata": []})
+        table, sampler, mass = self._table(columns, manifest.stop_serial, manifest.stop_index, manifest.draws_here,
+                                           shard, n)
+        self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
+                                      shard << INDEX_SHIFT)
+
+    def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
+               num_shards: int = 1) -> tuple[EpisodeTable, Sampler | None, float]:
+        """A table of ``columns`` and, when readers draw, a copy of the sampler bound to it (and its mass)."""
+        table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards)
+        table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": num_shards,
+                               "episodes_added": episodes_added, "env_names": [],
+                               "counters": {"index": stop_index}, "columns": columns, "metadata": []})
         sampler, mass = None, 0.0
-        if manifest.draws_here:   # a copy that draws from this view (stateless samplers only)
+        if draws_here:   # a copy that draws from this view (stateless samplers only)
             sampler = type(self.sampler)(**self.sampler.config())
             sampler.bind(types.SimpleNamespace(table=table))
             mass = sampler.mass(table) if len(table) else 0.0
-        self.views[shard] = ShardView(shard, manifest, bases, table, sampler, mass)
+        return table, sampler, mass
+
+    def _joined(self, shards: list[int]) -> ShardView:
+        """One view of the views of ``shards``: their transitions numbered one after the
+        other, so one draw is a draw over all of them in proportion to their mass."""
+        views = [self.views[s] for s in shards]
+        if len(views) == 1:
+            return views[0]
+        if self._joined_view is not None and len(self._joined_view[0]) == len(views) \
+                and all(a is b for a, b in zip(self._joined_view[0], views)):
+            return self._joined_view[1]
+        columns: dict[str, list] = {name: [] for name in _TEMPLATE}
+        bases, index_base, owners, rows, indices = [], [], [], 0, 0
+        for view in views:
+            first, stop = view.table.live_range()
+            for name in columns:
+                part = view.columns[name]
+                if name == "first_row":
+                    part = part + rows
+                elif name == "first_index":
+                    part = part - first + indices
+                columns[name].append(part)
+            count = len(view.columns["first_row"])
+            index_base.append(np.full(count, (view.shard << INDEX_SHIFT) + first - indices, np.int64))
+            owners.append(np.full(count, view.shard, np.int64))
+            bases.append(view.bases + rows)
+            rows += int(sum(b.num_rows for b in view.blocks))
+            indices += stop - first
+        columns = {name: np.concatenate(parts) for name, parts in columns.items()}
+        table, sampler, mass = self._table(columns, len(columns["first_row"]), indices, True)
+        joined = ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
+                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners))
+        self._joined_view = (views, joined)
+        return joined
 
     # -- sampling ------------------------------------------------------------------
 
+    @_locked
     def draws_here(self) -> bool:
         """Whether samples are drawn here (else each shard draws its indices)."""
         if not self.views:
             self.sync()
         return all(view.manifest.draws_here for view in self.views.values())
 
+    @_locked
     def views_of(self, shards: list[int]) -> list[ShardView]:
         """Current views of live ``shards``: synced first where this process wrote, or none is known."""
         self.poll()
@@ -271,32 +346,32 @@ class BlockReader:
             self.sync(stale)
         return [self.views[s] for s in shards if s in self.views]
 
+    @_locked
     def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
                shards: list[int]) -> TensorDict:
         """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
         views = self.views_of(shards)
-        masses = np.array([v.mass for v in views])
-        if masses.sum() <= 0:   # nothing sealed yet may only mean: not sealed yet
+        if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
             views = [self.views[s] for s in shards if s in self.views]
-            masses = np.array([v.mass for v in views])
-            if masses.sum() <= 0:
+            if sum(v.mass for v in views) <= 0:
                 raise EmptyStoreError(f"cannot sample: the {len(shards)} shards of {self.shards.name!r} hold "
                                       "0 transitions")
-        counts = self.rng.multinomial(batch_size, masses / masses.sum())
-        parts = []
-        for view, count in zip(views, counts.tolist()):
-            if not count:
-                continue
-            if type(view.sampler) is UniformSampler:   # drawn in index order: items come grouped by block
-                indices = uniform_indices(self.rng, count, *view.table.live_range())
-                indices.sort()
-                parts.append((view, select_indices(view.table, indices)))
-            else:
-                parts.append((view, view.sampler.sample(self.rng, count, view.table)))
-            self._drawn[view.shard] += count
-        return self.gather(parts, args, keys, device)
+        view = self._joined([v.shard for v in views if v.mass > 0])
+        if type(view.sampler) is UniformSampler:   # drawn in index order: items come grouped by block
+            indices = uniform_indices(self.rng, batch_size, *view.table.live_range())
+            indices.sort()
+            selection = select_indices(view.table, indices)
+        else:
+            selection = view.sampler.sample(self.rng, batch_size, view.table)
+        if view.shards is None:
+            self._drawn[view.shard] += batch_size
+        else:
+            pos = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]
+            self._drawn += np.bincount(view.shards.take(pos), minlength=len(self._drawn))
+        return self.gather([(view, selection)], args, keys, device)
 
+    @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
         """The selection of ``shard``'s indices (drawn by the shard), or None if this view lacks one."""
         view = self.views.get(shard)
@@ -310,18 +385,19 @@ class BlockReader:
         pos, step = view.table.locate(indices)
         return view, Selection(view.table.col("first_row").take(pos) + step, indices, pos, extra, step)
 
+    @_locked
     def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
                device: torch.device | None, normalize_weights: bool = False) -> TensorDict:
         """One batch of every part's items, shard after shard, block after block within a shard."""
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        parts = [(view, *_by_block(view, selection)) for view, selection in _same_width(parts)]
-        keep = {view.manifest.blocks[b].ref for view, _, _, touched, _ in parts for b in touched.tolist()}
+        parts = [(view, *by_block(view.bases, selection)) for view, selection in same_width(parts)]
+        keep = {view.blocks[b].ref for view, _, _, touched, _ in parts for b in touched.tolist()}
         groups, extras, offset = [], [], 0
         for view, selection, block, touched, starts in parts:
             extra, roles = self._lookups(view, selection, block, touched, starts, args, keep)
             extras.append(extra)
-            blocks = view.manifest.blocks
+            blocks = view.blocks
             for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
                 groups.append(Group(self.cache.get(blocks[b], keep), offset + lo, offset + hi,
                                     (roles[0][lo:hi], roles[1][lo:hi], roles[2][lo:hi])))
@@ -342,7 +418,8 @@ class BlockReader:
         table = view.table
         rows, pos, step = selection.rows, selection.pos, selection.step
         first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        extra = {"index": selection.indices + (view.shard << INDEX_SHIFT),
+        base = view.index_base
+        extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
                  "episode_id": table.col("episode_id").take(pos),
                  "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
         base = view.bases.take(block)
@@ -358,7 +435,7 @@ class BlockReader:
             looked: dict[str, list] = {}
             ahead_rows = []
             for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
-                columns = self.cache.get(view.manifest.blocks[b], keep)
+                columns = self.cache.get(view.blocks[b], keep)
                 ahead = n_step(local[lo:hi], last[lo:hi], columns["reward"], min(n, table.longest), gamma)
                 ahead_rows.append(ahead.next_rows)
                 looked.setdefault("reward", []).append(ahead.reward)
@@ -380,47 +457,3 @@ class BlockReader:
         return {"cached_blocks": len(cache.entries), "cached_bytes": cache.nbytes, "cache_limit": cache.limit,
                 "fetches": cache.fetches, "copy_blocks": cache.copy,
                 "blocks": sum(len(v.manifest.blocks) for v in self.views.values())}
-
-
-def _by_block(view: ShardView, selection: Selection
-              ) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray]:
-    """The selection with its items ordered by block: (selection, block of each item,
-    the blocks touched, where each one's items start and, last, stop)."""
-    rows = selection.rows
-    bases = view.bases
-    if len(bases) == 1:
-        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)])
-    block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
-    if len(block) < 2 or (block[1:] >= block[:-1]).all():   # already in order (uniform draws, epochs)
-        order = None
-    else:
-        order = np.argsort(block, kind="stable")
-        block = block.take(order)
-    selection = selection if order is None else Selection(rows.take(order, axis=0), selection.indices.take(order, axis=0),
-                          selection.pos.take(order, axis=0),
-                          {k: v.take(order, axis=0) for k, v in selection.extra.items()},
-                          None if selection.step is None else selection.step.take(order, axis=0))
-    counts = np.bincount(block, minlength=len(bases))
-    touched = np.flatnonzero(counts)
-    starts = np.zeros(len(touched) + 1, np.int64)
-    np.cumsum(counts.take(touched), out=starts[1:])
-    return selection, block, touched, starts
-
-
-def _same_width(parts: list[tuple[ShardView, Selection]]) -> list[tuple[ShardView, Selection]]:
-    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
-    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
-    if len(widths) <= 1:
-        return parts
-    width = max(widths)
-    padded = []
-    for view, s in parts:
-        pad = width - s.rows.shape[1]
-        if pad:
-            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
-            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
-            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
-                          None if s.step is None else edge(s.step))
-        padded.append((view, s))
-    return padded
-

@@ -278,9 +278,11 @@ class RayBackend:
         Uniform, sequence and episode draws happen here, from the shards' sealed
         blocks; other samplers (and rate-limited stores) ask each shard for its
         indices. Either way the rows are gathered here, from the blocks, into one
-        reused buffer (writable tensors, as a local store's). With
-        ``worker_nodes``, a worker's batch is drawn from the shards on its node
-        (all shards when its node has none); workers that share a node split one draw.
+        reused buffer (writable tensors, as a local store's). A batch's items come
+        grouped by block (in index order for uniform draws), so with ``num_workers``
+        each worker's batch is drawn on its own (a slice of one batch would hold
+        the older or the newer rows); with ``worker_nodes``, from the shards on its
+        node (all shards when its node has none).
 
         Raises:
             ResourceError: the batch cannot be allocated here (before any shard draws).
@@ -289,20 +291,13 @@ class RayBackend:
         if self.schema is not None:   # this process gathers the whole batch: it must fit here
             check_batch(self.schema, self.sampler, None, batch_size, args[2])
         keys = self._check_keys(keys)
-        if worker_nodes is None:
-            batch = self._draw(batch_size, args, timeout, keys, device, pin_memory)
-            return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+        if num_workers is None:
+            return self._draw(batch_size, args, timeout, keys, device, pin_memory)
         per_worker = batch_size // num_workers
-        groups: dict[str, list[int]] = {}
-        for worker, node in enumerate(worker_nodes):
-            groups.setdefault(node, []).append(worker)
-        batches: list[TensorDict] = [None] * num_workers
-        for node, workers in groups.items():
-            local = [s for s, n in enumerate(self.shards.nodes) if n == node]
-            batch = self._draw(per_worker * len(workers), args, timeout, keys, device, pin_memory, local)
-            for worker, part in zip(workers, batch.split(per_worker, dim=0)):
-                batches[worker] = part
-        return batches
+        nodes = worker_nodes if worker_nodes is not None else [None] * num_workers
+        return [self._draw(per_worker, args, timeout, keys, device, pin_memory,
+                           None if node is None else [s for s, n in enumerate(self.shards.nodes) if n == node])
+                for node in nodes]
 
     def _draw(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
               pin_memory: bool, shards: Sequence[int] | None = None) -> TensorDict:
