@@ -90,6 +90,30 @@ def check_device(device: Any) -> torch.device | None:
     return parsed
 
 
+def check_storage_device(storage_device: Any, backend: str) -> torch.device | None:
+    """Where a store keeps its columns: None (numpy, host memory) or a CPU / CUDA torch device.
+
+    Raises:
+        ValueError: not a device, a device type other than cpu and cuda, a CUDA
+            device this process lacks, or a Ray store (its shards publish their rows
+            as Arrow blocks in Ray's shared host memory, which a device arena cannot be).
+    """
+    if storage_device is None:
+        return None
+    try:
+        device = check_device(storage_device)
+    except ValueError as err:
+        raise ValueError(f"storage_device: {err}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"storage_device must be None (numpy columns), 'cpu' or 'cuda[:k]' (torch columns), "
+                         f"got {storage_device!r}")
+    if backend != "local":
+        raise ValueError(f"storage_device={storage_device!r} needs backend='local': a Ray store's shards publish "
+                         "their rows as Arrow blocks in Ray's shared host memory for readers in other processes, "
+                         "which columns on a torch device cannot be; sample a Ray store with device= instead")
+    return device
+
+
 def check_episode_id(episode_id: Any) -> int:
     """Raises ValueError unless ``episode_id`` is an int (an id from ``episodes()``)."""
     if isinstance(episode_id, bool) or not isinstance(episode_id, (int, np.integer)):

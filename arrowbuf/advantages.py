@@ -184,14 +184,14 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     advantage, target = gae(_numbers(shard, "reward")[rows], values[rows], last_value, length, gamma, lam)
     if "advantage" not in shard.schema.fields:
         shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
-    shard.arena["advantage"][rows] = advantage
-    shard.arena["value_target"][rows] = target
+    shard.put_rows("advantage", rows, advantage.astype(np.float32))
+    shard.put_rows("value_target", rows, target.astype(np.float32))
     return len(rows)
 
 
 def _numbers(shard: Shard, name: str) -> np.ndarray:
     """A scalar column of the arena as numbers (bfloat16 bits decoded)."""
-    column = shard.arena[name].reshape(shard.capacity)
+    column = shard.host_rows(name, 0, shard.capacity).reshape(shard.capacity)
     return bf16_bits_to_float32(column) if shard.schema.fields[name].dtype == "bfloat16" else column
 
 
@@ -205,7 +205,7 @@ def _bootstrap(shard: Shard, bootstrap_value: Callable[[TensorDict], Any] | None
     observations = {}
     for name in shard.schema.observation_names:
         spec = shard.schema.fields[name]
-        tensor = torch.from_numpy(shard.arena[name][rows])
+        tensor = torch.from_numpy(shard.reader(name)[rows])
         observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
     result = bootstrap_value(make_tensordict(observations, (count,)))
     values = real_numbers(result, "bootstrap_value's result").astype(np.float64)

@@ -31,6 +31,7 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import write_advantages
+from arrowbuf.arena import TorchShard, check_device_memory
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
@@ -57,6 +58,8 @@ class ShardEngine:
         track_reuse: count how often each row is sampled.
         shard: this shard's number and ``num_shards`` the store's shard count
             (episode ids are spaced by it; 0 and 1 for the embedded store).
+        storage_device: a checked torch.device to keep the columns on as torch
+            tensors (`arrowbuf.arena.TorchShard`); None: numpy columns in host memory.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -73,8 +76,9 @@ class ShardEngine:
 
     def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
                  seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
-                 shard: int = 0, num_shards: int = 1) -> None:
+                 shard: int = 0, num_shards: int = 1, storage_device: Any = None) -> None:
         self.capacity = capacity
+        self.storage_device = storage_device
         self.mode = mode
         self.sampler = sampler
         self.rate_limiter = rate_limiter
@@ -136,7 +140,14 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def _make_shard(self, schema: Schema) -> Shard:
-        check_arena(schema, self.capacity)
+        device = self.storage_device
+        if device is not None and device.type != "cpu":
+            check_device_memory(schema, self.capacity, device)
+        else:
+            check_arena(schema, self.capacity)
+        if device is not None:
+            return TorchShard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards,
+                              device=device)
         return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards)
 
     def _bind(self, shard: Shard) -> None:
@@ -299,18 +310,29 @@ class ShardEngine:
             ranks = np.arange(*self.table.live_range(), dtype=np.int64)
             return epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
 
-    def gather(self, ranks: np.ndarray, device: Any = None, keys: Any = None) -> TensorDict | None:
+    def gather(self, ranks: np.ndarray, device: Any = None, keys: Any = None, views: bool = False
+               ) -> TensorDict | None:
         """The live ones of transition ``ranks`` (1-D), in that order; None before the first write.
 
         Reads by index, as `iter_batches` does: counted in the rows' reuse, not
-        as a sample for the rate limiter.
+        as a sample for the rate limiter. With ``views``, transitions whose rows
+        are contiguous in the arena come as views of it (`Shard.view_batch`: no
+        copy; they alias the arena), moved to ``device`` if it is elsewhere.
         """
         with self.lock:
             shard = self._shard
             if shard is None:
                 return None
             selection = select_ranks(shard.table, ranks[shard.table.is_live(ranks)])
-            batch = self._gather(selection, PLAIN, device, False, keys)
+            rows = selection.rows
+            if views and len(rows) and rows.ndim == 1 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 \
+                    and bool(np.all(np.diff(rows) == 1)):
+                _, extra, _, _ = self._lookups(selection, PLAIN)
+                batch = shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys)
+                if device is not None:
+                    batch = batch.to(device)
+            else:
+                batch = self._gather(selection, PLAIN, device, False, keys)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
             return batch
@@ -326,10 +348,11 @@ class ShardEngine:
             rows, extra, _, _ = self._lookups(select_ranks(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def iter_ranks(self, chunks: list[np.ndarray], device: Any, keys: Any = None) -> Iterator[TensorDict]:
+    def iter_ranks(self, chunks: list[np.ndarray], device: Any, keys: Any = None,
+                   views: bool = False) -> Iterator[TensorDict]:
         """`gather` each chunk of ranks (an epoch), skipping those evicted meanwhile."""
         for ranks in chunks:
-            batch = self.gather(ranks, device, keys)
+            batch = self.gather(ranks, device, keys, views)
             if batch is not None and batch.batch_size[0]:
                 yield batch
 
@@ -357,12 +380,12 @@ class ShardEngine:
             last = first + table.col("length").take(pos) - 1   # the episode's last transition row
             # Windows stop at their episode's end: past the longest live episode, a
             # longer n changes nothing but the cost.
-            ahead = n_step(rows, last, shard.arena["reward"], min(n, table.longest), gamma)
+            ahead = n_step(rows, last, shard.reader("reward"), min(n, table.longest), gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):
                 if flag in shard.schema.fields:
-                    extra[flag] = shard.arena[flag][ahead.last_rows]
+                    extra[flag] = shard.reader(flag)[ahead.last_rows]
         if frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)

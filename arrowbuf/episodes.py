@@ -13,17 +13,23 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import torch
 from tensordict import TensorDictBase
 
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
-from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, flatten
+from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, dtype_name, flatten
 from arrowbuf.shard import Episode
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
 
-def read_columns(data: Any) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
+def read_columns(data: Any, keep_tensors: bool = False
+                 ) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
     """Columns of one episode as numpy arrays with their dtype names.
+
+    With ``keep_tensors`` (a store whose arena is torch tensors: `arrowbuf.arena`),
+    torch tensors stay tensors on their device, bfloat16 included, so that a
+    write from the GPU never goes through host memory.
 
     Returns:
         (columns, schema, has_final): ``schema`` and ``has_final`` are known only for
@@ -40,6 +46,9 @@ def read_columns(data: Any) -> tuple[dict[str, tuple[np.ndarray, str]], Schema |
         data = data.to_dict()
     if not isinstance(data, Mapping):
         raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")
+    if keep_tensors:
+        return {name: (value.detach(), dtype_name(value.dtype)) if isinstance(value, torch.Tensor)
+                else as_array(value, name) for name, value in flatten(data).items()}, None, None
     return {name: as_array(value, name) for name, value in flatten(data).items()}, None, None
 
 
@@ -61,8 +70,9 @@ def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]
 
 
 def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
-                 metadata: Mapping[str, Any] | None = None) -> tuple[Episode, Schema]:
-    """Check one episode against ``schema`` (inferred from it when None).
+                 metadata: Mapping[str, Any] | None = None, keep_tensors: bool = False) -> tuple[Episode, Schema]:
+    """Check one episode against ``schema`` (inferred from it when None); ``keep_tensors``
+    as in `read_columns`.
 
     Returns:
         The episode and the schema it satisfies.
@@ -72,7 +82,7 @@ def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
     """
     exact = schema.read_exact(data) if schema is not None else None
     if exact is None:
-        columns, arrow_schema, _ = read_columns(data)
+        columns, arrow_schema, _ = read_columns(data, keep_tensors)
         if schema is None:
             schema = arrow_schema or Schema.infer(columns)
         num_steps, has_final = schema.check(columns)

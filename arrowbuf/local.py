@@ -63,6 +63,11 @@ class LocalBackend:
     def schema(self) -> Schema | None:
         return self.engine.schema
 
+    @property
+    def storage_device(self) -> Any:
+        """The torch device of a torch arena (`arrowbuf.arena`), or None."""
+        return self.engine.storage_device
+
     def size(self) -> tuple[int, int]:
         """(transitions, episodes)."""
         _, transitions, episodes = self.engine.size()
@@ -104,7 +109,9 @@ class LocalBackend:
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
         keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
-        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device, keys)
+        # In order, a batch of contiguous rows is a view of the arena (no gather).
+        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device, keys,
+                                      views=not shuffle)
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The live transitions of ``index`` (ranks), in that order."""

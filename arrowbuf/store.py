@@ -21,7 +21,8 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id,
                               check_fraction, check_int, check_metadata, check_name, check_priorities,
-                              check_sample_args, check_timeout, check_worker_nodes, check_workers, to_numpy)
+                              check_sample_args, check_storage_device, check_timeout, check_worker_nodes,
+                              check_workers, to_numpy)
 from arrowbuf._stats import store_html
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.engine import ShardEngine
@@ -74,6 +75,11 @@ class ExperienceStore(StoreIO):
             and Ray restarts a shard that dies, which rebuilds itself from its last
             checkpoint plus the log (`arrowbuf.durable`); False keeps episodes in
             memory only.
+        storage_device: None (default) keeps the columns as numpy arrays in host
+            memory; a torch device ("cuda", "cuda:1", "cpu") keeps them as torch
+            tensors there (`arrowbuf.arena`): a write of tensors on that device is a
+            ``copy_``, a sample an ``index_select`` on it, and batches stay on it
+            unless ``device=`` says otherwise. Local backend only.
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -95,8 +101,9 @@ class ExperienceStore(StoreIO):
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
                  track_reuse: bool = False, name: str | None = None, ray_options: RayOptions | None = None,
-                 durable: Any = False) -> None:
+                 durable: Any = False, storage_device: Any = None) -> None:
         self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
+        storage_device = check_storage_device(storage_device, backend)
         num_shards = check_int("num_shards", num_shards, 1)
         self.capacity = check_int("capacity", capacity, num_shards)
         if schema is not None and not isinstance(schema, Schema):
@@ -110,7 +117,7 @@ class ExperienceStore(StoreIO):
                                  "saved with save()")
             self._backend: Any = LocalBackend(ShardEngine(
                 self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter, mode=mode, seed=self.seed,
-                schema=schema, track_reuse=self.track_reuse))
+                schema=schema, track_reuse=self.track_reuse, storage_device=storage_device))
         else:
             self._backend = self._start_ray(num_shards, schema, name, ray_options, durable)
 
@@ -205,6 +212,11 @@ class ExperienceStore(StoreIO):
         return engine
 
     @property
+    def storage_device(self) -> torch.device | None:
+        """The torch device holding the columns, or None for numpy columns in host memory."""
+        return getattr(self._backend, "storage_device", None)
+
+    @property
     def schema(self) -> Schema | None:
         """The enforced schema, or None before the first write."""
         return self._backend.schema
@@ -271,7 +283,8 @@ class ExperienceStore(StoreIO):
         timeout = check_timeout(timeout)
         check_env_id(env_id)
         metadata = check_metadata(metadata)
-        checked, schema = read_episode(episode, self.schema, env_id, metadata)
+        checked, schema = read_episode(episode, self.schema, env_id, metadata,
+                                       keep_tensors=self.storage_device is not None)
         return self._backend.add(checked, schema, timeout)
 
     def writer(self, num_envs: int, autoreset_mode: str = "next_step",

@@ -179,6 +179,13 @@ class Gather:
               by_role, extra)
         return Payload(flat, spec.leaves, tuple(spec.batch_size))
 
+    def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
+                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple[tuple, "_Layout", tuple]:
+        """(layout key, layout, rows by role) of a call, for gathers out of other storage
+        (`arrowbuf.arena`): ``layout.plan`` holds (column or extra name, role index:
+        0 step, 1 obs, 2 next, -1 extra) for each of ``layout.slot.leaves``, in order."""
+        return self._plan(rows, extra, obs_rows, next_rows, keys)
+
     def _plan(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None,
               next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[tuple, _Layout, tuple]:
         """(layout key, layout, rows by role) of one call."""

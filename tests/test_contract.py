@@ -1,4 +1,6 @@
-"""One contract, two backends: every test here runs on a local store and on a Ray store.
+"""One contract, two backends: every test here runs on a local store and on a Ray store,
+and on a local store whose arena is torch tensors on the CPU device ("local-torch":
+`arrowbuf.arena`, the code a ``storage_device="cuda"`` store runs).
 
 Ray stores are started once per module (a few seconds each on 2 cores) and
 cleared before each test; local ones are made per test.
@@ -16,13 +18,16 @@ import arrowbuf as ab
 
 from conftest import EPISODE_SCHEMA, make_episode
 
-BACKENDS = ["local", "ray"]
+BACKENDS = ["local", "local-torch", "ray"]
 
 
 def build(backend: str, **kwargs) -> ab.ExperienceStore:
     if backend == "ray":
         return ab.ExperienceStore(2_000, backend="ray", num_shards=kwargs.pop("num_shards", 2), seed=0,
                                   schema=EPISODE_SCHEMA, **kwargs)
+    if backend == "local-torch":
+        kwargs.pop("num_shards", None)
+        return ab.ExperienceStore(2_000, seed=0, schema=EPISODE_SCHEMA, storage_device="cpu", **kwargs)
     return ab.ExperienceStore(2_000, seed=0, schema=EPISODE_SCHEMA, **kwargs)
 
 
@@ -33,8 +38,8 @@ class Stores:
         self.started: dict[str, ab.ExperienceStore] = {}
 
     def get(self, backend: str, kind: str, **kwargs) -> ab.ExperienceStore:
-        if backend == "local":
-            return build("local", **kwargs)
+        if backend != "ray":
+            return build(backend, **kwargs)
         if kind not in self.started:
             self.started[kind] = build("ray", **kwargs)
         store = self.started[kind]
