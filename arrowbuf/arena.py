@@ -45,17 +45,23 @@ from arrowbuf.shard import Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
 
 
+def readable_tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of a numpy array's values, without a copy when it is contiguous, to
+    be read (copied from) only."""
+    array = np.ascontiguousarray(array)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    # Read-only arrays (Arrow, Ray's object store) are only read by the copy that
+    # follows; torch warns because it has no read-only tensors.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
 def host_tensor(array: np.ndarray, spec: Field) -> torch.Tensor:
     """A host array of field ``spec`` (bfloat16 as its uint16 bits) as a CPU tensor of the
-    field's torch dtype, without a copy."""
-    if not array.flags.writeable:
-        # Read-only arrays (Arrow, Ray's object store) are only read by the copy_ that
-        # follows; torch warns because it has no read-only tensors.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensor = torch.from_numpy(np.ascontiguousarray(array))
-    else:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    field's torch dtype, without a copy (to be read only)."""
+    tensor = readable_tensor(array)
     if spec.dtype == "bfloat16" and tensor.dtype == torch.uint16:
         return tensor.view(torch.bfloat16)
     return tensor

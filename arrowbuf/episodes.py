@@ -16,6 +16,8 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDictBase
 
+from arrowbuf._checks import tensor_to_numpy
+from arrowbuf.arena import host_tensor, readable_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, dtype_name, flatten
 from arrowbuf.shard import Episode
@@ -132,6 +134,12 @@ class StepWriter:
           ``info["final_obs"]``) so the final observation is stored.
         - ``"disabled"``: you reset envs yourself; ``next_obs`` is the final observation.
 
+    A writer of a store with a torch arena (``storage_device``: `arrowbuf.arena`) stages
+    its steps on that device (``device``): tensors already there are copied in place,
+    with no trip through host memory, and sealed episodes are ``copy_``'d into the
+    arena. Only the ``terminated`` / ``truncated`` flags come to the host, to know
+    which episodes end.
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=1000, seed=0)
@@ -145,7 +153,7 @@ class StepWriter:
     """
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
-                 env_ids: Sequence[str] | None = None) -> None:
+                 env_ids: Sequence[str] | None = None, device: torch.device | None = None) -> None:
         if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
         if autoreset_mode not in AUTORESET_MODES:
@@ -157,6 +165,7 @@ class StepWriter:
         self.autoreset_mode = autoreset_mode
         self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
         self._sink = sink
+        self.device = device   # where steps are staged: None (numpy) or a torch device
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
@@ -236,6 +245,8 @@ class StepWriter:
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = (step_cols["terminated"][0].reshape(self.num_envs, -1).any(axis=1)
                 | step_cols["truncated"][0].reshape(self.num_envs, -1).any(axis=1))
+        if isinstance(done, torch.Tensor):
+            done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._final_obs(final_obs, next_cols, done, schema)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
@@ -249,10 +260,10 @@ class StepWriter:
         pos = self._pos[envs]
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
-                self._stage[name][envs, pos] = array[envs]
+                self._stage[name][envs, pos] = _like(array[envs], self._stage[name])
         ended = np.flatnonzero(done & recorded)
         for name, array in final.items():
-            self._stage[name][ended, self._pos[ended] + 1] = array[ended]
+            self._stage[name][ended, self._pos[ended] + 1] = _like(array[ended], self._stage[name])
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
@@ -321,9 +332,9 @@ class StepWriter:
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(),
-            "stage": {name: stage[:, :steps].copy() for name, stage in self._stage.items()},
-            "last_next": {name: last.copy() for name, last in self._last_next.items()},
-            "pending": [{"columns": {n: a.copy() for n, a in e.columns.items()}, "num_steps": e.num_steps,
+            "stage": {name: _host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
+            "last_next": {name: _host_copy(last) for name, last in self._last_next.items()},
+            "pending": [{"columns": {n: _host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
                          "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
                         for e in self._pending],
         }
@@ -352,9 +363,9 @@ class StepWriter:
             steps = int(self._pos.max(initial=0))
             self._ensure_stage(schema, steps + 2)
             for name, stage in state["stage"].items():
-                self._stage[name][:, :steps] = stage
+                self._stage[name][:, :steps] = self._staged(stage, schema.fields[name])
             for name, last in state["last_next"].items():
-                self._last_next[name][...] = last
+                self._last_next[name][...] = self._staged(last, schema.fields[name])
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
                                  bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
                          for e in state["pending"]]
@@ -363,9 +374,21 @@ class StepWriter:
 
     def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
         try:
+            if self.device is not None:
+                return {name: _as_tensor(value, name) for name, value in flatten(data).items()}
             return {name: as_array(value, name) for name, value in flatten(data).items()}
         except SchemaError as err:
             raise SchemaError(f"{what}: {err}") from None
+
+    def _staged(self, array: np.ndarray, spec: Any) -> Any:
+        """A saved host array (bfloat16 as bits) as the stage holds it."""
+        return array if self.device is None else host_tensor(array, spec)
+
+    def _zeros(self, shape: tuple, spec: Any) -> Any:
+        """A zeroed staging array: numpy, or a tensor on the writer's device."""
+        if self.device is None:
+            return np.zeros(shape, spec.numpy_dtype)
+        return torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
 
     def _schema_for(self, obs_cols: dict, step_cols: dict) -> Schema:
         schema = self._sink.schema
@@ -388,7 +411,7 @@ class StepWriter:
             if final_obs.shape != (self.num_envs,):
                 raise SchemaError(f"final_obs: object array of shape {final_obs.shape}; expected ({self.num_envs},), "
                                   "one entry per env")
-            template = {n: np.array(a) for n, (a, _) in next_cols.items()}
+            template = {n: _owned(a) for n, (a, _) in next_cols.items()}
             for i in np.flatnonzero(done):
                 entry = self._columns({"obs": final_obs[i]}, f"final_obs[{i}]")
                 self._check_fields(entry, template, f"final_obs[{i}]", schema, leading=0)
@@ -437,15 +460,15 @@ class StepWriter:
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:
             for name, f in schema.input_fields.items():
-                self._stage[name] = np.zeros((self.num_envs, max(64, steps), *f.shape), f.numpy_dtype)
+                self._stage[name] = self._zeros((self.num_envs, max(64, steps), *f.shape), f)
             for name in schema.observation_names:
-                self._last_next[name] = np.zeros((self.num_envs, *schema.fields[name].shape),
-                                                 schema.fields[name].numpy_dtype)
+                self._last_next[name] = self._zeros((self.num_envs, *schema.fields[name].shape),
+                                                    schema.fields[name])
         capacity = next(iter(self._stage.values())).shape[1]
         if steps > capacity:
             new_capacity = max(steps, 2 * capacity)
             for name, stage in self._stage.items():
-                grown = np.zeros((self.num_envs, new_capacity, *stage.shape[2:]), stage.dtype)
+                grown = self._zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name])
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
 
@@ -483,6 +506,33 @@ class StepWriter:
 
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return Episode({n: a.copy() for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
+    return Episode({n: _owned(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
                    episode.env_id, episode.metadata, owned=True)
 
+
+
+def _like(values: Any, stage: Any) -> Any:
+    """``values`` ready to assign into ``stage``: numpy casts on assignment, torch's
+    indexed assignment needs the stage's dtype and device."""
+    if isinstance(values, torch.Tensor):
+        return values.to(stage.device, stage.dtype)
+    return values
+
+
+def _owned(array: Any) -> Any:
+    """A private copy of a numpy array or a tensor (same device)."""
+    return array.clone() if isinstance(array, torch.Tensor) else array.copy()
+
+
+def _host_copy(array: Any) -> np.ndarray:
+    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device."""
+    return tensor_to_numpy(array).copy() if isinstance(array, torch.Tensor) else array.copy()
+
+
+def _as_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
+    """One column of a device-staged step as a tensor (a tensor as given, on its device;
+    anything else read as `as_array` reads it) and its dtype name."""
+    if isinstance(value, torch.Tensor):
+        return value.detach(), dtype_name(value.dtype)
+    array, dtype = as_array(value, name)
+    return readable_tensor(array), dtype

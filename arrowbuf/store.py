@@ -315,7 +315,7 @@ class ExperienceStore(StoreIO):
             sink.timeout = timeout
             return writer
         sink = self._backend.sink(timeout, env_ids)
-        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=self.storage_device)
         self._writers.add(name or self._writers.new_name(), writer, sink)
         return writer
 

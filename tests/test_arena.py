@@ -114,6 +114,41 @@ def test_writers_fill_a_torch_arena_as_they_fill_a_numpy_one():
     assert_same_contents(numpy_store, torch_store)
 
 
+def run_writer(writer, steps: range) -> None:
+    """Tensor steps of 3 envs (the first ending every 3rd step)."""
+    for t in steps:
+        writer.add(obs=torch.full((3, 2), t, dtype=torch.bfloat16), action=torch.full((3,), t, dtype=torch.int32),
+                   reward=torch.ones(3), terminated=torch.arange(3) == t % 3, truncated=torch.zeros(3, dtype=torch.bool),
+                   next_obs=torch.full((3, 2), t + 1, dtype=torch.bfloat16))
+
+
+def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeypatch, tmp_path):
+    import arrowbuf.arena
+    import arrowbuf.episodes
+
+    def refuse(value, *args):
+        raise AssertionError(f"a tensor step went through numpy: {type(value)}")
+
+    reference = ab.ExperienceStore(200, seed=1, storage_device="cpu")
+    writer = reference.writer(num_envs=3, autoreset_mode="disabled")
+    run_writer(writer, range(10))
+    writer.flush()
+    store = ab.ExperienceStore(200, seed=1, storage_device="cpu")
+    writer = store.writer(num_envs=3, autoreset_mode="disabled", name="runner")
+    monkeypatch.setattr(arrowbuf.episodes, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.arena, "host_tensor", refuse)
+    run_writer(writer, range(6))
+    monkeypatch.undo()
+    # open episodes staged on the device survive a checkpoint (saved as host copies)
+    store.save(tmp_path / "ckpt")
+    loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
+    restored = loaded.writer(num_envs=3, autoreset_mode="disabled", name="runner")
+    for target, w in ((store, writer), (loaded, restored)):
+        run_writer(w, range(6, 10))
+        w.flush()
+        assert_same_contents(reference, target)
+
+
 def test_a_checkpoint_of_a_torch_arena_loads_back_on_its_device_and_samples_the_same(tmp_path):
     _, store = twins(sampler=lambda: ab.PrioritizedSampler(alpha=0.6, beta=0.4))
     batch = store.sample(8)
