@@ -40,7 +40,7 @@ from tensordict import TensorDict
 from arrowbuf._checks import tensor_to_numpy
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError
-from arrowbuf.schema import Field, Schema
+from arrowbuf.schema import Field, Schema, as_array, dtype_name
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
 
@@ -65,6 +65,36 @@ def host_tensor(array: np.ndarray, spec: Field) -> torch.Tensor:
     if spec.dtype == "bfloat16" and tensor.dtype == torch.uint16:
         return tensor.view(torch.bfloat16)
     return tensor
+
+
+# -- staging on the device (`arrowbuf.episodes.StepWriter` with a ``device``) ---------------
+
+
+def step_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
+    """One column of a device-staged step as a tensor (a tensor as given, on its device;
+    anything else read as `arrowbuf.schema.as_array` reads it) and its dtype name."""
+    if isinstance(value, torch.Tensor):
+        return value.detach(), dtype_name(value.dtype)
+    array, dtype = as_array(value, name)
+    return readable_tensor(array), dtype
+
+
+def like_stage(values: Any, stage: Any) -> Any:
+    """``values`` ready to assign into ``stage``: numpy casts on assignment, torch's
+    indexed assignment needs the stage's dtype and device."""
+    if isinstance(values, torch.Tensor):
+        return values.to(stage.device, stage.dtype)
+    return values
+
+
+def owned_copy(array: Any) -> Any:
+    """A private copy of a numpy array or a tensor (on its device)."""
+    return array.clone() if isinstance(array, torch.Tensor) else array.copy()
+
+
+def host_copy(array: Any) -> np.ndarray:
+    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device."""
+    return tensor_to_numpy(array).copy() if isinstance(array, torch.Tensor) else array.copy()
 
 
 def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> None:

@@ -16,8 +16,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDictBase
 
-from arrowbuf._checks import tensor_to_numpy
-from arrowbuf.arena import host_tensor, readable_tensor
+from arrowbuf.arena import host_copy, host_tensor, like_stage, owned_copy, step_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, dtype_name, flatten
 from arrowbuf.shard import Episode
@@ -260,10 +259,10 @@ class StepWriter:
         pos = self._pos[envs]
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
-                self._stage[name][envs, pos] = _like(array[envs], self._stage[name])
+                self._stage[name][envs, pos] = like_stage(array[envs], self._stage[name])
         ended = np.flatnonzero(done & recorded)
         for name, array in final.items():
-            self._stage[name][ended, self._pos[ended] + 1] = _like(array[ended], self._stage[name])
+            self._stage[name][ended, self._pos[ended] + 1] = like_stage(array[ended], self._stage[name])
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
@@ -332,9 +331,9 @@ class StepWriter:
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(),
-            "stage": {name: _host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
-            "last_next": {name: _host_copy(last) for name, last in self._last_next.items()},
-            "pending": [{"columns": {n: _host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
+            "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
+            "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
+            "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
                          "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
                         for e in self._pending],
         }
@@ -375,7 +374,7 @@ class StepWriter:
     def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
         try:
             if self.device is not None:
-                return {name: _as_tensor(value, name) for name, value in flatten(data).items()}
+                return {name: step_tensor(value, name) for name, value in flatten(data).items()}
             return {name: as_array(value, name) for name, value in flatten(data).items()}
         except SchemaError as err:
             raise SchemaError(f"{what}: {err}") from None
@@ -411,7 +410,7 @@ class StepWriter:
             if final_obs.shape != (self.num_envs,):
                 raise SchemaError(f"final_obs: object array of shape {final_obs.shape}; expected ({self.num_envs},), "
                                   "one entry per env")
-            template = {n: _owned(a) for n, (a, _) in next_cols.items()}
+            template = {n: owned_copy(a) for n, (a, _) in next_cols.items()}
             for i in np.flatnonzero(done):
                 entry = self._columns({"obs": final_obs[i]}, f"final_obs[{i}]")
                 self._check_fields(entry, template, f"final_obs[{i}]", schema, leading=0)
@@ -506,33 +505,7 @@ class StepWriter:
 
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return Episode({n: _owned(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
+    return Episode({n: owned_copy(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
                    episode.env_id, episode.metadata, owned=True)
 
 
-
-def _like(values: Any, stage: Any) -> Any:
-    """``values`` ready to assign into ``stage``: numpy casts on assignment, torch's
-    indexed assignment needs the stage's dtype and device."""
-    if isinstance(values, torch.Tensor):
-        return values.to(stage.device, stage.dtype)
-    return values
-
-
-def _owned(array: Any) -> Any:
-    """A private copy of a numpy array or a tensor (same device)."""
-    return array.clone() if isinstance(array, torch.Tensor) else array.copy()
-
-
-def _host_copy(array: Any) -> np.ndarray:
-    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device."""
-    return tensor_to_numpy(array).copy() if isinstance(array, torch.Tensor) else array.copy()
-
-
-def _as_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
-    """One column of a device-staged step as a tensor (a tensor as given, on its device;
-    anything else read as `as_array` reads it) and its dtype name."""
-    if isinstance(value, torch.Tensor):
-        return value.detach(), dtype_name(value.dtype)
-    array, dtype = as_array(value, name)
-    return readable_tensor(array), dtype

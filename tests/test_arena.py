@@ -136,6 +136,7 @@ def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeyp
     store = ab.ExperienceStore(200, seed=1, storage_device="cpu")
     writer = store.writer(num_envs=3, autoreset_mode="disabled", name="runner")
     monkeypatch.setattr(arrowbuf.episodes, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
     monkeypatch.setattr(arrowbuf.arena, "host_tensor", refuse)
     run_writer(writer, range(6))
     monkeypatch.undo()
