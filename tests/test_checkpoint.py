@@ -65,8 +65,8 @@ def test_every_kind_of_field_round_trips_bit_exact(tmp_path, kind):
 
 @pytest.mark.parametrize("sampler", [
     lambda: ab.WithoutReplacementSampler(drop_last=True),
-    lambda: ab.SequenceSampler(length=4),
-    lambda: ab.SequenceSampler(length=3, strict=False),
+    lambda: ab.SequenceSampler(seq_len=4),
+    lambda: ab.SequenceSampler(seq_len=3, strict=False),
     lambda: ab.EpisodeSampler(),
 ], ids=["without-replacement", "sequence", "sequence-padded", "episode"])
 def test_sampler_state_is_restored_mid_epoch(tmp_path, sampler):

@@ -56,7 +56,7 @@ def histories(draw):
 SAMPLERS = {
     "uniform": lambda: ab.UniformSampler(),
     "prioritized": lambda: ab.PrioritizedSampler(alpha=0.6, beta=0.4),
-    "loose_sequence": lambda: ab.SequenceSampler(length=3, strict=False),
+    "loose_sequence": lambda: ab.SequenceSampler(seq_len=3, strict=False),
 }
 
 

@@ -125,13 +125,13 @@ def test_the_final_row_holds_the_last_observation_and_zeros_in_step_fields():
     np.testing.assert_array_equal(shard.arena["obs"][4], [3, 4])
 
 
-def test_ranks_and_rows_of_live_transitions_line_up():
+def test_indices_and_rows_of_live_transitions_line_up():
     shard = Shard(SCHEMA, capacity=10)
     shard.add(shard_episode(0, 4))                    # 4 transitions, rows [0, 5)
     shard.add(shard_episode(1, 3, has_final=False))   # 2 transitions, rows [5, 8)
     shard.add(shard_episode(2, 2))                    # wraps: evicts episode 0; rows [0, 3)
     assert len(shard) == 4
-    assert shard.table.first_live_rank == 4
+    assert shard.table.first_live_index == 4
     np.testing.assert_array_equal(shard.table.rows_of(np.arange(4, 8)), [5, 6, 0, 1])
 
 

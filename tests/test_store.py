@@ -98,7 +98,7 @@ def test_sample_returns_the_documented_keys_and_dtypes():
     assert batch["step"].dtype == torch.int32
     assert batch["terminated"].dtype == torch.bool
     np.testing.assert_array_equal(batch["terminated"].numpy(), batch["step"].numpy() == 5)
-    np.testing.assert_array_equal(batch["index"].numpy(), batch["step"].numpy())   # one episode: rank = step
+    np.testing.assert_array_equal(batch["index"].numpy(), batch["step"].numpy())   # one episode: index = step
 
 
 def test_stores_with_the_same_seed_and_writes_sample_identical_batches():

@@ -94,7 +94,7 @@ class Reader:
         self.device = device
 
     def space(self, shards: Any = None) -> Any:
-        """What indices address: per-shard live rank ranges (transition unit) or the episode table,
+        """What indices address: per-shard live index ranges (transition unit) or the episode table,
         restricted to ``shards`` (an int or a collection; None: all)."""
         if isinstance(shards, (int, np.integer)):
             shards = (int(shards),)
@@ -125,20 +125,20 @@ class Reader:
             shards, first, length = (column[where] for column in space)
             span = int(length.max()) if len(length) else 0
             steps = np.arange(span, dtype=np.int64)
-            ranks = first[:, None] + np.minimum(steps[None, :], length[:, None] - 1)
+            indices = first[:, None] + np.minimum(steps[None, :], length[:, None] - 1)
             mask = steps[None, :] < length[:, None]
         else:
             sizes = np.array([b - a for a, b in space], np.int64)
             bounds = np.cumsum(sizes)
             shards = np.searchsorted(bounds, where, side="right")
-            ranks = np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards]
+            indices = np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards]
             span = mask = None
         if not len(where):
             return empty_batch(self.access.store.schema, device)
         parts, order = [], []
         for shard in np.unique(shards):
             chosen = np.flatnonzero(shards == shard)
-            part = self.access.gather(int(shard), ranks[chosen].reshape(-1), device)
+            part = self.access.gather(int(shard), indices[chosen].reshape(-1), device)
             parts.append(part.reshape(len(chosen), span) if span is not None else part)
             order.append(chosen)
         batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

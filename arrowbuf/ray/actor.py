@@ -143,13 +143,13 @@ class ShardServer:
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         return self.engine.episode_spans()
 
-    def gather(self, ranks: np.ndarray) -> Payload | None:
-        """The live ones of ``ranks``, in that order (None when none is live)."""
-        return self.engine.gather_payload(ranks, self.index_base)
+    def gather(self, indices: np.ndarray) -> Payload | None:
+        """The live ones of ``indices``, in that order (None when none is live)."""
+        return self.engine.gather_payload(indices, self.index_base)
 
-    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
-        """How many of ``ranks`` were live, and the shard's size (its mass changed)."""
-        return self.engine.update_priorities(ranks, priorities), self.size()
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
+        """How many of ``indices`` were live, and the shard's size (its mass changed)."""
+        return self.engine.update_priorities(indices, priorities), self.size()
 
     def episodes(self) -> pa.Table:
         return self.engine.episodes()

@@ -13,7 +13,7 @@ It offers the backend interface of `arrowbuf.local.LocalBackend`:
   copy (`arrowbuf.ray.assemble`); `sample_iter` keeps requests in flight;
 - epochs (`iter_batches`) shuffle the indices of every shard together;
 - reads by index (`gather`, `live_ranges`, `episode_spans`) use indices
-  ``shard << 48 | rank``, the values of a batch's ``"index"``.
+  ``shard << 48 | local index``, the values of a batch's ``"index"``.
 
 Sizes (`size`, hence ``len(store)``) come from a `SizeCache`: writes'
 acknowledgements and samples update it, and a background request refreshes it
@@ -39,7 +39,7 @@ from arrowbuf._bounds import check_batch
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.assemble import split_batches
 from arrowbuf.ray.handles import ShardHandles, SizeCache
-from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
+from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
@@ -387,7 +387,7 @@ class RayBackend:
     def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
         """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
         shards = index >> INDEX_SHIFT
-        refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & RANK_MASK)
+        refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & LOCAL_MASK)
                 for s in np.unique(shards) if 0 <= s < self.num_shards}
         return [p.to_tensordict(device) if p is not None else None for p in self.shards.get(refs).values()]
 
@@ -416,7 +416,7 @@ class RayBackend:
         return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
 
     def live_ranges(self) -> list[tuple[int, int]]:
-        """[first, stop) of each shard's live indices (``shard << 48 | rank``); empty for a dead shard."""
+        """[first, stop) of each shard's live indices (``shard << 48 | local index``); empty for a dead shard."""
         ranges = self.shards.broadcast("live_range")
         return [((s << INDEX_SHIFT) + ranges[s][0], (s << INDEX_SHIFT) + ranges[s][1]) if s in ranges
                 else (s << INDEX_SHIFT, s << INDEX_SHIFT) for s in range(self.num_shards)]
@@ -432,7 +432,7 @@ class RayBackend:
 
     def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
         shards = index >> INDEX_SHIFT
-        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & RANK_MASK,
+        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & LOCAL_MASK,
                                          priority[shards == s])
                 for s in np.unique(shards) if 0 <= s < self.num_shards}
         updated = 0
