@@ -7,8 +7,10 @@ copy between the arena and the trainer.
 
 On the CPU the buffer and its TensorDict come from a `SlotPool` (``_pool.py``):
 buffers faulted in once and reused once nothing refers to them any more, so a
-sample neither page-faults a fresh buffer nor builds a TensorDict. A Ray shard's
-`Payload` and a pinned gather use a fresh buffer per sample (see `Gather.payload`).
+sample neither page-faults a fresh buffer nor builds a TensorDict. Pinned gathers
+(``pin_memory=True``, CUDA devices) use pooled pinned slots, reused once their copy
+to the GPU is done too. A Ray shard's `Payload` uses a fresh buffer per sample (see
+`Gather.payload`).
 
 The plan (which arena column goes to which key, shifted by one row for ``next``
 observations) is built once per layout, not per sample: converting columns one by
@@ -147,14 +149,24 @@ class Gather:
                 extra named like a field comes only with that field.
         """
         device = torch.device(device) if device is not None else None
-        if pinned(pin_memory, device) or (device is not None and device.type != "cpu"):
-            return self.payload(rows, extra, pinned(pin_memory, device), obs_rows=obs_rows, next_rows=next_rows,
-                                keys=keys).to_tensordict(device)
+        pin = pinned(pin_memory, device)
+        if not pin and device is not None and device.type != "cpu":   # an accelerator without pinned memory
+            return self.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows, keys=keys).to_tensordict(device)
         extra = extra or {}
         key, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
-        outs, batch = self._pool.claim(key, layout.slot)
-        _fill(layout.plan, outs, by_role, extra)
-        return batch
+        if not pin:
+            outs, batch = self._pool.claim(key, layout.slot)
+            _fill(layout.plan, outs, by_role, extra)
+            return batch
+        # Pinned: a pooled page-locked slot, then (for a CUDA device) one non-blocking
+        # copy of all of it, which keeps the slot from reuse until it is done.
+        slot, batch = self._pool.claim_slot(key, layout.slot, pinned=True)
+        _fill(layout.plan, slot.outs, by_role, extra)
+        if device is None or device.type == "cpu":
+            return batch
+        spec = layout.slot
+        return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), leaf_views(slot.copy_to(device), spec.leaves))),
+                               tuple(spec.batch_size), device)
 
     def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, pin_memory: bool = False, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,
@@ -162,10 +174,7 @@ class Gather:
         """Gather into one fresh byte buffer plus its layout (what a Ray shard sends back).
 
         Not pooled: a Ray shard's payload is serialized after the call returns, by
-        Ray, at a time the shard does not see, and a pinned buffer may still be
-        read by a non-blocking copy to the GPU that no reference count shows.
-        torch's pinned allocator already reuses page-locked (never faulting) blocks,
-        and only once the copies recorded on them are done.
+        Ray, at a time the shard does not see.
         """
         extra = extra or {}
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
