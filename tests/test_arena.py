@@ -242,4 +242,31 @@ def test_a_cuda_arena_exports_and_checkpoints_through_the_host(tmp_path):
     assert_same_snapshot(snapshot(store), snapshot(loaded))
     assert_same_batches(store.sample(32).cpu(), loaded.sample(32).cpu())
     store.to_parquet(tmp_path / "export")
-    assert_same_snapshot(snapshot(store), snapshot(ab.ExperienceStore.from_parquet(tmp_path / "export")))
+    assert_same_contents(store, ab.ExperienceStore.from_parquet(tmp_path / "export"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_arena_runs_writers_epochs_gae_and_prioritized_sampling_like_the_cpu_one():
+    stores = []
+    for device in ("cpu", "cuda"):
+        store = ab.ExperienceStore(500, seed=3, storage_device=device,
+                                   sampler=ab.PrioritizedSampler(alpha=0.6, beta=0.4))
+        writer = store.writer(num_envs=3, autoreset_mode="disabled")
+        for t in range(12):
+            writer.add(obs=torch.full((3, 2), t, dtype=torch.bfloat16, device=device),
+                       action=torch.full((3,), t, device=device), reward=torch.ones(3, device=device),
+                       value=torch.full((3,), 0.5, device=device), terminated=torch.arange(3, device=device) == t % 3,
+                       truncated=torch.zeros(3, dtype=torch.bool, device=device),
+                       next_obs=torch.full((3, 2), t + 1, dtype=torch.bfloat16, device=device))
+        writer.flush()
+        store.compute_gae(0.9, 0.9, bootstrap_value=lambda obs: obs["obs"][:, 0].float())
+        batch = store.sample(16)
+        store.update_priorities(batch["index"], batch["advantage"].abs())
+        stores.append(store)
+    cpu, cuda = stores
+    assert_same_contents(cpu, cuda)
+    assert_same_batches(cpu.sample(32), cuda.sample(32).cpu())
+    epochs = [[b.cpu() for b in store.iter_batches(7, epochs=2)] for store in stores]
+    for a, b in zip(*epochs):
+        assert_same_batches(a, b)
