@@ -455,6 +455,10 @@ class ExperienceStore(StoreIO):
         later one when it starts). Transitions evicted while an epoch runs are
         skipped, not replaced; those added join the next epoch.
 
+        With ``shuffle=False`` on a local store, a batch whose transitions lie on
+        contiguous arena rows (inside one episode) is a view of the arena, not a
+        copy: it aliases the store and changes when the ring overwrites those rows.
+
         Args:
             batch_size: transitions per batch.
             shuffle: random order, else insertion order.
