@@ -565,7 +565,7 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
         raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
                           "(or a dtype that casts to it without loss)")
     limit = exact_int_limit(received, field.dtype)
-    if limit is not None and array.size:
+    if limit is not None and (array.size if isinstance(array, np.ndarray) else array.numel()):   # numpy or torch
         low, high = int(array.min()), int(array.max())
         if low < -limit or high > limit:
             bad = high if high > limit else low
