@@ -37,10 +37,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._bounds import check_arena
 from arrowbuf._checks import tensor_to_numpy
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError
-from arrowbuf.schema import Field, Schema, as_array, dtype_name
+from arrowbuf.fields import Field, as_array, dtype_name
+from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
 
@@ -77,6 +79,18 @@ def step_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
         return value.detach(), dtype_name(value.dtype)
     array, dtype = as_array(value, name)
     return readable_tensor(array), dtype
+
+
+def stage_zeros(shape: tuple, spec: Field, device: torch.device | None) -> Any:
+    """A zeroed staging array of field ``spec``: numpy (``device`` None) or a tensor on ``device``."""
+    if device is None:
+        return np.zeros(shape, spec.numpy_dtype)
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+def staged(array: np.ndarray, spec: Field, device: torch.device | None) -> Any:
+    """A saved host array of field ``spec`` (bfloat16 as bits) as a stage on ``device`` holds it."""
+    return array if device is None else host_tensor(array, spec)
 
 
 def like_stage(values: Any, stage: Any) -> Any:
@@ -120,10 +134,17 @@ class TorchShard(Shard):
     Args:
         schema, capacity, mode, shard, num_shards: as for `Shard`.
         device: where the columns live (a checked ``cpu`` or ``cuda`` torch.device).
+
+    Raises:
+        ResourceError: the arena does not fit in the device's (or the host's) memory.
     """
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device) -> None:
+        if device.type == "cuda":
+            check_device_memory(schema, capacity, device)
+        else:
+            check_arena(schema, capacity)
         self.device = device
         super().__init__(schema, capacity, mode, shard, num_shards)
 

@@ -31,13 +31,13 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import write_advantages
-from arrowbuf.arena import TorchShard, check_device_memory
+from arrowbuf.arena import TorchShard
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_indices
 from arrowbuf.schema import Schema
-from arrowbuf.shard import Episode, Shard
+from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 
@@ -140,15 +140,11 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def _make_shard(self, schema: Schema) -> Shard:
-        device = self.storage_device
-        if device is not None and device.type != "cpu":
-            check_device_memory(schema, self.capacity, device)
-        else:
-            check_arena(schema, self.capacity)
-        if device is not None:
-            return TorchShard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards,
-                              device=device)
-        return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards)
+        place = {"shard": self.shard_index, "num_shards": self.num_shards}
+        if self.storage_device is not None:   # checks that it fits where it goes
+            return TorchShard(schema, self.capacity, self.mode, **place, device=self.storage_device)
+        check_arena(schema, self.capacity)
+        return Shard(schema, self.capacity, self.mode, **place)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
@@ -324,15 +320,7 @@ class ShardEngine:
             if shard is None:
                 return None
             selection = select_indices(shard.table, indices[shard.table.is_live(indices)])
-            rows = selection.rows
-            if views and len(rows) and rows.ndim == 1 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 \
-                    and bool(np.all(np.diff(rows) == 1)):
-                _, extra, _, _ = self._lookups(selection, PLAIN)
-                batch = shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys)
-                if device is not None:
-                    batch = batch.to(device)
-            else:
-                batch = self._gather(selection, PLAIN, device, False, keys)
+            batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
             return batch
@@ -357,8 +345,10 @@ class ShardEngine:
                 yield batch
 
     def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
-                keys: Any = None) -> TensorDict:
+                keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._lookups(selection, args)
+        if views and contiguous(rows):   # no copy: views of the arena
+            return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)
 

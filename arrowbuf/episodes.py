@@ -16,9 +16,10 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDictBase
 
-from arrowbuf.arena import host_copy, host_tensor, like_stage, owned_copy, step_tensor
+from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
-from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, dtype_name, flatten
+from arrowbuf.fields import arrow_to_numpy, as_array, check_column
+from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
 from arrowbuf.shard import Episode
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
@@ -47,10 +48,8 @@ def read_columns(data: Any, keep_tensors: bool = False
         data = data.to_dict()
     if not isinstance(data, Mapping):
         raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")
-    if keep_tensors:
-        return {name: (value.detach(), dtype_name(value.dtype)) if isinstance(value, torch.Tensor)
-                else as_array(value, name) for name, value in flatten(data).items()}, None, None
-    return {name: as_array(value, name) for name, value in flatten(data).items()}, None, None
+    read = step_tensor if keep_tensors else as_array
+    return {name: read(value, name) for name, value in flatten(data).items()}, None, None
 
 
 def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
@@ -133,11 +132,9 @@ class StepWriter:
           ``info["final_obs"]``) so the final observation is stored.
         - ``"disabled"``: you reset envs yourself; ``next_obs`` is the final observation.
 
-    A writer of a store with a torch arena (``storage_device``: `arrowbuf.arena`) stages
-    its steps on that device (``device``): tensors already there are copied in place,
-    with no trip through host memory, and sealed episodes are ``copy_``'d into the
-    arena. Only the ``terminated`` / ``truncated`` flags come to the host, to know
-    which episodes end.
+    With a ``device`` (a store's ``storage_device``) steps are staged on it: tensors
+    there never cross to the host (only the done flags do), and sealed episodes are
+    ``copy_``'d into the torch arena.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -362,9 +359,9 @@ class StepWriter:
             steps = int(self._pos.max(initial=0))
             self._ensure_stage(schema, steps + 2)
             for name, stage in state["stage"].items():
-                self._stage[name][:, :steps] = self._staged(stage, schema.fields[name])
+                self._stage[name][:, :steps] = staged(stage, schema.fields[name], self.device)
             for name, last in state["last_next"].items():
-                self._last_next[name][...] = self._staged(last, schema.fields[name])
+                self._last_next[name][...] = staged(last, schema.fields[name], self.device)
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
                                  bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
                          for e in state["pending"]]
@@ -378,16 +375,6 @@ class StepWriter:
             return {name: as_array(value, name) for name, value in flatten(data).items()}
         except SchemaError as err:
             raise SchemaError(f"{what}: {err}") from None
-
-    def _staged(self, array: np.ndarray, spec: Any) -> Any:
-        """A saved host array (bfloat16 as bits) as the stage holds it."""
-        return array if self.device is None else host_tensor(array, spec)
-
-    def _zeros(self, shape: tuple, spec: Any) -> Any:
-        """A zeroed staging array: numpy, or a tensor on the writer's device."""
-        if self.device is None:
-            return np.zeros(shape, spec.numpy_dtype)
-        return torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
 
     def _schema_for(self, obs_cols: dict, step_cols: dict) -> Schema:
         schema = self._sink.schema
@@ -459,15 +446,15 @@ class StepWriter:
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:
             for name, f in schema.input_fields.items():
-                self._stage[name] = self._zeros((self.num_envs, max(64, steps), *f.shape), f)
+                self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device)
             for name in schema.observation_names:
-                self._last_next[name] = self._zeros((self.num_envs, *schema.fields[name].shape),
-                                                    schema.fields[name])
+                self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
+                                                    schema.fields[name], self.device)
         capacity = next(iter(self._stage.values())).shape[1]
         if steps > capacity:
             new_capacity = max(steps, 2 * capacity)
             for name, stage in self._stage.items():
-                grown = self._zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name])
+                grown = stage_zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name], self.device)
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
 
@@ -507,5 +494,3 @@ def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
     return Episode({n: owned_copy(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
                    episode.env_id, episode.metadata, owned=True)
-
-

@@ -20,7 +20,8 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
-from arrowbuf.schema import SYSTEM_SPECS, Schema, numpy_to_arrow
+from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
 
@@ -81,6 +82,12 @@ def _total(reward: Any) -> float:
     if isinstance(reward, np.ndarray):
         return float(np.add.reduce(reward, axis=None, dtype=np.float64))
     return float(reward.double().sum())
+
+
+def contiguous(rows: np.ndarray) -> bool:
+    """Whether arena ``rows`` (1-D, distinct) are consecutive, ascending: a slice of the arena."""
+    return rows.ndim == 1 and len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 \
+        and bool(np.all(np.diff(rows) == 1))
 
 
 def position_runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
@@ -192,7 +199,7 @@ class Shard:
         return torch.from_numpy(array)
 
     def view_batch(self, start: int, stop: int, extra: Mapping[str, np.ndarray],
-                   keys: frozenset | None = None) -> TensorDict:
+                   keys: frozenset | None = None, device: Any = None) -> TensorDict:
         """The transitions at the contiguous arena rows ``[start, stop)`` as a TensorDict of
         *views* of the arena (no copy): fields at t read rows ``[start, stop)``, ``next``
         observations rows ``[start + 1, stop + 1)``. The views alias the arena: they
@@ -202,6 +209,7 @@ class Shard:
             start, stop: arena rows of consecutive transitions.
             extra: per-transition arrays added as they are (index, episode id, step).
             keys: `Gather.check_keys` of the fields to include (None: all).
+            device: where the batch goes (a copy when elsewhere); None: where the arena is.
         """
         tensors = {}
         for name, spec in self.schema.fields.items():
@@ -212,7 +220,8 @@ class Shard:
                 tensors[("next", *key)] = self.tensor_rows(name, start + 1, stop + 1)
         for name, array in extra.items():
             tensors[tuple(name.split("."))] = self.extra_tensor(array)
-        return make_tensordict(tensors, (stop - start,))
+        batch = make_tensordict(tensors, (stop - start,))
+        return batch if device is None else batch.to(device)
 
     # -- writing --------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ import torch
 import arrowbuf as ab
 from arrowbuf.arena import TorchShard
 
-from conftest import EPISODE_SCHEMA, assert_same_batches, assert_same_snapshot, make_episode, snapshot
+from support.compare import assert_same_batches, assert_same_snapshot, snapshot
+from support.episodes import EPISODE_SCHEMA, make_episode
 
 def fill(store: ab.ExperienceStore, episodes: int = 12, steps: int = 9) -> ab.ExperienceStore:
     for tag in range(episodes):
