@@ -168,7 +168,7 @@ class Gather:
         return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), leaf_views(slot.copy_to(device), spec.leaves))),
                                tuple(spec.batch_size), device)
 
-    def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, pin_memory: bool = False, *,
+    def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,
                 keys: frozenset | None = None) -> "Payload":
         """Gather into one fresh byte buffer plus its layout (what a Ray shard sends back).
@@ -179,11 +179,7 @@ class Gather:
         extra = extra or {}
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         spec = layout.slot
-        if pin_memory:
-            flat = torch.empty(spec.nbytes, dtype=torch.uint8, pin_memory=True)   # 64-byte aligned
-            buffer = flat.numpy()
-        else:
-            flat = buffer = _aligned_empty(spec.nbytes)
+        flat = buffer = _aligned_empty(spec.nbytes)
         _fill(layout.plan, [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs],
               by_role, extra)
         return Payload(flat, spec.leaves, tuple(spec.batch_size))
@@ -276,7 +272,7 @@ class Payload:
     receiver reads without a copy.
     """
 
-    flat: torch.Tensor | np.ndarray            # uint8 bytes (a tensor when pinned)
+    flat: torch.Tensor | np.ndarray            # uint8 bytes
     spec: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]   # `SlotSpec.leaves`
     batch_shape: tuple[int, ...]
 
