@@ -194,6 +194,23 @@ def test_compute_gae_writes_the_same_advantages_on_both_arenas():
     assert isinstance(stores[1].engine.shard.arena["advantage"], torch.Tensor)
 
 
+def test_a_bad_tensor_episode_or_step_is_refused_naming_the_field_and_changes_nothing():
+    store = fill(ab.ExperienceStore(150, seed=0, schema=EPISODE_SCHEMA, storage_device="cpu"))
+    before = snapshot(store)
+    good = {name: torch.from_numpy(value) for name, value in make_episode(1, 5).items()}
+    with pytest.raises(ab.SchemaError, match=r"field 'obs': per-step shape \(1,\)"):
+        store.add_episode({**good, "obs": good["obs"][:, :1]})
+    with pytest.raises(ab.SchemaError, match="field 'action': dtype float32; expected int64"):
+        store.add_episode({**good, "action": good["action"].float()})
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    with pytest.raises(ab.SchemaError, match="field 'reward'"):
+        writer.add(obs=torch.zeros(2, 2, dtype=torch.float64), action=torch.zeros(2, dtype=torch.int64),
+                   reward=torch.zeros(2, 3, dtype=torch.float64), terminated=torch.ones(2, dtype=torch.bool),
+                   truncated=torch.zeros(2, dtype=torch.bool), next_obs=torch.zeros(2, 2, dtype=torch.float64))
+    assert writer.open_steps.tolist() == [0, 0]
+    assert_same_snapshot(before, snapshot(store))
+
+
 @pytest.mark.parametrize("device, message", [
     ("tpu", "storage_device: device must be a torch.device"),
     ("meta", "storage_device must be None"),
