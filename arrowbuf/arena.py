@@ -247,7 +247,7 @@ class TorchGather(Gather):
                                     self.device)
         target = torch.device(device) if device is not None else None
         if target is not None and target != self.device and not (target.type == "cpu" == self.device.type):
-            return batch.to(target, non_blocking=True)
+            return batch.to(target)   # tensordict syncs a device -> host copy before returning
         if pinned(pin_memory, target) and self.device.type == "cpu":
             return batch.pin_memory()
         return batch
