@@ -74,7 +74,7 @@ def host_tensor(array: np.ndarray, spec: Field) -> torch.Tensor:
 
 def step_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
     """One column of a device-staged step as a tensor (a tensor as given, on its device;
-    anything else read as `arrowbuf.schema.as_array` reads it) and its dtype name."""
+    anything else read as `arrowbuf.fields.as_array` reads it) and its dtype name."""
     if isinstance(value, torch.Tensor):
         return value.detach(), dtype_name(value.dtype)
     array, dtype = as_array(value, name)

@@ -221,6 +221,15 @@ def test_a_bad_storage_device_is_refused_naming_the_value(device, message):
         ab.ExperienceStore(10, storage_device=device)
 
 
+def test_a_cuda_arena_larger_than_the_device_s_free_memory_is_refused_before_allocating(monkeypatch):
+    # The check runs before any CUDA call, so a faked free-memory reading tests it without a GPU.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 1 << 30))
+    schema = ab.Schema({"obs": ab.Field("float32", (256,), observation=True), "terminated": ab.Field("bool")})
+    with pytest.raises(ab.ResourceError, match=r"storage_device='cuda': capacity=10,000 rows of 1,025 bytes need "
+                                               r"0.01 GiB, but the device has 0.00 GiB free; use capacity <= 1,023"):
+        TorchShard(schema, 10_000, device=torch.device("cuda"))
+
+
 def test_a_ray_store_refuses_a_storage_device_and_says_why():
     # Checked before any shard starts: no Ray session needed.
     with pytest.raises(ValueError, match="needs backend='local': a Ray store's shards publish their rows"):
