@@ -149,6 +149,11 @@ class TorchShard(Shard):
         super().__init__(schema, capacity, mode, shard, num_shards)
 
     def new_column(self, spec: Field, zero: bool) -> torch.Tensor:
+        if self.device.type == "cpu":
+            # numpy's allocator asks for transparent huge pages for large arrays, torch's does
+            # not: random gathers of a WBC rollout (98,304 of 102,400 rows of 286 float32)
+            # measured 30-32 ms from a numpy-allocated column, 40-48 ms from torch.empty's.
+            return host_tensor(super().new_column(spec, zero), spec)
         make = torch.zeros if zero else torch.empty
         return make((self.capacity, *spec.shape), dtype=spec.torch_dtype, device=self.device)
 
@@ -239,8 +244,7 @@ class TorchGather(Gather):
                 continue
             if role not in index:
                 rows_of_role = torch.from_numpy(np.ascontiguousarray(by_role[role], np.int64).reshape(-1))
-                # np.take's mode="clip", as the numpy gather (padding rows of masked windows).
-                index[role] = rows_of_role.to(self.device).clamp_(0, len(source) - 1)
+                index[role] = rows_of_role.to(self.device)
             torch.index_select(source, 0, index[role], out=view.view(-1, *source.shape[1:]))
         if batch is None:
             batch = make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), views)), tuple(spec.batch_size),

@@ -138,7 +138,13 @@ def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeyp
     writer = store.writer(num_envs=3, autoreset_mode="disabled", name="runner")
     monkeypatch.setattr(arrowbuf.episodes, "as_array", refuse)
     monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
-    monkeypatch.setattr(arrowbuf.arena, "host_tensor", refuse)
+    write_rows = TorchShard.write_rows
+
+    def only_tensors(shard, name, start, data):
+        assert isinstance(data, torch.Tensor), f"{name} reached the arena as {type(data)}"
+        write_rows(shard, name, start, data)
+
+    monkeypatch.setattr(TorchShard, "write_rows", only_tensors)
     run_writer(writer, range(6))
     monkeypatch.undo()
     # open episodes staged on the device survive a checkpoint (saved as host copies)
