@@ -173,6 +173,7 @@ class Shard:
         self.arena[name][start:start + len(data)] = data
 
     def zero_rows(self, name: str, start: int, stop: int) -> None:
+        """Zero rows ``[start, stop)`` of column ``name``."""
         self.arena[name][start:stop] = 0
 
     def put_rows(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
