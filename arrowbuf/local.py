@@ -115,6 +115,11 @@ class LocalBackend:
                            "(evicted, cleared, or never written)")
         return batch
 
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
+        """Refs of batches in Ray's object store: a Ray store's (its shards put them there)."""
+        raise ValueError("gather_refs needs backend='ray': it leaves each batch in Ray's object store, put there "
+                         "by the shards; a local store's gather(index) returns the batch in this process")
+
     def live_ranges(self) -> list[tuple[int, int]]:
         return [self.engine.live_range()]
 

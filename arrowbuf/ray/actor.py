@@ -28,6 +28,7 @@ from arrowbuf.errors import ArrowbufError, SchemaError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
+from arrowbuf.ray.shipping import ShippedBatch
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
@@ -146,6 +147,17 @@ class ShardServer:
     def gather(self, ranks: np.ndarray) -> Payload | None:
         """The live ones of ``ranks``, in that order (None when none is live)."""
         return self.engine.gather_payload(ranks, self.index_base)
+
+    def gather_ref(self, ranks: np.ndarray, finish: tuple | None) -> tuple[int, Any]:
+        """Rows of ``ranks`` for a train worker, as two results (`arrowbuf.ray.shipping`): how many
+        were live (the caller waits for this alone) and the rows, which stay in the object store:
+        a `ShippedBatch` finished with ``finish``, or with None a `Payload` for an assembling
+        task. The rows are None unless every rank was live."""
+        payload = self.engine.gather_payload(ranks, self.index_base)
+        rows = 0 if payload is None else payload.batch_shape[0]
+        if rows != len(ranks):
+            return rows, None
+        return rows, (payload if finish is None else ShippedBatch(payload, finish))
 
     def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
         """How many of ``ranks`` were live, and the shard's size (its mass changed)."""

@@ -41,6 +41,7 @@ from arrowbuf.ray.assemble import split_batches
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
 from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
@@ -414,6 +415,11 @@ class RayBackend:
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
+
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
+        """One ObjectRef per index array, of its transitions as a TensorDict; the data never
+        comes to this process (`arrowbuf.ray.shipping.gather_refs`)."""
+        return gather_refs(self.shards, indices, extras, flat_next)
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """[first, stop) of each shard's live indices (``shard << 48 | rank``); empty for a dead shard."""
