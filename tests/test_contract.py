@@ -20,10 +20,11 @@ BACKENDS = ["local", "ray"]
 
 
 def build(backend: str, **kwargs) -> ab.ExperienceStore:
+    schema = kwargs.pop("schema", EPISODE_SCHEMA)
     if backend == "ray":
         return ab.ExperienceStore(2_000, backend="ray", num_shards=kwargs.pop("num_shards", 2), seed=0,
-                                  schema=EPISODE_SCHEMA, **kwargs)
-    return ab.ExperienceStore(2_000, seed=0, schema=EPISODE_SCHEMA, **kwargs)
+                                  schema=schema, **kwargs)
+    return ab.ExperienceStore(2_000, seed=0, schema=schema, **kwargs)
 
 
 class Stores:
@@ -180,3 +181,73 @@ def test_a_pinned_env_sends_its_episodes_to_its_shard(store):
     assert all(i % store.num_shards == last for i in ids)   # a shard's ids are shard + k * num_shards
     with pytest.raises(ValueError, match="shard must be an int in"):
         store.pin_env("other", store.num_shards)
+
+
+# -- compute_gae ------------------------------------------------------------------------
+
+GAE_SCHEMA = ab.Schema({**EPISODE_SCHEMA.fields, "value": ab.Field("float32")})
+
+
+def gae_episodes() -> list[tuple[dict, str]]:
+    """Episodes of every ending (terminated, truncated, cut without a final observation), with values."""
+    episodes = []
+    for tag, (steps, has_final, terminated, truncated) in enumerate(
+            [(5, True, True, False), (4, True, False, True), (6, False, False, False), (3, True, False, False),
+             (7, True, False, True), (2, True, True, False)]):
+        episode = make_episode(tag, steps, has_final, terminated, truncated)
+        episode["value"] = (tag * 0.5 + np.arange(steps) * 0.25).astype(np.float32)
+        episodes.append((episode, f"env-{tag % 3}"))
+    return episodes
+
+
+def final_value(final_obs):
+    """A value function of the final observation: ``2 * tag + step``, so a value sent to the
+    wrong episode shows."""
+    return final_obs["obs"][:, 0] * 2.0 + final_obs["obs"][:, 1]
+
+
+def advantages_by_episode(store: ab.ExperienceStore) -> dict[int, list[float]]:
+    result = {}
+    for episode_id in store.episodes().column("episode_id").to_pylist():
+        rows = store.episode(episode_id)
+        result[int(rows.column("obs").to_numpy(zero_copy_only=False)[0][0])] = rows.column("advantage").to_pylist()
+    return result
+
+
+def test_compute_gae_gives_a_local_stores_advantages_and_calls_the_value_function_here(backend, stores):
+    store = stores.get(backend, "gae", schema=GAE_SCHEMA)
+    reference = ab.ExperienceStore(2_000, seed=0, schema=GAE_SCHEMA)
+    for episode, env_id in gae_episodes():
+        store.add_episode(episode, env_id=env_id)
+        reference.add_episode(episode, env_id=env_id)
+    calls = []
+
+    def value_fn(final_obs):
+        calls.append(final_obs.batch_size[0])
+        return final_value(final_obs)
+
+    assert store.compute_gae(0.9, 0.8, bootstrap_value=value_fn) == reference.compute_gae(
+        0.9, 0.8, bootstrap_value=final_value) == 26
+    assert calls == [3]                        # once, in this process, with every cut episode's final observation
+    expected, got = advantages_by_episode(reference), advantages_by_episode(store)
+    assert got.keys() == expected.keys()
+    for tag in expected:
+        np.testing.assert_allclose(got[tag], expected[tag], rtol=1e-6)
+    assert store.schema.fields["advantage"].derived and "value_target" in store.sample(8).keys()
+    episode, env_id = gae_episodes()[0]
+    store.add_episode(episode, env_id=env_id)  # writes without the derived fields still go through
+    store.flush()
+    assert store.num_episodes == 7
+
+
+def test_compute_gae_refuses_before_any_shard_writes(backend, stores):
+    store = stores.get(backend, "gae-refused", schema=GAE_SCHEMA)   # a store whose schema has no derived fields
+    for episode, env_id in gae_episodes():
+        store.add_episode(episode, env_id=env_id)
+    with pytest.raises(ValueError, match="pass bootstrap_value=fn"):
+        store.compute_gae()
+    with pytest.raises(ValueError, match="expected 3 finite values"):
+        store.compute_gae(bootstrap_value=lambda obs: np.zeros(2))
+    with pytest.raises(ValueError, match="value_key 'nope' is not a field"):
+        store.compute_gae(value_key="nope")
+    assert "advantage" not in store.to_arrow().column_names

@@ -113,7 +113,8 @@ class ShardServer:
         if self.durable is not None and self.durable.seen(batch):
             return [], self.size()
         schema = Schema.from_json(schema_json)
-        if self.engine.schema is not None and self.engine.schema != schema:
+        if self.engine.schema is not None and self.engine.schema.input_fields != schema.input_fields:
+            # Derived fields (compute_gae's) are the shard's own: writers need not know them.
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
         ids, refused, added = [], [], []
@@ -162,6 +163,18 @@ class ShardServer:
     def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
         """How many of ``ranks`` were live, and the shard's size (its mass changed)."""
         return self.engine.update_priorities(ranks, priorities), self.size()
+
+    def gae_final_observations(self, value_key: str) -> tuple[np.ndarray, Any]:
+        """`compute_gae`, first step: (episode ids, final observations) of the episodes that
+        bootstrap from their final observation (`ShardEngine.final_observations`)."""
+        return self.engine.final_observations(value_key)
+
+    def compute_gae(self, gamma: float, lam: float, value_key: str, ids: np.ndarray,
+                    values: np.ndarray) -> tuple[int, str | None]:
+        """`compute_gae`, second step, with the values of those final observations: the
+        transitions written and the shard's schema (now with the derived fields)."""
+        count = self.engine.compute_gae(gamma, lam, value_key, None, (ids, values))
+        return count, self.schema_json()
 
     def episodes(self) -> pa.Table:
         return self.engine.episodes()

@@ -38,6 +38,7 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.assemble import split_batches
+from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
@@ -448,14 +449,11 @@ class RayBackend:
         return updated
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
-        """Not on Ray yet: the derived columns would change the schema each shard and
-        every writer checks, and ``bootstrap_value`` would have to travel to the shards.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("compute_gae is not implemented for backend='ray' yet; iter_batches() the "
-                                  "rollout and compute advantages in the trainer, or use a local store")
+        """GAE on every shard, ``bootstrap_value`` called in this process (`arrowbuf.ray.gae`)."""
+        written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value)
+        if schema is not None:
+            self._schema = schema   # now with the derived fields
+        return written
 
     # -- views ----------------------------------------------------------------------
 
