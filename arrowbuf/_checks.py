@@ -282,3 +282,17 @@ def check_index_batches(indices: Any, extras: Any) -> tuple[list[np.ndarray], li
             fields[name] = array
         checked.append(fields)
     return batches, checked
+
+
+def check_shard(shard: Any, num_shards: int) -> int | None:
+    """None, or a shard number in [0, num_shards).
+
+    Raises:
+        ValueError: anything else (a local store has the one shard 0).
+    """
+    if shard is None:
+        return None
+    if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) or not 0 <= shard < num_shards:
+        where = "a local store has one shard, 0" if num_shards == 1 else f"the store has {num_shards} shards"
+        raise ValueError(f"shard must be an int in [0, {num_shards}) or None, got {shard!r} ({where})")
+    return int(shard)

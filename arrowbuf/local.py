@@ -74,6 +74,11 @@ class LocalBackend:
     def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
         return self.engine.add(episode, schema, timeout)
 
+    def add_many(self, episodes: list, schema: Schema | None, timeout: float | None, shard: int | None) -> list[int]:
+        """Store checked episodes in order (``shard`` is None or 0: there is one); their ids."""
+        engine = self.engine
+        return [engine.add(episode, schema, timeout) for episode in episodes]
+
     def pin(self, env_id: str, shard: int) -> None:
         """One shard: every env's episodes go to it."""
 

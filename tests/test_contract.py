@@ -251,3 +251,64 @@ def test_compute_gae_refuses_before_any_shard_writes(backend, stores):
     with pytest.raises(ValueError, match="value_key 'nope' is not a field"):
         store.compute_gae(value_key="nope")
     assert "advantage" not in store.to_arrow().column_names
+
+
+# -- batched and pinned adds --------------------------------------------------------------
+
+
+def stacked_episodes(tags: list[int], steps: int) -> dict[str, np.ndarray]:
+    """`make_episode` of each tag, stacked on a leading axis: [E, T(+1), ...]."""
+    episodes = [make_episode(tag, steps, terminated=False, truncated=True) for tag in tags]
+    return {name: np.stack([episode[name] for episode in episodes]) for name in episodes[0]}
+
+
+def test_add_episodes_stores_a_padded_batch_as_its_episodes_in_order(store):
+    batch = stacked_episodes([10, 11, 12, 13], steps=6)
+    lengths = np.array([6, 2, 4, 1])
+    batch["truncated"][:] = np.arange(6)[None, :] == (lengths - 1)[:, None]   # flags at each episode's end
+    ids = store.add_episodes(batch, lengths=lengths, env_ids=[f"env-{k}" for k in range(4)],
+                             metadata=[{"k": k} for k in range(4)])
+    assert len(ids) == 4 and len(set(ids)) == 4
+    for tag, length, episode_id in zip([10, 11, 12, 13], lengths, ids):
+        rows = store.episode(episode_id)
+        assert rows.num_rows == length + 1                       # the final observation included
+        np.testing.assert_array_equal(rows.column("action").to_numpy()[:length], tag * 1000 + np.arange(length))
+        assert rows.column("truncated").to_pylist()[length - 1]
+    store.flush()
+    table = store.episodes()
+    assert (len(store), store.num_episodes) == (13, 4)
+    assert sorted(table.column("env_id").to_pylist()) == [f"env-{k}" for k in range(4)]
+    assert sorted(table.column("truncated").to_pylist()) == [True] * 4
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: b.update(action=b["action"].astype(np.float32)), "action"),
+    (lambda b: b.update(reward=b["reward"][:3]), "different numbers of episodes"),
+    (lambda b: b.pop("terminated"), "missing"),
+])
+def test_add_episodes_with_one_bad_field_stores_nothing(store, change, message):
+    batch = stacked_episodes([1, 2, 3, 4], steps=3)
+    change(batch)
+    with pytest.raises(ab.SchemaError, match=message):
+        store.add_episodes(batch)
+    batch = stacked_episodes([1, 2, 3, 4], steps=3)
+    for kwargs, message in [({"lengths": [3, 3, 4, 3]}, r"lengths must be None or 4 ints in \[1, 3\]"),
+                            ({"env_ids": ["a", "b"]}, "env_ids must be None, one env id, or 4"),
+                            ({"metadata": {"a": 1}}, "metadata must be None or 4 mappings"),
+                            ({"shard": store.num_shards}, "shard must be an int in")]:
+        with pytest.raises(ValueError, match=message):
+            store.add_episodes(batch, **kwargs)
+    store.flush()
+    assert (len(store), store.num_episodes) == (0, 0)
+
+
+def test_an_episode_pinned_to_a_shard_is_stored_there(store):
+    last = store.num_shards - 1
+    ids = [store.add_episode(make_episode(tag, 3), env_id="env-0", shard=last) for tag in range(2)]
+    ids += store.add_episodes(stacked_episodes([5, 6], steps=2), env_ids="env-0", shard=last)
+    assert all(i % store.num_shards == last for i in ids)   # a shard's ids are shard + k * num_shards
+    with pytest.raises(ValueError, match=r"shard must be an int in \[0, %d\) or None, got %d" % (
+            store.num_shards, store.num_shards)):
+        store.add_episode(make_episode(9, 3), shard=store.num_shards)
+    store.flush()
+    assert store.num_episodes == 4

@@ -198,6 +198,23 @@ class RayBackend:
                 self._forget_unstored_schema()
             raise
 
+    def add_many(self, episodes: list[Episode], schema: Schema | None, timeout: float | None,
+                 shard: int | None) -> list[int]:
+        """Send episodes to ``shard`` (None: each to its env's shard, as `add`), one request per
+        shard for all of its episodes, and wait for their ids (in order)."""
+        known = self._schema is not None
+        self.set_schema(schema)
+        keys = []
+        for episode in episodes:
+            self._added += 1
+            keys.append(episode.env_id if episode.env_id != "default" else f"episode-{self._added}")
+        try:
+            return self._sink.write_many_now(episodes, keys, timeout, shard)
+        except BaseException:
+            if not known:
+                self._forget_unstored_schema()
+            raise
+
     def _forget_unstored_schema(self) -> None:
         """After a refused first write: a schema that no shard stores is dropped, as a
         local store's failed first write sets none."""
