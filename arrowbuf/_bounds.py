@@ -36,11 +36,11 @@ from arrowbuf.samplers import EpisodeSampler, Sampler, SequenceSampler
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
-#: Bytes per arena row besides its fields: the rank -> episode map (4), and for
+#: Bytes per arena row besides its fields: the index -> episode map (4), and for
 #: prioritized sampling the row -> episode map (4) and the sum tree (8 and its
 #: upper levels), and reuse counts (4), rounded up.
 ROW_OVERHEAD = 24
-#: Bytes per drawn item besides its fields: the sampler's uniform draws, ranks,
+#: Bytes per drawn item besides its fields: the sampler's uniform draws, indices,
 #: rows and positions (int64 / float64 each), index, episode_id, step, weight, mask.
 DRAW_OVERHEAD = 64
 #: Bytes per stacked frame besides the observations: its row and next row (int64).
@@ -121,7 +121,7 @@ def draw_steps(sampler: Sampler, table: EpisodeTable | None) -> int:
     """Rows each drawn item gathers: a sequence's length, the longest episode (1 when
     the table is not at hand: a Ray driver's), or 1."""
     if isinstance(sampler, SequenceSampler):
-        return sampler.length
+        return sampler.seq_len
     if isinstance(sampler, EpisodeSampler) and table is not None:
         return max(table.longest, 1)
     return 1

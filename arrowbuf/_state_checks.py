@@ -103,7 +103,7 @@ def _generator(where: str, state: Any) -> None:
 
 
 def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> None:
-    """The episode table against the arena: placement, order, ids, ranks, write position."""
+    """The episode table against the arena: placement, order, ids, indices, write position."""
     if shard["capacity"] != capacity or shard["mode"] != mode:
         raise _bad(where, "shard.capacity/mode", (shard["capacity"], shard["mode"]), f"{(capacity, mode)}")
     write_pos = _int(where, "shard.write_pos", shard["write_pos"], 0, capacity)
@@ -115,7 +115,7 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
     rows = _array(where, "num_rows", columns["num_rows"], "i", n)
     length = _array(where, "length", columns["length"], "i", n)
     has_final = _array(where, "has_final", columns["has_final"], "b", n)
-    ranks = _array(where, "first_rank", columns["first_rank"], "i", n)
+    indices = _array(where, "first_index", columns["first_index"], "i", n)
     env = _array(where, "env", columns["env"], "i", n)
     for name in ("terminated", "truncated"):
         _array(where, name, columns[name], "b", n)
@@ -151,8 +151,8 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
     if write_pos != int(first[-1] + rows[-1]):
         raise _bad(where, "shard.write_pos", write_pos,
                    f"{int(first[-1] + rows[-1])}, the row after the newest episode (episode {int(ids[-1])})")
-    if np.any(np.diff(ranks) != length[:-1]) or counters.get("rank") != int(ranks[-1] + length[-1]):
-        raise _bad(where, "first_rank", ranks, "consecutive ranks, ending at the rank counter")
+    if np.any(np.diff(indices) != length[:-1]) or counters.get("index") != int(indices[-1] + length[-1]):
+        raise _bad(where, "first_index", indices, "consecutive indices, ending at the index counter")
     if np.any((env < 0) | (env >= len(env_names))):
         raise _bad(where, "env", env, f"codes into the {len(env_names)} env names")
 

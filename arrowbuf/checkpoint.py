@@ -11,7 +11,7 @@ Layout of ``store.save("ckpt/")``::
       state-<token>.arrow             the arrays of the state: episode table, sampler
                                       (priority tree, epoch order), open writer episodes
 
-The state is everything sampling depends on: episode table (ids, ranks, arena
+The state is everything sampling depends on: episode table (ids, indices, arena
 placement), sampler state, the store generator's state, rate-limiter counters and
 the open episodes of the store's writers; nothing is pickled. `load` puts every
 episode back at its arena row, so sampling the loaded store gives the same batches
@@ -81,6 +81,7 @@ from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.shard import Shard
+from arrowbuf.table import upgrade_state
 
 FORMAT = "arrowbuf.checkpoint"
 FORMAT_VERSION = 2      # 2: content hashes of every file, and of the manifest
@@ -301,6 +302,8 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
         for entry in row_files:
             check_file(path / _name(entry["path"], manifest_path), entry)
         state = join_arrays(manifest["state"], table_arrays(_read_state(state_file)))
+        if isinstance(state.get("shard"), dict) and isinstance(state["shard"].get("table"), dict):
+            upgrade_state(state["shard"]["table"])
         check_state(state, str(manifest_path))
         info = state["store"]
         engine = ShardEngine(int(info["capacity"]), seed=info["seed"], mode=info["mode"],

@@ -34,7 +34,7 @@ from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observatio
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_ranks
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
 from arrowbuf.table import EpisodeTable
@@ -194,7 +194,7 @@ class ShardEngine:
             return episode_id
 
     def clear(self) -> None:
-        """Remove every episode; ranks keep counting, so indices sampled before stay stale."""
+        """Remove every episode; indices keep counting, so indices sampled before stay stale."""
         with self.lock:
             shard = self._shard
             if shard is None:
@@ -245,7 +245,7 @@ class ShardEngine:
     def sample_payload(self, batch_size: int, args: tuple = PLAIN, index_base: int = 0,
                        population: tuple[int, float] | None = None, timeout: float | None = None) -> Payload:
         """`sample` into a `Payload` (what a Ray shard sends); ``index_base`` is added to
-        the ranks, ``population`` = (transitions, mass) of every shard for global PER weights."""
+        the indices, ``population`` = (transitions, mass) of every shard for global PER weights."""
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
             selection = self._draw(batch_size, args, population)
@@ -279,7 +279,7 @@ class ShardEngine:
             self._changed.notify_all()
 
     def live_range(self) -> tuple[int, int]:
-        """[first, stop) of the live transition ranks."""
+        """[first, stop) of the live transition indices."""
         with self.lock:
             return self.table.live_range()
 
@@ -294,13 +294,13 @@ class ShardEngine:
             return keys if self._shard is None else self._shard.gather.check_keys(keys)
 
     def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
-        """Every live rank once, in batches (shuffled by the engine's generator, drawn now)."""
+        """Every live index once, in batches (shuffled by the engine's generator, drawn now)."""
         with self.lock:
-            ranks = np.arange(*self.table.live_range(), dtype=np.int64)
-            return epoch_batches(self._rng, ranks, batch_size, shuffle, drop_last)
+            indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
-    def gather(self, ranks: np.ndarray, device: Any = None, keys: Any = None) -> TensorDict | None:
-        """The live ones of transition ``ranks`` (1-D), in that order; None before the first write.
+    def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None) -> TensorDict | None:
+        """The live ones of transition ``indices`` (1-D), in that order; None before the first write.
 
         Reads by index, as `iter_batches` does: counted in the rows' reuse, not
         as a sample for the rate limiter.
@@ -309,27 +309,27 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
-            selection = select_ranks(shard.table, ranks[shard.table.is_live(ranks)])
+            selection = select_indices(shard.table, indices[shard.table.is_live(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
             return batch
 
-    def gather_payload(self, ranks: np.ndarray, index_base: int = 0) -> Payload | None:
+    def gather_payload(self, indices: np.ndarray, index_base: int = 0) -> Payload | None:
         """`gather` into a `Payload` (what a Ray shard sends); None when none is live."""
         with self.lock:
             if self._shard is None:
                 return None
-            live = ranks[self._shard.table.is_live(ranks)]
+            live = indices[self._shard.table.is_live(indices)]
             if not len(live):
                 return None
-            rows, extra, _, _ = self._lookups(select_ranks(self._shard.table, live), PLAIN, index_base)
+            rows, extra, _, _ = self._lookups(select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def iter_ranks(self, chunks: list[np.ndarray], device: Any, keys: Any = None) -> Iterator[TensorDict]:
-        """`gather` each chunk of ranks (an epoch), skipping those evicted meanwhile."""
-        for ranks in chunks:
-            batch = self.gather(ranks, device, keys)
+    def iter_indices(self, chunks: list[np.ndarray], device: Any, keys: Any = None) -> Iterator[TensorDict]:
+        """`gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""
+        for indices in chunks:
+            batch = self.gather(indices, device, keys)
             if batch is not None and batch.batch_size[0]:
                 yield batch
 
@@ -349,7 +349,7 @@ class ShardEngine:
         # episode_id and step come from the episode table, not from per-row columns.
         step = selection.step
         first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        extra = {"index": selection.ranks + index_base if index_base else selection.ranks,
+        extra = {"index": selection.indices + index_base if index_base else selection.indices,
                  "episode_id": table.col("episode_id").take(pos),
                  "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
@@ -368,12 +368,12 @@ class ShardEngine:
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
         return rows, extra, obs_rows, next_rows
 
-    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> int:
-        """Set checked priorities (int64 ranks, float64 values >= 0) of live ranks; returns how many were live."""
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
+        """Set checked priorities (int64 indices, float64 values >= 0) of live indices; returns how many were live."""
         with self.lock:
             if self._shard is None:
                 return 0
-            return self.sampler.update(self._shard.table, ranks, priorities)
+            return self.sampler.update(self._shard.table, indices, priorities)
 
     # -- derived columns ----------------------------------------------------------------
 
@@ -406,10 +406,10 @@ class ShardEngine:
             return self.table.to_arrow()
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
-        """(first rank, transitions) of every live episode, oldest first (copies)."""
+        """(first index, transitions) of every live episode, oldest first (copies)."""
         with self.lock:
             table = self.table
-            return table.col("first_rank").copy(), table.col("length").copy()
+            return table.col("first_index").copy(), table.col("length").copy()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One live episode's rows as a zero-copy RecordBatch.

@@ -18,7 +18,8 @@ from tensordict import TensorDictBase
 
 from arrowbuf._checks import check_env_id, check_metadata
 from arrowbuf.errors import SchemaError, describe
-from arrowbuf.schema import Schema, as_array, flatten
+from arrowbuf.fields import as_array
+from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 
 

@@ -109,10 +109,10 @@ class LocalBackend:
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
         keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
-        return self.engine.iter_ranks(self.engine.epoch(batch_size, shuffle, drop_last), device, keys)
+        return self.engine.iter_indices(self.engine.epoch(batch_size, shuffle, drop_last), device, keys)
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
-        """The live transitions of ``index`` (ranks), in that order."""
+        """The live transitions of ``index`` (indices), in that order."""
         batch = self.engine.gather(index, device)
         found = 0 if batch is None else batch.batch_size[0]
         if found != len(index):

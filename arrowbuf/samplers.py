@@ -1,7 +1,7 @@
 """Samplers: pure, vectorized index selection; they never touch column data.
 
 A sampler turns (a seeded `numpy.random.Generator`, a batch size, a shard's
-episode table) into a `Selection`: arena rows to gather, the transition ranks
+episode table) into a `Selection`: arena rows to gather, the transition indices
 that become the batch's ``"index"``, and extra tensors (weights, masks). Every
 sampler costs O(batch), whatever the capacity or the number of episodes: live
 transitions (and live windows of a sequence length) hold contiguous ranges of
@@ -15,6 +15,7 @@ store gives each shard its own copy.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,33 +27,33 @@ from arrowbuf.table import EpisodeTable
 
 @dataclass
 class Selection:
-    """What a sampler chose: rows to gather, their ranks and episodes, and extra per-item arrays."""
+    """What a sampler chose: rows to gather, their indices and episodes, and extra per-item arrays."""
 
     rows: np.ndarray                     # arena rows, [B] or [B, L]
-    ranks: np.ndarray                    # transition ranks, same shape ("index")
+    indices: np.ndarray                  # transition indices, same shape ("index")
     pos: np.ndarray                      # live position of each one's episode, same shape
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     step: np.ndarray | None = None       # step within the episode, when the sampler knows it
 
 
-def select_ranks(table: EpisodeTable, ranks: np.ndarray, extra: dict | None = None) -> Selection:
-    """The selection of live transition ranks."""
-    pos, step = table.locate(ranks)
-    return Selection(table.col("first_row").take(pos) + step, ranks, pos, extra or {}, step)
+def select_indices(table: EpisodeTable, indices: np.ndarray, extra: dict | None = None) -> Selection:
+    """The selection of live transition indices."""
+    pos, step = table.locate(indices)
+    return Selection(table.col("first_row").take(pos) + step, indices, pos, extra or {}, step)
 
 
-def uniform_ranks(rng: np.random.Generator, n: int, first_rank: int, stop_rank: int) -> np.ndarray:
-    """``n`` ranks drawn uniformly with replacement from ``[first_rank, stop_rank)``.
+def uniform_indices(rng: np.random.Generator, n: int, first_index: int, stop_index: int) -> np.ndarray:
+    """``n`` indices drawn uniformly with replacement from ``[first_index, stop_index)``.
 
     Scaled uniform floats: 1.5x faster than ``rng.integers`` for a batch; with 53
     random bits per draw, the relative bias is below ``count / 2**53`` (1e-10 at a
     million transitions).
     """
-    count = stop_rank - first_rank
-    ranks = (rng.random(n) * count).astype(np.int64)
-    np.minimum(ranks, count - 1, out=ranks)   # the product can round up to count
-    ranks += first_rank
-    return ranks
+    count = stop_index - first_index
+    indices = (rng.random(n) * count).astype(np.int64)
+    np.minimum(indices, count - 1, out=indices)   # the product can round up to count
+    indices += first_index
+    return indices
 
 
 def epoch_batches(rng: np.random.Generator, indices: np.ndarray, batch_size: int,
@@ -139,7 +140,7 @@ class UniformSampler(Sampler):
     """
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        return select_ranks(table, uniform_ranks(rng, n, *table.live_range()))
+        return select_indices(table, uniform_indices(rng, n, *table.live_range()))
 
 
 class WithoutReplacementSampler(Sampler):
@@ -179,9 +180,9 @@ class WithoutReplacementSampler(Sampler):
             remaining = np.arange(*table.live_range(), dtype=np.int64)
             rng.shuffle(remaining)
             self.epoch += 1
-        ranks = remaining[:n]
-        self._order, self._cursor = remaining, len(ranks)
-        return select_ranks(table, ranks)
+        indices = remaining[:n]
+        self._order, self._cursor = remaining, len(indices)
+        return select_indices(table, indices)
 
     def config(self) -> dict:
         return {"drop_last": self.drop_last}
@@ -280,20 +281,20 @@ class PrioritizedSampler(Sampler):
         rows = self.tree.find(rng.random(n) * total)
         pos = self._shard.positions_of_rows(rows)
         step = rows - table.col("first_row").take(pos)
-        ranks = table.col("first_rank").take(pos) + step
+        indices = table.col("first_index").take(pos) + step
         count, mass = population if population is not None else (table.num_transitions, total)
         weight = (count * self.tree.leaves[rows] / mass) ** -self.beta
         if population is None:
             weight = weight / weight.max()
-        return Selection(rows, ranks, pos, {"weight": weight.astype(np.float32)}, step)
+        return Selection(rows, indices, pos, {"weight": weight.astype(np.float32)}, step)
 
-    def update(self, table: EpisodeTable, ranks: np.ndarray, priorities: np.ndarray) -> int:
-        """Set the priorities of live ``ranks``; returns how many were live."""
-        live = table.is_live(ranks)
-        ranks, priorities = ranks[live], priorities[live]
-        if len(ranks):
+    def update(self, table: EpisodeTable, indices: np.ndarray, priorities: np.ndarray) -> int:
+        """Set the priorities of live ``indices``; returns how many were live."""
+        live = table.is_live(indices)
+        indices, priorities = indices[live], priorities[live]
+        if len(indices):
             priorities = priorities + self.eps
-            self.tree.update(table.rows_of(ranks), self._leaves(priorities))
+            self.tree.update(table.rows_of(indices), self._leaves(priorities))
             self.max_priority = max(self.max_priority, float(priorities.max()))
         return int(live.sum())
 
@@ -323,7 +324,7 @@ class PrioritizedSampler(Sampler):
 
 
 class SequenceSampler(Sampler):
-    """Windows of ``length`` consecutive steps inside one episode; batches [B, length].
+    """Windows of ``seq_len`` consecutive steps inside one episode; batches [B, seq_len].
 
     With ``strict=True`` only windows that fit in their episode are drawn, each
     with equal probability. With ``strict=False`` any transition can start a
@@ -332,27 +333,39 @@ class SequenceSampler(Sampler):
     boundary and never reads an evicted row.
 
     Args:
-        length: steps per window (>= 1).
+        seq_len: steps per window (>= 1). An episode's *length* is its count of
+            transitions everywhere in arrowbuf; a window's is its ``seq_len``
+            (TorchRL's ``slice_len``, RLlib's ``max_seq_len``).
         strict: only windows that fit.
+        length: the former name of ``seq_len`` (deprecated; checkpoints written
+            before the rename still load).
 
     Example:
         >>> import numpy as np, arrowbuf as ab
-        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(length=3))
+        >>> store = ab.ExperienceStore(capacity=100, seed=0, sampler=ab.SequenceSampler(seq_len=3))
         >>> _ = store.add_episode({"obs": np.arange(6.0), "action": np.zeros(5), "terminated": np.zeros(5, bool)})
         >>> store.sample(2)["obs"].shape
         torch.Size([2, 3])
     """
 
-    def __init__(self, length: int, strict: bool = True) -> None:
+    def __init__(self, seq_len: int | None = None, strict: bool = True, *, length: int | None = None) -> None:
         super().__init__()
-        self.length = check_int("length", length, 1)
+        if length is not None:
+            if seq_len is not None:
+                raise TypeError(f"SequenceSampler got seq_len={seq_len!r} and its former name length={length!r}; "
+                                "pass seq_len only")
+            warnings.warn("SequenceSampler(length=) is now SequenceSampler(seq_len=)", DeprecationWarning, stacklevel=2)
+            seq_len = length
+        if seq_len is None:
+            raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
+        self.seq_len = check_int("seq_len", seq_len, 1)
         self.strict = bool(strict)
-        self._counter = f"windows{self.length}"
+        self._counter = f"windows{self.seq_len}"
 
     def bind(self, shard) -> None:
         super().bind(shard)
         if self.strict:
-            span = self.length
+            span = self.seq_len
             shard.table.add_counter(self._counter, lambda n: max(0, n - span + 1))
 
     def mass(self, table: EpisodeTable) -> float:
@@ -362,31 +375,31 @@ class SequenceSampler(Sampler):
         return float(stop - first)
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        offsets = np.arange(self.length, dtype=np.int64)
+        offsets = np.arange(self.seq_len, dtype=np.int64)
         if self.strict:
             first, stop = table.live_range(self._counter)
             if stop <= first:
-                raise ValueError(f"no episode has {self.length} transitions for a strict window "
+                raise ValueError(f"no episode has {self.seq_len} transitions for a strict window "
                                  f"(longest: {int(table.col('length').max(initial=0))}); "
-                                 "use strict=False or a shorter length")
+                                 "use strict=False or a shorter seq_len")
             pos, start = table.locate(rng.integers(first, stop, size=n, dtype=np.int64), self._counter)
             steps = start[:, None] + offsets
-            mask = np.ones((n, self.length), bool)
+            mask = np.ones((n, self.seq_len), bool)
         else:
-            pos, step = table.locate(uniform_ranks(rng, n, *table.live_range()))
+            pos, step = table.locate(uniform_indices(rng, n, *table.live_range()))
             last = table.col("length")[pos] - 1
             steps = step[:, None] + offsets
             mask = steps <= last[:, None]
             steps = np.minimum(steps, last[:, None])
-        ranks = table.col("first_rank")[pos][:, None] + steps
+        indices = table.col("first_index")[pos][:, None] + steps
         rows = table.col("first_row")[pos][:, None] + steps
-        return Selection(rows, ranks, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
+        return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
 
     def config(self) -> dict:
-        return {"length": self.length, "strict": self.strict}
+        return {"seq_len": self.seq_len, "strict": self.strict}
 
     def __repr__(self) -> str:
-        return f"SequenceSampler(length={self.length}, strict={self.strict})"
+        return f"SequenceSampler(seq_len={self.seq_len}, strict={self.strict})"
 
 
 class EpisodeSampler(Sampler):
@@ -413,6 +426,6 @@ class EpisodeSampler(Sampler):
         steps = np.arange(int(chosen.max()), dtype=np.int64)[None, :]
         mask = steps < chosen[:, None]
         steps = np.minimum(steps, chosen[:, None] - 1)
-        ranks = table.col("first_rank")[pos][:, None] + steps
+        indices = table.col("first_index")[pos][:, None] + steps
         rows = table.col("first_row")[pos][:, None] + steps
-        return Selection(rows, ranks, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
+        return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})

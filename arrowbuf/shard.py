@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.errors import CapacityError
-from arrowbuf.schema import SYSTEM_SPECS, Schema, numpy_to_arrow
+from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather
 
@@ -114,7 +115,7 @@ class Shard:
         # np.empty leaves pages untouched until written: memory grows with the data.
         self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in schema.fields.items()}
         # Row -> serial of its episode (mod 2**32), kept only for samplers that pick
-        # rows rather than ranks (prioritized): see `positions_of_rows`.
+        # rows rather than indices (prioritized): see `positions_of_rows`.
         self._row_episode: np.ndarray | None = None
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.

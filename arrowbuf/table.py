@@ -4,9 +4,9 @@ Append and evict-oldest are O(1) amortized: rows live in growable arrays between
 ``head`` and ``tail``; the arrays double when full and are compacted when more than
 half of them is dead.
 
-Every transition gets a *rank*: a serial number, unique for the life of the shard,
-that never comes back after eviction or `clear`. Ranks of live transitions form one
-contiguous range, so uniform sampling is a draw of integers, and a rank kept by a
+Every transition gets an *index*: a serial number, unique for the life of the shard,
+that never comes back after eviction or `clear`. Indices of live transitions form one
+contiguous range, so uniform sampling is a draw of integers, and an index kept by a
 user (the ``"index"`` of a sample) can always be told stale from live.
 """
 
@@ -30,8 +30,24 @@ _COLUMNS: dict[str, Any] = {
     "truncated": np.bool_,
     "return": np.float64,
     "inserted_at": np.int64,  # ns since the epoch
-    "first_rank": np.int64,
+    "first_index": np.int64,
 }
+
+
+#: Names in states written before "rank" became "index" (checkpoints of format 2
+#: from earlier versions): `upgrade_state` reads them under today's names.
+_RENAMED_COUNTERS = {"rank": "index"}
+
+
+def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A table `state_dict` with the names of earlier versions renamed (in place; returned)."""
+    for old, new in _RENAMED_COUNTERS.items():
+        if old in state.get("counters", {}) and new not in state["counters"]:
+            state["counters"][new] = state["counters"].pop(old)
+        columns = state.get("columns", {})
+        if f"first_{old}" in columns and f"first_{new}" not in columns:
+            columns[f"first_{new}"] = columns.pop(f"first_{old}")
+    return state
 
 
 class EpisodeTable:
@@ -42,8 +58,8 @@ class EpisodeTable:
         id_offset, id_stride: episode ids are ``id_offset + k * id_stride`` for the
             k-th episode ever added, so the ids of several shards never collide.
         capacity: the most transitions ever live at once (the shard's rows). Given,
-            the table keeps a map rank -> episode (4 bytes a transition) that makes
-            locating ranks O(1) instead of a binary search over the episodes.
+            the table keeps a map index -> episode (4 bytes a transition) that makes
+            locating indices O(1) instead of a binary search over the episodes.
     """
 
     def __init__(self, shard: int = 0, id_offset: int = 0, id_stride: int = 1, capacity: int | None = None) -> None:
@@ -57,12 +73,12 @@ class EpisodeTable:
         self.head = 0
         self.tail = 0
         self.episodes_added = 0   # ever; the next id is derived from it
-        # Running serials: "rank" numbers transitions; samplers add their own units
+        # Running serials: "index" numbers transitions; samplers add their own units
         # (e.g. windows of a sequence length) with `add_counter`.
-        self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"rank": (lambda n: n, [0])}
-        # rank % capacity -> serial of its episode (mod 2**32); live ranks span at
+        self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"index": (lambda n: n, [0])}
+        # index % capacity -> serial of its episode (mod 2**32); live indices span at
         # most `capacity` values, so live entries never collide.
-        self._rank_episode = np.zeros(capacity, np.uint32) if capacity else None
+        self._index_episode = np.zeros(capacity, np.uint32) if capacity else None
         # (serial, length) of the live episodes that no younger episode outlasts, in
         # decreasing length: its front is the longest live episode, kept in O(1)
         # amortized per append and evict (a monotonic queue).
@@ -72,9 +88,9 @@ class EpisodeTable:
         return self.tail - self.head
 
     @property
-    def next_rank(self) -> int:
-        """Rank of the next transition added."""
-        return self._counters["rank"][1][0]
+    def next_index(self) -> int:
+        """Index of the next transition added."""
+        return self._counters["index"][1][0]
 
     @property
     def num_transitions(self) -> int:
@@ -87,11 +103,11 @@ class EpisodeTable:
         return self._longest[0][1] if self._longest else 0
 
     @property
-    def first_live_rank(self) -> int:
-        return self.live_range("rank")[0]
+    def first_live_index(self) -> int:
+        return self.live_range("index")[0]
 
     def add_counter(self, name: str, count: Callable[[int], int]) -> None:
-        """Keep a serial of ``count(length)`` units per episode, like ranks for transitions.
+        """Keep a serial of ``count(length)`` units per episode, like indices for transitions.
 
         Live units then form one contiguous range (`live_range`) that `locate` maps
         back to (episode position, offset): uniform sampling over any per-episode
@@ -107,7 +123,7 @@ class EpisodeTable:
         self._cols[f"first_{name}"] = column
         self._counters[name] = (count, [running])
 
-    def live_range(self, counter: str = "rank") -> tuple[int, int]:
+    def live_range(self, counter: str = "index") -> tuple[int, int]:
         """[first, stop) of the live units of ``counter``."""
         stop = self._counters[counter][1][0]
         return (int(self._cols[f"first_{counter}"][self.head]) if len(self) else stop), stop
@@ -142,8 +158,8 @@ class EpisodeTable:
         for name, (count, serial) in self._counters.items():
             cols[f"first_{name}"][i] = serial[0]
             serial[0] += count(length)
-        if self._rank_episode is not None and length:
-            self._map_ranks(self.next_rank - length, length, self.episodes_added)
+        if self._index_episode is not None and length:
+            self._map_indices(self.next_index - length, length, self.episodes_added)
         self._metadata[i] = metadata
         self._push_longest(self.episodes_added, length)
         self.tail += 1
@@ -167,14 +183,14 @@ class EpisodeTable:
             self._longest.popleft()
 
     def clear(self) -> None:
-        """Drop every episode; ids and ranks keep counting, so old indices stay stale."""
+        """Drop every episode; ids and indices keep counting, so old indices stay stale."""
         self.head = self.tail = 0
         self._longest.clear()
 
-    def resume(self, episodes_added: int, next_rank: int) -> None:
+    def resume(self, episodes_added: int, next_index: int) -> None:
         """Continue the numbering of another table: the next episode is the
-        ``episodes_added``-th (its id follows) and its first transition gets rank
-        ``next_rank``. Imports use it to keep an export's episode ids and indices.
+        ``episodes_added``-th (its id follows) and its first transition gets index
+        ``next_index``. Imports use it to keep an export's episode ids and indices.
 
         Raises:
             ValueError: the table is not empty.
@@ -182,7 +198,7 @@ class EpisodeTable:
         if len(self):
             raise ValueError(f"resume needs an empty episode table, this one holds {len(self)} episodes")
         self.episodes_added = int(episodes_added)
-        self._counters["rank"][1][0] = int(next_rank)
+        self._counters["index"][1][0] = int(next_index)
 
     # -- state ---------------------------------------------------------------------
 
@@ -239,12 +255,12 @@ class EpisodeTable:
         self._longest.clear()
         for k, length in enumerate(self._cols["length"][:n].tolist()):
             self._push_longest(self.episodes_added - n + k, length)
-        if self._rank_episode is not None:   # rebuild the rank -> episode map of the live episodes
+        if self._index_episode is not None:   # rebuild the index -> episode map of the live episodes
             lengths = self._cols["length"][:n]
             serials = np.repeat(np.arange(self.episodes_added - n, self.episodes_added, dtype=np.int64), lengths)
-            starts = np.repeat(self._cols["first_rank"][:n] - (np.cumsum(lengths) - lengths), lengths)
-            ranks = starts + np.arange(len(serials))
-            self._rank_episode[ranks % len(self._rank_episode)] = (serials & 0xFFFFFFFF).astype(np.uint32)
+            starts = np.repeat(self._cols["first_index"][:n] - (np.cumsum(lengths) - lengths), lengths)
+            indices = starts + np.arange(len(serials))
+            self._index_episode[indices % len(self._index_episode)] = (serials & 0xFFFFFFFF).astype(np.uint32)
 
     def position_of(self, episode_id: np.ndarray | int) -> np.ndarray | int:
         """Live position (0 = oldest) of episode ids; out of [0, len) when not live."""
@@ -252,37 +268,37 @@ class EpisodeTable:
             return np.asarray(episode_id) * 0 - 1
         return (np.asarray(episode_id) - self._cols["episode_id"][self.head]) // self.id_stride
 
-    def _map_ranks(self, first_rank: int, length: int, serial: int) -> None:
-        size = len(self._rank_episode)
-        start = first_rank % size
+    def _map_indices(self, first_index: int, length: int, serial: int) -> None:
+        size = len(self._index_episode)
+        start = first_index % size
         head = min(length, size - start)
-        self._rank_episode[start:start + head] = serial & 0xFFFFFFFF
+        self._index_episode[start:start + head] = serial & 0xFFFFFFFF
         if head < length:
-            self._rank_episode[:length - head] = serial & 0xFFFFFFFF
+            self._index_episode[:length - head] = serial & 0xFFFFFFFF
 
-    def locate(self, units: np.ndarray, counter: str = "rank") -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, units: np.ndarray, counter: str = "index") -> tuple[np.ndarray, np.ndarray]:
         """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
 
-        For ranks the offset is the step, so the arena row is ``first_row[pos] + offset``.
+        For indices the offset is the step, so the arena row is ``first_row[pos] + offset``.
         """
-        if counter == "rank" and self._rank_episode is not None:
+        if counter == "index" and self._index_episode is not None:
             # `%`, not take(mode="wrap"): numpy wraps by repeated subtraction, which
-            # grows with rank / capacity (a store that ran long would sample ever slower).
-            pos = self._rank_episode.take(units % len(self._rank_episode))
+            # grows with index / capacity (a store that ran long would sample ever slower).
+            pos = self._index_episode.take(units % len(self._index_episode))
             # uint32 arithmetic wraps like the serials in the map; a Python int keeps uint32.
             pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF
-            return pos, units - self._cols["first_rank"][self.head:self.tail].take(pos)
+            return pos, units - self._cols["first_index"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first.take(pos)
 
-    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
-        """Arena rows of live transition ranks."""
-        pos, offset = self.locate(ranks)
+    def rows_of(self, indices: np.ndarray) -> np.ndarray:
+        """Arena rows of live transition indices."""
+        pos, offset = self.locate(indices)
         return self.col("first_row").take(pos) + offset
 
-    def is_live(self, ranks: np.ndarray) -> np.ndarray:
-        return (ranks >= self.first_live_rank) & (ranks < self.next_rank)
+    def is_live(self, indices: np.ndarray) -> np.ndarray:
+        return (indices >= self.first_live_index) & (indices < self.next_index)
 
     def metadata(self) -> list[Any]:
         return self._metadata[self.head:self.tail]
@@ -304,7 +320,7 @@ class EpisodeTable:
             "truncated": self.col("truncated"),
             "return": self.col("return"),
             "inserted_at": pa.array(self.col("inserted_at").copy(), pa.timestamp("ns")),
-            "first_index": self.col("first_rank"),
+            "first_index": self.col("first_index"),
         }
         # Copies (one value per episode): a table handed out must not change when
         # `clear` and new writes reuse these slots.

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf import checkpoint
-from _persist_data import KINDS, assert_same_batches, assert_same_store, episode_of, fill, schema_of, wrapped_store
+
+from support.compare import assert_same_batches, assert_same_store
+from support.persist_data import KINDS, episode_of, fill, schema_of, wrapped_store
 
 
 def sample_both(a: ab.ExperienceStore, b: ab.ExperienceStore, batches: int = 3, **kwargs) -> None:
@@ -65,8 +67,8 @@ def test_every_kind_of_field_round_trips_bit_exact(tmp_path, kind):
 
 @pytest.mark.parametrize("sampler", [
     lambda: ab.WithoutReplacementSampler(drop_last=True),
-    lambda: ab.SequenceSampler(length=4),
-    lambda: ab.SequenceSampler(length=3, strict=False),
+    lambda: ab.SequenceSampler(seq_len=4),
+    lambda: ab.SequenceSampler(seq_len=3, strict=False),
     lambda: ab.EpisodeSampler(),
 ], ids=["without-replacement", "sequence", "sequence-padded", "episode"])
 def test_sampler_state_is_restored_mid_epoch(tmp_path, sampler):

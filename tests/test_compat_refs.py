@@ -12,11 +12,12 @@ import os
 
 import numpy as np
 import pytest
-from _compat_envs import fake_train_worker
 from test_compat import add_tagged_episodes, assert_tagged_transitions
 
 import arrowbuf as ab
 from arrowbuf.compat import ReplayBuffer, RolloutBuffer, resolve
+
+from support.compat_envs import fake_train_worker
 
 ray = pytest.importorskip("ray")
 

@@ -90,11 +90,11 @@ def test_an_engine_state_round_trips_into_a_new_engine_that_samples_the_same():
     assert (a["index"] == b["index"]).all() and (a["weight"] == b["weight"]).all()
 
 
-def test_gather_returns_the_live_ranks_only_and_is_not_counted_by_the_rate_limiter():
+def test_gather_returns_the_live_indices_only_and_is_not_counted_by_the_rate_limiter():
     engine = make_engine(capacity=8)
-    engine.add(*episode(3, 1.0))   # ranks 0..2, rows 0..3
-    engine.add(*episode(3, 2.0))   # ranks 3..5, rows 4..7
-    engine.add(*episode(3, 3.0))   # evicts the first: ranks 6..8
+    engine.add(*episode(3, 1.0))   # indices 0..2, rows 0..3
+    engine.add(*episode(3, 2.0))   # indices 3..5, rows 4..7
+    engine.add(*episode(3, 3.0))   # evicts the first: indices 6..8
     batch = engine.gather(np.array([7, 0, 3], np.int64))
     assert batch["index"].tolist() == [7, 3]
     assert batch["obs"][:, 0].tolist() == [3.0, 2.0]

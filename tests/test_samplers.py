@@ -1,6 +1,6 @@
 """Samplers: distributions (chi-square), epochs (exact counts), windows and priorities.
 
-Every stored value encodes its (episode, step) (see `_episodes.py`), so a sample can
+Every stored value encodes its (episode, step) (see `support/episodes.py`), so a sample can
 be checked against the store's current episode table: the index is live and the
 row read is the row of that index.
 """
@@ -8,25 +8,27 @@ row read is the row of that index.
 import numpy as np
 import pytest
 import torch
-from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows, encoded_episode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import arrowbuf as ab
 
+from support.episodes import EPISODE_SCHEMA, LiveTable, add_tagged, check_batch_reads_its_rows, make_episode
+
+
 DRAWS = 100_000
 P_MIN = 1e-3
 
 
 def make_store(capacity, sampler=None, seed=0, **kwargs):
-    return ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=SCHEMA, **kwargs)
+    return ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=EPISODE_SCHEMA, **kwargs)
 
 
 def fill(store, steps, recorded=None, has_final=True):
     recorded = {} if recorded is None else recorded
     for n in steps:
-        add_encoded(store, recorded, n, has_final=has_final, terminated=len(recorded) % 2 == 0)
+        add_tagged(store, recorded, n, has_final=has_final, terminated=len(recorded) % 2 == 0)
     return recorded
 
 
@@ -62,7 +64,7 @@ def replay(store, capacity, episodes):
     rows = k = 0
     while rows < 2.5 * capacity:
         steps, has_final = episodes[k % len(episodes)]
-        add_encoded(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
+        add_tagged(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
         rows += steps + has_final
         k += 1
         yield recorded
@@ -248,41 +250,41 @@ def test_update_priorities_accepts_tensors_of_any_shape_and_returns_the_live_cou
 
 # -- sequences -------------------------------------------------------------------------
 
-def check_windows(batch, recorded, live, length, strict):
+def check_windows(batch, recorded, live, seq_len, strict):
     mask = batch["mask"].numpy()
     episode_id = batch["episode_id"].numpy()
     step = batch["step"].numpy().astype(np.int64)
-    assert tuple(batch.batch_size) == (len(mask), length)
+    assert tuple(batch.batch_size) == (len(mask), seq_len)
     assert (episode_id == episode_id[:, :1]).all(), "a window crosses an episode boundary"
     assert mask[:, 0].all(), "a window starts on padding"
     assert (np.diff(mask.astype(np.int8), axis=1) <= 0).all(), "padding before a real step"
-    contiguous = step[:, :1] + np.arange(length)
+    contiguous = step[:, :1] + np.arange(seq_len)
     np.testing.assert_array_equal(step[mask], contiguous[mask])
     pos = live.position(episode_id[:, 0])
-    np.testing.assert_array_equal(mask.sum(axis=1), np.minimum(length, live.length[pos] - step[:, 0]))
+    np.testing.assert_array_equal(mask.sum(axis=1), np.minimum(seq_len, live.length[pos] - step[:, 0]))
     if strict:
-        assert mask.all() and (step[:, 0] + length <= live.length[pos]).all()
+        assert mask.all() and (step[:, 0] + seq_len <= live.length[pos]).all()
     check_batch_reads_its_rows(batch, recorded, live)
 
 
 @settings(max_examples=50, deadline=None)
-@given(history=histories(), length=st.integers(1, 6), strict=st.booleans(), seed=st.integers(0, 2**16))
-def test_sequence_windows_are_contiguous_steps_of_one_live_episode(history, length, strict, seed):
+@given(history=histories(), seq_len=st.integers(1, 6), strict=st.booleans(), seed=st.integers(0, 2**16))
+def test_sequence_windows_are_contiguous_steps_of_one_live_episode(history, seq_len, strict, seed):
     capacity, episodes = history
-    store = make_store(capacity, ab.SequenceSampler(length=length, strict=strict), seed=seed)
+    store = make_store(capacity, ab.SequenceSampler(seq_len=seq_len, strict=strict), seed=seed)
     for recorded in replay(store, capacity, episodes):
         if not len(store):
             continue
         live = LiveTable(store)
-        if strict and live.length.max() < length:
-            with pytest.raises(ValueError, match=f"no episode has {length} transitions"):
+        if strict and live.length.max() < seq_len:
+            with pytest.raises(ValueError, match=f"no episode has {seq_len} transitions"):
                 store.sample(8)
             continue
-        check_windows(store.sample(8), recorded, live, length, strict)
+        check_windows(store.sample(8), recorded, live, seq_len, strict)
 
 
-def test_loose_windows_work_when_every_episode_is_shorter_than_the_length():
-    store = make_store(100, ab.SequenceSampler(length=8, strict=False))
+def test_loose_windows_work_when_every_episode_is_shorter_than_the_seq_len():
+    store = make_store(100, ab.SequenceSampler(seq_len=8, strict=False))
     recorded = fill(store, [2, 3, 1, 4])
     batch = store.sample(256)
     check_windows(batch, recorded, LiveTable(store), 8, strict=False)
@@ -290,18 +292,18 @@ def test_loose_windows_work_when_every_episode_is_shorter_than_the_length():
 
 
 def test_strict_windows_raise_a_clear_error_when_no_episode_is_long_enough():
-    store = make_store(100, ab.SequenceSampler(length=8, strict=True))
+    store = make_store(100, ab.SequenceSampler(seq_len=8, strict=True))
     fill(store, [2, 3, 7])
     with pytest.raises(ValueError, match=r"no episode has 8 transitions.*longest: 7.*strict=False"):
         store.sample(4)
 
 
 def test_strict_windows_are_drawn_uniformly_among_the_windows_that_fit():
-    length = 3
-    store = make_store(40, ab.SequenceSampler(length=length), seed=5)
+    seq_len = 3
+    store = make_store(40, ab.SequenceSampler(seq_len=seq_len), seed=5)
     fill(store, [4, 2, 6, 9, 3, 5, 7, 4])                                   # wraps: the first ones go
     live = LiveTable(store)
-    starts = np.concatenate([f + np.arange(max(0, n - length + 1)) for f, n in zip(live.first_index, live.length)])
+    starts = np.concatenate([f + np.arange(max(0, n - seq_len + 1)) for f, n in zip(live.first_index, live.length)])
     batch = store.sample(DRAWS // 4)
     assert_chisquare(counts_of(batch["index"][:, 0].numpy(), starts), np.ones(len(starts)))
 
@@ -439,10 +441,10 @@ def test_prioritized_sampler_rejects_bad_arguments_naming_them(kwargs, match):
         ab.PrioritizedSampler(**kwargs)
 
 
-@pytest.mark.parametrize("length", [0, -3, 2.5, True])
-def test_sequence_sampler_rejects_a_length_below_one_or_not_an_int(length):
-    with pytest.raises(ValueError, match=rf"length must be an int >= 1, got {length!r}"):
-        ab.SequenceSampler(length=length)
+@pytest.mark.parametrize("seq_len", [0, -3, 2.5, True])
+def test_sequence_sampler_rejects_a_length_below_one_or_not_an_int(seq_len):
+    with pytest.raises(ValueError, match=rf"seq_len must be an int >= 1, got {seq_len!r}"):
+        ab.SequenceSampler(seq_len=seq_len)
 
 
 @pytest.mark.parametrize("index, priority, match", [
@@ -461,9 +463,9 @@ def test_update_priorities_rejects_bad_input_naming_the_argument_and_value(index
 
 
 def test_update_priorities_on_a_store_without_priorities_names_its_sampler():
-    store = make_store(10, ab.SequenceSampler(length=2))
+    store = make_store(10, ab.SequenceSampler(seq_len=2))
     fill(store, [3])
-    with pytest.raises(ValueError, match=r"needs a PrioritizedSampler; this store uses SequenceSampler\(length=2"):
+    with pytest.raises(ValueError, match=r"needs a PrioritizedSampler; this store uses SequenceSampler\(seq_len=2"):
         store.update_priorities([0], [1.0])
 
 
@@ -477,7 +479,7 @@ def test_a_sampler_serves_one_store_only():
 def test_a_drop_last_batch_larger_than_the_store_fails_without_starting_epochs():
     sampler = ab.WithoutReplacementSampler(drop_last=True)
     store = make_store(100, sampler)
-    store.add_episode(encoded_episode(0, 5))
+    store.add_episode(make_episode(0, 5))
     with pytest.raises(ValueError, match="drop_last=True"):
         store.sample(6)
     assert sampler.epoch == 0
@@ -487,7 +489,17 @@ def test_a_drop_last_batch_larger_than_the_store_fails_without_starting_epochs()
 def test_num_workers_with_short_epoch_batches_is_refused_before_sampling():
     sampler = ab.WithoutReplacementSampler(drop_last=False)
     store = make_store(100, sampler)
-    store.add_episode(encoded_episode(0, 5))
+    store.add_episode(make_episode(0, 5))
     with pytest.raises(ValueError, match="drop_last=True"):
         store.sample(4, num_workers=2)
     assert store.stats()["samples"] == 0 and sampler.epoch == 0
+
+
+def test_sequence_sampler_keeps_its_former_length_argument_as_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="seq_len"):
+        sampler = ab.SequenceSampler(length=4, strict=False)
+    assert (sampler.seq_len, sampler.strict) == (4, False)
+    with pytest.raises(TypeError, match="seq_len=3 and its former name length=4"):
+        ab.SequenceSampler(3, length=4)
+    with pytest.raises(TypeError, match="needs seq_len"):
+        ab.SequenceSampler()

@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.errors import CapacityError
 from arrowbuf.shard import Episode, Shard, plan_write, position_runs
-from conftest import column_numpy, reference_plan, tagged_obs
+
+from support.compare import column_numpy
+from support.episodes import tagged_obs
+from support.ring import reference_plan
+
 
 SCHEMA = ab.Schema({"obs": ab.Field("float64", (2,), observation=True), "action": ab.Field("int64"),
                     "flag": ab.Field("bool"), "pixels": ab.Field("uint8", (2, 3)), "x": ab.Field("float32")})
@@ -125,13 +129,13 @@ def test_the_final_row_holds_the_last_observation_and_zeros_in_step_fields():
     np.testing.assert_array_equal(shard.arena["obs"][4], [3, 4])
 
 
-def test_ranks_and_rows_of_live_transitions_line_up():
+def test_indices_and_rows_of_live_transitions_line_up():
     shard = Shard(SCHEMA, capacity=10)
     shard.add(shard_episode(0, 4))                    # 4 transitions, rows [0, 5)
     shard.add(shard_episode(1, 3, has_final=False))   # 2 transitions, rows [5, 8)
     shard.add(shard_episode(2, 2))                    # wraps: evicts episode 0; rows [0, 3)
     assert len(shard) == 4
-    assert shard.table.first_live_rank == 4
+    assert shard.table.first_live_index == 4
     np.testing.assert_array_equal(shard.table.rows_of(np.arange(4, 8)), [5, 6, 0, 1])
 
 

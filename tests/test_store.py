@@ -15,8 +15,11 @@ from tensordict import TensorDict
 
 import arrowbuf as ab
 from arrowbuf.shard import position_runs
-from conftest import (EPISODE_SCHEMA, ExpectedEpisode, FakeVectorRollout, RingModel, assert_same_batches,
-                      assert_same_snapshot, assert_store_matches, column_numpy, make_episode, snapshot, tagged_obs)
+
+from support.compare import assert_same_batches, assert_same_snapshot, column_numpy, snapshot
+from support.envs import FakeVectorRollout
+from support.episodes import EPISODE_SCHEMA, ExpectedEpisode, make_episode, tagged_obs
+from support.ring import RingModel, assert_store_matches
 
 # -- the ring under random writes ------------------------------------------------------------
 
@@ -98,7 +101,7 @@ def test_sample_returns_the_documented_keys_and_dtypes():
     assert batch["step"].dtype == torch.int32
     assert batch["terminated"].dtype == torch.bool
     np.testing.assert_array_equal(batch["terminated"].numpy(), batch["step"].numpy() == 5)
-    np.testing.assert_array_equal(batch["index"].numpy(), batch["step"].numpy())   # one episode: rank = step
+    np.testing.assert_array_equal(batch["index"].numpy(), batch["step"].numpy())   # one episode: index = step
 
 
 def test_stores_with_the_same_seed_and_writes_sample_identical_batches():

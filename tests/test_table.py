@@ -1,4 +1,4 @@
-"""The episode table: FIFO columns, ids, ranks and rank -> row lookups."""
+"""The episode table: FIFO columns, ids, indices and index -> row lookups."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrowbuf.table import EpisodeTable
+from arrowbuf.table import EpisodeTable, upgrade_state
 
 
 def append(table: EpisodeTable, first_row: int, length: int, env_id: str = "env-0") -> int:
@@ -25,14 +25,14 @@ def test_ids_count_from_the_offset_in_strides():
                               st.just(("clear", 0))), max_size=80))
 def test_table_columns_follow_a_list_model_through_growth_compaction_and_clear(ops):
     table = EpisodeTable()
-    model: list[tuple[int, int, int]] = []   # (id, length, first_rank)
-    added = next_rank = 0
+    model: list[tuple[int, int, int]] = []   # (id, length, first_index)
+    added = next_index = 0
     for op, n in ops:
         if op == "add":
             assert append(table, added, n, env_id=f"env-{added % 3}") == added
-            model.append((added, n, next_rank))
+            model.append((added, n, next_index))
             added += 1
-            next_rank += n
+            next_index += n
         elif op == "pop" and model:
             table.pop_oldest(1)
             model.pop(0)
@@ -42,16 +42,16 @@ def test_table_columns_follow_a_list_model_through_growth_compaction_and_clear(o
         assert len(table) == len(model)
         assert table.col("episode_id").tolist() == [m[0] for m in model]
         assert table.col("length").tolist() == [m[1] for m in model]
-        assert table.col("first_rank").tolist() == [m[2] for m in model]
+        assert table.col("first_index").tolist() == [m[2] for m in model]
         assert table.col("first_row").tolist() == [m[0] for m in model]
         assert table.num_transitions == sum(m[1] for m in model)
-        assert table.next_rank == next_rank
+        assert table.next_index == next_index
         exported = table.to_arrow()
         assert exported.column("episode_id").to_pylist() == [m[0] for m in model]
         assert exported.column("env_id").to_pylist() == [f"env-{m[0] % 3}" for m in model]
 
 
-def test_ranks_keep_counting_after_clear_so_old_ranks_stay_stale():
+def test_indices_keep_counting_after_clear_so_old_indices_stay_stale():
     table = EpisodeTable()
     append(table, 0, 5)
     table.clear()
@@ -64,10 +64,10 @@ def test_ranks_keep_counting_after_clear_so_old_ranks_stay_stale():
 
 def test_locate_skips_episodes_without_transitions():
     table = EpisodeTable()
-    append(table, 0, 2)     # ranks 0, 1
+    append(table, 0, 2)     # indices 0, 1
     append(table, 10, 0)    # no transitions
     append(table, 20, 0)    # no transitions
-    append(table, 30, 3)    # ranks 2, 3, 4
+    append(table, 30, 3)    # indices 2, 3, 4
     pos, offset = table.locate(np.arange(5))
     assert pos.tolist() == [0, 0, 3, 3, 3]
     assert offset.tolist() == [0, 1, 0, 1, 2]
@@ -79,13 +79,28 @@ def test_position_of_an_empty_table_is_out_of_range():
     assert table.position_of(0) < 0
 
 
-def test_the_rank_map_finds_ranks_far_beyond_its_capacity():
-    # Ranks keep counting for the life of a store; the map wraps them modulo its size.
+def test_the_index_map_finds_indices_far_beyond_its_capacity():
+    # Indices keep counting for the life of a store; the map wraps them modulo its size.
     table = EpisodeTable(capacity=10)
-    table.resume(episodes_added=3 * 10**9, next_rank=10**12 + 7)   # past 2**32 episodes too
+    table.resume(episodes_added=3 * 10**9, next_index=10**12 + 7)   # past 2**32 episodes too
     append(table, 0, 4)
     append(table, 5, 3)
-    ranks = 10**12 + 7 + np.array([0, 3, 4, 6])
-    pos, step = table.locate(ranks)
+    indices = 10**12 + 7 + np.array([0, 3, 4, 6])
+    pos, step = table.locate(indices)
     assert pos.tolist() == [0, 0, 1, 1] and step.tolist() == [0, 3, 0, 2]
-    assert table.rows_of(ranks).tolist() == [0, 3, 5, 7]
+    assert table.rows_of(indices).tolist() == [0, 3, 5, 7]
+
+
+def test_a_state_saved_with_the_old_rank_names_loads_under_the_index_names():
+    table = EpisodeTable(capacity=64)
+    for length in (3, 5):
+        table.append(first_row=table.next_index, num_rows=length, length=length, has_final=False,
+                     terminated=True, truncated=False, ret=1.0, env_id="e")
+    state = table.state_dict()
+    state["counters"]["rank"] = state["counters"].pop("index")
+    state["columns"]["first_rank"] = state["columns"].pop("first_index")
+    restored = EpisodeTable(capacity=64)
+    restored.load_state_dict(upgrade_state(state))
+    assert restored.next_index == table.next_index == 8
+    assert restored.col("first_index").tolist() == [0, 3]
+    assert restored.rows_of(np.array([0, 4, 7])).tolist() == table.rows_of(np.array([0, 4, 7])).tolist()

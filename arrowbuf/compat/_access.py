@@ -3,7 +3,7 @@
 The seed reads by index (``buffer[i]``, samplers that pick positions). The store
 offers that publicly on both backends: `ExperienceStore.live_ranges`,
 `ExperienceStore.episode_spans` and `ExperienceStore.gather`, all in indices (the
-values of a batch's ``"index"``; on Ray ``shard << 48 | rank``). This adapter
+values of a batch's ``"index"``; on Ray ``shard << 48 | index``). This adapter
 gives the compat layer its per-shard view of them.
 """
 

@@ -94,7 +94,7 @@ class Reader:
         self.device = device
 
     def space(self, shards: Any = None) -> Any:
-        """What indices address: per-shard live rank ranges (transition unit) or the episode table,
+        """What indices address: per-shard live index ranges (transition unit) or the episode table,
         restricted to ``shards`` (an int or a collection; None: all)."""
         if isinstance(shards, (int, np.integer)):
             shards = (int(shards),)

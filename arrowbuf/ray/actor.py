@@ -145,24 +145,24 @@ class ShardServer:
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         return self.engine.episode_spans()
 
-    def gather(self, ranks: np.ndarray) -> Payload | None:
-        """The live ones of ``ranks``, in that order (None when none is live)."""
-        return self.engine.gather_payload(ranks, self.index_base)
+    def gather(self, indices: np.ndarray) -> Payload | None:
+        """The live ones of ``indices``, in that order (None when none is live)."""
+        return self.engine.gather_payload(indices, self.index_base)
 
-    def gather_ref(self, ranks: np.ndarray, finish: tuple | None) -> tuple[int, Any]:
-        """Rows of ``ranks`` for a train worker, as two results (`arrowbuf.ray.shipping`): how many
-        were live (the caller waits for this alone) and the rows, which stay in the object store:
-        a `ShippedBatch` finished with ``finish``, or with None a `Payload` for an assembling
-        task. The rows are None unless every rank was live."""
-        payload = self.engine.gather_payload(ranks, self.index_base)
+    def gather_ref(self, indices: np.ndarray, finish: tuple | None) -> tuple[int, Any]:
+        """Rows of local ``indices`` for a train worker, as two results (`arrowbuf.ray.shipping`):
+        how many were live (the caller waits for this alone) and the rows, which stay in the
+        object store: a `ShippedBatch` finished with ``finish``, or with None a `Payload` for an
+        assembling task. The rows are None unless every index was live."""
+        payload = self.engine.gather_payload(indices, self.index_base)
         rows = 0 if payload is None else payload.batch_shape[0]
-        if rows != len(ranks):
+        if rows != len(indices):
             return rows, None
         return rows, (payload if finish is None else ShippedBatch(payload, finish))
 
-    def update_priorities(self, ranks: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
-        """How many of ``ranks`` were live, and the shard's size (its mass changed)."""
-        return self.engine.update_priorities(ranks, priorities), self.size()
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
+        """How many of ``indices`` were live, and the shard's size (its mass changed)."""
+        return self.engine.update_priorities(indices, priorities), self.size()
 
     def gae_final_observations(self, value_key: str) -> tuple[np.ndarray, Any]:
         """`compute_gae`, first step: (episode ids, final observations) of the episodes that

@@ -13,8 +13,8 @@ from arrowbuf._checks import check_bool, check_int
 from arrowbuf.errors import describe
 
 NAMESPACE = "arrowbuf"               # Ray namespace of the named shard actors
-INDEX_SHIFT = 48                     # a batch's "index" = shard << 48 | rank
-RANK_MASK = (1 << INDEX_SHIFT) - 1
+INDEX_SHIFT = 48                     # a batch's "index" = shard << 48 | local index
+LOCAL_MASK = (1 << INDEX_SHIFT) - 1
 
 
 def ray_module() -> Any:

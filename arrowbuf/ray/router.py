@@ -13,7 +13,7 @@ It offers the backend interface of `arrowbuf.local.LocalBackend`:
   copy (`arrowbuf.ray.assemble`); `sample_iter` keeps requests in flight;
 - epochs (`iter_batches`) shuffle the indices of every shard together;
 - reads by index (`gather`, `live_ranges`, `episode_spans`) use indices
-  ``shard << 48 | rank``, the values of a batch's ``"index"``.
+  ``shard << 48 | local index``, the values of a batch's ``"index"``.
 
 Sizes (`size`, hence ``len(store)``) come from a `SizeCache`: writes'
 acknowledgements and samples update it, and a background request refreshes it
@@ -40,7 +40,7 @@ from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.assemble import split_batches
 from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
-from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, RayOptions, ray_module
+from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
@@ -200,14 +200,11 @@ class RayBackend:
 
     def add_many(self, episodes: list[Episode], schema: Schema | None, timeout: float | None,
                  shard: int | None) -> list[int]:
-        """Send episodes to ``shard`` (None: each to its env's shard, as `add`), one request per
-        shard for all of its episodes, and wait for their ids (in order)."""
+        """`add` for several episodes (all to ``shard`` unless None), one request per shard."""
         known = self._schema is not None
         self.set_schema(schema)
-        keys = []
-        for episode in episodes:
-            self._added += 1
-            keys.append(episode.env_id if episode.env_id != "default" else f"episode-{self._added}")
+        self._added += 1
+        keys = [e.env_id if e.env_id != "default" else f"episode-{self._added}-{k}" for k, e in enumerate(episodes)]
         try:
             return self._sink.write_many_now(episodes, keys, timeout, shard)
         except BaseException:
@@ -406,7 +403,7 @@ class RayBackend:
     def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
         """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
         shards = index >> INDEX_SHIFT
-        refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & RANK_MASK)
+        refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & LOCAL_MASK)
                 for s in np.unique(shards) if 0 <= s < self.num_shards}
         return [p.to_tensordict(device) if p is not None else None for p in self.shards.get(refs).values()]
 
@@ -440,7 +437,7 @@ class RayBackend:
         return gather_refs(self.shards, indices, extras, flat_next)
 
     def live_ranges(self) -> list[tuple[int, int]]:
-        """[first, stop) of each shard's live indices (``shard << 48 | rank``); empty for a dead shard."""
+        """[first, stop) of each shard's live indices (``shard << 48 | local index``); empty for a dead shard."""
         ranges = self.shards.broadcast("live_range")
         return [((s << INDEX_SHIFT) + ranges[s][0], (s << INDEX_SHIFT) + ranges[s][1]) if s in ranges
                 else (s << INDEX_SHIFT, s << INDEX_SHIFT) for s in range(self.num_shards)]
@@ -456,7 +453,7 @@ class RayBackend:
 
     def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
         shards = index >> INDEX_SHIFT
-        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & RANK_MASK,
+        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & LOCAL_MASK,
                                          priority[shards == s])
                 for s in np.unique(shards) if 0 <= s < self.num_shards}
         updated = 0

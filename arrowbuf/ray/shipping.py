@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.ray.handles import ShardHandles
-from arrowbuf.ray.options import INDEX_SHIFT, RANK_MASK, ray_module
+from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, ray_module
 from arrowbuf.tensors import Payload, make_tensordict
 
 # How a batch is finished: (batch shape, extra fields, next keys flat: ("next", k) -> "next_k").
@@ -98,7 +98,7 @@ def gather_refs(shards: ShardHandles, indices: Sequence[np.ndarray], extras: Seq
     Args:
         shards: the store's shard handles.
         indices: int64 arrays (1-D, or 2-D for [n, L] batches) of store indices
-            (``shard << 48 | rank``), each non-empty.
+            (``shard << 48 | local index``), each non-empty.
         extras: per batch, extra fields (numpy arrays shaped like its indices).
         flat_next: ``("next", k)`` keys become ``"next_k"`` (RLightning's names).
 
@@ -122,7 +122,7 @@ def gather_refs(shards: ShardHandles, indices: Sequence[np.ndarray], extras: Seq
         for shard in shard_ids.tolist():
             where = np.flatnonzero(owner == shard)
             status, data = _handle(shards, shard).gather_ref.options(num_returns=2).remote(
-                flat[where] & RANK_MASK, finish if whole else None)
+                flat[where] & LOCAL_MASK, finish if whole else None)
             parts.append((shard, where, status, data))
         calls.append((finish, parts))
     refs, assembling = [], []

@@ -94,15 +94,15 @@ class Ideal(Contender):
         self.live = min(self.live + 1, self.slots)
         return self.live
 
-    def ranks(self, batch_size: int) -> np.ndarray:
-        """Transition ranks drawn uniformly: ``T`` a slot."""
+    def indices(self, batch_size: int) -> np.ndarray:
+        """Transition indices drawn uniformly: ``T`` a slot."""
         return self.rng.integers(0, self.live * self.T, batch_size)
 
-    def rows_of(self, ranks: np.ndarray) -> np.ndarray:
-        return ranks + ranks // self.T             # skip each slot's final-observation row
+    def rows_of(self, indices: np.ndarray) -> np.ndarray:
+        return indices + indices // self.T             # skip each slot's final-observation row
 
     def rows(self, batch_size: int) -> np.ndarray:
-        return self.rows_of(self.ranks(batch_size))
+        return self.rows_of(self.indices(batch_size))
 
     def sample(self, batch_size: int) -> dict[str, np.ndarray]:
         rows = self.rows(batch_size)
@@ -120,8 +120,8 @@ class Ideal(Contender):
 class IdealChecked(Ideal):
     """The ideal's add plus the least a checked store must do per episode (add
     only): the dict's names, dtypes, shapes and lengths checked, the copy, one
-    episode-table row (first row, length, flags, return, first rank) in a numpy
-    record and the rank -> episode map filled for O(1) sampling. The floor of a
+    episode-table row (first row, length, flags, return, first index) in a numpy
+    record and the index -> episode map filled for O(1) sampling. The floor of a
     Python store that validates its input."""
 
     name = "ideal_checked"
@@ -134,9 +134,9 @@ class IdealChecked(Ideal):
         self.specs = [(n, np.dtype(f.dtype), len(f.shape) + 1, tuple(f.shape), f.observation)
                       for n, f in spec.fields.items()]
         self.table = np.zeros(self.slots, [("first_row", "i8"), ("length", "i8"), ("terminated", "?"),
-                                           ("truncated", "?"), ("return", "f8"), ("first_rank", "i8")])
-        self.rank_map = np.zeros(self.slots * self.T, np.uint32)
-        self.next_rank = 0
+                                           ("truncated", "?"), ("return", "f8"), ("first_index", "i8")])
+        self.index_map = np.zeros(self.slots * self.T, np.uint32)
+        self.next_index = 0
 
     def add(self, item: dict[str, np.ndarray]) -> int:
         if type(item) is not dict or len(item) != len(self.specs):
@@ -149,14 +149,14 @@ class IdealChecked(Ideal):
                 raise ValueError(f"field {name!r} does not match the schema")
             if not observation:
                 steps = len(array)
-        slot, rank = self.next_slot, self.next_rank
+        slot, index = self.next_slot, self.next_index
         live = super().add(item)
         flag = (lambda name: bool(item[name][-1]) if name in item else False)
         reward = float(np.add.reduce(item["reward"], axis=None, dtype=np.float64)) if "reward" in item else 0.0
-        self.table[slot] = (slot * self.slot_rows, steps, flag("terminated"), flag("truncated"), reward, rank)
-        start = rank % len(self.rank_map)
-        self.rank_map[start:start + steps] = slot   # episodes of T steps: never wraps
-        self.next_rank = rank + steps
+        self.table[slot] = (slot * self.slot_rows, steps, flag("terminated"), flag("truncated"), reward, index)
+        start = index % len(self.index_map)
+        self.index_map[start:start + steps] = slot   # episodes of T steps: never wraps
+        self.next_index = index + steps
         return live
 
 
@@ -211,14 +211,14 @@ class IdealTensorDict(IdealView):
 
     def sample(self, batch_size: int) -> Any:
         ideal, from_numpy, T = self.ideal, self.torch.from_numpy, self.ideal.T
-        ranks = ideal.ranks(batch_size)
-        rows = ideal.rows_of(ranks)
+        indices = ideal.indices(batch_size)
+        rows = ideal.rows_of(indices)
         out = {name: from_numpy(np.take(col, rows, axis=0)) for name, col in ideal.cols.items()}
         rows1 = rows + 1
         out["next"] = {name: from_numpy(np.take(ideal.cols[name], rows1, axis=0)) for name in ideal.obs_names}
-        out["index"] = from_numpy(ranks)
-        out["episode_id"] = from_numpy(ranks // T)
-        out["step"] = from_numpy((ranks % T).astype(np.int32))
+        out["index"] = from_numpy(indices)
+        out["episode_id"] = from_numpy(indices // T)
+        out["step"] = from_numpy((indices % T).astype(np.int32))
         return self.new_td(out, batch_size=self.torch.Size([batch_size]))
 
 

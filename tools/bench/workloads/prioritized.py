@@ -147,7 +147,7 @@ def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
 
     def arrowbuf_sampler() -> None:
         selection = sampler.sample(rng, B, table)
-        sampler.update(table, selection.ranks, next(cycle_np))
+        sampler.update(table, selection.indices, next(cycle_np))
 
     full = {"ideal": ideal_step, "arrowbuf": arrowbuf_step}
     bare = {"ideal": ideal_sampler, "arrowbuf": arrowbuf_sampler}
@@ -184,7 +184,7 @@ def run_prioritized(spec: PrioritySpec, opts: Options) -> WorkloadResult:
     ], opts.rounds, opts.min_time, opts.slices)
     flag_noisy("PER", metrics, notes)
     notes.append("  ratios are speed-ups (time of the other / time of arrowbuf); arrowbuf sampler only = "
-                 "store.sampler.sample(rng, n, table) + sampler.update(table, ranks, p) on store.engine.table")
+                 "store.sampler.sample(rng, n, table) + sampler.update(table, indices, p) on store.engine.table")
     notes.append(load_note(load_start))
     if opts.profile:
         notes.append(profile_calls("arrowbuf sample + update_priorities", arrowbuf_step, 2000, top=18))

@@ -27,20 +27,20 @@ from ..specs import SMALL_FIELDS, FieldSpec, ReplaySpec, describe_fields, make_e
 
 @dataclass(frozen=True)
 class SequenceSpec:
-    """Windows of ``length`` steps from a replay spec (its batch_size = windows per batch),
+    """Windows of ``seq_len`` steps from a replay spec (its batch_size = windows per batch),
     plus a small schema at two capacities for the scaling check."""
 
     replay: ReplaySpec
-    length: int
+    seq_len: int
     scale_fields: Mapping[str, FieldSpec]
     scale_capacities: tuple[int, int]
 
     def short(self) -> str:
-        return (f"{self.replay.batch_size} windows of {self.length} steps; capacity {self.replay.capacity:,}, "
+        return (f"{self.replay.batch_size} windows of {self.seq_len} steps; capacity {self.replay.capacity:,}, "
                 f"episodes of {self.replay.episode_len:,} steps")
 
     def describe(self) -> str:
-        return (f"{self.replay.describe()}; sample = {self.replay.batch_size} windows x {self.length} steps "
+        return (f"{self.replay.describe()}; sample = {self.replay.batch_size} windows x {self.seq_len} steps "
                 f"(incl. next obs). Scaling: {describe_fields(self.scale_fields)} at {self.scale_capacities[0]:,} "
                 f"vs {self.scale_capacities[1]:,} rows")
 
@@ -48,13 +48,13 @@ class SequenceSpec:
 class IdealWindows(Ideal):
     """The ideal columns; a sample is random valid window starts + one np.take of a [B, L] index per column."""
 
-    def __init__(self, spec: ReplaySpec, length: int) -> None:
+    def __init__(self, spec: ReplaySpec, seq_len: int) -> None:
         super().__init__(spec, {})
-        self.length = length
-        self.offsets = np.arange(length, dtype=np.int64)
+        self.seq_len = seq_len
+        self.offsets = np.arange(seq_len, dtype=np.int64)
 
     def sample(self, windows: int) -> dict[str, np.ndarray]:
-        per_slot = self.T - self.length + 1          # starts 0..T-L: steps and next obs stay in the episode
+        per_slot = self.T - self.seq_len + 1          # starts 0..T-L: steps and next obs stay in the episode
         k = self.rng.integers(0, self.live * per_slot, windows)
         rows = ((k // per_slot) * self.slot_rows + k % per_slot)[:, None] + self.offsets
         out = {name: np.take(col, rows, axis=0) for name, col in self.cols.items()}
@@ -64,22 +64,22 @@ class IdealWindows(Ideal):
         return out
 
 
-def arrowbuf_windows(spec: ReplaySpec, length: int) -> Arrowbuf:
-    """arrowbuf with ``SequenceSampler(length)``."""
+def arrowbuf_windows(spec: ReplaySpec, seq_len: int) -> Arrowbuf:
+    """arrowbuf with ``SequenceSampler(seq_len)``."""
     import arrowbuf as ab
-    return Arrowbuf(spec, {}, sampler=ab.SequenceSampler(length))
+    return Arrowbuf(spec, {}, sampler=ab.SequenceSampler(seq_len))
 
 
 class TorchRLSlices(TorchRL):
     """``ReplayBuffer(LazyTensorStorage, SliceSampler(slice_len, traj_key="episode"))``; every added
     episode gets a new id in its "episode" column (the trajectory key)."""
 
-    def __init__(self, spec: ReplaySpec, length: int, cache_values: bool = False, storage: Any = None) -> None:
+    def __init__(self, spec: ReplaySpec, seq_len: int, cache_values: bool = False, storage: Any = None) -> None:
         self.preload()
         from torchrl.data import LazyTensorStorage, SliceSampler
         super().__init__(spec, {}, storage=storage if storage is not None else LazyTensorStorage(spec.capacity),
-                         sampler=SliceSampler(slice_len=length, traj_key="episode", cache_values=cache_values),
-                         batch_size=spec.batch_size * length)
+                         sampler=SliceSampler(slice_len=seq_len, traj_key="episode", cache_values=cache_values),
+                         batch_size=spec.batch_size * seq_len)
         self.added = 0
 
     def prepare(self, episode: dict[str, np.ndarray]) -> Any:
@@ -97,12 +97,12 @@ class TorchRLSlices(TorchRL):
         return self.rb.sample()
 
 
-def check_windows(batch: Any, length: int, notes: list[str], who: str) -> None:
+def check_windows(batch: Any, seq_len: int, notes: list[str], who: str) -> None:
     """Windows stay inside one episode and hold consecutive steps."""
     if who == "arrowbuf":
         episode, step = batch["episode_id"], batch["step"]
     else:   # torchrl: flat [B * L]
-        episode = batch["episode"].reshape(-1, length)
+        episode = batch["episode"].reshape(-1, seq_len)
         step = None
     if not bool((episode == episode[:, :1]).all()):
         notes.append(f"  BUG? {who}: a window spans several episodes")
@@ -115,7 +115,7 @@ def run_sequences(spec: SequenceSpec, opts: Options) -> WorkloadResult:
     t0 = start_workload(Arrowbuf, TorchRL)
     load_start = os.getloadavg()[0]
     notes: list[str] = []
-    B, L = spec.replay.batch_size, spec.length
+    B, L = spec.replay.batch_size, spec.seq_len
     episodes = make_episodes(spec.replay)
 
     main: dict[str, Contender] = {"ideal": IdealWindows(spec.replay, L), "arrowbuf": arrowbuf_windows(spec.replay, L),
