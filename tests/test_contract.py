@@ -282,6 +282,18 @@ def test_add_episodes_stores_a_padded_batch_as_its_episodes_in_order(store):
     assert sorted(table.column("truncated").to_pylist()) == [True] * 4
 
 
+def test_add_episodes_takes_a_tensordict_of_a_vector_env_rollout(store):
+    import torch
+    from tensordict import TensorDict
+
+    batch = stacked_episodes([7, 8, 9], steps=4)
+    rollout = TensorDict({name: torch.from_numpy(array) for name, array in batch.items()}, batch_size=[3])
+    ids = store.add_episodes(rollout, env_ids="vec-0")
+    sampled = store.gather(np.concatenate([np.arange(a, b) for a, b in store.live_ranges()]))
+    assert sorted(set(sampled["obs"][:, 0].tolist())) == [7.0, 8.0, 9.0] and len(ids) == 3
+    np.testing.assert_array_equal(sampled["next", "obs"][:, 1].numpy(), sampled["obs"][:, 1].numpy() + 1)
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda b: b.update(action=b["action"].astype(np.float32)), "action"),
     (lambda b: b.update(reward=b["reward"][:3]), "different numbers of episodes"),

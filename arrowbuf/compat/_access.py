@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict
 
+from arrowbuf.ray.options import ray_module
 from arrowbuf.store import ExperienceStore
 
 
@@ -53,9 +54,7 @@ class StoreAccess:
     @staticmethod
     def put(batch: TensorDict) -> Any:
         """Ray: an ObjectRef of ``batch`` (an empty batch, where no shard has rows to put)."""
-        import ray
-
-        return ray.put(batch)
+        return ray_module().put(batch)
 
 
 # The compat layer names one per backend; the store's public reads serve both.
