@@ -116,3 +116,20 @@ def test_native_gather_refs_checks_its_arguments_and_reports_dead_indices():
     store.close()
     with pytest.raises(ValueError, match="needs backend='ray'"):
         ab.ExperienceStore(10).gather_refs([index])
+
+
+def test_a_dead_shard_fails_gather_refs_with_shard_error_before_any_ref_is_handed_out():
+    from arrowbuf.ray.options import NAMESPACE
+
+    from support.actors import kill_and_wait
+
+    store = ab.ExperienceStore(100, backend="ray", num_shards=2, seed=0)
+    for env in range(2):
+        store.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.arange(3),
+                           "terminated": np.array([False, False, True])}, env_id=f"env-{env}")
+    index = np.concatenate([np.arange(a, b) for a, b in store.live_ranges()])
+    assert len(np.unique(index >> 48)) == 2
+    kill_and_wait(ray.get_actor(f"{store.name}:1", namespace=NAMESPACE))
+    with pytest.raises(ab.ShardError, match="shard 1 of store"):
+        store.gather_refs([index])
+    store.close()
