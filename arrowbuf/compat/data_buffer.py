@@ -21,7 +21,8 @@ Semantics kept from the seed
   ``"circular"`` drops the oldest episodes. ``storage.unit="episode"`` makes
   `size`, ``len`` and indices count episodes.
 - Placement (`arrowbuf.compat.placement`): ``DataBuffer(config, cluster=...)``
-  takes RLightning's cluster section; `sample` returns one batch per train worker.
+  takes RLightning's cluster section; `sample` returns one batch per train worker
+  (with remote storage an ObjectRef put by the shards, `arrowbuf.compat.resolve`).
 - Samplers (`arrowbuf.compat.reading`): ``uniform``, ``batch``, ``all``; worker k
   gets indices k, k+W, ... ``ReplayBuffer`` keeps its data; ``RolloutBuffer``
   clears it after sampling.
