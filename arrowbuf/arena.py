@@ -128,6 +128,19 @@ def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> 
                             f"free; use capacity <= {free // max(schema.field_bytes, 1):,}")
 
 
+def make_shard(schema: Schema, capacity: int, mode: str, shard: int, num_shards: int,
+               device: torch.device | None) -> Shard:
+    """A numpy `Shard`, or a `TorchShard` on ``device``, once it is known to fit in memory.
+
+    Raises:
+        ResourceError: the arena does not fit in the memory where it would live.
+    """
+    if device is not None:
+        return TorchShard(schema, capacity, mode, shard, num_shards, device=device)
+    check_arena(schema, capacity)
+    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards)
+
+
 class TorchShard(Shard):
     """A `Shard` whose columns are torch tensors on ``device``.
 

@@ -22,16 +22,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 from tensordict import TensorDict
 
-from arrowbuf._bounds import check_arena, check_batch
+from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
-from arrowbuf.advantages import write_advantages
-from arrowbuf.arena import TorchShard
+from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
+from arrowbuf.arena import make_shard
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
@@ -58,8 +58,7 @@ class ShardEngine:
         track_reuse: count how often each row is sampled.
         shard: this shard's number and ``num_shards`` the store's shard count
             (episode ids are spaced by it; 0 and 1 for the embedded store).
-        storage_device: a checked torch.device to keep the columns on as torch
-            tensors (`arrowbuf.arena.TorchShard`); None: numpy columns in host memory.
+        storage_device: the torch device of a torch arena (`arrowbuf.arena`); None: numpy columns.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -140,11 +139,7 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def _make_shard(self, schema: Schema) -> Shard:
-        place = {"shard": self.shard_index, "num_shards": self.num_shards}
-        if self.storage_device is not None:   # checks that it fits where it goes
-            return TorchShard(schema, self.capacity, self.mode, **place, device=self.storage_device)
-        check_arena(schema, self.capacity)
-        return Shard(schema, self.capacity, self.mode, **place)
+        return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
@@ -306,14 +301,11 @@ class ShardEngine:
             indices = np.arange(*self.table.live_range(), dtype=np.int64)
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
-    def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False
-               ) -> TensorDict | None:
+    def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
         """The live ones of transition ``indices`` (1-D), in that order; None before the first write.
 
-        Reads by index, as `iter_batches` does: counted in the rows' reuse, not
-        as a sample for the rate limiter. With ``views``, transitions whose rows
-        are contiguous in the arena come as views of it (`Shard.view_batch`: no
-        copy; they alias the arena), moved to ``device`` if it is elsewhere.
+        Reads by index, as `iter_batches` does: counted in the rows' reuse, not as a sample for
+        the rate limiter. ``views``: contiguous rows come as views of the arena (`Shard.view_batch`).
         """
         with self.lock:
             shard = self._shard
@@ -335,14 +327,6 @@ class ShardEngine:
                 return None
             rows, extra, _, _ = self._lookups(select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
-
-    def iter_indices(self, chunks: list[np.ndarray], device: Any, keys: Any = None,
-                     views: bool = False) -> Iterator[TensorDict]:
-        """`gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""
-        for indices in chunks:
-            batch = self.gather(indices, device, keys, views)
-            if batch is not None and batch.batch_size[0]:
-                yield batch
 
     def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
@@ -391,13 +375,25 @@ class ShardEngine:
     # -- derived columns ----------------------------------------------------------------
 
     def compute_gae(self, gamma: float, lam: float, value_key: str,
-                    bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+                    bootstrap_value: Callable[[TensorDict], Any] | None,
+                    final_values: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Write ``"advantage"`` and ``"value_target"`` of every live transition
         (`arrowbuf.advantages.write_advantages`, under the lock); returns how many."""
         with self.lock:
             if self._shard is None:
                 return 0
-            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value)
+            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value, final_values)
+
+    def final_observations(self, value_key: str) -> tuple[np.ndarray, TensorDict | None]:
+        """(episode ids, final observations) of the episodes that bootstrap from their final
+        observation's value (`arrowbuf.advantages.cut_episodes`); a Ray shard's first step of
+        `compute_gae`. Raises ValueError as `compute_gae` does for missing fields."""
+        with self.lock:
+            if self._shard is None:
+                return np.zeros(0, np.int64), None
+            check_gae_fields(self._shard, value_key)
+            ids, rows = cut_episodes(self._shard)
+            return ids, final_observations(self._shard, rows)
 
     # -- views ----------------------------------------------------------------------
 

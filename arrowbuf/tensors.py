@@ -165,8 +165,8 @@ class Gather:
         if device is None or device.type == "cpu":
             return batch
         spec = layout.slot
-        return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), leaf_views(slot.copy_to(device), spec.leaves))),
-                               tuple(spec.batch_size), device)
+        tensors = leaf_views(slot.copy_to(device), spec.leaves)
+        return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), tensors)), tuple(spec.batch_size), device)
 
     def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict
 
+from arrowbuf.ray.options import ray_module
 from arrowbuf.store import ExperienceStore
 
 
@@ -44,6 +45,16 @@ class StoreAccess:
             KeyError: some are no longer live (written to from elsewhere?).
         """
         return self.store.gather(index, device=device)
+
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict]) -> list:
+        """Ray: ObjectRefs of the batches of ``indices`` (each 1-D or [n, T]) with ``extras``,
+        seed keys (``next_<name>``), left in the object store (`ExperienceStore.gather_refs`)."""
+        return self.store.gather_refs(indices, extras=extras, next_keys="flat") if indices else []
+
+    @staticmethod
+    def put(batch: TensorDict) -> Any:
+        """Ray: an ObjectRef of ``batch`` (an empty batch, where no shard has rows to put)."""
+        return ray_module().put(batch)
 
 
 # The compat layer names one per backend; the store's public reads serve both.
