@@ -104,7 +104,8 @@ class StoreWriting:
         """
         timeout = check_timeout(timeout)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata)
+        checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata,
+                                        keep_tensors=self.storage_device is not None)
         longest = max(e.num_rows for e in checked)
         if longest > self.capacity // self.num_shards:
             raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "

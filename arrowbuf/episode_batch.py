@@ -17,6 +17,7 @@ import numpy as np
 from tensordict import TensorDictBase
 
 from arrowbuf._checks import check_env_id, check_metadata
+from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array
 from arrowbuf.schema import Schema, flatten
@@ -24,7 +25,7 @@ from arrowbuf.shard import Episode
 
 
 def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids: Any = None,
-                  metadata: Any = None) -> tuple[list[Episode], Schema]:
+                  metadata: Any = None, keep_tensors: bool = False) -> tuple[list[Episode], Schema]:
     """Check a batch of E episodes against ``schema`` (inferred from the first when None).
 
     Args:
@@ -36,6 +37,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
             one, row ``lengths[e]``); later rows are padding, never read.
         env_ids: None ("default"), one env id for all, or E env ids.
         metadata: None, or E JSON-serializable mappings (or None each).
+        keep_tensors: torch tensors stay tensors on their device (a torch arena's
+            store: `arrowbuf.arena`), and the episodes are views of them.
 
     Returns:
         The E episodes, in order, and the schema they satisfy.
@@ -50,7 +53,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     if not isinstance(data, Mapping) or not data:
         raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "
                           f"{describe(data)}")
-    columns = {name: as_array(value, name) for name, value in flatten(data).items()}
+    read = step_tensor if keep_tensors else as_array
+    columns = {name: read(value, name) for name, value in flatten(data).items()}
     count = _episode_count(columns)
     first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()}
     if schema is None:

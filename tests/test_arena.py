@@ -87,6 +87,32 @@ def test_tensor_writes_are_copied_into_the_arena_without_numpy(monkeypatch):
     assert store.engine.shard.arena["obs"][:7].tolist() == make_episode(4, 6)["obs"].tolist()
 
 
+def test_add_episodes_copies_a_batch_of_tensors_into_the_arena_without_numpy(monkeypatch):
+    import arrowbuf.arena
+    import arrowbuf.episode_batch
+
+    def refuse(value, *args):
+        raise AssertionError(f"a tensor batch went through numpy: {type(value)}")
+
+    write_rows = TorchShard.write_rows
+
+    def only_tensors(shard, name, start, data):
+        assert isinstance(data, torch.Tensor), f"{name} reached the arena as {type(data)}"
+        write_rows(shard, name, start, data)
+
+    batch = {name: torch.from_numpy(np.stack([make_episode(tag, 6)[name] for tag in range(4)]))
+             for name in make_episode(0, 6)}
+    reference = ab.ExperienceStore(100, seed=0, schema=EPISODE_SCHEMA)
+    reference.add_episodes({name: value.numpy() for name, value in batch.items()}, lengths=[6, 3, 1, 5])
+    store = ab.ExperienceStore(100, seed=0, schema=EPISODE_SCHEMA, storage_device="cpu")
+    monkeypatch.setattr(arrowbuf.episode_batch, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
+    monkeypatch.setattr(TorchShard, "write_rows", only_tensors)
+    assert store.add_episodes(batch, lengths=[6, 3, 1, 5]) == [0, 1, 2, 3]
+    monkeypatch.undo()
+    assert_same_contents(reference, store)
+
+
 def test_bfloat16_stays_bfloat16_in_the_arena_batches_views_and_checkpoints(tmp_path):
     store = ab.ExperienceStore(100, seed=0, storage_device="cpu")
     obs = torch.randn(6, 3).to(torch.bfloat16)
