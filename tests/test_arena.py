@@ -210,6 +210,17 @@ def test_parquet_exports_of_a_torch_arena_import_into_either_arena(tmp_path):
         assert_same_contents(numpy_store, imported)
 
 
+def test_inspect_and_episode_views_read_a_torch_arena_as_a_numpy_one(tmp_path):
+    from arrowbuf.inspect import summarize
+
+    numpy_store, torch_store = twins()
+    assert summarize(torch_store) == summarize(numpy_store)
+    for episode_id in numpy_store.episodes().column("episode_id").to_pylist():
+        assert torch_store.episode(episode_id).equals(numpy_store.episode(episode_id))
+    torch_store.save(tmp_path / "ckpt")
+    assert summarize(tmp_path / "ckpt")["kind"] == "checkpoint"
+
+
 def test_compute_gae_writes_the_same_advantages_on_both_arenas():
     stores = []
     for device in (None, "cpu"):
