@@ -325,10 +325,10 @@ class DataBuffer:
         return batch[0] if scalar else batch
 
     def _reader(self) -> Reader | None:
-        if self._sink.access is None:
+        if self._sink.store is None:
             return None
         device = self.settings.device if self.settings.device != "cpu" else None
-        return Reader(self._sink.access, self.settings.unit, device)
+        return Reader(self._sink.store, self.settings.unit, device)
 
     def get(self, item: Any) -> TensorDict:
         """``{"storage_idx": s, "indices": idx}`` -> ``self[s, idx]``; an index or indices -> ``self[item]``.
