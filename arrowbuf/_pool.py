@@ -20,6 +20,14 @@ taken when the slot was built:
 A TensorDict that came back changed (a key added, replaced or deleted, a new batch
 size) is rebuilt from the slot's tensors before reuse, so the next batch has the
 layout's keys only.
+
+Pinned slots (``pinned=True``: page-locked host memory from torch's pinned
+allocator, for ``pin_memory=True`` and CUDA samples of a host arena) follow the same
+rule, plus one that no reference count shows: a non-blocking copy to the GPU may
+still be reading the slot after the call returns, so such a copy marks the slot
+`Slot.in_flight` with its CUDA event, and the slot is reused only once the event
+has completed. Pinning is a parameter of the slot: without CUDA a "pinned" slot is
+ordinary memory, and the pooling logic runs (and is tested) all the same.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import numpy as np
 import torch
@@ -117,13 +125,19 @@ class Slot:
     Args:
         spec: the layout.
         hugepages: ask for transparent huge pages for the buffer.
+        pinned: page-locked memory (torch's pinned allocator) when CUDA is available.
     """
 
-    def __init__(self, spec: SlotSpec, hugepages: bool) -> None:
-        buffer = allocate(spec.nbytes, hugepages)
+    def __init__(self, spec: SlotSpec, hugepages: bool, pinned: bool = False) -> None:
         # The byte tensor all leaves view: kept so that the storage's use count
         # taken below stays the count of an unused slot.
-        self._flat = torch.from_numpy(buffer)
+        if pinned:
+            self._flat = torch.empty(spec.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            buffer = self._flat.numpy()
+        else:
+            buffer = allocate(spec.nbytes, hugepages)
+            self._flat = torch.from_numpy(buffer)
+        self._event: Any = None   # the CUDA event of a non-blocking copy still reading the slot
         self.nbytes = spec.nbytes
         self.outs = [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs]
         self._tensors = leaf_views(self._flat, spec.leaves)
@@ -167,8 +181,27 @@ class Slot:
                 return False
         return True
 
+    def in_flight(self, event: Any) -> None:
+        """A copy out of the slot runs until ``event`` (anything with ``query()``, a
+        ``torch.cuda.Event``) completes: the slot is not reused before."""
+        self._event = event
+
+    def copy_to(self, device: torch.device) -> torch.Tensor:
+        """The slot's bytes on ``device``, in one non-blocking copy; a CUDA copy keeps the
+        slot `in_flight` until it is done."""
+        flat = self._flat.to(device, non_blocking=True)
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.in_flight(event)
+        return flat
+
     def claim(self) -> TensorDict | None:
         """The slot's TensorDict, to refill, or None while anything else refers to its memory."""
+        if self._event is not None:
+            if not self._event.query():
+                return None
+            self._event = None
         if sys.getrefcount(self.td) != self._root_refs:
             return None
         if not self._intact():
@@ -207,6 +240,14 @@ class SlotPool:
     def claim(self, key: Hashable, spec: SlotSpec) -> tuple[list[np.ndarray], TensorDict]:
         """(numpy views to fill, the TensorDict of them) of a free slot of ``key``'s layout;
         a new slot when none is free (kept while the bounds allow)."""
+        slot, td = self.claim_slot(key, spec)
+        return slot.outs, td
+
+    def claim_slot(self, key: Hashable, spec: SlotSpec, pinned: bool = False) -> tuple[Slot, TensorDict]:
+        """`claim`, returning the slot itself (to copy it out: `Slot.copy_to`); ``pinned``
+        slots are kept apart from pageable ones of the same layout."""
+        if pinned:
+            key = ("pinned", key)
         with self._lock:
             slots = self._slots.get(key)
             if slots is None:
@@ -215,13 +256,13 @@ class SlotPool:
             for slot in slots:
                 td = slot.claim()
                 if td is not None:
-                    return slot.outs, td
+                    return slot, td
             keep = len(slots) < self.max_slots and self._make_room(spec.nbytes, key)
-            slot = Slot(spec, hugepages=HUGEPAGES and keep)
+            slot = Slot(spec, hugepages=HUGEPAGES and keep, pinned=pinned)
             if keep:
                 slots.append(slot)
                 self._bytes += slot.nbytes
-            return slot.outs, slot.td
+            return slot, slot.td
 
     def _make_room(self, nbytes: int, key: Hashable) -> bool:
         """Drop least recently used layouts (other than ``key``) until ``nbytes`` more fit."""

@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arrowbuf._checks import check_int, check_name
+from arrowbuf._checks import check_int, check_name, check_storage_device
 from arrowbuf.local import LocalBackend
 from arrowbuf.ray.options import RayOptions, as_ray_options
+
+
+#: `StoreIO.load`'s default: columns go back to the saved store's ``storage_device``.
+AS_SAVED = "as saved"
 
 
 class StoreIO:
@@ -98,6 +102,8 @@ class StoreIO:
         """
         info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
                 "created_at": self.created_at}
+        if self.storage_device is not None:   # rows are saved from host copies; the device is restored
+            info["storage_device"] = str(self.storage_device)
         if self.backend == "ray":
             from arrowbuf.ray.persist import save_ray_store
 
@@ -109,10 +115,13 @@ class StoreIO:
 
     @classmethod
     def load(cls, path: str | Path, progress: bool | None = None, *, num_shards: int | None = None,
-             name: str | None = None, ray_options: RayOptions | None = None) -> Any:
+             name: str | None = None, ray_options: RayOptions | None = None,
+             storage_device: Any = AS_SAVED) -> Any:
         """The store saved in ``path``; it samples exactly as the saved one would have.
 
         Restored writers are in `writers`; ``store.writer(..., name=name)`` claims one.
+        A local store's columns go back where they were (``storage_device`` of the
+        saved store), or to the ``storage_device`` given (None: numpy, host memory).
         A Ray store's checkpoint loads as a Ray store (its writers' open episodes are
         not saved); ``num_shards`` spreads it over another number of shards, and
         ``name`` / ``ray_options`` are those of the new store.
@@ -128,6 +137,9 @@ class StoreIO:
         if is_ray_checkpoint(path):
             from arrowbuf.ray.router import RayBackend
 
+            if storage_device != AS_SAVED:
+                check_storage_device(storage_device, "ray")
+
             if num_shards is not None:
                 check_int("num_shards", num_shards, 1)
             backend, config = RayBackend.load(Path(path), num_shards, check_name(name), as_ray_options(ray_options))
@@ -135,7 +147,9 @@ class StoreIO:
                                    config["rate_limiter"], config["track_reuse"], time.time())
         if (num_shards, name, ray_options) != (None, None, None):
             raise ValueError(f"num_shards, name and ray_options apply to Ray checkpoints only; {path} is a local one")
-        loaded = load_engine(path, progress)
+        if storage_device != AS_SAVED:
+            storage_device = check_storage_device(storage_device, "local")
+        loaded = load_engine(path, progress, storage_device=storage_device)
         engine = loaded.engine
         store = cls._of_backend(LocalBackend(engine), engine.capacity, engine.seed, engine.sampler, engine.mode,
                                 engine.rate_limiter, engine.track_reuse, float(loaded.info["created_at"]))

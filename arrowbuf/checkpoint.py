@@ -69,6 +69,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._checks import check_storage_device
 from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, fsync, link_or_copy, remove
 from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, batch_columns, check_columns,
                                check_file, check_format, file_entry, ipc_batches, ipc_schema, join_arrays,
@@ -275,7 +276,8 @@ def typed_errors(manifest_path: Path) -> Iterator[None]:
         raise FormatError(f"{manifest_path}: inconsistent checkpoint ({type(err).__name__}: {err})") from None
 
 
-def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1) -> Loaded:
+def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1,
+                storage_device: Any = "as saved") -> Loaded:
     """The engine saved in ``path``, complete before it is returned.
 
     Nothing read is trusted before it is checked: the manifest's checksum, every
@@ -286,6 +288,8 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
         path: the checkpoint directory.
         progress: a tqdm bar; None shows it when stderr is a terminal.
         shard, num_shards: the engine's place in a Ray store.
+        storage_device: a checked torch.device or None for the engine's columns;
+            "as saved": the saved store's (``store.storage_device`` of the info).
 
     Raises:
         FormatError: a missing or incomplete directory, a newer format version, a
@@ -306,14 +310,26 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
             upgrade_state(state["shard"]["table"])
         check_state(state, str(manifest_path))
         info = state["store"]
+        if storage_device == "as saved":
+            storage_device = _saved_device(info.get("storage_device"), manifest_path)
         engine = ShardEngine(int(info["capacity"]), seed=info["seed"], mode=info["mode"],
                              sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
                              rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
-                             track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards)
+                             track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards,
+                             storage_device=storage_device)
         engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
         loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
     engine.checkpoints[str(path.resolve())] = token
     return loaded
+
+
+def _saved_device(name: Any, where: Path) -> Any:
+    """The checked torch device a store was saved from (None: numpy columns)."""
+    try:
+        return check_storage_device(name, "local")
+    except ValueError as err:
+        raise FormatError(f"{where}: the store was saved with its columns on {name!r}, which this process cannot "
+                          f"use ({err}); pass storage_device= to load(), e.g. 'cpu'") from None
 
 
 def _build(registry: Mapping[str, type], state: Mapping[str, Any], what: str, where: Path) -> Any:
@@ -356,7 +372,7 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                     raise FormatError(f"{file}: rows with steps outside their episode")
                 target = first[pos] + step
                 for name in shard.schema.fields:   # system columns follow from the table
-                    shard.arena[name][target] = columns[name][live]
+                    shard.put_rows(name, target, columns[name][live])
                 filled += np.bincount(pos, minlength=len(table))
                 bar.update(len(pos))
     short = np.flatnonzero(filled != num)

@@ -22,21 +22,22 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 from tensordict import TensorDict
 
-from arrowbuf._bounds import check_arena, check_batch
+from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
-from arrowbuf.advantages import write_advantages
+from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
+from arrowbuf.arena import make_shard
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_indices
 from arrowbuf.schema import Schema
-from arrowbuf.shard import Episode, Shard
+from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 
@@ -57,6 +58,7 @@ class ShardEngine:
         track_reuse: count how often each row is sampled.
         shard: this shard's number and ``num_shards`` the store's shard count
             (episode ids are spaced by it; 0 and 1 for the embedded store).
+        storage_device: the torch device of a torch arena (`arrowbuf.arena`); None: numpy columns.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -73,8 +75,9 @@ class ShardEngine:
 
     def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
                  seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
-                 shard: int = 0, num_shards: int = 1) -> None:
+                 shard: int = 0, num_shards: int = 1, storage_device: Any = None) -> None:
         self.capacity = capacity
+        self.storage_device = storage_device
         self.mode = mode
         self.sampler = sampler
         self.rate_limiter = rate_limiter
@@ -136,8 +139,7 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def _make_shard(self, schema: Schema) -> Shard:
-        check_arena(schema, self.capacity)
-        return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards)
+        return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
@@ -307,18 +309,18 @@ class ShardEngine:
             indices = np.arange(*self.table.live_range(), dtype=np.int64)
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
-    def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None) -> TensorDict | None:
+    def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
         """The live ones of transition ``indices`` (1-D), in that order; None before the first write.
 
-        Reads by index, as `iter_batches` does: counted in the rows' reuse, not
-        as a sample for the rate limiter.
+        Reads by index, as `iter_batches` does: counted in the rows' reuse, not as a sample for
+        the rate limiter. ``views``: contiguous rows come as views of the arena (`Shard.view_batch`).
         """
         with self.lock:
             shard = self._shard
             if shard is None:
                 return None
             selection = select_indices(shard.table, indices[shard.table.is_live(indices)])
-            batch = self._gather(selection, PLAIN, device, False, keys)
+            batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
             return batch
@@ -334,16 +336,11 @@ class ShardEngine:
             rows, extra, _, _ = self._lookups(select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def iter_indices(self, chunks: list[np.ndarray], device: Any, keys: Any = None) -> Iterator[TensorDict]:
-        """`gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""
-        for indices in chunks:
-            batch = self.gather(indices, device, keys)
-            if batch is not None and batch.batch_size[0]:
-                yield batch
-
     def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
-                keys: Any = None) -> TensorDict:
+                keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._lookups(selection, args)
+        if views and contiguous(rows):   # no copy: views of the arena
+            return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)
 
@@ -365,12 +362,12 @@ class ShardEngine:
             last = first + table.col("length").take(pos) - 1   # the episode's last transition row
             # Windows stop at their episode's end: past the longest live episode, a
             # longer n changes nothing but the cost.
-            ahead = n_step(rows, last, shard.arena["reward"], min(n, table.longest), gamma)
+            ahead = n_step(rows, last, shard.reader("reward"), min(n, table.longest), gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):
                 if flag in shard.schema.fields:
-                    extra[flag] = shard.arena[flag][ahead.last_rows]
+                    extra[flag] = shard.reader(flag)[ahead.last_rows]
         if frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
@@ -386,13 +383,25 @@ class ShardEngine:
     # -- derived columns ----------------------------------------------------------------
 
     def compute_gae(self, gamma: float, lam: float, value_key: str,
-                    bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+                    bootstrap_value: Callable[[TensorDict], Any] | None,
+                    final_values: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Write ``"advantage"`` and ``"value_target"`` of every live transition
         (`arrowbuf.advantages.write_advantages`, under the lock); returns how many."""
         with self.lock:
             if self._shard is None:
                 return 0
-            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value)
+            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value, final_values)
+
+    def final_observations(self, value_key: str) -> tuple[np.ndarray, TensorDict | None]:
+        """(episode ids, final observations) of the episodes that bootstrap from their final
+        observation's value (`arrowbuf.advantages.cut_episodes`); a Ray shard's first step of
+        `compute_gae`. Raises ValueError as `compute_gae` does for missing fields."""
+        with self.lock:
+            if self._shard is None:
+                return np.zeros(0, np.int64), None
+            check_gae_fields(self._shard, value_key)
+            ids, rows = cut_episodes(self._shard)
+            return ids, final_observations(self._shard, rows)
 
     # -- views ----------------------------------------------------------------------
 

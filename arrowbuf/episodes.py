@@ -13,8 +13,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import torch
 from tensordict import TensorDictBase
 
+from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
 from arrowbuf.fields import arrow_to_numpy, as_array, check_column
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
@@ -23,8 +25,13 @@ from arrowbuf.shard import Episode
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
 
-def read_columns(data: Any) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
+def read_columns(data: Any, keep_tensors: bool = False
+                 ) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
     """Columns of one episode as numpy arrays with their dtype names.
+
+    With ``keep_tensors`` (a store whose arena is torch tensors: `arrowbuf.arena`),
+    torch tensors stay tensors on their device, bfloat16 included, so that a
+    write from the GPU never goes through host memory.
 
     Returns:
         (columns, schema, has_final): ``schema`` and ``has_final`` are known only for
@@ -41,7 +48,8 @@ def read_columns(data: Any) -> tuple[dict[str, tuple[np.ndarray, str]], Schema |
         data = data.to_dict()
     if not isinstance(data, Mapping):
         raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")
-    return {name: as_array(value, name) for name, value in flatten(data).items()}, None, None
+    read = step_tensor if keep_tensors else as_array
+    return {name: read(value, name) for name, value in flatten(data).items()}, None, None
 
 
 def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
@@ -62,8 +70,9 @@ def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]
 
 
 def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
-                 metadata: Mapping[str, Any] | None = None) -> tuple[Episode, Schema]:
-    """Check one episode against ``schema`` (inferred from it when None).
+                 metadata: Mapping[str, Any] | None = None, keep_tensors: bool = False) -> tuple[Episode, Schema]:
+    """Check one episode against ``schema`` (inferred from it when None); ``keep_tensors``
+    as in `read_columns`.
 
     Returns:
         The episode and the schema it satisfies.
@@ -73,7 +82,7 @@ def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
     """
     exact = schema.read_exact(data) if schema is not None else None
     if exact is None:
-        columns, arrow_schema, _ = read_columns(data)
+        columns, arrow_schema, _ = read_columns(data, keep_tensors)
         if schema is None:
             schema = arrow_schema or Schema.infer(columns)
         num_steps, has_final = schema.check(columns)
@@ -123,6 +132,10 @@ class StepWriter:
           ``info["final_obs"]``) so the final observation is stored.
         - ``"disabled"``: you reset envs yourself; ``next_obs`` is the final observation.
 
+    With a ``device`` (a store's ``storage_device``) steps are staged on it: tensors
+    there never cross to the host (only the done flags do), and sealed episodes are
+    ``copy_``'d into the torch arena.
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=1000, seed=0)
@@ -136,7 +149,7 @@ class StepWriter:
     """
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
-                 env_ids: Sequence[str] | None = None) -> None:
+                 env_ids: Sequence[str] | None = None, device: torch.device | None = None) -> None:
         if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
         if autoreset_mode not in AUTORESET_MODES:
@@ -148,6 +161,7 @@ class StepWriter:
         self.autoreset_mode = autoreset_mode
         self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
         self._sink = sink
+        self.device = device   # where steps are staged: None (numpy) or a torch device
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
@@ -227,6 +241,8 @@ class StepWriter:
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = (step_cols["terminated"][0].reshape(self.num_envs, -1).any(axis=1)
                 | step_cols["truncated"][0].reshape(self.num_envs, -1).any(axis=1))
+        if isinstance(done, torch.Tensor):
+            done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._final_obs(final_obs, next_cols, done, schema)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
@@ -240,10 +256,10 @@ class StepWriter:
         pos = self._pos[envs]
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
-                self._stage[name][envs, pos] = array[envs]
+                self._stage[name][envs, pos] = like_stage(array[envs], self._stage[name])
         ended = np.flatnonzero(done & recorded)
         for name, array in final.items():
-            self._stage[name][ended, self._pos[ended] + 1] = array[ended]
+            self._stage[name][ended, self._pos[ended] + 1] = like_stage(array[ended], self._stage[name])
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
@@ -312,9 +328,9 @@ class StepWriter:
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(),
-            "stage": {name: stage[:, :steps].copy() for name, stage in self._stage.items()},
-            "last_next": {name: last.copy() for name, last in self._last_next.items()},
-            "pending": [{"columns": {n: a.copy() for n, a in e.columns.items()}, "num_steps": e.num_steps,
+            "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
+            "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
+            "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
                          "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
                         for e in self._pending],
         }
@@ -343,9 +359,9 @@ class StepWriter:
             steps = int(self._pos.max(initial=0))
             self._ensure_stage(schema, steps + 2)
             for name, stage in state["stage"].items():
-                self._stage[name][:, :steps] = stage
+                self._stage[name][:, :steps] = staged(stage, schema.fields[name], self.device)
             for name, last in state["last_next"].items():
-                self._last_next[name][...] = last
+                self._last_next[name][...] = staged(last, schema.fields[name], self.device)
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
                                  bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
                          for e in state["pending"]]
@@ -354,6 +370,8 @@ class StepWriter:
 
     def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
         try:
+            if self.device is not None:
+                return {name: step_tensor(value, name) for name, value in flatten(data).items()}
             return {name: as_array(value, name) for name, value in flatten(data).items()}
         except SchemaError as err:
             raise SchemaError(f"{what}: {err}") from None
@@ -379,7 +397,7 @@ class StepWriter:
             if final_obs.shape != (self.num_envs,):
                 raise SchemaError(f"final_obs: object array of shape {final_obs.shape}; expected ({self.num_envs},), "
                                   "one entry per env")
-            template = {n: np.array(a) for n, (a, _) in next_cols.items()}
+            template = {n: owned_copy(a) for n, (a, _) in next_cols.items()}
             for i in np.flatnonzero(done):
                 entry = self._columns({"obs": final_obs[i]}, f"final_obs[{i}]")
                 self._check_fields(entry, template, f"final_obs[{i}]", schema, leading=0)
@@ -428,15 +446,15 @@ class StepWriter:
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
         if not self._stage:
             for name, f in schema.input_fields.items():
-                self._stage[name] = np.zeros((self.num_envs, max(64, steps), *f.shape), f.numpy_dtype)
+                self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device)
             for name in schema.observation_names:
-                self._last_next[name] = np.zeros((self.num_envs, *schema.fields[name].shape),
-                                                 schema.fields[name].numpy_dtype)
+                self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
+                                                    schema.fields[name], self.device)
         capacity = next(iter(self._stage.values())).shape[1]
         if steps > capacity:
             new_capacity = max(steps, 2 * capacity)
             for name, stage in self._stage.items():
-                grown = np.zeros((self.num_envs, new_capacity, *stage.shape[2:]), stage.dtype)
+                grown = stage_zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name], self.device)
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
 
@@ -474,6 +492,5 @@ class StepWriter:
 
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return Episode({n: a.copy() for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
+    return Episode({n: owned_copy(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
                    episode.env_id, episode.metadata, owned=True)
-

@@ -63,6 +63,11 @@ class LocalBackend:
     def schema(self) -> Schema | None:
         return self.engine.schema
 
+    @property
+    def storage_device(self) -> Any:
+        """The torch device of a torch arena (`arrowbuf.arena`), or None."""
+        return self.engine.storage_device
+
     def size(self) -> tuple[int, int]:
         """(transitions, episodes)."""
         _, transitions, episodes = self.engine.size()
@@ -73,6 +78,11 @@ class LocalBackend:
 
     def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
         return self.engine.add(episode, schema, timeout)
+
+    def add_many(self, episodes: list, schema: Schema | None, timeout: float | None, shard: int | None) -> list[int]:
+        """Store checked episodes in order (``shard`` is None or 0: there is one); their ids."""
+        engine = self.engine
+        return [engine.add(episode, schema, timeout) for episode in episodes]
 
     def pin(self, env_id: str, shard: int) -> None:
         """One shard: every env's episodes go to it."""
@@ -104,7 +114,15 @@ class LocalBackend:
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
         keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
-        return self.engine.iter_indices(self.engine.epoch(batch_size, shuffle, drop_last), device, keys)
+        # In order, a batch of contiguous rows is a view of the arena (no gather).
+        return self._epoch(self.engine.epoch(batch_size, shuffle, drop_last), device, keys, views=not shuffle)
+
+    def _epoch(self, chunks: list[np.ndarray], device: Any, keys: Any, views: bool) -> Iterator[TensorDict]:
+        """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""
+        for indices in chunks:
+            batch = self.engine.gather(indices, device, keys, views)
+            if batch is not None and batch.batch_size[0]:
+                yield batch
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The live transitions of ``index`` (indices), in that order."""
@@ -114,6 +132,11 @@ class LocalBackend:
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
         return batch
+
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
+        """Refs of batches in Ray's object store: a Ray store's (its shards put them there)."""
+        raise ValueError("gather_refs needs backend='ray': it leaves each batch in Ray's object store, put there "
+                         "by the shards; a local store's gather(index) returns the batch in this process")
 
     def live_ranges(self) -> list[tuple[int, int]]:
         return [self.engine.live_range()]

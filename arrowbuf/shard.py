@@ -16,12 +16,14 @@ from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
+import torch
+from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Gather
+from arrowbuf.tensors import Gather, make_tensordict
 
 MODES = ("circular", "fixed")
 
@@ -75,6 +77,19 @@ def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int)
     return start, evicted
 
 
+def _total(reward: Any) -> float:
+    """The sum of an episode's rewards, in float64 (a numpy array or a torch tensor on any device)."""
+    if isinstance(reward, np.ndarray):
+        return float(np.add.reduce(reward, axis=None, dtype=np.float64))
+    return float(reward.double().sum())
+
+
+def contiguous(rows: np.ndarray) -> bool:
+    """Whether arena ``rows`` (1-D, distinct) are consecutive, ascending: a slice of the arena."""
+    return rows.ndim == 1 and len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 \
+        and bool(np.all(np.diff(rows) == 1))
+
+
 def position_runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
     """Maximal ranges [a, b) of episodes (given oldest first) that lie back to back in the arena."""
     if not len(first_row):
@@ -113,14 +128,14 @@ class Shard:
         # User fields only: the system columns (episode_id, step, is_first, is_last)
         # follow from the episode table, and storing them would cost 14 bytes a row.
         # np.empty leaves pages untouched until written: memory grows with the data.
-        self.arena = {name: np.empty((capacity, *f.shape), f.numpy_dtype) for name, f in schema.fields.items()}
+        self.arena = {name: self.new_column(f, zero=False) for name, f in schema.fields.items()}
         # Row -> serial of its episode (mod 2**32), kept only for samplers that pick
         # rows rather than indices (prioritized): see `positions_of_rows`.
         self._row_episode: np.ndarray | None = None
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
-        self.gather = Gather(self._gather_columns())
+        self.gather = self.make_gather(self._gather_columns())
 
     def __len__(self) -> int:
         return self.table.num_transitions
@@ -129,10 +144,10 @@ class Shard:
         """Take on ``schema``: this shard's fields plus new (derived) ones, zero in every row."""
         for name, f in schema.fields.items():
             if name not in self.arena:
-                self.arena[name] = np.zeros((self.capacity, *f.shape), f.numpy_dtype)
+                self.arena[name] = self.new_column(f, zero=True)
         self.schema = schema
         self.specs = {**schema.fields, **SYSTEM_SPECS}
-        self.gather = Gather(self._gather_columns())
+        self.gather = self.make_gather(self._gather_columns())
 
     def _gather_columns(self) -> dict:
         columns = {}
@@ -142,6 +157,72 @@ class Shard:
             if f.observation:
                 columns[("next", *key)] = (self.arena[name], "next", f.torch_dtype)
         return columns
+
+    # -- the columns (a subclass keeps them elsewhere: `arrowbuf.arena.TorchShard`) ------
+
+    def new_column(self, spec: Any, zero: bool) -> np.ndarray:
+        """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``)."""
+        return (np.zeros if zero else np.empty)((self.capacity, *spec.shape), spec.numpy_dtype)
+
+    def make_gather(self, columns: dict) -> Gather:
+        """The gather of `_gather_columns`' columns."""
+        return Gather(columns)
+
+    def write_rows(self, name: str, start: int, data: Any) -> None:
+        """Copy ``data`` (rows first) into column ``name`` from row ``start``."""
+        self.arena[name][start:start + len(data)] = data
+
+    def zero_rows(self, name: str, start: int, stop: int) -> None:
+        """Zero rows ``[start, stop)`` of column ``name``."""
+        self.arena[name][start:stop] = 0
+
+    def put_rows(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write host ``values`` (numpy, bfloat16 as its uint16 bits) at arena ``rows``."""
+        self.arena[name][rows] = values
+
+    def host_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of column ``name`` in host memory (numpy; bfloat16 as
+        uint16 bits): a view of this arena."""
+        return self.arena[name][start:stop]
+
+    def reader(self, name: str) -> Any:
+        """Column ``name`` for reads by host index arrays (``reader(name)[rows]`` is numpy)."""
+        return self.arena[name]
+
+    def tensor_rows(self, name: str, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` of column ``name`` as a torch tensor viewing the arena."""
+        view = torch.from_numpy(self.arena[name][start:stop])
+        spec = self.schema.fields[name]
+        return view.view(spec.torch_dtype) if view.dtype != spec.torch_dtype else view
+
+    def extra_tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A host array computed for a batch (index, episode id, step) as a tensor beside the arena's."""
+        return torch.from_numpy(array)
+
+    def view_batch(self, start: int, stop: int, extra: Mapping[str, np.ndarray],
+                   keys: frozenset | None = None, device: Any = None) -> TensorDict:
+        """The transitions at the contiguous arena rows ``[start, stop)`` as a TensorDict of
+        *views* of the arena (no copy): fields at t read rows ``[start, stop)``, ``next``
+        observations rows ``[start + 1, stop + 1)``. The views alias the arena: they
+        change when the ring overwrites those rows.
+
+        Args:
+            start, stop: arena rows of consecutive transitions.
+            extra: per-transition arrays added as they are (index, episode id, step).
+            keys: `Gather.check_keys` of the fields to include (None: all).
+            device: where the batch goes (a copy when elsewhere); None: where the arena is.
+        """
+        tensors = {}
+        for name, spec in self.schema.fields.items():
+            key = tuple(name.split("."))
+            if keys is None or key in keys:
+                tensors[key] = self.tensor_rows(name, start, stop)
+            if spec.observation and (keys is None or ("next", *key) in keys):
+                tensors[("next", *key)] = self.tensor_rows(name, start + 1, stop + 1)
+        for name, array in extra.items():
+            tensors[tuple(name.split("."))] = self.extra_tensor(array)
+        batch = make_tensordict(tensors, (stop - start,))
+        return batch if device is None else batch.to(device)
 
     # -- writing --------------------------------------------------------------------
 
@@ -188,7 +269,7 @@ class Shard:
         # A flag is () or (1,) a step (the schema's rule): bool() reads either.
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
-        ret = float(np.add.reduce(columns["reward"], axis=None, dtype=np.float64)) if "reward" in columns else float("nan")
+        ret = _total(columns["reward"]) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self.table.pop_oldest(evicted)
@@ -196,13 +277,12 @@ class Shard:
         stop = start + rows
         for name in self.schema.fields:
             data = episode.columns.get(name)
-            column = self.arena[name]
             if data is None:        # a derived field the writer left out: zero until computed
-                column[start:stop] = 0
+                self.zero_rows(name, start, stop)
                 continue
-            column[start:start + len(data)] = data
+            self.write_rows(name, start, data)
             if len(data) < rows:    # a step field beside a final observation: one row short
-                column[stop - 1] = 0
+                self.zero_rows(name, stop - 1, stop)
         if self._row_episode is not None:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
@@ -297,7 +377,7 @@ class Shard:
         total = int(num_rows.sum())
         starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
         step = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-        columns = {name: self.arena[name][start:start + total] for name in self.schema.fields}
+        columns = {name: self.host_rows(name, start, start + total) for name in self.schema.fields}
         columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
         columns["step"] = step
         columns["is_first"] = step == 0

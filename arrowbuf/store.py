@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from arrowbuf._checks import check_bool, check_choice, check_episode_id, check_int, check_name
+from arrowbuf._checks import check_bool, check_choice, check_episode_id, check_int, check_name, check_storage_device
 from arrowbuf._stats import store_html
 from arrowbuf._store_io import StoreIO
 from arrowbuf._store_sampling import StoreSampling
@@ -74,6 +74,11 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
             and Ray restarts a shard that dies, which rebuilds itself from its last
             checkpoint plus the log (`arrowbuf.durable`); False keeps episodes in
             memory only.
+        storage_device: None (default) keeps the columns as numpy arrays in host
+            memory; a torch device ("cuda", "cuda:1", "cpu") keeps them as torch
+            tensors there (`arrowbuf.arena`): a write of tensors on that device is a
+            ``copy_``, a sample an ``index_select`` on it, and batches stay on it
+            unless ``device=`` says otherwise. Local backend only.
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -95,8 +100,9 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
                  schema: Schema | Mapping[str, Any] | None = None, mode: str = "circular",
                  backend: str = "local", rate_limiter: RateLimiter | None = None, num_shards: int = 1,
                  track_reuse: bool = False, name: str | None = None, ray_options: RayOptions | None = None,
-                 durable: Any = False) -> None:
+                 durable: Any = False, storage_device: Any = None) -> None:
         self._configure(seed, sampler, mode, backend, rate_limiter, track_reuse)
+        storage_device = check_storage_device(storage_device, backend)
         num_shards = check_int("num_shards", num_shards, 1)
         self.capacity = check_int("capacity", capacity, num_shards)
         if schema is not None and not isinstance(schema, Schema):
@@ -110,7 +116,7 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
                                  "saved with save()")
             self._backend: Any = LocalBackend(ShardEngine(
                 self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter, mode=mode, seed=self.seed,
-                schema=schema, track_reuse=self.track_reuse))
+                schema=schema, track_reuse=self.track_reuse, storage_device=storage_device))
         else:
             self._backend = self._start_ray(num_shards, schema, name, ray_options, durable)
 
@@ -203,6 +209,11 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         if engine is None:
             raise AttributeError(f"a {self.backend} store has no in-process engine; its engines live in its shards")
         return engine
+
+    @property
+    def storage_device(self) -> Any:
+        """The torch device holding the columns, or None for numpy columns in host memory."""
+        return getattr(self._backend, "storage_device", None)
 
     @property
     def schema(self) -> Schema | None:

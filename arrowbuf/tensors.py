@@ -7,8 +7,10 @@ copy between the arena and the trainer.
 
 On the CPU the buffer and its TensorDict come from a `SlotPool` (``_pool.py``):
 buffers faulted in once and reused once nothing refers to them any more, so a
-sample neither page-faults a fresh buffer nor builds a TensorDict. A Ray shard's
-`Payload` and a pinned gather use a fresh buffer per sample (see `Gather.payload`).
+sample neither page-faults a fresh buffer nor builds a TensorDict. Pinned gathers
+(``pin_memory=True``, CUDA devices) use pooled pinned slots, reused once their copy
+to the GPU is done too. A Ray shard's `Payload` uses a fresh buffer per sample (see
+`Gather.payload`).
 
 The plan (which arena column goes to which key, shifted by one row for ``next``
 observations) is built once per layout, not per sample: converting columns one by
@@ -147,37 +149,47 @@ class Gather:
                 extra named like a field comes only with that field.
         """
         device = torch.device(device) if device is not None else None
-        if pinned(pin_memory, device) or (device is not None and device.type != "cpu"):
-            return self.payload(rows, extra, pinned(pin_memory, device), obs_rows=obs_rows, next_rows=next_rows,
-                                keys=keys).to_tensordict(device)
+        pin = pinned(pin_memory, device)
+        if not pin and device is not None and device.type != "cpu":   # an accelerator without pinned memory
+            return self.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows, keys=keys).to_tensordict(device)
         extra = extra or {}
         key, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
-        outs, batch = self._pool.claim(key, layout.slot)
-        _fill(layout.plan, outs, by_role, extra)
-        return batch
+        if not pin:
+            outs, batch = self._pool.claim(key, layout.slot)
+            _fill(layout.plan, outs, by_role, extra)
+            return batch
+        # Pinned: a pooled page-locked slot, then (for a CUDA device) one non-blocking
+        # copy of all of it, which keeps the slot from reuse until it is done.
+        slot, batch = self._pool.claim_slot(key, layout.slot, pinned=True)
+        _fill(layout.plan, slot.outs, by_role, extra)
+        if device is None or device.type == "cpu":
+            return batch
+        spec = layout.slot
+        tensors = leaf_views(slot.copy_to(device), spec.leaves)
+        return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), tensors)), tuple(spec.batch_size), device)
 
-    def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, pin_memory: bool = False, *,
+    def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,
                 keys: frozenset | None = None) -> "Payload":
         """Gather into one fresh byte buffer plus its layout (what a Ray shard sends back).
 
         Not pooled: a Ray shard's payload is serialized after the call returns, by
-        Ray, at a time the shard does not see, and a pinned buffer may still be
-        read by a non-blocking copy to the GPU that no reference count shows.
-        torch's pinned allocator already reuses page-locked (never faulting) blocks,
-        and only once the copies recorded on them are done.
+        Ray, at a time the shard does not see.
         """
         extra = extra or {}
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         spec = layout.slot
-        if pin_memory:
-            flat = torch.empty(spec.nbytes, dtype=torch.uint8, pin_memory=True)   # 64-byte aligned
-            buffer = flat.numpy()
-        else:
-            flat = buffer = _aligned_empty(spec.nbytes)
+        flat = buffer = _aligned_empty(spec.nbytes)
         _fill(layout.plan, [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs],
               by_role, extra)
         return Payload(flat, spec.leaves, tuple(spec.batch_size))
+
+    def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
+                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple[tuple, "_Layout", tuple]:
+        """(layout key, layout, rows by role) of a call, for gathers out of other storage
+        (`arrowbuf.arena`): ``layout.plan`` holds (column or extra name, role index:
+        0 step, 1 obs, 2 next, -1 extra) for each of ``layout.slot.leaves``, in order."""
+        return self._plan(rows, extra, obs_rows, next_rows, keys)
 
     def _plan(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None,
               next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[tuple, _Layout, tuple]:
@@ -260,7 +272,7 @@ class Payload:
     receiver reads without a copy.
     """
 
-    flat: torch.Tensor | np.ndarray            # uint8 bytes (a tensor when pinned)
+    flat: torch.Tensor | np.ndarray            # uint8 bytes
     spec: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]   # `SlotSpec.leaves`
     batch_shape: tuple[int, ...]
 

@@ -63,6 +63,9 @@ def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the
             assert f"{metric} ms" in run.stdout
             for col in ("arrowbuf/ideal", "arrowbuf/seed"):
                 assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col])
+        # the torch arena (storage_device: cpu here, cuda on a GPU) against the same ideal
+        arena, = [m for m, col in ratios if m.startswith(f"{shape} rollout sample, torch arena (")]
+        assert len(ratios[arena, "arrowbuf_torch/ideal"]) == 2 and all(r > 0 for r in ratios[arena, "arrowbuf_torch/ideal"])
 
 
 def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_ingest_and_sample(seed):
@@ -73,6 +76,9 @@ def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_inges
         assert metric in run.stdout
         assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
     assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+    metric = "WBC add_episodes(256 episodes)"   # one add_episodes of the rollout against one add_episode per env
+    assert metric in run.stdout and "store.add_episode x E" in run.stdout
+    assert len(ratios[metric, "batched/single"]) == 2 and all(r > 0 for r in ratios[metric, "batched/single"])
 
 
 def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, seed, tmp_path):
@@ -83,8 +89,9 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in rows if line.startswith("| metric |")]
-    assert len(headers) == 2 and len(rows) == 2 + 4 + 3
+    assert len(headers) == 2 and len(rows) == 2 + 6 + 4
     assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
+    assert "| VLA rollout sample, torch arena (" in run.stdout
     assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout
 
 

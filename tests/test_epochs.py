@@ -51,3 +51,53 @@ def test_a_bad_epochs_argument_draws_nothing():
     with pytest.raises(ValueError, match="epochs must be an int >= 1, got 0"):
         store.iter_batches(8, epochs=0)
     assert store.engine.state_dict()["rng"] == state
+
+
+def column_bounds(store: ab.ExperienceStore, name: str) -> tuple[int, int]:
+    """[first, stop) byte addresses of an arena column (numpy or torch arena)."""
+    shard = store.engine.shard
+    column = shard.tensor_rows(name, 0, shard.capacity)
+    return column.data_ptr(), column.data_ptr() + column.nbytes
+
+
+@pytest.mark.parametrize("storage_device", [None, "cpu"])
+def test_unshuffled_batches_of_contiguous_rows_are_views_that_alias_the_arena(storage_device):
+    store = ab.ExperienceStore(30, seed=0, storage_device=storage_device)
+    steps = 20
+    store.add_episode({"obs": np.arange(2 * (steps + 1), dtype=np.float32).reshape(steps + 1, 2),
+                       "action": np.arange(steps), "reward": np.ones(steps, np.float32),
+                       "terminated": np.arange(steps) == steps - 1, "truncated": np.zeros(steps, bool)})
+    batches = list(store.iter_batches(5, shuffle=False))
+    assert [b["index"].tolist() for b in batches] == [list(range(k, k + 5)) for k in range(0, 20, 5)]
+    for k, batch in enumerate(batches):
+        for key, name, row in (("action", "action", 5 * k), ("obs", "obs", 5 * k), (("next", "obs"), "obs", 5 * k + 1)):
+            first, stop = column_bounds(store, name)
+            tensor = batch[key]
+            assert first <= tensor.data_ptr() < stop, key   # inside the arena: no copy
+            assert tensor.data_ptr() == first + row * tensor[0].nbytes, key
+        assert batch["action"].tolist() == list(range(5 * k, 5 * k + 5))
+        np.testing.assert_array_equal(batch["next", "obs"].numpy(), batch["obs"].numpy() + 2)
+    # They alias the store: the ring overwriting those rows changes them.
+    kept = batches[0]
+    store.add_episode({"obs": np.full((11, 2), -1, np.float32), "action": np.full(10, -7),
+                       "reward": np.ones(10, np.float32), "terminated": np.arange(10) == 9,
+                       "truncated": np.zeros(10, bool)})
+    assert kept["action"].tolist() == [-7] * 5 and kept["obs"].tolist() == [[-1.0, -1.0]] * 5
+
+
+@pytest.mark.parametrize("storage_device", [None, "cpu"])
+def test_unshuffled_batches_across_episode_ends_and_shuffled_ones_are_copies(storage_device):
+    store = ab.ExperienceStore(100, seed=0, storage_device=storage_device)
+    for k in range(3):
+        store.add_episode({"obs": np.full((5, 2), k, np.float32), "action": np.arange(4) + 10 * k,
+                           "terminated": np.arange(4) == 3})
+    first, stop = column_bounds(store, "action")
+    across = next(iter(store.iter_batches(6, shuffle=False)))   # rows 0-3 and 5-6: the final obs row between
+    assert across["action"].tolist() == [0, 1, 2, 3, 10, 11]
+    assert not first <= across["action"].data_ptr() < stop
+    for batch in store.iter_batches(4, shuffle=True):
+        assert not first <= batch["action"].data_ptr() < stop
+    views = list(store.iter_batches(4, shuffle=False, keys=["action"]))
+    assert [b["action"].tolist() for b in views] == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]
+    assert set(views[0].keys()) == {"action", "index", "episode_id", "step"}
+    assert all(first <= b["action"].data_ptr() < stop for b in views)

@@ -306,9 +306,80 @@ def test_pooled_gathers_equal_a_fresh_reference_for_any_keys_and_stay_while_kept
             np.testing.assert_array_equal(as_numpy(batch.get(key)), value)
 
 
-# -- pinned memory (CUDA only) --------------------------------------------------------
+# -- pinned slots (the pooling logic runs on the CPU: pinning needs CUDA) ---------------
 
 
+class FakeEvent:
+    """A CUDA event stand-in: ``done`` says whether the copy it marks has finished."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    """Samples take the pinned path (as with pin_memory=True on a CUDA machine)."""
+    import arrowbuf.tensors
+
+    monkeypatch.setattr(arrowbuf.tensors, "pinned", lambda pin_memory, device: bool(pin_memory))
+
+
+def pinned_slots(store: ab.ExperienceStore) -> int:
+    return sum(len(slots) for key, slots in store.engine.shard.gather._pool._slots.items() if key[0] == "pinned")
+
+
+def test_pinned_samples_reuse_a_dropped_batch_s_pinned_slot_and_never_a_kept_one(pinning):
+    store = filled_store()
+    batch = store.sample(8, pin_memory=True)
+    address = batch["obs"].data_ptr()
+    del batch
+    kept = store.sample(8, pin_memory=True)
+    assert kept["obs"].data_ptr() == address                        # the dropped batch's slot again
+    before = snapshot(kept)
+    for _ in range(10):
+        assert store.sample(8, pin_memory=True)["obs"].data_ptr() != address
+    assert_unchanged(kept, before)
+    pageable = store.sample(8)
+    assert not overlaps(span(pageable["obs"]), span(kept["obs"]))   # pinned and pageable slots are apart
+    assert pageable.to_dict().keys() == kept.to_dict().keys()
+    np.testing.assert_array_equal(kept["obs"][:, 1].numpy(), kept["step"].numpy())
+    assert pinned_slots(store) == 2   # the kept batch's and the one the later samples shared
+
+
+def test_a_pinned_slot_with_a_copy_in_flight_is_reused_only_once_the_copy_is_done():
+    pool = SlotPool()
+    spec = SlotSpec(8, ((np.dtype(np.int64), (1,), 0),), ((("x",), torch.int64, 0, 8, (1,)),), torch.Size([1]))
+    slot, td = pool.claim_slot("layout", spec, pinned=True)
+    assert td["x"].is_pinned() == torch.cuda.is_available()
+    event = FakeEvent()
+    slot.in_flight(event)   # what a non-blocking copy to the GPU marks
+    del td
+    busy, td = pool.claim_slot("layout", spec, pinned=True)
+    assert busy is not slot   # nothing refers to it, but the copy may still read it
+    del td
+    event.done = True
+    assert pool.claim_slot("layout", spec, pinned=True)[0] is slot
+    assert pool.claim_slot("layout", spec)[0] not in (slot, busy)   # pageable slots are kept apart
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_samples_reuse_their_pinned_slot_once_the_copy_is_done():
+    store = filled_store()
+    first = store.sample(8, device="cuda")
+    torch.cuda.synchronize()
+    expected = first["obs"].cpu()
+    for _ in range(5):
+        assert store.sample(8, device="cuda")["obs"].is_cuda
+        torch.cuda.synchronize()   # each copy done before the next sample: one pinned slot serves all
+    assert pinned_slots(store) == 1
+    assert torch.equal(first["obs"].cpu(), expected)   # a device copy: later samples never touch it
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_pinned_or_cuda_sample_gathers_only_the_named_keys():
     store = filled_store()

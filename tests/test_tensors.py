@@ -163,6 +163,7 @@ def test_pin_memory_is_ignored_without_cuda_and_samples_the_same():
     assert pinned["obs"].is_pinned() == torch.cuda.is_available()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_sample_arrives_in_one_copy_with_the_cpu_values():
     stores = twin_stores(4)

@@ -9,6 +9,8 @@ Modules, lowest first (each imports only those before it):
 - `actor`: `ShardServer`, the body of one shard actor;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
 - `start`: starting a store's named shard actors, or finding a running store's;
+- `gae`: `compute_gae` across shards, the value function called by the caller;
+- `shipping`: batches for train workers kept in the object store (refs, `resolve`);
 - `gather`: `BlockGather`, rows of many blocks into one pooled TensorDict;
 - `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
 - `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader;
@@ -16,3 +18,7 @@ Modules, lowest first (each imports only those before it):
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.
 """
+
+from arrowbuf.ray.shipping import resolve
+
+__all__ = ["resolve"]

@@ -132,6 +132,19 @@ class BlockRing:
         """Open episodes have waited ``seal_latency``."""
         return self._open_since is not None and time.monotonic() - self._open_since >= self.seal_latency
 
+    def republish(self, engine: ShardEngine) -> None:
+        """Rows changed in place (`compute_gae`'s derived columns): every block is sealed
+        again from the arena (readers holding the old ones keep them until their next manifest)."""
+        table = engine.table
+        self.blocks = []
+        self._sealed_serial = table.episodes_added - len(table)
+        self._open_since, self._open_bytes = None, 0
+        if len(table):
+            self._open_since = time.monotonic()
+            self.seal(engine)
+        else:
+            self.version += 1
+
     def clear(self) -> None:
         """The engine was cleared: every block is dropped."""
         self.blocks = []
@@ -244,8 +257,8 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
     first_row, num_rows = table.col("first_row")[a:b], table.col("num_rows")[a:b]
     runs = position_runs(first_row, num_rows)
     columns = {}
-    for name, arena in shard.arena.items():
-        parts = [arena[first_row[i]:first_row[j - 1] + num_rows[j - 1]] for i, j in runs]
+    for name in shard.schema.fields:   # numpy views of a host arena (a device arena's are copies)
+        parts = [shard.host_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
         columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)   # ray.put copies once
     episodes = {name: table.col(name)[a:b].copy() for name in CHUNK_COLUMNS}
     episodes["first_row"] = np.cumsum(num_rows) - num_rows

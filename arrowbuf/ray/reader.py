@@ -157,7 +157,7 @@ class BlockReader:
         self._drawn = np.zeros(shards.num_shards, np.int64)   # draws not yet reported to each shard
         self._stale: set[int] = set()          # shards this process wrote to since their last sync
         self._polled = -np.inf
-        self._gather: BlockGather | None = None
+        self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
         self._lock = threading.RLock()
 
@@ -192,12 +192,12 @@ class BlockReader:
         return self._gatherer().check_keys(keys)
 
     def _gatherer(self) -> BlockGather:
-        if self._gather is None:
-            schema = self.schema()
+        schema = self.schema()
+        if self._gather is None or self._gather[0] is not schema:   # compute_gae adds fields
             if schema is None:
                 raise EmptyStoreError(f"cannot sample: store {self.shards.name!r} holds no episode yet")
-            self._gather = BlockGather(schema)
-        return self._gather
+            self._gather = (schema, BlockGather(schema))
+        return self._gather[1]
 
     def _known(self, shard: int) -> tuple[str | None, int]:
         view = self.views.get(shard)

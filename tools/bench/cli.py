@@ -37,6 +37,9 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocess probes")
     parser.add_argument("--profile", action="store_true",
                         help="print cProfiles of arrowbuf's timed operations (add, sample, export, ...)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="torch device of ONPOLICY's torch-arena rows (storage_device=; default: cuda when "
+                             "available, else cpu)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--markdown", nargs="?", const="", metavar="JSON",
                         help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         parser.error(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
     opts = Options(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
                    min_time=args.min_time or (0.06 if args.quick else 0.3), slices=max(1, args.slices),
-                   memory=not args.no_memory, profile=args.profile)
+                   memory=not args.no_memory, profile=args.profile, device=args.device)
     results, meta = run(names, opts)
     render(results, meta)
     if args.markdown is not None:

@@ -35,6 +35,14 @@ class Options:
     slices: int            # turns per round (see `interleaved_rates`)
     memory: bool
     profile: bool
+    device: str | None = None   # torch device of the torch-arena contenders (None: cuda if available, else cpu)
+
+    def torch_device(self) -> str:
+        """The torch device the torch-arena (``storage_device``) contenders use."""
+        if self.device:
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)

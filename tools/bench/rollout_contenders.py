@@ -7,7 +7,10 @@
 - ``torchrl``: ``LazyTensorStorage`` read directly (``storage[idx]``) for the
   rollout, and a ``ReplayBuffer(SamplerWithoutReplacement)`` for the epochs.
 - ``arrowbuf``: ``store.sample(n)`` and ``iter_batches(batch, shuffle=True)``;
-  ``arrowbuf_keys``: the same with ``keys=`` (PPO's fields only, no ``next``).
+  ``arrowbuf_keys``: the same with ``keys=`` (PPO's fields only, no ``next``);
+  ``arrowbuf_torch``: ``keys=`` from a torch arena (``storage_device``: the
+  rollout's tensors copied in on that device, samples gathered there), and
+  ``arrowbuf_cuda``: ``keys=`` from the numpy arena to ``device="cuda"`` (pinned).
 """
 
 from __future__ import annotations
@@ -131,17 +134,27 @@ class ArrowbufRollout(RolloutContender):
     name = "arrowbuf"
 
     def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int,
-                 keys: list[str] | None = None) -> None:
+                 keys: list[str] | None = None, storage_device: str | None = None, device: str | None = None) -> None:
         super().__init__(shape, rollout, minibatches)
         import arrowbuf as ab
-        self.store = ab.ExperienceStore(shape.envs * (shape.steps + 1), seed=0)
+        import torch
+        placed = {"storage_device": storage_device} if storage_device is not None else {}
+        self.store = ab.ExperienceStore(shape.envs * (shape.steps + 1), seed=0, **placed)
         for episode in episodes(shape, rollout):
+            if storage_device is not None:   # what a GPU rollout hands over: tensors already on the device
+                episode = {name: tensor.to(storage_device) for name, tensor in episode.items()}
             self.store.add_episode(episode)
         self.keys = {"keys": keys} if keys is not None else {}
+        self.device = {"device": device} if device is not None else {}
+        # CUDA calls return before the work is done: time them to the end of it.
+        self.sync = torch.cuda.synchronize if "cuda" in (storage_device or "") + (device or "") else None
         self.epochs_at_once = accepts(self.store.iter_batches, "epochs")
 
     def sample_all(self) -> Any:
-        return self.store.sample(self.n, **self.keys)
+        batch = self.store.sample(self.n, **self.keys, **self.device)
+        if self.sync is not None:
+            self.sync()
+        return batch
 
     def epochs(self, epochs: int) -> None:
         if self.epochs_at_once:

@@ -9,6 +9,11 @@ default sample (every field and ``("next", obs)``) and with ``keys=`` (PPO's
 fields), the latter only where ``ExperienceStore.sample`` / ``iter_batches``
 accept ``keys``. Targets (the keys= path where it exists): rollout sample >= 0.9x
 the ideal and >= 3x the seed-like store; epochs >= 0.9x the ideal.
+
+One more row per shape samples the whole rollout (``keys=``) out of a torch arena
+(``storage_device``, ``--device``: cuda when available, else cpu), against the same
+ideal and the numpy arena; with CUDA, also the numpy arena sampled to
+``device="cuda"`` (pinned slots, one copy). Target: torch arena >= 0.9x the ideal.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from ..rollout_contenders import ArrowbufRollout, IdealRollout, RolloutContender
 from ..rollouts import RolloutShape, make_rollout, vla, wbc
 
 CONTENDERS = ["ideal", "seed", "torchrl", "arrowbuf", "arrowbuf_keys"]
+#: The torch-arena row's ratios; "arrowbuf_cuda" only runs with CUDA.
+TORCH_RATIOS = ["arrowbuf_torch/ideal", "arrowbuf_torch/arrowbuf_keys", "arrowbuf_cuda/ideal"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
         gc.collect()
     judged = "arrowbuf_keys" if all(keys.values()) else "arrowbuf"
     for metric in metrics:
+        if "torch arena" in metric.name:
+            metric.met = metric.ratios["arrowbuf_torch/ideal"].median >= 0.9
+            metric.target = "arrowbuf_torch/ideal >= 0.9"
+            continue
         metric.met = metric.ratios[f"{judged}/ideal"].median >= 0.9 and (
             "epochs" in metric.name or metric.ratios[f"{judged}/seed"].median >= 3)
         metric.target = f"{judged}/ideal >= 0.9" + ("" if "epochs" in metric.name else f", {judged}/seed >= 3")
@@ -71,12 +82,15 @@ def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
                  "arrowbuf samples the rollout with store.sample(n) (uniform, with replacement), the others "
                  "with a permutation: the same rows gathered")
     notes.append(load_note(load_start))
-    return WorkloadResult("ONPOLICY", spec.short(), spec.describe(), CONTENDERS, metrics, notes,
+    extra = ["arrowbuf_torch", "arrowbuf_cuda"] if opts.torch_device() == "cuda" else ["arrowbuf_torch"]
+    return WorkloadResult("ONPOLICY", spec.short(), spec.describe(), CONTENDERS + extra, metrics, notes,
                           time.perf_counter() - t0,
                           labels={"ideal": "ideal (np.take, out=)", "seed": "seed-like TensorDict",
-                                  "torchrl": "torchrl LazyTensorStorage", "arrowbuf_keys": "arrowbuf keys="},
+                                  "torchrl": "torchrl LazyTensorStorage", "arrowbuf_keys": "arrowbuf keys=",
+                                  "arrowbuf_torch": f"torch arena ({opts.torch_device()})",
+                                  "arrowbuf_cuda": "keys= to cuda"},
                           ratio_columns=["arrowbuf/ideal", "arrowbuf/seed", "arrowbuf_keys/ideal",
-                                         "arrowbuf_keys/seed"])
+                                         "arrowbuf_keys/seed", *(f"{c}/ideal" for c in extra)])
 
 
 def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys: dict[str, bool],
@@ -89,15 +103,24 @@ def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys:
         "torchrl": TorchRLRollout(shape, rollout, spec.minibatches),
         "arrowbuf": ArrowbufRollout(shape, rollout, spec.minibatches),
     }
+    torch_device = opts.torch_device()
     if any(keys.values()):
         contenders["arrowbuf_keys"] = ArrowbufRollout(shape, rollout, spec.minibatches, keys=list(shape.fields))
+    arenas = {"arrowbuf_torch": ArrowbufRollout(shape, rollout, spec.minibatches, keys=list(shape.fields),
+                                                storage_device=torch_device)}
+    if torch_device == "cuda":
+        arenas["arrowbuf_cuda"] = ArrowbufRollout(shape, rollout, spec.minibatches, keys=list(shape.fields),
+                                                  device="cuda")
     del rollout
     log(f"  ONPOLICY {shape.name}: {len(contenders)} stores filled ({shape.transitions:,} transitions)")
     samplers = {c: k.sample_all for c, k in contenders.items() if c != "arrowbuf_keys" or keys["sample"]}
     epochs = {c: (lambda k=k: k.epochs(spec.epochs)) for c, k in contenders.items()
               if c != "arrowbuf_keys" or keys["iter_batches"]}
     check_batches(shape, {c: contenders[c] for c in samplers}, notes)
-    for fn in [*samplers.values(), *epochs.values()]:   # warm-up (first touch, lazy imports)
+    on_arenas = {"ideal": samplers["ideal"], **{c: k.sample_all for c, k in arenas.items()}}
+    if "arrowbuf_keys" in samplers:
+        on_arenas["arrowbuf_keys"] = samplers["arrowbuf_keys"]
+    for fn in [*samplers.values(), *epochs.values(), *on_arenas.values()]:   # warm-up (first touch, lazy imports)
         fn()
     ratios = {**over("arrowbuf", "ideal", "seed", "torchrl"), **over("arrowbuf_keys", "ideal", "seed", "torchrl")}
     rss = rss_bytes()
@@ -106,6 +129,9 @@ def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys:
              per_call=True, scale=1e3),
         Race(f"{shape.name} {spec.epochs}x{spec.minibatches} epochs", "ms", epochs,
              {k: v for k, v in ratios.items() if v[0] in epochs}, per_call=True, scale=1e3),
+        Race(f"{shape.name} rollout sample, torch arena ({torch_device})", "ms", on_arenas,
+             {k: tuple(k.split("/")) for k in TORCH_RATIOS if set(k.split("/")) <= set(on_arenas)},
+             per_call=True, scale=1e3),
     ], max(2, min(opts.rounds, 5)), opts.min_time, 2)
     if opts.profile:
         store = contenders["arrowbuf"]
@@ -115,6 +141,7 @@ def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys:
                  f"MiB after; {shape.row_bytes:,} B per transition, {shape.transitions:,} transitions "
                  f"({shape.transitions * shape.row_bytes / 2**20:,.0f} MiB) per rollout sample")
     contenders.clear()
+    arenas.clear()
     return metrics
 
 

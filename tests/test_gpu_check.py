@@ -1,0 +1,43 @@
+"""tools/gpu_check.py runs its steps on the CPU too (--device cpu), so it is never dead code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_check(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "tools/gpu_check.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False, timeout=900)
+
+
+def test_gpu_check_on_the_cpu_runs_the_arena_tests_and_the_torch_arena_bench_rows(tmp_path):
+    done = gpu_check("--device", "cpu", "--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    tests, = [line for line in lines if line.startswith("tests (tests/test_arena.py): ")]
+    passed = int(tests.split(": ")[1].split(" passed")[0])
+    assert passed > 10 and " 0 failed, 0 errors (exit 0" in tests
+    for shape in ("WBC", "VLA"):
+        row, = [line for line in lines if line.startswith(f"  {shape} rollout sample, torch arena (cpu) ms: ")]
+        assert "arrowbuf_torch/ideal" in row
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["meta"]["argv"][:4] == ["--only", "ONPOLICY", "--device", "cpu"]
+    assert "passed" in (tmp_path / "pytest.txt").read_text()
+    assert lines[-1].startswith("gpu_check: ok")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_check_without_cuda_refuses_the_cuda_device_and_names_the_cpu_flag():
+    done = gpu_check()
+    assert done.returncode == 2
+    assert "torch sees no CUDA device (use --device cpu)" in done.stderr
