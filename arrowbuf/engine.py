@@ -246,11 +246,7 @@ class ShardEngine:
 
     def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
-        """Draw as `sample` does, without gathering: the selection, counted as a sample.
-
-        A Ray shard answers with it when the rows are gathered by the reader, from
-        the shard's sealed blocks (`arrowbuf.ray.reader`).
-        """
+        """Draw as `sample` does, counted as a sample, without gathering (a Ray reader gathers)."""
         with self._changed:
             self._wait_to_sample(batch_size, timeout)
             selection = self._draw(batch_size, args, population)

@@ -261,3 +261,21 @@ def test_rows_gathered_across_many_blocks_match_the_shards_own_gather():
     finally:
         store.close()
         seq.close()
+
+
+def test_samples_carry_the_advantages_compute_gae_wrote_after_the_blocks_were_sealed():
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
+    try:
+        for key in range(6):
+            episode = keyed_episode(key, 10 + key)
+            episode["value"] = np.linspace(0, 1, 10 + key, dtype=np.float32)
+            store.add_episode(episode, env_id=f"e{key}")
+        assert "advantage" not in store.sample(8).keys()   # this reader holds blocks without it
+        store.compute_gae(0.9, 0.8, bootstrap_value=lambda obs: obs["obs"][:, 1] * 0.5)
+        batch = store.sample(256)
+        again = store.gather(batch["index"].numpy())   # the shards' arenas
+        np.testing.assert_array_equal(batch["advantage"].numpy(), again["advantage"].numpy())
+        np.testing.assert_array_equal(batch["value_target"].numpy(), again["value_target"].numpy())
+        assert np.abs(batch["advantage"].numpy()).sum() > 0
+    finally:
+        store.close()
