@@ -126,7 +126,9 @@ class EpisodeTable:
     def live_range(self, counter: str = "index") -> tuple[int, int]:
         """[first, stop) of the live units of ``counter``."""
         stop = self._counters[counter][1][0]
-        return (int(self._cols[f"first_{counter}"][self.head]) if len(self) else stop), stop
+        if self.tail == self.head:
+            return stop, stop
+        return int(self._cols["first_" + counter][self.head]), stop
 
     def col(self, name: str) -> np.ndarray:
         """A view of one column over the live episodes, oldest first."""
@@ -284,9 +286,12 @@ class EpisodeTable:
         if counter == "index" and self._index_episode is not None:
             # `%`, not take(mode="wrap"): numpy wraps by repeated subtraction, which
             # grows with index / capacity (a store that ran long would sample ever slower).
-            pos = self._index_episode.take(units % len(self._index_episode))
-            # uint32 arithmetic wraps like the serials in the map; a Python int keeps uint32.
-            pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF
+            serials = self._index_episode.take(units % len(self._index_episode))
+            # uint32 arithmetic wraps like the serials in the map, written out as intp:
+            # every take by uint32 positions (here, the rows, the episode ids) would
+            # convert them again.
+            head = np.uint32((self.episodes_added - self.tail + self.head) & 0xFFFFFFFF)
+            pos = np.subtract(serials, head, dtype=np.uint32, out=np.empty(serials.shape, np.intp))
             return pos, units - self._cols["first_index"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1
