@@ -7,12 +7,13 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
                              SchemaError, ShardError)
+from arrowbuf.fields import Field
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
-from arrowbuf.schema import Field, Schema
+from arrowbuf.schema import Schema
 from arrowbuf.store import ExperienceStore
 
 __version__ = "0.1.0"

@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.errors import FormatError, SchemaError
-from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Field, Schema, arrow_to_numpy, numpy_to_arrow
+from arrowbuf.fields import Field, arrow_to_numpy, numpy_to_arrow
+from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
 from arrowbuf.shard import position_runs
 
 logger = logging.getLogger("arrowbuf")

@@ -26,7 +26,7 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf.errors import describe
-from arrowbuf.schema import Field
+from arrowbuf.fields import Field
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import make_tensordict
 

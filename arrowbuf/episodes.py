@@ -16,7 +16,8 @@ import pyarrow as pa
 from tensordict import TensorDictBase
 
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
-from arrowbuf.schema import SYSTEM_FIELDS, Schema, arrow_to_numpy, as_array, check_column, flatten
+from arrowbuf.fields import arrow_to_numpy, as_array, check_column
+from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
 from arrowbuf.shard import Episode
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")

@@ -31,7 +31,7 @@ from arrowbuf._checks import check_int
 from arrowbuf._persist import CHECKPOINT_MANIFEST, EXPORT_MANIFEST
 from arrowbuf._stats import schema_rows
 from arrowbuf.errors import FormatError
-from arrowbuf.schema import arrow_to_numpy
+from arrowbuf.fields import arrow_to_numpy
 from arrowbuf.store import ExperienceStore
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.errors import CapacityError
-from arrowbuf.schema import SYSTEM_SPECS, Schema, numpy_to_arrow
+from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather
 

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf import checkpoint
-from _persist_data import KINDS, assert_same_batches, assert_same_store, episode_of, fill, schema_of, wrapped_store
+
+from support.compare import assert_same_batches, assert_same_store
+from support.persist_data import KINDS, episode_of, fill, schema_of, wrapped_store
 
 
 def sample_both(a: ab.ExperienceStore, b: ab.ExperienceStore, batches: int = 3, **kwargs) -> None:

@@ -13,7 +13,7 @@ from PIL import Image
 import arrowbuf as ab
 from arrowbuf.cli import main
 
-from _cartpole import cartpole_store
+from support.envs import cartpole_store
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import make_cartpole
 
 import arrowbuf.types as ab_types
 from arrowbuf.compat import (
@@ -31,6 +30,8 @@ from arrowbuf.compat import (
     RolloutBuffer,
     parse_config,
 )
+
+from support.envs import make_cartpole
 
 
 class TaggedWorker:
@@ -244,7 +245,7 @@ def test_auto_truncate_with_cartpole_stores_exactly_the_episodes_the_env_played(
             env_ret = EnvRet("cartpole", obs, reward, terminated, truncated)
         env_ids = [f"cartpole/{i}" for i in range(3)]
     else:
-        from conftest import EpisodeLog
+        from support.envs import EpisodeLog
 
         env = EpisodeLog(gym.make("CartPole-v1", max_episode_steps=15))
         logs = [env]

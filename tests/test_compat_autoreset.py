@@ -1,6 +1,6 @@
 """arrowbuf.compat: every env step's transition is stored exactly once, in every autoreset style.
 
-The fake workers (`_compat_envs.VecWorker`) log each transition they play; the
+The fake workers (`support.compat_envs.VecWorker`) log each transition they play; the
 buffer's contents are compared with that log as multisets, so a lost, doubled or
 misaligned transition (wrong reward, next observation or flag) fails.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
 
 from arrowbuf.compat import BatchedData, DataBuffer, ReplayBuffer
 from arrowbuf.compat.processing import default_postprocess_fn
+
+from support.compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
 
 
 def replay_config(**overrides) -> dict:

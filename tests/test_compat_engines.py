@@ -13,10 +13,12 @@ import threading
 from collections import Counter
 
 import pytest
-from _compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
 from test_compat_hooks import torch_stack_postprocess
 
 from arrowbuf.compat import BatchedData, DataBuffer
+
+from support.compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
+
 
 CLUSTER = {"remote_storage": True, "buffer_worker_num": 2, "train_worker_num": 2}
 LOCAL = {"remote_storage": False, "train_worker_num": 2}

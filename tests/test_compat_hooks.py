@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _compat_envs import VecWorker, as_bf16_bits, policy, rsl_rollout
 
 from arrowbuf.compat import BatchedData, EnvRet, PolicyResponse, RolloutBuffer
+
+from support.compat_envs import VecWorker, as_bf16_bits, policy, rsl_rollout
 
 
 def stack(values):

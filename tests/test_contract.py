@@ -14,7 +14,8 @@ import pytest
 
 import arrowbuf as ab
 
-from conftest import EPISODE_SCHEMA, make_episode
+from support.episodes import EPISODE_SCHEMA, make_episode
+
 
 BACKENDS = ["local", "ray"]
 

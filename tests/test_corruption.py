@@ -16,7 +16,10 @@ import pytest
 import arrowbuf as ab
 from arrowbuf import _filesink, parquet
 from arrowbuf.ray.options import NAMESPACE
-from _persist_data import assert_same_store, edit_checkpoint, wrapped_store
+
+from support.compare import assert_same_store
+from support.persist_data import edit_checkpoint, wrapped_store
+
 
 _spec = importlib.util.spec_from_file_location("corrupt", Path(__file__).parents[1] / "tools" / "corrupt.py")
 corrupt = importlib.util.module_from_spec(_spec)

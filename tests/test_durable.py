@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.durable import DurableShard, EpisodeLog, durable_directory, next_episode_id
+from arrowbuf.durable import DurableShard, durable_directory
 from arrowbuf.engine import ShardEngine
+from arrowbuf.episode_log import EpisodeLog, next_episode_id
 from arrowbuf.episodes import read_episode
 from arrowbuf.errors import FormatError
 
-from conftest import EPISODE_SCHEMA, make_episode
+from support.episodes import EPISODE_SCHEMA, make_episode
 
 
 def new_engine(capacity: int = 200, shard: int = 0, num_shards: int = 1) -> ShardEngine:
@@ -183,7 +184,7 @@ KILLED_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from conftest import EPISODE_SCHEMA, make_episode
+    from support.episodes import EPISODE_SCHEMA, make_episode
     from test_durable import new_engine
     from arrowbuf.durable import DurableShard
     from arrowbuf.episodes import read_episode

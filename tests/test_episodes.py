@@ -13,8 +13,12 @@ from tensordict import TensorDict
 
 import arrowbuf as ab
 from arrowbuf.episodes import read_episode
-from conftest import (EpisodeLog, FakeVectorRollout, RingModel, assert_same_snapshot, assert_store_matches,
-                      column_numpy, make_cartpole, make_episode, snapshot, tagged_obs)
+
+from support.compare import assert_same_snapshot, column_numpy, snapshot
+from support.envs import EpisodeLog, FakeVectorRollout, make_cartpole
+from support.episodes import make_episode, tagged_obs
+from support.ring import RingModel, assert_store_matches
+
 
 MODES = ["next_step", "same_step", "disabled"]
 GYM_MODES = {"next_step": gym.vector.AutoresetMode.NEXT_STEP, "same_step": gym.vector.AutoresetMode.SAME_STEP,

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf._pool import SlotPool, SlotSpec
 from arrowbuf.tensors import Gather
-from conftest import make_episode
+
+from support.episodes import make_episode
+
 
 SYSTEM = {"index", "episode_id", "step"}
 

@@ -2,12 +2,20 @@
 
 import numpy as np
 import pytest
-from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.indexing import frame_rows, n_step
+
+from support.episodes import LiveTable, add_tagged, check_batch_reads_its_rows, episode_schema
+
+# float32 rewards, the common case: n-step returns are summed and returned in the reward's dtype.
+SCHEMA = episode_schema(reward_dtype="float32")
+
+
+def add(store, recorded, steps, **kwargs):
+    return add_tagged(store, recorded, steps, reward_dtype="float32", **kwargs)
 
 
 def reference(recorded, episode_id, step, n, gamma, frames):
@@ -15,15 +23,15 @@ def reference(recorded, episode_id, step, n, gamma, frames):
     out = {"reward": [], "discount": [], "n_steps": [], "terminated": [], "truncated": [], "obs": [],
            "next_obs": []}
     for e, t in zip(episode_id.reshape(-1).tolist(), step.reshape(-1).tolist()):
-        rec = recorded[e]
-        k = min(n, rec.transitions - t)
-        out["reward"].append(sum(gamma ** i * float(rec.reward[t + i]) for i in range(k)))
+        written = recorded[e].arrays
+        k = min(n, recorded[e].length - t)
+        out["reward"].append(sum(gamma ** i * float(written["reward"][t + i]) for i in range(k)))
         out["discount"].append(gamma ** k)
         out["n_steps"].append(k)
-        out["terminated"].append(bool(rec.terminated[t + k - 1]))
-        out["truncated"].append(bool(rec.truncated[t + k - 1]))
-        out["obs"].append([rec.obs[max(t - frames + 1 + j, 0)] for j in range(frames)])
-        out["next_obs"].append([rec.obs[max(t + k - frames + 1 + j, 0)] for j in range(frames)])
+        out["terminated"].append(bool(written["terminated"][t + k - 1]))
+        out["truncated"].append(bool(written["truncated"][t + k - 1]))
+        out["obs"].append([written["obs"][max(t - frames + 1 + j, 0)] for j in range(frames)])
+        out["next_obs"].append([written["obs"][max(t + k - frames + 1 + j, 0)] for j in range(frames)])
     shape = episode_id.shape
     result = {key: np.array(value).reshape(shape + np.array(value).shape[1:]) for key, value in out.items()}
     if frames == 1:
@@ -66,7 +74,7 @@ def replay_and_check(sampler, capacity, episodes, n, gamma, frames, seed):
     rows = k = 0
     while rows < 2.5 * capacity:                    # write until the ring wraps and evicts
         steps, has_final = episodes[k % len(episodes)]
-        add_encoded(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
+        add(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
         rows += steps + has_final
         k += 1
         if len(store):
@@ -96,7 +104,7 @@ def test_a_batch_with_one_step_lookahead_is_the_plain_transition():
     store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA)
     recorded = {}
     for steps in (3, 6, 2):
-        add_encoded(store, recorded, steps)
+        add(store, recorded, steps)
     batch = store.sample(64, n_step=1, frame_stack=1)
     check_batch_reads_its_rows(batch, recorded, LiveTable(store))
     assert "discount" not in batch.keys() and "n_steps" not in batch.keys()
@@ -105,10 +113,11 @@ def test_a_batch_with_one_step_lookahead_is_the_plain_transition():
 def test_n_step_stops_at_the_episode_end_and_takes_the_last_flags():
     store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA, sampler=ab.WithoutReplacementSampler())
     recorded = {}
-    episode_id = add_encoded(store, recorded, 4, terminated=True)          # rewards 1, 2, 3, 4
+    episode_id = add(store, recorded, 4, terminated=True)          # rewards 0.5, 0.75, 1, 1.25
     batch = store.sample(4, n_step=3, gamma=0.5)
     order = np.argsort(batch["step"].numpy())
-    assert batch["reward"].numpy()[order].tolist() == [1 + 1 + 0.75, 2 + 1.5 + 1, 3 + 2, 4]
+    assert batch["reward"].numpy()[order].tolist() == [0.5 + 0.75 / 2 + 1 / 4, 0.75 + 1 / 2 + 1.25 / 4, 1 + 1.25 / 2,
+                                                       1.25]
     assert batch["n_steps"].numpy()[order].tolist() == [3, 3, 2, 1]
     assert batch["discount"].numpy()[order].tolist() == [0.125, 0.125, 0.25, 0.5]
     assert batch["terminated"].numpy()[order].tolist() == [False, True, True, True]
@@ -118,7 +127,7 @@ def test_n_step_stops_at_the_episode_end_and_takes_the_last_flags():
 
 def test_frame_stack_of_the_first_steps_repeats_the_first_frame():
     store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA, sampler=ab.WithoutReplacementSampler())
-    add_encoded(store, {}, 3)
+    add(store, {}, 3)
     batch = store.sample(3, frame_stack=3)
     order = np.argsort(batch["step"].numpy())
     assert batch["obs"].shape == (3, 3, 2) and batch["next", "obs"].shape == (3, 3, 2)
@@ -158,7 +167,7 @@ def test_frame_rows_are_oldest_first_and_clamped_to_the_episode_start():
 ])
 def test_bad_lookahead_arguments_are_refused_naming_them(kwargs, match):
     store = ab.ExperienceStore(capacity=50, seed=0, schema=SCHEMA)
-    add_encoded(store, {}, 3)
+    add(store, {}, 3)
     with pytest.raises(ValueError, match=match):
         store.sample(4, **kwargs)
 

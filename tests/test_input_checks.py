@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import arrowbuf as ab
-from conftest import assert_same_snapshot, make_episode, snapshot
+
+from support.compare import assert_same_snapshot, snapshot
+from support.episodes import make_episode
+
 
 OBS = np.zeros((2, 3), np.float32)
 

@@ -15,7 +15,8 @@ import arrowbuf as ab
 from arrowbuf.inspect import (_episode_rows, plot_episode, plot_frames, plot_lengths, plot_returns, plot_summary,
                               summarize)
 
-from _cartpole import FRAME_SHAPE, cartpole_store, pixel_store
+from support.envs import FRAME_SHAPE, cartpole_store, pixel_store
+
 
 SOURCES = ("store", "export", "checkpoint")
 

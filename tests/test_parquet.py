@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf import parquet, parquet_load
-from _persist_data import (KINDS, assert_same_batches, assert_same_rows, assert_same_store, column_numpy,
-                           episode_of, fill, schema_of, wrapped_store)
+
+from support.compare import assert_same_batches, assert_same_rows, assert_same_store, column_numpy
+from support.persist_data import KINDS, episode_of, fill, schema_of, wrapped_store
 
 
 def test_a_wrapped_store_round_trips_every_column_episode_and_sample(tmp_path):

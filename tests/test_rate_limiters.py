@@ -5,19 +5,21 @@ import time
 
 import numpy as np
 import pytest
-from _episodes import SCHEMA, encoded_episode
 
 import arrowbuf as ab
+
+from support.episodes import EPISODE_SCHEMA, make_episode, tagged_action, tagged_obs, tagged_reward
+
 
 WAIT = 5.0     # generous: a passing test never waits this long
 
 
 def limited_store(limiter, capacity=1000):
-    return ab.ExperienceStore(capacity=capacity, seed=0, schema=SCHEMA, rate_limiter=limiter)
+    return ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA, rate_limiter=limiter)
 
 
 def add(store, steps=3, **kwargs):
-    return store.add_episode(encoded_episode(0, steps), **kwargs)
+    return store.add_episode(make_episode(0, steps), **kwargs)
 
 
 class Background:
@@ -180,17 +182,16 @@ def test_stats_show_the_rate_limiter_state():
 
 def test_inserts_count_transitions_not_rows():
     store = ratio_store()
-    store.add_episode(encoded_episode(0, 4, has_final=False))   # 4 rows, 3 transitions
+    store.add_episode(make_episode(0, 4, has_final=False))   # 4 rows, 3 transitions
     assert store.engine.counts.inserts == 3 == len(store)
 
 
 # -- the step writer under back-pressure ----------------------------------------------------
 
 def step(w, t, done):
-    """One step of a single env whose obs encode (tag 7, step t)."""
-    obs = np.array([[7.0, t]])
-    w.add(obs=obs, action=np.array([t]), reward=np.array([1.0], np.float32), terminated=np.array([done]),
-          truncated=np.array([False]), next_obs=obs + [0.0, 1.0])
+    """One step of a single env playing the episode tagged 7 (step t)."""
+    w.add(obs=tagged_obs(7, [t]), action=tagged_action(7, [t]), reward=tagged_reward(7, [t]),
+          terminated=np.array([done]), truncated=np.array([False]), next_obs=tagged_obs(7, [t + 1]))
 
 
 def run_episode(w, steps=3, first=0):

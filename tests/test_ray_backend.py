@@ -17,7 +17,8 @@ import arrowbuf as ab
 from arrowbuf import RayOptions
 from arrowbuf.ray.options import INDEX_SHIFT, NAMESPACE
 
-from conftest import kill_and_wait
+from support.actors import kill_and_wait
+
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

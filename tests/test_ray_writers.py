@@ -11,7 +11,8 @@ import ray
 import arrowbuf as ab
 from arrowbuf.ray.options import NAMESPACE
 
-from conftest import kill_and_wait
+from support.actors import kill_and_wait
+
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

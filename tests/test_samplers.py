@@ -1,6 +1,6 @@
 """Samplers: distributions (chi-square), epochs (exact counts), windows and priorities.
 
-Every stored value encodes its (episode, step) (see `_episodes.py`), so a sample can
+Every stored value encodes its (episode, step) (see `support/episodes.py`), so a sample can
 be checked against the store's current episode table: the index is live and the
 row read is the row of that index.
 """
@@ -8,25 +8,27 @@ row read is the row of that index.
 import numpy as np
 import pytest
 import torch
-from _episodes import SCHEMA, LiveTable, add_encoded, check_batch_reads_its_rows, encoded_episode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import arrowbuf as ab
 
+from support.episodes import EPISODE_SCHEMA, LiveTable, add_tagged, check_batch_reads_its_rows, make_episode
+
+
 DRAWS = 100_000
 P_MIN = 1e-3
 
 
 def make_store(capacity, sampler=None, seed=0, **kwargs):
-    return ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=SCHEMA, **kwargs)
+    return ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=EPISODE_SCHEMA, **kwargs)
 
 
 def fill(store, steps, recorded=None, has_final=True):
     recorded = {} if recorded is None else recorded
     for n in steps:
-        add_encoded(store, recorded, n, has_final=has_final, terminated=len(recorded) % 2 == 0)
+        add_tagged(store, recorded, n, has_final=has_final, terminated=len(recorded) % 2 == 0)
     return recorded
 
 
@@ -62,7 +64,7 @@ def replay(store, capacity, episodes):
     rows = k = 0
     while rows < 2.5 * capacity:
         steps, has_final = episodes[k % len(episodes)]
-        add_encoded(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
+        add_tagged(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
         rows += steps + has_final
         k += 1
         yield recorded
@@ -477,7 +479,7 @@ def test_a_sampler_serves_one_store_only():
 def test_a_drop_last_batch_larger_than_the_store_fails_without_starting_epochs():
     sampler = ab.WithoutReplacementSampler(drop_last=True)
     store = make_store(100, sampler)
-    store.add_episode(encoded_episode(0, 5))
+    store.add_episode(make_episode(0, 5))
     with pytest.raises(ValueError, match="drop_last=True"):
         store.sample(6)
     assert sampler.epoch == 0
@@ -487,7 +489,7 @@ def test_a_drop_last_batch_larger_than_the_store_fails_without_starting_epochs()
 def test_num_workers_with_short_epoch_batches_is_refused_before_sampling():
     sampler = ab.WithoutReplacementSampler(drop_last=False)
     store = make_store(100, sampler)
-    store.add_episode(encoded_episode(0, 5))
+    store.add_episode(make_episode(0, 5))
     with pytest.raises(ValueError, match="drop_last=True"):
         store.sample(4, num_workers=2)
     assert store.stats()["samples"] == 0 and sampler.epoch == 0

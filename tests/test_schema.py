@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.schema import Schema, as_array, check_column, dtype_fits, flatten
+from arrowbuf.fields import as_array, check_column, dtype_fits
+from arrowbuf.schema import Schema, flatten
 
 DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16"]
 

@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.errors import CapacityError
 from arrowbuf.shard import Episode, Shard, plan_write, position_runs
-from conftest import column_numpy, reference_plan, tagged_obs
+
+from support.compare import column_numpy
+from support.episodes import tagged_obs
+from support.ring import reference_plan
+
 
 SCHEMA = ab.Schema({"obs": ab.Field("float64", (2,), observation=True), "action": ab.Field("int64"),
                     "flag": ab.Field("bool"), "pixels": ab.Field("uint8", (2, 3)), "x": ab.Field("float32")})

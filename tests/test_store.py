@@ -15,8 +15,11 @@ from tensordict import TensorDict
 
 import arrowbuf as ab
 from arrowbuf.shard import position_runs
-from conftest import (EPISODE_SCHEMA, ExpectedEpisode, FakeVectorRollout, RingModel, assert_same_batches,
-                      assert_same_snapshot, assert_store_matches, column_numpy, make_episode, snapshot, tagged_obs)
+
+from support.compare import assert_same_batches, assert_same_snapshot, column_numpy, snapshot
+from support.envs import FakeVectorRollout
+from support.episodes import EPISODE_SCHEMA, ExpectedEpisode, make_episode, tagged_obs
+from support.ring import RingModel, assert_store_matches
 
 # -- the ring under random writes ------------------------------------------------------------
 

@@ -10,7 +10,9 @@ import torch
 
 import arrowbuf as ab
 from arrowbuf.tensors import Gather, nest
-from conftest import make_episode
+
+from support.episodes import make_episode
+
 
 ALIGN = 64
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from arrowbuf.schema import as_array, flatten
+from arrowbuf.fields import as_array
+from arrowbuf.schema import flatten
 
 _PY_SCALARS = {bool: (np.bool_, "bool"), int: (np.int64, "int64"), float: (np.float32, "float32")}
 

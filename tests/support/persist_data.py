@@ -1,9 +1,10 @@
-"""Stores and checks shared by the Parquet export and checkpoint tests.
+"""The stores the Parquet export and checkpoint tests round-trip, and a checkpoint editor.
 
 Three kinds of data: ``w1`` (MuJoCo-like: obs float32[17], action float32[6]),
 ``pixels`` (obs uint8[16, 16, 3]) and ``nested`` (a dict observation with a
 bfloat16 field, a bfloat16 action and a bool[4] field). Episodes have random lengths; every third one has no final
 observation, and a few carry metadata. Stores are small enough to wrap their ring.
+The round trips compare with `support.compare`.
 """
 
 from __future__ import annotations
@@ -73,57 +74,6 @@ def wrapped_store(kind: str = "w1", *, capacity: int = 150, episodes: int = 40, 
     assert table["episode_id"][0].as_py() > 0, "expected evictions"
     assert not np.all(np.diff(table["first_row"].to_numpy()) > 0), "expected a wrapped ring"
     return store
-
-
-def column_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Values of any arrowbuf column as numpy (tensor columns with their shape)."""
-    if isinstance(column, pa.ChunkedArray):
-        parts = [column_numpy(chunk) for chunk in column.chunks]
-        return np.concatenate(parts) if parts else np.empty(0)
-    if isinstance(column.type, pa.FixedShapeTensorType):
-        values = column.storage.flatten().to_numpy(zero_copy_only=False)
-        return values.reshape((len(column), *column.type.shape))
-    return column.to_numpy(zero_copy_only=False)
-
-
-def assert_same_rows(a: pa.Table, b: pa.Table) -> None:
-    """Same columns, types and values, bit for bit (NaNs included)."""
-    assert a.schema.names == b.schema.names
-    for name in a.schema.names:
-        assert a.schema.field(name).type == b.schema.field(name).type, name
-        x, y = column_numpy(a.column(name)), column_numpy(b.column(name))
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        assert x.tobytes() == y.tobytes(), name
-
-
-def assert_same_episodes(a: ab.ExperienceStore, b: ab.ExperienceStore, skip: tuple[str, ...] = ()) -> None:
-    ta, tb = a.episodes(), b.episodes()
-    assert ta.column_names == tb.column_names
-    for name in ta.column_names:
-        if name in skip:
-            continue
-        if pa.types.is_floating(ta.schema.field(name).type):   # NaN returns (no reward field) compare equal
-            np.testing.assert_array_equal(ta.column(name).to_numpy(), tb.column(name).to_numpy(), err_msg=name)
-        else:
-            assert ta.column(name).equals(tb.column(name)), name
-
-
-def assert_same_batches(a: Any, b: Any) -> None:
-    """Two sampled TensorDicts hold the same keys, dtypes and values."""
-    keys = sorted(a.keys(True, True), key=str)
-    assert keys == sorted(b.keys(True, True), key=str)
-    for key in keys:
-        x, y = a.get(key), b.get(key)
-        assert x.dtype == y.dtype and x.shape == y.shape, key
-        assert torch.equal(x, y), key
-
-
-def assert_same_store(a: ab.ExperienceStore, b: ab.ExperienceStore, skip: tuple[str, ...] = ()) -> None:
-    """Same schema, episode table (but ``skip`` columns) and rows."""
-    assert a.schema == b.schema
-    assert (len(a), a.num_episodes) == (len(b), b.num_episodes)
-    assert_same_episodes(a, b, skip)
-    assert_same_rows(a.to_arrow(), b.to_arrow())
 
 
 def edit_checkpoint(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:

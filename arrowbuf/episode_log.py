@@ -1,0 +1,265 @@
+"""The append-only episode log of one engine: appends flushed before they return, replay, compaction.
+
+A durable shard (`arrowbuf.durable`) logs every episode its engine stores, in
+segments of records (`arrowbuf._log_records`), and flushes each append to disk
+(``fdatasync``) before the write is acknowledged.
+
+**Exactly once.** Episode ids follow from the order of writes (``shard + k *
+num_shards`` for the k-th episode a shard stores), so the log records each
+episode with its id and `EpisodeLog.replay` re-adds exactly the logged episodes
+whose id the engine has not reached: those of the checkpoint are skipped, and the
+others get their logged ids again. A retried write (the shard died after logging
+it, before its answer arrived) carries the batch number its writer gave it, and
+`EpisodeLog.seen` recognises it.
+
+**Crashes.** A record is appended and flushed before the answer, and nothing
+is written after it until then, so a crash can only leave a torn last record (its bytes run past the end
+of the newest segment): it was never acknowledged, and opening the log drops it.
+Any other damage (a bad header or checksum, a short older segment, ids that skip)
+raises `FormatError` naming the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from arrowbuf._checks import check_bool, check_int
+from arrowbuf._filesink import fsync
+from arrowbuf._log_records import (SEGMENT, Batch, Record, episodes_batch, episodes_schema, read_segment,
+                                  record_header, stream)
+from arrowbuf.engine import ShardEngine
+from arrowbuf.errors import ArrowbufError, FormatError
+from arrowbuf.schema import Schema
+from arrowbuf.shard import Episode
+
+logger = logging.getLogger("arrowbuf")
+
+_MAX_WRITERS = 4096                      # writers whose batches are remembered (the most recent ones)
+_WINDOW = 1024                           # batch numbers of a writer kept above its first gap
+
+
+def next_episode_id(engine: ShardEngine) -> int:
+    """The id the engine's next stored episode gets."""
+    if engine.shard is None:
+        return engine.shard_index
+    table = engine.table
+    return table.episode_id_of(table.episodes_added)
+
+
+
+class EpisodeLog:
+    """The append-only episode log of one engine, in segment files of ``directory``.
+
+    Opening the log reads and checks every segment, drops a torn last record, and
+    keeps the records for `replay`.
+
+    Args:
+        directory: where the segments live (created if missing).
+        segment_bytes: a segment this large is closed and a new one started.
+        sync: flush each append to disk (``fdatasync``) before it returns; False
+            leaves it to the OS: appends survive a dead process, not a node crash.
+
+    Raises:
+        FormatError: a damaged record or segment (never a torn last record).
+        ValueError: a bad argument.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20, sync: bool = True) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(f"directory must be a path, got {directory!r}")
+        self.directory = Path(directory)
+        self.segment_bytes = check_int("segment_bytes", segment_bytes, 1)
+        self.sync = check_bool("sync", sync)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # writer -> [n, [numbers above n]]: its batches 1..n and those listed are logged.
+        # Exact whatever order retries come in; a number that never comes (a write
+        # refused before it was logged) is passed over once _WINDOW later ones came.
+        self.batches: dict[str, list] = {}
+        self._records: list[Record] | None = []  # kept from opening until `replay`
+        self._segments: list[tuple[Path, int]] = []   # sealed segments and the next id after their records
+        self._next_after = 0
+        self._arrow_schema: tuple[Schema, pa.Schema] | None = None   # of the last append, reused
+        self._open()
+
+    def _open(self) -> None:
+        paths = sorted(p for p in self.directory.iterdir() if SEGMENT.fullmatch(p.name))
+        for k, path in enumerate(paths):
+            records, end = read_segment(path, last=k == len(paths) - 1)
+            if end < path.stat().st_size:
+                logger.warning("%s: dropping a torn last record (%d bytes) of an append that never returned",
+                               path, path.stat().st_size - end)
+                os.truncate(path, end)
+            for record in records:
+                self._note(record)
+            self._records += records
+            self._segments.append((path, self._next_after))
+        if self._segments and self._segments[-1][0].stat().st_size == 0:
+            self._segments.pop()[0].unlink()   # a segment whose start record was torn
+        if self._segments:
+            self._active_path = self._segments.pop()[0]
+            self._file = open(self._active_path, "ab")
+        else:
+            self._start_segment(0)
+
+    def _note(self, record: Record) -> None:
+        if record.kind == "start":
+            self.batches.update(record.meta["writers"])
+        elif record.kind == "clear":
+            self._next_after = max(self._next_after, int(record.meta["next_id"]) + 1)
+        else:
+            ids = record.ids()
+            if ids:
+                self._next_after = max(self._next_after, ids[-1] + 1)
+        if record.batch is not None:
+            self._remember(record.batch)
+
+    def _remember(self, batch: Batch) -> None:
+        writer, number = batch
+        upto, above = self.batches.pop(writer, [0, []])   # newest last: the oldest writers are forgotten first
+        if number > upto and number not in above:
+            bisect.insort(above, number)
+        while above and (above[0] == upto + 1 or len(above) > _WINDOW):
+            upto = above.pop(0)
+        self.batches[writer] = [upto, above]
+        while len(self.batches) > _MAX_WRITERS:
+            del self.batches[next(iter(self.batches))]
+
+    def _start_segment(self, number: int) -> None:
+        self._active_path = self.directory / f"log-{number:08d}.arrowlog"
+        self._file = open(self._active_path, "ab")
+        self._write(stream(pa.schema([]), {"kind": "start", "writers": self.batches}))
+        if self.sync:
+            fsync(self.directory)
+
+    def _write(self, payload: pa.Buffer) -> None:
+        """Append one record and flush it; a failed append leaves no partial record behind."""
+        header = record_header(payload)
+        start = self._file.tell()
+        try:
+            self._file.write(header)
+            self._file.write(memoryview(payload))
+            self._file.flush()
+            if self.sync:
+                os.fdatasync(self._file.fileno())
+        except BaseException:
+            self._file.truncate(start)
+            raise
+
+    # -- appending ------------------------------------------------------------------------
+
+    def seen(self, batch: Batch) -> bool:
+        """Whether the writer's batch number ``batch[1]`` is logged."""
+        upto, above = self.batches.get(batch[0], (0, ()))
+        return batch[1] <= upto or batch[1] in above
+
+    def append(self, episodes: Sequence[tuple[int, Episode, int]], schema: Schema,
+               batch: Batch | None = None) -> None:
+        """Log stored episodes as one record and flush it to disk before returning.
+
+        Args:
+            episodes: (episode id, episode, inserted_at ns) in the order they were stored.
+            schema: the engine's schema.
+            batch: (writer id, batch number) of the write they came in, for `seen`.
+        """
+        if self._arrow_schema is None or self._arrow_schema[0] != schema:
+            self._arrow_schema = (schema, episodes_schema(schema))
+        arrow_schema = self._arrow_schema[1]
+        meta = {"kind": "episodes", "batch": list(batch) if batch is not None else None}
+        payload = stream(arrow_schema, meta, [episodes_batch(arrow_schema, schema, episodes)])
+        with self._lock:
+            self._rotate_if_full()
+            self._write(payload)
+            if batch is not None:
+                self._remember(batch)
+
+    def append_clear(self, next_id: int) -> None:
+        """Log that the engine was cleared when its next episode id was ``next_id``."""
+        with self._lock:
+            self._rotate_if_full()
+            self._write(stream(pa.schema([]), {"kind": "clear", "next_id": int(next_id)}))
+
+    def _rotate_if_full(self) -> None:
+        if self._file.tell() >= self.segment_bytes:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._segments.append((self._active_path, self._next_after))
+        self._start_segment(int(SEGMENT.fullmatch(self._active_path.name).group(1)) + 1)
+
+    # -- replay and compaction ------------------------------------------------------------
+
+    def replay(self, engine: ShardEngine) -> int:
+        """Add the logged episodes the engine does not hold yet; returns how many.
+
+        Episodes whose id is below the engine's next id are in it already (from
+        its checkpoint) and skipped; the others must come in id order.
+
+        Raises:
+            FormatError: the log skips episodes the engine never stored, or an
+                episode the engine refuses.
+        """
+        with self._lock:
+            records, self._records = self._records or [], None
+        added = 0
+        for record in records:
+            if record.kind == "clear":
+                if int(record.meta["next_id"]) == next_episode_id(engine):
+                    engine.clear()
+                continue
+            if record.kind != "episodes":
+                continue
+            for logged, episode in record.episodes():
+                expected = next_episode_id(engine)
+                if logged < expected:
+                    continue
+                if logged > expected:
+                    raise FormatError(f"{record.where}: episode {logged} follows episode {expected - 1} of the "
+                                      f"checkpoint; the episodes between them are missing from the log")
+                try:
+                    stored = engine.add(episode, record.schema, limited=False)
+                except (ArrowbufError, ValueError) as err:
+                    raise FormatError(f"{record.where}: the engine refuses logged episode {logged} ({err})") from None
+                if stored != logged:
+                    raise FormatError(f"{record.where}: episode {logged} was stored as {stored}; the log belongs "
+                                      "to another shard")
+                added += 1
+        return added
+
+    def compact(self, upto: int) -> int:
+        """Start a new segment and delete the older ones a checkpoint covers; returns how many.
+
+        Args:
+            upto: the next episode id of the checkpoint: every episode with a smaller
+                id is in it (or was evicted before it).
+        """
+        with self._lock:
+            self._rotate()
+            covered = [path for path, next_after in self._segments if next_after <= upto]
+            for path in covered:
+                path.unlink()
+            self._segments = [(p, n) for p, n in self._segments if p not in covered]
+            if self.sync:
+                fsync(self.directory)
+            return len(covered)
+
+    def segments(self) -> list[Path]:
+        """The segment files, oldest first (the last one is appended to)."""
+        return [path for path, _ in self._segments] + [self._active_path]
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "EpisodeLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

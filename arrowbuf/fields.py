@@ -1,0 +1,238 @@
+"""One column: dtype names, the `Field` spec, and the conversions and checks of one column's values.
+
+A field's dtype is one of arrowbuf's names (bool, the ints, float16/32/64, bfloat16);
+numpy and torch dtypes are accepted and named (`dtype_name`). Values come in as numpy,
+torch or Arrow and are read as numpy views (`as_array`, `arrow_to_numpy`), checked
+against their field (`check_column`: per-step shape, lossless dtype, exact integers in
+float fields), and stored as Arrow arrays over the same memory (`numpy_to_arrow`).
+
+Arrow mapping: scalars are plain primitives, fixed shapes use the
+``fixed_shape_tensor`` extension type, bfloat16 is stored as uint16 bits.
+
+Example:
+    >>> from arrowbuf.fields import Field
+    >>> Field("float32", (4,), observation=True).row_bytes
+    16
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from arrowbuf.errors import SchemaError, describe
+
+#: dtype name -> (numpy storage dtype, torch dtype)
+_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    "bool": (np.dtype(np.bool_), torch.bool),
+    "uint8": (np.dtype(np.uint8), torch.uint8),
+    "int8": (np.dtype(np.int8), torch.int8),
+    "int16": (np.dtype(np.int16), torch.int16),
+    "int32": (np.dtype(np.int32), torch.int32),
+    "int64": (np.dtype(np.int64), torch.int64),
+    "float16": (np.dtype(np.float16), torch.float16),
+    "float32": (np.dtype(np.float32), torch.float32),
+    "float64": (np.dtype(np.float64), torch.float64),
+    "bfloat16": (np.dtype(np.uint16), torch.bfloat16),
+}
+_TORCH_TO_NAME = {t: name for name, (_, t) in _DTYPES.items()}
+# numpy dtype -> name (np.dtype.name runs Python code in numpy 2: ~1.5 us a call)
+_NUMPY_NAMES = {np.dtype(name): name for name in _DTYPES if name != "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """The spec of one column: dtype name, per-step shape, and whether it is an observation.
+
+    Args:
+        dtype: one of bool, uint8, int8, int16, int32, int64, float16, float32,
+            float64, bfloat16 (a numpy or torch dtype is accepted and named).
+        shape: the shape of one step's value; () for scalars.
+        observation: True for fields whose next value is read from the next row.
+        derived: True for per-step columns the store computes (``advantage``,
+            ``value_target`` of `ExperienceStore.compute_gae`): writes may leave
+            them out, and they are zero until computed.
+
+    Raises:
+        SchemaError: an unknown dtype or a shape with negative or non-integer sizes.
+    """
+
+    dtype: str
+    shape: tuple[int, ...] = ()
+    observation: bool = False
+    derived: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            raise SchemaError(f"shape must be a tuple of ints, got {self.shape!r}") from None
+        if any(s < 1 for s in shape):
+            raise SchemaError(f"shape must have positive sizes, got {shape} (Arrow's fixed-shape tensors need them)")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The dtype of the stored column (uint16 for bfloat16)."""
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of sampled tensors."""
+        return _DTYPES[self.dtype][1]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one step of this field takes."""
+        return int(self.numpy_dtype.itemsize * np.prod(self.shape, dtype=np.int64))
+
+    def arrow_type(self) -> pa.DataType:
+        """The Arrow type of this column."""
+        value_type = pa.bool_() if self.dtype == "bool" else pa.from_numpy_dtype(self.numpy_dtype)
+        if not self.shape:
+            return value_type
+        return pa.fixed_shape_tensor(value_type, list(self.shape))
+
+
+def dtype_name(dtype: Any) -> str:
+    """The arrowbuf name of a numpy dtype, torch dtype or dtype name.
+
+    Raises:
+        SchemaError: the dtype has no arrowbuf equivalent.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = _TORCH_TO_NAME.get(dtype)
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in _DTYPES:
+        raise SchemaError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
+    """A numpy view (no copy where possible) of one column and its dtype name.
+
+    torch tensors are detached and moved to the CPU; bfloat16 tensors are viewed as
+    uint16 bits. Lists and scalars go through `np.asarray`.
+
+    Raises:
+        SchemaError: the value cannot be read as an array of a supported dtype.
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if tensor.dtype not in _TORCH_TO_NAME:
+            raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
+        return tensor.numpy(), _TORCH_TO_NAME[tensor.dtype]
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        return arrow_to_numpy(value, name), ""
+    array = np.asarray(value)
+    dtype = _NUMPY_NAMES.get(array.dtype)
+    if dtype is None:
+        raise SchemaError(
+            f"field {name!r}: unsupported dtype {array.dtype} ({describe(value)}); "
+            f"expected one of {sorted(_DTYPES)}"
+        )
+    return array, dtype
+
+
+def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str,
+                   shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """A numpy array of an Arrow column, rows first (zero-copy for numeric columns).
+
+    Fixed-shape tensors keep their shape; a plain fixed-size list column gets the
+    per-row ``shape`` (its list size when None). Booleans are unpacked from bits.
+
+    Raises:
+        SchemaError: the column has nulls.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise SchemaError(f"field {name!r} has {column.null_count} nulls; arrowbuf columns have none")
+    if isinstance(column.type, pa.FixedShapeTensorType):
+        shape = tuple(column.type.shape)
+        column = column.storage
+    if pa.types.is_fixed_size_list(column.type):
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        return values.reshape(len(column), *(shape if shape is not None else (column.type.list_size,)))
+    return column.to_numpy(zero_copy_only=False)
+
+
+def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
+    """An Arrow array over ``array`` (rows of ``field``) without copying it.
+
+    bool columns are the exception: Arrow packs booleans into bits, so they are
+    converted (1/8 of a byte per value).
+    """
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if field.dtype == "bool":
+        values = pa.array(flat, pa.bool_())
+    else:
+        values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size, [None, pa.py_buffer(flat)])
+    if not field.shape:
+        return values
+    storage = pa.FixedSizeListArray.from_arrays(values, int(np.prod(field.shape)))
+    return pa.ExtensionArray.from_storage(field.arrow_type(), storage)
+
+
+def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading: int = 1) -> None:
+    """Check one column's dtype and per-step shape (after ``leading`` batch dimensions).
+
+    Raises:
+        SchemaError: naming the field, the value received and what was expected.
+    """
+    if array.ndim < leading:
+        raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
+                          f"before the per-step shape {field.shape}")
+    if tuple(array.shape[leading:]) != field.shape:
+        raise SchemaError(f"field {name!r}: per-step shape {tuple(array.shape[leading:])} "
+                          f"(from {describe(array)}); expected {field.shape}")
+    received = dtype or array.dtype.name
+    if not dtype_fits(received, field.dtype):
+        raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
+                          "(or a dtype that casts to it without loss)")
+    limit = exact_int_limit(received, field.dtype)
+    if limit is not None and array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < -limit or high > limit:
+            bad = high if high > limit else low
+            raise SchemaError(f"field {name!r}: {received} value {bad} has no exact {field.dtype} (integers are "
+                              f"exact up to 2**{limit.bit_length() - 1} = {limit:,} in magnitude); store the "
+                              f"field as {received}, or cast it yourself if rounding is acceptable")
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_fits(received: str, expected: str) -> bool:
+    """Whether values of dtype ``received`` can be stored as ``expected`` without loss."""
+    if received == expected:
+        return True
+    if "bfloat16" in (received, expected):
+        return False
+    return bool(np.can_cast(np.dtype(received), np.dtype(expected), "safe"))
+
+
+@functools.lru_cache(maxsize=None)
+def exact_int_limit(received: str, expected: str) -> int | None:
+    """The largest magnitude up to which every integer of dtype ``received`` is
+    exact in float dtype ``expected``, when some are not (int64 -> float64:
+    2**53); None when every value casts exactly, or for other kinds of cast."""
+    if received == expected or "bfloat16" in (received, expected):
+        return None
+    source, target = np.dtype(received), np.dtype(expected)
+    if source.kind not in "iu" or target.kind != "f":
+        return None
+    exact_bits = np.finfo(target).nmant + 1
+    return 2 ** exact_bits if np.iinfo(source).bits - (source.kind == "i") > exact_bits else None
