@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -247,3 +247,52 @@ def check_priorities(index: Any, priority: Any, alpha: float, eps: float,
         raise ValueError(f"priority {priority[too_big][:5].tolist()} too large: (priority + eps) ** alpha must stay "
                          f"<= {limit:.3g} (float64 max / capacity) for the sum tree's total to be finite")
     return index.astype(np.int64), priority
+
+
+def check_index_batches(indices: Any, extras: Any) -> tuple[list[np.ndarray], list[dict]]:
+    """Batches of store indices (1-D or 2-D int arrays, non-empty) and their extra fields
+    (None, or one mapping name -> array shaped like its batch per batch), as numpy.
+
+    Raises:
+        ValueError: anything else, naming the batch and what it got.
+    """
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence) or not len(indices):
+        raise ValueError(f"indices must be a non-empty list of index arrays (one per batch), got {describe(indices)}")
+    batches = []
+    for k, index in enumerate(indices):
+        array, _ = to_numpy(index, f"indices[{k}]")
+        if array.ndim not in (1, 2) or not array.size or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"indices[{k}] must be a non-empty 1-D or 2-D array of ints, got {describe(array)}")
+        batches.append(array.astype(np.int64))
+    if extras is None:
+        return batches, [{} for _ in batches]
+    if not isinstance(extras, Sequence) or len(extras) != len(batches):
+        raise ValueError(f"extras must be None or a list of {len(batches)} mappings (one per batch), "
+                         f"got {describe(extras)}")
+    checked = []
+    for k, (extra, index) in enumerate(zip(extras, batches)):
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"extras[{k}] must be a mapping name -> array, got {describe(extra)}")
+        fields = {}
+        for name, value in extra.items():
+            array, _ = to_numpy(value, f"extras[{k}][{name!r}]")
+            if not isinstance(name, str) or array.shape[:index.ndim] != index.shape:
+                raise ValueError(f"extras[{k}][{name!r}] must be named by a str and lead with the batch's shape "
+                                 f"{index.shape}, got {describe(array)}")
+            fields[name] = array
+        checked.append(fields)
+    return batches, checked
+
+
+def check_shard(shard: Any, num_shards: int) -> int | None:
+    """None, or a shard number in [0, num_shards).
+
+    Raises:
+        ValueError: anything else (a local store has the one shard 0).
+    """
+    if shard is None:
+        return None
+    if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) or not 0 <= shard < num_shards:
+        where = "a local store has one shard, 0" if num_shards == 1 else f"the store has {num_shards} shards"
+        raise ValueError(f"shard must be an int in [0, {num_shards}) or None, got {shard!r} ({where})")
+    return int(shard)

@@ -8,14 +8,15 @@ and hands the work to the store's backend.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import (check_bool, check_device, check_fraction, check_int, check_priorities,
-                              check_sample_args, check_timeout, check_worker_nodes, check_workers, to_numpy)
+from arrowbuf._checks import (check_bool, check_choice, check_device, check_fraction, check_index_batches,
+                              check_int, check_priorities, check_sample_args, check_timeout, check_worker_nodes,
+                              check_workers, to_numpy)
 from arrowbuf.errors import describe
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 
@@ -154,6 +155,34 @@ class StoreSampling:
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
             raise ValueError(f"index must be a 1-D array of ints, got {describe(array)}")
         return self._backend.gather(array.astype(np.int64), check_device(device))
+
+    def gather_refs(self, indices: Sequence[Any], *, extras: Sequence[Mapping[str, Any]] | None = None,
+                    next_keys: str = "nested") -> list:
+        """Ray only: batches for train workers, left in Ray's object store; their ObjectRefs.
+
+        The shards gather each batch and keep it in the object store (a batch drawn
+        from several shards is assembled by a Ray task next to them), so this
+        process holds refs, never rows: hand them to train workers, where
+        ``ray.get(ref)``, `arrowbuf.ray.resolve`, or Ray resolving a ref passed as
+        a task or actor argument gives a TensorDict of read-only views of the
+        object store (clone before writing in place). Waits until every batch is
+        gathered, so errors are raised here.
+
+        Args:
+            indices: one array of indices (values of a batch's ``"index"``) per
+                batch, 1-D, or 2-D for a [n, L] batch.
+            extras: per batch, more fields (name -> array shaped like its indices,
+                e.g. a ``"mask"``).
+            next_keys: "nested" (``batch["next", "obs"]``) or "flat" (``"next_obs"``,
+                RLightning's names).
+
+        Raises:
+            ValueError: a bad argument, or a local store.
+            KeyError: some indices are not live (nothing is handed out).
+        """
+        check_choice("next_keys", next_keys, ("nested", "flat"))
+        batches, fields = check_index_batches(indices, extras)
+        return self._backend.gather_refs(batches, fields, next_keys == "flat")
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """[first, stop) of the live indices of each shard (a shard's indices are contiguous)."""

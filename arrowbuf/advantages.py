@@ -149,13 +149,70 @@ def _steps(array: Any, name: str, n: int | None) -> np.ndarray:
     return array if array.dtype == bool else array.astype(np.float64)
 
 
+def check_gae_fields(shard: Shard, value_key: str) -> None:
+    """Raises ValueError unless ``reward`` and ``value_key`` are scalar step fields of ``shard``."""
+    for name in ("reward", value_key):
+        spec = shard.schema.fields.get(name)
+        if spec is None or spec.observation or spec.shape not in ((), (1,)):
+            raise ValueError(f"compute_gae needs a scalar step field {name!r}; the schema is {shard.schema}")
+
+
+def cut_episodes(shard: Shard) -> tuple[np.ndarray, np.ndarray]:
+    """(episode ids, arena rows of the final observations) of the live episodes cut after a
+    final observation (truncated, or cut by a writer's flush): those that bootstrap from it."""
+    table = shard.table
+    cut = _cut(table)
+    return table.col("episode_id")[cut].astype(np.int64), table.col("first_row")[cut] + table.col("length")[cut]
+
+
+def _cut(table: Any) -> np.ndarray:
+    """Positions in the episode table of the episodes cut after a final observation."""
+    length = table.col("length")
+    return np.flatnonzero(table.col("has_final").astype(bool) & ~table.col("terminated").astype(bool) & (length > 0))
+
+
+def final_observations(shard: Shard, rows: np.ndarray) -> TensorDict:
+    """The observation fields at arena ``rows`` as a TensorDict [len(rows)] (copies)."""
+    observations = {}
+    for name in shard.schema.observation_names:
+        spec = shard.schema.fields[name]
+        tensor = torch.from_numpy(shard.arena[name][rows])
+        observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
+    return make_tensordict(observations, (len(rows),))
+
+
+def bootstrap_values(bootstrap_value: Callable[[TensorDict], Any] | None, observations: TensorDict) -> np.ndarray:
+    """``bootstrap_value(observations)`` checked: one finite value per observation (float64).
+
+    Raises:
+        ValueError: no callable, or a result that is not one finite value per observation.
+    """
+    count = observations.batch_size[0]
+    if bootstrap_value is None:
+        raise ValueError(f"{count} episode(s) were cut after a final observation (truncated, or cut by "
+                         "flush at the end of a rollout) and bootstrap from its value: pass "
+                         "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
+    result = bootstrap_value(observations)
+    values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
+    if values.size != count or not np.isfinite(values).all():
+        raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
+                         "one per final observation")
+    return values.reshape(count)
+
+
 def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
-                     bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+                     bootstrap_value: Callable[[TensorDict], Any] | None,
+                     final_values: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """GAE of every live transition of ``shard``, written to its derived columns.
 
     What each episode's last transition bootstraps from is documented at
     `arrowbuf.ExperienceStore.compute_gae`. The columns ``"advantage"`` and
     ``"value_target"`` extend the shard's schema at the first call.
+
+    Args:
+        final_values: (episode ids, values) of the final observations of the cut
+            episodes (`cut_episodes`), computed before (a Ray store calls the user's
+            ``bootstrap_value`` in its own process); None calls ``bootstrap_value`` here.
 
     Returns:
         The number of transitions written.
@@ -163,23 +220,24 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     Raises:
         ValueError: no scalar ``reward`` / ``value_key`` step field, episodes cut
             after a final observation but no ``bootstrap_value``, or a callable
-            that returns something other than one finite value per episode.
-            Nothing is changed when it raises.
+            that returns something other than one finite value per episode; with
+            ``final_values``, a cut episode without a value. Nothing is changed
+            when it raises.
     """
-    for name in ("reward", value_key):
-        spec = shard.schema.fields.get(name)
-        if spec is None or spec.observation or spec.shape not in ((), (1,)):
-            raise ValueError(f"compute_gae needs a scalar step field {name!r}; the schema is {shard.schema}")
+    check_gae_fields(shard, value_key)
     table = shard.table
     first, length = table.col("first_row"), table.col("length")
-    has_final, terminated = table.col("has_final").astype(bool), table.col("terminated").astype(bool)
+    has_final = table.col("has_final").astype(bool)
     values = _numbers(shard, value_key)
     # After the last transition: nothing (terminated), the last stored step's value
     # (no final observation), or the value of the final observation (cut).
     last_value = np.where(has_final, 0.0, values[np.minimum(first + length, shard.capacity - 1)])
-    cut = np.flatnonzero(has_final & ~terminated & (length > 0))
+    cut = _cut(table)
     if len(cut):
-        last_value[cut] = _bootstrap(shard, bootstrap_value, first[cut] + length[cut])
+        if final_values is None:
+            last_value[cut] = bootstrap_values(bootstrap_value, final_observations(shard, first[cut] + length[cut]))
+        else:
+            last_value[cut] = _values_of(table.col("episode_id")[cut].astype(np.int64), *final_values)
     rows = shard.transition_rows()
     advantage, target = gae(_numbers(shard, "reward")[rows], values[rows], last_value, length, gamma, lam)
     if "advantage" not in shard.schema.fields:
@@ -189,27 +247,23 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     return len(rows)
 
 
+def _values_of(episode_ids: np.ndarray, known_ids: np.ndarray, known_values: np.ndarray) -> np.ndarray:
+    """The values given for ``episode_ids``.
+
+    Raises:
+        ValueError: some episode has none (it was cut after the final observations were read).
+    """
+    order = np.argsort(known_ids)
+    at = np.minimum(np.searchsorted(known_ids[order], episode_ids), max(len(known_ids) - 1, 0))
+    found = len(known_ids) > 0 and known_ids[order][at] == episode_ids
+    if not np.all(found):
+        missing = episode_ids[~np.asarray(found, bool)] if len(known_ids) else episode_ids
+        raise ValueError(f"episodes {missing[:5].tolist()} were cut after a final observation but have no "
+                         "bootstrap value: they were stored while compute_gae ran; call it again")
+    return np.asarray(known_values, np.float64)[order][at]
+
+
 def _numbers(shard: Shard, name: str) -> np.ndarray:
     """A scalar column of the arena as numbers (bfloat16 bits decoded)."""
     column = shard.arena[name].reshape(shard.capacity)
     return bf16_bits_to_float32(column) if shard.schema.fields[name].dtype == "bfloat16" else column
-
-
-def _bootstrap(shard: Shard, bootstrap_value: Callable[[TensorDict], Any] | None, rows: np.ndarray) -> np.ndarray:
-    """The values ``bootstrap_value`` gives the final observations at arena ``rows``."""
-    count = len(rows)
-    if bootstrap_value is None:
-        raise ValueError(f"{count} episode(s) were cut after a final observation (truncated, or cut by "
-                         "flush at the end of a rollout) and bootstrap from its value: pass "
-                         "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
-    observations = {}
-    for name in shard.schema.observation_names:
-        spec = shard.schema.fields[name]
-        tensor = torch.from_numpy(shard.arena[name][rows])
-        observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
-    result = bootstrap_value(make_tensordict(observations, (count,)))
-    values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
-    if values.size != count or not np.isfinite(values).all():
-        raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
-                         "one per final observation")
-    return values.reshape(count)

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 
 from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
-from arrowbuf.advantages import write_advantages
+from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
@@ -379,13 +379,25 @@ class ShardEngine:
     # -- derived columns ----------------------------------------------------------------
 
     def compute_gae(self, gamma: float, lam: float, value_key: str,
-                    bootstrap_value: Callable[[TensorDict], Any] | None) -> int:
+                    bootstrap_value: Callable[[TensorDict], Any] | None,
+                    final_values: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Write ``"advantage"`` and ``"value_target"`` of every live transition
         (`arrowbuf.advantages.write_advantages`, under the lock); returns how many."""
         with self.lock:
             if self._shard is None:
                 return 0
-            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value)
+            return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value, final_values)
+
+    def final_observations(self, value_key: str) -> tuple[np.ndarray, TensorDict | None]:
+        """(episode ids, final observations) of the episodes that bootstrap from their final
+        observation's value (`arrowbuf.advantages.cut_episodes`); a Ray shard's first step of
+        `compute_gae`. Raises ValueError as `compute_gae` does for missing fields."""
+        with self.lock:
+            if self._shard is None:
+                return np.zeros(0, np.int64), None
+            check_gae_fields(self._shard, value_key)
+            ids, rows = cut_episodes(self._shard)
+            return ids, final_observations(self._shard, rows)
 
     # -- views ----------------------------------------------------------------------
 

@@ -131,8 +131,8 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     """
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu()
-        if tensor.dtype == torch.bfloat16:
-            return tensor.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
+            return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
         if tensor.dtype not in _TORCH_TO_NAME:
             raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
         return tensor.numpy(), _TORCH_TO_NAME[tensor.dtype]

@@ -74,6 +74,11 @@ class LocalBackend:
     def add(self, episode: Episode, schema: Schema | None, timeout: float | None) -> int:
         return self.engine.add(episode, schema, timeout)
 
+    def add_many(self, episodes: list, schema: Schema | None, timeout: float | None, shard: int | None) -> list[int]:
+        """Store checked episodes in order (``shard`` is None or 0: there is one); their ids."""
+        engine = self.engine
+        return [engine.add(episode, schema, timeout) for episode in episodes]
+
     def pin(self, env_id: str, shard: int) -> None:
         """One shard: every env's episodes go to it."""
 
@@ -114,6 +119,11 @@ class LocalBackend:
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
         return batch
+
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
+        """Refs of batches in Ray's object store: a Ray store's (its shards put them there)."""
+        raise ValueError("gather_refs needs backend='ray': it leaves each batch in Ray's object store, put there "
+                         "by the shards; a local store's gather(index) returns the batch in this process")
 
     def live_ranges(self) -> list[tuple[int, int]]:
         return [self.engine.live_range()]

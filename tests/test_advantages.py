@@ -95,6 +95,25 @@ def test_cut_episodes_without_a_bootstrap_callable_raise_and_change_nothing():
     assert "advantage" not in store.schema.fields
 
 
+def test_values_given_by_episode_id_bootstrap_those_episodes_and_a_missing_one_is_refused():
+    # A Ray store's second step: the values of the final observations come by episode id.
+    store = ab.ExperienceStore(100, seed=0)
+    add(store, 3, terminated=False)
+    add(store, 4, terminated=False)
+    ids, final_obs = store.engine.final_observations("value")
+    assert ids.tolist() == [0, 1] and final_obs["obs"][:, 1].tolist() == [3.0, 4.0]
+    with pytest.raises(ValueError, match=r"episodes \[1\] were cut .* stored while compute_gae ran"):
+        store.engine.compute_gae(0.9, 0.8, "value", None, (np.array([0]), np.array([5.0])))
+    assert "advantage" not in store.schema.fields
+    store.engine.compute_gae(0.9, 0.8, "value", None, (ids[::-1].copy(), np.array([40.0, 30.0])))
+    reference = ab.ExperienceStore(100, seed=0)
+    add(reference, 3, terminated=False)
+    add(reference, 4, terminated=False)
+    reference.compute_gae(0.9, 0.8, bootstrap_value=lambda obs: obs["obs"][:, 1] * 10.0)
+    np.testing.assert_allclose(store.to_arrow().column("advantage").to_numpy(),
+                               reference.to_arrow().column("advantage").to_numpy(), rtol=1e-6)
+
+
 def test_episodes_written_after_compute_gae_get_zeros_until_the_next_call():
     store = ab.ExperienceStore(100, seed=0)
     add(store, 3, terminated=True)

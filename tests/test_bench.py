@@ -73,6 +73,9 @@ def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_inges
         assert metric in run.stdout
         assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
     assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+    metric = "WBC add_episodes(256 episodes)"   # one add_episodes of the rollout against one add_episode per env
+    assert metric in run.stdout and "store.add_episode x E" in run.stdout
+    assert len(ratios[metric, "batched/single"]) == 2 and all(r > 0 for r in ratios[metric, "batched/single"])
 
 
 def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, seed, tmp_path):
@@ -83,7 +86,7 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in rows if line.startswith("| metric |")]
-    assert len(headers) == 2 and len(rows) == 2 + 4 + 3
+    assert len(headers) == 2 and len(rows) == 2 + 4 + 4
     assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
     assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout
 

@@ -29,6 +29,7 @@ from arrowbuf.compat import (
     ReplayBuffer,
     RolloutBuffer,
     parse_config,
+    resolve,
 )
 
 from support.envs import make_cartpole
@@ -132,6 +133,24 @@ def test_a_sync_rollout_of_vector_envs_stores_each_sub_env_window_as_its_transit
     expected_codes = np.repeat([0, 1, 2, 100, 101, 102], 5)
     np.testing.assert_array_equal(everything["observation"][:, 0].numpy(), expected_codes)
     assert not everything["terminated"].any() and not everything["truncated"].any()
+
+
+def test_rollouts_of_changing_lengths_reuse_the_staging_rows_without_mixing_them_up():
+    # Staging grows from 32 rows; a finished segment's rows are reused by the env's next one.
+    workers = [TaggedWorker(0, num_envs=3), TaggedWorker(1, num_envs=3)]
+    buffer = DataBuffer(rollout_config(), seed=0, num_train_workers=1)
+    buffer.init([EnvMeta(w.env_id, num_envs=3) for w in workers])
+    for steps in (40, 3, 70, 5):
+        sync_rollout(buffer, workers, max_rollout_steps=steps)
+        batch, = buffer.sample(batch_size=None, shuffle=False)
+        assert batch.batch_size == (2 * 3 * steps,) and len(buffer) == 0
+        assert_tagged_transitions(batch)
+        np.testing.assert_array_equal(np.sort(batch["observation"][:, 1].numpy()),
+                                      np.repeat(np.arange(steps), 6))
+    buffer.clear()                                       # clear keeps the memory, not the rows
+    sync_rollout(buffer, workers[:1], max_rollout_steps=4)
+    assert len(buffer) == 12
+    assert_tagged_transitions(buffer[:])
 
 
 def test_sampling_a_rollout_buffer_gives_every_transition_once_per_worker_and_clears_it():
@@ -546,9 +565,9 @@ def test_a_sharded_config_samples_exact_batches_from_ray_shards_of_unequal_size(
     assert len(buffer) == 11
     per_shard = buffer.get_all()
     assert sorted(len(part) for part in per_shard.values()) == [3, 8]
-    batches = buffer.sample(batch_size=7)        # the seed dropped 7 % 2 and required equal shard sizes
+    batches = [resolve(b) for b in buffer.sample(batch_size=7)]   # the seed dropped 7 % 2, needed equal shards
     assert [b.batch_size[0] for b in batches] == [3, 3]
-    assert sum(len(b) for b in buffer.sample(batch_size=7, drop_last=False)) == 8
+    assert sum(len(resolve(b)) for b in buffer.sample(batch_size=7, drop_last=False)) == 8
     for batch in batches:
         assert_tagged_transitions(batch)
     assert_tagged_transitions(buffer[:])

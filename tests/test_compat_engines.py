@@ -17,7 +17,8 @@ from test_compat_hooks import torch_stack_postprocess
 
 from arrowbuf.compat import BatchedData, DataBuffer
 
-from support.compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
+from support.compat_envs import (VecWorker, fake_train_worker, policy, rsl_rollout, sync_rollout, transitions, truth,
+                                 update_dataset)
 
 
 CLUSTER = {"remote_storage": True, "buffer_worker_num": 2, "train_worker_num": 2}
@@ -60,23 +61,40 @@ def placement(request) -> str:
     return request.param
 
 
-def test_sync_ppo_rollouts_reach_both_train_workers_exactly_once(placement):
+@pytest.fixture(scope="module")
+def ray_train_workers():
+    import ray
+
+    workers = [ray.remote(num_cpus=0)(fake_train_worker()).remote() for _ in range(2)]
+    yield workers
+    for worker in workers:
+        ray.kill(worker)
+
+
+@pytest.fixture
+def train_workers(placement, request):
+    """Two train worker actors on Ray (batches are refs there), None locally."""
+    return request.getfixturevalue("ray_train_workers") if placement == "ray" else None
+
+
+def test_sync_ppo_rollouts_reach_both_train_workers_exactly_once(placement, train_workers):
     workers = [VecWorker(k, num_envs=3, seed=k, min_len=1000, max_len=1000) for k in range(4)]   # no resets in a window
     buffer = make_buffer(placement, workers)
     for _ in range(2):
         before = truth(workers)
         sync_rollout(buffer, workers, steps=5)
         check_affinity(buffer)
-        batches = buffer.sample(batch_size=None)
+        batches = update_dataset(buffer.sample(batch_size=None), train_workers)
         assert len(batches) == 2 and len(buffer) == 0
         assert sampled(batches) == truth(workers) - before
         assert sum(len(batch) for batch in batches) == 4 * 3 * 5
-    empty = buffer.sample(batch_size=None)           # a worker whose shard holds nothing gets every field, no rows
+    # a worker whose shard holds nothing gets every field, no rows
+    empty = update_dataset(buffer.sample(batch_size=None), train_workers)
     assert [len(b) for b in empty] == [0, 0] and set(empty[0].keys()) == set(batches[0].keys())
     assert empty[0]["observation"].shape == (0, 3)
 
 
-def test_async_rollouts_sampled_by_a_thread_polling_size_arrive_exactly_once(placement):
+def test_async_rollouts_sampled_by_a_thread_polling_size_arrive_exactly_once(placement, train_workers):
     workers = [VecWorker(k, num_envs=4, seed=20 + k, autoreset="same_step") for k in range(2)]
     # Locally one train worker: split over two, drop_last would trim an odd batch (the seed's rule);
     # on Ray each worker drains its own shard.
@@ -106,7 +124,7 @@ def test_async_rollouts_sampled_by_a_thread_polling_size_arrive_exactly_once(pla
         try:
             while not done.is_set() or buffer.size() >= 8:
                 if buffer.size() >= 8:
-                    received.extend(buffer.sample(batch_size=8))
+                    received.extend(update_dataset(buffer.sample(batch_size=8), train_workers))
                 done.wait(0.02)                          # the engine polls every 10-100 ms
         except Exception as err:
             errors.append(err)
@@ -118,11 +136,11 @@ def test_async_rollouts_sampled_by_a_thread_polling_size_arrive_exactly_once(pla
         thread.join()
     assert not errors
     buffer.truncate_episodes(ids)                        # the end of the run cuts the open episodes
-    received.extend(buffer.sample(batch_size=None))
+    received.extend(update_dataset(buffer.sample(batch_size=None), train_workers))
     assert sampled(received) == truth(workers)
 
 
-def test_rsl_rollouts_in_episode_unit_give_each_train_worker_its_sub_envs_windows(placement):
+def test_rsl_rollouts_in_episode_unit_give_each_train_worker_its_sub_envs_windows(placement, train_workers):
     workers = [VecWorker(k, num_envs=4, seed=k, min_len=1000, max_len=1000) for k in range(2)]
     buffer = make_buffer(placement, workers, postprocess_fn=torch_stack_postprocess,
                          overrides={"sampler": {"type": "batch"}, "storage": {"unit": "episode"}})
@@ -131,7 +149,7 @@ def test_rsl_rollouts_in_episode_unit_give_each_train_worker_its_sub_envs_window
         first = rsl_rollout(buffer, workers, steps=6, first=first)
         assert len(buffer) == 8
         check_affinity(buffer)
-        batches = buffer.sample(batch_size=8)             # num_envs x train workers episodes
+        batches = update_dataset(buffer.sample(batch_size=8), train_workers)   # num_envs x train workers episodes
         assert [b.batch_size for b in batches] == [(4, 6), (4, 6)] and len(buffer) == 0
         seen = sampled(batches)
         assert sum(seen.values()) == 8 * 6

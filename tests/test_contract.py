@@ -21,10 +21,11 @@ BACKENDS = ["local", "ray"]
 
 
 def build(backend: str, **kwargs) -> ab.ExperienceStore:
+    schema = kwargs.pop("schema", EPISODE_SCHEMA)
     if backend == "ray":
         return ab.ExperienceStore(2_000, backend="ray", num_shards=kwargs.pop("num_shards", 2), seed=0,
-                                  schema=EPISODE_SCHEMA, **kwargs)
-    return ab.ExperienceStore(2_000, seed=0, schema=EPISODE_SCHEMA, **kwargs)
+                                  schema=schema, **kwargs)
+    return ab.ExperienceStore(2_000, seed=0, schema=schema, **kwargs)
 
 
 class Stores:
@@ -181,3 +182,146 @@ def test_a_pinned_env_sends_its_episodes_to_its_shard(store):
     assert all(i % store.num_shards == last for i in ids)   # a shard's ids are shard + k * num_shards
     with pytest.raises(ValueError, match="shard must be an int in"):
         store.pin_env("other", store.num_shards)
+
+
+# -- compute_gae ------------------------------------------------------------------------
+
+GAE_SCHEMA = ab.Schema({**EPISODE_SCHEMA.fields, "value": ab.Field("float32")})
+
+
+def gae_episodes() -> list[tuple[dict, str]]:
+    """Episodes of every ending (terminated, truncated, cut without a final observation), with values."""
+    episodes = []
+    for tag, (steps, has_final, terminated, truncated) in enumerate(
+            [(5, True, True, False), (4, True, False, True), (6, False, False, False), (3, True, False, False),
+             (7, True, False, True), (2, True, True, False)]):
+        episode = make_episode(tag, steps, has_final, terminated, truncated)
+        episode["value"] = (tag * 0.5 + np.arange(steps) * 0.25).astype(np.float32)
+        episodes.append((episode, f"env-{tag % 3}"))
+    return episodes
+
+
+def final_value(final_obs):
+    """A value function of the final observation: ``2 * tag + step``, so a value sent to the
+    wrong episode shows."""
+    return final_obs["obs"][:, 0] * 2.0 + final_obs["obs"][:, 1]
+
+
+def advantages_by_episode(store: ab.ExperienceStore) -> dict[int, list[float]]:
+    result = {}
+    for episode_id in store.episodes().column("episode_id").to_pylist():
+        rows = store.episode(episode_id)
+        result[int(rows.column("obs").to_numpy(zero_copy_only=False)[0][0])] = rows.column("advantage").to_pylist()
+    return result
+
+
+def test_compute_gae_gives_a_local_stores_advantages_and_calls_the_value_function_here(backend, stores):
+    store = stores.get(backend, "gae", schema=GAE_SCHEMA)
+    reference = ab.ExperienceStore(2_000, seed=0, schema=GAE_SCHEMA)
+    for episode, env_id in gae_episodes():
+        store.add_episode(episode, env_id=env_id)
+        reference.add_episode(episode, env_id=env_id)
+    calls = []
+
+    def value_fn(final_obs):
+        calls.append(final_obs.batch_size[0])
+        return final_value(final_obs)
+
+    assert store.compute_gae(0.9, 0.8, bootstrap_value=value_fn) == reference.compute_gae(
+        0.9, 0.8, bootstrap_value=final_value) == 26
+    assert calls == [3]                        # once, in this process, with every cut episode's final observation
+    expected, got = advantages_by_episode(reference), advantages_by_episode(store)
+    assert got.keys() == expected.keys()
+    for tag in expected:
+        np.testing.assert_allclose(got[tag], expected[tag], rtol=1e-6)
+    assert store.schema.fields["advantage"].derived and "value_target" in store.sample(8).keys()
+    episode, env_id = gae_episodes()[0]
+    store.add_episode(episode, env_id=env_id)  # writes without the derived fields still go through
+    store.flush()
+    assert store.num_episodes == 7
+
+
+def test_compute_gae_refuses_before_any_shard_writes(backend, stores):
+    store = stores.get(backend, "gae-refused", schema=GAE_SCHEMA)   # a store whose schema has no derived fields
+    for episode, env_id in gae_episodes():
+        store.add_episode(episode, env_id=env_id)
+    with pytest.raises(ValueError, match="pass bootstrap_value=fn"):
+        store.compute_gae()
+    with pytest.raises(ValueError, match="expected 3 finite values"):
+        store.compute_gae(bootstrap_value=lambda obs: np.zeros(2))
+    with pytest.raises(ValueError, match="value_key 'nope' is not a field"):
+        store.compute_gae(value_key="nope")
+    assert "advantage" not in store.to_arrow().column_names
+
+
+# -- batched and pinned adds --------------------------------------------------------------
+
+
+def stacked_episodes(tags: list[int], steps: int) -> dict[str, np.ndarray]:
+    """`make_episode` of each tag, stacked on a leading axis: [E, T(+1), ...]."""
+    episodes = [make_episode(tag, steps, terminated=False, truncated=True) for tag in tags]
+    return {name: np.stack([episode[name] for episode in episodes]) for name in episodes[0]}
+
+
+def test_add_episodes_stores_a_padded_batch_as_its_episodes_in_order(store):
+    batch = stacked_episodes([10, 11, 12, 13], steps=6)
+    lengths = np.array([6, 2, 4, 1])
+    batch["truncated"][:] = np.arange(6)[None, :] == (lengths - 1)[:, None]   # flags at each episode's end
+    ids = store.add_episodes(batch, lengths=lengths, env_ids=[f"env-{k}" for k in range(4)],
+                             metadata=[{"k": k} for k in range(4)])
+    assert len(ids) == 4 and len(set(ids)) == 4
+    for tag, length, episode_id in zip([10, 11, 12, 13], lengths, ids):
+        rows = store.episode(episode_id)
+        assert rows.num_rows == length + 1                       # the final observation included
+        np.testing.assert_array_equal(rows.column("action").to_numpy()[:length], tag * 1000 + np.arange(length))
+        assert rows.column("truncated").to_pylist()[length - 1]
+    store.flush()
+    table = store.episodes()
+    assert (len(store), store.num_episodes) == (13, 4)
+    assert sorted(table.column("env_id").to_pylist()) == [f"env-{k}" for k in range(4)]
+    assert sorted(table.column("truncated").to_pylist()) == [True] * 4
+
+
+def test_add_episodes_takes_a_tensordict_of_a_vector_env_rollout(store):
+    import torch
+    from tensordict import TensorDict
+
+    batch = stacked_episodes([7, 8, 9], steps=4)
+    rollout = TensorDict({name: torch.from_numpy(array) for name, array in batch.items()}, batch_size=[3])
+    ids = store.add_episodes(rollout, env_ids="vec-0")
+    sampled = store.gather(np.concatenate([np.arange(a, b) for a, b in store.live_ranges()]))
+    assert sorted(set(sampled["obs"][:, 0].tolist())) == [7.0, 8.0, 9.0] and len(ids) == 3
+    np.testing.assert_array_equal(sampled["next", "obs"][:, 1].numpy(), sampled["obs"][:, 1].numpy() + 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: b.update(action=b["action"].astype(np.float32)), "action"),
+    (lambda b: b.update(reward=b["reward"][:3]), "different numbers of episodes"),
+    (lambda b: b.pop("terminated"), "missing"),
+])
+def test_add_episodes_with_one_bad_field_stores_nothing(store, change, message):
+    batch = stacked_episodes([1, 2, 3, 4], steps=3)
+    change(batch)
+    with pytest.raises(ab.SchemaError, match=message):
+        store.add_episodes(batch)
+    batch = stacked_episodes([1, 2, 3, 4], steps=3)
+    for kwargs, message in [({"lengths": [3, 3, 4, 3]}, r"lengths must be None or 4 ints in \[1, 3\]"),
+                            ({"env_ids": ["a", "b"]}, "env_ids must be None, one env id, or 4"),
+                            ({"metadata": {"a": 1}}, "metadata must be None or 4 mappings"),
+                            ({"shard": store.num_shards}, "shard must be an int in")]:
+        with pytest.raises(ValueError, match=message):
+            store.add_episodes(batch, **kwargs)
+    store.flush()
+    assert (len(store), store.num_episodes) == (0, 0)
+
+
+def test_an_episode_pinned_to_a_shard_is_stored_there(store):
+    last = store.num_shards - 1
+    ids = [store.add_episode(make_episode(tag, 3), env_id="env-0", shard=last) for tag in range(2)]
+    ids += store.add_episodes(stacked_episodes([5, 6], steps=2), env_ids="env-0", shard=last)
+    assert all(i % store.num_shards == last for i in ids)   # a shard's ids are shard + k * num_shards
+    with pytest.raises(ValueError, match=r"shard must be an int in \[0, %d\) or None, got %d" % (
+            store.num_shards, store.num_shards)):
+        store.add_episode(make_episode(9, 3), shard=store.num_shards)
+    store.flush()
+    assert store.num_episodes == 4

@@ -14,6 +14,7 @@ from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
 from arrowbuf.compat.buffers import build_data_buffer
 from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer
+from arrowbuf.ray.shipping import resolve
 from arrowbuf.compat.types import (
     BatchedData,
     EnvMeta,
@@ -40,4 +41,5 @@ __all__ = [
     "build_data_buffer",
     "compute_gae",
     "parse_config",
+    "resolve",
 ]

@@ -6,7 +6,7 @@ Code written for ``rlightning.buffer.DataBuffer`` runs unchanged::
     buffer.init(env_meta_list, env_ids)
     buffer.add_batched_transition(env_rets, policy_resps, truncations)   # SyncRLEngine
     buffer.add_batched_data_async(env_rets); buffer.add_batched_data_async(policy_resps, truncations)
-    batches = buffer.sample(batch_size)              # one TensorDict per train worker
+    batches = buffer.sample(batch_size)              # one batch per train worker (ObjectRefs on Ray)
 
 Semantics kept from the seed
 ----------------------------
@@ -21,7 +21,8 @@ Semantics kept from the seed
   ``"circular"`` drops the oldest episodes. ``storage.unit="episode"`` makes
   `size`, ``len`` and indices count episodes.
 - Placement (`arrowbuf.compat.placement`): ``DataBuffer(config, cluster=...)``
-  takes RLightning's cluster section; `sample` returns one batch per train worker.
+  takes RLightning's cluster section; `sample` returns one batch per train worker
+  (with remote storage an ObjectRef put by the shards, `arrowbuf.compat.resolve`).
 - Samplers (`arrowbuf.compat.reading`): ``uniform``, ``batch``, ``all``; worker k
   gets indices k, k+W, ... ``ReplayBuffer`` keeps its data; ``RolloutBuffer``
   clears it after sampling.
@@ -324,10 +325,10 @@ class DataBuffer:
         return batch[0] if scalar else batch
 
     def _reader(self) -> Reader | None:
-        if self._sink.access is None:
+        if self._sink.store is None:
             return None
         device = self.settings.device if self.settings.device != "cpu" else None
-        return Reader(self._sink.access, self.settings.unit, device)
+        return Reader(self._sink.store, self.settings.unit, device)
 
     def get(self, item: Any) -> TensorDict:
         """``{"storage_idx": s, "indices": idx}`` -> ``self[s, idx]``; an index or indices -> ``self[item]``.
@@ -351,11 +352,20 @@ class DataBuffer:
     # -- sampling -----------------------------------------------------------------------------------
 
     @_locked
-    def sample(self, batch_size: int | None = None, shuffle: bool = True, drop_last: bool = True) -> list[TensorDict]:
+    def sample(self, batch_size: int | None = None, shuffle: bool = True, drop_last: bool = True) -> list[Any]:
         """Sample with the config's sampler; one batch per train worker.
 
         ReplayBuffer keeps its data; RolloutBuffer clears what it stored (episodes
         in progress stay). See the module docstring for the samplers and the split.
+
+        Returns:
+            Local storage: TensorDicts. Remote (Ray) storage: as the seed, one
+            ``ray.ObjectRef`` per train worker, put in the object store by the shards
+            (`ExperienceStore.gather_refs`): this process never holds the rows. A ref
+            passed to a train worker's task or actor call (``policy.update_dataset.remote(ref)``)
+            arrives there as the TensorDict; elsewhere `arrowbuf.compat.resolve` (or
+            ``ray.get``) gives it. Its tensors are read-only views of the object store,
+            on the CPU (the worker moves them to its device).
 
         Raises:
             ValueError: ``batch_size`` larger than the stored items (except for
@@ -372,13 +382,17 @@ class DataBuffer:
             if reader is None:
                 select(self._rng, self.settings.sampler, batch_size, 0, shuffle)   # the sampler's own errors
                 return [TensorDict({}, batch_size=[0]) for _ in range(self.num_train_workers)]
-            batches = [None] * self.num_train_workers
+            requests: list = [None] * self.num_train_workers
             for shards, workers in self._worker_groups():
                 space = reader.space(shards)
                 size = None if batch_size is None else batch_size * len(workers) // self.num_train_workers
                 indices = select(self._rng, self.settings.sampler, size, reader.count(space), shuffle)
                 for worker, part in zip(workers, split(indices, len(workers), drop_last)):
-                    batches[worker] = reader.read(part, space)
+                    requests[worker] = (part, space)
+            if self.backend == "ray":
+                batches = reader.refs(requests)
+            else:
+                batches = [reader.read(part, space) for part, space in requests]
         self._after_sample()
         return batches
 

@@ -3,7 +3,8 @@
 Indices count the stored transitions (episodes with ``storage.unit="episode"``),
 oldest first, over all shards together, or over one shard with ``(shard,
 indices)``. Samplers draw positions with an explicit `numpy.random.Generator`;
-`Reader.read` gathers them through the store adapters in `arrowbuf.compat._access`.
+`Reader.read` gathers them through the store's public index reads (`ExperienceStore.live_ranges`,
+`episode_spans`, `gather`, `gather_refs`; indices are a batch's ``"index"`` values).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from arrowbuf.ray.options import ray_module
+from arrowbuf.store import ExperienceStore
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +84,16 @@ def empty_batch(schema: Any, device: Any) -> TensorDict:
 
 
 class Reader:
-    """Index reads of a store through its adapter (`LocalAccess` / `RayAccess`).
+    """Index reads of a store (either backend), through its public index API.
 
     Args:
-        access: the store adapter.
+        store: the compat layer's store; reads flush it first, so they see every write.
         unit: "transition" or "episode".
         device: device of returned batches (None: CPU).
     """
 
-    def __init__(self, access: Any, unit: str, device: Any) -> None:
-        self.access = access
+    def __init__(self, store: ExperienceStore, unit: str, device: Any) -> None:
+        self.store = store
         self.unit = unit
         self.device = device
 
@@ -99,12 +103,14 @@ class Reader:
         if isinstance(shards, (int, np.integer)):
             shards = (int(shards),)
         if self.unit == "episode":
-            shard, first, length = self.access.episodes()
+            self.store.flush()
+            shard, first, length = self.store.episode_spans()
             if shards is not None:
                 keep = np.isin(shard, list(shards))
                 shard, first, length = shard[keep], first[keep], length[keep]
             return shard, first, length
-        ranges = self.access.live_ranges()
+        self.store.flush()
+        ranges = self.store.live_ranges()
         if shards is not None:
             for s in shards:
                 if not 0 <= s < len(ranges):
@@ -118,28 +124,33 @@ class Reader:
             return len(space[0])
         return int(sum(b - a for a, b in space))
 
-    def read(self, where: np.ndarray, space: Any) -> TensorDict:
-        """The items at positions ``where`` of ``space``, in that order, as one TensorDict."""
-        device = self.device
+    @staticmethod
+    def locate(where: np.ndarray, space: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(shard, store index, mask) of the items at positions ``where`` of ``space``: indices
+        [n] for transitions, [n, T_max] for episodes (the last step repeated past an
+        episode's end, where ``mask`` is False)."""
         if isinstance(space, tuple):
             shards, first, length = (column[where] for column in space)
             span = int(length.max()) if len(length) else 0
             steps = np.arange(span, dtype=np.int64)
-            indices = first[:, None] + np.minimum(steps[None, :], length[:, None] - 1)
-            mask = steps[None, :] < length[:, None]
-        else:
-            sizes = np.array([b - a for a, b in space], np.int64)
-            bounds = np.cumsum(sizes)
-            shards = np.searchsorted(bounds, where, side="right")
-            indices = np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards]
-            span = mask = None
+            index = first[:, None] + np.minimum(steps[None, :], length[:, None] - 1)
+            return shards, index, steps[None, :] < length[:, None]
+        sizes = np.array([b - a for a, b in space], np.int64)
+        bounds = np.cumsum(sizes)
+        shards = np.searchsorted(bounds, where, side="right")
+        return shards, np.array([a for a, _ in space], np.int64)[shards] + where - (bounds - sizes)[shards], None
+
+    def read(self, where: np.ndarray, space: Any) -> TensorDict:
+        """The items at positions ``where`` of ``space``, in that order, as one TensorDict."""
+        device = self.device
         if not len(where):
-            return empty_batch(self.access.store.schema, device)
+            return empty_batch(self.store.schema, device)
+        shards, index, mask = self.locate(where, space)
         parts, order = [], []
         for shard in np.unique(shards):
             chosen = np.flatnonzero(shards == shard)
-            part = self.access.gather(int(shard), indices[chosen].reshape(-1), device)
-            parts.append(part.reshape(len(chosen), span) if span is not None else part)
+            part = self.store.gather(index[chosen].reshape(-1), device=device)
+            parts.append(part.reshape(index[chosen].shape) if mask is not None else part)
             order.append(chosen)
         batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if len(parts) > 1:
@@ -148,6 +159,20 @@ class Reader:
             mask = torch.from_numpy(mask)
             batch["mask"] = mask.to(batch.device) if batch.device is not None else mask
         return to_seed_keys(batch)
+
+    def refs(self, requests: list[tuple[np.ndarray, Any]]) -> list[Any]:
+        """Ray: ObjectRefs of the batches `read` would give for each (positions, space), gathered
+        and kept in the object store by the shards (`ExperienceStore.gather_refs`), on the CPU."""
+        located = [self.locate(where, space) for where, space in requests]
+        wanted = [k for k, (where, _) in enumerate(requests) if len(where)]
+        extras = [{"mask": located[k][2]} if located[k][2] is not None else {} for k in wanted]
+        refs = self.store.gather_refs([located[k][1] for k in wanted], extras=extras, next_keys="flat") if wanted else []
+        out = [None] * len(requests)
+        for k, ref in zip(wanted, refs):
+            out[k] = ref
+        for k in set(range(len(requests))) - set(wanted):   # no rows: every field, empty (nothing to keep off here)
+            out[k] = ray_module().put(empty_batch(self.store.schema, None))
+        return out
 
 
 def select(rng: np.random.Generator, sampler: str, batch_size: int | None, count: int, shuffle: bool) -> np.ndarray:

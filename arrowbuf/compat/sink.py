@@ -9,7 +9,6 @@ import math
 import numpy as np
 from typing import Any
 
-from arrowbuf.compat._access import LocalAccess, RayAccess
 from arrowbuf.compat.config import BufferSettings
 from arrowbuf.compat.placement import Placement
 from arrowbuf.compat.segments import Piece
@@ -44,7 +43,6 @@ class StoreSink:
         self._ray_options = ray_options
         self._timers = timers
         self.store: ExperienceStore | None = None
-        self.access: LocalAccess | RayAccess | None = None
         self.stored_transitions = 0          # since the last clear (fixed-mode accounting)
 
     def _ensure_store(self, first_length: int) -> ExperienceStore:
@@ -64,10 +62,8 @@ class StoreSink:
                 options = RayOptions(nodes=list(placement.shard_nodes))
             store = ExperienceStore(rows * placement.num_shards, backend="ray", num_shards=placement.num_shards,
                                     seed=self._seed, mode=self.settings.mode, ray_options=options)
-            self.access = RayAccess(store)
         else:
             store = ExperienceStore(rows, seed=self._seed, mode=self.settings.mode)
-            self.access = LocalAccess(store)
         self.store = store
         return store
 
@@ -100,7 +96,7 @@ class StoreSink:
                 steps = capacity
             shard = self.placement.shard_of_env(piece.env_id)
             if shard is not None:
-                self.access.pin(piece.env_id, shard)
+                store.pin_env(piece.env_id, shard)
             with self._timers.timed("add_episode"):
                 store.add_episode(unflatten(_with_flags(columns, steps)), env_id=piece.env_id)
             self.stored_transitions += steps

@@ -44,9 +44,11 @@ def to_column(value: Any, name: str) -> tuple[np.ndarray, str, bool]:
     return array, dtype, False
 
 
-def to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """A torch view of a staged column (bfloat16 from its uint16 bits)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+def to_tensor(array: np.ndarray, dtype: str, contiguous: bool = True) -> torch.Tensor:
+    """A torch view of a staged column (bfloat16 from its uint16 bits); a contiguous copy
+    with ``contiguous`` (what hooks get, as the seed's stacked lists), else a strided view
+    (what goes to the store, which copies it once into its arena)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array) if contiguous else array)
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
@@ -74,7 +76,7 @@ class Stage:
         dtypes: flat field -> dtype name.
     """
 
-    def __init__(self, env_id: str, num_envs: int, vector: bool) -> None:
+    def __init__(self, env_id: str, num_envs: int, vector: bool, reuse: "Stage | None" = None) -> None:
         self.env_id = env_id
         self.num_envs = num_envs
         self.vector = vector      # records lead with num_envs (else one unbatched env)
@@ -85,6 +87,8 @@ class Stage:
         self.rows = 0
         self.starts = np.zeros(num_envs, np.int64)
         self.infos: list[dict[str, Any]] = []   # per row: the record's *info* values, as sent (for hooks)
+        # A finished stage of the same env whose columns fields of the same dtype and shape take over.
+        self._reusable = dict(reuse.columns) if reuse is not None else {}
 
     def write(self, record: Mapping[str, Any], infos: dict[str, Any] | None = None) -> int:
         """Stage one record (a flat dict); returns its row number.
@@ -136,8 +140,18 @@ class Stage:
                              f"{self.dtypes[name]}{list(column.shape[2:])} as in its earlier steps")
 
     def _allocate(self, name: str, array: np.ndarray, dtype: str, shape: tuple, old: np.ndarray | None) -> None:
-        capacity = old.shape[0] if old is not None else 32
-        column = np.zeros((capacity, self.num_envs, *shape), array.dtype)
+        if old is not None:
+            capacity = old.shape[0]
+        elif self.columns:   # every column has the same rows
+            capacity = next(iter(self.columns.values())).shape[0]
+        else:
+            capacity = next(iter(self._reusable.values())).shape[0] if self._reusable else 32
+        spare = self._reusable.pop(name, None)
+        if spare is not None and old is None and spare.dtype == array.dtype and spare.shape == (
+                capacity, self.num_envs, *shape):
+            column = spare   # stale rows are never read: only rows written since are
+        else:
+            column = np.zeros((capacity, self.num_envs, *shape), array.dtype)
         if old is not None:
             column[:] = old.reshape(old.shape + (1,) * (column.ndim - old.ndim))
         self.columns[name] = column
@@ -154,6 +168,7 @@ class Stage:
         drop = keep_from - self.base
         kept = self.rows - keep_from
         grow = 2 * size if kept >= size // 2 else size
+        self._reusable = {}   # other sizes now
         for name, column in self.columns.items():
             fresh = np.zeros((grow, *column.shape[1:]), column.dtype) if grow != size else column
             fresh[:kept] = column[drop:drop + kept]

@@ -28,6 +28,7 @@ from arrowbuf.errors import ArrowbufError, SchemaError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
+from arrowbuf.ray.shipping import ShippedBatch
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
@@ -112,7 +113,8 @@ class ShardServer:
         if self.durable is not None and self.durable.seen(batch):
             return [], self.size()
         schema = Schema.from_json(schema_json)
-        if self.engine.schema is not None and self.engine.schema != schema:
+        if self.engine.schema is not None and self.engine.schema.input_fields != schema.input_fields:
+            # Derived fields (compute_gae's) are the shard's own: writers need not know them.
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
         ids, refused, added = [], [], []
@@ -147,9 +149,32 @@ class ShardServer:
         """The live ones of ``indices``, in that order (None when none is live)."""
         return self.engine.gather_payload(indices, self.index_base)
 
+    def gather_ref(self, indices: np.ndarray, finish: tuple | None) -> tuple[int, Any]:
+        """Rows of local ``indices`` for a train worker, as two results (`arrowbuf.ray.shipping`):
+        how many were live (the caller waits for this alone) and the rows, which stay in the
+        object store: a `ShippedBatch` finished with ``finish``, or with None a `Payload` for an
+        assembling task. The rows are None unless every index was live."""
+        payload = self.engine.gather_payload(indices, self.index_base)
+        rows = 0 if payload is None else payload.batch_shape[0]
+        if rows != len(indices):
+            return rows, None
+        return rows, (payload if finish is None else ShippedBatch(payload, finish))
+
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> tuple[int, Reading]:
         """How many of ``indices`` were live, and the shard's size (its mass changed)."""
         return self.engine.update_priorities(indices, priorities), self.size()
+
+    def gae_final_observations(self, value_key: str) -> tuple[np.ndarray, Any]:
+        """`compute_gae`, first step: (episode ids, final observations) of the episodes that
+        bootstrap from their final observation (`ShardEngine.final_observations`)."""
+        return self.engine.final_observations(value_key)
+
+    def compute_gae(self, gamma: float, lam: float, value_key: str, ids: np.ndarray,
+                    values: np.ndarray) -> tuple[int, str | None]:
+        """`compute_gae`, second step, with the values of those final observations: the
+        transitions written and the shard's schema (now with the derived fields)."""
+        count = self.engine.compute_gae(gamma, lam, value_key, None, (ids, values))
+        return count, self.schema_json()
 
     def episodes(self) -> pa.Table:
         return self.engine.episodes()

@@ -38,9 +38,11 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.assemble import split_batches
+from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
 from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
@@ -191,6 +193,20 @@ class RayBackend:
         key = episode.env_id if episode.env_id != "default" else f"episode-{self._added}"
         try:
             return self._sink.write_now(episode, key, timeout)
+        except BaseException:
+            if not known:
+                self._forget_unstored_schema()
+            raise
+
+    def add_many(self, episodes: list[Episode], schema: Schema | None, timeout: float | None,
+                 shard: int | None) -> list[int]:
+        """`add` for several episodes (all to ``shard`` unless None), one request per shard."""
+        known = self._schema is not None
+        self.set_schema(schema)
+        self._added += 1
+        keys = [e.env_id if e.env_id != "default" else f"episode-{self._added}-{k}" for k, e in enumerate(episodes)]
+        try:
+            return self._sink.write_many_now(episodes, keys, timeout, shard)
         except BaseException:
             if not known:
                 self._forget_unstored_schema()
@@ -415,6 +431,11 @@ class RayBackend:
         inverse[order] = np.arange(len(order))
         return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
 
+    def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
+        """One ObjectRef per index array, of its transitions as a TensorDict; the data never
+        comes to this process (`arrowbuf.ray.shipping.gather_refs`)."""
+        return gather_refs(self.shards, indices, extras, flat_next)
+
     def live_ranges(self) -> list[tuple[int, int]]:
         """[first, stop) of each shard's live indices (``shard << 48 | local index``); empty for a dead shard."""
         ranges = self.shards.broadcast("live_range")
@@ -442,14 +463,11 @@ class RayBackend:
         return updated
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
-        """Not on Ray yet: the derived columns would change the schema each shard and
-        every writer checks, and ``bootstrap_value`` would have to travel to the shards.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("compute_gae is not implemented for backend='ray' yet; iter_batches() the "
-                                  "rollout and compute advantages in the trainer, or use a local store")
+        """GAE on every shard, ``bootstrap_value`` called in this process (`arrowbuf.ray.gae`)."""
+        written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value)
+        if schema is not None:
+            self._schema = schema   # now with the derived fields
+        return written
 
     # -- views ----------------------------------------------------------------------
 

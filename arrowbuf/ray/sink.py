@@ -188,6 +188,38 @@ class RaySink:
             self._acknowledged(shard, reading)
             return ids[0]
 
+    def write_many_now(self, episodes: list[Episode], route_keys: list[str], timeout: float | None,
+                       shard: int | None = None) -> list[int]:
+        """Send episodes at once, one request per shard (``shard``, or each key's route), and wait
+        for the answers: their ids, in order (`add_episodes`).
+
+        Raises:
+            ShardError: a shard died before answering (its episodes are lost).
+            The first refusal of a shard (the others' episodes are stored).
+        """
+        with self._lock:
+            self._raise_pending()
+            shards = [shard if shard is not None else self._route(key) for key in route_keys]
+            schema_json = self._schema.to_json()
+            groups: dict[int, list[int]] = {}
+            for k, s in enumerate(shards):
+                groups.setdefault(s, []).append(k)
+            refs = {s: self._shards.call(s, "add_episodes", [episodes[k] for k in members], schema_json, timeout)
+                    for s, members in groups.items()}
+            for s, members in groups.items():
+                self._loads[s] += sum(episodes[k].num_rows for k in members)
+            results = self._shards.get(refs)
+            ids = [0] * len(episodes)
+            for s, members in groups.items():
+                if s not in results:
+                    raise ShardError(f"shard {s} of store {self._shards.name!r} died before storing "
+                                     f"{len(members)} episodes; they are lost")
+                stored, reading = results[s]
+                self._acknowledged(s, reading)
+                for k, episode_id in zip(members, stored):
+                    ids[k] = episode_id
+            return ids
+
     def pin(self, key: str, shard: int) -> None:
         """Route ``key``'s episodes to ``shard`` unless it already has a route."""
         with self._lock:

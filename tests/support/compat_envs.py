@@ -148,3 +148,36 @@ def rsl_rollout(buffer, workers: list[VecWorker], steps: int, first: BatchedData
 def as_bf16_bits(tensor: torch.Tensor) -> np.ndarray:
     """What RLightning's ``to_numpy`` sends for a bf16 tensor: its uint16 bits."""
     return tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def fake_train_worker() -> type:
+    """RLightning's train policy as far as the buffer sees it: ``update_dataset(data)`` keeps the
+    batch it is given. As a Ray actor it is called as ``PolicyGroup.update_dataset`` calls it
+    (``policy.update_dataset.remote(batch)``), so a batch ObjectRef arrives resolved, and
+    ``dataset()`` returns a copy of what arrived, with the process it arrived in. (A class made
+    here pickles by value: Ray workers cannot import the test modules.)"""
+
+    class FakeTrainWorker:
+        def __init__(self) -> None:
+            self.data = None
+
+        def update_dataset(self, data) -> None:
+            self.data = data
+
+        def dataset(self):
+            import os
+
+            return self.data.clone(), os.getpid()
+
+    return FakeTrainWorker
+
+
+def update_dataset(batches: list, train_workers: list | None) -> list:
+    """The batches as the train workers receive them: through Ray actors (``train_workers``, one
+    per batch) when given, else as they are (local storage)."""
+    if train_workers is None:
+        return batches
+    import ray
+
+    ray.get([w.update_dataset.remote(b) for w, b in zip(train_workers, batches)])
+    return [data for data, _ in ray.get([w.dataset.remote() for w in train_workers])]

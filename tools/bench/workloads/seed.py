@@ -10,6 +10,8 @@ policies hand them over) goes both ways:
   ``truncate_episodes``. Native: ``store.writer(num_envs,
   autoreset_mode="same_step")`` (IsaacLab resets inside the step), one ``add``
   per step, ``flush``. Metric: ingest env-steps/s; target compat/native >= 0.5.
+  Also the same rollout as whole episodes (one per env): ``store.add_episodes``
+  of [E, T, ...] arrays against E ``add_episode`` calls (batched/single > 1).
 - VLA (SyncRLEngine, OpenVLA PPO: RolloutBuffer, ``all`` sampler), 32 envs x
   160 steps: ``add_batched_transition`` per step (truncation on the last), then
   ``sample(5120)``, which clears the buffer. Native: writer + flush, then
@@ -31,7 +33,7 @@ from typing import Any, Mapping
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, profile_calls, \
     register, start_workload
 from ..results import Metric, WorkloadResult
-from ..rollouts import RolloutShape, ingest_native, make_rollout, vla, wbc
+from ..rollouts import RolloutShape, episodes, ingest_native, make_rollout, vla, wbc
 
 ENV = "env-worker-0"
 RATIO = {"compat/native": ("compat", "native")}
@@ -128,7 +130,34 @@ class NativeRollout:
         return len(self.store)
 
 
-def ingest_then_clear(contender: CompatRollout | NativeRollout) -> float:
+class EpisodeAdds:
+    """The rollout as whole episodes, one per env: one ``add_episodes`` of [E, T, ...] arrays
+    (``batched``) or E ``add_episode`` calls."""
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], batched: bool) -> None:
+        import arrowbuf as ab
+        self.store = ab.ExperienceStore(shape.envs * (shape.steps + 1), seed=0)
+        self.batched = batched
+        self.columns = {name: rollout[name].transpose(0, 1) for name in shape.fields}   # env-major views
+        self.episodes = episodes(shape, rollout)
+
+    def ingest(self) -> float:
+        start = time.perf_counter()
+        if self.batched:
+            self.store.add_episodes(self.columns)
+        else:
+            for episode in self.episodes:
+                self.store.add_episode(episode)
+        return time.perf_counter() - start
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def transitions(self) -> int:
+        return len(self.store)
+
+
+def ingest_then_clear(contender: CompatRollout | NativeRollout | EpisodeAdds) -> float:
     """Seconds of one rollout's ingest (the clear after it untimed)."""
     seconds = contender.ingest()
     contender.clear()
@@ -167,6 +196,15 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
     if opts.profile:
         notes.append(profile_calls("WBC compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
     pair.clear()
+    adds = {"batched": EpisodeAdds(shape, rollout, True), "single": EpisodeAdds(shape, rollout, False)}
+    for contender in adds.values():   # warm-up
+        ingest_then_clear(contender)
+    metrics += compare("SEED WBC episodes", [
+        Race(f"WBC add_episodes({shape.envs:,} episodes)", "env-steps/s",
+             {c: (lambda k=k: ingest_then_clear(k)) for c, k in adds.items()}, {"batched/single": ("batched", "single")},
+             target="batched/single > 1", goal=at_least("batched/single", 1.0), units=shape.transitions,
+             self_timed=True)], *timing)
+    adds.clear()
     del rollout
     gc.collect()
 
@@ -195,10 +233,11 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
     notes.append("  compat/native is a speed-up (> 1: compat is faster); native sample includes store.clear(), "
                  "as the RolloutBuffer's sample clears it")
     notes.append(load_note(load_start))
-    return WorkloadResult("SEED", spec.short(), spec.describe(), ["compat", "native"], metrics, notes,
-                          time.perf_counter() - t0,
-                          labels={"compat": "arrowbuf.compat DataBuffer", "native": "arrowbuf writer"},
-                          ratio_columns=["compat/native"])
+    return WorkloadResult("SEED", spec.short(), spec.describe(), ["compat", "native", "batched", "single"], metrics,
+                          notes, time.perf_counter() - t0,
+                          labels={"compat": "arrowbuf.compat DataBuffer", "native": "arrowbuf writer",
+                                  "batched": "store.add_episodes", "single": "store.add_episode x E"},
+                          ratio_columns=["compat/native", "batched/single"])
 
 
 register(Workload(

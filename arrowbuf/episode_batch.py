@@ -1,0 +1,108 @@
+"""Many episodes at once: columns shaped [E, T, ...], checked once, split into `Episode` views.
+
+`read_episodes` is the reading half of `ExperienceStore.add_episodes`: E
+episodes of up to T steps stacked on a leading axis (a rollout of E envs, a
+padded batch of trajectories). Every episode of a batch has the same dtypes and
+per-step shapes, so checking the first one against the schema checks them all;
+the episodes are then views of the batch's arrays (no copy until the shard
+copies them in), cut to their ``lengths``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tensordict import TensorDictBase
+
+from arrowbuf._checks import check_env_id, check_metadata
+from arrowbuf.errors import SchemaError, describe
+from arrowbuf.fields import as_array
+from arrowbuf.schema import Schema, flatten
+from arrowbuf.shard import Episode
+
+
+def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids: Any = None,
+                  metadata: Any = None) -> tuple[list[Episode], Schema]:
+    """Check a batch of E episodes against ``schema`` (inferred from the first when None).
+
+    Args:
+        data: a dict (nested dicts allowed) or TensorDict of arrays / tensors shaped
+            [E, T, ...] for step fields and [E, T + 1, ...] (with final
+            observations) or [E, T, ...] for observation fields.
+        lengths: None (every episode has T steps) or E ints in [1, T]: episode e
+            is its first ``lengths[e]`` steps (and observations up to its final
+            one, row ``lengths[e]``); later rows are padding, never read.
+        env_ids: None ("default"), one env id for all, or E env ids.
+        metadata: None, or E JSON-serializable mappings (or None each).
+
+    Returns:
+        The E episodes, in order, and the schema they satisfy.
+
+    Raises:
+        SchemaError: a field's dtype or per-step shape, ragged lengths, or arrays
+            whose leading dims differ (named).
+        ValueError: bad ``lengths``, ``env_ids`` or ``metadata``.
+    """
+    if isinstance(data, TensorDictBase):
+        data = data.to_dict()
+    if not isinstance(data, Mapping) or not data:
+        raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "
+                          f"{describe(data)}")
+    columns = {name: as_array(value, name) for name, value in flatten(data).items()}
+    count = _episode_count(columns)
+    first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()}
+    if schema is None:
+        schema = Schema.infer(first)
+    num_steps, has_final = schema.check(first)   # dtypes and shapes are the batch's: one check checks all
+    steps = _lengths(lengths, count, num_steps)
+    ids = _env_ids(env_ids, count)
+    metas = _metadata(metadata, count)
+    observation = {name: schema.fields[name].observation for name in columns}
+    episodes = []
+    for e, length in enumerate(steps.tolist()):
+        cut = {name: array[e, :length + int(has_final and observation[name])] for name, (array, _) in columns.items()}
+        episodes.append(Episode(cut, length, has_final, ids[e], metas[e]))
+    return episodes, schema
+
+
+def _episode_count(columns: Mapping[str, tuple[np.ndarray, str]]) -> int:
+    counts = {name: array.shape[0] if array.ndim >= 2 else None for name, (array, _) in columns.items()}
+    flat = [name for name, n in counts.items() if n is None]
+    if flat:
+        raise SchemaError(f"field {flat[0]!r} has shape {columns[flat[0]][0].shape}; add_episodes takes [E, T, ...] "
+                          "arrays (E episodes of T steps)")
+    if len(set(counts.values())) != 1 or not next(iter(counts.values())):
+        raise SchemaError(f"fields hold different numbers of episodes (leading dims {counts}); expected one E >= 1")
+    return next(iter(counts.values()))
+
+
+def _lengths(lengths: Any, count: int, num_steps: int) -> np.ndarray:
+    if lengths is None:
+        return np.full(count, num_steps, np.int64)
+    array = np.asarray(lengths.detach().cpu() if hasattr(lengths, "detach") else lengths)
+    if array.shape != (count,) or not np.issubdtype(array.dtype, np.integer) or array.dtype == bool \
+            or (array < 1).any() or (array > num_steps).any():
+        raise ValueError(f"lengths must be None or {count} ints in [1, {num_steps}] (steps of each episode), "
+                         f"got {describe(lengths)}")
+    return array.astype(np.int64)
+
+
+def _env_ids(env_ids: Any, count: int) -> list[str]:
+    if env_ids is None:
+        return ["default"] * count
+    if isinstance(env_ids, str):
+        return [check_env_id(env_ids)] * count
+    if not isinstance(env_ids, Sequence) or len(env_ids) != count:
+        raise ValueError(f"env_ids must be None, one env id, or {count} env ids (one per episode), "
+                         f"got {describe(env_ids)}")
+    return [check_env_id(env_id) for env_id in env_ids]
+
+
+def _metadata(metadata: Any, count: int) -> list[dict | None]:
+    if metadata is None:
+        return [None] * count
+    if isinstance(metadata, Mapping) or not isinstance(metadata, Sequence) or len(metadata) != count:
+        raise ValueError(f"metadata must be None or {count} mappings (one per episode), got {describe(metadata)}")
+    return [check_metadata(m) for m in metadata]
