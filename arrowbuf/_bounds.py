@@ -36,10 +36,10 @@ from arrowbuf.samplers import EpisodeSampler, Sampler, SequenceSampler
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
-#: Bytes per arena row besides its fields: the index -> episode map (4), and for
-#: prioritized sampling the row -> episode map (4) and the sum tree (8 and its
-#: upper levels), and reuse counts (4), rounded up.
-ROW_OVERHEAD = 24
+#: Bytes per arena row besides its fields: the index -> episode map (4, up to 8 as
+#: its size is a power of two), and for prioritized sampling the row -> episode map
+#: (4) and the sum tree (8 and its upper levels), and reuse counts (4), rounded up.
+ROW_OVERHEAD = 28
 #: Bytes per drawn item besides its fields: the sampler's uniform draws, indices,
 #: rows and positions (int64 / float64 each), index, episode_id, step, weight, mask.
 DRAW_OVERHEAD = 64

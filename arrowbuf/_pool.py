@@ -33,10 +33,11 @@ ordinary memory, and the pooling logic runs (and is tested) all the same.
 from __future__ import annotations
 
 import mmap
-import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import is_
+from sys import getrefcount
 from typing import Any, Hashable
 
 import numpy as np
@@ -62,6 +63,8 @@ MAX_BYTES = 8 << 30
 #: sample (0.12-2 s per 770 MB batch, DESIGN.md section 5): 4 KB pages, stable.
 #: W1 slots (~48 KB) are below the 2 MB huge-page size: the advice cannot apply.
 HUGEPAGES = True
+
+_storage_use_count = torch._C._storage_Use_Count
 
 
 @dataclass(frozen=True)
@@ -147,16 +150,17 @@ class Slot:
         # Counts of an unused slot, taken once: a TensorDict rebuilt later has the
         # same structure, hence the same counts when nobody else holds it.
         self._storage = self._flat.untyped_storage()
-        self._storage_uses = torch._C._storage_Use_Count(self._storage._cdata)
-        self._root_refs = sys.getrefcount(self.td)
+        self._storage_cdata = self._storage._cdata
+        self._storage_uses = _storage_use_count(self._storage_cdata)
+        self._root_refs = getrefcount(self.td)
         self._counts = self._refcounts()
 
     def _build(self) -> None:
         """(Re)build the TensorDict of the slot's tensors and the lists that check it."""
         self.td = make_td(nest(dict(zip(self._paths, self._tensors))), self._batch_size)
-        # Per TensorDict: (it, its attributes, its entries dict, their keys then the
-        # ids of their values), what `_intact` compares; ids are unambiguous as the
-        # slot keeps every value alive.
+        # Per TensorDict: (its entries dict, their keys, their values, its attributes,
+        # it), what `_intact` compares; the values are compared by identity, which is
+        # unambiguous as the slot keeps every value alive.
         self._containers = []
         self._objects = []   # every value of every TensorDict: nested TensorDicts and tensors
         pending = [self.td]
@@ -166,18 +170,21 @@ class Slot:
             # the only O(1) way to see that a returned batch had an entry replaced.
             children = container._tensordict
             values = list(children.values())
-            self._containers.append((container, dict(vars(container)), children, [*children, *map(id, values)]))
+            self._containers.append((children, list(children), values, dict(vars(container)), container))
             self._objects += values
             pending += [value for value in values if isinstance(value, TensorDict)]
 
     def _refcounts(self) -> list[int]:
         """Python references to each value, then C++ users of each tensor."""
-        return [*map(sys.getrefcount, self._objects), *map(torch.Tensor._use_count, self._tensors)]
+        return [*map(getrefcount, self._objects), *map(torch.Tensor._use_count, self._tensors)]
 
     def _intact(self) -> bool:
         """Whether the TensorDict still has the layout's entries and attributes."""
-        for container, attributes, children, keys_and_ids in self._containers:
-            if [*children, *map(id, children.values())] != keys_and_ids or vars(container) != attributes:
+        for children, keys, values, attributes, container in self._containers:
+            # `is` per value (not ==, which compares tensors elementwise); the
+            # lengths first, as map stops at the shorter.
+            if len(children) != len(values) or not all(map(is_, children.values(), values)) \
+                    or list(children) != keys or vars(container) != attributes:
                 return False
         return True
 
@@ -202,11 +209,11 @@ class Slot:
             if not self._event.query():
                 return None
             self._event = None
-        if sys.getrefcount(self.td) != self._root_refs:
+        if getrefcount(self.td) != self._root_refs:
             return None
         if not self._intact():
             self._build()
-        if torch._C._storage_Use_Count(self._storage._cdata) != self._storage_uses:
+        if _storage_use_count(self._storage_cdata) != self._storage_uses:
             return None
         return self.td if self._refcounts() == self._counts else None
 
@@ -239,7 +246,11 @@ class SlotPool:
 
     def claim(self, key: Hashable, spec: SlotSpec) -> tuple[list[np.ndarray], TensorDict]:
         """(numpy views to fill, the TensorDict of them) of a free slot of ``key``'s layout;
-        a new slot when none is free (kept while the bounds allow)."""
+        a new slot when none is free (kept while the bounds allow).
+
+        ``key`` is hashed on every claim: pass an object hashed by identity (the
+        gather passes its layout), not a tuple of shapes and dtypes (~1 us a hash).
+        """
         slot, td = self.claim_slot(key, spec)
         return slot.outs, td
 

@@ -67,7 +67,8 @@ class StoreSampling:
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = check_int("batch_size", batch_size, 1)
-        args = check_sample_args(n_step, gamma, frame_stack, self.schema)
+        # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
         device = check_device(device)
         timeout = check_timeout(timeout)
         pin_memory = check_bool("pin_memory", pin_memory)

@@ -215,7 +215,8 @@ class ShardEngine:
 
     def require_data(self) -> None:
         """Raises `EmptyStoreError` when no transition is stored."""
-        if not len(self):
+        shard = self._shard
+        if shard is None or not shard.table.num_transitions:
             raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
                                   "add episodes first")
 
@@ -236,7 +237,7 @@ class ShardEngine:
             RateLimited: the limiter refuses the sample.
             ValueError: ``keys`` names no field (nothing is drawn).
         """
-        with self._changed:
+        with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             keys = self._shard.gather.check_keys(keys)
             selection = self._draw(batch_size, args)

@@ -76,9 +76,14 @@ class EpisodeTable:
         # Running serials: "index" numbers transitions; samplers add their own units
         # (e.g. windows of a sequence length) with `add_counter`.
         self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"index": (lambda n: n, [0])}
-        # index % capacity -> serial of its episode (mod 2**32); live indices span at
-        # most `capacity` values, so live entries never collide.
-        self._index_episode = np.zeros(capacity, np.uint32) if capacity else None
+        # index % size -> serial of its episode (mod 2**32); live indices span at
+        # most `capacity` <= size values, so live entries never collide. The size is
+        # a power of two, so that the residue is a bitwise and: numpy's int64 `%`
+        # cost 2.7 us of a 256-index lookup and 190 us of a 98,304-index one here
+        # (`&`: 0.7 and 20 us), for at most 4 more bytes a row.
+        size = 1 << (capacity - 1).bit_length() if capacity else 0
+        self._index_episode = np.zeros(size, np.uint32) if capacity else None
+        self._index_mask = size - 1
         # (serial, length) of the live episodes that no younger episode outlasts, in
         # decreasing length: its front is the longest live episode, kept in O(1)
         # amortized per append and evict (a monotonic queue).
@@ -126,7 +131,9 @@ class EpisodeTable:
     def live_range(self, counter: str = "index") -> tuple[int, int]:
         """[first, stop) of the live units of ``counter``."""
         stop = self._counters[counter][1][0]
-        return (int(self._cols[f"first_{counter}"][self.head]) if len(self) else stop), stop
+        if self.tail == self.head:
+            return stop, stop
+        return int(self._cols["first_" + counter][self.head]), stop
 
     def col(self, name: str) -> np.ndarray:
         """A view of one column over the live episodes, oldest first."""
@@ -282,11 +289,14 @@ class EpisodeTable:
         For indices the offset is the step, so the arena row is ``first_row[pos] + offset``.
         """
         if counter == "index" and self._index_episode is not None:
-            # `%`, not take(mode="wrap"): numpy wraps by repeated subtraction, which
-            # grows with index / capacity (a store that ran long would sample ever slower).
-            pos = self._index_episode.take(units % len(self._index_episode))
-            # uint32 arithmetic wraps like the serials in the map; a Python int keeps uint32.
-            pos -= (self.episodes_added - len(self)) & 0xFFFFFFFF
+            # A mask, not take(mode="wrap"): numpy wraps by repeated subtraction, which
+            # grows with index / size (a store that ran long would sample ever slower).
+            serials = self._index_episode.take(units & self._index_mask)
+            # uint32 arithmetic wraps like the serials in the map, written out as intp:
+            # every take by uint32 positions (here, the rows, the episode ids) would
+            # convert them again.
+            head = np.uint32((self.episodes_added - self.tail + self.head) & 0xFFFFFFFF)
+            pos = np.subtract(serials, head, dtype=np.uint32, out=np.empty(serials.shape, np.intp))
             return pos, units - self._cols["first_index"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1

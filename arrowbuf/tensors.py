@@ -44,7 +44,7 @@ class _Entry:
     row_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per sample
 class _Layout:
     """Where everything of one batch layout goes in the buffer."""
 
@@ -52,6 +52,9 @@ class _Layout:
     # the source of each of `slot.outs`, in order.
     plan: tuple[tuple[Any, int], ...]
     slot: SlotSpec
+    # (dtype, shape) of each extra, in the order of the call's ``extra`` dict.
+    extras: tuple[tuple[np.dtype, tuple[int, ...]], ...]
+    reads_next: bool   # whether a field reads the next-observation rows
 
 
 def pinned(pin_memory: bool, device: torch.device | None) -> bool:
@@ -85,7 +88,8 @@ class Gather:
             _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
             for key, (column, role, torch_dtype) in columns.items()
         ]
-        self._layouts: dict[tuple, _Layout] = {}
+        self._layouts: dict[tuple, _Layout] = {}   # by shapes, keys and every extra's name, dtype and shape
+        self._recent: dict[tuple, _Layout] = {}    # by shapes, keys and extras' names: the last one used
         self._pool = SlotPool()
 
     def check_keys(self, keys: Iterable[str | tuple[str, ...]] | None) -> frozenset | None:
@@ -148,11 +152,15 @@ class Gather:
             keys: `check_keys` of the keys to gather (None: all fields); an
                 extra named like a field comes only with that field.
         """
-        device = torch.device(device) if device is not None else None
-        pin = pinned(pin_memory, device)
-        if not pin and device is not None and device.type != "cpu":   # an accelerator without pinned memory
-            return self.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows, keys=keys).to_tensordict(device)
-        extra = extra or {}
+        if device is not None or pin_memory:
+            device = torch.device(device) if device is not None else None
+            pin = pinned(pin_memory, device)
+            if not pin and device is not None and device.type != "cpu":   # an accelerator without pinned memory
+                return self.payload(rows, extra, obs_rows=obs_rows, next_rows=next_rows, keys=keys).to_tensordict(device)
+        else:
+            pin = False
+        if extra is None:
+            extra = {}
         key, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         if not pin:
             outs, batch = self._pool.claim(key, layout.slot)
@@ -185,27 +193,40 @@ class Gather:
         return Payload(flat, spec.leaves, tuple(spec.batch_size))
 
     def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
-                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple[tuple, "_Layout", tuple]:
+                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["_Layout", "_Layout", tuple]:
         """(layout key, layout, rows by role) of a call, for gathers out of other storage
         (`arrowbuf.arena`): ``layout.plan`` holds (column or extra name, role index:
         0 step, 1 obs, 2 next, -1 extra) for each of ``layout.slot.leaves``, in order."""
         return self._plan(rows, extra, obs_rows, next_rows, keys)
 
     def _plan(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None,
-              next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[tuple, _Layout, tuple]:
-        """(layout key, layout, rows by role) of one call."""
+              next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[_Layout, _Layout, tuple]:
+        """(layout key, layout, rows by role) of one call; the key is the layout itself.
+
+        Found by the shapes, the keys and the extras' names, then checked against the
+        extras' dtypes and shapes: building and hashing a key of every dtype and
+        shape cost ~2.5 us a sample (W1), as much as three of its takes.
+        """
         if keys is not None and type(keys) is not frozenset:
             keys = self.check_keys(keys)
-        obs_rows = rows if obs_rows is None else obs_rows
-        next_rows = rows + 1 if next_rows is None else next_rows
-        key = (rows.shape, obs_rows.shape, next_rows.shape, keys,
-               *[(name, value.dtype, value.shape) for name, value in extra.items()])
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = self._layout(key[:3], keys, key[4:])
-        return key, layout, (rows, obs_rows, next_rows)
+        shape = rows.shape
+        key = (shape, shape if obs_rows is None else obs_rows.shape, shape if next_rows is None else next_rows.shape,
+               keys, *extra)
+        layout = self._recent.get(key)
+        if layout is None or not _matches(layout.extras, extra):
+            full = (*key[:4], *[(name, value.dtype, value.shape) for name, value in extra.items()])
+            layout = self._layouts.get(full)
+            if layout is None:
+                layout = self._layouts[full] = self._layout(key[:3], keys, full[4:])
+            self._recent[key] = layout
+        if obs_rows is None:
+            obs_rows = rows
+        if next_rows is None and layout.reads_next:   # not computed for a batch without next observations
+            next_rows = rows + 1
+        return layout, layout, (rows, obs_rows, next_rows)
 
     def _layout(self, shapes: tuple, keys: frozenset | None, extras: tuple) -> _Layout:
+        every_extra = extras
         fields = {entry.key for entry in self._entries}
         # An extra named like a field replaces it (n-step reward), so comes only with it.
         extras = [(name, dtype, shape) for name, dtype, shape in extras
@@ -230,10 +251,19 @@ class Gather:
                   tuple(shapes[role]) + tuple(entry.column.shape[1:]), rows * entry.row_bytes)
         for name, dtype, shape in extras:
             place(name, -1, _key(name), dtype, _torch_dtype(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])))
+        return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
+                       tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan))
 
 
 _ROLES = ("step", "obs", "next")
+
+
+def _matches(expected: tuple, extra: Mapping[str, np.ndarray]) -> bool:
+    """Whether the extras have the (dtype, shape)s of a layout's, in order."""
+    for (dtype, shape), value in zip(expected, extra.values()):
+        if value.dtype != dtype or value.shape != shape:
+            return False
+    return True
 
 
 def _fill(plan: tuple, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:

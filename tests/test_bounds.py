@@ -45,7 +45,7 @@ def test_a_capacity_beyond_memory_is_refused_at_the_first_write_before_allocatin
 
 
 def test_a_capacity_beyond_memory_with_an_explicit_schema_is_refused_at_construction():
-    with pytest.raises(ab.ResourceError, match=r"capacity=10,000,000,000,000 rows of 122 bytes \(98 of fields"):
+    with pytest.raises(ab.ResourceError, match=r"capacity=10,000,000,000,000 rows of 126 bytes \(98 of fields"):
         ab.ExperienceStore(capacity=10**13, schema=W1)
 
 

@@ -7,6 +7,8 @@
   checks its input must do per episode.
 - ``ideal_torch`` (sample only, information): the ideal's columns gathered with
   ``torch.index_select``.
+- ``ideal_out`` (sample only, information): the ideal's takes into preallocated,
+  pre-touched outputs reused by every call (``out=``, ``mode="clip"``).
 - ``ideal_td`` (sample only): the ideal's gather returned as arrowbuf's sample
   contract, a TensorDict: the floor of any Python store that hands out TensorDicts.
 - ``arrowbuf``: ``ExperienceStore(capacity, seed=0)``; ``add_episode(dict)``,
@@ -194,6 +196,37 @@ class IdealTorch(IdealView):
         return out
 
 
+class IdealOut(IdealView):
+    """The ideal's gather into preallocated, pre-touched outputs (sample only,
+    information): one ``np.take(..., out=, mode="clip")`` per column into the same
+    arrays every call, as ONPOLICY's ideal does. Faster than the ideal by its
+    allocations, but each sample overwrites the last one, which a store that hands
+    out batches cannot do."""
+
+    name = "ideal_out"
+    label = "ideal (np.take, out=)"
+
+    def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
+        super().__init__(spec, peers)
+        ideal = self.ideal
+        columns = {**ideal.cols, **{"next_" + n: ideal.cols[n] for n in ideal.obs_names}}
+        self.out = {}
+        for name, col in columns.items():
+            out = np.empty((spec.batch_size, *col.shape[1:]), col.dtype)
+            out.reshape(-1).view(np.uint8)[:] = 0          # pre-touch every page
+            self.out[name] = out
+
+    def sample(self, batch_size: int) -> dict[str, np.ndarray]:
+        ideal, out = self.ideal, self.out
+        rows = ideal.rows(batch_size)
+        for name, col in ideal.cols.items():
+            col.take(rows, axis=0, out=out[name], mode="clip")   # "raise" would buffer the output
+        rows1 = rows + 1
+        for name in ideal.obs_names:
+            ideal.cols[name].take(rows1, axis=0, out=out["next_" + name], mode="clip")
+        return out
+
+
 class IdealTensorDict(IdealView):
     """The ideal's gather returned as arrowbuf's sample contract (sample only): the
     same np.take per column, then the keys a trainer gets from ``store.sample`` -
@@ -306,8 +339,8 @@ class NaiveReplay(Ideal):
         super().__init__(spec, {})
 
 
-CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealChecked, IdealTorch, IdealTensorDict,
-                                                                Arrowbuf, TorchRL)}
+CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (Ideal, IdealChecked, IdealTorch, IdealOut,
+                                                                IdealTensorDict, Arrowbuf, TorchRL)}
 
 
 def build_contender(name: str, spec: ReplaySpec, peers: Mapping[str, Contender],

@@ -22,7 +22,7 @@ from ..memory import memory_metric, peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..results import Metric, Series, WorkloadResult
 from ..specs import ReplaySpec, make_episodes, w1, w2
 
-REPLAY_CONTENDERS = ("ideal", "ideal_checked", "ideal_torch", "ideal_td", "arrowbuf", "torchrl")
+REPLAY_CONTENDERS = ("ideal", "ideal_checked", "ideal_torch", "ideal_out", "ideal_td", "arrowbuf", "torchrl")
 TARGETS = {"add": 0.5, "sample": 0.8, "memory": 1.1}
 
 
@@ -54,7 +54,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
              over("arrowbuf", "ideal", "ideal_checked", "torchrl"), target=f"arrowbuf/ideal >= {TARGETS['add']}",
              goal=at_least("arrowbuf/ideal", TARGETS["add"]), units=spec.episode_len),
         Race("sample", "batches/s", {c: (lambda k=contenders[c]: k.sample(spec.batch_size)) for c in samplers},
-             over("arrowbuf", "ideal", "torchrl", "ideal_torch", "ideal_td"),
+             over("arrowbuf", "ideal", "torchrl", "ideal_torch", "ideal_out", "ideal_td"),
              target=f"arrowbuf/ideal >= {TARGETS['sample']}", goal=at_least("arrowbuf/ideal", TARGETS["sample"])),
     ], opts.rounds, opts.min_time, opts.slices)
 
