@@ -18,9 +18,9 @@ Episodes written since the last seal are *open*. They are sealed into a new
 block when they reach ``RayOptions.block_bytes``, or once the oldest has waited
 ``RayOptions.seal_latency`` (checked at each write and each reader's manifest
 poll), or at once by `seal` (``store.flush()``). Blocks sealed early are small:
-a new seal absorbs the newest block while that one is smaller than ``block_bytes``
-and than the new rows, so a slow writer leaves O(log) small blocks, and each row
-is copied O(log) times at most. Once no write came for ``seal_latency``, the next
+a new seal absorbs the newest block while that one is smaller than
+``block_bytes / 8`` and than the new rows, so a slow writer leaves O(log) small
+blocks, and each row is copied O(log) times at most. Once no write came for ``seal_latency``, the next
 manifest request compacts the small blocks into blocks of up to ``block_bytes``
 (a batch costs one ``np.take`` per field and block it touches).
 
@@ -46,12 +46,12 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import position_runs
 from arrowbuf.table import EpisodeTable
 
-#: A seal absorbs the newest block while that one is below ``block_bytes`` and at most
-#: this many times the rows being sealed (a binary counter): at most
-#: log2(block_bytes / rows per seal) small blocks while writes go on, each a group of
-#: ``np.take`` calls per batch, and a row copied at most that many times. A factor of 4
-#: (fewer, larger blocks) copies each row about 2.5 times on a W1 fill; idle shards
-#: compact their small blocks anyway (`BlockRing.compact`).
+#: A seal absorbs the newest block while that one is below ``block_bytes / 8`` and at
+#: most this many times the rows being sealed (a binary counter): at most
+#: log2(block_bytes / 8 / rows per seal) merges per row, and blocks of W2 rows (a
+#: tick's rows already above 8 MiB) are never merged. Every copy is paid by writes (a
+#: factor of 4 here copied each W1 row ~2.5 times); the read side gets its few large
+#: blocks from `BlockRing.compact` instead, at idle or every 50 ``seal_latency``.
 MERGE = 1
 #: The episode-table columns a block carries (those of a table without sampler counters).
 CHUNK_COLUMNS = tuple(EpisodeTable().state_dict()["columns"])
@@ -168,7 +168,8 @@ class BlockRing:
         new_bytes = int(table.col("num_rows")[start - first_live:stop - first_live].sum()) * row_bytes
         while self.blocks:
             last = self.blocks[-1]
-            if last.nbytes >= self.block_bytes or last.nbytes > MERGE * new_bytes or last.first_serial < first_live \
+            if last.nbytes >= self.block_bytes // 8 or last.nbytes > MERGE * new_bytes \
+                    or last.first_serial < first_live \
                     or last.first_serial + last.num_episodes != start:
                 break
             self.blocks.pop()
@@ -197,11 +198,11 @@ class BlockRing:
     def compact(self, engine: ShardEngine) -> None:
         """Merge runs of adjacent small blocks into blocks of up to ``block_bytes`` (the
         oldest one without its evicted episodes), once the shard is idle (no open
-        episodes, no write for ``seal_latency``) or at most every 10 ``seal_latency``
+        episodes, no write for ``seal_latency``) or at most every 50 ``seal_latency``
         while writes go on; call under the engine's lock."""
         now = time.monotonic()
         idle = self._open_since is None and now - self._written >= self.seal_latency
-        if self._compacted == self.version or not (idle or now - self._compacted_at >= 10 * self.seal_latency):
+        if self._compacted == self.version or not (idle or now - self._compacted_at >= 50 * self.seal_latency):
             return
         self._compacted, self._compacted_at = self.version, now
         table = engine.table
