@@ -279,3 +279,53 @@ def test_samples_carry_the_advantages_compute_gae_wrote_after_the_blocks_were_se
         assert np.abs(batch["advantage"].numpy()).sum() > 0
     finally:
         store.close()
+
+
+def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_items_are_uniform_too():
+    # Items are gathered block by block; were they left in block order, the first
+    # items of a batch would always come from the oldest blocks.
+    from scipy.stats import chisquare
+
+    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=1, ray_options=RayOptions(block_bytes=400))
+    try:
+        lengths = {key: 10 + key % 7 for key in range(30)}
+        for key, steps in lengths.items():
+            store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
+        store.flush()
+        assert store.stats()["reader"]["blocks"] > 15
+        first = []
+        for _ in range(1500):
+            batch = store.sample(64)
+            check_rows(batch, {})
+            first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
+        assert not (np.diff(batch["index"].numpy()) >= 0).all()
+        counts = np.bincount(np.concatenate(first), minlength=30)
+        expected = np.array([lengths[k] for k in range(30)], np.float64)
+        assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
+    finally:
+        store.close()
+
+
+def test_batches_drawn_by_several_shards_and_epoch_minibatches_mix_the_shards_items():
+    # Prioritized draws are made by each shard, epochs split their chunks by shard:
+    # were the parts left one after the other, a slice of a batch would hold one shard.
+    per = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=2, sampler=ab.PrioritizedSampler(),
+                             ray_options=RayOptions(block_bytes=400))
+    try:
+        for key in range(20):
+            per.add_episode(keyed_episode(key, 12), env_id=f"e{key % 4}")
+        per.flush()
+        mixed = 0
+        for _ in range(100):
+            batch = per.sample(64)
+            check_rows(batch, {})
+            mixed += len(set((batch["index"][:8].numpy() >> INDEX_SHIFT).tolist())) == 2
+        assert mixed > 60
+        for minibatch in per.iter_batches(64, shuffle=True):
+            check_rows(minibatch, {})
+            shard = minibatch["index"].numpy() >> INDEX_SHIFT
+            assert (np.diff(shard) != 0).sum() > 2   # shards interleaved, as the shuffled chunk drew them
+        ordered = np.concatenate([b["index"].numpy() for b in per.iter_batches(64, shuffle=False)])
+        assert (np.diff(ordered) > 0).all()        # unshuffled: shard 0's indices, then shard 1's, ascending
+    finally:
+        per.close()

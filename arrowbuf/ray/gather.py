@@ -1,10 +1,13 @@
 """`BlockGather`: rows of several sealed blocks -> one pooled buffer -> a TensorDict.
 
 A reader's batch draws items from several blocks (of one or several shards).
-The items of one block lie next to each other in the batch, so each field is
-gathered block by block, one ``np.take`` per (field, block) straight into its
-slice of the output: the gather is the only copy between the object store and
-the trainer's tensors. The output comes from a `SlotPool`, as a local store's
+Each field is gathered block by block, one ``np.take`` per (field, block). The
+batch keeps the order the sampler drew its items in (as a local store's does, so
+any slice of a uniform batch is itself uniform): where one block's items lie next
+to each other in that order, the take goes straight into their slice of the
+output and the gather is the only copy between the object store and the
+trainer's tensors; where they are spread (several blocks, drawn in random
+order), the take's rows are scattered to their places, one more copy of them. The output comes from a `SlotPool`, as a local store's
 samples do: a batch is reused only once nothing refers to it any more, and
 steady sampling neither faults fresh memory nor rebuilds a TensorDict.
 
@@ -37,7 +40,7 @@ _ROLES = ("step", "obs", "next")
 
 @dataclass
 class Group:
-    """The items ``[lo, hi)`` of a batch, all from one block.
+    """Items of a batch, all from one block: ``[lo, hi)``, or the positions ``dest``.
 
     ``rows`` holds the block's rows by role (step, observation, next observation),
     each of the items' shape (observation rows with a trailing frame axis).
@@ -47,6 +50,7 @@ class Group:
     lo: int
     hi: int
     rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    dest: np.ndarray | None = None      # the items' places in the batch, when not [lo, hi)
 
 
 def _key(name: str) -> tuple[str, ...]:
@@ -106,7 +110,10 @@ class BlockGather:
                 np.copyto(out, extra[source])
                 continue
             for group in groups:
-                group.columns[source].take(group.rows[role], axis=0, out=out[group.lo:group.hi], mode="clip")
+                if group.dest is None:
+                    group.columns[source].take(group.rows[role], axis=0, out=out[group.lo:group.hi], mode="clip")
+                else:
+                    out[group.dest] = group.columns[source].take(group.rows[role], axis=0, mode="clip")
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
@@ -136,12 +143,14 @@ class BlockGather:
         return tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0]))
 
 
-def by_block(bases: np.ndarray, selection: Selection) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray]:
+def by_block(bases: np.ndarray, selection: Selection
+             ) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The selection with its items ordered by block (``bases``: first row of each block):
-    (selection, block of each item, the blocks touched, where each one's items start and, last, stop)."""
+    (selection, block of each item, the blocks touched, where each one's items start and, last,
+    stop, and ``order``: the drawn position of each reordered item, None when none moved)."""
     rows = selection.rows
     if len(bases) == 1:
-        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)])
+        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)]), None
     block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
     if len(block) < 2 or (block[1:] >= block[:-1]).all():   # already in order (uniform draws, epochs)
         order = None
@@ -156,7 +165,7 @@ def by_block(bases: np.ndarray, selection: Selection) -> tuple[Selection, np.nda
     touched = np.flatnonzero(counts)
     starts = np.zeros(len(touched) + 1, np.int64)
     np.cumsum(counts.take(touched), out=starts[1:])
-    return selection, block, touched, starts
+    return selection, block, touched, starts, order
 
 
 def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:

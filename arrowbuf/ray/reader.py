@@ -120,6 +120,13 @@ class BlockCache:
         self.nbytes = 0
 
 
+def _placed(value: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``value`` (in block order) with item k moved to position ``order[k]``."""
+    out = np.empty_like(value)
+    out[order] = value
+    return out
+
+
 def _locked(method: Callable) -> Callable:
     """Run ``method`` under the reader's lock: a store handle may be shared by threads
     (a trainer sampling while another thread writes)."""
@@ -358,10 +365,8 @@ class BlockReader:
                 raise EmptyStoreError(f"cannot sample: the {len(shards)} shards of {self.shards.name!r} hold "
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
-        if type(view.sampler) is UniformSampler:   # drawn in index order: items come grouped by block
-            indices = uniform_indices(self.rng, batch_size, *view.table.live_range())
-            indices.sort()
-            selection = select_indices(view.table, indices)
+        if type(view.sampler) is UniformSampler:
+            selection = select_indices(view.table, uniform_indices(self.rng, batch_size, *view.table.live_range()))
         else:
             selection = view.sampler.sample(self.rng, batch_size, view.table)
         if view.shards is None:
@@ -387,26 +392,42 @@ class BlockReader:
 
     @_locked
     def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
-               device: torch.device | None, normalize_weights: bool = False) -> TensorDict:
-        """One batch of every part's items, shard after shard, block after block within a shard."""
+               device: torch.device | None, normalize_weights: bool = False,
+               places: list[np.ndarray] | None = None) -> TensorDict:
+        """One batch of every part's items (gathered block by block: `arrowbuf.ray.gather`).
+
+        A part's items keep the order they were drawn in; ``places`` puts the items of
+        each part at those batch positions (an epoch's chunk order, or a shuffle of the
+        parts drawn by several shards); without it the parts follow each other.
+        """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
         parts = [(view, *by_block(view.bases, selection)) for view, selection in same_width(parts)]
-        keep = {view.blocks[b].ref for view, _, _, touched, _ in parts for b in touched.tolist()}
-        groups, extras, offset = [], [], 0
-        for view, selection, block, touched, starts in parts:
+        keep = {view.blocks[b].ref for view, _, _, touched, _, _ in parts for b in touched.tolist()}
+        pieces, extras, wheres, offset = [], [], [], 0
+        for k, (view, selection, block, touched, starts, order) in enumerate(parts):
             extra, roles = self._lookups(view, selection, block, touched, starts, args, keep)
+            n = len(selection.rows)
+            where = np.arange(offset, offset + n) if places is None else places[k]
+            if order is not None:   # item j of the block order was drawn as item order[j]
+                where = where[order]
             extras.append(extra)
+            wheres.append(where)
             blocks = view.blocks
             for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
-                groups.append(Group(self.cache.get(blocks[b], keep), offset + lo, offset + hi,
-                                    (roles[0][lo:hi], roles[1][lo:hi], roles[2][lo:hi])))
-            offset += len(selection.rows)
+                pieces.append((self.cache.get(blocks[b], keep), offset + lo, offset + hi,
+                               (roles[0][lo:hi], roles[1][lo:hi], roles[2][lo:hi])))
+            offset += n
+        where = np.concatenate(wheres) if wheres else np.zeros(0, np.int64)
+        moved = bool(len(where)) and not (where == np.arange(offset)).all()
+        groups = [Group(columns, lo, hi, rows, where[lo:hi] if moved else None) for columns, lo, hi, rows in pieces]
         item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
         frames = (args[2],) if args[2] > 1 else ()
         shapes = ((offset, *item), (offset, *item, *frames), (offset, *item, *frames))
         extra = extras[0] if len(extras) == 1 else {name: np.concatenate([e[name] for e in extras])
                                                      for name in extras[0]}
+        if moved:
+            extra = {name: _placed(value, where) for name, value in extra.items()}
         if normalize_weights and "weight" in extra:
             extra["weight"] = extra["weight"] / extra["weight"].max()
         return gather(groups, extra, shapes, keys, device)

@@ -294,10 +294,9 @@ class RayBackend:
         Uniform, sequence and episode draws happen here, from the shards' sealed
         blocks; other samplers (and rate-limited stores) ask each shard for its
         indices. Either way the rows are gathered here, from the blocks, into one
-        reused buffer (writable tensors, as a local store's). A batch's items come
-        grouped by block (in index order for uniform draws), so with ``num_workers``
-        each worker's batch is drawn on its own (a slice of one batch would hold
-        the older or the newer rows); with ``worker_nodes``, from the shards on its
+        reused buffer (writable tensors, as a local store's). A batch keeps its
+        items' drawn order (a slice is a sample of the whole store); with
+        ``num_workers`` each worker's batch is drawn on its own; with ``worker_nodes``, from the shards on its
         node (all shards when its node has none).
 
         Raises:
@@ -323,9 +322,18 @@ class RayBackend:
             batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
         else:
             parts = self._draws.collect(self._draws.request(batch_size, args, timeout, shards))
-            batch = reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler))
+            batch = reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler),
+                                  self._mixed(parts))
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
+
+    def _mixed(self, parts: list) -> list[np.ndarray] | None:
+        """Batch positions that shuffle the parts several shards drew (None for one part):
+        any slice of the batch is then a sample of every shard, as a local batch is."""
+        if len(parts) < 2:
+            return None
+        sizes = [len(selection.rows) for _, selection in parts]
+        return np.split(self._rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])
 
     def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
@@ -348,7 +356,7 @@ class RayBackend:
             request = pending.popleft()
             pending.append(draws.request(batch_size, args, None))
             parts = draws.collect(request)
-            yield self._reader.gather(parts, args, None, device, normalize)
+            yield self._reader.gather(parts, args, None, device, normalize, self._mixed(parts))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None) -> Iterator[TensorDict]:
@@ -365,10 +373,14 @@ class RayBackend:
     def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any) -> Iterator[TensorDict]:
         for chunk in chunks:
             shards = chunk >> INDEX_SHIFT
-            parts = [self._reader.select_in(views[s], chunk[shards == s] & LOCAL_MASK, {})
-                     for s in np.unique(shards).tolist()]
-            parts = [part for part in parts if part is not None]
-            yield self._reader.gather(parts, PLAIN, keys, device)
+            located = [(self._reader.select_in(views[s], chunk[shards == s] & LOCAL_MASK, {}),
+                        np.flatnonzero(shards == s)) for s in np.unique(shards).tolist()]
+            located = [(part, where) for part, where in located if part is not None]
+            if len(located) < len(np.unique(shards)):   # rows of a shard gone: the survivors close ranks
+                kept = np.sort(np.concatenate([where for _, where in located] or [np.zeros(0, np.int64)]))
+                located = [(part, np.searchsorted(kept, where)) for part, where in located]
+            yield self._reader.gather([part for part, _ in located], PLAIN, keys, device,
+                                      places=[where for _, where in located])
 
     def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
         """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
