@@ -104,7 +104,9 @@ def test_readers_in_two_processes_sample_consistent_rows_while_writers_evict():
         assert sum(written) * 20 > 6_000, "the writers did not fill the ring once (no eviction)"
         for result in seen:
             assert result["batches"] > 10 and result["rows"] > 640
-        assert seen[1]["reader"]["copy_blocks"] and seen[1]["reader"]["fetches"] > seen[1]["reader"]["cached_blocks"]
+        # The copying reader read copied blocks (whether its cache had to drop one depends on
+        # how much the writers managed here: the bound is the cache test's job).
+        assert seen[1]["reader"]["copy_blocks"] and seen[1]["reader"]["fetches"] >= seen[1]["reader"]["cached_blocks"] > 0
         check_rows(store.sample(512), {})
     finally:
         store.close()
