@@ -100,6 +100,8 @@ SMALL_FIELDS = {
     "obs": FieldSpec("float32", (4,), observation=True),
     "action": FieldSpec("int8"),
     "reward": FieldSpec("float32"),
+    "terminated": FieldSpec("bool"),   # a store refuses episodes without terminal flags unless told
+    "truncated": FieldSpec("bool"),
 }
 
 
