@@ -8,14 +8,16 @@ so proportional sampling is exact globally) and asks each for its share: the
 shard answers with indices and extras (weights, masks) only, plus its manifest
 when the reader's is not current, and the reader gathers the rows from the
 shards' sealed blocks (`arrowbuf.ray.reader`). Requests can be kept in flight
-(`sample_iter`).
+(`prefetching`, `sample_iter`'s path).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections import deque
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.handles import ShardHandles, SizeCache
@@ -111,3 +113,28 @@ class ShardDraws:
                 parts = [(view, _scaled(selection, scale)) for view, selection in parts]
             parts += more
         return parts, population
+
+    def batch(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
+              shards: Sequence[int] | None = None) -> TensorDict:
+        """One batch drawn by the shards (of ``shards``, default all), gathered by the reader."""
+        parts = self.collect(self.request(batch_size, args, timeout, shards))
+        return self._reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler),
+                                   self._mixed(parts))
+
+    def prefetching(self, batch_size: int, prefetch: int, args: tuple, device: Any) -> Iterator[TensorDict]:
+        """Endless batches, ``prefetch`` requests kept in flight."""
+        pending = deque(self.request(batch_size, args, None) for _ in range(prefetch))
+        normalize = isinstance(self.sampler, PrioritizedSampler)
+        while True:
+            request = pending.popleft()
+            pending.append(self.request(batch_size, args, None))
+            parts = self.collect(request)
+            yield self._reader.gather(parts, args, None, device, normalize, self._mixed(parts))
+
+    def _mixed(self, parts: list) -> list[np.ndarray] | None:
+        """Batch positions that shuffle the parts several shards drew (None for one part):
+        any slice of the batch is then a sample of every shard, as a local batch is."""
+        if len(parts) < 2:
+            return None
+        sizes = [len(selection.rows) for _, selection in parts]
+        return np.split(self._rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])

@@ -1,56 +1,48 @@
-"""`BlockGather`: rows of several sealed blocks -> one pooled buffer -> a TensorDict.
+"""`BlockGather`: staged items of several sealed blocks -> one pooled buffer -> a TensorDict.
 
-A reader's batch draws items from several blocks (of one or several shards).
-Each field is gathered block by block, one ``np.take`` per (field, block). The
-batch keeps the order the sampler drew its items in (as a local store's does, so
-any slice of a uniform batch is itself uniform): where one block's items lie next
-to each other in that order, the take goes straight into their slice of the
-output and the gather is the only copy between the object store and the
-trainer's tensors; where they are spread (several blocks, drawn in random
-order), the take's rows are scattered to their places, one more copy of them. The output comes from a `SlotPool`, as a local store's
-samples do: a batch is reused only once nothing refers to it any more, and
-steady sampling neither faults fresh memory nor rebuilds a TensorDict.
+A reader stages the items of one or several batches (`arrowbuf.ray.staging.Staged`):
+their blocks, their block-local rows in block order, and where each batch
+position lies in that order. For each batch, `BlockGather` fills one pooled
+output (a `SlotPool` slot, as a local store's samples: a batch is reused only
+once nothing refers to it any more, and steady sampling neither faults fresh
+memory nor rebuilds a TensorDict):
 
-`by_block` orders a selection's items by block (and says where each block's
-items are); `same_width` pads episode batches of several shards to one width.
+- where the batch's order is the block order (one block, or an unshuffled epoch
+  chunk), each field is taken straight from its blocks into the output: the
+  gather is the only copy between the object store and the trainer's tensors;
+- otherwise each field is read block by block into a scratch array (once for all
+  the staged batches) and taken from it into the output in the drawn order: a
+  take per touched block and one per batch, where scattering each block's items
+  to their places costs a take and a scatter per block and batch.
+
+`same_width` pads episode batches of several shards to one width.
 
 The layout follows `arrowbuf.tensors.Gather`: fields in schema order (an
 observation field also as ``("next", ...)``), then the extras (index,
 episode_id, step, and weights, masks, n-step targets); an extra named like a
-field replaces it; ``keys`` selects fields as `Gather.check_keys` does.
+field replaces it; ``keys`` selects fields as `Gather.check_keys` does. As
+there, the layout is found by the shapes, the keys and the extras' names, and
+checked against the extras' dtypes (building a key of every dtype and shape per
+batch costs as much as a few takes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
+from arrowbuf.ray.staging import Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
 from arrowbuf.tensors import Gather
 
 _ALIGN = 64
 _ROLES = ("step", "obs", "next")
-
-
-@dataclass
-class Group:
-    """Items of a batch, all from one block: ``[lo, hi)``, or the positions ``dest``.
-
-    ``rows`` holds the block's rows by role (step, observation, next observation),
-    each of the items' shape (observation rows with a trailing frame axis).
-    """
-
-    columns: Mapping[str, np.ndarray]
-    lo: int
-    hi: int
-    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
-    dest: np.ndarray | None = None      # the items' places in the batch, when not [lo, hi)
 
 
 def _key(name: str) -> tuple[str, ...]:
@@ -81,46 +73,56 @@ class BlockGather:
                 self.entries.append((k, name, _ROLES.index(role), dtype, tuple(f.shape), f.torch_dtype))
                 checks[k] = (np.empty((0, *f.shape), dtype), role, f.torch_dtype)
         self._checks = Gather(checks)   # its key rules, without an arena
-        self._layouts: dict[tuple, tuple] = {}
+        self._layouts: dict[tuple, tuple] = {}   # by shapes, keys and every extra's name, dtype, shape
+        self._recent: dict[tuple, tuple] = {}    # by shapes, keys and the extras' names: the last one used
         self._pool = SlotPool()
 
     def check_keys(self, keys: Any) -> frozenset | None:
         """``keys`` checked as `arrowbuf.tensors.Gather.check_keys` does (None: every field)."""
         return self._checks.check_keys(keys)
 
-    def __call__(self, groups: list[Group], extra: Mapping[str, np.ndarray], shapes: tuple,
-                 keys: frozenset | None, device: torch.device | None = None) -> TensorDict:
-        """The batch: every group's rows of every selected field, then the extras.
+    def __call__(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
+                 device: torch.device | None = None) -> TensorDict:
+        """The batch of staged items ``[start, stop)`` (in batch order): every selected
+        field, then the extras.
 
         Args:
-            groups: the items by block, covering the batch in order.
-            extra: per-item arrays of the whole batch (index, episode_id, step, ...).
-            shapes: the batch's row shapes by role (step, observation, next observation).
+            staged: the items, block by block (`arrowbuf.ray.staging`).
+            start, stop: the batch's range of batch positions.
             keys: `check_keys` of the fields to gather.
             device: where the batch goes (gathered on the CPU, then moved in one copy).
         """
-        key = (shapes, keys, *[(name, value.dtype, value.shape) for name, value in extra.items()])
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = self._layout(shapes, keys, key[2:])
-        plan, spec = layout
-        outs, batch = self._pool.claim(key, spec)
-        for (source, role), out in zip(plan, outs):
+        extra = staged.extra
+        shapes = staged.shapes(stop - start)
+        key = (shapes, keys, *extra)
+        layout = self._recent.get(key)
+        if layout is None or not _matches(layout.extras, extra):
+            full = (shapes, keys, *[(name, value.dtype, (stop - start, *value.shape[1:]))
+                                    for name, value in extra.items()])
+            layout = self._layouts.get(full)
+            if layout is None:
+                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
+            self._recent[key] = layout
+        outs, batch = self._pool.claim(layout, layout.slot)
+        inv = None if staged.inv is None else staged.inv[start:stop]
+        for (source, role), out in zip(layout.plan, outs):
             if role < 0:
-                np.copyto(out, extra[source])
-                continue
-            for group in groups:
-                if group.dest is None:
-                    group.columns[source].take(group.rows[role], axis=0, out=out[group.lo:group.hi], mode="clip")
-                else:
-                    out[group.dest] = group.columns[source].take(group.rows[role], axis=0, mode="clip")
+                np.copyto(out, extra[source][start:stop])
+            elif inv is not None:
+                staged.staged(source, role).take(inv, axis=0, out=out, mode="clip")
+            else:
+                rows = staged.rows[role]
+                for columns, lo, hi in staged.pieces:
+                    lo, hi = max(lo, start), min(hi, stop)
+                    if lo < hi:
+                        columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
 
-    def _layout(self, shapes: tuple, keys: frozenset | None, extras: tuple) -> tuple[tuple, SlotSpec]:
+    def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> "_Layout":
         fields = {entry[0] for entry in self.entries}
-        extras = [(name, dtype, shape) for name, dtype, shape in extras
+        extras = [(name, dtype, shape) for name, dtype, shape in every_extra
                   if keys is None or _key(name) not in fields or _key(name) in keys]
         replaced = {_key(name) for name, _, _ in extras}
         plan, outs, leaves, total = [], [], [], 0
@@ -140,32 +142,25 @@ class BlockGather:
             place(name, role, key, dtype, torch_dtype, tuple(shapes[role]) + row_shape)
         for name, dtype, shape in extras:
             place(name, -1, _key(name), dtype, _torch_dtype(dtype), tuple(shape))
-        return tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0]))
+        return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
+                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra))
 
 
-def by_block(bases: np.ndarray, selection: Selection
-             ) -> tuple[Selection, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The selection with its items ordered by block (``bases``: first row of each block):
-    (selection, block of each item, the blocks touched, where each one's items start and, last,
-    stop, and ``order``: the drawn position of each reordered item, None when none moved)."""
-    rows = selection.rows
-    if len(bases) == 1:
-        return selection, np.zeros(len(rows), np.int64), np.zeros(1, np.int64), np.array([0, len(rows)]), None
-    block = np.searchsorted(bases, rows if rows.ndim == 1 else rows[:, 0], side="right") - 1
-    if len(block) < 2 or (block[1:] >= block[:-1]).all():   # already in order (uniform draws, epochs)
-        order = None
-    else:
-        order = np.argsort(block, kind="stable")
-        block = block.take(order)
-    selection = selection if order is None else Selection(rows.take(order, axis=0), selection.indices.take(order, axis=0),
-                          selection.pos.take(order, axis=0),
-                          {k: v.take(order, axis=0) for k, v in selection.extra.items()},
-                          None if selection.step is None else selection.step.take(order, axis=0))
-    counts = np.bincount(block, minlength=len(bases))
-    touched = np.flatnonzero(counts)
-    starts = np.zeros(len(touched) + 1, np.int64)
-    np.cumsum(counts.take(touched), out=starts[1:])
-    return selection, block, touched, starts, order
+@dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per batch
+class _Layout:
+    """Where one batch layout's fields and extras go in its slot."""
+
+    plan: tuple          # (field name, role index) per gathered field, then (extra name, -1) per extra
+    slot: SlotSpec
+    extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
+
+
+def _matches(expected: tuple, extra: dict) -> bool:
+    """Whether the extras have a layout's dtypes and shapes (past the batch axis), in order."""
+    for (dtype, shape), value in zip(expected, extra.values()):
+        if value.dtype != dtype or value.shape[1:] != shape:
+            return False
+    return True
 
 
 def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:

@@ -46,11 +46,11 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError
-from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.ray.blocks import BlockInfo, Manifest
-from arrowbuf.ray.gather import BlockGather, Group, by_block, same_width
+from arrowbuf.ray.gather import BlockGather, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
+from arrowbuf.ray.staging import Staged, block_order, placed, stage_part
 from arrowbuf.samplers import Sampler, Selection, UniformSampler, select_indices, uniform_indices
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
@@ -120,13 +120,6 @@ class BlockCache:
         self.nbytes = 0
 
 
-def _placed(value: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """``value`` (in block order) with item k moved to position ``order[k]``."""
-    out = np.empty_like(value)
-    out[order] = value
-    return out
-
-
 def _locked(method: Callable) -> Callable:
     """Run ``method`` under the reader's lock: a store handle may be shared by threads
     (a trainer sampling while another thread writes)."""
@@ -166,6 +159,7 @@ class BlockReader:
         self._polled = -np.inf
         self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
+        self._scratch: dict = {}   # staged field arrays of `sample` and `gather` (used under the lock)
         self._lock = threading.RLock()
 
     # -- manifests -----------------------------------------------------------------
@@ -218,6 +212,9 @@ class BlockReader:
     @_locked
     def poll(self) -> None:
         """Collect manifest answers that came back, ask again where due; never waits."""
+        self._poll()
+
+    def _poll(self) -> None:
         now = time.monotonic()
         latency = self.shards.options.seal_latency
         if now - self._polled < latency / 8:
@@ -347,7 +344,10 @@ class BlockReader:
     @_locked
     def views_of(self, shards: list[int]) -> list[ShardView]:
         """Current views of live ``shards``: synced first where this process wrote, or none is known."""
-        self.poll()
+        return self._views_of(shards)
+
+    def _views_of(self, shards: list[int]) -> list[ShardView]:
+        self._poll()
         stale = [s for s in shards if s in self._stale or s not in self.views]
         if stale:
             self.sync(stale)
@@ -357,7 +357,18 @@ class BlockReader:
     def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
                shards: list[int]) -> TensorDict:
         """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
-        views = self.views_of(shards)
+        gather = self._gatherer()
+        keys = gather.check_keys(keys)
+        return gather(self._draw(batch_size, 1, args, shards, self._scratch), 0, batch_size, keys, device)
+
+    @_locked
+    def draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
+        """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` (each
+        batch an independent draw), staged for `emit` with the caller's ``scratch``."""
+        return self._draw(batch_size, batches, args, shards, scratch)
+
+    def _draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
+        views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
             views = [self.views[s] for s in shards if s in self.views]
@@ -365,16 +376,28 @@ class BlockReader:
                 raise EmptyStoreError(f"cannot sample: the {len(shards)} shards of {self.shards.name!r} hold "
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
+        count = batch_size * batches
         if type(view.sampler) is UniformSampler:
-            selection = select_indices(view.table, uniform_indices(self.rng, batch_size, *view.table.live_range()))
+            selection = select_indices(view.table, uniform_indices(self.rng, count, *view.table.live_range()))
         else:
-            selection = view.sampler.sample(self.rng, batch_size, view.table)
+            selection = view.sampler.sample(self.rng, count, view.table)
         if view.shards is None:
-            self._drawn[view.shard] += batch_size
+            self._drawn[view.shard] += count
         else:
             pos = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]
             self._drawn += np.bincount(view.shards.take(pos), minlength=len(self._drawn))
-        return self.gather([(view, selection)], args, keys, device)
+        return self.stage([(view, selection)], args, None, scratch)
+
+    @_locked
+    def emit(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
+             device: torch.device | None) -> TensorDict:
+        """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`)."""
+        return self._gatherer()(staged, start, stop, keys, device)
+
+    def unread_writes(self) -> bool:
+        """Whether this process wrote since it last synced the shards it wrote to (the
+        next draw syncs them: staged batches drawn before do not hold those writes)."""
+        return bool(self._stale)
 
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
@@ -402,76 +425,47 @@ class BlockReader:
         """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        parts = [(view, *by_block(view.bases, selection)) for view, selection in same_width(parts)]
-        keep = {view.blocks[b].ref for view, _, _, touched, _, _ in parts for b in touched.tolist()}
-        pieces, extras, wheres, offset = [], [], [], 0
-        for k, (view, selection, block, touched, starts, order) in enumerate(parts):
-            extra, roles = self._lookups(view, selection, block, touched, starts, args, keep)
-            n = len(selection.rows)
-            where = np.arange(offset, offset + n) if places is None else places[k]
-            if order is not None:   # item j of the block order was drawn as item order[j]
-                where = where[order]
-            extras.append(extra)
-            wheres.append(where)
-            blocks = view.blocks
-            for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
-                pieces.append((self.cache.get(blocks[b], keep), offset + lo, offset + hi,
-                               (roles[0][lo:hi], roles[1][lo:hi], roles[2][lo:hi])))
-            offset += n
-        where = np.concatenate(wheres) if wheres else np.zeros(0, np.int64)
-        moved = bool(len(where)) and not (where == np.arange(offset)).all()
-        groups = [Group(columns, lo, hi, rows, where[lo:hi] if moved else None) for columns, lo, hi, rows in pieces]
-        item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
-        frames = (args[2],) if args[2] > 1 else ()
-        shapes = ((offset, *item), (offset, *item, *frames), (offset, *item, *frames))
-        extra = extras[0] if len(extras) == 1 else {name: np.concatenate([e[name] for e in extras])
-                                                     for name in extras[0]}
-        if moved:
-            extra = {name: _placed(value, where) for name, value in extra.items()}
-        if normalize_weights and "weight" in extra:
-            extra["weight"] = extra["weight"] / extra["weight"].max()
-        return gather(groups, extra, shapes, keys, device)
+        staged = self.stage(parts, args, places, self._scratch)
+        if normalize_weights and "weight" in staged.extra:
+            staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
+        return gather(staged, 0, staged.size, keys, device)
 
-    def _lookups(self, view: ShardView, selection: Selection, block: np.ndarray, touched: np.ndarray,
-                 starts: np.ndarray, args: tuple, keep: set) -> tuple[dict, tuple[np.ndarray, ...]]:
-        """(extras, block-local rows by role) of a selection ordered by block."""
-        n, gamma, frames = args
-        table = view.table
-        rows, pos, step = selection.rows, selection.pos, selection.step
-        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        base = view.index_base
-        extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
-                 "episode_id": table.col("episode_id").take(pos),
-                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
-        base = view.bases.take(block)
-        if rows.ndim == 2:
-            base = base[:, None]
-        local = rows - base
-        if n == 1 and frames == 1:
-            return extra, (local, local, local + 1)
-        first = first - base
-        next_rows = local + 1
-        if n > 1:   # rewards summed inside each item's block
-            last = first + table.col("length").take(pos) - 1
-            looked: dict[str, list] = {}
-            ahead_rows = []
-            for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
-                columns = self.cache.get(view.blocks[b], keep)
-                ahead = n_step(local[lo:hi], last[lo:hi], columns["reward"], min(n, table.longest), gamma)
-                ahead_rows.append(ahead.next_rows)
-                looked.setdefault("reward", []).append(ahead.reward)
-                looked.setdefault("discount", []).append(ahead.discount)
-                looked.setdefault("n_steps", []).append(ahead.steps)
-                for flag in ("terminated", "truncated"):
-                    if flag in columns:
-                        looked.setdefault(flag, []).append(columns[flag][ahead.last_rows])
-            next_rows = np.concatenate(ahead_rows)
-            extra.update({name: np.concatenate(values) for name, values in looked.items()})
-        obs_rows = local
-        if frames > 1:
-            obs_rows = frame_rows(local, first, frames)
-            next_rows = frame_rows(next_rows, first, frames)
-        return extra, (local, obs_rows, next_rows)
+    def stage(self, parts: list[tuple[ShardView, Selection]], args: tuple, places: list[np.ndarray] | None,
+              scratch: dict) -> Staged:
+        """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
+        parts = same_width(parts)
+        orders = [block_order(view.bases, selection.rows) for view, selection in parts]
+        keep = {view.blocks[b].ref for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
+        pieces, roles, extras, offset = [], ([], [], []), [], 0
+        for (view, selection), (block, touched, starts, order) in zip(parts, orders):
+            columns = [self.cache.get(view.blocks[b], keep) for b in touched.tolist()]
+            extra, rows = stage_part(view, selection, block, starts, order, columns, args)
+            extras.append(extra)
+            for role, part in zip(roles, rows):
+                role.append(part)
+            pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
+                                                                          starts[1:].tolist())]
+            offset += len(selection.rows)
+        rows = tuple(r[0] if len(r) == 1 else np.concatenate(r or [np.zeros(0, np.int64)]) for r in roles)
+        item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
+        if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
+            order = orders[0][3]
+            inv = None if order is None else placed(np.arange(offset), order)
+            return Staged(pieces, rows, extras[0], inv, offset, item, args[2], scratch)
+        extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
+        ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
+        drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
+                                for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
+        # the batch position of each staged item: its part's block order of its drawn positions
+        in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
+                                         for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
+                                        or [np.zeros(0, np.int64)])
+        inv = None
+        if not (drawn == np.arange(offset)).all():
+            extra = {name: placed(value, drawn) for name, value in extra.items()}
+        if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
+            inv = placed(np.arange(offset), in_block_order)
+        return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch)
 
     def stats(self) -> dict:
         cache = self.cache

@@ -30,7 +30,6 @@ after `flush` is exact.
 from __future__ import annotations
 
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -51,11 +50,16 @@ from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, start_shards
-from arrowbuf.samplers import PrioritizedSampler, Sampler, epoch_batches
+from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import pinned
+
+#: Bytes of batches `sample_iter` draws and stages at once when its draws are made
+#: here: one draw, one block plan and one read of each field per block for all of
+#: them; each batch is then one take per field from the staged rows.
+STAGE_BYTES = 1 << 20
 
 
 class RayBackend:
@@ -321,42 +325,35 @@ class RayBackend:
         if reader.draws_here():
             batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
         else:
-            parts = self._draws.collect(self._draws.request(batch_size, args, timeout, shards))
-            batch = reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler),
-                                  self._mixed(parts))
+            batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
-    def _mixed(self, parts: list) -> list[np.ndarray] | None:
-        """Batch positions that shuffle the parts several shards drew (None for one part):
-        any slice of the batch is then a sample of every shard, as a local batch is."""
-        if len(parts) < 2:
-            return None
-        sizes = [len(selection.rows) for _, selection in parts]
-        return np.split(self._rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])
-
     def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
-        """Endless batches. Draws made here need no prefetching (no call per batch);
-        draws made by the shards keep ``prefetch`` index requests in flight."""
+        """Endless batches. Draws made here need no round trip: ``batches_per_request``
+        batches (default: as many as `STAGE_BYTES` hold, at most ``prefetch``) are drawn
+        and staged at once; draws made by the shards keep ``prefetch`` index requests
+        in flight."""
         if self._reader.draws_here():
-            return self._drawing_here(batch_size, args, device)
-        return self._prefetching(batch_size, prefetch, args, device)
+            return self._drawing_here(batch_size, args, device, prefetch, batches_per_request)
+        return self._draws.prefetching(batch_size, prefetch, args, device)
 
-    def _drawing_here(self, batch_size: int, args: tuple, device: Any) -> Iterator[TensorDict]:
+    def _drawing_here(self, batch_size: int, args: tuple, device: Any, prefetch: int,
+                      batches: int | None) -> Iterator[TensorDict]:
         reader = self._reader
+        scratch: dict = {}   # this iterator's staged field arrays, reused draw after draw
+        step = batches or 1
         while True:
-            yield reader.sample(batch_size, args, None, device, self.shards.live())
-
-    def _prefetching(self, batch_size: int, prefetch: int, args: tuple, device: Any) -> Iterator[TensorDict]:
-        draws = self._draws
-        pending = deque(draws.request(batch_size, args, None) for _ in range(prefetch))
-        normalize = isinstance(self.sampler, PrioritizedSampler)
-        while True:
-            request = pending.popleft()
-            pending.append(draws.request(batch_size, args, None))
-            parts = draws.collect(request)
-            yield self._reader.gather(parts, args, None, device, normalize, self._mixed(parts))
+            staged = reader.draw(batch_size, step, args, self.shards.live(), scratch)
+            for k in range(step):
+                if k and reader.unread_writes():   # a write of this process: drawn again, with it
+                    break
+                batch = reader.emit(staged, k * batch_size, (k + 1) * batch_size, None, device)
+                yield batch
+            if batches is None:   # the first batch tells its size
+                step = max(1, min(prefetch, STAGE_BYTES // max(batch.bytes(), 1)))
+                batches = step
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None) -> Iterator[TensorDict]:

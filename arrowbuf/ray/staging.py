@@ -1,0 +1,173 @@
+"""`Staged`: the items of one or several batches, planned block by block before they are gathered.
+
+A reader's draw picks items of several sealed blocks (of one or several shards),
+in an order that must survive the gather: a batch's items come in the order the
+sampler drew them, so that any slice of a uniform batch is itself uniform (a
+trainer splitting a batch must not get sub-batches of the oldest rows). Blocks
+are separate buffers, so each field is read block by block:
+
+- `block_order` sorts a selection's items by block (``order``) and says where each
+  touched block's items start and stop in that order;
+- `stage_part` looks up, for one part of a batch (one view's selection), its
+  extras in drawn order (index, episode_id, step, n-step targets) and its
+  block-local rows by role (step, observation, next observation) in block order;
+- `Staged` holds every part of one or several batches: the blocks' columns with
+  the ranges of staged items they hold, the rows, the extras in batch order, and
+  ``inv`` (batch position -> staged position) where the two orders differ.
+
+`arrowbuf.ray.gather.BlockGather` then reads each field block by block into a
+scratch array (staged order; once for all the staged batches) and takes it into
+each batch's pooled output by ``inv``: per field, one take per touched block and
+one per batch, instead of a take and a scatter per block and batch. Where the
+orders agree (one block, or an unshuffled epoch chunk) the blocks are read
+straight into the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.samplers import Selection
+
+
+@dataclass
+class Staged:
+    """Items of one or several batches, ready to gather (see the module docstring).
+
+    ``pieces`` hold, per touched block, its columns and the staged range ``[lo, hi)``
+    of its items; ``rows`` the block-local rows of every staged item by role (step,
+    observation, next observation; observation rows with a trailing frame axis);
+    ``extra`` the per-item arrays in batch order; ``inv`` the staged position of each
+    batch position (None: the same order). ``scratch`` is the caller's reusable
+    store of staged field arrays (by field and role), ``filled`` those this staging
+    has filled.
+    """
+
+    pieces: list[tuple[Mapping[str, np.ndarray], int, int]]
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    extra: dict[str, np.ndarray]
+    inv: np.ndarray | None
+    size: int
+    item: tuple[int, ...]              # shape of one item's rows: () or (L,) for windows and episodes
+    frames: int
+    scratch: dict = field(default_factory=dict)
+    filled: set = field(default_factory=set)
+
+    def shapes(self, count: int) -> tuple[tuple[int, ...], ...]:
+        """Row shapes by role of a batch of ``count`` items."""
+        frames = (self.frames,) if self.frames > 1 else ()
+        step = (count, *self.item)
+        return step, (*step, *frames), (*step, *frames)
+
+    def staged(self, source: str, role: int) -> np.ndarray:
+        """Column ``source``'s rows of role ``role`` for every staged item, in staged order
+        (read block by block on first use, into the scratch array kept for it)."""
+        key = (source, role)
+        out = self.scratch.get(key)
+        if key in self.filled:
+            return out
+        rows = self.rows[role]
+        sample = self.pieces[0][0][source]
+        shape = (*rows.shape, *sample.shape[1:])
+        if out is None or out.shape != shape or out.dtype != sample.dtype:
+            out = self.scratch[key] = np.empty(shape, sample.dtype)
+        for columns, lo, hi in self.pieces:
+            columns[source].take(rows[lo:hi], axis=0, out=out[lo:hi], mode="clip")
+        self.filled.add(key)
+        return out
+
+
+def block_order(bases: np.ndarray, rows: np.ndarray
+                ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Where the items at virtual ``rows`` lie (``bases``: the first virtual row of each block):
+    (the block of each item, None when there is one block; the blocks touched; where each
+    one's items start and, last, stop in block order; and ``order``, the drawn position of
+    each item in block order, None when they already are in block order)."""
+    n = len(rows)
+    if len(bases) == 1:
+        return None, np.zeros(1, np.int64), np.array([0, n]), None
+    first = rows if rows.ndim == 1 else rows[:, 0]
+    if len(bases) == 2:   # two blocks (a shard's each, compacted): one comparison, no histogram
+        block = (first >= bases[1]).view(np.uint8)
+        upper = int(np.count_nonzero(block))
+        if upper in (0, n):
+            return block, np.array([int(upper > 0)]), np.array([0, n]), None
+        order = None if not block[:n - upper].any() else np.argsort(block, kind="stable")
+        return block, np.array([0, 1]), np.array([0, n - upper, n]), order
+    # As small ints, the stable argsort below is a radix sort.
+    block = (np.searchsorted(bases, first, side="right") - 1).astype(np.int16 if len(bases) < 1 << 15 else np.int64)
+    counts = np.bincount(block, minlength=len(bases))
+    touched = np.flatnonzero(counts)
+    starts = np.zeros(len(touched) + 1, np.int64)
+    np.cumsum(counts.take(touched), out=starts[1:])
+    if len(touched) == 1 or (block[1:] >= block[:-1]).all():   # already in order (one block, epochs)
+        return block, touched, starts, None
+    return block, touched, starts, np.argsort(block, kind="stable")
+
+
+def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """``value`` with item k moved to position ``where[k]``."""
+    out = np.empty_like(value)
+    out[where] = value
+    return out
+
+
+def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
+               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: tuple
+               ) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(extras in drawn order, block-local rows by role in block order) of one view's selection.
+
+    Args:
+        view: the `arrowbuf.ray.reader.ShardView` the selection was made in.
+        block, starts, order: the selection's `block_order`.
+        columns: the columns of each touched block.
+        args: (n_step, gamma, frame_stack).
+    """
+    n, gamma, frames = args
+    table = view.table
+    rows, pos, step = selection.rows, selection.pos, selection.step
+    first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+    base = view.index_base
+    extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
+             "episode_id": table.col("episode_id").take(pos),
+             "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+    base = view.bases.take(block) if block is not None else int(view.bases[0])
+    if rows.ndim == 2 and block is not None:
+        base = base[:, None]
+    local = rows - base
+    if first is not None:
+        first = first - base
+    if order is not None:   # from here on, block order
+        local = local.take(order, axis=0)
+        first = None if first is None else first.take(order, axis=0)
+        if n > 1:
+            pos = pos.take(order)
+    if n == 1 and frames == 1:
+        return extra, (local, local, local + 1)
+    next_rows = local + 1
+    if n > 1:   # rewards summed inside each item's block
+        last = first + table.col("length").take(pos) - 1
+        looked: dict[str, list] = {}
+        ahead_rows = []
+        for block, lo, hi in zip(columns, starts[:-1].tolist(), starts[1:].tolist()):
+            ahead = n_step(local[lo:hi], last[lo:hi], block["reward"], min(n, table.longest), gamma)
+            ahead_rows.append(ahead.next_rows)
+            looked.setdefault("reward", []).append(ahead.reward)
+            looked.setdefault("discount", []).append(ahead.discount)
+            looked.setdefault("n_steps", []).append(ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in block:
+                    looked.setdefault(flag, []).append(block[flag][ahead.last_rows])
+        next_rows = np.concatenate(ahead_rows)
+        for name, values in looked.items():   # back to drawn order
+            value = np.concatenate(values)
+            extra[name] = value if order is None else placed(value, order)
+    obs_rows = local
+    if frames > 1:
+        obs_rows = frame_rows(local, first, frames)
+        next_rows = frame_rows(next_rows, first, frames)
+    return extra, (local, obs_rows, next_rows)
