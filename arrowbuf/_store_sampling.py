@@ -86,6 +86,17 @@ class StoreSampling:
         """Endless batches, as `sample` would give them. A Ray store keeps ``prefetch``
         requests in flight per shard so that sampling overlaps training.
 
+        Args:
+            batch_size: items per batch.
+            prefetch: on a Ray store, index requests kept in flight (samplers that draw
+                in the shards), or the most batches drawn at once (draws made here).
+            batches_per_request: on a Ray store that draws here, batches drawn and
+                gathered together (each an independent draw, in drawn order); default:
+                as many as fit in ``arrowbuf.ray.router.STAGE_BYTES``, at most
+                ``prefetch``. A write of this process drops the batches not yet
+                returned, so the next one holds it. Ignored by a local store.
+            n_step, gamma, frame_stack, device: as in `sample`.
+
         Raises:
             ValueError: a bad argument.
         """

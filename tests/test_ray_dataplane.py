@@ -331,3 +331,50 @@ def test_batches_drawn_by_several_shards_and_epoch_minibatches_mix_the_shards_it
         assert (np.diff(ordered) > 0).all()        # unshuffled: shard 0's indices, then shard 1's, ascending
     finally:
         per.close()
+
+
+def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_order():
+    # sample_iter stages several batches per draw: each must still hold its own items
+    # (no two batches of a draw alike), in drawn order (first items uniform), and a
+    # batch kept must not be overwritten by the next ones.
+    from scipy.stats import chisquare
+
+    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=3, ray_options=RayOptions(block_bytes=400))
+    try:
+        lengths = {key: 10 + key % 7 for key in range(30)}
+        for key, steps in lengths.items():
+            store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
+        store.flush()
+        assert store.stats()["reader"]["blocks"] > 15
+        iterator = store.sample_iter(64, batches_per_request=4)
+        first, kept, seen, previous = [], [], {}, None
+        for k in range(1200):
+            batch = next(iterator)
+            check_rows(batch, seen)
+            first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
+            index = batch["index"].numpy().copy()
+            assert previous is None or not np.array_equal(index, previous)
+            previous = index
+            if k % 97 == 0:
+                kept.append((batch, index))
+        for batch, index in kept:
+            np.testing.assert_array_equal(batch["index"].numpy(), index)
+            check_rows(batch, seen)
+        counts = np.bincount(np.concatenate(first), minlength=30)
+        expected = np.array([lengths[k] for k in range(30)], np.float64)
+        assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
+    finally:
+        store.close()
+
+
+def test_an_iterator_samples_its_own_add_episode_at_once():
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=RayOptions(seal_latency=30.0))
+    try:
+        store.add_episode(keyed_episode(0, 5), env_id="e0")
+        iterator = store.sample_iter(256, batches_per_request=4)
+        assert set(next(iterator)["action"].tolist()) == {0}
+        store.add_episode(keyed_episode(1, 500), env_id="e1")   # 100 times the first: any batch holds it
+        assert 1 in set(next(iterator)["action"].tolist())
+    finally:
+        store.close()

@@ -11,9 +11,11 @@ Modules, lowest first (each imports only those before it):
 - `start`: starting a store's named shard actors, or finding a running store's;
 - `gae`: `compute_gae` across shards, the value function called by the caller;
 - `shipping`: batches for train workers kept in the object store (refs, `resolve`);
-- `gather`: `BlockGather`, rows of many blocks into one pooled TensorDict;
+- `staging`: `Staged`, a draw's items planned block by block, in drawn order;
+- `gather`: `BlockGather`, staged items of many blocks into one pooled TensorDict per batch;
 - `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
-- `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader;
+- `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader, and
+  their prefetching;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.

@@ -1,0 +1,96 @@
+"""Staged items of several blocks gathered into batches in their drawn order (no Ray needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arrowbuf.fields import Field
+from arrowbuf.ray.gather import BlockGather
+from arrowbuf.ray.staging import Staged, block_order
+from arrowbuf.schema import Schema
+
+SCHEMA = Schema({"obs": Field("float32", (3,), observation=True), "action": Field("int64"),
+                 "terminated": Field("bool")})
+
+
+def make_blocks(sizes: list[int]) -> tuple[list[dict], np.ndarray, dict]:
+    """Blocks of consecutive rows: row r of the whole store holds obs (r, r, r), action r;
+    (blocks, first virtual row of each, the whole store's columns)."""
+    total = sum(sizes)
+    whole = {"obs": np.repeat(np.arange(total, dtype=np.float32)[:, None], 3, axis=1),
+             "action": np.arange(total, dtype=np.int64), "terminated": np.arange(total) % 7 == 0}
+    bases = np.cumsum([0] + sizes[:-1])
+    blocks = [{name: column[lo:lo + n] for name, column in whole.items()} for lo, n in zip(bases.tolist(), sizes)]
+    return blocks, bases, whole
+
+
+def stage(blocks: list[dict], bases: np.ndarray, rows: np.ndarray, scratch: dict) -> Staged:
+    """What `BlockReader.stage` builds for one part of plain (1-step) rows."""
+    block, touched, starts, order = block_order(bases, rows)
+    base = bases.take(block) if block is not None else bases[0]
+    local = rows - base
+    if order is not None:
+        local = local.take(order)
+    inv = None
+    if order is not None:
+        inv = np.empty(len(rows), np.int64)
+        inv[order] = np.arange(len(rows))
+    pieces = [(blocks[b], lo, hi) for b, lo, hi in zip(touched.tolist(), starts[:-1].tolist(), starts[1:].tolist())]
+    return Staged(pieces, (local, local, local + 1), {"index": rows * 10}, inv, len(rows), (), 1, scratch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(2, 40), min_size=1, max_size=12), st.integers(1, 200), st.integers(0, 2**32 - 1))
+def test_block_order_sorts_items_by_block_and_keeps_their_drawn_order_within_a_block(sizes, n, seed):
+    _, bases, _ = make_blocks(sizes)
+    rows = np.random.default_rng(seed).integers(0, sum(sizes), n)
+    if seed % 3 == 0:
+        rows.sort()   # already in block order: no order to apply
+    block, touched, starts, order = block_order(bases, rows)
+    expected = np.searchsorted(bases, rows, side="right") - 1
+    if len(bases) > 1:
+        np.testing.assert_array_equal(block, expected)
+    drawn = np.arange(n) if order is None else order
+    assert (np.diff(expected[drawn]) >= 0).all()
+    np.testing.assert_array_equal(touched, np.unique(expected))
+    np.testing.assert_array_equal(np.diff(starts), np.bincount(expected)[touched])
+    for b, lo, hi in zip(touched, starts[:-1], starts[1:]):   # stable: drawn order inside each block
+        assert (np.diff(drawn[lo:hi]) > 0).all() and (expected[drawn[lo:hi]] == b).all()
+    if seed % 3 == 0:
+        assert order is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(2, 30), min_size=1, max_size=8), st.integers(1, 4), st.integers(1, 40),
+       st.integers(0, 2**32 - 1))
+def test_every_staged_batch_holds_its_drawn_rows_in_drawn_order(sizes, batches, batch_size, seed):
+    blocks, bases, whole = make_blocks(sizes)
+    steps = np.setdiff1d(np.arange(sum(sizes)), bases[1:] - 1)[:-1]   # rows whose next row is in their block
+    rows = np.random.default_rng(seed).choice(steps, batches * batch_size)
+    staged = stage(blocks, bases, rows, {})
+    gather = BlockGather(SCHEMA)
+    kept = []
+    for k in range(batches):
+        lo, hi = k * batch_size, (k + 1) * batch_size
+        batch = gather(staged, lo, hi, None)
+        np.testing.assert_array_equal(batch["obs"].numpy(), whole["obs"][rows[lo:hi]])
+        np.testing.assert_array_equal(batch["next", "obs"].numpy(), whole["obs"][rows[lo:hi] + 1])
+        np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][rows[lo:hi]])
+        np.testing.assert_array_equal(batch["terminated"].numpy(), whole["terminated"][rows[lo:hi]])
+        np.testing.assert_array_equal(batch["index"].numpy(), rows[lo:hi] * 10)
+        kept.append((batch, rows[lo:hi]))
+    for batch, expected in kept:   # batches kept are not overwritten by later ones
+        np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][expected])
+
+
+def test_a_scratch_reused_by_a_new_staging_is_read_from_its_blocks_again():
+    blocks, bases, whole = make_blocks([10, 10, 10])
+    gather, scratch = BlockGather(SCHEMA), {}
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        rows = rng.choice([r for r in range(29) if r % 10 != 9], 16)
+        batch = gather(stage(blocks, bases, rows, scratch), 0, 16, None)
+        np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][rows])
+    assert scratch   # the draws crossed blocks: the staged arrays were kept for reuse
