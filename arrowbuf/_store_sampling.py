@@ -88,13 +88,14 @@ class StoreSampling:
 
         Args:
             batch_size: items per batch.
-            prefetch: on a Ray store, index requests kept in flight (samplers that draw
-                in the shards), or the most batches drawn at once (draws made here).
-            batches_per_request: on a Ray store that draws here, batches drawn and
-                gathered together (each an independent draw, in drawn order); default:
-                as many as fit in ``arrowbuf.ray.router.STAGE_BYTES``, at most
-                ``prefetch``. A write of this process drops the batches not yet
-                returned, so the next one holds it. Ignored by a local store.
+            prefetch: on a Ray store whose samplers draw in the shards (prioritized,
+                rate-limited, without replacement), index requests kept in flight.
+            batches_per_request: on a Ray store that draws here (uniform, sequence,
+                episode samplers), batches drawn and gathered together (each an
+                independent draw, in drawn order); default: as many as fit in
+                ``arrowbuf.ray.router.STAGE_BYTES`` (8 MiB), at most 16. A write of
+                this process drops the batches not yet returned, so the next one
+                holds it. Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.
 
         Raises:
