@@ -92,6 +92,24 @@ def test_a_checkpoint_compacts_the_segments_it_covers(tmp_path):
     assert contents(recovered(tmp_path)) == {i: i for i in range(11)}
 
 
+def test_compaction_keeps_the_segments_of_episodes_appended_after_the_log_was_opened(tmp_path):
+    # Segments rotated in this process once all counted as "next id 0": a checkpoint
+    # covering episode 0 deleted the segments holding episodes 1 and 2 as well.
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    durable.log.segment_bytes = 1   # every record starts a new segment
+    write(durable, engine, [0])
+    write(durable, engine, [1])
+    write(durable, engine, [2])
+    durable.log.compact(upto=1)   # a checkpoint holding episode 0 only
+    durable.close()
+    with EpisodeLog(tmp_path) as log:
+        fresh = new_engine()
+        fresh.add(*read_episode(make_episode(0, 5), EPISODE_SCHEMA, "env-0", {"tag": 0}))   # the checkpoint
+        assert log.replay(fresh) == 2
+    assert contents(fresh) == {0: 0, 1: 1, 2: 2}
+
+
 def test_evictions_and_clears_replay_as_they_happened(tmp_path):
     durable = DurableShard(tmp_path)
     engine = durable.recover(lambda: new_engine(capacity=20))
