@@ -110,6 +110,28 @@ def test_compaction_keeps_the_segments_of_episodes_appended_after_the_log_was_op
     assert contents(fresh) == {0: 0, 1: 1, 2: 2}
 
 
+def test_a_log_append_that_fails_with_any_error_stops_the_shard_taking_writes(tmp_path, monkeypatch):
+    # Only OSError used to stop it: after a MemoryError the engine held an episode the
+    # log lacked, the next write was logged after a gap, and replay refused the log.
+    from arrowbuf.errors import ShardError
+
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    write(durable, engine, [0])
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("building the record")
+
+    monkeypatch.setattr(durable.log, "append", out_of_memory)
+    with pytest.raises(ShardError, match="MemoryError"):
+        write(durable, engine, [1])
+    monkeypatch.undo()
+    with pytest.raises(ShardError, match="refuses writes until it restarts"):
+        write(durable, engine, [2])
+    durable.close()
+    assert contents(recovered(tmp_path)) == {0: 0}
+
+
 def test_evictions_and_clears_replay_as_they_happened(tmp_path):
     durable = DurableShard(tmp_path)
     engine = durable.recover(lambda: new_engine(capacity=20))
