@@ -205,6 +205,41 @@ def test_a_damaged_record_before_the_tail_raises_format_error_naming_the_file(tm
         DurableShard(tmp_path)
 
 
+def _hostile_records():
+    """Records whose checksums hold but whose contents were written to break the reader."""
+    import pyarrow as pa
+
+    from arrowbuf._log_records import episodes_batch, episodes_schema, stream
+
+    episode, schema = read_episode(make_episode(0, 5), EPISODE_SCHEMA)
+    arrow_schema = episodes_schema(schema)
+    batch = episodes_batch(arrow_schema, schema, [(0, episode, 0)])
+    null_steps = batch.set_column(batch.num_columns - 1, "num_steps", pa.nulls(1, pa.int64()))
+    as_floats = pa.schema([*arrow_schema][:-1] + [pa.field("num_steps", pa.float64())], metadata=arrow_schema.metadata)
+    return {
+        "writers not a map": stream(pa.schema([]), {"kind": "start", "writers": [1, 2]}),
+        "clear without next_id": stream(pa.schema([]), {"kind": "clear"}),
+        "batch not a pair": stream(arrow_schema, {"kind": "episodes", "batch": 5}, [batch]),
+        "unknown kind": stream(pa.schema([]), {"kind": "drop-table"}),
+        "null num_steps": stream(arrow_schema, {"kind": "episodes", "batch": None}, [null_steps]),
+        "float num_steps": stream(as_floats, {"kind": "episodes", "batch": None},
+                                  [batch.set_column(batch.num_columns - 1, "num_steps", pa.array([5.0]))]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_hostile_records()))
+def test_a_well_checksummed_but_malformed_record_raises_format_error(tmp_path, name):
+    from arrowbuf._log_records import record_header
+
+    segment, _ = two_records(tmp_path)
+    payload = _hostile_records()[name]
+    good = segment.read_bytes()
+    segment.write_bytes(good + record_header(payload) + payload.to_pybytes())
+    with pytest.raises(FormatError, match=segment.name):
+        with EpisodeLog(tmp_path) as log:
+            log.replay(new_engine())
+
+
 def test_a_log_with_a_segment_missing_in_the_middle_raises_format_error(tmp_path):
     log = EpisodeLog(tmp_path, segment_bytes=1)   # every record starts a new segment
     engine = new_engine()
