@@ -268,6 +268,24 @@ def test_a_ray_save_that_fails_on_one_shard_leaves_the_previous_checkpoint_loadi
 
 
 @pytest.mark.usefixtures("ray_session")
+def test_a_damaged_row_file_of_shard_1_of_a_ray_checkpoint_raises_format_error_not_a_ray_error(tmp_path):
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
+    try:
+        for key in range(6):
+            store.add_episode(_episode(key, 6), env_id=f"env-{key % 2}")
+        store.save(tmp_path / "ckpt")
+    finally:
+        store.close()
+    generation = json.loads((tmp_path / "ckpt" / "ray_checkpoint.json").read_text())["generation"]
+    row_file = next((tmp_path / "ckpt" / generation / "shard-1").glob("rows-*"))
+    data = bytearray(row_file.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    row_file.write_bytes(bytes(data))
+    with pytest.raises(ab.FormatError, match=row_file.name):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
+@pytest.mark.usefixtures("ray_session")
 def test_a_second_ray_save_is_a_new_generation_that_writes_only_the_new_episodes(tmp_path):
     store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
     loaded = None
