@@ -109,7 +109,7 @@ class BlockGather:
             if role < 0:
                 np.copyto(out, extra[source][start:stop])
             elif inv is not None:
-                staged.staged(source, role).take(inv, axis=0, out=out, mode="clip")
+                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
             else:
                 rows = staged.rows[role]
                 for columns, lo, hi in staged.pieces:

@@ -386,7 +386,7 @@ class BlockReader:
         else:
             pos = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]
             self._drawn += np.bincount(view.shards.take(pos), minlength=len(self._drawn))
-        return self.stage([(view, selection)], args, None, scratch)
+        return self._stage([(view, selection)], args, None, scratch)
 
     @_locked
     def emit(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
@@ -425,12 +425,12 @@ class BlockReader:
         """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        staged = self.stage(parts, args, places, self._scratch)
+        staged = self._stage(parts, args, places, self._scratch)
         if normalize_weights and "weight" in staged.extra:
             staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
         return gather(staged, 0, staged.size, keys, device)
 
-    def stage(self, parts: list[tuple[ShardView, Selection]], args: tuple, places: list[np.ndarray] | None,
+    def _stage(self, parts: list[tuple[ShardView, Selection]], args: tuple, places: list[np.ndarray] | None,
               scratch: dict) -> Staged:
         """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
         parts = same_width(parts)

@@ -63,7 +63,7 @@ class Staged:
         step = (count, *self.item)
         return step, (*step, *frames), (*step, *frames)
 
-    def staged(self, source: str, role: int) -> np.ndarray:
+    def rows_of(self, source: str, role: int) -> np.ndarray:
         """Column ``source``'s rows of role ``role`` for every staged item, in staged order
         (read block by block on first use, into the scratch array kept for it)."""
         key = (source, role)
