@@ -94,8 +94,8 @@ class StoreSampling:
                 episode samplers), batches drawn and gathered together (each an
                 independent draw, in drawn order); default: as many as fit in
                 ``arrowbuf.ray.router.STAGE_BYTES`` (8 MiB), at most 16. A write of
-                this process drops the batches not yet returned, so the next one
-                holds it. Ignored by a local store.
+                this process, a `flush` or new manifests drop the batches not yet
+                returned (the next one holds the write). Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.
 
         Raises:

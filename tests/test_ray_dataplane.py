@@ -373,7 +373,9 @@ def test_an_iterator_samples_its_own_add_episode_at_once():
     try:
         store.add_episode(keyed_episode(0, 5), env_id="e0")
         iterator = store.sample_iter(256, batches_per_request=4)
+        samples = store.stats()["samples"]
         assert set(next(iterator)["action"].tolist()) == {0}
+        assert store.stats()["samples"] == samples + 256   # counted when returned, not when drawn ahead
         store.add_episode(keyed_episode(1, 500), env_id="e1")   # 100 times the first: any batch holds it
         assert 1 in set(next(iterator)["action"].tolist())
     finally:

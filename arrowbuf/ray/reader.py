@@ -160,6 +160,9 @@ class BlockReader:
         self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
         self._scratch: dict = {}   # staged field arrays of `sample` and `gather` (used under the lock)
+        # Counts changes of the views and writes of this process: batches drawn ahead
+        # (`sample_iter`) are dropped when it moved since their draw.
+        self.generation = 0
         self._lock = threading.RLock()
 
     # -- manifests -----------------------------------------------------------------
@@ -168,11 +171,13 @@ class BlockReader:
     def wrote(self, shard: int) -> None:
         """This process stored episodes on ``shard``: sync it before the next sample."""
         self._stale.add(shard)
+        self.generation += 1
 
     @_locked
     def reset(self) -> None:
         """Forget every view and block (after `clear`, at `close`)."""
         self.views.clear()
+        self.generation += 1
         self._joined_view = None
         self._chunks.clear()
         self._pending.clear()
@@ -251,6 +256,7 @@ class BlockReader:
         for shard in asked:
             if shard not in answers:   # dead (allow_partial): its blocks are no longer served
                 self.views.pop(shard, None)
+                self.generation += 1
         for shard, (manifest, reading) in answers.items():
             if reading is not None:
                 self.sizes.note(shard, reading)
@@ -284,6 +290,7 @@ class BlockReader:
                                            shard, n)
         self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
                                       shard << INDEX_SHIFT)
+        self.generation += 1
 
     def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
                num_shards: int = 1) -> tuple[EpisodeTable, Sampler | None, float]:
@@ -357,9 +364,8 @@ class BlockReader:
     def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
                shards: list[int]) -> TensorDict:
         """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
-        gather = self._gatherer()
-        keys = gather.check_keys(keys)
-        return gather(self._draw(batch_size, 1, args, shards, self._scratch), 0, batch_size, keys, device)
+        return self.emit(self._draw(batch_size, 1, args, shards, self._scratch), 0, batch_size,
+                         self._gatherer().check_keys(keys), device)
 
     @_locked
     def draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
@@ -381,23 +387,27 @@ class BlockReader:
             selection = select_indices(view.table, uniform_indices(self.rng, count, *view.table.live_range()))
         else:
             selection = view.sampler.sample(self.rng, count, view.table)
+        shards_count = len(self._drawn)
         if view.shards is None:
-            self._drawn[view.shard] += count
-        else:
+            drawn = np.zeros((batches, shards_count), np.int64)
+            drawn[:, view.shard] = batch_size
+        else:   # each batch's items of each shard
             pos = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]
-            self._drawn += np.bincount(view.shards.take(pos), minlength=len(self._drawn))
-        return self._stage([(view, selection)], args, None, scratch)
+            cells = np.arange(count) // batch_size * shards_count + view.shards.take(pos)
+            drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
+        staged = self._stage([(view, selection)], args, None, scratch)
+        staged.drawn = drawn
+        return staged
 
     @_locked
     def emit(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
              device: torch.device | None) -> TensorDict:
-        """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`)."""
-        return self._gatherer()(staged, start, stop, keys, device)
-
-    def unread_writes(self) -> bool:
-        """Whether this process wrote since it last synced the shards it wrote to (the
-        next draw syncs them: staged batches drawn before do not hold those writes)."""
-        return bool(self._stale)
+        """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`);
+        a drawn batch counts as the shards' samples now, not when it was drawn ahead."""
+        batch = self._gatherer()(staged, start, stop, keys, device)
+        if staged.drawn is not None:
+            self._drawn += staged.drawn[start // (stop - start)]
+        return batch
 
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:

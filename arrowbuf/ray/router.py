@@ -351,8 +351,9 @@ class RayBackend:
         step = batches or 1
         while True:
             staged = reader.draw(batch_size, step, args, self.shards.live(), scratch)
+            generation = reader.generation
             for k in range(step):
-                if k and reader.unread_writes():   # a write of this process: drawn again, with it
+                if reader.generation != generation:   # new views, or a write of this process: drawn again
                     break
                 if batches is None:   # the first batch tells how many fit in STAGE_BYTES
                     first = [reader.emit(staged, 0, batch_size, None, device)]

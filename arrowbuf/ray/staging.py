@@ -44,7 +44,8 @@ class Staged:
     ``extra`` the per-item arrays in batch order; ``inv`` the staged position of each
     batch position (None: the same order). ``scratch`` is the caller's reusable
     store of staged field arrays (by field and role), ``filled`` those this staging
-    has filled.
+    has filled; ``drawn`` what each batch counts as samples of each shard, when the
+    reader drew the items (the shards count what they draw themselves).
     """
 
     pieces: list[tuple[Mapping[str, np.ndarray], int, int]]
@@ -56,6 +57,7 @@ class Staged:
     frames: int
     scratch: dict = field(default_factory=dict)
     filled: set = field(default_factory=set)
+    drawn: np.ndarray | None = None    # items of each shard in each batch, [batches, shards] (a reader's draws)
 
     def shapes(self, count: int) -> tuple[tuple[int, ...], ...]:
         """Row shapes by role of a batch of ``count`` items."""
