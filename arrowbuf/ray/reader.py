@@ -393,7 +393,9 @@ class BlockReader:
             drawn[:, view.shard] = batch_size
         else:   # each batch's items of each shard
             pos = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]
-            cells = np.arange(count) // batch_size * shards_count + view.shards.take(pos)
+            cells = view.shards.take(pos)
+            if batches > 1:
+                cells += np.arange(count) // batch_size * shards_count
             drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
         staged = self._stage([(view, selection)], args, None, scratch)
         staged.drawn = drawn
