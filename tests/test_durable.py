@@ -426,6 +426,8 @@ def test_durable_arguments_are_checked_before_any_shard_starts():
     assert durable_directory("~/logs", "s") == Path.home() / "logs" and durable_directory(False, "s") is None
     with pytest.raises(ValueError, match=r"durable=True needs backend='ray'"):
         ab.ExperienceStore(100, durable=True)
+    with pytest.raises(ValueError, match=r"durable=True keeps the shards' logs in ~/.cache/arrowbuf/<name>: pass name="):
+        ab.ExperienceStore(100, backend="ray", durable=True)   # refused before any actor starts
     with pytest.raises(ValueError, match=r"RayOptions.max_restarts must be an int >= -1, got -2"):
         RayOptions(max_restarts=-2)
     with pytest.raises(ValueError, match=r"RayOptions.durable_sync must be True or False, got 'no'"):

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
-from arrowbuf.errors import ArrowbufError, SchemaError
+from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.blocks import BlockRing, Manifest, check_object_store
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
@@ -145,11 +145,7 @@ class ShardServer:
             with self.engine.lock:
                 self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()))
         if refused:
-            err = refused[0]
-            err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
-                        f"{len(episodes)} episodes of this write (they are dropped); it stored the others]",
-                        *err.args[1:])
-            raise err
+            raise refused_in_batch(refused, len(episodes), f"shard {self.shard}")
         return ids, self.size()
 
     def manifest(self, token: str | None, version: int, drawn: int = 0, seal: bool = False
