@@ -32,6 +32,7 @@ shard publishes its blocks anew).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ResourceError
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import Schema
-from arrowbuf.shard import position_runs
+from arrowbuf.shard import Episode, position_runs
 from arrowbuf.table import EpisodeTable
 
 #: A seal absorbs the newest block while that one is below ``block_bytes / 8`` and at
@@ -104,6 +105,7 @@ class BlockRing:
         self._written = -np.inf          # when the last write came (compaction waits for a pause)
         self._compacted = -1             # the version last compacted, and when
         self._compacted_at = -np.inf
+        self._lent: dict[int, tuple[Any, int]] = {}   # open serial -> (its writer's object, bytes)
 
     @property
     def nbytes(self) -> int:
@@ -118,8 +120,15 @@ class BlockRing:
             self._open_since = time.monotonic() - self.seal_latency   # due at once
             self._open_bytes = self.block_bytes   # sealed in full blocks
 
-    def added(self, engine: ShardEngine, nbytes: int) -> None:
-        """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
+    def added(self, engine: ShardEngine, nbytes: int, lent: dict[int, tuple[Any, int]] | None = None) -> None:
+        """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due.
+
+        ``lent``: serial -> (ObjectRef, bytes) of written episodes whose writer's object
+        holds their rows in a block's layout (`block_columns`): each is sealed as its
+        own block, that object, without a copy.
+        """
+        if lent:
+            self._lent.update(lent)
         self._written = time.monotonic()
         if self._open_since is None:
             self._open_since = self._written
@@ -138,7 +147,7 @@ class BlockRing:
         table = engine.table
         self.blocks = []
         self._sealed_serial = table.episodes_added - len(table)
-        self._open_since, self._open_bytes = None, 0
+        self._open_since, self._open_bytes, self._lent = None, 0, {}   # the writers' objects lack the new columns
         if len(table):
             self._open_since = time.monotonic()
             self.seal(engine)
@@ -148,22 +157,45 @@ class BlockRing:
     def clear(self) -> None:
         """The engine was cleared: every block is dropped."""
         self.blocks = []
-        self._open_since, self._open_bytes = None, 0
+        self._open_since, self._open_bytes, self._lent = None, 0, {}
         self.version += 1
 
     def seal(self, engine: ShardEngine) -> None:
-        """Put the open episodes into a block (absorbing small newest blocks); call under the engine's lock."""
+        """Put the open episodes into blocks (absorbing small newest blocks); call under the engine's lock.
+
+        A lent episode (`added`'s ``lent``) becomes a block of its own, its writer's
+        object; the runs of open episodes between lent ones are copied from the arena.
+        """
         table = engine.table
         first_live = table.episodes_added - len(table)
         self._drop_evicted(table)
         start = max(self._sealed_serial, first_live)
         stop = table.episodes_added
+        lent, self._lent = self._lent, {}
         self._open_since, self._open_bytes = None, 0
         if start >= stop:
             if self._sealed_serial != stop:
                 self._sealed_serial = stop
                 self.version += 1
             return
+        run = start
+        for serial in sorted(k for k in lent if start <= k < stop):
+            if run < serial:
+                self._seal_copies(engine, run, serial, first_live)
+            ref, nbytes = lent[serial]
+            position = serial - first_live
+            episodes = _chunk(table, position, position + 1)
+            self.blocks.append(BlockInfo(ref, ray_module().put(episodes), serial, 1,
+                                         int(table.col("num_rows")[position]), nbytes))
+            run = serial + 1
+        if run < stop:
+            self._seal_copies(engine, run, stop, first_live)
+        self._sealed_serial = stop
+        self.version += 1
+
+    def _seal_copies(self, engine: ShardEngine, start: int, stop: int, first_live: int) -> None:
+        """Blocks of serials [start, stop), copied from the arena (absorbing small newest blocks)."""
+        table = engine.table
         row_bytes = engine.schema.field_bytes
         new_bytes = int(table.col("num_rows")[start - first_live:stop - first_live].sum()) * row_bytes
         while self.blocks:
@@ -178,8 +210,6 @@ class BlockRing:
             end = self._block_end(table, start - first_live, stop - first_live, row_bytes) + first_live
             self.blocks.append(_put_block(engine, start - first_live, end - first_live, start))
             start = end
-        self._sealed_serial = stop
-        self.version += 1
 
     def _block_end(self, table: EpisodeTable, a: int, b: int, row_bytes: int) -> int:
         """Position after the episodes from ``a`` that fill about one block (at least one episode)."""
@@ -225,7 +255,8 @@ class BlockRing:
             if block.first_serial < first_live:   # its evicted episodes would not be copied
                 rows = table.col("num_rows")[:block.first_serial + block.num_episodes - first_live]
                 live = int(rows.sum()) * row_bytes
-            small = live < self.block_bytes // 2
+            # An episode of an eighth of a block or more (a lent one) is a block good enough alone.
+            small = live < self.block_bytes // 2 and not (block.num_episodes == 1 and live >= self.block_bytes // 8)
             if not small or (run and sum(b.nbytes for b in run) + live > self.block_bytes):
                 close_run()
             if small:
@@ -261,11 +292,57 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
     for name in shard.schema.fields:   # numpy views of a host arena (a device arena's are copies)
         parts = [shard.host_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
         columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)   # ray.put copies once
-    episodes = {name: table.col(name)[a:b].copy() for name in CHUNK_COLUMNS}
-    episodes["first_row"] = np.cumsum(num_rows) - num_rows
     ray = ray_module()
-    return BlockInfo(ray.put(columns), ray.put(episodes), first_serial, b - a, int(num_rows.sum()),
+    return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b)), first_serial, b - a, int(num_rows.sum()),
                      sum(c.nbytes for c in columns.values()))
+
+
+def _chunk(table: EpisodeTable, a: int, b: int) -> dict[str, np.ndarray]:
+    """The episode-table chunk of positions [a, b): ``first_row`` counted inside their block."""
+    episodes = {name: table.col(name)[a:b].copy() for name in CHUNK_COLUMNS}
+    num_rows = episodes["num_rows"]
+    episodes["first_row"] = np.cumsum(num_rows) - num_rows
+    return episodes
+
+
+def block_columns(episode: Episode, schema: Schema) -> dict[str, np.ndarray] | None:
+    """A checked episode's rows laid out as a block's (`_put_block`'s: every field of the
+    schema, ``num_rows`` rows of its stored dtype, a step field beside a final observation
+    padded with a zero row, as the arena pads it), or None when it would need a
+    conversion (a derived field, another dtype, not numpy): such an episode is copied by
+    its shard instead. Only small step fields are copied; observations are the episode's."""
+    if len(episode.columns) != len(schema.fields):
+        return None
+    rows = episode.num_rows
+    columns = {}
+    for name, spec in schema.fields.items():
+        data = episode.columns.get(name)
+        if type(data) is not np.ndarray or data.dtype != spec.numpy_dtype or data.shape[1:] != spec.shape:
+            return None
+        if len(data) < rows:
+            padded = np.zeros((rows, *spec.shape), data.dtype)
+            padded[:len(data)] = data
+            data = padded
+        columns[name] = data
+    return columns
+
+
+def lent_episode(episode: Episode, columns: dict[str, np.ndarray], schema: Schema) -> Episode:
+    """The shard's side of `block_columns`: the episode (sent without its columns) whose
+    rows are ``columns``, the writer's object read without a copy, the padding rows of
+    its step fields cut off again (``schema``: the writer's)."""
+    if episode.has_final:
+        columns = {name: data if schema.fields[name].observation else data[:episode.num_steps]
+                   for name, data in columns.items()}
+    return dataclasses.replace(episode, columns=columns)
+
+
+def block_fits(columns: dict[str, np.ndarray], rows: int, schema: Schema) -> bool:
+    """Whether ``columns`` (a writer's `block_columns`) can be a block of a shard of ``schema``
+    (which may have gained derived fields since the writer's schema)."""
+    return len(columns) == len(schema.fields) and all(
+        (data := columns.get(name)) is not None and data.dtype == spec.numpy_dtype and data.shape == (rows, *spec.shape)
+        for name, spec in schema.fields.items())
 
 
 def check_object_store(rows: int, schema: Schema) -> None:

@@ -80,7 +80,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
                              f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
                              f"{options.num_cpus} free CPUs for each?") from None
         raise
-    return ShardHandles(name, handles, nodes, options, threaded)
+    return ShardHandles(name, handles, nodes, options, threaded,
+                        owner=ray.get_runtime_context().get_worker_id())
 
 
 def limits(rate_limiter: RateLimiter) -> bool:
