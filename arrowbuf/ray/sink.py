@@ -150,8 +150,9 @@ class RaySink:
         """End of a writer call: send what is ready (big episodes, or enough small ones)."""
         with self._lock:
             self._raise_pending()
-            self._reap(block=False)
-            self._send(self._waiting_bytes >= self._shards.options.write_batch_bytes, wait=True)
+            if self._batches:   # else the timer collects the answers (a writer commits at every step)
+                self._reap(block=False)
+                self._send(self._waiting_bytes >= self._shards.options.write_batch_bytes, wait=True)
 
     def flush(self) -> None:
         """Send everything, wait until the shards stored it, raise the first error
