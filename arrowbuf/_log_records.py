@@ -117,6 +117,11 @@ class Record:
         except (pa.ArrowException, KeyError, TypeError, ValueError) as err:
             raise FormatError(f"{where}: an unreadable log record ({type(err).__name__}: {err})") from None
         self.where = where
+        problem = _meta_problem(self.meta)
+        if problem is None and self.kind == "episodes":
+            problem = _columns_problem(reader.schema, self.batches)
+        if problem is not None:
+            raise FormatError(f"{where}: a malformed log record ({problem})")
         self.schema = schema_of(reader.schema, where) if self.kind == "episodes" else None
 
     @property
@@ -154,6 +159,57 @@ class Record:
                 metadata = json.loads(rows["metadata"][k]) if rows["metadata"][k] is not None else None
                 yield episode_id, Episode(columns, steps, has_final, rows["env_id"][k], metadata, owned=True,
                                           inserted_at=rows["inserted_at"][k])
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What is wrong with a record's JSON (None: it has the shape its kind needs).
+
+    Checksums catch damage, not bytes written on purpose: a record is read only
+    after its JSON says what `EpisodeLog` will do with it.
+    """
+    if not isinstance(meta, dict):
+        return f"its metadata is {type(meta).__name__}, expected an object"
+    kind = meta.get("kind")
+    if kind == "start":
+        writers = meta.get("writers")
+        if not isinstance(writers, dict) or not all(
+                isinstance(w, list) and len(w) == 2 and _is_int(w[0]) and isinstance(w[1], list)
+                and all(_is_int(n) for n in w[1]) for w in writers.values()):
+            return f"writers {writers!r:.80}, expected {{writer: [count, [numbers]]}}"
+    elif kind == "clear":
+        if not _is_int(meta.get("next_id")) or meta["next_id"] < 0:
+            return f"next_id {meta.get('next_id')!r:.80}, expected an int >= 0"
+    elif kind == "episodes":
+        batch = meta.get("batch")
+        if batch is not None and not (isinstance(batch, list) and len(batch) == 2 and isinstance(batch[0], str)
+                                      and _is_int(batch[1])):
+            return f"batch {batch!r:.80}, expected null or [writer, number]"
+    else:
+        return f"kind {kind!r:.80}, expected 'start', 'clear' or 'episodes'"
+    return None
+
+
+def _columns_problem(schema: pa.Schema, batches: list[pa.RecordBatch]) -> str | None:
+    """What is wrong with an episodes record's columns (None: list fields, then the system columns, no nulls)."""
+    names = schema.names
+    if len(names) < len(SYSTEM_COLUMNS) or names[-len(SYSTEM_COLUMNS):] != SYSTEM_COLUMNS.names:
+        return f"columns {names}, expected the fields then {SYSTEM_COLUMNS.names}"
+    for field in schema:
+        if field.name in SYSTEM_COLUMNS.names:
+            expected = SYSTEM_COLUMNS.field(field.name).type
+            if field.type != expected:
+                return f"column {field.name!r} is {field.type}, expected {expected}"
+        elif not pa.types.is_large_list(field.type):
+            return f"field {field.name!r} is {field.type}, expected a large_list of its rows"
+    for batch in batches:
+        for name in [*SYSTEM_COLUMNS.names, *(n for n in names if n not in SYSTEM_COLUMNS.names)]:
+            if name != "metadata" and batch.column(name).null_count:
+                return f"column {name!r} has nulls"
+    return None
 
 
 def read_segment(path: Path, last: bool) -> tuple[list[Record], int]:

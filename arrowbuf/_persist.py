@@ -228,8 +228,11 @@ def snapshot_and_write(lock: ContextManager, take: Callable[[bool], _T], valid: 
 
 def file_digest(path: Path) -> str:
     """The SHA-256 of a file's bytes, hex (recorded in manifests, checked on load)."""
+    digest = hashlib.sha256()   # read in chunks: hashlib.file_digest is Python 3.11+, and we support 3.10
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def file_entry(path: Path) -> dict[str, Any]:

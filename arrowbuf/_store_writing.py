@@ -87,9 +87,9 @@ class StoreWriting:
                 stored); a full ``mode="fixed"`` store.
             RateLimited: the rate limiter refuses an insert (after ``timeout``).
             ValueError: a bad ``lengths``, ``env_ids``, ``metadata`` or ``shard``.
-            Nothing is stored when the batch is refused by a check; a full fixed-mode
-            store or the rate limiter may refuse an episode after earlier ones of the
-            batch are stored (the error says how many).
+            Nothing is stored when the batch is refused by a check; when a full
+            fixed-mode store or the rate limiter refuses some episodes, the others are
+            stored and the error says how many were refused.
 
         Example:
             >>> import numpy as np, arrowbuf as ab

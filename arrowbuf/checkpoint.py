@@ -356,6 +356,8 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
     table = shard.table
     live_ids, first, num = table.col("episode_id"), table.col("first_row"), table.col("num_rows")
     filled = np.zeros(len(table), np.int64)
+    # Counting rows per episode is not enough: a row given twice makes up for one missing.
+    written = np.zeros(int((first + num).max()) if len(table) else 0, bool)
     expected = plain_schema(shard.schema)
     with progress_bar(progress, int(num.sum()), f"load {path.name}") as bar:
         for entry in row_files:
@@ -371,6 +373,9 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                 if np.any((step < 0) | (step >= num[pos])):
                     raise FormatError(f"{file}: rows with steps outside their episode")
                 target = first[pos] + step
+                if written[target].any() or len(np.unique(target)) != len(target):
+                    raise FormatError(f"{file}: a row of an episode is given twice; the checkpoint is damaged")
+                written[target] = True
                 for name in shard.schema.fields:   # system columns follow from the table
                     shard.put_rows(name, target, columns[name][live])
                 filled += np.bincount(pos, minlength=len(table))

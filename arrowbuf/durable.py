@@ -140,10 +140,12 @@ class DurableShard:
             entries.append((episode_id, episode, inserted))
         try:
             self.log.append(entries, engine.schema, batch)
-        except OSError as err:
-            self._failed = (f"the durable log {self.directory} could not be written ({err}); this shard refuses "
-                            "writes until it restarts (it then recovers every acknowledged write)")
-            raise ShardError(self._failed) from None
+        except BaseException as err:   # not only OSError: a MemoryError building the record leaves the same gap
+            self._failed = (f"the durable log {self.directory} could not be written ({type(err).__name__}: {err}); "
+                            "this shard refuses writes until it restarts (it then recovers every acknowledged write)")
+            if isinstance(err, Exception):
+                raise ShardError(self._failed) from None
+            raise
 
     def cleared(self, engine: ShardEngine) -> None:
         """Log a `ShardEngine.clear` (call right after it)."""

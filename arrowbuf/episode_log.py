@@ -177,6 +177,8 @@ class EpisodeLog:
         with self._lock:
             self._rotate_if_full()
             self._write(payload)
+            if episodes:   # what `compact` asks of the segment holding this record
+                self._next_after = max(self._next_after, max(i for i, _, _ in episodes) + 1)
             if batch is not None:
                 self._remember(batch)
 
@@ -185,6 +187,7 @@ class EpisodeLog:
         with self._lock:
             self._rotate_if_full()
             self._write(stream(pa.schema([]), {"kind": "clear", "next_id": int(next_id)}))
+            self._next_after = max(self._next_after, int(next_id) + 1)
 
     def _rotate_if_full(self) -> None:
         if self._file.tell() >= self.segment_bytes:

@@ -15,6 +15,7 @@ import pyarrow as pa
 from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
+from arrowbuf.errors import ArrowbufError, refused_in_batch
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 
@@ -80,9 +81,22 @@ class LocalBackend:
         return self.engine.add(episode, schema, timeout)
 
     def add_many(self, episodes: list, schema: Schema | None, timeout: float | None, shard: int | None) -> list[int]:
-        """Store checked episodes in order (``shard`` is None or 0: there is one); their ids."""
+        """Store checked episodes in order (``shard`` is None or 0: there is one); their ids.
+
+        One refused episode (a full fixed-mode store, the rate limiter) does not take the
+        rest with it, as on a Ray shard: the others are stored, then the first error is
+        raised saying how many were refused.
+        """
         engine = self.engine
-        return [engine.add(episode, schema, timeout) for episode in episodes]
+        ids, refused = [], []
+        for episode in episodes:
+            try:
+                ids.append(engine.add(episode, schema, timeout))
+            except (ArrowbufError, ValueError) as err:
+                refused.append(err)
+        if refused:
+            raise refused_in_batch(refused, len(episodes), "the store")
+        return ids
 
     def pin(self, env_id: str, shard: int) -> None:
         """One shard: every env's episodes go to it."""

@@ -69,7 +69,7 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         ray_options: a Ray store's `RayOptions` (placement, writer delivery, ...).
         track_reuse: count how often each stored step is sampled, for the
             ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
-        durable: Ray only: True (``~/.cache/arrowbuf/<name>``) or a directory for the
+        durable: Ray only: True (``~/.cache/arrowbuf/<name>``, ``name=`` required) or a directory for the
             shards' episode logs: each shard logs every episode before it answers,
             and Ray restarts a shard that dies, which rebuilds itself from its last
             checkpoint plus the log (`arrowbuf.durable`); False keeps episodes in
@@ -125,6 +125,9 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         from arrowbuf.durable import durable_directory
         from arrowbuf.ray.router import RayBackend, start_shards
 
+        if durable is True and name is None:   # a random name: a directory nobody finds again, kept forever
+            raise ValueError("durable=True keeps the shards' logs in ~/.cache/arrowbuf/<name>: pass name= (so a "
+                             "new driver finds the store's directory again) or a directory, durable='some/dir'")
         name = check_name(name) or RayBackend.new_name()
         directory = durable_directory(durable, name)
         ray_options = as_ray_options(ray_options)

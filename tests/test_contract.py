@@ -320,6 +320,21 @@ def test_add_episodes_with_one_bad_field_stores_nothing(store, change, message):
     assert (len(store), store.num_episodes) == (0, 0)
 
 
+def test_add_episodes_into_a_full_fixed_store_stores_every_episode_that_fits_and_says_how_many_it_refused(
+        backend, stores):
+    # The local backend stopped at the first refused episode, a Ray shard went on with
+    # the rest: one rule now, a Ray shard's.
+    store = stores.get(backend, "fixed", mode="fixed")
+    rows = store.capacity // store.num_shards              # of the one shard written to
+    quarter, half = rows // 4 - 1, rows // 2 - 1           # steps: episodes of rows/4 and rows/2 rows
+    batch = stacked_episodes([1, 2, 3, 4, 5], steps=half)
+    lengths = np.array([quarter, quarter, quarter, half, 1])
+    with pytest.raises(ab.CapacityError, match=r"refused 1 of the 5 episodes of this write"):
+        store.add_episodes(batch, lengths=lengths, shard=0)
+    store.flush()
+    assert (len(store), store.num_episodes) == (3 * quarter + 1, 4)   # the 1-step episode after it fits
+
+
 def test_an_episode_pinned_to_a_shard_is_stored_there(store):
     last = store.num_shards - 1
     ids = [store.add_episode(make_episode(tag, 3), env_id="env-0", shard=last) for tag in range(2)]

@@ -139,6 +139,30 @@ def test_a_manifest_edited_without_its_checksum_is_refused(tmp_path):
         ab.ExperienceStore.load(tmp_path / "ckpt")
 
 
+def test_a_row_file_resealed_with_one_row_given_twice_is_refused_not_loaded_with_a_row_never_written(tmp_path):
+    # Rows were counted per episode: a duplicated (episode, step) made up for a missing
+    # one, and the load put row 0's values in row 1, silently.
+    store = ab.ExperienceStore(100, seed=0)
+    store.add_episode({"obs": np.arange(4, dtype=np.float32)[:, None] * 10, "action": np.zeros(3, np.float32),
+                       "terminated": np.array([False, False, True])})
+    store.save(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    names = [entry["path"] for entry in manifest["row_files"]]
+    assert len(names) == 1
+    row_file = tmp_path / "ckpt" / names[0]
+    with pa.memory_map(str(row_file)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    steps = table.column("step").to_numpy().copy()
+    assert sorted(steps) == [0, 1, 2, 3]
+    steps[steps == 1] = 0   # step 1 is gone, step 0 is there twice
+    table = table.set_column(table.schema.get_field_index("step"), "step", pa.array(steps, table.schema.field("step").type))
+    with pa.OSFile(str(row_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    corrupt._reseal(tmp_path / "ckpt" / "manifest.json", names[0])
+    with pytest.raises(ab.FormatError, match="given twice"):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
 # -- the overwrite window of exports ---------------------------------------------------------
 
 
@@ -241,6 +265,24 @@ def test_a_ray_save_that_fails_on_one_shard_leaves_the_previous_checkpoint_loadi
         store.close()
         if loaded is not None:
             loaded.close()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_damaged_row_file_of_shard_1_of_a_ray_checkpoint_raises_format_error_not_a_ray_error(tmp_path):
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
+    try:
+        for key in range(6):
+            store.add_episode(_episode(key, 6), env_id=f"env-{key % 2}")
+        store.save(tmp_path / "ckpt")
+    finally:
+        store.close()
+    generation = json.loads((tmp_path / "ckpt" / "ray_checkpoint.json").read_text())["generation"]
+    row_file = next((tmp_path / "ckpt" / generation / "shard-1").glob("rows-*"))
+    data = bytearray(row_file.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    row_file.write_bytes(bytes(data))
+    with pytest.raises(ab.FormatError, match=row_file.name):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
 
 
 @pytest.mark.usefixtures("ray_session")

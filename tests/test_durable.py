@@ -92,6 +92,46 @@ def test_a_checkpoint_compacts_the_segments_it_covers(tmp_path):
     assert contents(recovered(tmp_path)) == {i: i for i in range(11)}
 
 
+def test_compaction_keeps_the_segments_of_episodes_appended_after_the_log_was_opened(tmp_path):
+    # Segments rotated in this process once all counted as "next id 0": a checkpoint
+    # covering episode 0 deleted the segments holding episodes 1 and 2 as well.
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    durable.log.segment_bytes = 1   # every record starts a new segment
+    write(durable, engine, [0])
+    write(durable, engine, [1])
+    write(durable, engine, [2])
+    durable.log.compact(upto=1)   # a checkpoint holding episode 0 only
+    durable.close()
+    with EpisodeLog(tmp_path) as log:
+        fresh = new_engine()
+        fresh.add(*read_episode(make_episode(0, 5), EPISODE_SCHEMA, "env-0", {"tag": 0}))   # the checkpoint
+        assert log.replay(fresh) == 2
+    assert contents(fresh) == {0: 0, 1: 1, 2: 2}
+
+
+def test_a_log_append_that_fails_with_any_error_stops_the_shard_taking_writes(tmp_path, monkeypatch):
+    # Only OSError used to stop it: after a MemoryError the engine held an episode the
+    # log lacked, the next write was logged after a gap, and replay refused the log.
+    from arrowbuf.errors import ShardError
+
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    write(durable, engine, [0])
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("building the record")
+
+    monkeypatch.setattr(durable.log, "append", out_of_memory)
+    with pytest.raises(ShardError, match="MemoryError"):
+        write(durable, engine, [1])
+    monkeypatch.undo()
+    with pytest.raises(ShardError, match="refuses writes until it restarts"):
+        write(durable, engine, [2])
+    durable.close()
+    assert contents(recovered(tmp_path)) == {0: 0}
+
+
 def test_evictions_and_clears_replay_as_they_happened(tmp_path):
     durable = DurableShard(tmp_path)
     engine = durable.recover(lambda: new_engine(capacity=20))
@@ -163,6 +203,41 @@ def test_a_damaged_record_before_the_tail_raises_format_error_naming_the_file(tm
     segment.write_bytes(bytes(data))
     with pytest.raises(FormatError, match=segment.name):
         DurableShard(tmp_path)
+
+
+def _hostile_records():
+    """Records whose checksums hold but whose contents were written to break the reader."""
+    import pyarrow as pa
+
+    from arrowbuf._log_records import episodes_batch, episodes_schema, stream
+
+    episode, schema = read_episode(make_episode(0, 5), EPISODE_SCHEMA)
+    arrow_schema = episodes_schema(schema)
+    batch = episodes_batch(arrow_schema, schema, [(0, episode, 0)])
+    null_steps = batch.set_column(batch.num_columns - 1, "num_steps", pa.nulls(1, pa.int64()))
+    as_floats = pa.schema([*arrow_schema][:-1] + [pa.field("num_steps", pa.float64())], metadata=arrow_schema.metadata)
+    return {
+        "writers not a map": stream(pa.schema([]), {"kind": "start", "writers": [1, 2]}),
+        "clear without next_id": stream(pa.schema([]), {"kind": "clear"}),
+        "batch not a pair": stream(arrow_schema, {"kind": "episodes", "batch": 5}, [batch]),
+        "unknown kind": stream(pa.schema([]), {"kind": "drop-table"}),
+        "null num_steps": stream(arrow_schema, {"kind": "episodes", "batch": None}, [null_steps]),
+        "float num_steps": stream(as_floats, {"kind": "episodes", "batch": None},
+                                  [batch.set_column(batch.num_columns - 1, "num_steps", pa.array([5.0]))]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_hostile_records()))
+def test_a_well_checksummed_but_malformed_record_raises_format_error(tmp_path, name):
+    from arrowbuf._log_records import record_header
+
+    segment, _ = two_records(tmp_path)
+    payload = _hostile_records()[name]
+    good = segment.read_bytes()
+    segment.write_bytes(good + record_header(payload) + payload.to_pybytes())
+    with pytest.raises(FormatError, match=segment.name):
+        with EpisodeLog(tmp_path) as log:
+            log.replay(new_engine())
 
 
 def test_a_log_with_a_segment_missing_in_the_middle_raises_format_error(tmp_path):
@@ -351,6 +426,8 @@ def test_durable_arguments_are_checked_before_any_shard_starts():
     assert durable_directory("~/logs", "s") == Path.home() / "logs" and durable_directory(False, "s") is None
     with pytest.raises(ValueError, match=r"durable=True needs backend='ray'"):
         ab.ExperienceStore(100, durable=True)
+    with pytest.raises(ValueError, match=r"durable=True keeps the shards' logs in ~/.cache/arrowbuf/<name>: pass name="):
+        ab.ExperienceStore(100, backend="ray", durable=True)   # refused before any actor starts
     with pytest.raises(ValueError, match=r"RayOptions.max_restarts must be an int >= -1, got -2"):
         RayOptions(max_restarts=-2)
     with pytest.raises(ValueError, match=r"RayOptions.durable_sync must be True or False, got 'no'"):

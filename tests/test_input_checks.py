@@ -199,7 +199,8 @@ def test_zero_sized_field_dimensions_are_refused():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"delivery_latency": 0}, "RayOptions.delivery_latency must be a number > 0, got 0"),
+    ({"delivery_latency": 0}, "RayOptions.delivery_latency must be a finite number > 0, got 0"),
+    ({"seal_latency": float("inf")}, "RayOptions.seal_latency must be a finite number > 0, got inf"),
     ({"size_refresh": -1.0}, "RayOptions.size_refresh must be a number >= 0, got -1.0"),
     ({"max_in_flight": 0}, "RayOptions.max_in_flight must be an int >= 1, got 0"),
     ({"allow_partial": "yes"}, "RayOptions.allow_partial must be True or False, got .yes."),

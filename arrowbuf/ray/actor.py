@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
-from arrowbuf.errors import ArrowbufError, SchemaError
+from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
@@ -158,11 +158,7 @@ class ShardServer:
                 self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()),
                                   self._lent_blocks(blocks))
         if refused:
-            err = refused[0]
-            err.args = (f"{err.args[0] if err.args else err} [shard {self.shard} refused {len(refused)} of the "
-                        f"{len(episodes)} episodes of this write (they are dropped); it stored the others]",
-                        *err.args[1:])
-            raise err
+            raise refused_in_batch(refused, len(episodes), f"shard {self.shard}")
         return ids, self.size()
 
     def _lent_blocks(self, lent: dict[int, tuple[int, Any, dict]]) -> dict[int, tuple[Any, int]]:

@@ -30,10 +30,11 @@ def ray_module() -> Any:
     return ray
 
 
-def _check_seconds(name: str, value: Any, zero_ok: bool) -> float:
+def _check_seconds(name: str, value: Any, zero_ok: bool, finite: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or not (value >= 0 if zero_ok else value > 0):
-        raise ValueError(f"RayOptions.{name} must be a number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+            or not (value >= 0 if zero_ok else value > 0) or (finite and math.isinf(value)):
+        raise ValueError(f"RayOptions.{name} must be a {'finite ' if finite else ''}number "
+                         f"{'>= 0' if zero_ok else '> 0'}, got {value!r}")
     return float(value)
 
 
@@ -116,7 +117,7 @@ class RayOptions:
 
     def __post_init__(self) -> None:
         self.num_cpus = _check_seconds("num_cpus", self.num_cpus, zero_ok=True)
-        self.delivery_latency = _check_seconds("delivery_latency", self.delivery_latency, zero_ok=False)
+        self.delivery_latency = _check_seconds("delivery_latency", self.delivery_latency, zero_ok=False, finite=True)
         self.size_refresh = _check_seconds("size_refresh", self.size_refresh, zero_ok=True)
         self.start_timeout = _check_seconds("start_timeout", self.start_timeout, zero_ok=False)
         check_int("RayOptions.max_in_flight", self.max_in_flight, 1)
@@ -125,7 +126,8 @@ class RayOptions:
         check_bool("RayOptions.allow_partial", self.allow_partial)
         check_bool("RayOptions.durable_sync", self.durable_sync)
         check_int("RayOptions.block_bytes", self.block_bytes, 1)
-        self.seal_latency = _check_seconds("seal_latency", self.seal_latency, zero_ok=False)
+        # Infinite: nothing sealed but by flush(), no manifest polled, dead shards unnoticed.
+        self.seal_latency = _check_seconds("seal_latency", self.seal_latency, zero_ok=False, finite=True)
         if self.reader_cache_bytes is not None:
             check_int("RayOptions.reader_cache_bytes", self.reader_cache_bytes, 0)
         check_bool("RayOptions.copy_blocks", self.copy_blocks)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from arrowbuf.errors import ShardError
+from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.actor import ShardServer
 from arrowbuf.ray.blocks import check_object_store
@@ -79,6 +79,11 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             raise ShardError(f"the {num_shards} shard actors of store {name!r} did not start within "
                              f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
                              f"{options.num_cpus} free CPUs for each?") from None
+        if isinstance(err, ray.exceptions.RayActorError) and err.actor_init_failed and "FormatError" in str(err):
+            # A shard refused its checkpoint or log: the typed error a local load gives,
+            # not Ray's (which keeps the cause only as text).
+            raise FormatError(f"a shard of store {name!r} could not load its data: "
+                              f"{str(err).strip().splitlines()[-1]}") from None
         raise
     return ShardHandles(name, handles, nodes, options, threaded,
                         owner=ray.get_runtime_context().get_worker_id())
