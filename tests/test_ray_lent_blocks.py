@@ -3,6 +3,7 @@ and its shard seals that very object as the episode's block (`arrowbuf.ray.block
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -214,5 +215,32 @@ def test_a_dead_shard_fails_a_lent_write_with_shard_error():
             while time.monotonic() < deadline:
                 store.add_episode(keyed_episode(2, 40), env_id="a")
                 time.sleep(0.1)
+    finally:
+        store.close()
+
+
+def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_log(tmp_path, lent_refs):
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS,
+                               durable=tmp_path)
+    try:
+        ids = [store.add_episode(keyed_episode(key, 40), env_id="a") for key in range(3)]
+        store.flush()
+        victim = shard_actors(store)[0]
+        old = ray.get(victim.__ray_call__.remote(lambda server: os.getpid()))
+        ray.kill(victim, no_restart=False)   # Ray restarts it; wait until calls reach the new process
+        deadline = time.monotonic() + 60
+        while ray.get(victim.__ray_call__.remote(lambda server: os.getpid())) == old:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        ids.append(store.add_episode(keyed_episode(3, 40), env_id="a"))
+        store.flush()
+        assert len(lent_refs) == 4 and ids == [0, 1, 2, 3]
+        blocks = manifests(store)[0].blocks
+        serials = sorted(s for b in blocks for s in range(b.first_serial, b.first_serial + b.num_episodes))
+        assert serials == [0, 1, 2, 3]   # the recovered ones copied from the arena, the new one lent
+        assert [b.ref.hex() for b in blocks if b.first_serial == 3] == [lent_refs[-1].hex()]
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [0, 1, 2, 3]
     finally:
         store.close()
