@@ -56,8 +56,19 @@ def shard_actors(store) -> list:
 
 
 def manifests(store) -> list:
-    """Every shard's manifest, asked now (after sealing its open episodes)."""
+    """Every shard's manifest, asked now (after sealing its open episodes; the request may compact)."""
     return [ray.get(h.manifest.remote(None, -1, 0, True))[0] for h in shard_actors(store)]
+
+
+def _sealed(server) -> list:
+    with server.engine.lock:
+        server.blocks.seal(server.engine)
+        return list(server.blocks.blocks)
+
+
+def sealed_blocks(store) -> list:
+    """Every shard's blocks right after sealing its open episodes, before any compaction."""
+    return [b for h in shard_actors(store) for b in ray.get(h.__ray_call__.remote(_sealed))]
 
 
 def check_rows(batch) -> None:
@@ -76,7 +87,7 @@ def test_a_large_episode_is_sealed_as_the_object_its_writer_put_and_small_ones_a
         stacked = {name: np.stack([keyed_episode(key, 40)[name] for key in (20, 21)]) for name in keyed_episode(0, 40)}
         ids += store.add_episodes(stacked, env_ids=["e0", "e1"])
         assert len(lent_refs) == 8   # the 40-step episodes; none of the 5-step ones
-        blocks = [b for m in manifests(store) for b in m.blocks]
+        blocks = sealed_blocks(store)
         lent = {ref.hex() for ref in lent_refs}
         by_ref = [b for b in blocks if b.ref.hex() in lent]
         assert len(by_ref) == 8 and all(b.num_episodes == 1 and b.num_rows == 41 for b in by_ref)
@@ -100,7 +111,7 @@ def test_a_lent_object_holds_the_rows_in_the_layout_of_a_copied_block():
     try:
         store.add_episode(keyed_episode(7, 40), env_id="a")   # lent
         store.add_episode(keyed_episode(8, 40), env_id="a")
-        with_final, = [b for b in manifests(store)[0].blocks if b.first_serial == 0]
+        with_final, = [b for b in sealed_blocks(store) if b.first_serial == 0]
         rows = ray.get(with_final.ref)
         source = keyed_episode(7, 40)
         np.testing.assert_array_equal(rows["obs"], source["obs"])
@@ -131,7 +142,7 @@ def test_a_step_writer_lends_the_episodes_it_seals(lent_refs):
         store.flush()
         assert len(lent_refs) == 2 and len(store) == 80
         lent = {ref.hex() for ref in lent_refs}
-        assert sum(b.ref.hex() in lent for m in manifests(store) for b in m.blocks) == 2
+        assert sum(b.ref.hex() in lent for b in sealed_blocks(store)) == 2
         check_rows(store.sample(256))
     finally:
         store.close()
@@ -153,7 +164,7 @@ def test_writers_in_other_processes_send_their_rows_and_their_shard_copies_them(
         assert store._backend.shards.started_here()
         assert ray.get(lends_elsewhere.remote(store.name)) == (False, 40)
         store.flush()
-        block, = manifests(store)[0].blocks
+        block, = sealed_blocks(store)
         assert block.num_episodes == 1 and lent_refs == []
         check_rows(store.sample(64))
     finally:
@@ -171,10 +182,9 @@ def test_an_episode_written_after_compute_gae_is_copied_with_the_derived_columns
         episode = keyed_episode(5, 40)
         episode["value"] = np.ones(40, np.float32)
         store.add_episode(episode, env_id="a")   # its writer's object lacks the shard's derived fields
-        store.flush()
         lent = {ref.hex() for ref in lent_refs}
-        blocks = manifests(store)[0].blocks
-        assert not any(b.ref.hex() in lent for b in blocks)   # republished, then copied
+        assert len(lent) == 4 and not any(b.ref.hex() in lent for b in sealed_blocks(store))   # all copied
+        store.flush()
         batch = store.sample(512)
         again = store.gather(batch["index"].numpy())
         np.testing.assert_array_equal(batch["advantage"].numpy(), again["advantage"].numpy())
@@ -233,14 +243,37 @@ def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_lo
             assert time.monotonic() < deadline
             time.sleep(0.1)
         ids.append(store.add_episode(keyed_episode(3, 40), env_id="a"))
-        store.flush()
         assert len(lent_refs) == 4 and ids == [0, 1, 2, 3]
-        blocks = manifests(store)[0].blocks
+        blocks = sealed_blocks(store)
         serials = sorted(s for b in blocks for s in range(b.first_serial, b.first_serial + b.num_episodes))
         assert serials == [0, 1, 2, 3]   # the recovered ones copied from the arena, the new one lent
         assert [b.ref.hex() for b in blocks if b.first_serial == 3] == [lent_refs[-1].hex()]
         batch = store.sample(512)
         check_rows(batch)
         assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [0, 1, 2, 3]
+    finally:
+        store.close()
+
+
+def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones(lent_refs):
+    # Readers gather block by block: many blocks of one episode cost them more than a
+    # copy in an idle shard does.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
+                               ray_options=RayOptions(block_bytes=8_000, seal_latency=0.05))
+    try:
+        for key in range(6):
+            store.add_episode(keyed_episode(key, 40), env_id="a")
+        store.flush()
+        lent = {ref.hex() for ref in lent_refs}
+        assert len(lent) == 6
+        deadline = time.monotonic() + 30
+        while any(b.ref.hex() in lent for b in manifests(store)[0].blocks):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        blocks = manifests(store)[0].blocks
+        assert len(blocks) < 6 and sum(b.num_episodes for b in blocks) == 6
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == list(range(6))
     finally:
         store.close()

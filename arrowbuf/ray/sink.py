@@ -16,6 +16,10 @@ episodes were lost, and how many still wait.
 
 A sink pickles into Ray tasks and actors; the copy starts with nothing queued
 or in flight: the errors of this process's requests surface here.
+
+In the process that started the shards, an episode of an eighth of a block or
+more is put once and lent to its shard, which seals that object as its block
+(`_outgoing`, `arrowbuf.ray.blocks`); elsewhere episodes travel as arguments.
 """
 
 from __future__ import annotations
