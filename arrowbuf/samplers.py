@@ -39,7 +39,9 @@ class Selection:
 def select_indices(table: EpisodeTable, indices: np.ndarray, extra: dict | None = None) -> Selection:
     """The selection of live transition indices."""
     pos, step = table.locate(indices)
-    return Selection(table.col("first_row").take(pos) + step, indices, pos, extra or {}, step)
+    rows = table.col("first_row").take(pos)
+    rows += step
+    return Selection(rows, indices, pos, extra or {}, step)
 
 
 def uniform_indices(rng: np.random.Generator, n: int, first_index: int, stop_index: int) -> np.ndarray:

@@ -292,11 +292,11 @@ class EpisodeTable:
             # A mask, not take(mode="wrap"): numpy wraps by repeated subtraction, which
             # grows with index / size (a store that ran long would sample ever slower).
             serials = self._index_episode.take(units & self._index_mask)
-            # uint32 arithmetic wraps like the serials in the map, written out as intp:
-            # every take by uint32 positions (here, the rows, the episode ids) would
-            # convert them again.
-            head = np.uint32((self.episodes_added - self.tail + self.head) & 0xFFFFFFFF)
-            pos = np.subtract(serials, head, dtype=np.uint32, out=np.empty(serials.shape, np.intp))
+            # uint32 arithmetic wraps like the serials in the map (a Python int within
+            # uint32 keeps the uint32 loop), converted to intp: every take by uint32
+            # positions (here, the rows, the episode ids) would convert them again.
+            # Not np.subtract(dtype=np.uint32, out=intp array): 1.5x slower here.
+            pos = (serials - ((self.episodes_added - self.tail + self.head) & 0xFFFFFFFF)).astype(np.intp)
             return pos, units - self._cols["first_index"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
         pos = np.searchsorted(first, units, side="right") - 1

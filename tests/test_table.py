@@ -91,6 +91,19 @@ def test_the_index_map_finds_indices_far_beyond_its_capacity():
     assert table.rows_of(indices).tolist() == [0, 3, 5, 7]
 
 
+def test_the_index_map_finds_episodes_whose_serials_wrap_past_two_to_the_32():
+    # The map keeps episode serials mod 2**32: the oldest episode's serial is
+    # 2**32 - 1, the next one's wraps to 0, and positions must still be 0 and 1.
+    table = EpisodeTable(capacity=16)
+    table.resume(episodes_added=2**32 - 1, next_index=40)
+    append(table, 0, 3)    # indices 40..42
+    append(table, 4, 2)    # indices 43, 44
+    pos, step = table.locate(np.array([44, 40, 43, 42]))
+    assert pos.tolist() == [1, 0, 1, 0] and step.tolist() == [1, 0, 0, 2]
+    assert pos.dtype == np.intp
+    assert table.rows_of(np.array([44, 40, 43, 42])).tolist() == [5, 0, 4, 2]
+
+
 def test_a_state_saved_with_the_old_rank_names_loads_under_the_index_names():
     table = EpisodeTable(capacity=64)
     for length in (3, 5):

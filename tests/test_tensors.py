@@ -75,6 +75,24 @@ def test_gather_uses_explicit_observation_and_next_rows():
     np.testing.assert_array_equal(batch["action"].numpy(), columns["action"][rows])
 
 
+def test_default_next_rows_gather_what_explicit_next_rows_do():
+    # Default next observations are read from the column shifted by one row (no
+    # rows + 1 computed): the batch must equal one given next_rows = rows + 1.
+    columns = arena()
+    gather = make_gather(columns)
+    for rows in (np.array([8, 0, 3, 3]), np.array([[1, 2], [7, 8]])):
+        extra = {"index": np.arange(rows.size).reshape(rows.shape)}
+        shifted, explicit = gather(rows, extra), gather(rows, extra, next_rows=rows + 1)
+        assert list(shifted.keys(True, True)) == list(explicit.keys(True, True))
+        for key in explicit.keys(True, True):
+            assert shifted[key].dtype == explicit[key].dtype
+            assert torch.equal(shifted[key], explicit[key]), key
+        np.testing.assert_array_equal(shifted["next", "obs"].numpy(), columns["obs"][rows + 1])
+        # Storage of another kind (the torch arena) gets the next rows computed.
+        _, layout, by_role = gather.layout_of(rows, extra)
+        np.testing.assert_array_equal(by_role[2], rows + 1)
+
+
 def test_extra_arrays_are_added_and_replace_gathered_keys_of_the_same_name():
     columns = arena()
     rows = np.array([1, 2])

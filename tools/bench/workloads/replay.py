@@ -4,7 +4,8 @@ Every store is first filled to capacity (one full lap, reported as "1st lap":
 first touch of fresh memory dominates it), so add is timed in steady state (ring
 overwrite of warm memory) and sampling over a full store. Peak RSS is measured
 per contender in a fresh subprocess (see `memory`). Targets: add >= 0.5x ideal,
-sample >= 0.8x ideal, peak RSS <= 1.1x raw bytes.
+sample >= 1.0x ideal for W1 (issue 13: pooled, prebuilt batches make small-row
+replay as cheap as the bare takes) and 0.8x for W2, peak RSS <= 1.1x raw bytes.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from ..specs import ReplaySpec, make_episodes, w1, w2
 
 REPLAY_CONTENDERS = ("ideal", "ideal_checked", "ideal_torch", "ideal_out", "ideal_td", "arrowbuf", "torchrl")
 TARGETS = {"add": 0.5, "sample": 0.8, "memory": 1.1}
+#: Sample targets that differ from TARGETS["sample"], by workload.
+SAMPLE_TARGETS = {"W1": 1.0}
 
 
 def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
     """Fill every contender once, then time add and sample in interleaved rounds."""
     t0 = start_workload(*(CONTENDERS[c] for c in REPLAY_CONTENDERS))
+    sample_target = SAMPLE_TARGETS.get(name, TARGETS["sample"])
     load_start = os.getloadavg()[0]
     episodes = make_episodes(spec)
     notes: list[str] = []
@@ -55,7 +59,7 @@ def run_replay(name: str, spec: ReplaySpec, opts: Options) -> WorkloadResult:
              goal=at_least("arrowbuf/ideal", TARGETS["add"]), units=spec.episode_len),
         Race("sample", "batches/s", {c: (lambda k=contenders[c]: k.sample(spec.batch_size)) for c in samplers},
              over("arrowbuf", "ideal", "torchrl", "ideal_torch", "ideal_out", "ideal_td"),
-             target=f"arrowbuf/ideal >= {TARGETS['sample']}", goal=at_least("arrowbuf/ideal", TARGETS["sample"])),
+             target=f"arrowbuf/ideal >= {sample_target}", goal=at_least("arrowbuf/ideal", sample_target)),
     ], opts.rounds, opts.min_time, opts.slices)
 
     # Check that the samples carry the same information.
