@@ -128,8 +128,8 @@ class ShardServer:
             CapacityError, RateLimited, ...: the first refused episode's error,
                 saying how many of the batch were refused (the others are stored).
         """
-        if self.durable is not None and self.durable.seen(batch):
-            return [], self.size()
+        if self.durable is not None and self.durable.seen(batch):   # a retry: answered as the first time
+            return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
         if self.engine.schema is None:
             check_object_store(self.engine.capacity * self.num_shards, schema)

@@ -187,7 +187,8 @@ class RaySink:
             self._raise_pending()
             shard = self._route(route_key)
             sent, lent = self._outgoing([episode])
-            ref = self._shards.call(shard, "add_episodes", sent, self._schema.to_json(), timeout, None, lent)
+            ref = self._shards.call(shard, "add_episodes", sent, self._schema.to_json(), timeout, self._next_batch(),
+                                    lent)
             self._loads[shard] += episode.num_rows
             result = self._shards.get({shard: ref})
             if shard not in result:
@@ -195,6 +196,9 @@ class RaySink:
                                  "it is lost")
             ids, reading = result[shard]
             self._acknowledged(shard, reading)
+            if not ids:
+                raise ShardError(f"shard {shard} of store {self._shards.name!r} restarted and had stored this "
+                                 "episode before it did, but no longer knows its id")
             return ids[0]
 
     def write_many_now(self, episodes: list[Episode], route_keys: list[str], timeout: float | None,
@@ -216,7 +220,7 @@ class RaySink:
             refs = {}
             for s, members in groups.items():
                 sent, lent = self._outgoing([episodes[k] for k in members])
-                refs[s] = self._shards.call(s, "add_episodes", sent, schema_json, timeout, None, lent)
+                refs[s] = self._shards.call(s, "add_episodes", sent, schema_json, timeout, self._next_batch(), lent)
             for s, members in groups.items():
                 self._loads[s] += sum(episodes[k].num_rows for k in members)
             results = self._shards.get(refs)
@@ -227,6 +231,9 @@ class RaySink:
                                      f"{len(members)} episodes; they are lost")
                 stored, reading = results[s]
                 self._acknowledged(s, reading)
+                if len(stored) != len(members):
+                    raise ShardError(f"shard {s} of store {self._shards.name!r} restarted and had stored "
+                                     f"{len(members)} episodes before it did, but no longer knows their ids")
                 for k, episode_id in zip(members, stored):
                     ids[k] = episode_id
             return ids
@@ -329,10 +336,8 @@ class RaySink:
             if shard in self._shards.dead:
                 self._requeue_dead(shard)
                 continue
-            self._batch_number += 1   # (writer, number) names this write: a durable shard stores a retry once
             sent, lent = self._outgoing(ready)
-            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout,
-                                    (self._writer, self._batch_number), lent)
+            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent)
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:
@@ -342,6 +347,11 @@ class RaySink:
             self._waiting_bytes -= sum(_nbytes(e) for e in ready if e.owned)
         if not self._batches:
             self._oldest, self._waiting_bytes = None, 0
+
+    def _next_batch(self) -> tuple[str, int]:
+        """(writer, number) naming a new write request: a durable shard stores a retry of it once."""
+        self._batch_number += 1
+        return self._writer, self._batch_number
 
     def _outgoing(self, episodes: list[Episode]) -> tuple[list[Episode], list | None]:
         """What a write request carries: the episodes, and per episode None or the ObjectRef
