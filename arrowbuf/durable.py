@@ -113,6 +113,10 @@ class DurableShard:
         """Whether a write with this (writer id, batch number) is logged already (a retry)."""
         return batch is not None and self.log.seen(batch)
 
+    def logged_ids(self, batch: Batch) -> list[int] | None:
+        """The ids a `seen` batch was stored under (None: too old to be kept)."""
+        return self.log.logged_ids(batch)
+
     def commit(self, engine: ShardEngine, added: Sequence[tuple[int, Episode]], batch: Batch | None = None) -> None:
         """Log episodes just stored in ``engine``, flushed to disk before it returns.
 

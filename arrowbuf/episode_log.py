@@ -43,6 +43,7 @@ logger = logging.getLogger("arrowbuf")
 
 _MAX_WRITERS = 4096                      # writers whose batches are remembered (the most recent ones)
 _WINDOW = 1024                           # batch numbers of a writer kept above its first gap
+_BATCH_IDS = 4096                        # recent batches whose episode ids are kept, for retries
 
 
 def next_episode_id(engine: ShardEngine) -> int:
@@ -83,6 +84,7 @@ class EpisodeLog:
         # Exact whatever order retries come in; a number that never comes (a write
         # refused before it was logged) is passed over once _WINDOW later ones came.
         self.batches: dict[str, list] = {}
+        self._batch_ids: dict[Batch, list[int]] = {}   # the most recent batches' ids: what a retry is answered
         self._records: list[Record] | None = []  # kept from opening until `replay`
         self._segments: list[tuple[Path, int]] = []   # sealed segments and the next id after their records
         self._next_after = 0
@@ -119,9 +121,12 @@ class EpisodeLog:
             if ids:
                 self._next_after = max(self._next_after, ids[-1] + 1)
         if record.batch is not None:
-            self._remember(record.batch)
+            self._remember(record.batch, record.ids() if record.kind == "episodes" else [])
 
-    def _remember(self, batch: Batch) -> None:
+    def _remember(self, batch: Batch, ids: list[int]) -> None:
+        self._batch_ids[batch] = ids
+        while len(self._batch_ids) > _BATCH_IDS:
+            del self._batch_ids[next(iter(self._batch_ids))]
         writer, number = batch
         upto, above = self.batches.pop(writer, [0, []])   # newest last: the oldest writers are forgotten first
         if number > upto and number not in above:
@@ -160,6 +165,10 @@ class EpisodeLog:
         upto, above = self.batches.get(batch[0], (0, ()))
         return batch[1] <= upto or batch[1] in above
 
+    def logged_ids(self, batch: Batch) -> list[int] | None:
+        """The episode ids a logged batch was stored under (None: not among the recent ones kept)."""
+        return self._batch_ids.get(batch)
+
     def append(self, episodes: Sequence[tuple[int, Episode, int]], schema: Schema,
                batch: Batch | None = None) -> None:
         """Log stored episodes as one record and flush it to disk before returning.
@@ -180,7 +189,7 @@ class EpisodeLog:
             if episodes:   # what `compact` asks of the segment holding this record
                 self._next_after = max(self._next_after, max(i for i, _, _ in episodes) + 1)
             if batch is not None:
-                self._remember(batch)
+                self._remember(batch, [i for i, _, _ in episodes])
 
     def append_clear(self, next_id: int) -> None:
         """Log that the engine was cleared when its next episode id was ``next_id``."""

@@ -277,6 +277,11 @@ class Schema:
         return cls(unflatten(fields))
 
     def to_json(self) -> str:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> str:
+        """`to_json`, encoded once (Ray writers send it with every request)."""
         return json.dumps({n: [f.dtype, list(f.shape), f.observation, *([True] if f.derived else [])]
                            for n, f in self.fields.items()})
 

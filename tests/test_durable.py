@@ -170,6 +170,41 @@ def test_a_retried_write_is_recognised_after_a_restart_and_a_compaction(tmp_path
     again.close()
 
 
+@pytest.mark.usefixtures("ray_session")
+def test_a_retried_add_episode_after_a_restart_is_answered_with_its_logged_ids_and_stored_once(tmp_path):
+    # add_episode / add_episodes sent no batch number, so a call Ray retried after the
+    # shard logged it and died was stored a second time.
+    from arrowbuf.ray.actor import ShardServer
+
+    def start() -> ShardServer:   # the actor's class, in this process: a restart is a new instance
+        return ShardServer(200, 0, 1, 3, ab.UniformSampler(), ab.RateLimiter(), None, "circular",
+                           durable=str(tmp_path), blocks=(64 << 20, 3600.0))
+
+    episodes, schema = zip(*(read_episode(make_episode(tag, 5), EPISODE_SCHEMA) for tag in (0, 1)))
+    server = start()
+    first, _ = server.add_episodes(list(episodes), schema[0].to_json(), None, ("driver-a", 1))
+    server.durable.close()   # it died before answering
+    again = start()
+    retried, _ = again.add_episodes(list(episodes), schema[0].to_json(), None, ("driver-a", 1))
+    assert retried == first == [0, 1]
+    assert contents(again.engine) == {0: 0, 1: 1}
+    again.durable.close()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_add_episode_and_add_episodes_name_their_writes_so_a_durable_shard_can_recognise_a_retry(tmp_path):
+    store = ab.ExperienceStore(400, backend="ray", num_shards=1, seed=0, durable=tmp_path)
+    try:
+        ids = [store.add_episode(make_episode(0, 5))] + store.add_episodes(
+            {name: np.stack([column, column]) for name, column in make_episode(1, 5).items()})
+    finally:
+        store.close()
+    with EpisodeLog(tmp_path / "shard-0") as log:
+        logged = [log.logged_ids(batch) for batch in ((writer, n) for writer, (upto, _) in log.batches.items()
+                                                      for n in range(1, upto + 1))]
+    assert logged == [[ids[0]], ids[1:]]
+
+
 def two_records(directory):
     """A closed log of two writes: its segment and where the first record ends."""
     durable = DurableShard(directory)

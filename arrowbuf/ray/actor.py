@@ -26,7 +26,7 @@ from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.ray.blocks import BlockRing, Manifest, check_object_store
+from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
@@ -111,20 +111,25 @@ class ShardServer:
             return (*self.engine.size(), time.monotonic())
 
     def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
-                     batch: tuple[str, int] | None = None) -> tuple[list[int], Reading]:
+                     batch: tuple[str, int] | None = None, lent: list | None = None) -> tuple[list[int], Reading]:
         """Store ``episodes`` in order; their ids and the shard's size after them.
 
         ``batch`` = (writer id, batch number) names a writer's write: a durable
         shard answers a retry of a write it already logged (Ray retries calls
-        that a restart interrupted) without storing it again.
+        that a restart interrupted) without storing it again. ``lent``: per
+        episode None, or the ObjectRef of its rows in a block's layout
+        (`arrowbuf.ray.blocks.block_columns`; the episode was sent without its
+        columns), put by a writer that lives as long as this shard: the rows are
+        read from it without a copy, copied into the arena, and it becomes the
+        episode's block.
 
         Raises:
             SchemaError: this shard stores another schema.
             CapacityError, RateLimited, ...: the first refused episode's error,
                 saying how many of the batch were refused (the others are stored).
         """
-        if self.durable is not None and self.durable.seen(batch):
-            return [], self.size()
+        if self.durable is not None and self.durable.seen(batch):   # a retry: answered as the first time
+            return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
         if self.engine.schema is None:
             check_object_store(self.engine.capacity * self.num_shards, schema)
@@ -132,21 +137,42 @@ class ShardServer:
             # Derived fields (compute_gae's) are the shard's own: writers need not know them.
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
-        ids, refused, added = [], [], []
-        for episode in episodes:   # one refused episode must not take the rest of the batch with it
+        objects = [None] * len(episodes)   # per episode: (ref, its rows in a block's layout) or None
+        if lent is not None:
+            rows = iter(ray_module().get([ref for ref in lent if ref is not None]))
+            objects = [None if ref is None else (ref, next(rows)) for ref in lent]
+            episodes = [e if o is None else lent_episode(e, o[1], schema) for e, o in zip(episodes, objects)]
+        ids, refused, added, blocks = [], [], [], {}
+        for episode, lent_rows in zip(episodes, objects):   # one refused episode must not take the rest with it
             try:
                 ids.append(self.engine.add(episode, schema, timeout))
                 added.append((ids[-1], episode))
+                if lent_rows is not None:
+                    blocks[ids[-1]] = (episode.num_rows, *lent_rows)
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
         if self.durable is not None:   # logged (and flushed) before the answer
             self.durable.commit(self.engine, added, batch)
         if added:
             with self.engine.lock:
-                self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()))
+                self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()),
+                                  self._lent_blocks(blocks))
         if refused:
             raise refused_in_batch(refused, len(episodes), f"shard {self.shard}")
         return ids, self.size()
+
+    def _lent_blocks(self, lent: dict[int, tuple[int, Any, dict]]) -> dict[int, tuple[Any, int]]:
+        """serial -> (ref, bytes) of the stored episodes (id -> (rows, ref, its columns)) whose
+        writer's object can be their block (call under the engine's lock, right after the write)."""
+        table, schema = self.engine.table, self.engine.schema
+        first_live = table.episodes_added - len(table)
+        blocks = {}
+        for episode_id, (rows, ref, columns) in lent.items():
+            position = int(table.position_of(episode_id))
+            # Evicted by a later episode of this write, or of another layout than the shard's schema.
+            if 0 <= position < len(table) and block_fits(columns, rows, schema):
+                blocks[first_live + position] = (ref, sum(data.nbytes for data in columns.values()))
+        return blocks
 
     def manifest(self, token: str | None, version: int, drawn: int = 0, seal: bool = False
                  ) -> tuple[Manifest | None, Reading]:

@@ -41,6 +41,13 @@ class ShardHandles:
     threaded: bool = False                  # started with the concurrency groups above
     dead: set[int] = field(default_factory=set)
     closed: bool = False
+    # Ray worker id of the process that started the actors: they die with it, so an
+    # object it puts lives as long as they do (its writers lend their episodes as blocks).
+    owner: str | None = None
+
+    def started_here(self) -> bool:
+        """Whether this process started the shard actors (it owns them)."""
+        return self.owner is not None and self.owner == ray_module().get_runtime_context().get_worker_id()
 
     @property
     def num_shards(self) -> int:

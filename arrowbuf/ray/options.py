@@ -75,7 +75,9 @@ class RayOptions:
         block_bytes: a shard seals its newest episodes into a block of the object
             store once they reach this size (`arrowbuf.ray.blocks`): larger blocks
             mean fewer ``np.take`` calls per batch, smaller ones less memory held
-            by readers after eviction.
+            by readers after eviction. An episode of ``block_bytes / 8`` or more
+            written in the process that started the store is put once by its
+            writer and becomes a block of its own without a copy (a lent block).
         seal_latency: seconds a shard's newest episodes may wait before they are
             sealed (readers see rows about one to two of these after they reach
             the shard; ``store.flush()`` seals at once); also how often a reader

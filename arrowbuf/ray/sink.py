@@ -16,6 +16,10 @@ episodes were lost, and how many still wait.
 
 A sink pickles into Ray tasks and actors; the copy starts with nothing queued
 or in flight: the errors of this process's requests surface here.
+
+In the process that started the shards, an episode of an eighth of a block or
+more is put once and lent to its shard, which seals that object as its block
+(`_outgoing`, `arrowbuf.ray.blocks`); elsewhere episodes travel as arguments.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from arrowbuf.errors import ShardError
+from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import Schema
@@ -96,9 +101,11 @@ class RaySink:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
+        self._lends: bool | None = None   # this process started the shards (`_outgoing`): asked once
 
     def __getstate__(self) -> dict:
-        local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer")
+        local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer",
+                 "_lends")
         return {k: v for k, v in self.__dict__.items() if k not in local}
 
     def __setstate__(self, state: dict) -> None:
@@ -147,8 +154,9 @@ class RaySink:
         """End of a writer call: send what is ready (big episodes, or enough small ones)."""
         with self._lock:
             self._raise_pending()
-            self._reap(block=False)
-            self._send(self._waiting_bytes >= self._shards.options.write_batch_bytes, wait=True)
+            if self._batches:   # else the timer collects the answers (a writer commits at every step)
+                self._reap(block=False)
+                self._send(self._waiting_bytes >= self._shards.options.write_batch_bytes, wait=True)
 
     def flush(self) -> None:
         """Send everything, wait until the shards stored it, raise the first error
@@ -178,7 +186,9 @@ class RaySink:
         with self._lock:
             self._raise_pending()
             shard = self._route(route_key)
-            ref = self._shards.call(shard, "add_episodes", [episode], self._schema.to_json(), timeout)
+            sent, lent = self._outgoing([episode])
+            ref = self._shards.call(shard, "add_episodes", sent, self._schema.to_json(), timeout, self._next_batch(),
+                                    lent)
             self._loads[shard] += episode.num_rows
             result = self._shards.get({shard: ref})
             if shard not in result:
@@ -186,6 +196,9 @@ class RaySink:
                                  "it is lost")
             ids, reading = result[shard]
             self._acknowledged(shard, reading)
+            if not ids:
+                raise ShardError(f"shard {shard} of store {self._shards.name!r} restarted and had stored this "
+                                 "episode before it did, but no longer knows its id")
             return ids[0]
 
     def write_many_now(self, episodes: list[Episode], route_keys: list[str], timeout: float | None,
@@ -204,8 +217,10 @@ class RaySink:
             groups: dict[int, list[int]] = {}
             for k, s in enumerate(shards):
                 groups.setdefault(s, []).append(k)
-            refs = {s: self._shards.call(s, "add_episodes", [episodes[k] for k in members], schema_json, timeout)
-                    for s, members in groups.items()}
+            refs = {}
+            for s, members in groups.items():
+                sent, lent = self._outgoing([episodes[k] for k in members])
+                refs[s] = self._shards.call(s, "add_episodes", sent, schema_json, timeout, self._next_batch(), lent)
             for s, members in groups.items():
                 self._loads[s] += sum(episodes[k].num_rows for k in members)
             results = self._shards.get(refs)
@@ -216,6 +231,9 @@ class RaySink:
                                      f"{len(members)} episodes; they are lost")
                 stored, reading = results[s]
                 self._acknowledged(s, reading)
+                if len(stored) != len(members):
+                    raise ShardError(f"shard {s} of store {self._shards.name!r} restarted and had stored "
+                                     f"{len(members)} episodes before it did, but no longer knows their ids")
                 for k, episode_id in zip(members, stored):
                     ids[k] = episode_id
             return ids
@@ -318,9 +336,8 @@ class RaySink:
             if shard in self._shards.dead:
                 self._requeue_dead(shard)
                 continue
-            self._batch_number += 1   # (writer, number) names this write: a durable shard stores a retry once
-            ref = self._shards.call(shard, "add_episodes", ready, schema_json, self.timeout,
-                                    (self._writer, self._batch_number))
+            sent, lent = self._outgoing(ready)
+            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent)
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:
@@ -330,6 +347,39 @@ class RaySink:
             self._waiting_bytes -= sum(_nbytes(e) for e in ready if e.owned)
         if not self._batches:
             self._oldest, self._waiting_bytes = None, 0
+
+    def _next_batch(self) -> tuple[str, int]:
+        """(writer, number) naming a new write request: a durable shard stores a retry of it once."""
+        self._batch_number += 1
+        return self._writer, self._batch_number
+
+    def _outgoing(self, episodes: list[Episode]) -> tuple[list[Episode], list | None]:
+        """What a write request carries: the episodes, and per episode None or the ObjectRef
+        of its rows, put here in a block's layout (`arrowbuf.ray.blocks.block_columns`),
+        the episode then sent without its columns; the shard reads the rows from that object
+        and seals it as the episode's block, without copying it (None: no episode lent).
+
+        An episode is lent when it fills at least an eighth of a block (smaller ones are
+        merged into blocks by their shard) and this process started the shard actors:
+        Ray frees an object when its owner dies, and shard actors die with the process
+        that started them, so its objects outlive the blocks made of them. Writers in
+        other processes send their rows as call arguments, and their shard copies them.
+        """
+        if self._lends is None:
+            self._lends = self._shards.started_here()
+        threshold = self._shards.options.block_bytes // 8
+        if not self._lends or self._schema is None or all(_nbytes(e) < threshold for e in episodes):
+            return episodes, None
+        sent, lent = [], []
+        for episode in episodes:
+            columns = block_columns(episode, self._schema) if _nbytes(episode) >= threshold else None
+            if columns is None:
+                sent.append(episode)
+                lent.append(None)
+            else:
+                lent.append(ray_module().put(columns))   # the one copy of its rows on their way to the shard
+                sent.append(dataclasses.replace(episode, columns={}, owned=True))
+        return sent, lent if any(ref is not None for ref in lent) else None
 
     def _requeue_dead(self, shard: int) -> None:
         """Episodes queued for a dead shard: rerouted (``allow_partial``), else an error naming them."""

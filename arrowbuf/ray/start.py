@@ -85,7 +85,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             raise FormatError(f"a shard of store {name!r} could not load its data: "
                               f"{str(err).strip().splitlines()[-1]}") from None
         raise
-    return ShardHandles(name, handles, nodes, options, threaded)
+    return ShardHandles(name, handles, nodes, options, threaded,
+                        owner=ray.get_runtime_context().get_worker_id())
 
 
 def limits(rate_limiter: RateLimiter) -> bool:

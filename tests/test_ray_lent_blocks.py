@@ -1,0 +1,279 @@
+"""Lent blocks: a large episode written in the process that started the shards is put once,
+and its shard seals that very object as the episode's block (`arrowbuf.ray.blocks`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import arrowbuf as ab
+from arrowbuf import RayOptions
+from arrowbuf.episodes import read_episode
+from arrowbuf.ray.blocks import block_columns
+from arrowbuf.ray.options import NAMESPACE
+from arrowbuf.ray.sink import RaySink
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+#: Rows of `keyed_episode` take 30 bytes: an episode of 40 steps (41 rows, 1,230 bytes)
+#: fills more than an eighth of a block, one of 5 steps (180 bytes) less.
+OPTIONS = RayOptions(block_bytes=8_000)
+
+
+def keyed_episode(key: int, steps: int) -> dict:
+    """obs[t] = (key, t), action = key + t: every row says which it is."""
+    t = np.arange(steps + 1)
+    return {"obs": np.stack([np.full(steps + 1, key), t], axis=1).astype(np.float32),
+            "action": key + t[:-1].astype(np.int64), "check": np.full(steps, key * 3, np.int64),
+            "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1,
+            "truncated": np.zeros(steps, bool)}
+
+
+@pytest.fixture
+def lent_refs(monkeypatch) -> list:
+    """The ObjectRefs this process's sinks lend to the shards (a spy on `RaySink._outgoing`)."""
+    refs: list = []
+    outgoing = RaySink._outgoing
+
+    def spy(self, episodes):
+        sent, lent = outgoing(self, episodes)
+        refs.extend(ref for ref in lent or [] if ref is not None)
+        return sent, lent
+
+    monkeypatch.setattr(RaySink, "_outgoing", spy)
+    return refs
+
+
+def shard_actors(store) -> list:
+    """The shards' actors, by the names the store gives them."""
+    return [ray.get_actor(f"{store.name}:{s}", namespace=NAMESPACE) for s in range(store.num_shards)]
+
+
+def manifests(store) -> list:
+    """Every shard's manifest, asked now (after sealing its open episodes; the request may compact)."""
+    return [ray.get(h.manifest.remote(None, -1, 0, True))[0] for h in shard_actors(store)]
+
+
+def _sealed(server) -> list:
+    with server.engine.lock:
+        server.blocks.seal(server.engine)
+        return list(server.blocks.blocks)
+
+
+def sealed_blocks(store) -> list:
+    """Every shard's blocks right after sealing its open episodes, before any compaction."""
+    return [b for h in shard_actors(store) for b in ray.get(h.__ray_call__.remote(_sealed))]
+
+
+def check_rows(batch) -> None:
+    key, step = batch["obs"][:, 0].numpy().astype(np.int64), batch["obs"][:, 1].numpy().astype(np.int64)
+    np.testing.assert_array_equal(batch["action"].numpy(), key + step)
+    np.testing.assert_array_equal(batch["check"].numpy(), key * 3)
+    np.testing.assert_array_equal(batch["step"].numpy(), step)
+    np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), step + 1)
+
+
+def test_a_large_episode_is_sealed_as_the_object_its_writer_put_and_small_ones_are_copied(lent_refs):
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=2, seed=0, ray_options=OPTIONS)
+    try:
+        ids = [store.add_episode(keyed_episode(key, 40 if key % 2 else 5), env_id=f"e{key % 4}")
+               for key in range(12)]
+        stacked = {name: np.stack([keyed_episode(key, 40)[name] for key in (20, 21)]) for name in keyed_episode(0, 40)}
+        ids += store.add_episodes(stacked, env_ids=["e0", "e1"])
+        assert len(lent_refs) == 8   # the 40-step episodes; none of the 5-step ones
+        blocks = sealed_blocks(store)
+        lent = {ref.hex() for ref in lent_refs}
+        by_ref = [b for b in blocks if b.ref.hex() in lent]
+        assert len(by_ref) == 8 and all(b.num_episodes == 1 and b.num_rows == 41 for b in by_ref)
+        # Every episode is in exactly one block: serials cover 0..n-1 once per shard.
+        for m in manifests(store):
+            serials = sorted(s for b in m.blocks for s in range(b.first_serial, b.first_serial + b.num_episodes))
+            assert serials == list(range(m.stop_serial))
+        assert sum(b.num_episodes for b in blocks) == len(ids) == 14
+        check_rows(store.sample(512))
+        for batch in store.iter_batches(100):
+            check_rows(batch)
+        for key, episode_id in zip([*range(12), 20, 21], ids):
+            rows = store.episode(episode_id)   # from the shard's arena: the same rows, a zero row beside the final obs
+            np.testing.assert_array_equal(rows.column("check").to_numpy(), [key * 3] * (rows.num_rows - 1) + [0])
+    finally:
+        store.close()
+
+
+def test_a_lent_object_holds_the_rows_in_the_layout_of_a_copied_block():
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
+    try:
+        store.add_episode(keyed_episode(7, 40), env_id="a")   # lent
+        store.add_episode(keyed_episode(8, 40), env_id="a")
+        with_final, = [b for b in sealed_blocks(store) if b.first_serial == 0]
+        rows = ray.get(with_final.ref)
+        source = keyed_episode(7, 40)
+        np.testing.assert_array_equal(rows["obs"], source["obs"])
+        for name in ("action", "check", "reward", "terminated", "truncated"):   # one zero row beside the final obs
+            assert len(rows[name]) == 41 and rows[name][-1] == 0
+            np.testing.assert_array_equal(rows[name][:40], source[name])
+        # An episode without its final observation has T rows in every field.
+        schema = store.schema
+        checked, _ = read_episode({**source, "obs": source["obs"][:40]}, schema, "a", None)
+        columns = block_columns(checked, schema)
+        assert {name: len(c) for name, c in columns.items()} == dict.fromkeys(schema.fields, 40)
+        # Another dtype than the stored one needs a conversion: not lent, the shard copies it.
+        checked, _ = read_episode({**source, "reward": source["reward"].astype(np.float16)}, schema, "a", None)
+        assert checked.columns["reward"].dtype == np.float16 and block_columns(checked, schema) is None
+    finally:
+        store.close()
+
+
+def test_a_step_writer_lends_the_episodes_it_seals(lent_refs):
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=2, seed=0, ray_options=OPTIONS)
+    try:
+        with store.writer(num_envs=2, autoreset_mode="disabled") as writer:
+            episodes = [keyed_episode(key, 40) for key in (3, 4)]
+            for t in range(40):
+                step = {name: np.stack([e[name][t] for e in episodes]) for name in episodes[0]}
+                step["next_obs"] = np.stack([e["obs"][t + 1] for e in episodes])
+                writer.add(**step)
+        store.flush()
+        assert len(lent_refs) == 2 and len(store) == 80
+        lent = {ref.hex() for ref in lent_refs}
+        assert sum(b.ref.hex() in lent for b in sealed_blocks(store)) == 2
+        check_rows(store.sample(256))
+    finally:
+        store.close()
+
+
+@ray.remote(num_cpus=0)
+def lends_elsewhere(name: str) -> tuple[bool, int]:
+    """In another process: whether its writers lend, and what it stored."""
+    store = ab.ExperienceStore.attach(name, ray_options=OPTIONS)
+    store.add_episode(keyed_episode(9, 40), env_id="far")
+    store.flush()
+    return store._backend.shards.started_here(), len(store)   # no public name for who owns the shards
+
+
+def test_writers_in_other_processes_send_their_rows_and_their_shard_copies_them(lent_refs):
+    # Ray frees an object when its owner dies: a task's objects must not become blocks.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
+    try:
+        assert store._backend.shards.started_here()
+        assert ray.get(lends_elsewhere.remote(store.name)) == (False, 40)
+        store.flush()
+        block, = sealed_blocks(store)
+        assert block.num_episodes == 1 and lent_refs == []
+        check_rows(store.sample(64))
+    finally:
+        store.close()
+
+
+def test_an_episode_written_after_compute_gae_is_copied_with_the_derived_columns(lent_refs):
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
+    try:
+        for key in range(3):
+            episode = keyed_episode(key, 40)
+            episode["value"] = np.linspace(0, 1, 40, dtype=np.float32)
+            store.add_episode(episode, env_id="a")
+        store.compute_gae(0.9, 0.8, bootstrap_value=lambda obs: obs["obs"][:, 1] * 0.5)
+        episode = keyed_episode(5, 40)
+        episode["value"] = np.ones(40, np.float32)
+        store.add_episode(episode, env_id="a")   # its writer's object lacks the shard's derived fields
+        lent = {ref.hex() for ref in lent_refs}
+        assert len(lent) == 4 and not any(b.ref.hex() in lent for b in sealed_blocks(store))   # all copied
+        store.flush()
+        batch = store.sample(512)
+        again = store.gather(batch["index"].numpy())
+        np.testing.assert_array_equal(batch["advantage"].numpy(), again["advantage"].numpy())
+        assert (batch["advantage"].numpy()[batch["obs"][:, 0].numpy() == 5] == 0).all()   # not computed yet
+        check_rows(batch)
+    finally:
+        store.close()
+
+
+def test_close_frees_the_lent_objects_too():
+    def free() -> float:
+        return ray.available_resources().get("object_store_memory", 0.0)
+
+    time.sleep(0.5)
+    before = free()
+    store = ab.ExperienceStore(200_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=RayOptions(block_bytes=200_000))
+    for key in range(150):   # 30 KB episodes: lent
+        store.add_episode(keyed_episode(key, 999), env_id=f"e{key}")
+    store.flush()
+    check_rows(store.sample(1024))
+    time.sleep(1.5)
+    assert free() < before - 4_000_000
+    store.close()
+    deadline = time.monotonic() + 30
+    while free() < before - 100_000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free() >= before - 100_000
+
+
+def test_a_dead_shard_fails_a_lent_write_with_shard_error():
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
+    try:
+        store.add_episode(keyed_episode(1, 40), env_id="a")
+        ray.kill(shard_actors(store)[0])
+        with pytest.raises(ab.ShardError, match="shard 0 of store"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                store.add_episode(keyed_episode(2, 40), env_id="a")
+                time.sleep(0.1)
+    finally:
+        store.close()
+
+
+def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_log(tmp_path, lent_refs):
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS,
+                               durable=tmp_path)
+    try:
+        ids = [store.add_episode(keyed_episode(key, 40), env_id="a") for key in range(3)]
+        store.flush()
+        victim = shard_actors(store)[0]
+        old = ray.get(victim.__ray_call__.remote(lambda server: os.getpid()))
+        ray.kill(victim, no_restart=False)   # Ray restarts it; wait until calls reach the new process
+        deadline = time.monotonic() + 60
+        while ray.get(victim.__ray_call__.remote(lambda server: os.getpid())) == old:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        ids.append(store.add_episode(keyed_episode(3, 40), env_id="a"))
+        assert len(lent_refs) == 4 and ids == [0, 1, 2, 3]
+        blocks = sealed_blocks(store)
+        serials = sorted(s for b in blocks for s in range(b.first_serial, b.first_serial + b.num_episodes))
+        assert serials == [0, 1, 2, 3]   # the recovered ones copied from the arena, the new one lent
+        assert [b.ref.hex() for b in blocks if b.first_serial == 3] == [lent_refs[-1].hex()]
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [0, 1, 2, 3]
+    finally:
+        store.close()
+
+
+def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones(lent_refs):
+    # Readers gather block by block: many blocks of one episode cost them more than a
+    # copy in an idle shard does.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
+                               ray_options=RayOptions(block_bytes=8_000, seal_latency=0.05))
+    try:
+        for key in range(6):
+            store.add_episode(keyed_episode(key, 40), env_id="a")
+        store.flush()
+        lent = {ref.hex() for ref in lent_refs}
+        assert len(lent) == 6
+        deadline = time.monotonic() + 30
+        while any(b.ref.hex() in lent for b in manifests(store)[0].blocks):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        blocks = manifests(store)[0].blocks
+        assert len(blocks) < 6 and sum(b.num_episodes for b in blocks) == 6
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == list(range(6))
+    finally:
+        store.close()
