@@ -335,6 +335,16 @@ def test_add_episodes_into_a_full_fixed_store_stores_every_episode_that_fits_and
     assert (len(store), store.num_episodes) == (3 * quarter + 1, 4)   # the 1-step episode after it fits
 
 
+def test_a_sample_right_after_add_episodes_draws_from_the_new_episodes(store):
+    # On Ray add_episodes did not mark its shards as written: a sample soon after it
+    # drew from the reader's older views only, where `add_episode` reads its own writes.
+    store.add_episodes(stacked_episodes([1], steps=3))
+    store.sample(8)   # the reader's views are current now
+    store.add_episodes(stacked_episodes([2], steps=3))
+    tags = set(store.sample(2_000)["obs"][:, 0].tolist())
+    assert tags == {1.0, 2.0}
+
+
 def test_an_episode_pinned_to_a_shard_is_stored_there(store):
     last = store.num_shards - 1
     ids = [store.add_episode(make_episode(tag, 3), env_id="env-0", shard=last) for tag in range(2)]

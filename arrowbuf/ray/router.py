@@ -223,7 +223,10 @@ class RayBackend:
         self._added += 1
         keys = [e.env_id if e.env_id != "default" else f"episode-{self._added}-{k}" for k, e in enumerate(episodes)]
         try:
-            return self._sink.write_many_now(episodes, keys, timeout, shard)
+            ids = self._sink.write_many_now(episodes, keys, timeout, shard)
+            for written in {i % self.num_shards for i in ids}:
+                self._reader.wrote(written)   # read your own writes, as `add`
+            return ids
         except BaseException:
             if not known:
                 self._forget_unstored_schema()
