@@ -30,7 +30,7 @@ from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views, make_td, nest
 
-_ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector loads
+ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector loads
 #: Extras every batch has, whatever ``keys`` selects; naming them in ``keys`` is allowed.
 ALWAYS = (("index",), ("episode_id",), ("step",))
 
@@ -121,7 +121,7 @@ class Gather:
                              f"for one key pass [{keys!r}]")
         selected = set()
         for key in keys:
-            path = _key(key) if isinstance(key, str) else key
+            path = field_key(key) if isinstance(key, str) else key
             if not (isinstance(path, tuple) and path and all(isinstance(part, str) for part in path)):
                 raise ValueError(f"keys: {key!r} is not a key (a name or a tuple of names)")
             matches = {entry.key for entry in self._entries if entry.key[:len(path)] == path}
@@ -239,8 +239,8 @@ class Gather:
         fields = {entry.key for entry in self._entries}
         # An extra named like a field replaces it (n-step reward), so comes only with it.
         extras = [(name, dtype, shape) for name, dtype, shape in extras
-                  if keys is None or _key(name) not in fields or _key(name) in keys]
-        replaced = {_key(name) for name, _, _ in extras}
+                  if keys is None or field_key(name) not in fields or field_key(name) in keys]
+        replaced = {field_key(name) for name, _, _ in extras}
         plan, outs, leaves, total = [], [], [], 0
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
@@ -249,18 +249,18 @@ class Gather:
             plan.append((source, role))
             outs.append((dtype, shape, total))
             leaves.append((key, torch_dtype, total, size, shape))
-            total += -(-size // _ALIGN) * _ALIGN
+            total += -(-size // ALIGN) * ALIGN
 
         for entry in self._entries:
             if entry.key in replaced or (keys is not None and entry.key not in keys):
                 continue
-            role = _ROLES.index(entry.role)
+            role = ROLES.index(entry.role)
             shape = shapes[0] if shapes[role] is None else shapes[role]
             rows = int(np.prod(shape, dtype=np.int64))
             place(entry.column, role, entry.key, entry.column.dtype, entry.torch_dtype,
                   tuple(shape) + tuple(entry.column.shape[1:]), rows * entry.row_bytes)
         for name, dtype, shape in extras:
-            place(name, -1, _key(name), dtype, _torch_dtype(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
                        tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan),
                        tuple((i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
@@ -268,7 +268,7 @@ class Gather:
                        tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0))
 
 
-_ROLES = ("step", "obs", "next")
+ROLES = ("step", "obs", "next")
 
 
 def _matches(expected: tuple, extra: Mapping[str, np.ndarray]) -> bool:
@@ -291,21 +291,21 @@ def _fill(layout: _Layout, outs: list[np.ndarray], by_role: tuple, extra: Mappin
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
     """The torch twin of a numpy dtype."""
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def _aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialized, ``_ALIGN``-aligned byte array from numpy's allocator.
+    """An uninitialized, ``ALIGN``-aligned byte array from numpy's allocator.
 
     Not ``torch.empty``: for a W2 batch (1.35 MB) torch's CPU allocator page-faults
     on about every other call (fresh pages from the kernel) where numpy's reuses the
     freed block; allocating and filling such a buffer measured 86-89 us with torch,
     69-70 us with numpy (in the whole sample the gain is within noise).
     """
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -torch.from_numpy(raw).data_ptr() % _ALIGN   # cheaper than asking numpy
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -torch.from_numpy(raw).data_ptr() % ALIGN   # cheaper than asking numpy
     return raw[start:start + nbytes]
 
 
@@ -349,7 +349,7 @@ def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape
 
 
 @functools.lru_cache(maxsize=None)
-def _key(name: str) -> tuple[str, ...]:
+def field_key(name: str) -> tuple[str, ...]:
     """A dotted name as a TensorDict key path: "next.obs" -> ("next", "obs")."""
     return tuple(name.split("."))
 

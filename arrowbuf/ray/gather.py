@@ -39,19 +39,7 @@ from arrowbuf._pool import SlotPool, SlotSpec
 from arrowbuf.ray.staging import Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
-from arrowbuf.tensors import Gather
-
-_ALIGN = 64
-_ROLES = ("step", "obs", "next")
-
-
-def _key(name: str) -> tuple[str, ...]:
-    return tuple(name.split("."))
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype
-
+from arrowbuf.tensors import ALIGN, ROLES, Gather, field_key, torch_dtype_of
 
 class BlockGather:
     """Gathers items of many blocks into one pooled TensorDict (see the module docstring).
@@ -64,13 +52,13 @@ class BlockGather:
         self.entries = []   # (key, field name, role index, numpy dtype, row shape, torch dtype)
         checks = {}
         for name, f in schema.fields.items():
-            key = _key(name)
+            key = field_key(name)
             dtype = np.dtype(f.numpy_dtype)
             roles = [(key, "obs" if f.observation else "step")]
             if f.observation:
                 roles.append((("next", *key), "next"))
             for k, role in roles:
-                self.entries.append((k, name, _ROLES.index(role), dtype, tuple(f.shape), f.torch_dtype))
+                self.entries.append((k, name, ROLES.index(role), dtype, tuple(f.shape), f.torch_dtype))
                 checks[k] = (np.empty((0, *f.shape), dtype), role, f.torch_dtype)
         self._checks = Gather(checks)   # its key rules, without an arena
         self._layouts: dict[tuple, tuple] = {}   # by shapes, keys and every extra's name, dtype, shape
@@ -123,8 +111,8 @@ class BlockGather:
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> "_Layout":
         fields = {entry[0] for entry in self.entries}
         extras = [(name, dtype, shape) for name, dtype, shape in every_extra
-                  if keys is None or _key(name) not in fields or _key(name) in keys]
-        replaced = {_key(name) for name, _, _ in extras}
+                  if keys is None or field_key(name) not in fields or field_key(name) in keys]
+        replaced = {field_key(name) for name, _, _ in extras}
         plan, outs, leaves, total = [], [], [], 0
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
@@ -134,14 +122,14 @@ class BlockGather:
             plan.append((source, role))
             outs.append((dtype, shape, total))
             leaves.append((key, torch_dtype, total, size, shape))
-            total += -(-size // _ALIGN) * _ALIGN
+            total += -(-size // ALIGN) * ALIGN
 
         for key, name, role, dtype, row_shape, torch_dtype in self.entries:
             if key in replaced or (keys is not None and key not in keys):
                 continue
             place(name, role, key, dtype, torch_dtype, tuple(shapes[role]) + row_shape)
         for name, dtype, shape in extras:
-            place(name, -1, _key(name), dtype, _torch_dtype(dtype), tuple(shape))
+            place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
                        tuple((dtype, shape[1:]) for _, dtype, shape in every_extra))
 

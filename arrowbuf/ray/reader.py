@@ -479,6 +479,7 @@ class BlockReader:
             inv = placed(np.arange(offset), in_block_order)
         return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch)
 
+    @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:
         cache = self.cache
         return {"cached_blocks": len(cache.entries), "cached_bytes": cache.nbytes, "cache_limit": cache.limit,
