@@ -283,18 +283,24 @@ def test_samples_carry_the_advantages_compute_gae_wrote_after_the_blocks_were_se
         store.close()
 
 
+def many_block_store(seed: int) -> tuple[ab.ExperienceStore, dict[int, int]]:
+    """A 2-shard store of 30 keyed episodes (key -> steps) sealed into more than 15 small blocks."""
+    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=seed, ray_options=RayOptions(block_bytes=400))
+    lengths = {key: 10 + key % 7 for key in range(30)}
+    for key, steps in lengths.items():
+        store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
+    store.flush()
+    assert store.stats()["reader"]["blocks"] > 15
+    return store, lengths
+
+
 def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_items_are_uniform_too():
     # Items are gathered block by block; were they left in block order, the first
     # items of a batch would always come from the oldest blocks.
     from scipy.stats import chisquare
 
-    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=1, ray_options=RayOptions(block_bytes=400))
+    store, lengths = many_block_store(seed=1)
     try:
-        lengths = {key: 10 + key % 7 for key in range(30)}
-        for key, steps in lengths.items():
-            store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
-        store.flush()
-        assert store.stats()["reader"]["blocks"] > 15
         first = []
         for _ in range(1500):
             batch = store.sample(64)
@@ -339,13 +345,8 @@ def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_
     # batch kept must not be overwritten by the next ones.
     from scipy.stats import chisquare
 
-    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=3, ray_options=RayOptions(block_bytes=400))
+    store, lengths = many_block_store(seed=3)
     try:
-        lengths = {key: 10 + key % 7 for key in range(30)}
-        for key, steps in lengths.items():
-            store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
-        store.flush()
-        assert store.stats()["reader"]["blocks"] > 15
         iterator = store.sample_iter(64, batches_per_request=4)
         first, kept, seen, previous = [], [], {}, None
         for k in range(1200):
