@@ -163,9 +163,14 @@ def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another():
         store.close()
 
 
+def slow_seal_store() -> ab.ExperienceStore:
+    """A 2-shard store whose shards seal by latency only after 30 s: what a process
+    reads before that, it reads because it wrote it."""
+    return ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0, ray_options=RayOptions(seal_latency=30.0))
+
+
 def test_a_process_samples_its_own_add_episode_at_once():
-    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0,
-                               ray_options=RayOptions(seal_latency=30.0))
+    store = slow_seal_store()
     try:
         for key in range(6):
             store.add_episode(keyed_episode(key, 5), env_id=f"e{key}")
@@ -369,8 +374,7 @@ def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_
 
 
 def test_an_iterator_samples_its_own_add_episode_at_once():
-    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0,
-                               ray_options=RayOptions(seal_latency=30.0))
+    store = slow_seal_store()
     try:
         store.add_episode(keyed_episode(0, 5), env_id="e0")
         iterator = store.sample_iter(256, batches_per_request=4)

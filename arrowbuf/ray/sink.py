@@ -368,11 +368,12 @@ class RaySink:
         if self._lends is None:
             self._lends = self._shards.started_here()
         threshold = self._shards.options.block_bytes // 8
-        if not self._lends or self._schema is None or all(_nbytes(e) < threshold for e in episodes):
+        large = [_nbytes(e) >= threshold for e in episodes]
+        if not self._lends or self._schema is None or not any(large):
             return episodes, None
         sent, lent = [], []
-        for episode in episodes:
-            columns = block_columns(episode, self._schema) if _nbytes(episode) >= threshold else None
+        for episode, lends in zip(episodes, large):
+            columns = block_columns(episode, self._schema) if lends else None
             if columns is None:
                 sent.append(episode)
                 lent.append(None)
