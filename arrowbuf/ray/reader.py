@@ -51,7 +51,7 @@ from arrowbuf.ray.gather import BlockGather, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.staging import Staged, block_order, placed, stage_part
-from arrowbuf.samplers import Sampler, Selection, UniformSampler, select_indices, uniform_indices
+from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
@@ -383,10 +383,7 @@ class BlockReader:
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
         count = batch_size * batches
-        if type(view.sampler) is UniformSampler:
-            selection = select_indices(view.table, uniform_indices(self.rng, count, *view.table.live_range()))
-        else:
-            selection = view.sampler.sample(self.rng, count, view.table)
+        selection = view.sampler.sample(self.rng, count, view.table)
         shards_count = len(self._drawn)
         if view.shards is None:
             drawn = np.zeros((batches, shards_count), np.int64)
