@@ -32,10 +32,11 @@ from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.arena import make_shard
+from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.rate_limiters import Counts, RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_indices
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
@@ -97,6 +98,8 @@ class ShardEngine:
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
         self._limited = type(rate_limiter) is not RateLimiter
+        # Plain uniform samples of a numpy arena may take `arrowbuf.direct`'s path.
+        self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
 
@@ -239,7 +242,13 @@ class ShardEngine:
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
-            keys = self._shard.gather.check_keys(keys)
+            shard = self._shard
+            keys = shard.gather.check_keys(keys)
+            if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
+                    and shard.reuse is None and type(shard) is Shard:
+                batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
+                self.counts.samples += batch_size
+                return batch
             selection = self._draw(batch_size, args)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
