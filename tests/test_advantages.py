@@ -37,6 +37,18 @@ def test_gae_matches_the_per_step_loop_on_ragged_episodes(lengths, seed, gamma, 
     np.testing.assert_allclose(target, advantage + value)
 
 
+@settings(max_examples=100, deadline=None)
+@given(segments=st.integers(1, 8), length=st.integers(1, 12), seed=st.integers(0, 2**31),
+       gamma=st.floats(0, 1), lam=st.floats(0, 1))
+def test_gae_matches_the_per_step_loop_on_equal_episodes(segments, length, seed, gamma, lam):
+    # Equal lengths (a rollout of envs x steps) take a path of their own.
+    rng = np.random.default_rng(seed)
+    lengths = [length] * segments
+    reward, value, last = rng.normal(size=segments * length), rng.normal(size=segments * length), rng.normal(size=segments)
+    advantage, _ = gae(reward, value, last, np.array(lengths), gamma, lam)
+    np.testing.assert_allclose(advantage, loop_gae(reward, value, last, lengths, gamma, lam), atol=1e-9)
+
+
 def add(store, steps, *, terminated, final=True, value_of=lambda t: t * 0.1, reward=1.0):
     obs_rows = steps + 1 if final else steps
     return store.add_episode({

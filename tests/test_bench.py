@@ -18,7 +18,7 @@ from PIL import Image
 from arrowbuf.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "SEED"]
+WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -66,6 +66,16 @@ def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the
         # the torch arena (storage_device: cpu here, cuda on a GPU) against the same ideal
         arena, = [m for m, col in ratios if m.startswith(f"{shape} rollout sample, torch arena (")]
         assert len(ratios[arena, "arrowbuf_torch/ideal"]) == 2 and all(r > 0 for r in ratios[arena, "arrowbuf_torch/ideal"])
+
+
+def test_a_quick_gae_run_times_compute_gae_against_the_per_step_loops_and_agrees_with_them(tmp_path_factory):
+    run, saved = quick_run("GAE", tmp_path_factory)
+    assert "BUG?" not in run.stdout   # the store's advantages equal the loop's
+    ratios = headline_ratios(saved, "GAE")
+    for shape, transitions in (("WBC", "6,144"), ("VLA", "320")):
+        for col in ("arrowbuf/loop", "arrowbuf/loop_floats"):
+            rounds = ratios[f"{shape} compute_gae ({transitions} transitions)", col]
+            assert len(rounds) == 2 and all(r > 0 for r in rounds)
 
 
 def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_ingest_and_sample(seed):

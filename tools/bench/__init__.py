@@ -5,7 +5,7 @@ shared and noisy, so absolute numbers drift while paired ratios hold. In each
 timing round the contenders take turns in short slices (rotating order), a ratio
 is taken per round, and the median over rounds is reported with its min-max range.
 
-Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,SEED``; ``--list`` shows
+Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED``; ``--list`` shows
 them), one module each under ``workloads/`` with its protocol and targets in its
 docstring:
 
@@ -19,6 +19,8 @@ docstring:
 - ONPOLICY (`workloads.onpolicy`): PPO rollouts (WBC 4,096 x 24, VLA 32 x 160):
   whole-rollout sample and 4 x 8 minibatch epochs vs an ideal np.take, a
   seed-like TensorDict store and TorchRL.
+- GAE (`workloads.gae`): ``compute_gae`` over the same rollouts vs per-step
+  Python loops.
 - SEED (`workloads.seed`): RLightning's engines through ``arrowbuf.compat``
   vs the native writer on the same data.
 

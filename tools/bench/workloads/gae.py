@@ -1,0 +1,129 @@
+"""GAE: ``compute_gae`` over a stored PPO rollout against per-step Python loops (issue 13:
+over WBC's 98k transitions, >= 50x a per-step Python loop).
+
+The rollouts are ONPOLICY's (WBC 4,096 envs x 24 steps, VLA 32 x 160), one episode
+per env, none terminated: every episode bootstraps from the value of its final
+observation. arrowbuf's call includes what the API does for that: the final
+observations gathered into a TensorDict for ``bootstrap_value`` (here a constant
+0.5; a trainer's value network would run on them), the advantages and value
+targets written to the store's columns. The loops get the bootstrap values as
+given. Contenders:
+
+- ``loop``: the textbook loop, every env, every step backwards, one Python
+  iteration per transition, over the rollout's numpy arrays indexed per step (what
+  the loop is over data held as arrays: the target's baseline);
+- ``loop_floats``: the same over plain Python floats (the rollout converted to lists
+  once, outside the timing): the fastest a per-step loop gets, for information;
+- ``arrowbuf``: ``store.compute_gae(gamma, lam, bootstrap_value=...)``.
+
+The advantages are compared with the loop's once: a mismatch is a note.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..contenders import Arrowbuf
+from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, over, register, start_workload
+from ..results import Metric, WorkloadResult
+from ..rollout_contenders import ArrowbufRollout
+from ..rollouts import RolloutShape, make_rollout, vla, wbc
+
+GAMMA, LAMBDA = 0.99, 0.95
+BOOTSTRAP = 0.5
+TARGET = 50
+CONTENDERS = ["loop", "loop_floats", "arrowbuf"]
+
+
+class LoopGAE:
+    """GAE of a time-major rollout (``[T, E]`` reward / value / terminated) by a loop over
+    envs and steps; ``floats``: over Python lists instead of numpy arrays."""
+
+    def __init__(self, rollout: Mapping[str, Any], floats: bool = False) -> None:
+        def env_major(name: str, dtype: Any) -> Any:
+            array = np.ascontiguousarray(np.asarray(rollout[name], dtype).T)
+            return array.tolist() if floats else array
+        self.reward = env_major("reward", np.float64)
+        self.value = env_major("value", np.float64)
+        self.terminated = env_major("terminated", bool)
+
+    def __call__(self, bootstrap: list[float]) -> list[list[float]]:
+        """Advantages, env-major ``[E][T]``; ``bootstrap[e]``: the value after env e's last step."""
+        gamma, lam = GAMMA, LAMBDA
+        out = []
+        for reward, value, terminated, next_value in zip(self.reward, self.value, self.terminated, bootstrap):
+            advantage = [0.0] * len(reward)
+            gae = 0.0
+            for t in range(len(reward) - 1, -1, -1):
+                keep = 0.0 if terminated[t] else 1.0
+                delta = reward[t] + gamma * next_value * keep - value[t]
+                gae = delta + gamma * lam * keep * gae
+                advantage[t] = gae
+                next_value = value[t]
+            out.append(advantage)
+        return out
+
+
+@dataclass(frozen=True)
+class GAESpec:
+    shapes: tuple[RolloutShape, ...]
+
+    def short(self) -> str:
+        return "compute_gae over a stored rollout; " + "; ".join(s.short() for s in self.shapes)
+
+    def describe(self) -> str:
+        return " | ".join(s.describe() for s in self.shapes)
+
+
+def run_gae(spec: GAESpec, opts: Options) -> WorkloadResult:
+    t0 = start_workload(Arrowbuf)
+    import torch
+    load_start = os.getloadavg()[0]
+    notes: list[str] = []
+    metrics: list[Metric] = []
+    for shape in spec.shapes:
+        rollout = make_rollout(shape)
+        loops = {"loop": LoopGAE(rollout), "loop_floats": LoopGAE(rollout, floats=True)}
+        store = ArrowbufRollout(shape, rollout, 1).store
+        del rollout
+        bootstrap = [BOOTSTRAP] * shape.envs
+
+        def arrowbuf_gae(store: Any = store) -> None:
+            store.compute_gae(GAMMA, LAMBDA, value_key="value",
+                              bootstrap_value=lambda final: torch.full((final.batch_size[0],), BOOTSTRAP))
+
+        arrowbuf_gae()
+        expected = np.asarray(loops["loop"](bootstrap))                        # [E, T]
+        got = store.sample(shape.transitions, keys=["advantage"])
+        # One episode per env, added in env order: episode ids are the env numbers.
+        error = float(np.max(np.abs(got["advantage"].numpy() - expected[got["episode_id"].numpy(), got["step"].numpy()])))
+        if error > 1e-3:
+            notes.append(f"  BUG? {shape.name}: compute_gae differs from the loop by up to {error:.3g}")
+        metric, = compare(f"GAE {shape.name}", [
+            Race(f"{shape.name} compute_gae ({shape.transitions:,} transitions)", "ms",
+                 {**{name: (lambda loop=loop: loop(bootstrap)) for name, loop in loops.items()},
+                  "arrowbuf": arrowbuf_gae},
+                 over("arrowbuf", *loops), per_call=True, scale=1e3),
+        ], max(2, min(opts.rounds, 5)), opts.min_time, 2)
+        judged = shape.transitions >= 90_000   # the issue's target is for 98k transitions
+        metric.met = metric.ratios["arrowbuf/loop"].median >= TARGET if judged else None
+        metric.target = f"arrowbuf/loop >= {TARGET}" if judged else "info"
+        metrics.append(metric)
+    flag_noisy("GAE", metrics, notes)
+    notes.append(f"  ms = median time of one call; ratios are speed-ups; every episode bootstraps from {BOOTSTRAP}")
+    notes.append(load_note(load_start))
+    return WorkloadResult("GAE", spec.short(), spec.describe(), CONTENDERS, metrics, notes, time.perf_counter() - t0,
+                          labels={"loop": "per-step loop (numpy)", "loop_floats": "per-step loop (floats)"},
+                          ratio_columns=["arrowbuf/loop", "arrowbuf/loop_floats"])
+
+
+register(Workload(
+    "GAE", "compute_gae over a stored rollout against per-step Python loops, WBC 4096x24 and VLA 32x160",
+    full=GAESpec((wbc(4096), vla(32, 160))),
+    quick=GAESpec((wbc(256), vla(8, 40))),
+    run=run_gae))
