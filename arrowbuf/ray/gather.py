@@ -13,7 +13,10 @@ memory nor rebuilds a TensorDict):
 - otherwise each field is read block by block into a scratch array (once for all
   the staged batches) and taken from it into the output in the drawn order: a
   take per touched block and one per batch, where scattering each block's items
-  to their places costs a take and a scatter per block and batch.
+  to their places costs a take and a scatter per block and batch;
+- except fields of large rows of plain items (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`:
+  pixels), copied from their blocks straight into the output row by row: each of
+  their bytes is copied once, as in the embedded store.
 
 `same_width` pads episode batches of several shards to one width.
 
@@ -36,7 +39,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
-from arrowbuf.ray.staging import Staged
+from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
 from arrowbuf.tensors import ALIGN, ROLES, Gather, field_key, torch_dtype_of
@@ -46,9 +49,12 @@ class BlockGather:
 
     Args:
         schema: the store's schema (the blocks' columns are its fields).
+        direct_row_bytes: bytes of a row from which a field of plain items is copied
+            from the blocks straight into the output (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`).
     """
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, direct_row_bytes: int = DIRECT_ROW_BYTES) -> None:
+        self.direct_row_bytes = direct_row_bytes
         self.entries = []   # (key, field name, role index, numpy dtype, row shape, torch dtype)
         checks = {}
         for name, f in schema.fields.items():
@@ -81,45 +87,59 @@ class BlockGather:
             device: where the batch goes (gathered on the CPU, then moved in one copy).
         """
         extra = staged.extra
-        shapes = staged.shapes(stop - start)
-        key = (shapes, keys, *extra)
-        layout = self._recent.get(key)
-        if layout is None or not _matches(layout.extras, extra):
-            full = (shapes, keys, *[(name, value.dtype, (stop - start, *value.shape[1:]))
-                                    for name, value in extra.items()])
-            layout = self._layouts.get(full)
-            if layout is None:
-                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
-            self._recent[key] = layout
+        layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
         inv = None if staged.inv is None else staged.inv[start:stop]
-        for (source, role), out in zip(layout.plan, outs):
+        for (source, role, direct), out in zip(layout.plan, outs):
             if role < 0:
                 np.copyto(out, extra[source][start:stop])
-            elif inv is not None:
-                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
-            else:
+            elif inv is None:
                 rows = staged.rows[role]
                 for columns, lo, hi in staged.pieces:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
                         columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
+            elif direct:
+                staged.rows_into(source, role, start, stop, out)
+            else:
+                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
+
+    def staged_bytes(self, staged: Staged, count: int, keys: frozenset | None) -> int:
+        """Bytes a batch of ``count`` staged items puts through the scratch arrays (its
+        fields other than the large rows copied straight from the blocks)."""
+        return self._layout_of(staged, count, keys).staged_bytes
+
+    def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
+        extra = staged.extra
+        shapes = staged.shapes(count)
+        key = (shapes, keys, *extra)
+        layout = self._recent.get(key)
+        if layout is None or not _matches(layout.extras, extra):
+            full = (shapes, keys, *[(name, value.dtype, (count, *value.shape[1:])) for name, value in extra.items()])
+            layout = self._layouts.get(full)
+            if layout is None:
+                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
+            self._recent[key] = layout
+        return layout
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> "_Layout":
         fields = {entry[0] for entry in self.entries}
         extras = [(name, dtype, shape) for name, dtype, shape in every_extra
                   if keys is None or field_key(name) not in fields or field_key(name) in keys]
         replaced = {field_key(name) for name, _, _ in extras}
-        plan, outs, leaves, total = [], [], [], 0
+        plan, outs, leaves, total, staged = [], [], [], 0, 0
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
                   shape: tuple) -> None:
-            nonlocal total
+            nonlocal total, staged
             size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            plan.append((source, role))
+            # Large rows of plain items (one row per item: a 1-D batch of rows) skip the scratch.
+            direct = role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1)
+            staged += size if role >= 0 and not direct else 0
+            plan.append((source, role, direct))
             outs.append((dtype, shape, total))
             leaves.append((key, torch_dtype, total, size, shape))
             total += -(-size // ALIGN) * ALIGN
@@ -131,16 +151,17 @@ class BlockGather:
         for name, dtype, shape in extras:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
-                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra))
+                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra), staged)
 
 
 @dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per batch
 class _Layout:
     """Where one batch layout's fields and extras go in its slot."""
 
-    plan: tuple          # (field name, role index) per gathered field, then (extra name, -1) per extra
+    plan: tuple          # (field name, role index, copied row by row) per gathered field, then (extra name, -1, False)
     slot: SlotSpec
     extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
+    staged_bytes: int    # bytes of the fields read through the scratch arrays (out of block order)
 
 
 def _matches(expected: tuple, extra: dict) -> bool:

@@ -359,9 +359,8 @@ class RayBackend:
                 if reader.generation != generation:   # new views, or a write of this process: drawn again
                     break
                 if batches is None:   # the first batch tells how many fit in STAGE_BYTES
-                    first = [reader.emit(staged, 0, batch_size, None, device)]
-                    batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(first[0].bytes(), 1)))
-                    yield first.pop()   # not kept here: a batch the caller dropped frees its pooled slot
+                    batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(reader.staged_bytes(staged, batch_size), 1)))
+                    yield reader.emit(staged, 0, batch_size, None, device)
                 else:
                     yield reader.emit(staged, k * batch_size, (k + 1) * batch_size, None, device)
             step = batches
