@@ -90,7 +90,8 @@ class BlockGather:
         layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
         inv = None if staged.inv is None else staged.inv[start:stop]
-        for (source, role, direct), out in zip(layout.plan, outs):
+        direct = []
+        for (source, role, straight), out in zip(layout.plan, outs):
             if role < 0:
                 np.copyto(out, extra[source][start:stop])
             elif inv is None:
@@ -99,10 +100,12 @@ class BlockGather:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
                         columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
-            elif direct:
-                staged.rows_into(source, role, start, stop, out)
+            elif straight:
+                direct.append((source, role, out))
             else:
                 staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
+        if direct:
+            staged.rows_into(direct, start, stop)
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch

@@ -99,19 +99,25 @@ class Staged:
         """Bytes of the scratch arrays this staging filled."""
         return sum(self.scratch[key].nbytes for key in self.filled)
 
-    def rows_into(self, source: str, role: int, start: int, stop: int, out: np.ndarray) -> None:
-        """Column ``source``'s rows of role ``role`` for batch positions ``[start, stop)``,
-        copied straight from their blocks into ``out``, one row view each (plain items:
-        rows of one dimension; see `DIRECT_ROW_BYTES`)."""
+    def rows_into(self, targets: list[tuple[str, int, np.ndarray]], start: int, stop: int) -> None:
+        """Copy the rows of batch positions ``[start, stop)`` straight from their blocks:
+        for each target (column, role, output), each item's row of that role into the
+        output's row of its batch position (plain items: rows of one dimension; see
+        `DIRECT_ROW_BYTES`). Item by item, every target's row in turn: an item's
+        observation and next observation are adjacent in its block, read as one run."""
         if self._where is None:
             piece = np.repeat(np.arange(len(self.pieces)), [hi - lo for _, lo, hi in self.pieces])
             self._where = ((piece if self.inv is None else piece.take(self.inv)).tolist(), {})
         pieces, by_role = self._where
-        rows = by_role.get(role)
-        if rows is None:
-            rows = by_role[role] = (self.rows[role] if self.inv is None else self.rows[role].take(self.inv)).tolist()
-        columns = [piece[0][source] for piece in self.pieces]
-        np.concatenate([columns[p][r:r + 1] for p, r in zip(pieces[start:stop], rows[start:stop])], out=out)
+        copies = []   # (the column in each piece, the rows of the batch's items, the output)
+        for source, role, out in targets:
+            rows = by_role.get(role)
+            if rows is None:
+                rows = by_role[role] = (self.rows[role] if self.inv is None else self.rows[role].take(self.inv)).tolist()
+            copies.append(([piece[0][source] for piece in self.pieces], rows[start:stop], out))
+        for i, p in enumerate(pieces[start:stop]):
+            for columns, rows, out in copies:
+                out[i] = columns[p][rows[i]]
 
 
 def block_order(bases: np.ndarray, rows: np.ndarray
