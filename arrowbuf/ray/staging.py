@@ -36,12 +36,15 @@ from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.samplers import Selection
 
 #: Bytes of a row from which a batch's rows of a field are copied straight from their
-#: blocks into the output, one row view at a time (`Staged.rows_into`), rather than
-#: read into the scratch array and taken from it (two copies). Measured here (numpy
-#: blocks of 400 MB in all, 8 blocks, 6 batches of 32 random items staged at once,
-#: each item's row and next row, 2 shared cores), per batch: rows of 8 KiB 78 us
-#: through the scratch, 86 us row by row; rows of 21 KiB (W2's 84x84x3 pixels) 157 us
-#: through the scratch, 121 us row by row.
+#: blocks into the output (`Staged.rows_into`), rather than read into the scratch
+#: array and taken from it (two copies). Measured here (numpy blocks of 400 MB in all,
+#: 8 blocks, 6 batches of 32 random items staged at once, each item's row and next
+#: row, 2 shared cores; one concatenate of row views per field), per batch: rows of
+#: 8 KiB 78 us through the scratch, 86 us straight; rows of 21 KiB (W2's 84x84x3
+#: pixels) 157 us through the scratch, 121 us straight. Item by item (an item's row,
+#: then its next row: one run of the block) was faster again on a Ray store's blocks:
+#: 186 us a W2 batch with its draw, against 239 us by concatenates (the embedded
+#: store's sample: 170 us).
 DIRECT_ROW_BYTES = 16 << 10
 
 
@@ -94,10 +97,6 @@ class Staged:
             columns[source].take(rows[lo:hi], axis=0, out=out[lo:hi], mode="clip")
         self.filled.add(key)
         return out
-
-    def scratch_bytes(self) -> int:
-        """Bytes of the scratch arrays this staging filled."""
-        return sum(self.scratch[key].nbytes for key in self.filled)
 
     def rows_into(self, targets: list[tuple[str, int, np.ndarray]], start: int, stop: int) -> None:
         """Copy the rows of batch positions ``[start, stop)`` straight from their blocks:
