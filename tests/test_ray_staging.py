@@ -123,3 +123,34 @@ def test_pixel_rows_are_copied_straight_from_the_blocks_into_the_batch_the_scrat
             np.testing.assert_array_equal(batch[key].numpy(), again[key].numpy())
     assert staged.filled == {("action", 0)}   # nothing else went through the scratch
     assert ("pixels", 1) in staged_through.filled and ("pixels", 2) in staged_through.filled
+
+
+def test_small_step_fields_are_read_as_one_record_a_row_and_match_their_columns():
+    # action, reward and flags are packed one record a row per block (once, kept with
+    # the block) and read with one take: the batch must hold each field's own rows.
+    schema = Schema({"obs": Field("float32", (3,), observation=True), "action": Field("float32", (2,)),
+                     "reward": Field("float32"), "terminated": Field("bool"), "truncated": Field("bool")})
+    sizes = [9, 7, 11]
+    total = sum(sizes)
+    rng = np.random.default_rng(1)
+    whole = {"obs": rng.random((total, 3), dtype=np.float32), "action": rng.random((total, 2), dtype=np.float32),
+             "reward": rng.random(total, dtype=np.float32), "terminated": rng.random(total) < 0.5,
+             "truncated": rng.random(total) < 0.5}
+    bases = np.cumsum([0] + sizes[:-1])
+    blocks = [{name: column[lo:lo + n] for name, column in whole.items()} for lo, n in zip(bases.tolist(), sizes)]
+    steps = np.setdiff1d(np.arange(total), bases[1:] - 1)[:-1]
+    gather = BlockGather(schema)
+    for rows in (rng.choice(steps, 24), np.sort(rng.choice(steps, 24))):   # out of block order, then in it
+        staged = stage(blocks, bases, rows, {})
+        for lo in range(0, 24, 8):
+            batch = gather(staged, lo, lo + 8, None)
+            for name in whole:
+                np.testing.assert_array_equal(batch[name].numpy(), whole[name][rows[lo:lo + 8]])
+            np.testing.assert_array_equal(batch["next", "obs"].numpy(), whole["obs"][rows[lo:lo + 8] + 1])
+        if staged.inv is not None:   # the small fields went through the scratch as records, not one by one
+            assert not {("action", 0), ("reward", 0), ("terminated", 0)} & staged.filled
+            assert any(key[0] == "packed" for key in staged.filled)
+    packed = [key for key in blocks[0] if isinstance(key, tuple)]
+    assert len(packed) == 1   # each block packed once, kept for the next stagings
+    record = blocks[0][packed[0]]
+    assert record.shape == (sizes[0], 16)   # action 8 B, reward 4, two flags 1 each, padded to 4

@@ -16,7 +16,13 @@ memory nor rebuilds a TensorDict):
   to their places costs a take and a scatter per block and batch;
 - except fields of large rows of plain items (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`:
   pixels), copied from their blocks straight into the output row by row: each of
-  their bytes is copied once, as in the embedded store.
+  their bytes is copied once, as in the embedded store;
+- and small per-step fields (action, reward, flags: `arrowbuf.packing`), read
+  together as one record a row: each block's records are packed once, on first
+  use (`Staged.records_of`), the staged items' records read block by block, and
+  each batch takes its records into its slot and copies every field out of them.
+  A random read of small rows costs a cache miss per row and column; packed, one
+  per row for all of them, as in the embedded store's arena.
 
 `same_width` pads episode batches of several shards to one width.
 
@@ -39,6 +45,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
+from arrowbuf.packing import item_dtype, pack_layout, record_strides
 from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
@@ -55,6 +62,7 @@ class BlockGather:
 
     def __init__(self, schema: Schema, direct_row_bytes: int = DIRECT_ROW_BYTES) -> None:
         self.direct_row_bytes = direct_row_bytes
+        self.fields = schema.fields
         self.entries = []   # (key, field name, role index, numpy dtype, row shape, torch dtype)
         checks = {}
         for name, f in schema.fields.items():
@@ -91,21 +99,37 @@ class BlockGather:
         outs, batch = self._pool.claim(layout, layout.slot)
         inv = None if staged.inv is None else staged.inv[start:stop]
         direct = []
-        for (source, role, straight), out in zip(layout.plan, outs):
+        for (source, role, how), out in zip(layout.plan, outs):
             if role < 0:
                 np.copyto(out, extra[source][start:stop])
+            elif how == "packed":
+                continue
             elif inv is None:
                 rows = staged.rows[role]
                 for columns, lo, hi in staged.pieces:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
                         columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
-            elif straight:
+            elif how == "direct":
                 direct.append((source, role, out))
             else:
                 staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
         if direct:
             staged.rows_into(direct, start, stop)
+        if layout.packed is not None:
+            group, region, copies = layout.packed
+            records = outs[region]
+            if inv is None:
+                rows = staged.rows[0]
+                for columns, lo, hi in staged.pieces:
+                    lo, hi = max(lo, start), min(hi, stop)
+                    if lo < hi:
+                        staged.block_records(columns, group).take(rows[lo:hi], axis=0,
+                                                                  out=records[lo - start:hi - start], mode="clip")
+            else:
+                staged.records_of(group).take(inv, axis=0, out=records, mode="clip")
+            for source, target in copies:
+                np.copyto(outs[target], outs[source])
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
@@ -133,38 +157,70 @@ class BlockGather:
         extras = [(name, dtype, shape) for name, dtype, shape in every_extra
                   if keys is None or field_key(name) not in fields or field_key(name) in keys]
         replaced = {field_key(name) for name, _, _ in extras}
-        plan, outs, leaves, total, staged = [], [], [], 0, 0
+        chosen = [entry for entry in self.entries if entry[0] not in replaced and (keys is None or entry[0] in keys)]
+        # Small step fields of this layout, packed into records (`arrowbuf.packing`; observations are not).
+        record_bytes, offsets = pack_layout({name: self.fields[name] for _, name, role, *_ in chosen if role == 0})
+        step_rows = int(np.prod(shapes[0], dtype=np.int64))
+        if not step_rows:
+            record_bytes, offsets = 0, {}   # no rows: nothing to gather (and no region to view)
+        plan, outs, leaves, total, staged = [], [], [], 0, record_bytes * step_rows
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
                   shape: tuple) -> None:
             nonlocal total, staged
             size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if role >= 0 and source in offsets:
+                how = "packed"
             # Large rows of plain items (one row per item: a 1-D batch of rows) skip the scratch.
-            direct = role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1)
-            staged += size if role >= 0 and not direct else 0
-            plan.append((source, role, direct))
+            elif role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1):
+                how = "direct"
+            else:
+                how = "take"
+                staged += size if role >= 0 else 0
+            plan.append((source, role, how))
             outs.append((dtype, shape, total))
             leaves.append((key, torch_dtype, total, size, shape))
             total += -(-size // ALIGN) * ALIGN
 
-        for key, name, role, dtype, row_shape, torch_dtype in self.entries:
-            if key in replaced or (keys is not None and key not in keys):
-                continue
+        for key, name, role, dtype, row_shape, torch_dtype in chosen:
             place(name, role, key, dtype, torch_dtype, tuple(shapes[role]) + row_shape)
         for name, dtype, shape in extras:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
+        packed = None
+        if offsets:
+            # The batch's records go to a region of the slot past the leaves (no tensor
+            # views it); each packed field is copied out of it as one opaque item a row
+            # (`packing.item_dtype`), from a strided view of the region to an alias of its out.
+            region, step = len(outs), tuple(shapes[0])
+            outs.append((np.dtype(np.uint8), (*step, record_bytes), total))
+            copies = []
+            for position, (source, _, how) in enumerate(plan):
+                if how != "packed":
+                    continue
+                dtype, shape, at = outs[position]
+                item = item_dtype(dtype, shape[len(step):])
+                outs.append((item, step, total + offsets[source], record_strides(step, record_bytes)))
+                outs.append((item, step, at))
+                copies.append((len(outs) - 2, len(outs) - 1))
+            total += -(-step_rows * record_bytes // ALIGN) * ALIGN
+            packed = ((record_bytes, tuple(offsets.items())), region, tuple(copies))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
-                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra), staged)
+                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra), staged, packed)
 
 
 @dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per batch
 class _Layout:
     """Where one batch layout's fields and extras go in its slot."""
 
-    plan: tuple          # (field name, role index, copied row by row) per gathered field, then (extra name, -1, False)
+    # (field name, role index, how: "take" through the scratch, "direct" row by row,
+    # "packed" in records) per gathered field, then (extra name, -1, "take") per extra
+    plan: tuple
     slot: SlotSpec
     extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
-    staged_bytes: int    # bytes of the fields read through the scratch arrays (out of block order)
+    staged_bytes: int    # bytes of the fields (and records) read through the scratch arrays (out of block order)
+    # ((record bytes, (field, byte offset in a record) of each packed field), the out of
+    # the records' region, (out to copy from, out to copy to) per packed field), None: nothing packed
+    packed: tuple | None = None
 
 
 def _matches(expected: tuple, extra: dict) -> bool:

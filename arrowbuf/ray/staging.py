@@ -98,6 +98,41 @@ class Staged:
         self.filled.add(key)
         return out
 
+    def records_of(self, group: tuple[int, tuple[tuple[str, int], ...]]) -> np.ndarray:
+        """The packed records (``group``: the record's bytes, each field and its byte
+        offset) of every staged item's step row, in staged order (read block by block
+        on first use, into the scratch array kept for them)."""
+        key = ("packed", group)
+        out = self.scratch.get(key)
+        if key in self.filled:
+            return out
+        rows = self.rows[0]
+        blocks = [(self.block_records(columns, group), lo, hi) for columns, lo, hi in self.pieces]
+        shape = (*rows.shape, group[0])
+        if out is None or out.shape != shape:
+            out = self.scratch[key] = np.empty(shape, np.uint8)
+        for records, lo, hi in blocks:
+            records.take(rows[lo:hi], axis=0, out=out[lo:hi], mode="clip")
+        self.filled.add(key)
+        return out
+
+    @staticmethod
+    def block_records(columns: dict, group: tuple[int, tuple[tuple[str, int], ...]]) -> np.ndarray:
+        """A block's fields of ``group`` packed one record a row (`arrowbuf.packing`):
+        built on first use and kept in the block's dict (this process's own), so a block
+        is packed once while it stays cached, and dropped with it."""
+        key = ("packed", group)
+        records = columns.get(key)
+        if records is None:
+            record_bytes, offsets = group
+            rows = len(columns[offsets[0][0]])
+            records = np.empty((rows, record_bytes), np.uint8)
+            for name, at in offsets:
+                row_bytes = columns[name].reshape(rows, -1).view(np.uint8)
+                records[:, at:at + row_bytes.shape[1]] = row_bytes
+            columns[key] = records
+        return records
+
     def rows_into(self, targets: list[tuple[str, int, np.ndarray]], start: int, stop: int) -> None:
         """Copy the rows of batch positions ``[start, stop)`` straight from their blocks:
         for each target (column, role, output), each item's row of that role into the
