@@ -140,6 +140,13 @@ class BlockGather:
         return self._layout_of(staged, count, keys).staged_bytes
 
     def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
+        known = staged.layouts.get((self, count, keys))
+        if known is not None:   # the staging's later batches: same extras, same layout
+            return known
+        staged.layouts[(self, count, keys)] = layout = self._find_layout(staged, count, keys)
+        return layout
+
+    def _find_layout(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
         extra = staged.extra
         shapes = staged.shapes(count)
         key = (shapes, keys, *extra)

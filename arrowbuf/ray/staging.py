@@ -74,6 +74,8 @@ class Staged:
     drawn: np.ndarray | None = None    # items of each shard in each batch, [batches, shards] (a reader's draws)
     # (piece of each item, its block-local rows by role) as lists in batch order, for `rows_into`
     _where: tuple[list, dict] | None = None
+    # batch layouts found for these items, by (gather, batch size, keys): found once, not per batch
+    layouts: dict = field(default_factory=dict)
 
     def shapes(self, count: int) -> tuple[tuple[int, ...], ...]:
         """Row shapes by role of a batch of ``count`` items."""
