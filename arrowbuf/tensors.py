@@ -222,10 +222,11 @@ class Gather:
         extra = extra or {}
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         spec = layout.slot
-        flat = buffer = _aligned_empty(spec.nbytes)
-        _fill(layout, out_views(buffer, spec.outs),
-              by_role, extra)
-        return Payload(flat, spec.leaves, tuple(spec.batch_size))
+        buffer = _aligned_empty(spec.nbytes)
+        _fill(layout, out_views(buffer, spec.outs), by_role, extra)
+        # The leaves come first: packed records gathered past them are not sent.
+        end = max((offset + size for _, _, offset, size, _ in spec.leaves), default=0)
+        return Payload(buffer[:end], spec.leaves, tuple(spec.batch_size))
 
     def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
                   next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["_Layout", "_Layout", tuple]:
