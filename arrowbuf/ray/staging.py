@@ -23,6 +23,9 @@ orders agree (one block, or an unshuffled epoch chunk) the blocks are read
 straight into the output. Large rows (`DIRECT_ROW_BYTES`) of plain items are
 copied straight from their blocks into the output too, row by row (`rows_into`):
 there the second copy through the scratch costs more than a Python step per row.
+Small per-step fields are staged together as one record a row (`records_of`,
+from records each block packs once: `block_records`), one take per block for all
+of them.
 """
 
 from __future__ import annotations
