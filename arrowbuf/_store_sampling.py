@@ -93,7 +93,9 @@ class StoreSampling:
             batches_per_request: on a Ray store that draws here (uniform, sequence,
                 episode samplers), batches drawn and gathered together (each an
                 independent draw, in drawn order); default: as many as fit in
-                ``arrowbuf.ray.router.STAGE_BYTES`` (8 MiB), at most 16. A write of
+                ``arrowbuf.ray.router.STAGE_BYTES`` (8 MiB of the fields staged
+                block by block: large rows such as pixels are copied straight from
+                the blocks and do not count), at most 16. A write of
                 this process, a `flush` or new manifests drop the batches not yet
                 returned (the next one holds the write). Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf.indexing import RunLookup, run_lookup
+
 _COLUMNS: dict[str, Any] = {
     "episode_id": np.int64,
     "env": np.int32,          # code into `env_names`
@@ -88,6 +90,8 @@ class EpisodeTable:
         # decreasing length: its front is the longest live episode, kept in O(1)
         # amortized per append and evict (a monotonic queue).
         self._longest: deque[tuple[int, int]] = deque()
+        # `build_lookup`'s O(1) index -> episode lookup (without an index map), dropped by any change.
+        self._lookup: RunLookup | None = None
 
     def __len__(self) -> int:
         return self.tail - self.head
@@ -127,6 +131,14 @@ class EpisodeTable:
             running += count(int(self._cols["length"][i]))
         self._cols[f"first_{name}"] = column
         self._counters[name] = (count, [running])
+
+    def build_lookup(self) -> None:
+        """Make `locate` of indices O(1) a unit until the table next changes: for a
+        table without an index map (no ``capacity``) that is built once and then
+        sampled many times, as a Ray reader's views are (see `arrowbuf.indexing.RunLookup`;
+        O(episodes) to build, where the index map is O(transitions))."""
+        first, stop = self.live_range()
+        self._lookup = run_lookup(self.col("first_index"), stop, 4 * len(self) + 1024)
 
     def live_range(self, counter: str = "index") -> tuple[int, int]:
         """[first, stop) of the live units of ``counter``."""
@@ -170,6 +182,7 @@ class EpisodeTable:
         self._metadata[i] = metadata
         self._push_longest(self.episodes_added, length)
         self.tail += 1
+        self._lookup = None
         self.episodes_added += 1
         return episode_id
 
@@ -185,6 +198,7 @@ class EpisodeTable:
     def pop_oldest(self, count: int) -> None:
         """Drop the ``count`` oldest episodes."""
         self.head += count
+        self._lookup = None
         first_serial = self.episodes_added - len(self)
         while self._longest and self._longest[0][0] < first_serial:
             self._longest.popleft()
@@ -193,6 +207,7 @@ class EpisodeTable:
         """Drop every episode; ids and indices keep counting, so old indices stay stale."""
         self.head = self.tail = 0
         self._longest.clear()
+        self._lookup = None
 
     def resume(self, episodes_added: int, next_index: int) -> None:
         """Continue the numbering of another table: the next episode is the
@@ -260,6 +275,7 @@ class EpisodeTable:
             serial[0] = int(state["counters"][name])
         self.head, self.tail = 0, n
         self._longest.clear()
+        self._lookup = None
         for k, length in enumerate(self._cols["length"][:n].tolist()):
             self._push_longest(self.episodes_added - n + k, length)
         if self._index_episode is not None:   # rebuild the index -> episode map of the live episodes
@@ -299,7 +315,10 @@ class EpisodeTable:
             pos = (serials - ((self.episodes_added - self.tail + self.head) & 0xFFFFFFFF)).astype(np.intp)
             return pos, units - self._cols["first_index"][self.head:self.tail].take(pos)
         first = self.col(f"first_{counter}")
-        pos = np.searchsorted(first, units, side="right") - 1
+        if counter == "index" and self._lookup is not None:
+            pos = self._lookup(units)
+        else:
+            pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first.take(pos)
 
     def rows_of(self, indices: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""n-step returns and frame stacks at sample time, against a slow plain-Python reference."""
+"""n-step returns, frame stacks and index lookups at sample time, against slow or plain references."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.indexing import frame_rows, n_step, run_lookup
 
 from support.episodes import LiveTable, add_tagged, check_batch_reads_its_rows, episode_schema
 
@@ -177,3 +177,24 @@ def test_n_step_needs_a_reward_field():
     store.add_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3)})
     with pytest.raises(ValueError, match=r"n_step > 1 needs a 'reward' field.*\['obs', 'action'\]"):
         store.sample(4, n_step=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(0, 2**40), st.integers(0, 2**32 - 1))
+def test_a_run_lookup_finds_the_run_a_binary_search_finds(lengths, start, seed):
+    first = start + np.cumsum([0] + lengths[:-1]).astype(np.int64)
+    stop = start + sum(lengths)
+    lookup = run_lookup(first, stop, stop - start)   # a bucket per unit at most: always built
+    assert lookup is not None
+    units = np.random.default_rng(seed).integers(start, stop, 500)
+    units[:2] = start, stop - 1   # both ends
+    expected = np.searchsorted(first, units, side="right") - 1
+    np.testing.assert_array_equal(lookup(units), expected)
+    assert lookup.bucket.size <= 2 * sum(lengths) // min(lengths[:-1] or [sum(lengths)]) + 1
+
+
+def test_a_run_lookup_declines_empty_runs_and_too_many_buckets():
+    assert run_lookup(np.array([0, 5, 5, 9]), 12, 100) is None     # an episode without transitions
+    assert run_lookup(np.array([0, 1, 1000]), 2000, 100) is None    # one short run: 2,000 buckets of 1
+    assert run_lookup(np.array([], np.int64), 0, 100) is None
+    assert run_lookup(np.array([0, 1, 1000]), 2000, 4000) is not None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arrowbuf.fields import Field
 from arrowbuf.ray.gather import BlockGather
-from arrowbuf.ray.staging import Staged, block_order
+from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged, block_order
 from arrowbuf.schema import Schema
 
 SCHEMA = Schema({"obs": Field("float32", (3,), observation=True), "action": Field("int64"),
@@ -62,15 +63,16 @@ def test_block_order_sorts_items_by_block_and_keeps_their_drawn_order_within_a_b
         assert order is None
 
 
+@pytest.mark.parametrize("direct_row_bytes", [1, 1 << 40], ids=["straight from the blocks", "through the scratch"])
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(2, 30), min_size=1, max_size=8), st.integers(1, 4), st.integers(1, 40),
        st.integers(0, 2**32 - 1))
-def test_every_staged_batch_holds_its_drawn_rows_in_drawn_order(sizes, batches, batch_size, seed):
+def test_every_staged_batch_holds_its_drawn_rows_in_drawn_order(direct_row_bytes, sizes, batches, batch_size, seed):
     blocks, bases, whole = make_blocks(sizes)
     steps = np.setdiff1d(np.arange(sum(sizes)), bases[1:] - 1)[:-1]   # rows whose next row is in their block
     rows = np.random.default_rng(seed).choice(steps, batches * batch_size)
     staged = stage(blocks, bases, rows, {})
-    gather = BlockGather(SCHEMA)
+    gather = BlockGather(SCHEMA, direct_row_bytes)
     kept = []
     for k in range(batches):
         lo, hi = k * batch_size, (k + 1) * batch_size
@@ -94,3 +96,61 @@ def test_a_scratch_reused_by_a_new_staging_is_read_from_its_blocks_again():
         batch = gather(stage(blocks, bases, rows, scratch), 0, 16, None)
         np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][rows])
     assert scratch   # the draws crossed blocks: the staged arrays were kept for reuse
+
+
+def test_pixel_rows_are_copied_straight_from_the_blocks_into_the_batch_the_scratch_would_give():
+    # Rows of DIRECT_ROW_BYTES or more skip the scratch: one copy, as in the embedded store.
+    pixels = (64, 64, 4)   # 16 KiB a row
+    assert int(np.prod(pixels)) >= DIRECT_ROW_BYTES
+    schema = Schema({"pixels": Field("uint8", pixels, observation=True), "action": Field("int64")})
+    sizes = [7, 9, 6]
+    total = sum(sizes)
+    whole = {"pixels": np.random.default_rng(0).integers(0, 255, (total, *pixels), dtype=np.uint8),
+             "action": np.arange(total, dtype=np.int64)}
+    bases = np.cumsum([0] + sizes[:-1])
+    blocks = [{name: column[lo:lo + n] for name, column in whole.items()} for lo, n in zip(bases.tolist(), sizes)]
+    rows = np.array([20, 3, 8, 14, 0, 9, 4, 17, 10, 1, 13, 3])   # every block, out of block order
+    straight, through = BlockGather(schema), BlockGather(schema, direct_row_bytes=1 << 40)
+    staged, staged_through = stage(blocks, bases, rows, {}), stage(blocks, bases, rows, {})
+    assert staged.inv is not None
+    assert straight.staged_bytes(staged, 4, None) == 4 * 8   # the actions only
+    assert through.staged_bytes(staged, 4, None) == 4 * 8 + 2 * 4 * int(np.prod(pixels))
+    for lo in range(0, len(rows), 4):
+        batch, again = straight(staged, lo, lo + 4, None), through(staged_through, lo, lo + 4, None)
+        np.testing.assert_array_equal(batch["pixels"].numpy(), whole["pixels"][rows[lo:lo + 4]])
+        np.testing.assert_array_equal(batch["next", "pixels"].numpy(), whole["pixels"][rows[lo:lo + 4] + 1])
+        for key in (("pixels",), ("next", "pixels"), ("action",), ("index",)):
+            np.testing.assert_array_equal(batch[key].numpy(), again[key].numpy())
+    assert staged.filled == {("action", 0)}   # nothing else went through the scratch
+    assert ("pixels", 1) in staged_through.filled and ("pixels", 2) in staged_through.filled
+
+
+def test_small_step_fields_are_read_as_one_record_a_row_and_match_their_columns():
+    # action, reward and flags are packed one record a row per block (once, kept with
+    # the block) and read with one take: the batch must hold each field's own rows.
+    schema = Schema({"obs": Field("float32", (3,), observation=True), "action": Field("float32", (2,)),
+                     "reward": Field("float32"), "terminated": Field("bool"), "truncated": Field("bool")})
+    sizes = [9, 7, 11]
+    total = sum(sizes)
+    rng = np.random.default_rng(1)
+    whole = {"obs": rng.random((total, 3), dtype=np.float32), "action": rng.random((total, 2), dtype=np.float32),
+             "reward": rng.random(total, dtype=np.float32), "terminated": rng.random(total) < 0.5,
+             "truncated": rng.random(total) < 0.5}
+    bases = np.cumsum([0] + sizes[:-1])
+    blocks = [{name: column[lo:lo + n] for name, column in whole.items()} for lo, n in zip(bases.tolist(), sizes)]
+    steps = np.setdiff1d(np.arange(total), bases[1:] - 1)[:-1]
+    gather = BlockGather(schema)
+    for rows in (rng.choice(steps, 24), np.sort(rng.choice(steps, 24))):   # out of block order, then in it
+        staged = stage(blocks, bases, rows, {})
+        for lo in range(0, 24, 8):
+            batch = gather(staged, lo, lo + 8, None)
+            for name in whole:
+                np.testing.assert_array_equal(batch[name].numpy(), whole[name][rows[lo:lo + 8]])
+            np.testing.assert_array_equal(batch["next", "obs"].numpy(), whole["obs"][rows[lo:lo + 8] + 1])
+        if staged.inv is not None:   # the small fields went through the scratch as records, not one by one
+            assert not {("action", 0), ("reward", 0), ("terminated", 0)} & staged.filled
+            assert any(key[0] == "packed" for key in staged.filled)
+    packed = [key for key in blocks[0] if isinstance(key, tuple)]
+    assert len(packed) == 1   # each block packed once, kept for the next stagings
+    record = blocks[0][packed[0]]
+    assert record.shape == (sizes[0], 16)   # action 8 B, reward 4, two flags 1 each, padded to 4

@@ -74,6 +74,37 @@ def test_locate_skips_episodes_without_transitions():
     assert table.rows_of(np.arange(5)).tolist() == [0, 1, 30, 31, 32]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=20), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_a_built_lookup_locates_as_the_binary_search_and_is_dropped_by_any_change(lengths, popped, seed):
+    table, plain = EpisodeTable(), EpisodeTable()
+    for length in lengths:
+        for t in (table, plain):
+            append(t, t.next_index, length)
+    popped = min(popped, len(lengths) - 1)
+    for t in (table, plain):
+        t.pop_oldest(popped)
+    rng = np.random.default_rng(seed)
+    for change in ("append", "pop", "load"):
+        table.build_lookup()
+        assert table._lookup is not None
+        indices = rng.integers(*plain.live_range(), 300)
+        for got, expected in zip(table.locate(indices), plain.locate(indices)):
+            np.testing.assert_array_equal(got, expected)
+        if change == "append":   # a shorter episode than any: a stale lookup would place its indices wrongly
+            for t in (table, plain):
+                append(t, t.next_index, 1)
+        elif change == "pop" and len(table) > 1:
+            for t in (table, plain):
+                t.pop_oldest(1)
+        elif change == "load":
+            table.load_state_dict(plain.state_dict())
+        assert table._lookup is None
+        indices = rng.integers(*plain.live_range(), 300)
+        for got, expected in zip(table.locate(indices), plain.locate(indices)):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_position_of_an_empty_table_is_out_of_range():
     table = EpisodeTable()
     assert table.position_of(0) < 0

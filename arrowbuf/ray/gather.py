@@ -13,7 +13,16 @@ memory nor rebuilds a TensorDict):
 - otherwise each field is read block by block into a scratch array (once for all
   the staged batches) and taken from it into the output in the drawn order: a
   take per touched block and one per batch, where scattering each block's items
-  to their places costs a take and a scatter per block and batch.
+  to their places costs a take and a scatter per block and batch;
+- except fields of large rows of plain items (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`:
+  pixels), copied from their blocks straight into the output row by row: each of
+  their bytes is copied once, as in the embedded store;
+- and small per-step fields (action, reward, flags: `arrowbuf.packing`), read
+  together as one record a row: each block's records are packed once, on first
+  use (`Staged.records_of`), the staged items' records read block by block, and
+  each batch takes its records into its slot and copies every field out of them.
+  A random read of small rows costs a cache miss per row and column; packed, one
+  per row for all of them, as in the embedded store's arena.
 
 `same_width` pads episode batches of several shards to one width.
 
@@ -36,7 +45,8 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
-from arrowbuf.ray.staging import Staged
+from arrowbuf.packing import item_dtype, pack_layout, record_strides
+from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
 from arrowbuf.tensors import ALIGN, ROLES, Gather, field_key, torch_dtype_of
@@ -46,9 +56,13 @@ class BlockGather:
 
     Args:
         schema: the store's schema (the blocks' columns are its fields).
+        direct_row_bytes: bytes of a row from which a field of plain items is copied
+            from the blocks straight into the output (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`).
     """
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, direct_row_bytes: int = DIRECT_ROW_BYTES) -> None:
+        self.direct_row_bytes = direct_row_bytes
+        self.fields = schema.fields
         self.entries = []   # (key, field name, role index, numpy dtype, row shape, torch dtype)
         checks = {}
         for name, f in schema.fields.items():
@@ -81,66 +95,139 @@ class BlockGather:
             device: where the batch goes (gathered on the CPU, then moved in one copy).
         """
         extra = staged.extra
-        shapes = staged.shapes(stop - start)
-        key = (shapes, keys, *extra)
-        layout = self._recent.get(key)
-        if layout is None or not _matches(layout.extras, extra):
-            full = (shapes, keys, *[(name, value.dtype, (stop - start, *value.shape[1:]))
-                                    for name, value in extra.items()])
-            layout = self._layouts.get(full)
-            if layout is None:
-                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
-            self._recent[key] = layout
+        layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
         inv = None if staged.inv is None else staged.inv[start:stop]
-        for (source, role), out in zip(layout.plan, outs):
+        direct = []
+        for (source, role, how), out in zip(layout.plan, outs):
             if role < 0:
                 np.copyto(out, extra[source][start:stop])
-            elif inv is not None:
-                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
-            else:
+            elif how == "packed":
+                continue
+            elif inv is None:
                 rows = staged.rows[role]
                 for columns, lo, hi in staged.pieces:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
                         columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
+            elif how == "direct":
+                direct.append((source, role, out))
+            else:
+                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
+        if direct:
+            staged.rows_into(direct, start, stop)
+        if layout.packed is not None:
+            group, region, copies = layout.packed
+            records = outs[region]
+            if inv is None:
+                rows = staged.rows[0]
+                for columns, lo, hi in staged.pieces:
+                    lo, hi = max(lo, start), min(hi, stop)
+                    if lo < hi:
+                        staged.block_records(columns, group).take(rows[lo:hi], axis=0,
+                                                                  out=records[lo - start:hi - start], mode="clip")
+            else:
+                staged.records_of(group).take(inv, axis=0, out=records, mode="clip")
+            for source, target in copies:
+                np.copyto(outs[target], outs[source])
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
+
+    def staged_bytes(self, staged: Staged, count: int, keys: frozenset | None) -> int:
+        """Bytes a batch of ``count`` staged items puts through the scratch arrays (its
+        fields other than the large rows copied straight from the blocks)."""
+        return self._layout_of(staged, count, keys).staged_bytes
+
+    def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
+        known = staged.layouts.get((self, count, keys))
+        if known is not None:   # the staging's later batches: same extras, same layout
+            return known
+        staged.layouts[(self, count, keys)] = layout = self._find_layout(staged, count, keys)
+        return layout
+
+    def _find_layout(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
+        extra = staged.extra
+        shapes = staged.shapes(count)
+        key = (shapes, keys, *extra)
+        layout = self._recent.get(key)
+        if layout is None or not _matches(layout.extras, extra):
+            full = (shapes, keys, *[(name, value.dtype, (count, *value.shape[1:])) for name, value in extra.items()])
+            layout = self._layouts.get(full)
+            if layout is None:
+                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
+            self._recent[key] = layout
+        return layout
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> "_Layout":
         fields = {entry[0] for entry in self.entries}
         extras = [(name, dtype, shape) for name, dtype, shape in every_extra
                   if keys is None or field_key(name) not in fields or field_key(name) in keys]
         replaced = {field_key(name) for name, _, _ in extras}
-        plan, outs, leaves, total = [], [], [], 0
+        chosen = [entry for entry in self.entries if entry[0] not in replaced and (keys is None or entry[0] in keys)]
+        # Small step fields of this layout, packed into records (`arrowbuf.packing`; observations are not).
+        record_bytes, offsets = pack_layout({name: self.fields[name] for _, name, role, *_ in chosen if role == 0})
+        step_rows = int(np.prod(shapes[0], dtype=np.int64))
+        if not step_rows:
+            record_bytes, offsets = 0, {}   # no rows: nothing to gather (and no region to view)
+        plan, outs, leaves, total, staged = [], [], [], 0, record_bytes * step_rows
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
                   shape: tuple) -> None:
-            nonlocal total
+            nonlocal total, staged
             size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            plan.append((source, role))
+            if role >= 0 and source in offsets:
+                how = "packed"
+            # Large rows of plain items (one row per item: a 1-D batch of rows) skip the scratch.
+            elif role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1):
+                how = "direct"
+            else:
+                how = "take"
+                staged += size if role >= 0 else 0
+            plan.append((source, role, how))
             outs.append((dtype, shape, total))
             leaves.append((key, torch_dtype, total, size, shape))
             total += -(-size // ALIGN) * ALIGN
 
-        for key, name, role, dtype, row_shape, torch_dtype in self.entries:
-            if key in replaced or (keys is not None and key not in keys):
-                continue
+        for key, name, role, dtype, row_shape, torch_dtype in chosen:
             place(name, role, key, dtype, torch_dtype, tuple(shapes[role]) + row_shape)
         for name, dtype, shape in extras:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
+        packed = None
+        if offsets:
+            # The batch's records go to a region of the slot past the leaves (no tensor
+            # views it); each packed field is copied out of it as one opaque item a row
+            # (`packing.item_dtype`), from a strided view of the region to an alias of its out.
+            region, step = len(outs), tuple(shapes[0])
+            outs.append((np.dtype(np.uint8), (*step, record_bytes), total))
+            copies = []
+            for position, (source, _, how) in enumerate(plan):
+                if how != "packed":
+                    continue
+                dtype, shape, at = outs[position]
+                item = item_dtype(dtype, shape[len(step):])
+                outs.append((item, step, total + offsets[source], record_strides(step, record_bytes)))
+                outs.append((item, step, at))
+                copies.append((len(outs) - 2, len(outs) - 1))
+            total += -(-step_rows * record_bytes // ALIGN) * ALIGN
+            packed = ((record_bytes, tuple(offsets.items())), region, tuple(copies))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
-                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra))
+                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra), staged, packed)
 
 
 @dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per batch
 class _Layout:
     """Where one batch layout's fields and extras go in its slot."""
 
-    plan: tuple          # (field name, role index) per gathered field, then (extra name, -1) per extra
+    # (field name, role index, how: "take" through the scratch, "direct" row by row,
+    # "packed" in records) per gathered field, then (extra name, -1, "take") per extra
+    plan: tuple
     slot: SlotSpec
     extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
+    staged_bytes: int    # bytes of the fields (and records) read through the scratch arrays (out of block order)
+    # ((record bytes, (field, byte offset in a record) of each packed field), the out of
+    # the records' region, (out to copy from, out to copy to) per packed field), None: nothing packed
+    packed: tuple | None = None
 
 
 def _matches(expected: tuple, extra: dict) -> bool:

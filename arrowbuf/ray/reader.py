@@ -299,6 +299,7 @@ class BlockReader:
         table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": num_shards,
                                "episodes_added": episodes_added, "env_names": [],
                                "counters": {"index": stop_index}, "columns": columns, "metadata": []})
+        table.build_lookup()   # never changed, sampled until the next manifest
         sampler, mass = None, 0.0
         if draws_here:   # a copy that draws from this view (stateless samplers only)
             sampler = type(self.sampler)(**self.sampler.config())
@@ -407,6 +408,11 @@ class BlockReader:
         if staged.drawn is not None:
             self._drawn += staged.drawn[start // (stop - start)]
         return batch
+
+    @_locked
+    def staged_bytes(self, staged: Staged, batch_size: int) -> int:
+        """Bytes a batch of ``batch_size`` staged items puts through the staging's scratch arrays."""
+        return self._gatherer().staged_bytes(staged, batch_size, None)
 
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:

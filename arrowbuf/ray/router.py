@@ -62,8 +62,11 @@ from arrowbuf.tensors import pinned
 #: the staged rows. Measured per batch (2 shared cores under other load, 2 shards,
 #: best of 30 runs): W1 (200k rows, ~45 KB batches) 97 us one batch at a time, 61
 #: four, 53 eight, 46 sixteen (the embedded store's sample: 41 us); W2 (20k pixel
-#: rows, 1.35 MB batches) 262 us one, 230 four, 209 six, 297 eight (the staged rows
-#: no longer stay in cache; the embedded store: 121-145 us).
+#: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
+#: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
+#: 121-145 us). Only the fields read through the scratch count (`BlockReader.staged_bytes`):
+#: rows copied straight from the blocks (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`, W2's
+#: pixels) stage nothing, so W2 now draws 16 batches at once (~450 B of scratch each).
 STAGE_BYTES = 8 << 20
 MAX_STAGED = 16
 
@@ -359,9 +362,8 @@ class RayBackend:
                 if reader.generation != generation:   # new views, or a write of this process: drawn again
                     break
                 if batches is None:   # the first batch tells how many fit in STAGE_BYTES
-                    first = [reader.emit(staged, 0, batch_size, None, device)]
-                    batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(first[0].bytes(), 1)))
-                    yield first.pop()   # not kept here: a batch the caller dropped frees its pooled slot
+                    batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(reader.staged_bytes(staged, batch_size), 1)))
+                    yield reader.emit(staged, 0, batch_size, None, device)
                 else:
                     yield reader.emit(staged, k * batch_size, (k + 1) * batch_size, None, device)
             step = batches
