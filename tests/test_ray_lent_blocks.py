@@ -162,6 +162,21 @@ def test_the_shard_copies_lent_rows_into_its_arena_only_when_it_reads_them(read,
         store.close()
 
 
+def test_a_threaded_shard_copies_lent_rows_at_once_and_still_seals_the_lent_objects(lent_refs):
+    # With a rate limiter a shard runs calls in threads: a read must never meet rows placed but not copied.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS,
+                               rate_limiter=ab.MinSize(1))
+    try:
+        for key in range(3):
+            store.add_episode(keyed_episode(key, 40), env_id="a")
+        assert unfilled(store) == [0]
+        lent = {ref.hex() for ref in lent_refs}
+        assert sum(b.ref.hex() in lent for b in sealed_blocks(store)) == 3
+        check_rows(store.sample(256))
+    finally:
+        store.close()
+
+
 def test_a_lent_object_holds_the_rows_in_the_layout_of_a_copied_block():
     store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
     try:

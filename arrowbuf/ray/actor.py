@@ -27,6 +27,7 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
+from arrowbuf.ray.handles import limits
 from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
@@ -91,8 +92,11 @@ class ShardServer:
         with engine.lock:
             self.blocks.resume(engine)
         # Lent episodes whose rows are only in their writers' objects so far (`arrowbuf.ray.lent`):
-        # every method that reads the arena goes through `_arena`, which copies them in first.
+        # every method that reads the arena goes through `_arena`, which copies them in first. A
+        # threaded shard (a limiter's, `limits`) copies at once: its reads run beside its writes,
+        # and one could place an episode between another's fill and its read.
         self.unfilled = UnfilledRows()
+        self._fills_later = not limits(rate_limiter)
 
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
@@ -158,13 +162,16 @@ class ShardServer:
                 # Placed, lent and kept unfilled in one hold of the lock: no other thread
                 # (a threaded shard's seal, gather) sees it placed without its rows known.
                 with engine.lock:
+                    # Not lent when of another layout than the shard's (derived fields).
                     lends = lent_rows is not None and block_fits(
                         lent_rows[1], episode.num_rows, engine.schema if engine.schema is not None else schema)
-                    ids.append(engine.add(episode, schema, timeout, rows=not lends))
-                    if lends:   # else another layout than the shard's (derived fields): copied above
+                    later = lends and self._fills_later
+                    ids.append(engine.add(episode, schema, timeout, rows=not later))
+                    if lends:
                         ref, columns = lent_rows
                         self.blocks.lend(engine.table.episodes_added - 1, ref,
                                          sum(data.nbytes for data in columns.values()))
+                    if later:
                         self.unfilled.add(ids[-1], episode)
                 added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:

@@ -18,6 +18,8 @@ the ~4 ms a shard spent per `add_episode`, on the path the writer waits for.
 
 Invariant (kept under the engine's lock): every live episode whose rows are not
 in the arena is here, so a method that calls `fill` first reads complete rows.
+Only a single-threaded shard keeps episodes here: in a threaded one (with a rate
+limiter) a write could place one between another call's `fill` and its read.
 """
 
 from __future__ import annotations
