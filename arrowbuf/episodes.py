@@ -254,9 +254,10 @@ class StepWriter:
         envs = np.flatnonzero(recorded)
         self._ensure_stage(schema, int(self._pos.max(initial=0)) + 2)
         pos = self._pos[envs]
+        everyone = len(envs) == self.num_envs   # then array[envs] would only copy the step once more
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
-                self._stage[name][envs, pos] = like_stage(array[envs], self._stage[name])
+                self._stage[name][envs, pos] = like_stage(array if everyone else array[envs], self._stage[name])
         ended = np.flatnonzero(done & recorded)
         for name, array in final.items():
             self._stage[name][ended, self._pos[ended] + 1] = like_stage(array[ended], self._stage[name])
