@@ -73,7 +73,8 @@ class SlotSpec:
 
     Attributes:
         nbytes: size of the buffer (>= 1).
-        outs: (numpy dtype, shape, byte offset) of each numpy view written by a sample.
+        outs: (numpy dtype, shape, byte offset[, byte strides]) of each numpy view
+            written by a sample; views past the leaves are scratch (packed records).
         leaves: (key path, torch dtype, byte offset, byte size, shape) of each
             tensor of the TensorDict, views of the same bytes as ``outs``.
         batch_size: the TensorDict's batch size.
@@ -88,6 +89,11 @@ class SlotSpec:
 def leaf_views(flat: torch.Tensor, leaves: tuple) -> list[torch.Tensor]:
     """Each leaf of a `SlotSpec` (or `Payload` spec) as a view of the byte tensor ``flat``."""
     return [flat[offset:offset + size].view(dtype).view(shape) for _, dtype, offset, size, shape in leaves]
+
+
+def out_views(buffer: np.ndarray, outs: tuple) -> list[np.ndarray]:
+    """The numpy views of `SlotSpec.outs` over ``buffer`` (a 4th item: byte strides)."""
+    return [np.ndarray(shape, dtype, buffer, offset, *strides) for dtype, shape, offset, *strides in outs]
 
 
 def make_td(source: dict, batch_size: torch.Size, device: torch.device | None = None) -> TensorDict:
@@ -142,7 +148,7 @@ class Slot:
             self._flat = torch.from_numpy(buffer)
         self._event: Any = None   # the CUDA event of a non-blocking copy still reading the slot
         self.nbytes = spec.nbytes
-        self.outs = [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs]
+        self.outs = out_views(buffer, spec.outs)
         self._tensors = leaf_views(self._flat, spec.leaves)
         self._paths = [path for path, *_ in spec.leaves]
         self._batch_size = spec.batch_size

@@ -170,6 +170,11 @@ class TorchShard(Shard):
         make = torch.zeros if zero else torch.empty
         return make((self.capacity, *spec.shape), dtype=spec.torch_dtype, device=self.device)
 
+    def new_packed(self, fields: Any) -> tuple[None, dict]:
+        """None: a device arena keeps every field as its own tensor (``index_select`` per
+        column; row packing answers host cache misses, `arrowbuf.packing`)."""
+        return None, {}
+
     def make_gather(self, columns: dict) -> Gather:
         return TorchGather(columns, self.device)
 

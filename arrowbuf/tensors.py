@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._pool import SlotPool, SlotSpec, leaf_views, make_td, nest
+from arrowbuf._pool import SlotPool, SlotSpec, leaf_views, make_td, nest, out_views
+from arrowbuf.packing import item_dtype, record_strides
 
 ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector loads
 #: Extras every batch has, whatever ``keys`` selects; naming them in ``keys`` is allowed.
@@ -42,6 +43,10 @@ class _Entry:
     role: str                   # which rows it reads: "step", "obs" or "next" (observation after)
     torch_dtype: torch.dtype
     row_bytes: int
+    # (row-packed block, byte offset) of a packed field (`arrowbuf.packing`), else None:
+    # a packed field is gathered with its block's records, never by a take of its
+    # strided column (``np.take`` copies a non-contiguous source whole first).
+    packed: tuple[np.ndarray, int] | None = None
 
 
 @dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per sample
@@ -61,6 +66,9 @@ class _Layout:
     # observations (``next_rows`` None) take the step rows of the column shifted by one.
     takes: tuple[tuple[int, Any, int], ...]
     copies: tuple[tuple[int, str], ...]
+    # (out position, position of its field's strided view of a gathered packed block)
+    # per packed field: copied out after the takes.
+    unpack: tuple[tuple[int, int], ...] = ()
 
 
 def pinned(pin_memory: bool, device: torch.device | None) -> bool:
@@ -80,6 +88,8 @@ class Gather:
             (nested TensorDict path); the role says which rows the column reads:
             "step" (the transition's row), "obs" (observation rows, which frame
             stacking widens) or "next" (the observation after the transition).
+            A fourth item, (block, byte offset), marks a field of a row-packed
+            block (`arrowbuf.packing`); None or absent: its own column.
 
     Example:
         >>> obs = np.arange(10, dtype=np.float32)
@@ -89,10 +99,11 @@ class Gather:
         (['index', 'obs'], [2.0, 5.0])
     """
 
-    def __init__(self, columns: Mapping[tuple[str, ...], tuple[np.ndarray, str, torch.dtype]]) -> None:
+    def __init__(self, columns: Mapping[tuple[str, ...], tuple]) -> None:
         self._entries = [
-            _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)))
-            for key, (column, role, torch_dtype) in columns.items()
+            _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)),
+                   *packed)
+            for key, (column, role, torch_dtype, *packed) in columns.items()
         ]
         self._layouts: dict[tuple, _Layout] = {}   # by shapes, keys and every extra's name, dtype and shape
         self._recent: dict[tuple, _Layout] = {}    # by shapes, keys and extras' names: the last one used
@@ -194,7 +205,7 @@ class Gather:
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         spec = layout.slot
         flat = buffer = _aligned_empty(spec.nbytes)
-        _fill(layout, [np.ndarray(shape, dtype, buffer, offset) for dtype, shape, offset in spec.outs],
+        _fill(layout, out_views(buffer, spec.outs),
               by_role, extra)
         return Payload(flat, spec.leaves, tuple(spec.batch_size))
 
@@ -242,6 +253,7 @@ class Gather:
                   if keys is None or field_key(name) not in fields or field_key(name) in keys]
         replaced = {field_key(name) for name, _, _ in extras}
         plan, outs, leaves, total = [], [], [], 0
+        packed: dict[int, list] = {}   # id(block) -> [block, role, shape, [(out position, entry)]]
 
         def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
                   shape: tuple, size: int) -> None:
@@ -257,15 +269,41 @@ class Gather:
             role = ROLES.index(entry.role)
             shape = shapes[0] if shapes[role] is None else shapes[role]
             rows = int(np.prod(shape, dtype=np.int64))
+            if entry.packed is not None:
+                block = entry.packed[0]
+                packed.setdefault(id(block), [block, role, shape, []])[3].append((len(outs), entry))
             place(entry.column, role, entry.key, entry.column.dtype, entry.torch_dtype,
                   tuple(shape) + tuple(entry.column.shape[1:]), rows * entry.row_bytes)
         for name, dtype, shape in extras:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        takes = [(i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
+                 for i, (source, role) in enumerate(plan) if role >= 0]
+        # Each packed block's records are gathered once into a hidden region after the
+        # leaves (no tensor views it), and every selected field of it copied out of there.
+        unpack = []
+        skip = {position for *_, members in packed.values() for position, _ in members}
+        for block, role, shape, members in packed.values():
+            if not int(np.prod(shape, dtype=np.int64)):
+                continue   # no rows: nothing to gather (and no region to place views in)
+            region = total
+            outs.append((np.dtype(np.uint8), tuple(shape) + block.shape[1:], region))
+            takes.append((len(outs) - 1, block.take, role))
+            total += -(-int(np.prod(shape, dtype=np.int64)) * block.shape[1] // ALIGN) * ALIGN
+            for position, entry in members:
+                # A field's bytes in each record, copied as one opaque item per row
+                # (`packing.item_dtype`); its out gets an alias of that item type.
+                item = item_dtype(entry.column.dtype, entry.column.shape[1:])
+                outs.append((item, tuple(shape), region + entry.packed[1], record_strides(shape, block.shape[1])))
+                source = len(outs) - 1
+                if item != entry.column.dtype:
+                    outs.append((item, tuple(shape), outs[position][2]))
+                    position = len(outs) - 1
+                unpack.append((position, source))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
                        tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan),
-                       tuple((i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
-                             for i, (source, role) in enumerate(plan) if role >= 0),
-                       tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0))
+                       tuple(take for take in takes if take[0] not in skip),
+                       tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0),
+                       tuple(unpack))
 
 
 ROLES = ("step", "obs", "next")
@@ -282,9 +320,12 @@ def _matches(expected: tuple, extra: Mapping[str, np.ndarray]) -> bool:
 
 
 def _fill(layout: _Layout, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:
-    """Take every field's rows into its view, and copy every extra into its own."""
+    """Take every field's rows (a packed block's records) into its view, copy each packed
+    field out of its records, and every extra into its own view."""
     for i, take, role in layout.takes:
         take(by_role[role], 0, outs[i], "clip")   # positional: numpy parses keywords slower
+    for i, source in layout.unpack:
+        outs[i][...] = outs[source]
     for i, name in layout.copies:
         # Same dtype and shape (`_matches`): an item assignment, half the cost of np.copyto.
         outs[i][...] = extra[name]

@@ -57,7 +57,7 @@ def column_bounds(store: ab.ExperienceStore, name: str) -> tuple[int, int]:
     """[first, stop) byte addresses of an arena column (numpy or torch arena)."""
     shard = store.engine.shard
     column = shard.tensor_rows(name, 0, shard.capacity)
-    return column.data_ptr(), column.data_ptr() + column.nbytes
+    return column.data_ptr(), column.data_ptr() + column.stride(0) * column.element_size() * len(column)
 
 
 @pytest.mark.parametrize("storage_device", [None, "cpu"])
@@ -74,7 +74,8 @@ def test_unshuffled_batches_of_contiguous_rows_are_views_that_alias_the_arena(st
             first, stop = column_bounds(store, name)
             tensor = batch[key]
             assert first <= tensor.data_ptr() < stop, key   # inside the arena: no copy
-            assert tensor.data_ptr() == first + row * tensor[0].nbytes, key
+            # (a packed field's view strides over its records: `arrowbuf.packing`)
+            assert tensor.data_ptr() == first + row * tensor.stride(0) * tensor.element_size(), key
         assert batch["action"].tolist() == list(range(5 * k, 5 * k + 5))
         np.testing.assert_array_equal(batch["next", "obs"].numpy(), batch["obs"].numpy() + 2)
     # They alias the store: the ring overwriting those rows changes them.

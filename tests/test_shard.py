@@ -150,18 +150,24 @@ def test_runs_merge_adjacent_episodes_and_split_at_the_wrap():
     assert column_numpy(table.column("episode_id")).tolist() == [2, 2, 2, 3, 3, 3, 3]
 
 
-def test_episode_views_are_zero_copy_slices_of_the_arena():
+def test_episode_views_are_zero_copy_slices_of_the_arena_except_for_packed_small_fields():
     shard = Shard(SCHEMA, capacity=20)
     shard.add(shard_episode(0, 5))
     shard.add(shard_episode(1, 3))
+    # action, flag, pixels (6 bytes) and x are small per-step fields: one row-packed block.
+    assert sorted(shard._pack_offsets) == ["action", "flag", "pixels", "x"]
     view = shard.episode_view(1)
     for name in ("obs", "action", "pixels", "x"):
         arena = shard.arena[name]
         column = view.column(name)
         values = column.storage.values if isinstance(column.type, pa.FixedShapeTensorType) else column
-        assert values.buffers()[1].address == arena[6:].ctypes.data, name
-    shard.arena["action"][6] = 99   # a view sees later writes to its rows
-    assert view.column("action")[0].as_py() == 99
+        if name in shard._pack_offsets:   # strided in the arena: Arrow gets a contiguous copy
+            assert not np.shares_memory(column_numpy(column), shard.packed), name
+        else:
+            assert values.buffers()[1].address == arena[6:].ctypes.data, name
+        np.testing.assert_array_equal(column_numpy(column), arena[6:10], err_msg=name)
+    shard.arena["obs"][6] = 99   # a view of a columnar field sees later writes to its rows
+    assert view.column("obs")[0].as_py() == [99, 99]
     # The system columns are computed from the episode table, not stored per row.
     assert view.column("episode_id").to_pylist() == [1] * 4
     assert view.column("step").to_pylist() == [0, 1, 2, 3]

@@ -354,19 +354,26 @@ def buffer_address(column: pa.Array) -> int:
     return column.buffers()[1].address
 
 
-ZERO_COPY = ["obs", "action", "reward"]   # data columns; system columns are computed
+ZERO_COPY = ["obs"]   # columnar data fields; system columns are computed
+PACKED = ["action", "reward", "terminated", "truncated"]   # small per-step fields: one row-packed block (`arrowbuf.packing`)
 
 
-def test_an_episode_view_shares_memory_with_the_arena(filled_store):
+def test_an_episode_view_shares_memory_with_the_arena_and_copies_packed_fields(filled_store):
     store, model = filled_store
-    arena = store.engine.shard.arena
+    shard = store.engine.shard
+    arena = shard.arena
+    assert sorted(shard._pack_offsets) == sorted(PACKED)
     for e in model.live:
         view = store.episode(e.episode_id)
         for name in ZERO_COPY:
             column = arena[name]
             assert buffer_address(view.column(name)) == column[e.first_row:].ctypes.data, name
-        arena["action"][e.first_row] = -5   # writes to the arena show through the view
-        assert view.column("action")[0].as_py() == -5
+        for name in PACKED:
+            values = column_numpy(view.column(name))
+            assert not np.shares_memory(values, shard.packed), name
+            np.testing.assert_array_equal(values, arena[name][e.first_row:e.first_row + len(values)])
+        arena["obs"][e.first_row] = -5   # writes to the arena show through the view
+        assert view.column("obs")[0].as_py() == [-5.0] * len(view.column("obs")[0].as_py())
 
 
 def test_to_arrow_chunks_share_memory_with_the_arena(filled_store):
