@@ -326,7 +326,7 @@ def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_lo
         store.close()
 
 
-def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones(lent_refs):
+def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones_on_a_poll_never_in_a_flush(lent_refs):
     # Readers gather block by block: many blocks of one episode cost them more than a
     # copy in an idle shard does.
     store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,

@@ -187,7 +187,7 @@ class BlockRing:
     def seal(self, engine: ShardEngine) -> None:
         """Put the open episodes into blocks (absorbing small newest blocks); call under the engine's lock.
 
-        A lent episode (`added`'s ``lent``) becomes a block of its own, its writer's
+        A lent episode (`lend`) becomes a block of its own, its writer's
         object; the runs of open episodes between lent ones are copied from the arena.
         """
         table = engine.table
