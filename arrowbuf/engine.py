@@ -32,10 +32,11 @@ from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.arena import make_shard
+from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
-from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.indexing import batch_lookups
 from arrowbuf.rate_limiters import Counts, RateLimiter
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, epoch_batches, select_indices
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
@@ -97,6 +98,8 @@ class ShardEngine:
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
         self._limited = type(rate_limiter) is not RateLimiter
+        # Plain uniform samples of a numpy arena may take `arrowbuf.direct`'s path.
+        self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
 
@@ -239,7 +242,13 @@ class ShardEngine:
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
-            keys = self._shard.gather.check_keys(keys)
+            shard = self._shard
+            keys = shard.gather.check_keys(keys)
+            if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
+                    and shard.reuse is None and type(shard) is Shard:
+                batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
+                self.counts.samples += batch_size
+                return batch
             selection = self._draw(batch_size, args)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
@@ -330,45 +339,16 @@ class ShardEngine:
             live = indices[self._shard.table.is_live(indices)]
             if not len(live):
                 return None
-            rows, extra, _, _ = self._lookups(select_indices(self._shard.table, live), PLAIN, index_base)
+            rows, extra, _, _ = batch_lookups(self._shard, select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
     def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
-        rows, extra, obs_rows, next_rows = self._lookups(selection, args)
+        rows, extra, obs_rows, next_rows = batch_lookups(self._shard, selection, args)
         if views and contiguous(rows):   # no copy: views of the arena
             return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)
-
-    def _lookups(self, selection: Selection, args: tuple, index_base: int = 0
-                 ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
-        """(rows, extra arrays, observation rows, next-observation rows) of a selection."""
-        n, gamma, frames = args
-        shard = self._shard
-        table = shard.table
-        rows, pos = selection.rows, selection.pos
-        # episode_id and step come from the episode table, not from per-row columns.
-        step = selection.step
-        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-        extra = {"index": selection.indices + index_base if index_base else selection.indices,
-                 "episode_id": table.col("episode_id").take(pos),
-                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
-        obs_rows = next_rows = None
-        if n > 1:
-            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
-            # Windows stop at their episode's end: past the longest live episode, a
-            # longer n changes nothing but the cost.
-            ahead = n_step(rows, last, shard.reader("reward"), min(n, table.longest), gamma)
-            next_rows = ahead.next_rows
-            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
-            for flag in ("terminated", "truncated"):
-                if flag in shard.schema.fields:
-                    extra[flag] = shard.reader(flag)[ahead.last_rows]
-        if frames > 1:
-            obs_rows = frame_rows(rows, first, frames)
-            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
-        return rows, extra, obs_rows, next_rows
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
         """Set checked priorities (int64 indices, float64 values >= 0) of live indices; returns how many were live."""

@@ -44,8 +44,10 @@ def select_indices(table: EpisodeTable, indices: np.ndarray, extra: dict | None 
     return Selection(rows, indices, pos, extra or {}, step)
 
 
-def uniform_indices(rng: np.random.Generator, n: int, first_index: int, stop_index: int) -> np.ndarray:
-    """``n`` indices drawn uniformly with replacement from ``[first_index, stop_index)``.
+def uniform_indices(rng: np.random.Generator, n: int, first_index: int, stop_index: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """``n`` indices drawn uniformly with replacement from ``[first_index, stop_index)``
+    (into ``out``, int64 ``[n]``, when given).
 
     Scaled uniform floats: 1.5x faster than ``rng.integers`` for a batch; with 53
     random bits per draw, the relative bias is below ``count / 2**53`` (1e-10 at a
@@ -57,8 +59,10 @@ def uniform_indices(rng: np.random.Generator, n: int, first_index: int, stop_ind
     draws = rng.random(n)
     draws *= stop_index - first_index
     indices = draws.astype(np.int64)
-    indices += first_index
-    return indices
+    if out is None:
+        indices += first_index
+        return indices
+    return np.add(indices, first_index, out=out)
 
 
 def epoch_batches(rng: np.random.Generator, indices: np.ndarray, batch_size: int,

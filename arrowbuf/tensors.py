@@ -107,6 +107,7 @@ class Gather:
         ]
         self._layouts: dict[tuple, _Layout] = {}   # by shapes, keys and every extra's name, dtype and shape
         self._recent: dict[tuple, _Layout] = {}    # by shapes, keys and extras' names: the last one used
+        self._plain: dict[tuple, tuple] = {}       # `plain_layout`'s, by batch size and keys
         self._pool = SlotPool()
 
     def check_keys(self, keys: Iterable[str | tuple[str, ...]] | None) -> frozenset | None:
@@ -193,6 +194,23 @@ class Gather:
         tensors = leaf_views(slot.copy_to(device), spec.leaves)
         return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), tensors)), tuple(spec.batch_size), device)
 
+    def plain_layout(self, batch_size: int, keys: frozenset | None) -> tuple[_Layout, int, int, int]:
+        """(layout, out positions of ``index``, ``episode_id``, ``step``) of a plain batch of
+        ``batch_size`` transitions: what `__call__` uses for those rows and extras, for a
+        caller that writes the extras straight into a claimed slot (`arrowbuf.direct`)."""
+        found = self._plain.get((batch_size, keys))
+        if found is None:
+            extra = {"index": np.zeros(batch_size, np.int64), "episode_id": np.zeros(batch_size, np.int64),
+                     "step": np.zeros(batch_size, np.int32)}
+            _, layout, _ = self._plan(np.zeros(batch_size, np.intp), extra, None, None, keys)
+            at = {source: i for i, (source, role) in enumerate(layout.plan) if role < 0}
+            found = self._plain[batch_size, keys] = (layout, at["index"], at["episode_id"], at["step"])
+        return found
+
+    def claim(self, layout: _Layout) -> tuple[list[np.ndarray], TensorDict]:
+        """(numpy views to fill, the TensorDict of them) of a free pooled slot of ``layout``."""
+        return self._pool.claim(layout, layout.slot)
+
     def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,
                 keys: frozenset | None = None) -> "Payload":
@@ -204,10 +222,11 @@ class Gather:
         extra = extra or {}
         _, layout, by_role = self._plan(rows, extra, obs_rows, next_rows, keys)
         spec = layout.slot
-        flat = buffer = _aligned_empty(spec.nbytes)
-        _fill(layout, out_views(buffer, spec.outs),
-              by_role, extra)
-        return Payload(flat, spec.leaves, tuple(spec.batch_size))
+        buffer = _aligned_empty(spec.nbytes)
+        _fill(layout, out_views(buffer, spec.outs), by_role, extra)
+        # The leaves come first: packed records gathered past them are not sent.
+        end = max((offset + size for _, _, offset, size, _ in spec.leaves), default=0)
+        return Payload(buffer[:end], spec.leaves, tuple(spec.batch_size))
 
     def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
                   next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["_Layout", "_Layout", tuple]:
@@ -319,13 +338,18 @@ def _matches(expected: tuple, extra: Mapping[str, np.ndarray]) -> bool:
     return True
 
 
-def _fill(layout: _Layout, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:
-    """Take every field's rows (a packed block's records) into its view, copy each packed
-    field out of its records, and every extra into its own view."""
+def take_fields(layout: _Layout, outs: list[np.ndarray], by_role: tuple) -> None:
+    """Take every field's rows (a packed block's records) into its view, and copy each
+    packed field out of its records."""
     for i, take, role in layout.takes:
         take(by_role[role], 0, outs[i], "clip")   # positional: numpy parses keywords slower
     for i, source in layout.unpack:
         outs[i][...] = outs[source]
+
+
+def _fill(layout: _Layout, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:
+    """`take_fields`, then copy every extra into its own view."""
+    take_fields(layout, outs, by_role)
     for i, name in layout.copies:
         # Same dtype and shape (`_matches`): an item assignment, half the cost of np.copyto.
         outs[i][...] = extra[name]

@@ -3,6 +3,8 @@ small per-step fields share one block giving back exactly what was written."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -146,3 +148,16 @@ def test_export_and_views_of_packed_fields_hold_the_rows_written(written, tmp_pa
     loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
     a, b = store.to_arrow(), loaded.to_arrow()
     assert a.equals(b)
+
+
+def test_a_payload_of_packed_fields_holds_the_rows_and_not_the_gathered_records(written):
+    store, _ = written
+    shard = store.engine.shard
+    rows = np.array([3, 17, 4, 40])
+    extra = {"index": np.arange(4)}
+    payload = shard.gather.payload(rows, extra)
+    end = max(offset + size for _, _, offset, size, _ in payload.spec)
+    assert payload.flat.nbytes == end   # what a Ray shard sends: the leaves only
+    batch = pickle.loads(pickle.dumps(payload)).to_tensordict()
+    for name in ("action", "flags", "count", "half", "reward", "terminated"):
+        np.testing.assert_array_equal(batch[name].numpy(), shard.arena[name][rows], err_msg=name)
