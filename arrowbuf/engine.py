@@ -153,7 +153,7 @@ class ShardEngine:
     # -- writing --------------------------------------------------------------------
 
     def add(self, episode: Episode, schema: Schema | None = None, timeout: float | None = None,
-            limited: bool = True) -> int:
+            limited: bool = True, rows: bool = True) -> int:
         """Copy a checked episode into the shard; returns its id.
 
         Args:
@@ -161,8 +161,8 @@ class ShardEngine:
             schema: the schema the episode was checked against (makes the shard
                 at the first write).
             timeout: seconds to wait for the rate limiter (None: raise at once).
-            limited: False for imports of saved data: counted, never refused by
-                the rate limiter.
+            limited: False for imports of saved data: counted, never refused by the rate limiter.
+            rows: False places the episode but leaves its rows to the caller (`Shard.add`).
 
         Raises:
             CapacityError: it does not fit (see `Shard.check_fits`).
@@ -188,7 +188,7 @@ class ShardEngine:
                 self._bind(shard)
             sampler = self.sampler
             evicted = shard.evicted_spans(plan[1]) if sampler.tracks_rows and plan[1] else None
-            episode_id = shard.add(episode, plan)
+            episode_id = shard.add(episode, plan, rows)
             if sampler.tracks_rows:
                 if evicted is not None:
                     sampler.on_evict(*evicted)

@@ -254,11 +254,12 @@ class StepWriter:
         envs = np.flatnonzero(recorded)
         self._ensure_stage(schema, int(self._pos.max(initial=0)) + 2)
         pos = self._pos[envs]
+        everyone = len(envs) == self.num_envs   # then array[envs] would only copy the step once more
         for cols in (obs_cols, step_cols):
             for name, (array, _) in cols.items():
-                self._stage[name][envs, pos] = like_stage(array[envs], self._stage[name])
+                self._stage[name][envs, pos] = like_stage(array if everyone else array[envs], self._stage[name])
         ended = np.flatnonzero(done & recorded)
-        for name, array in final.items():
+        for name, array in final.items() if len(ended) else ():   # most steps end no episode: ~8 us saved
             self._stage[name][ended, self._pos[ended] + 1] = like_stage(array[ended], self._stage[name])
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
@@ -426,7 +427,7 @@ class StepWriter:
         """Envs whose open episode this step would make too long for the store: its
         steps plus the final observation would need more rows than a shard holds."""
         capacity = self._sink.capacity
-        if capacity is None:
+        if capacity is None or int(self._pos.max(initial=0)) + 2 <= capacity:   # the common case, in ~1 us
             return np.zeros(0, np.int64)
         return np.flatnonzero(active & ~self._refused & (self._pos + 2 > capacity))
 

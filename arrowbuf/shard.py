@@ -295,12 +295,16 @@ class Shard:
         """(first row, rows) of the ``count`` oldest episodes: what a write that evicts them frees."""
         return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
 
-    def add(self, episode: Episode, plan: tuple[int, int] | None = None) -> int:
+    def add(self, episode: Episode, plan: tuple[int, int] | None = None, rows: bool = True) -> int:
         """Copy an episode into the arena, evicting the oldest as needed; returns its id.
 
         Args:
             episode: a checked episode.
             plan: `check_fits` of this episode, if the caller just computed it.
+            rows: False records the episode without copying its rows: the caller writes
+                them (`write_episode`) before anything reads them. A Ray shard does so
+                for the episodes whose rows a writer lent it in a sealed object, read
+                from there until something needs them here (`arrowbuf.ray.lent`).
 
         Raises:
             CapacityError: the episode is longer than the capacity, or the store is
@@ -317,6 +321,23 @@ class Shard:
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self.table.pop_oldest(evicted)
+        if rows:
+            self.write_episode(start, episode)
+        stop = start + episode.num_rows
+        if self._row_episode is not None:
+            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
+        if self.reuse is not None:
+            self.reuse[start:stop] = 0
+        length = self.transitions_of(episode)
+        episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
+                                       has_final=episode.has_final, terminated=terminated, truncated=truncated,
+                                       ret=ret, env_id=episode.env_id, metadata=metadata,
+                                       inserted_at=episode.inserted_at)
+        self.write_pos = stop
+        return episode_id
+
+    def write_episode(self, start: int, episode: Episode) -> None:
+        """Copy ``episode``'s rows into the arena from row ``start`` (where `add` placed it)."""
         rows = episode.num_rows
         stop = start + rows
         for name in self.schema.fields:
@@ -327,17 +348,6 @@ class Shard:
             self.write_rows(name, start, data)
             if len(data) < rows:    # a step field beside a final observation: one row short
                 self.zero_rows(name, stop - 1, stop)
-        if self._row_episode is not None:
-            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
-        if self.reuse is not None:
-            self.reuse[start:stop] = 0
-        length = self.transitions_of(episode)
-        episode_id = self.table.append(first_row=start, num_rows=rows, length=length,
-                                       has_final=episode.has_final, terminated=terminated, truncated=truncated,
-                                       ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at)
-        self.write_pos = stop
-        return episode_id
 
     def clear(self) -> None:
         """Drop every episode (the arena stays allocated for reuse)."""

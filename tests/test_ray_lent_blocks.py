@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import ray
 
@@ -55,9 +56,15 @@ def shard_actors(store) -> list:
     return [ray.get_actor(f"{store.name}:{s}", namespace=NAMESPACE) for s in range(store.num_shards)]
 
 
-def manifests(store) -> list:
-    """Every shard's manifest, asked now (after sealing its open episodes; the request may compact)."""
-    return [ray.get(h.manifest.remote(None, -1, 0, True))[0] for h in shard_actors(store)]
+def manifests(store, seal: bool = True) -> list:
+    """Every shard's manifest, asked now: after sealing its open episodes (as `flush` asks), or
+    without (as a reader's poll asks; such a request may compact)."""
+    return [ray.get(h.manifest.remote(None, -1, 0, seal))[0] for h in shard_actors(store)]
+
+
+def unfilled(store) -> list[int]:
+    """Per shard, the lent episodes whose rows are not in its arena yet."""
+    return [ray.get(h.__ray_call__.remote(lambda server: len(server.unfilled))) for h in shard_actors(store)]
 
 
 def _sealed(server) -> list:
@@ -102,6 +109,70 @@ def test_a_large_episode_is_sealed_as_the_object_its_writer_put_and_small_ones_a
         for key, episode_id in zip([*range(12), 20, 21], ids):
             rows = store.episode(episode_id)   # from the shard's arena: the same rows, a zero row beside the final obs
             np.testing.assert_array_equal(rows.column("check").to_numpy(), [key * 3] * (rows.num_rows - 1) + [0])
+    finally:
+        store.close()
+
+
+def _loaded(store, path):
+    store.save(path)
+    loaded = ab.ExperienceStore.load(path)
+    try:
+        return loaded.to_arrow()
+    finally:
+        loaded.close()
+
+
+def _gae(store, path):
+    store.compute_gae(0.9, 0.8, bootstrap_value=lambda obs: obs["obs"][:, 1] * 0.5)
+    return store.to_arrow()
+
+
+#: Every way a shard reads its own arena, as a table of the rows it read.
+ARENA_READS = {
+    "episode": lambda store, path: pa.Table.from_batches(
+        [store.episode(i) for i in store.episodes().column("episode_id").to_pylist()]),
+    "to_arrow": lambda store, path: store.to_arrow(),
+    "save": _loaded,
+    "to_parquet": lambda store, path: ab.ExperienceStore.from_parquet(store.to_parquet(path)).to_arrow(),
+    "compute_gae": _gae,
+}
+
+
+@pytest.mark.parametrize("read", ARENA_READS)
+def test_the_shard_copies_lent_rows_into_its_arena_only_when_it_reads_them(read, tmp_path):
+    episodes = [keyed_episode(key, 40) for key in range(3)]
+    for episode in episodes:
+        episode["value"] = np.linspace(0, 1, 40, dtype=np.float32)
+    local = ab.ExperienceStore(20_000, seed=0)
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
+    try:
+        for episode in episodes:
+            local.add_episode(episode, env_id="a")
+            store.add_episode(episode, env_id="a")
+        store.flush()
+        check_rows(store.sample(256))   # readers gather from the lent objects
+        assert unfilled(store) == [3]
+        rows = ARENA_READS[read](store, tmp_path / "ray")
+        assert unfilled(store) == [0]
+        expected = ARENA_READS[read](local, tmp_path / "local")
+        for name in expected.column_names:
+            if name not in ("inserted_at", "episode_id"):
+                assert rows.column(name).equals(expected.column(name)), name
+    finally:
+        store.close()
+
+
+def test_a_threaded_shard_copies_lent_rows_at_once_and_still_seals_the_lent_objects(lent_refs):
+    # With a rate limiter a shard runs calls in threads: a read must never meet rows placed but not copied.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS,
+                               rate_limiter=ab.MinSize(1))
+    try:
+        for key in range(3):
+            store.add_episode(keyed_episode(key, 40), env_id="a")
+        assert unfilled(store) == [0]
+        lent = {ref.hex() for ref in lent_refs}
+        assert sum(b.ref.hex() in lent for b in sealed_blocks(store)) == 3
+        check_rows(store.sample(256))
     finally:
         store.close()
 
@@ -255,7 +326,7 @@ def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_lo
         store.close()
 
 
-def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones(lent_refs):
+def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones_on_a_poll_never_in_a_flush(lent_refs):
     # Readers gather block by block: many blocks of one episode cost them more than a
     # copy in an idle shard does.
     store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
@@ -266,8 +337,11 @@ def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones(lent_refs):
         store.flush()
         lent = {ref.hex() for ref in lent_refs}
         assert len(lent) == 6
+        time.sleep(0.2)   # idle: no write for more than seal_latency
+        # A request its caller waits for (flush's) leaves compaction to the polls.
+        assert sum(b.ref.hex() in lent for b in manifests(store)[0].blocks) == 6
         deadline = time.monotonic() + 30
-        while any(b.ref.hex() in lent for b in manifests(store)[0].blocks):
+        while any(b.ref.hex() in lent for b in manifests(store, seal=False)[0].blocks):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         blocks = manifests(store)[0].blocks

@@ -27,6 +27,8 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
+from arrowbuf.ray.handles import limits
+from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
@@ -89,6 +91,16 @@ class ShardServer:
         self.blocks = BlockRing(*blocks, draws_here=draws_here)
         with engine.lock:
             self.blocks.resume(engine)
+        # Lent episodes whose rows are only in their writers' objects so far (`arrowbuf.ray.lent`):
+        # every method that reads the arena goes through `_arena`, which copies them in first. A
+        # threaded shard (a limiter's, `limits`) copies at once: its reads run beside its writes,
+        # and one could place an episode between another's fill and its read.
+        self.unfilled = UnfilledRows()
+        self._fills_later = not limits(rate_limiter)
+
+    def _arena(self) -> ShardEngine:
+        """The engine, with every live row in its arena."""
+        return self.unfilled.fill(self.engine)
 
     def ping(self) -> str:
         """This actor's node id (also proves it started)."""
@@ -120,8 +132,9 @@ class ShardServer:
         episode None, or the ObjectRef of its rows in a block's layout
         (`arrowbuf.ray.blocks.block_columns`; the episode was sent without its
         columns), put by a writer that lives as long as this shard: the rows are
-        read from it without a copy, copied into the arena, and it becomes the
-        episode's block.
+        read from it without a copy, and it becomes the episode's block; they
+        are copied into the arena only when this shard reads its arena
+        (`arrowbuf.ray.lent`).
 
         Raises:
             SchemaError: this shard stores another schema.
@@ -142,37 +155,36 @@ class ShardServer:
             rows = iter(ray_module().get([ref for ref in lent if ref is not None]))
             objects = [None if ref is None else (ref, next(rows)) for ref in lent]
             episodes = [e if o is None else lent_episode(e, o[1], schema) for e, o in zip(episodes, objects)]
-        ids, refused, added, blocks = [], [], [], {}
+        ids, refused, added = [], [], []
+        engine = self.engine
         for episode, lent_rows in zip(episodes, objects):   # one refused episode must not take the rest with it
             try:
-                ids.append(self.engine.add(episode, schema, timeout))
+                # Placed, lent and kept unfilled in one hold of the lock: no other thread
+                # (a threaded shard's seal, gather) sees it placed without its rows known.
+                with engine.lock:
+                    # Not lent when of another layout than the shard's (derived fields).
+                    lends = lent_rows is not None and block_fits(
+                        lent_rows[1], episode.num_rows, engine.schema if engine.schema is not None else schema)
+                    later = lends and self._fills_later
+                    ids.append(engine.add(episode, schema, timeout, rows=not later))
+                    if lends:
+                        ref, columns = lent_rows
+                        self.blocks.lend(engine.table.episodes_added - 1, ref,
+                                         sum(data.nbytes for data in columns.values()))
+                    if later:
+                        self.unfilled.add(ids[-1], episode)
                 added.append((ids[-1], episode))
-                if lent_rows is not None:
-                    blocks[ids[-1]] = (episode.num_rows, *lent_rows)
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
         if self.durable is not None:   # logged (and flushed) before the answer
             self.durable.commit(self.engine, added, batch)
         if added:
-            with self.engine.lock:
-                self.blocks.added(self.engine, sum(c.nbytes for _, e in added for c in e.columns.values()),
-                                  self._lent_blocks(blocks))
+            with engine.lock:
+                self.unfilled.forget_evicted(engine.table)
+                self.blocks.added(engine, sum(c.nbytes for _, e in added for c in e.columns.values()))
         if refused:
             raise refused_in_batch(refused, len(episodes), f"shard {self.shard}")
         return ids, self.size()
-
-    def _lent_blocks(self, lent: dict[int, tuple[int, Any, dict]]) -> dict[int, tuple[Any, int]]:
-        """serial -> (ref, bytes) of the stored episodes (id -> (rows, ref, its columns)) whose
-        writer's object can be their block (call under the engine's lock, right after the write)."""
-        table, schema = self.engine.table, self.engine.schema
-        first_live = table.episodes_added - len(table)
-        blocks = {}
-        for episode_id, (rows, ref, columns) in lent.items():
-            position = int(table.position_of(episode_id))
-            # Evicted by a later episode of this write, or of another layout than the shard's schema.
-            if 0 <= position < len(table) and block_fits(columns, rows, schema):
-                blocks[first_live + position] = (ref, sum(data.nbytes for data in columns.values()))
-        return blocks
 
     def manifest(self, token: str | None, version: int, drawn: int = 0, seal: bool = False
                  ) -> tuple[Manifest | None, Reading]:
@@ -180,7 +192,11 @@ class ShardServer:
 
         ``drawn``: items a reader drew from this shard's blocks since its last
         request (counted as samples). ``seal``: seal the open episodes first
-        (else they are sealed once they waited ``seal_latency``).
+        (else they are sealed once they waited ``seal_latency``). A request
+        that seals is one its caller waits for (`flush`, reading its own writes):
+        it never compacts blocks (a copy of the ring, 0.2-0.4 s for W2's, that
+        made a W2 writer's `flush` wait); the polls of readers, which do not
+        wait for their answers, do.
         """
         engine = self.engine
         with engine.lock:
@@ -188,8 +204,8 @@ class ShardServer:
                 engine.count_samples(drawn)
             if engine.shard is not None and (seal or self.blocks.due()):
                 self.blocks.seal(engine)
-            if engine.shard is not None:
-                self.blocks.compact(engine)
+            if engine.shard is not None and not seal and self.blocks.compaction_due():
+                self.blocks.compact(self._arena())   # merged blocks are copied from the arena
             manifest = self.blocks.manifest(engine)
             known = manifest.token == token and manifest.version == version
             return (None if known else manifest), self.size()
@@ -220,14 +236,14 @@ class ShardServer:
 
     def gather(self, indices: np.ndarray) -> Payload | None:
         """The live ones of ``indices``, in that order (None when none is live)."""
-        return self.engine.gather_payload(indices, self.index_base)
+        return self._arena().gather_payload(indices, self.index_base)
 
     def gather_ref(self, indices: np.ndarray, finish: tuple | None) -> tuple[int, Any]:
         """Rows of local ``indices`` for a train worker, as two results (`arrowbuf.ray.shipping`):
         how many were live (the caller waits for this alone) and the rows, which stay in the
         object store: a `ShippedBatch` finished with ``finish``, or with None a `Payload` for an
         assembling task. The rows are None unless every index was live."""
-        payload = self.engine.gather_payload(indices, self.index_base)
+        payload = self._arena().gather_payload(indices, self.index_base)
         rows = 0 if payload is None else payload.batch_shape[0]
         if rows != len(indices):
             return rows, None
@@ -240,31 +256,32 @@ class ShardServer:
     def gae_final_observations(self, value_key: str) -> tuple[np.ndarray, Any]:
         """`compute_gae`, first step: (episode ids, final observations) of the episodes that
         bootstrap from their final observation (`ShardEngine.final_observations`)."""
-        return self.engine.final_observations(value_key)
+        return self._arena().final_observations(value_key)
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, ids: np.ndarray,
                     values: np.ndarray) -> tuple[int, str | None]:
         """`compute_gae`, second step, with the values of those final observations: the
         transitions written and the shard's schema (now with the derived fields)."""
-        count = self.engine.compute_gae(gamma, lam, value_key, None, (ids, values))
+        count = self._arena().compute_gae(gamma, lam, value_key, None, (ids, values))
         with self.engine.lock:   # readers' blocks must hold the new columns
             if self.engine.shard is not None:
-                self.blocks.republish(self.engine)
+                self.blocks.republish(self._arena())
         return count, self.schema_json()
 
     def episodes(self) -> pa.Table:
         return self.engine.episodes()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
-        return self.engine.episode(episode_id)
+        return self._arena().episode(episode_id)
 
     def to_arrow(self) -> pa.Table:
-        return self.engine.to_arrow()
+        return self._arena().to_arrow()
 
     def clear(self) -> Reading:
         with self.engine.lock:
             self.engine.clear()
             self.blocks.clear()
+            self.unfilled.clear()
         if self.durable is not None:   # a restart must not bring the episodes back
             self.durable.cleared(self.engine)
         return self.size()
@@ -278,14 +295,14 @@ class ShardServer:
             return self.engine.episodes(), []
         from arrowbuf.parquet import export_shard
 
-        return export_shard(self.engine.shard, self.engine.lock, Path(steps_dir), schema,
+        return export_shard(self._arena().shard, self.engine.lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
     def save(self, path: str, base: str | None = None) -> str:
         """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
         from arrowbuf.checkpoint import save_engine
 
-        engine = self.engine
+        engine = self._arena()
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
         save_engine(engine, path, info, progress=False, base=base)
@@ -295,4 +312,4 @@ class ShardServer:
 
     def plain_rows(self) -> pa.Table:
         """This shard's rows in the Ray Data layout (`arrowbuf.ray.persist`)."""
-        return plain_rows(self.engine)
+        return plain_rows(self._arena())

@@ -13,23 +13,24 @@ reader gathering from a block can therefore never see torn or overwritten rows.
 episode of at least ``block_bytes / 8`` once, in a block's layout
 (`block_columns`), and sends the ObjectRef instead of the rows; the shard reads
 the rows from that object without a copy, and at the next seal the object
-itself becomes the episode's block, the chunk beside it (`added`'s ``lent``).
+itself becomes the episode's block (`lend`), its one-episode chunk carried
+inline in the manifest (a ``ray.put`` of it cost ~1 ms of the write).
 Its owner is the writer's process: Ray frees an object when its owner dies, and
 non-detached shard actors die with the process that started them, so such an
 object outlives every block made of it. Writers in other processes (tasks,
 attached stores) send rows as call arguments, and their shard copies them into
 blocks, as it copies episodes below ``block_bytes / 8`` (merged with others).
 
-The shard keeps its arena (`ShardEngine`) as well: it serves prioritized draws,
-durable logs, checkpoints, exports, reads by index and `compute_gae`'s rewrites,
-and copied blocks are cut from it. The choice, measured on W2 episodes (10.6 MB)
-on this machine: copying a lent episode into the arena takes ~1 ms in the actor
-(a memcpy), and its chunk ``ray.put`` ~1 ms, where putting a copied block took
-6-10 ms (``ray.put`` of fresh object-store memory is several times slower than
-a memcpy into the reused arena); reading PER, logs and checkpoints from sealed
-objects instead would rebuild the engine over immutable blocks. The price is
-that the ring is held twice: in the arena and in the object store (see the
-README).
+The shard keeps its arena (`ShardEngine`) as well: it serves reads by index,
+checkpoints, exports and `compute_gae`'s rewrites, and copied blocks are cut
+from it. A lent episode's rows enter the arena only when the shard first reads
+it (`arrowbuf.ray.lent`), not on the write's path: measured on W2 episodes (10.6
+MB, 2 shards, 2 cores), the shard's part of an `add_episode` fell from ~4.3 ms
+(0.6 reading the lent object, 1.5 copying it into the arena, 2.1 sealing with a
+chunk put) to ~1.2 ms. Reading PER, logs and checkpoints from sealed objects
+instead would rebuild the engine over immutable blocks. The price is that the
+ring is held twice once it is filled: in the arena and in the object store (see
+the README).
 
 Episodes written since the last seal are *open*. They are sealed into a new
 block when they reach ``RayOptions.block_bytes``, or once the oldest has waited
@@ -40,7 +41,8 @@ a new seal absorbs the newest block while that one is smaller than
 blocks, and each row is copied O(log) times at most. Once no write came for
 ``seal_latency``, the next manifest request compacts the small blocks into
 blocks of up to ``block_bytes`` (a batch costs one ``np.take`` per field and
-block it touches). Lent blocks are compacted too (copied from the arena): a
+block it touches); a request its caller waits for (one that seals: `flush`)
+never compacts. Lent blocks are compacted too (copied from the arena): a
 reader's gather costs per block it touches, and W2 batches drawn from 19 lent
 blocks of one episode per shard ran at 0.64x [0.56-0.85] the rate from 4 merged
 blocks; compaction copies at idle, off the write path.
@@ -84,7 +86,9 @@ class BlockInfo:
     """What a manifest says of one block (the block itself stays in the object store)."""
 
     ref: Any                 # ObjectRef of the rows: {field: array}
-    episodes: Any            # ObjectRef of the episodes' table chunk: {column: array per episode}
+    # The episodes' table chunk {column: array per episode}: an ObjectRef of it, or the
+    # chunk itself for a lent block (one episode: smaller than a ref's round trip).
+    episodes: Any
     first_serial: int        # serial (0, 1, ... per shard) of its first episode
     num_episodes: int
     num_rows: int
@@ -141,15 +145,14 @@ class BlockRing:
             self._open_since = time.monotonic() - self.seal_latency   # due at once
             self._open_bytes = self.block_bytes   # sealed in full blocks
 
-    def added(self, engine: ShardEngine, nbytes: int, lent: dict[int, tuple[Any, int]] | None = None) -> None:
-        """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due.
+    def lend(self, serial: int, ref: Any, nbytes: int) -> None:
+        """The episode of ``serial``, just written, is to be sealed as its own block: the object
+        ``ref`` of ``nbytes`` bytes that its writer put in a block's layout (`block_columns`),
+        without a copy. Call under the engine's lock, in the hold that wrote it."""
+        self._lent[serial] = (ref, nbytes)
 
-        ``lent``: serial -> (ObjectRef, bytes) of written episodes whose writer's object
-        holds their rows in a block's layout (`block_columns`): each is sealed as its
-        own block, that object, without a copy.
-        """
-        if lent:
-            self._lent.update(lent)
+    def added(self, engine: ShardEngine, nbytes: int) -> None:
+        """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
         self._written = time.monotonic()
         if self._open_since is None:
             self._open_since = self._written
@@ -184,7 +187,7 @@ class BlockRing:
     def seal(self, engine: ShardEngine) -> None:
         """Put the open episodes into blocks (absorbing small newest blocks); call under the engine's lock.
 
-        A lent episode (`added`'s ``lent``) becomes a block of its own, its writer's
+        A lent episode (`lend`) becomes a block of its own, its writer's
         object; the runs of open episodes between lent ones are copied from the arena.
         """
         table = engine.table
@@ -206,8 +209,8 @@ class BlockRing:
             ref, nbytes = lent[serial]
             position = serial - first_live
             episodes = _chunk(table, position, position + 1)
-            self.blocks.append(BlockInfo(ref, ray_module().put(episodes), serial, 1,
-                                         int(table.col("num_rows")[position]), nbytes))
+            # Its chunk (one episode) travels inline in the manifest: a put costs ~1 ms of the write.
+            self.blocks.append(BlockInfo(ref, episodes, serial, 1, int(table.col("num_rows")[position]), nbytes))
             run = serial + 1
         if run < stop:
             self._seal_copies(engine, run, stop, first_live)
@@ -251,11 +254,9 @@ class BlockRing:
         oldest one without its evicted episodes), once the shard is idle (no open
         episodes, no write for ``seal_latency``) or at most every 50 ``seal_latency``
         while writes go on; call under the engine's lock."""
-        now = time.monotonic()
-        idle = self._open_since is None and now - self._written >= self.seal_latency
-        if self._compacted == self.version or not (idle or now - self._compacted_at >= 50 * self.seal_latency):
+        if not self.compaction_due():
             return
-        self._compacted, self._compacted_at = self.version, now
+        self._compacted, self._compacted_at = self.version, time.monotonic()
         table = engine.table
         first_live = table.episodes_added - len(table)
         merged, run = [], []
@@ -288,6 +289,12 @@ class BlockRing:
             self.blocks = merged
             self.version += 1
             self._compacted = self.version
+
+    def compaction_due(self) -> bool:
+        """Whether `compact` would look for blocks to merge now (it copies from the arena)."""
+        now = time.monotonic()
+        idle = self._open_since is None and now - self._written >= self.seal_latency
+        return self._compacted != self.version and (idle or now - self._compacted_at >= 50 * self.seal_latency)
 
     def manifest(self, engine: ShardEngine) -> Manifest:
         """The current manifest (call under the engine's lock)."""

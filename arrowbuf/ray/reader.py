@@ -272,14 +272,16 @@ class BlockReader:
         if manifest.token == token and manifest.version <= version:
             return   # an older answer than the view's
         blocks = manifest.blocks
-        missing = [b.episodes for b in blocks if b.episodes not in self._chunks]
-        for ref, chunk in zip(missing, ray_module().get(missing)):
-            self._chunks[ref] = chunk
+        # A chunk comes inline (a lent block's one episode) or as an object of its own.
+        missing = [b for b in blocks if b.ref not in self._chunks]
+        fetched = iter(ray_module().get([b.episodes for b in missing if not isinstance(b.episodes, dict)]))
+        for block in missing:
+            self._chunks[block.ref] = block.episodes if isinstance(block.episodes, dict) else next(fetched)
         sizes = np.array([b.num_rows for b in blocks], np.int64)
         bases = np.cumsum(sizes) - sizes
         columns: dict[str, list] = {name: [empty] for name, empty in _TEMPLATE.items()}
         for block, base in zip(blocks, bases.tolist()):
-            chunk = self._chunks[block.episodes]
+            chunk = self._chunks[block.ref]
             skip = max(0, manifest.first_live_serial - block.first_serial)
             for name in columns:
                 part = chunk[name][skip:]

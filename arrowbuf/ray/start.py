@@ -18,7 +18,7 @@ from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.actor import ShardServer
 from arrowbuf.ray.blocks import check_object_store
-from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles
+from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles, limits
 from arrowbuf.ray.options import NAMESPACE, RayOptions, ray_module
 from arrowbuf.samplers import Sampler
 from arrowbuf.schema import Schema
@@ -87,11 +87,6 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
         raise
     return ShardHandles(name, handles, nodes, options, threaded,
                         owner=ray.get_runtime_context().get_worker_id())
-
-
-def limits(rate_limiter: RateLimiter) -> bool:
-    """Whether ``rate_limiter`` can make calls wait (the base class never does)."""
-    return type(rate_limiter) is not RateLimiter
 
 
 def find_shards(name: str, options: RayOptions) -> tuple[ShardHandles, dict]:
