@@ -70,6 +70,29 @@ def item_dtype(dtype: np.dtype, shape: tuple[int, ...]) -> np.dtype:
     return dtype if not shape else np.dtype(f"V{dtype.itemsize * int(np.prod(shape, dtype=np.int64))}")
 
 
+def record_outs(outs: list, region: int, shape: tuple[int, ...], record_bytes: int,
+                members: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Lay a batch's gathered records out in a gather slot (`arrowbuf._pool.SlotSpec.outs`).
+
+    Appends to ``outs`` the records' region (uint8 ``[*shape, record_bytes]`` at byte
+    ``region``, past the slot's leaves: no tensor views it), then for each packed
+    field (``members``: its out position, its byte offset in a record) a strided view
+    of it in the records and an alias of its out, both as one opaque item per row
+    (`item_dtype`). Returns the (alias, view) out positions: copying each view into
+    its alias fills the field's output.
+    """
+    outs.append((np.dtype(np.uint8), (*shape, record_bytes), region))
+    strides = record_strides(shape, record_bytes)
+    copies = []
+    for position, offset in members:
+        dtype, out_shape, at = outs[position][:3]
+        item = item_dtype(dtype, out_shape[len(shape):])
+        outs.append((item, tuple(shape), region + offset, strides))
+        outs.append((item, tuple(shape), at))
+        copies.append((len(outs) - 1, len(outs) - 2))
+    return copies
+
+
 def field_strides(record_strides: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Byte strides of a field of ``shape`` inside records laid out with ``record_strides``
     (the strides of the record axes): the record axes', then the field's own, C order."""

@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views, make_td, nest, out_views
-from arrowbuf.packing import item_dtype, record_strides
+from arrowbuf.packing import record_outs
 
 ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector loads
 #: Extras every batch has, whatever ``keys`` selects; naming them in ``keys`` is allowed.
@@ -302,22 +302,13 @@ class Gather:
         unpack = []
         skip = {position for *_, members in packed.values() for position, _ in members}
         for block, role, shape, members in packed.values():
-            if not int(np.prod(shape, dtype=np.int64)):
+            rows = int(np.prod(shape, dtype=np.int64))
+            if not rows:
                 continue   # no rows: nothing to gather (and no region to place views in)
-            region = total
-            outs.append((np.dtype(np.uint8), tuple(shape) + block.shape[1:], region))
-            takes.append((len(outs) - 1, block.take, role))
-            total += -(-int(np.prod(shape, dtype=np.int64)) * block.shape[1] // ALIGN) * ALIGN
-            for position, entry in members:
-                # A field's bytes in each record, copied as one opaque item per row
-                # (`packing.item_dtype`); its out gets an alias of that item type.
-                item = item_dtype(entry.column.dtype, entry.column.shape[1:])
-                outs.append((item, tuple(shape), region + entry.packed[1], record_strides(shape, block.shape[1])))
-                source = len(outs) - 1
-                if item != entry.column.dtype:
-                    outs.append((item, tuple(shape), outs[position][2]))
-                    position = len(outs) - 1
-                unpack.append((position, source))
+            takes.append((len(outs), block.take, role))
+            unpack += record_outs(outs, total, tuple(shape), block.shape[1],
+                                  [(position, entry.packed[1]) for position, entry in members])
+            total += -(-rows * block.shape[1] // ALIGN) * ALIGN
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
                        tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan),
                        tuple(take for take in takes if take[0] not in skip),

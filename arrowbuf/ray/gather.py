@@ -45,7 +45,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, SlotSpec
-from arrowbuf.packing import item_dtype, pack_layout, record_strides
+from arrowbuf.packing import pack_layout, record_outs
 from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
 from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
@@ -128,7 +128,7 @@ class BlockGather:
                                                                   out=records[lo - start:hi - start], mode="clip")
             else:
                 staged.records_of(group).take(inv, axis=0, out=records, mode="clip")
-            for source, target in copies:
+            for target, source in copies:
                 np.copyto(outs[target], outs[source])
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
@@ -195,20 +195,12 @@ class BlockGather:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
         packed = None
         if offsets:
-            # The batch's records go to a region of the slot past the leaves (no tensor
-            # views it); each packed field is copied out of it as one opaque item a row
-            # (`packing.item_dtype`), from a strided view of the region to an alias of its out.
+            # The batch's records go to a region of the slot past the leaves, each packed
+            # field copied out of them (`packing.record_outs`).
             region, step = len(outs), tuple(shapes[0])
-            outs.append((np.dtype(np.uint8), (*step, record_bytes), total))
-            copies = []
-            for position, (source, _, how) in enumerate(plan):
-                if how != "packed":
-                    continue
-                dtype, shape, at = outs[position]
-                item = item_dtype(dtype, shape[len(step):])
-                outs.append((item, step, total + offsets[source], record_strides(step, record_bytes)))
-                outs.append((item, step, at))
-                copies.append((len(outs) - 2, len(outs) - 1))
+            copies = record_outs(outs, total, step, record_bytes,
+                                 [(position, offsets[source]) for position, (source, _, how) in enumerate(plan)
+                                  if how == "packed"])
             total += -(-step_rows * record_bytes // ALIGN) * ALIGN
             packed = ((record_bytes, tuple(offsets.items())), region, tuple(copies))
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
@@ -226,7 +218,7 @@ class _Layout:
     extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
     staged_bytes: int    # bytes of the fields (and records) read through the scratch arrays (out of block order)
     # ((record bytes, (field, byte offset in a record) of each packed field), the out of
-    # the records' region, (out to copy from, out to copy to) per packed field), None: nothing packed
+    # the records' region, (out to copy to, out to copy from) per packed field), None: nothing packed
     packed: tuple | None = None
 
 
