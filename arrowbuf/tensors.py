@@ -66,8 +66,8 @@ class _Layout:
     # observations (``next_rows`` None) take the step rows of the column shifted by one.
     takes: tuple[tuple[int, Any, int], ...]
     copies: tuple[tuple[int, str], ...]
-    # (out position, position of its field's strided view of a gathered packed block)
-    # per packed field: copied out after the takes.
+    # (an alias of a packed field's out, its strided view in the gathered records) per
+    # packed field (`packing.record_outs`): copied after the takes.
     unpack: tuple[tuple[int, int], ...] = ()
 
 
