@@ -247,7 +247,8 @@ class StoreSampling:
               ``flush()`` at the end of a rollout): the value of that final
               observation, ``bootstrap_value(final_obs)``, where ``final_obs`` is
               a TensorDict [n] of the observation fields of those n episodes and
-              the result holds n values;
+              the result holds n values (on a local store its tensors may view the
+              store's rows: read them during the call, clone what you keep);
             - stored without a final observation: the value of its last stored
               step (that step has no next observation, so it is no transition).
 

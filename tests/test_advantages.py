@@ -90,6 +90,31 @@ SCHEMA = ab.Schema({"obs": ab.Field("float32", (2,), observation=True), "action"
                     "value": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")})
 
 
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 4], [4, 6, 4, 3]])
+def test_the_bootstrap_callable_gets_each_cut_episodes_final_observation_as_views_when_evenly_spaced(lengths):
+    store = ab.ExperienceStore(100, seed=0)
+    for steps in lengths:
+        add(store, steps, terminated=False)
+    seen = []
+
+    def bootstrap(final_obs):
+        seen.append((final_obs["obs"].clone(), np.shares_memory(final_obs["obs"].numpy(), store.engine.shard.arena["obs"])))
+        return final_obs["obs"][:, 0]
+
+    store.compute_gae(gamma=0.9, lam=0.8, bootstrap_value=bootstrap)
+    (final, shared), = seen
+    assert final.tolist() == [[float(steps)] * 2 for steps in lengths]   # each episode's obs row `steps`
+    # Equal lengths lie evenly spaced in the arena (a rollout): views, no gather; otherwise copies.
+    assert shared == (len(set(lengths)) == 1)
+    advantage = store.sample(64, keys=["advantage"])
+    expected = loop_gae(np.ones(sum(lengths)), np.concatenate([np.arange(n) * 0.1 for n in lengths]),
+                        [float(n) for n in lengths], lengths, 0.9, 0.8)
+    starts = np.cumsum(lengths) - lengths
+    got = advantage["advantage"].numpy()
+    want = expected[starts[advantage["episode_id"].numpy()] + advantage["step"].numpy()]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_an_episode_without_its_final_observation_bootstraps_from_its_last_stored_value():
     store = ab.ExperienceStore(100, seed=0, schema=SCHEMA)
     add(store, 4, terminated=False, final=False)   # 3 transitions; step 3's value closes the last one
