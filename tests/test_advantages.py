@@ -179,6 +179,15 @@ def test_derived_columns_survive_a_parquet_round_trip_and_a_checkpoint(tmp_path)
     restored = ab.ExperienceStore.load(tmp_path / "ckpt")
     np.testing.assert_array_equal(restored.episode(0).column("advantage").to_numpy(), before)
     add(restored, 2, terminated=True)               # writes keep working without the derived columns
+    # Reloaded, the derived columns are small step fields of the schema, packed with the others
+    # (`arrowbuf.packing`): the next compute_gae writes them there, and samples read them back.
+    assert "advantage" in restored.engine.shard._pack_offsets
+    restored.compute_gae(gamma=0.9, lam=0.9)
+    np.testing.assert_array_equal(restored.episode(0).column("advantage").to_numpy(), before)
+    batch = restored.sample(50, keys=["advantage"])
+    by_episode = {e: restored.episode(e).column("advantage").to_numpy() for e in (0, 1)}
+    for e, t, a in zip(batch["episode_id"].tolist(), batch["step"].tolist(), batch["advantage"].tolist()):
+        assert a == pytest.approx(by_episode[e][t])
 
 
 def test_compute_gae_checks_its_arguments_first():
