@@ -299,11 +299,19 @@ def many_block_store(seed: int) -> tuple[ab.ExperienceStore, dict[int, int]]:
     return store, lengths
 
 
+def assert_keys_drawn_by_length(keys: list[np.ndarray], lengths: dict[int, int]) -> None:
+    """The episode keys of drawn items (first items of batches) occur in proportion to the
+    episodes' lengths, as uniform draws over transitions do (chi-square)."""
+    from scipy.stats import chisquare
+
+    counts = np.bincount(np.concatenate(keys), minlength=len(lengths))
+    expected = np.array([lengths[k] for k in range(len(lengths))], np.float64)
+    assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
+
+
 def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_items_are_uniform_too():
     # Items are gathered block by block; were they left in block order, the first
     # items of a batch would always come from the oldest blocks.
-    from scipy.stats import chisquare
-
     store, lengths = many_block_store(seed=1)
     try:
         first = []
@@ -312,9 +320,7 @@ def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_ite
             check_rows(batch, {})
             first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
         assert not (np.diff(batch["index"].numpy()) >= 0).all()
-        counts = np.bincount(np.concatenate(first), minlength=30)
-        expected = np.array([lengths[k] for k in range(30)], np.float64)
-        assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
+        assert_keys_drawn_by_length(first, lengths)
     finally:
         store.close()
 
@@ -348,8 +354,6 @@ def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_
     # sample_iter stages several batches per draw: each must still hold its own items
     # (no two batches of a draw alike), in drawn order (first items uniform), and a
     # batch kept must not be overwritten by the next ones.
-    from scipy.stats import chisquare
-
     store, lengths = many_block_store(seed=3)
     try:
         iterator = store.sample_iter(64, batches_per_request=4)
@@ -366,9 +370,7 @@ def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_
         for batch, index in kept:
             np.testing.assert_array_equal(batch["index"].numpy(), index)
             check_rows(batch, seen)
-        counts = np.bincount(np.concatenate(first), minlength=30)
-        expected = np.array([lengths[k] for k in range(30)], np.float64)
-        assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
+        assert_keys_drawn_by_length(first, lengths)
     finally:
         store.close()
 
