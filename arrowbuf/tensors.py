@@ -295,12 +295,13 @@ class Gather:
                   tuple(shape) + tuple(entry.column.shape[1:]), rows * entry.row_bytes)
         for name, dtype, shape in extras:
             place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        # A packed field is gathered with its block's records (below), not by a take of its column.
+        in_records = {position for *_, members in packed.values() for position, _ in members}
         takes = [(i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
-                 for i, (source, role) in enumerate(plan) if role >= 0]
+                 for i, (source, role) in enumerate(plan) if role >= 0 and i not in in_records]
         # Each packed block's records are gathered once into a hidden region after the
         # leaves (no tensor views it), and every selected field of it copied out of there.
         unpack = []
-        skip = {position for *_, members in packed.values() for position, _ in members}
         for block, role, shape, members in packed.values():
             rows = int(np.prod(shape, dtype=np.int64))
             if not rows:
@@ -311,7 +312,7 @@ class Gather:
             total += -(-rows * block.shape[1] // ALIGN) * ALIGN
         return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
                        tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan),
-                       tuple(take for take in takes if take[0] not in skip),
+                       tuple(takes),
                        tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0),
                        tuple(unpack))
 
