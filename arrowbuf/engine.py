@@ -35,7 +35,7 @@ from arrowbuf.arena import make_shard
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import batch_lookups
-from arrowbuf.rate_limiters import Counts, RateLimiter
+from arrowbuf.rate_limiters import Counts, RateLimiter, limits
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
@@ -97,7 +97,7 @@ class ShardEngine:
         # the same directory again writes only what is new (`arrowbuf.checkpoint`).
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
-        self._limited = type(rate_limiter) is not RateLimiter
+        self._limited = limits(rate_limiter)
         # Plain uniform samples of a numpy arena may take `arrowbuf.direct`'s path.
         self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:

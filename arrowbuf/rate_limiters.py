@@ -67,6 +67,12 @@ class RateLimiter:
         return Counts(inserts, samples)
 
 
+def limits(rate_limiter: RateLimiter) -> bool:
+    """Whether ``rate_limiter`` can make calls wait (the base class never does, and only
+    counts): its engine waits on a condition, and its Ray shards are threaded."""
+    return type(rate_limiter) is not RateLimiter
+
+
 class MinSize(RateLimiter):
     """Sampling waits until the store holds at least ``min_size`` transitions.
 

@@ -25,9 +25,8 @@ import pyarrow as pa
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
-from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.rate_limiters import RateLimiter, limits
 from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
-from arrowbuf.ray.handles import limits
 from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
@@ -86,7 +85,7 @@ class ShardServer:
             engine.set_schema(Schema.from_json(schema_json))
         # Readers draw from the blocks themselves unless the draw needs this shard:
         # a limiter judges every sample, and per-row state lives here.
-        draws_here = type(engine.sampler) in READER_SAMPLERS and type(engine.rate_limiter) is RateLimiter \
+        draws_here = type(engine.sampler) in READER_SAMPLERS and not limits(engine.rate_limiter) \
             and not engine.track_reuse
         self.blocks = BlockRing(*blocks, draws_here=draws_here)
         with engine.lock:

@@ -17,7 +17,6 @@ from typing import Any, Mapping
 import numpy as np
 
 from arrowbuf.errors import ShardError
-from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions, ray_module
 
 # With a rate limiter, shard actors are threaded: calls that may wait for it run
@@ -29,11 +28,6 @@ from arrowbuf.ray.options import RayOptions, ray_module
 GROUPS = {"add_episodes": "write", "select": "sample"}
 CONCURRENCY_GROUPS = {"write": 1, "sample": 1}
 DEFAULT_CONCURRENCY = 4
-
-
-def limits(rate_limiter: RateLimiter) -> bool:
-    """Whether ``rate_limiter`` can make calls wait (the base class never does): its shards are threaded."""
-    return type(rate_limiter) is not RateLimiter
 
 
 @dataclass

@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 
 from arrowbuf.errors import FormatError, ShardError
-from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.rate_limiters import RateLimiter, limits
 from arrowbuf.ray.actor import ShardServer
 from arrowbuf.ray.blocks import check_object_store
-from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles, limits
+from arrowbuf.ray.handles import CONCURRENCY_GROUPS, DEFAULT_CONCURRENCY, ShardHandles
 from arrowbuf.ray.options import NAMESPACE, RayOptions, ray_module
 from arrowbuf.samplers import Sampler
 from arrowbuf.schema import Schema
