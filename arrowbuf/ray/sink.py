@@ -212,17 +212,18 @@ class RaySink:
         """
         with self._lock:
             self._raise_pending()
-            shards = [shard if shard is not None else self._route(key) for key in route_keys]
             schema_json = self._schema.to_json()
             groups: dict[int, list[int]] = {}
-            for k, s in enumerate(shards):
+            for k, key in enumerate(route_keys):
+                # Counted as routed: a new key after it sees this call's earlier episodes (the
+                # first call of E new envs spreads them, as E `write_now` calls would).
+                s = shard if shard is not None else self._route(key)
+                self._loads[s] += episodes[k].num_rows
                 groups.setdefault(s, []).append(k)
             refs = {}
             for s, members in groups.items():
                 sent, lent = self._outgoing([episodes[k] for k in members])
                 refs[s] = self._shards.call(s, "add_episodes", sent, schema_json, timeout, self._next_batch(), lent)
-            for s, members in groups.items():
-                self._loads[s] += sum(episodes[k].num_rows for k in members)
             results = self._shards.get(refs)
             ids = [0] * len(episodes)
             for s, members in groups.items():
