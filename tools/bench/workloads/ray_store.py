@@ -104,30 +104,36 @@ def batch_calls(store: Any, episodes: list[dict[str, np.ndarray]], envs: int) ->
 
 def stack_put_calls(ray: Any, episodes: list[dict[str, np.ndarray]], T: int, n: int) -> Callable[[], None]:
     """The bound of a step-fed writer without a store, fed as `writer_calls` feeds the writer
-    (T // N steps of N envs per call, episode k on env k): per env and field a list of the
-    step arrays (references: it assumes the env hands a fresh array every step, which the
-    writer may not), and at an episode's end ``np.stack`` of each list (one copy, as the
-    writer's staging is one) and ``ray.put`` of the episode. Nothing is checked, routed or
-    stored, and no final observation is copied at every step (the writer copies each
-    step's ``next_obs``, since an env may reuse its buffer)."""
+    (T // N steps of N envs per call, episode k on env k): per field a list of the steps'
+    [N, ...] arrays (references, no copy: it assumes the env hands a fresh array every
+    step, which the writer may not), and at an env's episode end ``np.stack`` of that env's
+    rows of each list (one copy, as the writer's staging is one) and ``ray.put`` of the
+    episode. Nothing is checked, routed or stored, and no final observation is copied at
+    every step (the writer copies each step's ``next_obs``: an env may reuse its buffer)."""
     cols = {name: np.stack([episodes[k % len(episodes)][name] for k in range(n)], axis=1)
             for name in episodes[0]}   # [T (+1), N, ...]
-    steps = itertools.cycle(range(T))
-    lists: list[dict[str, list[np.ndarray]]] = [{name: [] for name in cols} for _ in range(n)]
+    ticks = itertools.cycle(range(T))
+    steps: dict[str, list[np.ndarray]] = {name: [] for name in cols}
+    start = np.zeros(n, np.int64)   # each env's first step in the lists
 
     def call() -> None:
         for _ in range(T // n):
-            t = next(steps)
-            step = {name: array[t] for name, array in cols.items()}
-            done = step["terminated"] | step["truncated"]
-            for k in range(n):
-                kept = lists[k]
-                for name, array in step.items():
-                    kept[name].append(array[k])
-                if done[k]:
-                    kept["obs"].append(cols["obs"][t + 1][k])   # the final observation
-                    ray.put({name: np.stack(arrays) for name, arrays in kept.items()})
-                    lists[k] = {name: [] for name in cols}
+            t = next(ticks)
+            for name, kept in steps.items():
+                kept.append(cols[name][t])
+            done = cols["terminated"][t] | cols["truncated"][t]
+            for k in np.flatnonzero(done).tolist():
+                first = int(start[k])
+                episode = {name: np.stack([step[k] for step in kept[first:]]) for name, kept in steps.items()
+                           if name != "obs"}
+                episode["obs"] = np.stack([step[k] for step in steps["obs"][first:]] + [cols["obs"][t + 1][k]])
+                ray.put(episode)
+                start[k] = len(steps["obs"])
+            drop = int(start.min())
+            if drop:   # steps no open episode holds any more
+                for kept in steps.values():
+                    del kept[:drop]
+                start[:] -= drop
     return call
 
 
@@ -173,8 +179,9 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
                  "must enter the object store")
     notes.append(f"  batch: store.add_episodes of {spec.envs} episodes ([E, T, ...] arrays, env ids env-0..env-"
                  f"{spec.envs - 1}) per call, counted as {spec.envs} x T rows; stack_put: the writer's feed (T // N "
-                 "steps of N envs per call) kept as per-env lists of the step arrays (no copy), np.stack + ray.put "
-                 "of each finished episode: nothing checked or stored, no per-step copy of next_obs")
+                 "steps of N envs per call) kept as per-field lists of the step arrays (no copy), np.stack of an "
+                 "env's rows + ray.put of each finished episode: nothing checked or stored, no per-step copy of "
+                 "next_obs")
     return WorkloadResult("RAY", spec.short(), spec.describe(),
                           ["naive", "arrowbuf", "arrowbuf_sync", "arrowbuf_writer", "arrowbuf_batch", "local", "put",
                            "stack_put", "durable", "unsynced"],
