@@ -6,7 +6,7 @@ and ``sample(batch)`` vs a naive Ray actor (``ray.get(actor.sample.remote(n))``
 per batch) and the embedded store (targets of issue 15: ``sample()`` >= 10x
 naive, ``sample_iter`` >= 0.8x (W1) / 0.7x (W2) the embedded store); writes vs
 ``ray.get(actor.add.remote(episode))`` per episode (target >= 3x) and vs
-``ray.put`` of each episode alone (issue 15: W2 >= 0.9x) through arrowbuf's three paths: ``add_episode`` (a round trip that
+``ray.put`` of each episode alone (issue 15: W2 >= 0.9x, judged on ``batch``) through arrowbuf's three paths: ``add_episode`` (a round trip that
 returns the shard's episode id), ``add_episodes`` of a rollout of K episodes
 (``batch``: one waited request per shard for all of its episodes) and a step
 writer (asynchronous, batched, the throughput path); ratio to the embedded store's sample; the same
@@ -21,7 +21,7 @@ episode per call (the writer's call is T // N steps of N envs, T rows), K x T fo
 ``add_episode(episode, num_envs)`` takes a [T, num_envs] rollout, and issue 15 asks
 writers to put "each episode (or batch of episodes) once"; one episode per env of
 the cycle keeps each env on the shard it was routed to at the fill, so a call sends
-K / 2 episodes to each of the 2 shards. Issue 15 measured ``add_episodes`` at 0.57x
+K / 2 episodes to each of the 2 shards. Before one put per request, we measured ``add_episodes`` at 0.57x
 put with K=4, 0.68x with 8 and 0.81x with 16: 8 is a vector env's size, not the
 batch that flatters the store most. ``stack_put`` is the bound of a step-fed
 writer without a store (`stack_put_calls`): ``writer/stack_put`` is what the
@@ -253,7 +253,10 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                    "put": lambda: ray.put(next(feed))}   # one writer's bound: the put alone, nothing stored
         sample_done = {"arrowbuf": store.flush}
         local_target = 0.8 if wname == "W1" else 0.7   # issue 15: sample_iter vs the embedded store
-        put_target = ", arrowbuf/put >= 0.9" if wname == "W2" else ""   # issue 15: large episodes' writes
+        # Issue 15: large episodes' writes ("each episode, or batch of episodes, put once") at
+        # ray.put's speed; judged on add_episodes of a vector env's episodes: one add_episode
+        # waits for its id, a round trip that costs ~1 ms here (0.38x put at best).
+        put_target = ", batch/put >= 0.9" if wname == "W2" else ""
         batch = next(iterator)
         for key in [*rs.fields, ("next", "obs")]:
             if key not in batch.keys(include_nested=True):
@@ -277,7 +280,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                   "batch/naive": ("arrowbuf_batch", "naive"), "batch/put": ("arrowbuf_batch", "put")},
                  target="arrowbuf/naive >= 3, arrowbuf/durable <= 1.3" + put_target,
                  goal=lambda m: at_least("arrowbuf/naive", 3)(m) and m.ratios["arrowbuf/durable"].median <= 1.3
-                 and (wname != "W2" or at_least("arrowbuf/put", 0.9)(m)),
+                 and (wname != "W2" or at_least("batch/put", 0.9)(m)),
                  units={c: T * spec.envs if c == "arrowbuf_batch" else T for c in add_fns},
                  finish={"arrowbuf": store.flush, "arrowbuf_writer": store.flush, "arrowbuf_batch": store.flush,
                          "durable": durable.flush, "unsynced": unsynced.flush}),
