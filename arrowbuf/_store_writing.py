@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 
 from arrowbuf._checks import check_env_id, check_int, check_metadata, check_name, check_shard, check_timeout
 from arrowbuf.episode_batch import read_episodes
-from arrowbuf.episodes import StepWriter, read_episode
+from arrowbuf.episode_read import read_episode
+from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import CapacityError
 
 

@@ -16,7 +16,7 @@ Example:
     >>> import numpy as np, tempfile, arrowbuf as ab
     >>> from arrowbuf.durable import DurableShard
     >>> from arrowbuf.engine import ShardEngine
-    >>> from arrowbuf.episodes import read_episode
+    >>> from arrowbuf.episode_read import read_episode
     >>> make = lambda: ShardEngine(100, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0)
     >>> durable = DurableShard(tempfile.mkdtemp())
     >>> engine = durable.recover(make)

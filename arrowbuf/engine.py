@@ -64,7 +64,7 @@ class ShardEngine:
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> from arrowbuf.engine import ShardEngine
-        >>> from arrowbuf.episodes import read_episode
+        >>> from arrowbuf.episode_read import read_episode
         >>> engine = ShardEngine(100, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0)
         >>> episode, schema = read_episode({"obs": np.zeros((4, 2)), "action": np.zeros(3),
         ...                                 "terminated": np.array([False, False, True])}, None)

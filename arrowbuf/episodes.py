@@ -1,7 +1,6 @@
-"""Episode assembly: whole episodes from user data, and the vectorized step writer.
+"""Episode assembly from steps: the vectorized step writer.
 
-`read_episode` turns a dict / TensorDict / Arrow RecordBatch into a checked
-`Episode`. `StepWriter` stages steps from N vectorized environments in per-field
+`StepWriter` stages steps from N vectorized environments in per-field
 arrays of shape [N, T_max, ...] (one fancy-indexed assignment per field and step,
 no Python loop over environments) and seals each episode as it ends.
 """
@@ -12,82 +11,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import pyarrow as pa
 import torch
-from tensordict import TensorDictBase
 
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
-from arrowbuf.errors import CapacityError, RateLimited, SchemaError, describe
-from arrowbuf.fields import arrow_to_numpy, as_array, check_column
-from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
+from arrowbuf.errors import CapacityError, RateLimited, SchemaError
+from arrowbuf.fields import as_array, check_column
+from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
-
-
-def read_columns(data: Any, keep_tensors: bool = False
-                 ) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
-    """Columns of one episode as numpy arrays with their dtype names.
-
-    With ``keep_tensors`` (a store whose arena is torch tensors: `arrowbuf.arena`),
-    torch tensors stay tensors on their device, bfloat16 included, so that a
-    write from the GPU never goes through host memory.
-
-    Returns:
-        (columns, schema, has_final): ``schema`` and ``has_final`` are known only for
-        Arrow input written by arrowbuf (field roles and batch metadata), else None.
-
-    Raises:
-        SchemaError: data of an unsupported type or dtype.
-    """
-    if isinstance(data, pa.Table):
-        data = data.combine_chunks().to_batches()[0] if data.num_rows else pa.RecordBatch.from_pylist([], data.schema)
-    if isinstance(data, pa.RecordBatch):
-        return _read_arrow(data)
-    if isinstance(data, TensorDictBase):
-        data = data.to_dict()
-    if not isinstance(data, Mapping):
-        raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")
-    read = step_tensor if keep_tensors else as_array
-    return {name: read(value, name) for name, value in flatten(data).items()}, None, None
-
-
-def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]], Schema | None, bool | None]:
-    user = [f.name for f in batch.schema if f.name not in SYSTEM_FIELDS]
-    if not user:
-        raise SchemaError(f"record batch has no data columns, only {batch.schema.names}")
-    schema = Schema.from_arrow(pa.schema([batch.schema.field(n) for n in user]))
-    roles_known = any((batch.schema.field(n).metadata or {}).get(b"arrowbuf.role") for n in user)
-    has_final = (batch.schema.metadata or {}).get(b"arrowbuf.has_final") == b"1"
-    columns = {}
-    for name in user:
-        array = arrow_to_numpy(batch.column(name), name)
-        spec = schema.fields[name]
-        if has_final and not spec.observation:
-            array = array[:-1]
-        columns[name] = (array, spec.dtype)
-    return columns, (schema if roles_known else None), (has_final if roles_known else None)
-
-
-def read_episode(data: Any, schema: Schema | None, env_id: str = "default",
-                 metadata: Mapping[str, Any] | None = None, keep_tensors: bool = False) -> tuple[Episode, Schema]:
-    """Check one episode against ``schema`` (inferred from it when None); ``keep_tensors``
-    as in `read_columns`.
-
-    Returns:
-        The episode and the schema it satisfies.
-
-    Raises:
-        SchemaError: the data does not match the schema.
-    """
-    exact = schema.read_exact(data) if schema is not None else None
-    if exact is None:
-        columns, arrow_schema, _ = read_columns(data, keep_tensors)
-        if schema is None:
-            schema = arrow_schema or Schema.infer(columns)
-        num_steps, has_final = schema.check(columns)
-        exact = {n: a for n, (a, _) in columns.items()}, num_steps, has_final
-    return Episode(*exact, env_id, dict(metadata) if metadata is not None else None), schema
 
 
 class EpisodeSink(Protocol):

@@ -17,7 +17,7 @@ import arrowbuf as ab
 from arrowbuf.durable import DurableShard, durable_directory
 from arrowbuf.engine import ShardEngine
 from arrowbuf.episode_log import EpisodeLog, next_episode_id
-from arrowbuf.episodes import read_episode
+from arrowbuf.episode_read import read_episode
 from arrowbuf.errors import FormatError
 
 from support.episodes import EPISODE_SCHEMA, make_episode
@@ -297,7 +297,7 @@ KILLED_WRITER = textwrap.dedent("""
     from support.episodes import EPISODE_SCHEMA, make_episode
     from test_durable import new_engine
     from arrowbuf.durable import DurableShard
-    from arrowbuf.episodes import read_episode
+    from arrowbuf.episode_read import read_episode
 
     durable = DurableShard(sys.argv[1])
     engine = durable.recover(new_engine)

@@ -7,7 +7,7 @@ import pytest
 
 import arrowbuf as ab
 from arrowbuf.engine import ShardEngine
-from arrowbuf.episodes import read_episode
+from arrowbuf.episode_read import read_episode
 from arrowbuf.errors import RateLimited
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import arrowbuf as ab
-from arrowbuf.episodes import read_episode
+from arrowbuf.episode_read import read_episode
 
 from support.compare import assert_same_snapshot, column_numpy, snapshot
 from support.envs import EpisodeLog, FakeVectorRollout, make_cartpole

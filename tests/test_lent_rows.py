@@ -9,7 +9,7 @@ import numpy as np
 
 import arrowbuf as ab
 from arrowbuf.engine import ShardEngine
-from arrowbuf.episodes import read_episode
+from arrowbuf.episode_read import read_episode
 from arrowbuf.ray.lent import UnfilledRows
 from support.episodes import EPISODE_SCHEMA, decode, make_episode
 

@@ -14,7 +14,7 @@ import ray
 
 import arrowbuf as ab
 from arrowbuf import RayOptions
-from arrowbuf.episodes import read_episode
+from arrowbuf.episode_read import read_episode
 from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.options import NAMESPACE
 from arrowbuf.ray.sink import RaySink

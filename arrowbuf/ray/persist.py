@@ -178,7 +178,7 @@ def checkpoint_dirs(path: Path) -> tuple[dict, list[Path]]:
 def reshard_task(directory: str, sink: "RaySink") -> int:
     """Stream one saved shard's episodes (oldest first) into another store's shards."""
     from arrowbuf.checkpoint import load_engine
-    from arrowbuf.episodes import read_episode
+    from arrowbuf.episode_read import read_episode
 
     engine = load_engine(directory, progress=False).engine
     table = engine.episodes()
