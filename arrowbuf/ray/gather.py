@@ -24,6 +24,10 @@ memory nor rebuilds a TensorDict):
   A random read of small rows costs a cache miss per row and column; packed, one
   per row for all of them, as in the embedded store's arena.
 
+`BlockGather.batches` gathers several staged batches (`sample_iter`'s draw) at
+once into one slot of as many parts (`arrowbuf._pool.SlotSpec.parts`): one claim,
+and the steps above once, for all of them; each part is a TensorDict of its own.
+
 `same_width` pads episode batches of several shards to one width.
 
 The layout follows `arrowbuf.tensors.Gather`: fields in schema order (an
