@@ -241,8 +241,10 @@ class StoreSampling:
         names), float32 per step. They extend the schema as *derived* fields: they
         are sampled like any field (``batch["advantage"]``) and exported to
         Parquet; episodes written later need not carry them and hold zeros until
-        the next call. Vectorized over all episodes (one vector step per step
-        index, not a Python loop over steps).
+        the next call; rows that are no transitions (an episode's final
+        observation) hold 0 in both. Vectorized over all episodes (one vector
+        step per step index, not a Python loop over steps), reading and writing
+        the arena's rows as slices where the episodes lie close together.
 
         What the last transition of an episode bootstraps from:
             - terminated: nothing (the return ends);

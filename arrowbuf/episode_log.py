@@ -213,7 +213,11 @@ class EpisodeLog:
         """Add the logged episodes the engine does not hold yet; returns how many.
 
         Episodes whose id is below the engine's next id are in it already (from
-        its checkpoint) and skipped; the others must come in id order.
+        its checkpoint) and skipped; the others must come in id order. A clear is
+        replayed where the engine reaches the next id it logged: a threaded
+        shard may log a clear before the record of an episode inserted before
+        it, and an episode inserted but never logged (its write unanswered when
+        the shard died) leaves the clear to the end of the log.
 
         Raises:
             FormatError: the log skips episodes the engine never stored, or an
@@ -221,11 +225,14 @@ class EpisodeLog:
         """
         with self._lock:
             records, self._records = self._records or [], None
-        added = 0
+        added, clear_at = 0, None   # the next id of a clear waiting for episodes logged after it
         for record in records:
             if record.kind == "clear":
-                if int(record.meta["next_id"]) == next_episode_id(engine):
+                mark = int(record.meta["next_id"])
+                if mark == next_episode_id(engine):
                     engine.clear()
+                elif mark > next_episode_id(engine):
+                    clear_at = mark
                 continue
             if record.kind != "episodes":
                 continue
@@ -244,6 +251,11 @@ class EpisodeLog:
                     raise FormatError(f"{record.where}: episode {logged} was stored as {stored}; the log belongs "
                                       "to another shard")
                 added += 1
+                if clear_at is not None and next_episode_id(engine) >= clear_at:
+                    engine.clear()
+                    clear_at = None
+        if clear_at is not None:
+            engine.clear()
         return added
 
     def compact(self, upto: int) -> int:

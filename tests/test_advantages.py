@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
@@ -206,3 +206,49 @@ def test_a_bootstrap_callable_returning_the_wrong_shape_is_named():
     with pytest.raises(ValueError, match=r"bootstrap_value returned .*\(5,\).*expected 1"):
         store.compute_gae(gamma=0.9, lam=0.9, bootstrap_value=lambda obs: torch.zeros(5))
     assert "advantage" not in store.schema.fields
+
+
+ENDINGS = ("terminated", "truncated", "cut", "no_final")   # cut: neither flag, a final observation (flush)
+
+
+@settings(max_examples=60, deadline=None)
+@given(episodes=st.lists(st.tuples(st.integers(2, 9), st.sampled_from(ENDINGS)), min_size=1, max_size=12),
+       capacity=st.integers(12, 60), span_factor=st.sampled_from([0, 2, 10**9]),
+       storage_device=st.sampled_from([None, "cpu"]), seed=st.integers(0, 2**31))
+def test_compute_gae_matches_the_loop_on_every_live_episode_after_evictions(episodes, capacity, span_factor,
+                                                                          storage_device, seed):
+    # span_factor: 0 reads and writes by row lists, 10**9 always by slices of the arena
+    # (final observations and free rows between the episodes), 2 as shipped.
+    from unittest import mock
+
+    from arrowbuf import advantages
+    rng = np.random.default_rng(seed)
+    store = ab.ExperienceStore(capacity, seed=0, schema=SCHEMA, storage_device=storage_device)
+    written = {}
+    for steps, ending in episodes:
+        final = ending != "no_final"
+        reward, value = rng.normal(size=steps).astype(np.float32), rng.normal(size=steps).astype(np.float32)
+        obs = rng.normal(size=(steps + final, 2)).astype(np.float32)
+        flags = np.arange(steps) == steps - 1
+        episode_id = store.add_episode({"obs": obs, "action": np.zeros(steps, np.int64), "reward": reward,
+                                        "value": value, "terminated": flags & (ending == "terminated"),
+                                        "truncated": flags & (ending == "truncated")})
+        transitions = steps if final else steps - 1
+        # After the last transition: 0 (terminated), the final observation's value (cut after
+        # it), or the value of the last stored step (no final observation).
+        last = {"terminated": 0.0, "no_final": float(value[-1])}.get(ending, float(obs[-1, 0] * 2 + obs[-1, 1]))
+        written[episode_id] = loop_gae(reward[:transitions].astype(np.float64), value[:transitions].astype(np.float64),
+                                       [last], [transitions], 0.9, 0.8)
+    with mock.patch.object(advantages, "SPAN_FACTOR", span_factor):
+        total = store.compute_gae(0.9, 0.8, bootstrap_value=lambda o: o["obs"][:, 0].double() * 2 + o["obs"][:, 1])
+    live = store.episodes().column("episode_id").to_pylist()
+    event("episodes evicted" if len(live) < len(episodes) else "nothing evicted")   # --hypothesis-show-statistics
+    assert total == sum(len(written[e]) for e in live)
+    for episode_id in live:
+        expected, rows = written[episode_id], store.episode(episode_id)
+        advantage, target = (rows.column(name).to_numpy() for name in ("advantage", "value_target"))
+        np.testing.assert_allclose(advantage[:len(expected)], expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(target[:len(expected)], expected + rows.column("value").to_numpy()[:len(expected)],
+                                   rtol=1e-5, atol=1e-5)
+        # The row after the transitions (final observation, or last stored step) is not one.
+        assert advantage[len(expected):].tolist() == target[len(expected):].tolist() == [0.0] * (len(rows) - len(expected))
