@@ -72,7 +72,7 @@ def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_a
     run, saved = quick_run("GAE", tmp_path_factory)
     assert "BUG?" not in run.stdout   # the store's advantages equal the loop's
     ratios = headline_ratios(saved, "GAE")
-    for shape, transitions in (("WBC", "6,144"), ("VLA", "320")):
+    for shape, transitions in (("WBC", "6,144"), ("WBC resets", "6,144"), ("VLA", "320")):
         for col in ("arrowbuf/loop", "arrowbuf/loop_floats", "arrowbuf/seed"):
             rounds = ratios[f"{shape} compute_gae ({transitions} transitions)", col]
             assert len(rounds) == 2 and all(r > 0 for r in rounds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
@@ -195,6 +196,9 @@ BAD_STEPS = {
     "action dtype": (dict(action=np.zeros(2, np.float32)), ["'action'", "float32", "int64"]),
     "unknown field": (dict(log_prob=np.zeros(2)), ["log_prob"]),
     "dict obs for array obs": (dict(obs={"a": np.zeros((2, 3), np.float32)}), ["obs.a"]),
+    "next_obs dtype": (dict(next_obs=np.zeros((2, 3), np.float64)), ["next_obs", "'obs'", "float64", "float32"]),
+    "tensor obs shape": (dict(obs=torch.zeros(2, 4)), ["'obs'", "(4,)", "(3,)"]),
+    "flags per step": (dict(terminated=np.zeros((2, 2), bool)), ["'terminated'", "(2,)"]),
 }
 
 
@@ -214,6 +218,22 @@ def test_a_bad_writer_step_raises_schema_error_and_records_nothing(change, words
     writer.add(**good_step(t=2, done=True))   # the staged steps are intact
     assert store.episodes().column("length").to_pylist() == [3, 3]
     np.testing.assert_array_equal(column_numpy(store.episode(0).column("obs"))[:, 0], [0, 1, 2, 3])
+
+
+def test_steps_that_are_not_exact_numpy_arrays_are_read_and_stored_as_any_step_is():
+    # After the first step the writer takes exact numpy steps by a fast path; anything
+    # else (a tensor, a list, a dtype that casts without loss) goes the general way.
+    store = ab.ExperienceStore(capacity=100, seed=0)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    writer.add(**good_step(t=0))
+    writer.add(**{**good_step(t=1), "obs": torch.full((2, 3), 1.0), "reward": [1.0, 1.0],
+                  "action": np.array([5, 6], np.int32)})
+    writer.add(**{**good_step(t=2), "terminated": torch.ones(2, dtype=torch.bool)})
+    assert store.episodes().column("length").to_pylist() == [3, 3]
+    rows = store.episode(1)
+    np.testing.assert_array_equal(column_numpy(rows.column("obs"))[:, 0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(column_numpy(rows.column("action"))[:3], [0, 6, 0])
+    assert rows.schema.field("action").type == pa.int64()
 
 
 def test_a_failed_first_writer_step_leaves_the_store_without_a_schema():

@@ -426,6 +426,23 @@ def test_episodes_without_an_env_id_spread_over_the_shards(two_shard_store):
     assert sizes == [50, 50]
 
 
+def test_one_add_episodes_call_spreads_new_envs_over_the_shards_and_keeps_each_env_on_its_shard(two_shard_store):
+    # The batch's routes were all chosen against the loads before the call: every new
+    # env of a first add_episodes went to the same (least loaded) shard.
+    store = two_shard_store
+    store.clear()
+    batch = {name: np.stack([encoded_episode(200 + k, 10)[name] for k in range(4)])
+             for name in encoded_episode(0, 10)}
+    env_ids = [f"batch-env-{k}" for k in range(4)]
+    first = store.add_episodes(batch, env_ids=env_ids)
+    assert sorted(i % 2 for i in first) == [0, 0, 1, 1]   # an episode id's shard is id % num_shards
+    again = store.add_episodes(batch, env_ids=env_ids)
+    assert [i % 2 for i in again] == [i % 2 for i in first]
+    unnamed = store.add_episodes(batch)
+    assert sorted(i % 2 for i in unnamed) == [0, 0, 1, 1]
+    assert [s["transitions"] for s in store.stats()["shards"]] == [60, 60]
+
+
 def test_a_shard_that_was_empty_is_sampled_once_it_fills(two_shard_store):
     store = two_shard_store
     store.clear()

@@ -44,7 +44,7 @@ def lent_refs(monkeypatch) -> list:
 
     def spy(self, episodes):
         sent, lent = outgoing(self, episodes)
-        refs.extend(ref for ref in lent or [] if ref is not None)
+        refs.extend(entry[0] for entry in lent or [] if entry is not None)   # (ref, part)
         return sent, lent
 
     monkeypatch.setattr(RaySink, "_outgoing", spy)
@@ -173,6 +173,38 @@ def test_a_threaded_shard_copies_lent_rows_at_once_and_still_seals_the_lent_obje
         lent = {ref.hex() for ref in lent_refs}
         assert sum(b.ref.hex() in lent for b in sealed_blocks(store)) == 3
         check_rows(store.sample(256))
+    finally:
+        store.close()
+
+
+def test_the_lent_episodes_of_one_request_share_one_object_and_read_back_as_blocks_of_their_own(lent_refs):
+    # One put per request, not per episode: a put costs per object as well as per byte.
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
+                               ray_options=RayOptions(block_bytes=8_000, seal_latency=0.05))
+    try:
+        keys = [30, 31, 32]
+        stacked = {name: np.stack([keyed_episode(key, 40)[name] for key in keys]) for name in keyed_episode(0, 40)}
+        ids = store.add_episodes(stacked, env_ids="a")
+        store.add_episode(keyed_episode(33, 5), env_id="a")   # small: copied, beside them
+        assert len(lent_refs) == 3 and len({ref.hex() for ref in lent_refs}) == 1
+        shared = [b for b in sealed_blocks(store) if b.ref.hex() == lent_refs[0].hex()]
+        assert [(b.first_serial, b.part, b.num_episodes, b.num_rows) for b in shared] == \
+            [(0, 0, 1, 41), (1, 1, 1, 41), (2, 2, 1, 41)]
+        parts = ray.get(shared[0].ref)
+        assert [int(parts[b.part]["check"][0]) for b in shared] == [key * 3 for key in keys]
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [*keys, 33]
+        for key, episode_id in zip(keys, ids):   # the shard's arena, filled from the parts
+            np.testing.assert_array_equal(store.episode(episode_id).column("check").to_numpy()[:-1], key * 3)
+        time.sleep(0.2)   # idle: a poll compacts the shared parts into a copied block
+        deadline = time.monotonic() + 30
+        while any(b.part is not None for b in manifests(store, seal=False)[0].blocks):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        batch = store.sample(512)
+        check_rows(batch)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [*keys, 33]
     finally:
         store.close()
 

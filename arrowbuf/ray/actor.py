@@ -128,9 +128,10 @@ class ShardServer:
         ``batch`` = (writer id, batch number) names a writer's write: a durable
         shard answers a retry of a write it already logged (Ray retries calls
         that a restart interrupted) without storing it again. ``lent``: per
-        episode None, or the ObjectRef of its rows in a block's layout
+        episode None, or (ObjectRef, part) of its rows in a block's layout
         (`arrowbuf.ray.blocks.block_columns`; the episode was sent without its
-        columns), put by a writer that lives as long as this shard: the rows are
+        columns): the object itself (part None) or item ``part`` of the list the
+        writer put for several episodes at once; put by a writer that lives as long as this shard: the rows are
         read from it without a copy, and it becomes the episode's block; they
         are copied into the arena only when this shard reads its arena
         (`arrowbuf.ray.lent`).
@@ -149,11 +150,13 @@ class ShardServer:
             # Derived fields (compute_gae's) are the shard's own: writers need not know them.
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
                               f"of {schema}")
-        objects = [None] * len(episodes)   # per episode: (ref, its rows in a block's layout) or None
+        objects = [None] * len(episodes)   # per episode: (ref, part, its rows in a block's layout) or None
         if lent is not None:
-            rows = iter(ray_module().get([ref for ref in lent if ref is not None]))
-            objects = [None if ref is None else (ref, next(rows)) for ref in lent]
-            episodes = [e if o is None else lent_episode(e, o[1], schema) for e, o in zip(episodes, objects)]
+            refs = list({entry[0]: None for entry in lent if entry is not None})   # several episodes may share one
+            values = dict(zip(refs, ray_module().get(refs)))
+            objects = [None if entry is None else (entry[0], entry[1], values[entry[0]] if entry[1] is None
+                                                   else values[entry[0]][entry[1]]) for entry in lent]
+            episodes = [e if o is None else lent_episode(e, o[2], schema) for e, o in zip(episodes, objects)]
         ids, refused, added = [], [], []
         engine = self.engine
         for episode, lent_rows in zip(episodes, objects):   # one refused episode must not take the rest with it
@@ -163,13 +166,13 @@ class ShardServer:
                 with engine.lock:
                     # Not lent when of another layout than the shard's (derived fields).
                     lends = lent_rows is not None and block_fits(
-                        lent_rows[1], episode.num_rows, engine.schema if engine.schema is not None else schema)
+                        lent_rows[2], episode.num_rows, engine.schema if engine.schema is not None else schema)
                     later = lends and self._fills_later
                     ids.append(engine.add(episode, schema, timeout, rows=not later))
                     if lends:
-                        ref, columns = lent_rows
+                        ref, part, columns = lent_rows
                         self.blocks.lend(engine.table.episodes_added - 1, ref,
-                                         sum(data.nbytes for data in columns.values()))
+                                         sum(data.nbytes for data in columns.values()), part)
                     if later:
                         self.unfilled.add(ids[-1], episode)
                 added.append((ids[-1], episode))

@@ -15,6 +15,9 @@ episode of at least ``block_bytes / 8`` once, in a block's layout
 the rows from that object without a copy, and at the next seal the object
 itself becomes the episode's block (`lend`), its one-episode chunk carried
 inline in the manifest (a ``ray.put`` of it cost ~1 ms of the write).
+The lent episodes of one write request are put together, as one object that
+is a list of their rows: each becomes a block of its own that names its item
+(`BlockInfo.part`), and the object is freed once none of those blocks is left.
 Its owner is the writer's process: Ray frees an object when its owner dies, and
 non-detached shard actors die with the process that started them, so such an
 object outlives every block made of it. Writers in other processes (tasks,
@@ -93,6 +96,19 @@ class BlockInfo:
     num_episodes: int
     num_rows: int
     nbytes: int
+    # A lent block whose writer put several episodes as one object (a list of their
+    # rows, each in a block's layout): which of them this block is; None: the whole object.
+    part: int | None = None
+
+    @property
+    def key(self) -> Any:
+        """What names this block (readers cache by it): its ref, with its part if it has one."""
+        return self.ref if self.part is None else (self.ref, self.part)
+
+
+def block_value(block: BlockInfo, value: Any) -> dict[str, np.ndarray]:
+    """The block's columns from ``value``, the object its ref names (the part it is of a shared one)."""
+    return value if block.part is None else value[block.part]
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,7 @@ class BlockRing:
         self._written = -np.inf          # when the last write came (compaction waits for a pause)
         self._compacted = -1             # the version last compacted, and when
         self._compacted_at = -np.inf
-        self._lent: dict[int, tuple[Any, int]] = {}   # open serial -> (its writer's object, bytes)
+        self._lent: dict[int, tuple[Any, int | None, int]] = {}   # open serial -> (writer's object, part, bytes)
 
     @property
     def nbytes(self) -> int:
@@ -145,11 +161,12 @@ class BlockRing:
             self._open_since = time.monotonic() - self.seal_latency   # due at once
             self._open_bytes = self.block_bytes   # sealed in full blocks
 
-    def lend(self, serial: int, ref: Any, nbytes: int) -> None:
+    def lend(self, serial: int, ref: Any, nbytes: int, part: int | None = None) -> None:
         """The episode of ``serial``, just written, is to be sealed as its own block: the object
-        ``ref`` of ``nbytes`` bytes that its writer put in a block's layout (`block_columns`),
-        without a copy. Call under the engine's lock, in the hold that wrote it."""
-        self._lent[serial] = (ref, nbytes)
+        ``ref`` (or its item ``part``, when its writer put several episodes at once) of ``nbytes``
+        bytes that its writer put in a block's layout (`block_columns`), without a copy.
+        Call under the engine's lock, in the hold that wrote it."""
+        self._lent[serial] = (ref, part, nbytes)
 
     def added(self, engine: ShardEngine, nbytes: int) -> None:
         """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
@@ -206,11 +223,12 @@ class BlockRing:
         for serial in sorted(k for k in lent if start <= k < stop):
             if run < serial:
                 self._seal_copies(engine, run, serial, first_live)
-            ref, nbytes = lent[serial]
+            ref, part, nbytes = lent[serial]
             position = serial - first_live
             episodes = _chunk(table, position, position + 1)
             # Its chunk (one episode) travels inline in the manifest: a put costs ~1 ms of the write.
-            self.blocks.append(BlockInfo(ref, episodes, serial, 1, int(table.col("num_rows")[position]), nbytes))
+            self.blocks.append(BlockInfo(ref, episodes, serial, 1, int(table.col("num_rows")[position]), nbytes,
+                                         part))
             run = serial + 1
         if run < stop:
             self._seal_copies(engine, run, stop, first_live)
@@ -285,7 +303,7 @@ class BlockRing:
             else:
                 merged.append(block)
         close_run()
-        if [b.ref for b in merged] != [b.ref for b in self.blocks]:
+        if [b.key for b in merged] != [b.key for b in self.blocks]:
             self.blocks = merged
             self.version += 1
             self._compacted = self.version

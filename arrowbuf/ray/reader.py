@@ -46,7 +46,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError
-from arrowbuf.ray.blocks import BlockInfo, Manifest
+from arrowbuf.ray.blocks import BlockInfo, Manifest, block_value
 from arrowbuf.ray.gather import BlockGather, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
@@ -92,28 +92,29 @@ class BlockCache:
 
     def get(self, block: BlockInfo, keep: set) -> dict:
         """The block's columns (fetched now if not cached); blocks in ``keep`` are not dropped."""
-        entry = self.entries.get(block.ref)
+        key = block.key
+        entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(block.ref)
+            self.entries.move_to_end(key)
             return entry[0]
-        value = ray_module().get(block.ref)
+        value = block_value(block, ray_module().get(block.ref))
         if self.copy:   # what a block from another node is: this process's own memory
             value = {name: np.array(column, copy=True) for name, column in value.items()}
         self.fetches += 1
-        self.entries[block.ref] = (value, block.nbytes)
+        self.entries[key] = (value, block.nbytes)
         self.nbytes += block.nbytes
         if self.limit is not None:
-            for ref in list(self.entries):
+            for cached in list(self.entries):
                 if self.nbytes <= self.limit:
                     break
-                if ref not in keep and ref is not block.ref:
-                    self.nbytes -= self.entries.pop(ref)[1]
+                if cached not in keep and cached != key:
+                    self.nbytes -= self.entries.pop(cached)[1]
         return value
 
-    def retain(self, refs: set) -> None:
-        """Drop every block not in ``refs`` (no manifest lists it any more)."""
-        for ref in [r for r in self.entries if r not in refs]:
-            self.nbytes -= self.entries.pop(ref)[1]
+    def retain(self, keys: set) -> None:
+        """Drop every block whose `BlockInfo.key` is not in ``keys`` (no manifest lists it any more)."""
+        for key in [k for k in self.entries if k not in keys]:
+            self.nbytes -= self.entries.pop(key)[1]
 
     def clear(self) -> None:
         self.entries.clear()
@@ -151,7 +152,7 @@ class BlockReader:
         options = shards.options
         self.cache = BlockCache(options.reader_cache_bytes, options.copy_blocks)
         self.views: dict[int, ShardView] = {}
-        self._chunks: dict[Any, dict] = {}     # episode chunks of listed blocks, by block ref
+        self._chunks: dict[Any, dict] = {}     # episode chunks of listed blocks, by `BlockInfo.key`
         self._pending: dict[int, Any] = {}     # shard -> manifest request in flight
         self._sent: dict[int, float] = {}
         self._drawn = np.zeros(shards.num_shards, np.int64)   # draws not yet reported to each shard
@@ -262,10 +263,10 @@ class BlockReader:
                 self.sizes.note(shard, reading)
             if manifest is not None:
                 self._install(shard, manifest)
-        listed = {b.ref for view in self.views.values() for b in view.manifest.blocks}
+        listed = {b.key for view in self.views.values() for b in view.manifest.blocks}
         self.cache.retain(listed)
-        for ref in [r for r in self._chunks if r not in listed]:
-            del self._chunks[ref]
+        for key in [k for k in self._chunks if k not in listed]:
+            del self._chunks[key]
 
     def _install(self, shard: int, manifest: Manifest) -> None:
         token, version = self._known(shard)
@@ -273,15 +274,15 @@ class BlockReader:
             return   # an older answer than the view's
         blocks = manifest.blocks
         # A chunk comes inline (a lent block's one episode) or as an object of its own.
-        missing = [b for b in blocks if b.ref not in self._chunks]
+        missing = [b for b in blocks if b.key not in self._chunks]
         fetched = iter(ray_module().get([b.episodes for b in missing if not isinstance(b.episodes, dict)]))
         for block in missing:
-            self._chunks[block.ref] = block.episodes if isinstance(block.episodes, dict) else next(fetched)
+            self._chunks[block.key] = block.episodes if isinstance(block.episodes, dict) else next(fetched)
         sizes = np.array([b.num_rows for b in blocks], np.int64)
         bases = np.cumsum(sizes) - sizes
         columns: dict[str, list] = {name: [empty] for name, empty in _TEMPLATE.items()}
         for block, base in zip(blocks, bases.tolist()):
-            chunk = self._chunks[block.ref]
+            chunk = self._chunks[block.key]
             skip = max(0, manifest.first_live_serial - block.first_serial)
             for name in columns:
                 part = chunk[name][skip:]
@@ -473,7 +474,7 @@ class BlockReader:
         """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
         parts = same_width(parts)
         orders = [block_order(view.bases, selection.rows) for view, selection in parts]
-        keep = {view.blocks[b].ref for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
+        keep = {view.blocks[b].key for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
         pieces, roles, extras, offset = [], ([], [], []), [], 0
         for (view, selection), (block, touched, starts, order) in zip(parts, orders):
             columns = [self.cache.get(view.blocks[b], keep) for b in touched.tolist()]

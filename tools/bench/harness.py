@@ -83,10 +83,18 @@ def rotated(items: Sequence[str], k: int) -> list[str]:
     return list(items[k:]) + list(items[:k])
 
 
+def units_of(units: float | Mapping[str, float], name: str) -> float:
+    """Units of one call of contender ``name``: ``units``, or its entry when it maps contenders to units."""
+    return units[name] if isinstance(units, Mapping) else units
+
+
 def interleaved_rates(fns: Mapping[str, Callable[[], Any]], min_time: float, slices: int,
-                      units: float = 1.0, order_seed: int = 0,
+                      units: float | Mapping[str, float] = 1.0, order_seed: int = 0,
                       finish: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
     """Throughput of each function (calls x ``units`` per second), measured in turns.
+
+    ``units`` is one number for all, or one per function (contenders whose calls do
+    different amounts of work, e.g. one episode against a batch of K).
 
     Each function runs for ``slices`` slices of ``min_time / slices`` seconds (at
     least one call each), the functions taking turns in a rotating order, so that
@@ -117,7 +125,7 @@ def interleaved_rates(fns: Mapping[str, Callable[[], Any]], min_time: float, sli
                 elapsed = time.perf_counter() - start
             calls[name] += n
             spent[name] += elapsed
-    return {name: calls[name] * units / spent[name] for name in names}
+    return {name: calls[name] * units_of(units, name) / spent[name] for name in names}
 
 
 def interleaved_times(fns: Mapping[str, Callable[[], Any]], min_time: float, slices: int,
@@ -161,7 +169,7 @@ class Race:
     """One interleaved comparison, timed every round and reported as one metric.
 
     ``fns`` are the contenders' calls. A rate race reports calls x ``units`` per
-    second (``finish`` as in `interleaved_rates`); a ``per_call`` race reports the
+    second (``units``: one number, or a mapping with one per contender) (``finish`` as in `interleaved_rates`); a ``per_call`` race reports the
     median time of one call, in seconds x ``scale`` (1e3: ms). ``self_timed``
     calls return their own seconds (see `interleaved_times`); a self-timed rate
     race reports ``units`` / the median call. ``ratios`` maps a column name to
@@ -174,7 +182,7 @@ class Race:
     ratios: Mapping[str, tuple[str, str]]
     target: str = ""
     goal: Callable[[Metric], bool] | None = None
-    units: float = 1.0
+    units: float | Mapping[str, float] = 1.0
     finish: Mapping[str, Callable[[], Any]] | None = None
     per_call: bool = False
     scale: float = 1.0
@@ -187,7 +195,7 @@ class Race:
         times = interleaved_times(self.fns, min_time, slices, order_seed, self.self_timed)
         if self.per_call:
             return {c: t * self.scale for c, t in times.items()}
-        return {c: self.units / t for c, t in times.items()}
+        return {c: units_of(self.units, c) / t for c, t in times.items()}
 
 
 def _short(value: float) -> str:
