@@ -21,6 +21,13 @@ A TensorDict that came back changed (a key added, replaced or deleted, a new bat
 size) is rebuilt from the slot's tensors before reuse, so the next batch has the
 layout's keys only.
 
+A slot may hold several batches gathered together (``SlotSpec.parts``: a Ray
+reader's `sample_iter` gathers the batches of one draw at once, one take per field
+for all of them): each is a TensorDict of its own over its share of the buffer,
+built once like the others, and the slot is reused only once nothing refers to
+any of them (so a batch kept keeps the batches gathered with it from being
+overwritten, and their memory from being reused).
+
 Pinned slots (``pinned=True``: page-locked host memory from torch's pinned
 allocator, for ``pin_memory=True`` and CUDA samples of a host arena) follow the same
 rule, plus one that no reference count shows: a non-blocking copy to the GPU may
@@ -77,18 +84,33 @@ class SlotSpec:
             written by a sample; views past the leaves are scratch (packed records).
         leaves: (key path, torch dtype, byte offset, byte size, shape) of each
             tensor of the TensorDict, views of the same bytes as ``outs``.
-        batch_size: the TensorDict's batch size.
+        batch_size: the TensorDict's batch size (of all ``parts`` together).
+        parts: TensorDicts the leaves are split into along their first (batch)
+            axis, each of ``batch_size[0] // parts`` items and the same keys; with
+            more than one, `Slot.claim` returns them as a tuple.
     """
 
     nbytes: int
     outs: tuple[tuple[np.dtype, tuple[int, ...], int], ...]
     leaves: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]
     batch_size: torch.Size
+    parts: int = 1
 
 
 def leaf_views(flat: torch.Tensor, leaves: tuple) -> list[torch.Tensor]:
     """Each leaf of a `SlotSpec` (or `Payload` spec) as a view of the byte tensor ``flat``."""
     return [flat[offset:offset + size].view(dtype).view(shape) for _, dtype, offset, size, shape in leaves]
+
+
+def part_leaves(leaves: tuple, parts: int) -> list[tuple]:
+    """The leaves of a `SlotSpec` split into ``parts`` equal shares along their first
+    axis: the leaves of each part, in part order (C-contiguous leaves: each share is
+    a contiguous range of the leaf's bytes)."""
+    split = []
+    for k in range(parts):
+        split.append(tuple((key, dtype, offset + k * (size // parts), size // parts, (shape[0] // parts, *shape[1:]))
+                           for key, dtype, offset, size, shape in leaves))
+    return split
 
 
 def out_views(buffer: np.ndarray, outs: tuple) -> list[np.ndarray]:
@@ -129,7 +151,8 @@ def allocate(nbytes: int, hugepages: bool) -> np.ndarray:
 
 
 class Slot:
-    """One gather buffer, the numpy views a sample writes and the TensorDict it returns.
+    """One gather buffer, the numpy views a sample writes and the TensorDict it returns
+    (a tuple of them for a slot of several ``parts``).
 
     Args:
         spec: the layout.
@@ -149,27 +172,32 @@ class Slot:
         self._event: Any = None   # the CUDA event of a non-blocking copy still reading the slot
         self.nbytes = spec.nbytes
         self.outs = out_views(buffer, spec.outs)
-        self._tensors = leaf_views(self._flat, spec.leaves)
+        self.parts = spec.parts
+        # The tensors of every part, part after part (one part: the leaves themselves).
+        self._tensors = [tensor for leaves in part_leaves(spec.leaves, spec.parts)
+                         for tensor in leaf_views(self._flat, leaves)]
         self._paths = [path for path, *_ in spec.leaves]
-        self._batch_size = spec.batch_size
+        self._batch_size = torch.Size([spec.batch_size[0] // spec.parts, *spec.batch_size[1:]])
         self._build()
         # Counts of an unused slot, taken once: a TensorDict rebuilt later has the
         # same structure, hence the same counts when nobody else holds it.
         self._storage = self._flat.untyped_storage()
         self._storage_cdata = self._storage._cdata
         self._storage_uses = _storage_use_count(self._storage_cdata)
-        self._root_refs = getrefcount(self.td)
+        self._root_refs = list(map(getrefcount, self._roots))
         self._counts = self._refcounts()
 
     def _build(self) -> None:
-        """(Re)build the TensorDict of the slot's tensors and the lists that check it."""
-        self.td = make_td(nest(dict(zip(self._paths, self._tensors))), self._batch_size)
+        """(Re)build the TensorDict of each part of the slot's tensors and the lists that check them."""
+        n = len(self._paths)
+        self._roots = [make_td(nest(dict(zip(self._paths, self._tensors[k * n:(k + 1) * n]))), self._batch_size)
+                       for k in range(self.parts)]
         # Per TensorDict: (its entries dict, their keys, their values, its attributes,
         # it), what `_intact` compares; the values are compared by identity, which is
         # unambiguous as the slot keeps every value alive.
         self._containers = []
         self._objects = []   # every value of every TensorDict: nested TensorDicts and tensors
-        pending = [self.td]
+        pending = list(self._roots)
         while pending:
             container = pending.pop()
             # tensordict keeps a TensorDict's entries in the plain dict `_tensordict`:
@@ -209,19 +237,25 @@ class Slot:
             self.in_flight(event)
         return flat
 
-    def claim(self) -> TensorDict | None:
-        """The slot's TensorDict, to refill, or None while anything else refers to its memory."""
+    def claim(self) -> TensorDict | tuple[TensorDict, ...] | None:
+        """The slot's TensorDict (a new tuple of its parts' for several parts), to refill,
+        or None while anything else refers to its memory."""
         if self._event is not None:
             if not self._event.query():
                 return None
             self._event = None
-        if getrefcount(self.td) != self._root_refs:
+        if list(map(getrefcount, self._roots)) != self._root_refs:
             return None
         if not self._intact():
             self._build()
         if _storage_use_count(self._storage_cdata) != self._storage_uses:
             return None
-        return self.td if self._refcounts() == self._counts else None
+        return self.handed() if self._refcounts() == self._counts else None
+
+    def handed(self) -> TensorDict | tuple[TensorDict, ...]:
+        """What a claim hands out: the TensorDict, or a new tuple of the parts' (new, so
+        that the claimant's tuple counts as a reference to each part)."""
+        return self._roots[0] if self.parts == 1 else tuple(self._roots)
 
 
 class SlotPool:
@@ -250,7 +284,7 @@ class SlotPool:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def claim(self, key: Hashable, spec: SlotSpec) -> tuple[list[np.ndarray], TensorDict]:
+    def claim(self, key: Hashable, spec: SlotSpec) -> tuple[list[np.ndarray], TensorDict | tuple[TensorDict, ...]]:
         """(numpy views to fill, the TensorDict of them) of a free slot of ``key``'s layout;
         a new slot when none is free (kept while the bounds allow).
 
@@ -260,7 +294,8 @@ class SlotPool:
         slot, td = self.claim_slot(key, spec)
         return slot.outs, td
 
-    def claim_slot(self, key: Hashable, spec: SlotSpec, pinned: bool = False) -> tuple[Slot, TensorDict]:
+    def claim_slot(self, key: Hashable, spec: SlotSpec, pinned: bool = False
+                   ) -> tuple[Slot, TensorDict | tuple[TensorDict, ...]]:
         """`claim`, returning the slot itself (to copy it out: `Slot.copy_to`); ``pinned``
         slots are kept apart from pageable ones of the same layout."""
         if pinned:
@@ -279,7 +314,7 @@ class SlotPool:
             if keep:
                 slots.append(slot)
                 self._bytes += slot.nbytes
-            return slot, slot.td
+            return slot, slot.handed()
 
     def _make_room(self, nbytes: int, key: Hashable) -> bool:
         """Drop least recently used layouts (other than ``key``) until ``nbytes`` more fit."""

@@ -97,7 +97,10 @@ class StoreSampling:
                 block by block: large rows such as pixels are copied straight from
                 the blocks and do not count), at most 16. A write of
                 this process, a `flush` or new manifests drop the batches not yet
-                returned (the next one holds the write). Ignored by a local store.
+                returned (the next one holds the write). Batches of a draw are
+                gathered into one pooled buffer of at most
+                ``arrowbuf.ray.router.GROUP_BYTES`` (1 MiB): a batch you keep is never
+                overwritten, and keeps that buffer from reuse. Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.
 
         Raises:

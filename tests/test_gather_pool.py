@@ -222,6 +222,32 @@ def test_a_pool_keeps_at_most_max_slots_per_layout_and_gathers_fresh_beyond():
     assert pool.claim("layout", spec)[1]["x"].data_ptr() in kept_addresses
 
 
+@pytest.mark.parametrize("kept", ["first", "last", "a view of one"])
+def test_a_slot_of_several_batches_is_reused_only_once_no_batch_of_it_is_kept(kept):
+    # sample_iter gathers the batches of a draw into one slot of parts: each part its
+    # own TensorDict over its rows, and one kept part keeps every other from reuse.
+    pool = SlotPool()
+    spec = SlotSpec(48, ((np.dtype(np.int64), (6,), 0),), ((("x",), torch.int64, 0, 48, (6,)),),
+                    torch.Size([6]), parts=3)
+    outs, parts = pool.claim("layout", spec)
+    outs[0][:] = np.arange(6)
+    assert [part.batch_size for part in parts] == [torch.Size([2])] * 3
+    assert [part["x"].tolist() for part in parts] == [[0, 1], [2, 3], [4, 5]]
+    address = parts[0]["x"].data_ptr()
+    keep = {"first": parts[0], "last": parts[2], "a view of one": parts[1]["x"][1:]}[kept]
+    expected = {"first": [0, 1], "last": [4, 5], "a view of one": [3]}[kept]
+    del parts
+    outs, again = pool.claim("layout", spec)
+    outs[0][:] = -1
+    assert again[0]["x"].data_ptr() != address   # a new slot: the kept part's rows stay
+    assert (keep if kept == "a view of one" else keep["x"]).tolist() == expected
+    del again
+    assert pool.claim("layout", spec)[1][0]["x"].data_ptr() != address   # the second slot, free again
+    del keep
+    claimed = [pool.claim("layout", spec)[1] for _ in range(2)]
+    assert address in {parts[0]["x"].data_ptr() for parts in claimed}   # nothing kept: reused
+
+
 def test_a_pool_over_max_bytes_drops_its_least_recently_used_layouts():
     pool = SlotPool(max_bytes=3 * 4096)
     for name in "abcd":

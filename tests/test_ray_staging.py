@@ -87,6 +87,36 @@ def test_every_staged_batch_holds_its_drawn_rows_in_drawn_order(direct_row_bytes
         np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][expected])
 
 
+@pytest.mark.parametrize("direct_row_bytes", [1, 1 << 40], ids=["straight from the blocks", "through the scratch"])
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(2, 30), min_size=1, max_size=8), st.integers(2, 5), st.integers(1, 30),
+       st.integers(0, 2**32 - 1))
+def test_batches_gathered_together_each_hold_their_drawn_rows_and_a_kept_one_is_never_overwritten(
+        direct_row_bytes, sizes, batches, batch_size, seed):
+    blocks, bases, whole = make_blocks(sizes)
+    steps = np.setdiff1d(np.arange(sum(sizes)), bases[1:] - 1)[:-1]
+    rng = np.random.default_rng(seed)
+    gather = BlockGather(SCHEMA, direct_row_bytes)
+    kept = []
+    for _ in range(3):   # later draws reuse what no kept batch holds
+        rows = rng.choice(steps, batches * batch_size)
+        together = gather.batches(stage(blocks, bases, rows, {}), 0, batches * batch_size, batch_size, None)
+        assert len(together) == batches
+        for k, batch in enumerate(together):
+            expected = rows[k * batch_size:(k + 1) * batch_size]
+            assert batch.batch_size == (batch_size,)
+            np.testing.assert_array_equal(batch["obs"].numpy(), whole["obs"][expected])
+            np.testing.assert_array_equal(batch["next", "obs"].numpy(), whole["obs"][expected + 1])
+            np.testing.assert_array_equal(batch["action"].numpy(), whole["action"][expected])
+            np.testing.assert_array_equal(batch["terminated"].numpy(), whole["terminated"][expected])
+            np.testing.assert_array_equal(batch["index"].numpy(), expected * 10)
+        kept.append((together[-1], rows[-batch_size:]))   # the others are dropped
+        del together, batch
+    for batch, expected in kept:
+        np.testing.assert_array_equal(batch["obs"].numpy(), whole["obs"][expected])
+        np.testing.assert_array_equal(batch["index"].numpy(), expected * 10)
+
+
 def test_a_scratch_reused_by_a_new_staging_is_read_from_its_blocks_again():
     blocks, bases, whole = make_blocks([10, 10, 10])
     gather, scratch = BlockGather(SCHEMA), {}

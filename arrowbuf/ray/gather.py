@@ -24,6 +24,10 @@ memory nor rebuilds a TensorDict):
   A random read of small rows costs a cache miss per row and column; packed, one
   per row for all of them, as in the embedded store's arena.
 
+`BlockGather.batches` gathers several staged batches (`sample_iter`'s draw) at
+once into one slot of as many parts (`arrowbuf._pool.SlotSpec.parts`): one claim,
+and the steps above once, for all of them; each part is a TensorDict of its own.
+
 `same_width` pads episode batches of several shards to one width.
 
 The layout follows `arrowbuf.tensors.Gather`: fields in schema order (an
@@ -37,6 +41,7 @@ batch costs as much as a few takes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +83,7 @@ class BlockGather:
         self._layouts: dict[tuple, tuple] = {}   # by shapes, keys and every extra's name, dtype, shape
         self._recent: dict[tuple, tuple] = {}    # by shapes, keys and the extras' names: the last one used
         self._pool = SlotPool()
+        self._parted: dict[tuple, "_Layout"] = {}   # (a layout, parts) -> its layout of that many batches
 
     def check_keys(self, keys: Any) -> frozenset | None:
         """``keys`` checked as `arrowbuf.tensors.Gather.check_keys` does (None: every field)."""
@@ -94,14 +100,47 @@ class BlockGather:
             keys: `check_keys` of the fields to gather.
             device: where the batch goes (gathered on the CPU, then moved in one copy).
         """
-        extra = staged.extra
         layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
+        self._fill(staged, layout, outs, start, stop)
+        if device is not None and device.type != "cpu":
+            return batch.to(device, non_blocking=True)
+        return batch
+
+    def batches(self, staged: Staged, start: int, stop: int, batch_size: int, keys: frozenset | None,
+                device: torch.device | None = None) -> tuple[TensorDict, ...]:
+        """The batches of ``batch_size`` staged items in ``[start, stop)`` (a multiple of
+        it), gathered together into one pooled slot of that many parts (`SlotSpec.parts`):
+        one take per field (and one claim) for all of them. The slot is reused only
+        once none of them is referred to: a batch kept keeps the others' memory too."""
+        parts = (stop - start) // batch_size
+        if parts == 1:
+            return (self(staged, start, stop, keys, device),)
+        whole = self._layout_of(staged, stop - start, keys)
+        layout = self._parted.get((whole, parts))
+        if layout is None:
+            slot = dataclasses.replace(whole.slot, parts=parts)
+            layout = self._parted[(whole, parts)] = dataclasses.replace(whole, slot=slot)
+        outs, batches = self._pool.claim(layout, layout.slot)
+        self._fill(staged, layout, outs, start, stop)
+        if device is not None and device.type != "cpu":
+            return tuple(batch.to(device, non_blocking=True) for batch in batches)
+        return batches
+
+    def out_bytes(self, staged: Staged, count: int) -> int:
+        """Bytes of the pooled buffer of a batch of ``count`` staged items (every field)."""
+        return self._layout_of(staged, count, None).slot.nbytes
+
+    @staticmethod
+    def _fill(staged: Staged, layout: "_Layout", outs: list[np.ndarray], start: int, stop: int) -> None:
+        """Gather the staged items ``[start, stop)`` into a slot's views, as ``layout`` says."""
+        extra = staged.extra
         inv = None if staged.inv is None else staged.inv[start:stop]
         direct = []
         for (source, role, how), out in zip(layout.plan, outs):
             if role < 0:
-                np.copyto(out, extra[source][start:stop])
+                # Same dtype and shape (`_matches`): an item assignment, cheaper than np.copyto.
+                out[...] = extra[source][start:stop]
             elif how == "packed":
                 continue
             elif inv is None:
@@ -109,11 +148,11 @@ class BlockGather:
                 for columns, lo, hi in staged.pieces:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
-                        columns[source].take(rows[lo:hi], axis=0, out=out[lo - start:hi - start], mode="clip")
+                        columns[source].take(rows[lo:hi], 0, out[lo - start:hi - start], "clip")
             elif how == "direct":
                 direct.append((source, role, out))
             else:
-                staged.rows_of(source, role).take(inv, axis=0, out=out, mode="clip")
+                staged.rows_of(source, role).take(inv, 0, out, "clip")
         if direct:
             staged.rows_into(direct, start, stop)
         if layout.packed is not None:
@@ -124,15 +163,12 @@ class BlockGather:
                 for columns, lo, hi in staged.pieces:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
-                        staged.block_records(columns, group).take(rows[lo:hi], axis=0,
-                                                                  out=records[lo - start:hi - start], mode="clip")
+                        staged.block_records(columns, group).take(rows[lo:hi], 0, records[lo - start:hi - start],
+                                                                  "clip")
             else:
-                staged.records_of(group).take(inv, axis=0, out=records, mode="clip")
+                staged.records_of(group).take(inv, 0, records, "clip")
             for target, source in copies:
-                np.copyto(outs[target], outs[source])
-        if device is not None and device.type != "cpu":
-            return batch.to(device, non_blocking=True)
-        return batch
+                outs[target][...] = outs[source]
 
     def staged_bytes(self, staged: Staged, count: int, keys: frozenset | None) -> int:
         """Bytes a batch of ``count`` staged items puts through the scratch arrays (its

@@ -408,14 +408,35 @@ class BlockReader:
         """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`);
         a drawn batch counts as the shards' samples now, not when it was drawn ahead."""
         batch = self._gatherer()(staged, start, stop, keys, device)
-        if staged.drawn is not None:
-            self._drawn += staged.drawn[start // (stop - start)]
+        self._count(staged, start // (stop - start))
         return batch
+
+    @_locked
+    def emit_together(self, staged: Staged, start: int, stop: int, batch_size: int,
+                      device: torch.device | None) -> tuple[TensorDict, ...]:
+        """The staged batches of ``batch_size`` items in ``[start, stop)``, gathered together
+        (`BlockGather.batches`: one pooled slot for all); each counts as the shards'
+        samples once it is handed out (`count`), not when it is gathered."""
+        return self._gatherer().batches(staged, start, stop, batch_size, None, device)
+
+    @_locked
+    def count(self, staged: Staged, batch: int) -> None:
+        """The staged batch number ``batch`` is handed out: its items count as the shards' samples."""
+        self._count(staged, batch)
+
+    def _count(self, staged: Staged, batch: int) -> None:
+        if staged.drawn is not None:
+            self._drawn += staged.drawn[batch]
 
     @_locked
     def staged_bytes(self, staged: Staged, batch_size: int) -> int:
         """Bytes a batch of ``batch_size`` staged items puts through the staging's scratch arrays."""
         return self._gatherer().staged_bytes(staged, batch_size, None)
+
+    @_locked
+    def out_bytes(self, staged: Staged, batch_size: int) -> int:
+        """Bytes of the pooled buffer a batch of ``batch_size`` staged items is gathered into."""
+        return self._gatherer().out_bytes(staged, batch_size)
 
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
