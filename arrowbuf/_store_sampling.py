@@ -93,13 +93,13 @@ class StoreSampling:
             batches_per_request: on a Ray store that draws here (uniform, sequence,
                 episode samplers), batches drawn and gathered together (each an
                 independent draw, in drawn order); default: as many as fit in
-                ``arrowbuf.ray.router.STAGE_BYTES`` (8 MiB of the fields staged
+                ``arrowbuf.ray.staging.STAGE_BYTES`` (8 MiB of the fields staged
                 block by block: large rows such as pixels are copied straight from
                 the blocks and do not count), at most 16. A write of
                 this process, a `flush` or new manifests drop the batches not yet
                 returned (the next one holds the write). Batches of a draw are
                 gathered into one pooled buffer of at most
-                ``arrowbuf.ray.router.GROUP_BYTES`` (1 MiB): a batch you keep is never
+                ``arrowbuf.ray.gather.GROUP_BYTES`` (1 MiB): a batch you keep is never
                 overwritten, and keeps that buffer from reuse. Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.
 

@@ -86,8 +86,9 @@ class RayOptions:
             recently used dropped first); None keeps every listed block. On the
             shard's node a fetched block costs no memory of its own (a view of the
             object store) but keeps the block alive after eviction; from another
-            node it is a local copy. Below the store's size, batches fetch blocks
-            again (latency for memory).
+            node it is a local copy. The records the reader packs from a block's
+            small step fields count as well. Below the store's size, batches fetch
+            blocks again (latency for memory).
         copy_blocks: copy each fetched block into the reading process's memory, as
             a block that comes from another node is: frees the shared memory of
             evicted blocks at once, costs a copy per fetch (also how tests run

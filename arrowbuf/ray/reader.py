@@ -26,7 +26,7 @@ writes. A dead shard is found by its failed manifest request.
 
 Blocks are fetched on first use (`ray.get`: zero-copy on the node, one transfer
 from another node) into an LRU cache bounded by ``RayOptions.reader_cache_bytes``
-(blocks of the current batch are never dropped). ``RayOptions.copy_blocks``
+(blocks of the current batch are never dropped; `arrowbuf.ray.cache`). ``RayOptions.copy_blocks``
 copies each fetched block into this process's memory, as a block fetched from
 another node is: it tests that path on one node, and frees shared memory.
 """
@@ -37,7 +37,6 @@ import functools
 import threading
 import time
 import types
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,7 +45,8 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError
-from arrowbuf.ray.blocks import BlockInfo, Manifest, block_value
+from arrowbuf.ray.blocks import BlockInfo, Manifest
+from arrowbuf.ray.cache import BlockCache
 from arrowbuf.ray.gather import BlockGather, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
@@ -78,47 +78,6 @@ class ShardView:
     columns: dict[str, np.ndarray]        # what `table` was built from
     index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
     shards: np.ndarray | None = None      # shard of each episode (a view of several)
-
-
-class BlockCache:
-    """Fetched blocks by ObjectRef, least recently used first, within ``limit`` bytes."""
-
-    def __init__(self, limit: int | None, copy: bool) -> None:
-        self.limit = limit
-        self.copy = copy
-        self.entries: OrderedDict[Any, tuple[dict, int]] = OrderedDict()
-        self.nbytes = 0
-        self.fetches = 0
-
-    def get(self, block: BlockInfo, keep: set) -> dict:
-        """The block's columns (fetched now if not cached); blocks in ``keep`` are not dropped."""
-        key = block.key
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-            return entry[0]
-        value = block_value(block, ray_module().get(block.ref))
-        if self.copy:   # what a block from another node is: this process's own memory
-            value = {name: np.array(column, copy=True) for name, column in value.items()}
-        self.fetches += 1
-        self.entries[key] = (value, block.nbytes)
-        self.nbytes += block.nbytes
-        if self.limit is not None:
-            for cached in list(self.entries):
-                if self.nbytes <= self.limit:
-                    break
-                if cached not in keep and cached != key:
-                    self.nbytes -= self.entries.pop(cached)[1]
-        return value
-
-    def retain(self, keys: set) -> None:
-        """Drop every block whose `BlockInfo.key` is not in ``keys`` (no manifest lists it any more)."""
-        for key in [k for k in self.entries if k not in keys]:
-            self.nbytes -= self.entries.pop(key)[1]
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
 
 
 def _locked(method: Callable) -> Callable:
@@ -490,7 +449,7 @@ class BlockReader:
         if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
             order = orders[0][3]
             inv = None if order is None else placed(np.arange(offset), order)
-            return Staged(pieces, rows, extras[0], inv, offset, item, args[2], scratch)
+            return Staged(pieces, rows, extras[0], inv, offset, item, args[2], scratch, grown=self.cache.grew)
         extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
         ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
         drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
@@ -504,7 +463,7 @@ class BlockReader:
             extra = {name: placed(value, drawn) for name, value in extra.items()}
         if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
             inv = placed(np.arange(offset), in_block_order)
-        return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch)
+        return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch, grown=self.cache.grew)
 
     @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:

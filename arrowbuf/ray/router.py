@@ -46,40 +46,17 @@ from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.gather import GROUP_BYTES
 from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
+from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES
 from arrowbuf.ray.start import find_shards, start_shards
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import pinned
-
-#: Bytes of batches `sample_iter` draws and stages at once when its draws are made
-#: here (at most `MAX_STAGED` batches): one draw, one block plan and one read of
-#: each field per block for all of them; each batch is then one take per field from
-#: the staged rows. Measured per batch (2 shared cores under other load, 2 shards,
-#: best of 30 runs): W1 (200k rows, ~45 KB batches) 97 us one batch at a time, 61
-#: four, 53 eight, 46 sixteen (the embedded store's sample: 41 us); W2 (20k pixel
-#: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
-#: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
-#: 121-145 us). Only the fields read through the scratch count (`BlockReader.staged_bytes`):
-#: rows copied straight from the blocks (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`, W2's
-#: pixels) stage nothing, so W2 now draws 16 batches at once (~450 B of scratch each).
-STAGE_BYTES = 8 << 20
-MAX_STAGED = 16
-#: Bytes of one pooled buffer into which `sample_iter` gathers several batches of a
-#: draw together (`arrowbuf.ray.gather.BlockGather.batches`): one claim of a pooled
-#: slot, and one take per field, for all of them, where a batch at a time costs a
-#: claim, a take per field and a copy per extra each. Measured per W1 batch (200k
-#: rows, 256 items, a ~56 KB slot; 2 shards, 2 shared cores under other load, medians
-#: of 9 interleaved rounds of 2,000 batches): 36.2 us a batch at a time, 28.3 us
-#: sixteen together (the embedded store's sample: 30.1 us). A batch the trainer keeps
-#: keeps the buffer of the batches gathered with it (never overwritten, never
-#: reused): this bounds what one kept batch holds. W2's 1.35 MB batches are gathered
-#: one at a time.
-GROUP_BYTES = 1 << 20
 
 
 class RayBackend:

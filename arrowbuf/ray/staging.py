@@ -31,7 +31,7 @@ of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -49,6 +49,21 @@ from arrowbuf.samplers import Selection
 #: 186 us a W2 batch with its draw, against 239 us by concatenates (the embedded
 #: store's sample: 170 us).
 DIRECT_ROW_BYTES = 16 << 10
+
+#: Bytes of batches `sample_iter` draws and stages at once when its draws are made
+#: here (at most `MAX_STAGED` batches): one draw, one block plan and one read of
+#: each field per block for all of them; each batch is then one take per field from
+#: the staged rows. Measured per batch (2 shared cores under other load, 2 shards,
+#: best of 30 runs): W1 (200k rows, ~45 KB batches) 97 us one batch at a time, 61
+#: four, 53 eight, 46 sixteen (the embedded store's sample: 41 us); W2 (20k pixel
+#: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
+#: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
+#: 121-145 us). Only the fields read through the scratch count
+#: (`arrowbuf.ray.reader.BlockReader.staged_bytes`): rows copied straight from the
+#: blocks (`DIRECT_ROW_BYTES`, W2's pixels) stage nothing, so W2 now draws 16
+#: batches at once (~450 B of scratch each).
+STAGE_BYTES = 8 << 20
+MAX_STAGED = 16
 
 
 @dataclass
@@ -80,6 +95,9 @@ class Staged:
     _where: tuple[list, dict, dict] | None = None
     # batch layouts found for these items, by (gather, batch size, keys): found once, not per batch
     layouts: dict = field(default_factory=dict)
+    # told (block's columns, bytes) when records are kept in a block's dict: the reader's
+    # cache counts them against its bound (`arrowbuf.ray.cache.BlockCache.grew`)
+    grown: Callable[[dict, int], None] | None = None
 
     def shapes(self, count: int) -> tuple[tuple[int, ...], ...]:
         """Row shapes by role of a batch of ``count`` items."""
@@ -122,11 +140,10 @@ class Staged:
         self.filled.add(key)
         return out
 
-    @staticmethod
-    def block_records(columns: dict, group: tuple[int, tuple[tuple[str, int], ...]]) -> np.ndarray:
+    def block_records(self, columns: dict, group: tuple[int, tuple[tuple[str, int], ...]]) -> np.ndarray:
         """A block's fields of ``group`` packed one record a row (`arrowbuf.packing`):
         built on first use and kept in the block's dict (this process's own), so a block
-        is packed once while it stays cached, and dropped with it."""
+        is packed once while it stays cached, and dropped with it (`grown` is told)."""
         key = ("packed", group)
         records = columns.get(key)
         if records is None:
@@ -137,6 +154,8 @@ class Staged:
                 row_bytes = columns[name].reshape(rows, -1).view(np.uint8)
                 records[:, at:at + row_bytes.shape[1]] = row_bytes
             columns[key] = records
+            if self.grown is not None:
+                self.grown(columns, records.nbytes)
         return records
 
     def rows_into(self, targets: list[tuple[str, int, np.ndarray]], start: int, stop: int) -> None:
