@@ -188,10 +188,19 @@ def test_the_reader_cache_stays_within_its_bound_and_fetches_again():
         for key in range(40):
             store.add_episode(keyed_episode(key, 40), env_id=f"e{key % 4}")
         store.flush()
+        cache = store._backend._reader.cache
         seen: dict = {}
+        packed = 0
         for _ in range(200):
             check_rows(store.sample(1), seen)
-            assert store.stats()["reader"]["cached_bytes"] <= limit
+            # What the cached blocks hold, counted: their columns and the records of their small
+            # step fields (action, check, reward, flags) that the reader packs and keeps with them.
+            held = sum(a.nbytes for columns, _ in cache.entries.values() for a in columns.values()
+                       if isinstance(a, np.ndarray))
+            packed += sum(isinstance(k, tuple) and k[0] == "packed" for columns, _ in cache.entries.values()
+                          for k in columns)
+            assert held == cache.nbytes == store.stats()["reader"]["cached_bytes"] <= limit
+        assert packed > 0
         reader = store.stats()["reader"]
         assert reader["blocks"] > 10   # many blocks, a cache of 3: fetched again and again
         assert reader["fetches"] > reader["blocks"]
@@ -200,32 +209,6 @@ def test_the_reader_cache_stays_within_its_bound_and_fetches_again():
     finally:
         store.close()
 
-
-
-def test_the_reader_cache_bound_counts_the_records_it_packs_from_its_blocks():
-    # Small step fields (action, check, reward, flags) are read as records packed once per
-    # cached block and kept with it: about as many bytes again, outside the bound before.
-    episode = 41 * 30
-    limit = 6 * episode
-    options = RayOptions(block_bytes=episode + 1, reader_cache_bytes=limit)
-    store = ab.ExperienceStore(20_000, backend="ray", num_shards=2, seed=0, ray_options=options)
-    try:
-        for key in range(40):
-            store.add_episode(keyed_episode(key, 40), env_id=f"e{key % 4}")
-        store.flush()
-        cache = store._backend._reader.cache
-        seen: dict = {}
-        packed = 0
-        for _ in range(200):
-            check_rows(store.sample(1), seen)
-            held = [sum(a.nbytes for a in columns.values() if isinstance(a, np.ndarray))
-                    for columns, _ in cache.entries.values()]
-            packed += sum(isinstance(k, tuple) and k[0] == "packed" for columns, _ in cache.entries.values()
-                          for k in columns)
-            assert sum(held) == cache.nbytes <= limit
-        assert packed > 0
-    finally:
-        store.close()
 
 def test_close_releases_every_block_of_the_object_store():
     def free() -> float:
