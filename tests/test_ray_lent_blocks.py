@@ -25,6 +25,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 #: Rows of `keyed_episode` take 30 bytes: an episode of 40 steps (41 rows, 1,230 bytes)
 #: fills more than an eighth of a block, one of 5 steps (180 bytes) less.
 OPTIONS = RayOptions(block_bytes=8_000)
+QUICK_SEALS = RayOptions(block_bytes=8_000, seal_latency=0.05)   # open episodes sealed within 50 ms
 
 
 def keyed_episode(key: int, steps: int) -> dict:
@@ -179,8 +180,7 @@ def test_a_threaded_shard_copies_lent_rows_at_once_and_still_seals_the_lent_obje
 
 def test_the_lent_episodes_of_one_request_share_one_object_and_read_back_as_blocks_of_their_own(lent_refs):
     # One put per request, not per episode: a put costs per object as well as per byte.
-    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
-                               ray_options=RayOptions(block_bytes=8_000, seal_latency=0.05))
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=QUICK_SEALS)
     try:
         keys = [30, 31, 32]
         stacked = {name: np.stack([keyed_episode(key, 40)[name] for key in keys]) for name in keyed_episode(0, 40)}
@@ -361,8 +361,7 @@ def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_lo
 def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones_on_a_poll_never_in_a_flush(lent_refs):
     # Readers gather block by block: many blocks of one episode cost them more than a
     # copy in an idle shard does.
-    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0,
-                               ray_options=RayOptions(block_bytes=8_000, seal_latency=0.05))
+    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=QUICK_SEALS)
     try:
         for key in range(6):
             store.add_episode(keyed_episode(key, 40), env_id="a")

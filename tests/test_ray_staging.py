@@ -184,3 +184,18 @@ def test_small_step_fields_are_read_as_one_record_a_row_and_match_their_columns(
     assert len(packed) == 1   # each block packed once, kept for the next stagings
     record = blocks[0][packed[0]]
     assert record.shape == (sizes[0], 16)   # action 8 B, reward 4, two flags 1 each, padded to 4
+
+
+def test_derived_bytes_a_staging_keeps_in_a_block_are_reported_for_the_cache_bound():
+    # Records of small fields, and a contiguous copy of a column that is not (a view of a
+    # contiguous one costs nothing): both live in the block's dict, which the cache counts.
+    blocks, bases, _ = make_blocks([6, 6])
+    blocks[1]["obs"] = np.asfortranarray(blocks[1]["obs"])
+    grown = []
+    staged = stage(blocks, bases, np.arange(12), {})
+    staged.grown = lambda columns, nbytes: grown.append((id(columns), nbytes))
+    for block in blocks:
+        assert bytes(staged.column_bytes(block, "obs")) == np.ascontiguousarray(block["obs"]).tobytes()
+    assert grown == [(id(blocks[1]), blocks[1]["obs"].nbytes)]
+    staged.block_records(blocks[0], (16, (("action", 0), ("terminated", 8))))
+    assert grown[-1] == (id(blocks[0]), 6 * 16)

@@ -186,15 +186,18 @@ class Staged:
                 at, to = offsets[i], i * size
                 out[to:to + size] = columns[p][at:at + size]
 
-    @staticmethod
-    def column_bytes(columns: dict, source: str) -> memoryview:
-        """A block's column ``source`` as one flat memoryview of its bytes (a block's
-        columns are C-contiguous): made on first use and kept in the block's dict,
-        as `block_records` keeps its records."""
+    def column_bytes(self, columns: dict, source: str) -> memoryview:
+        """A block's column ``source`` as one flat memoryview of its bytes: a view of a
+        C-contiguous column (a block's are), else of a contiguous copy, counted as
+        `block_records` counts its records; made on first use and kept in the block's dict."""
         key = ("bytes", source)
         view = columns.get(key)
         if view is None:
-            view = columns[key] = memoryview(np.ascontiguousarray(columns[source]).reshape(-1).view(np.uint8))
+            column = columns[source]
+            flat = np.ascontiguousarray(column)
+            view = columns[key] = memoryview(flat.reshape(-1).view(np.uint8))
+            if flat is not column and self.grown is not None:
+                self.grown(columns, flat.nbytes)
         return view
 
 
