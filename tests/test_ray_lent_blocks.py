@@ -3,6 +3,7 @@ and its shard seals that very object as the episode's block (`arrowbuf.ray.block
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -197,14 +198,32 @@ def test_the_lent_episodes_of_one_request_share_one_object_and_read_back_as_bloc
         assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [*keys, 33]
         for key, episode_id in zip(keys, ids):   # the shard's arena, filled from the parts
             np.testing.assert_array_equal(store.episode(episode_id).column("check").to_numpy()[:-1], key * 3)
-        time.sleep(0.2)   # idle: a poll compacts the shared parts into a copied block
-        deadline = time.monotonic() + 30
-        while any(b.part is not None for b in manifests(store, seal=False)[0].blocks):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        batch = store.sample(512)
+    finally:
+        store.close()
+
+
+def test_one_add_episodes_call_puts_one_object_for_every_shard_and_one_shards_eviction_keeps_it_for_the_other(
+        lent_refs):
+    # A put costs per object: the lent episodes of a call are one object, whichever shard stores them.
+    store = ab.ExperienceStore(400, backend="ray", num_shards=2, seed=0, ray_options=QUICK_SEALS)
+    try:
+        keys = [40, 41, 42, 43]
+        stacked = {name: np.stack([keyed_episode(key, 40)[name] for key in keys]) for name in keyed_episode(0, 40)}
+        ids = store.add_episodes(stacked, env_ids=[f"env-{key}" for key in keys])
+        assert sorted(i % 2 for i in ids) == [0, 0, 1, 1]   # two on each shard
+        assert len(lent_refs) == 4 and len({ref.hex() for ref in lent_refs}) == 1
+        shared = lent_refs[0].hex()
+        lent_refs.clear()   # only the shards' blocks hold the object now
+        assert sorted(b.part for b in sealed_blocks(store) if b.ref.hex() == shared) == [0, 1, 2, 3]
+        on_one = [key for key, i in zip(keys, ids) if i % 2 == 1]
+        for key in range(50, 54):   # 4 x 41 rows evict shard 0's two episodes of the object
+            store.add_episode(keyed_episode(key, 40), shard=0)
+        assert sorted(b.part for b in sealed_blocks(store) if b.ref.hex() == shared) == \
+            sorted(k for k, i in enumerate(ids) if i % 2 == 1)
+        gc.collect()
+        batch = store.sample(2_000)
         check_rows(batch)
-        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == [*keys, 33]
+        assert set(batch["obs"][:, 0].numpy().astype(int).tolist()) == {*on_one, 50, 51, 52, 53}
     finally:
         store.close()
 
@@ -358,26 +377,33 @@ def test_a_restarted_durable_shard_publishes_its_lent_episodes_again_from_its_lo
         store.close()
 
 
-def test_an_idle_shard_compacts_lent_blocks_into_larger_copied_ones_on_a_poll_never_in_a_flush(lent_refs):
-    # Readers gather block by block: many blocks of one episode cost them more than a
-    # copy in an idle shard does.
+def test_an_idle_shard_merges_its_small_copied_blocks_on_a_poll_never_in_a_flush_and_leaves_lent_ones_uncopied(
+        lent_refs):
+    # Readers gather block by block: small copied blocks are merged at idle. Lent blocks are
+    # the writers' objects: merging them would copy each lent episode twice in the shard.
     store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=QUICK_SEALS)
     try:
-        for key in range(6):
-            store.add_episode(keyed_episode(key, 40), env_id="a")
-        store.flush()
+        for key in range(3):
+            store.add_episode(keyed_episode(key, 40), env_id="a")   # lent (1,230 B)
+        for key, steps in ((3, 30), (4, 1), (5, 1)):   # copied (below 1,000 B); the seals leave two blocks
+            store.add_episode(keyed_episode(key, steps), env_id="a")
+            store.flush()
         lent = {ref.hex() for ref in lent_refs}
-        assert len(lent) == 6
+        assert len(lent) == 3
+        copied = [b for b in manifests(store)[0].blocks if b.ref.hex() not in lent]
+        assert [b.num_episodes for b in copied] == [1, 2] and not any(b.lent for b in copied)
         time.sleep(0.2)   # idle: no write for more than seal_latency
         # A request its caller waits for (flush's) leaves compaction to the polls.
-        assert sum(b.ref.hex() in lent for b in manifests(store)[0].blocks) == 6
+        assert len(manifests(store)[0].blocks) == 5
         deadline = time.monotonic() + 30
-        while any(b.ref.hex() in lent for b in manifests(store, seal=False)[0].blocks):
+        while len(manifests(store, seal=False)[0].blocks) > 4:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         blocks = manifests(store)[0].blocks
-        assert len(blocks) < 6 and sum(b.num_episodes for b in blocks) == 6
-        batch = store.sample(512)
+        assert [(b.ref.hex() in lent, b.lent, b.num_episodes) for b in blocks] == \
+            [(True, True, 1)] * 3 + [(False, False, 3)]
+        assert unfilled(store) == [3]   # the merge read no lent episode's rows from the arena
+        batch = store.sample(1024)
         check_rows(batch)
         assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == list(range(6))
     finally:

@@ -207,7 +207,7 @@ class ShardServer:
             if engine.shard is not None and (seal or self.blocks.due()):
                 self.blocks.seal(engine)
             if engine.shard is not None and not seal and self.blocks.compaction_due():
-                self.blocks.compact(self._arena())   # merged blocks are copied from the arena
+                self.blocks.compact(engine)   # copied blocks only: their rows are in the arena
             manifest = self.blocks.manifest(engine)
             known = manifest.token == token and manifest.version == version
             return (None if known else manifest), self.size()

@@ -4,8 +4,8 @@ A writer in the process that started the shards lends each large episode to its
 shard as an object in a block's layout, and that object becomes the episode's
 block (`arrowbuf.ray.blocks`): readers in every process gather from it. The
 shard's own arena needs the rows only when the shard itself reads them: gathers
-by index (`gather`, `gather_ref`), `episode`, `to_arrow`, exports, checkpoints,
-`compute_gae`, and block compaction, which merges blocks by copying from the arena.
+by index (`gather`, `gather_ref`), `episode`, `to_arrow`, exports, checkpoints and
+`compute_gae` (block compaction merges copied blocks only, never lent ones).
 Durable logs write the episode as it came, and draws (uniform, prioritized,
 sequence) never touch rows.
 
