@@ -99,7 +99,7 @@ class StoreSampling:
                 this process, a `flush` or new manifests drop the batches not yet
                 returned (the next one holds the write). Batches of a draw are
                 gathered into one pooled buffer of at most
-                ``arrowbuf.ray.gather.GROUP_BYTES`` (1 MiB): a batch you keep is never
+                ``arrowbuf.ray.gather.GROUP_BYTES`` (4 MiB): a batch you keep is never
                 overwritten, and keeps that buffer from reuse. Ignored by a local store.
             n_step, gamma, frame_stack, device: as in `sample`.
 

@@ -65,9 +65,11 @@ from arrowbuf.tensors import ALIGN, ROLES, Gather, field_key, torch_dtype_of
 #: of 9 interleaved rounds of 2,000 batches): 36.2 us a batch at a time, 28.3 us
 #: sixteen together (the embedded store's sample: 30.1 us). A batch the trainer keeps
 #: keeps the buffer of the batches gathered with it (never overwritten, never
-#: reused): this bounds what one kept batch holds. W2's 1.35 MB batches are gathered
-#: one at a time.
-GROUP_BYTES = 1 << 20
+#: reused): this bounds what one kept batch holds. W2's 1.35 MB batches (38 lent
+#: blocks, 2 shards, medians of 10 interleaved rounds against the embedded store):
+#: one at a time (1 MiB) 0.72-0.73x the embedded store's rate, two together (3 MiB)
+#: 0.75x, three (4 MiB) 0.76x, six (8 MiB, past the 2 MiB L2) 0.62x.
+GROUP_BYTES = 4 << 20
 
 
 class BlockGather:
