@@ -111,8 +111,8 @@ def warm_object_store(ray: Any, call: Callable[[], None], call_bytes: int, limit
     object store's memory, or for ``limit_s``; (calls, seconds). Ray allocates the object
     store's /dev/shm pages lazily: a put landing on pages never used before pays their first
     touch (measured, 85 MB puts of 8 W2 episodes kept by the store: ~21% of the puts in the
-    first 8.5 GB written were 5x slower, each ~20,700 page faults; none after ~25 GB, with a 7.5 GB
-    store). ``ray.put`` alone frees each object at once and puts the next on the same pages, so a
+    first 8.5 GB written were 5x slower, each ~20,700 page faults; 0-1% after ~25 GB, with a
+    7.5 GB store). ``ray.put`` alone frees each object at once and puts the next on the same pages, so a
     contender whose objects are kept (as a store's are) is timed once its pages are in use too."""
     budget = 3 * ray.available_resources().get("object_store_memory", 0)
     calls, start = 0, time.perf_counter()
@@ -285,10 +285,11 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                 fn()
         sample_done["arrowbuf"]()
         if rs.row_bytes * T >= RayOptions().block_bytes // 8:   # the batch lends its episodes: objects kept
-            calls, seconds = warm_object_store(ray, add_fns["arrowbuf_batch"], rs.row_bytes * T * spec.envs)
+            call_bytes = rs.row_bytes * T * spec.envs
+            calls, seconds = warm_object_store(ray, add_fns["arrowbuf_batch"], call_bytes)
             store.flush()
             notes.append(f"  RAY {wname}: write warm-up before timing: {calls} add_episodes calls ({seconds:.1f} s, "
-                         f"{calls * rs.row_bytes * T * spec.envs / 1e9:.1f} GB; `warm_object_store`)")
+                         f"{calls * call_bytes / 1e9:.1f} GB; `warm_object_store`)")
         rounds, min_time, slices = timing
         sample, add = compare(f"RAY {wname}", [
             Race(f"{wname} sample", "batches/s", sample_fns,
