@@ -46,3 +46,29 @@ def test_a_ray_batch_that_cannot_be_allocated_is_refused_before_any_shard_draws(
         assert store.sample(8).batch_size == (8,)
     finally:
         store.close()
+
+
+def test_a_store_whose_full_ring_exceeds_the_object_store_is_refused_at_start_or_at_its_first_write():
+    import ray
+
+    object_store = ray.cluster_resources()["object_store_memory"]
+    row_bytes = 4096 * 4 + 8 + 1   # obs float32[4096], action int64, terminated bool
+    capacity = int(object_store // row_bytes) + 1_000
+    schema = {"obs": ab.Field("float32", (4096,), True), "action": "int64", "terminated": "bool"}
+    # Schema given: refused before any shard actor starts.
+    with pytest.raises(ab.ResourceError, match=rf"{capacity:,} rows of {row_bytes:,} bytes .* GiB of sealed blocks "
+                                               r"in Ray's object store, which holds .* GiB"):
+        ab.ExperienceStore(capacity, backend="ray", num_shards=2, schema=schema)
+    # Schema inferred: the first write is refused, the store stays empty and takes a smaller schema.
+    store = ab.ExperienceStore(capacity, backend="ray", num_shards=2, seed=0)
+    try:
+        done = np.array([False, False, True])
+        with pytest.raises(ab.ResourceError, match="larger object_store_memory"):
+            store.add_episode({"obs": np.zeros((4, 4096), np.float32), "action": np.zeros(3, np.int64),
+                               "terminated": done})
+        assert len(store) == 0 and store.schema is None
+        store.add_episode({"obs": np.zeros((4, 8), np.float32), "action": np.zeros(3, np.int64), "terminated": done})
+        store.flush()
+        assert len(store) == 3
+    finally:
+        store.close()
