@@ -213,25 +213,36 @@ class StoreSampling:
         """(shard, first index, transitions) of every live episode, shard by shard, oldest first."""
         return self._backend.episode_spans()
 
-    def update_priorities(self, index: Any, priority: Any) -> int:
+    def update_priorities(self, index: Any, priority: Any, *, wait: bool = True) -> int | None:
         """Set the priorities of sampled transitions (`PrioritizedSampler` only).
 
         Args:
             index: a batch's ``"index"`` (tensor or array of ints).
             priority: new priorities (e.g. ``td_error.abs()``), same length, >= 0.
+            wait: on a Ray store, False sends the update and returns None at once,
+                sparing the learner a round trip per step: the shards apply it before
+                any later sample of this process draws from them (in call order;
+                with a rate limiter not guaranteed), its error (a dead shard) is
+                raised by the next ``update_priorities``, ``sample``, ``flush`` or
+                ``close``, and at most ``RayOptions.max_in_flight`` updates per shard
+                stay unanswered (`arrowbuf.ray.priorities`). A local store applies
+                the update at once either way.
 
         Returns:
             How many indices were still live; the others (evicted since the sample)
-            are ignored, never applied to the rows that replaced them.
+            are ignored, never applied to the rows that replaced them. None for an
+            update left in flight (``wait=False`` on a Ray store).
 
         Raises:
-            ValueError: not a prioritized store, or mismatched / negative / non-finite input.
+            ValueError: not a prioritized store, or mismatched / negative / non-finite input
+                (nothing is sent).
         """
         sampler = self.sampler
         if not isinstance(sampler, PrioritizedSampler):
             raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {sampler!r}")
+        wait = check_bool("wait", wait)
         index, priority = check_priorities(index, priority, sampler.alpha, sampler.eps, self.capacity)
-        return self._backend.update_priorities(index, priority)
+        return self._backend.update_priorities(index, priority, wait)
 
     def compute_gae(self, gamma: float = 0.99, lam: float = 0.95, *, value_key: str = "value",
                     bootstrap_value: Callable[[TensorDict], Any] | None = None) -> int:

@@ -160,8 +160,8 @@ class LocalBackend:
         first, length = self.engine.episode_spans()
         return np.zeros(len(first), np.int64), first, length
 
-    def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
-        return self.engine.update_priorities(index, priority)
+    def update_priorities(self, index: np.ndarray, priority: np.ndarray, wait: bool = True) -> int:
+        return self.engine.update_priorities(index, priority)   # in-process: applied at once either way
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
         return self.engine.compute_gae(gamma, lam, value_key, bootstrap_value)

@@ -46,6 +46,7 @@ from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.gather import GROUP_BYTES
 from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.shipping import gather_refs
@@ -88,6 +89,7 @@ class RayBackend:
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
+        self._updates = PriorityUpdates(shards, self._sizes)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
     @classmethod
@@ -253,8 +255,9 @@ class RayBackend:
     def flush(self) -> None:
         """Wait for this backend's writes, have every shard seal its open episodes, and
         refresh the sizes and this process's manifests (``len`` is exact after it, and
-        every episode stored so far is sampled here)."""
+        every episode stored so far is sampled here; priority updates left in flight are answered)."""
         self._sink.flush()
+        self._updates.collect(block=True)
         self._sizes.refresh()
         self._reader.sync()
 
@@ -262,12 +265,15 @@ class RayBackend:
         """End the shard actors (their data is gone)."""
         if self.shards.closed:
             return
-        self._sink.close()
-        self._reader.reset()   # this process's references to the blocks
-        ray = ray_module()
-        for handle in self.shards.handles:
-            ray.kill(handle)
-        self.shards.closed = True
+        try:
+            self._sink.close()
+            self._updates.collect(block=True)   # their errors are raised, the actors ended all the same
+        finally:
+            self._reader.reset()   # this process's references to the blocks
+            ray = ray_module()
+            for handle in self.shards.handles:
+                ray.kill(handle)
+            self.shards.closed = True
 
     def clear(self) -> None:
         """Empty every shard; new envs are routed by the shards' new sizes (known envs keep their shard)."""
@@ -310,6 +316,7 @@ class RayBackend:
         if self.schema is not None:   # this process gathers the whole batch: it must fit here
             check_batch(self.schema, self.sampler, None, batch_size, args[2])
         keys = self._check_keys(keys)
+        self._updates.collect(block=False)   # an update left in flight that failed is raised here
         if num_workers is None:
             return self._draw(batch_size, args, timeout, keys, device, pin_memory)
         per_worker = batch_size // num_workers
@@ -437,16 +444,10 @@ class RayBackend:
         empty = [np.zeros(0, np.int64)]
         return np.concatenate(shard or empty), np.concatenate(first or empty), np.concatenate(length or empty)
 
-    def update_priorities(self, index: np.ndarray, priority: np.ndarray) -> int:
-        shards = index >> INDEX_SHIFT
-        refs = {int(s): self.shards.call(int(s), "update_priorities", index[shards == s] & LOCAL_MASK,
-                                         priority[shards == s])
-                for s in np.unique(shards) if 0 <= s < self.num_shards}
-        updated = 0
-        for shard, (count, reading) in self.shards.get(refs).items():
-            self._sizes.note(shard, reading)
-            updated += count
-        return updated
+    def update_priorities(self, index: np.ndarray, priority: np.ndarray, wait: bool = True) -> int | None:
+        """New priorities for ``index``: how many were live, or None when left in flight
+        (``wait=False``; `arrowbuf.ray.priorities`)."""
+        return self._updates.send(index, priority, wait)
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
         """GAE on every shard, ``bootstrap_value`` called in this process (`arrowbuf.ray.gae`)."""
