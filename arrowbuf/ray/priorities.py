@@ -18,6 +18,7 @@ What is left in flight is still accounted for:
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any
 
@@ -34,6 +35,7 @@ class PriorityUpdates:
         self._shards = shards
         self._sizes = sizes
         self._in_flight: dict[int, deque] = {}   # shard -> refs of its unanswered updates, oldest first
+        self._lock = threading.RLock()   # a learner thread may update while another samples
 
     @property
     def pending(self) -> int:
@@ -47,32 +49,36 @@ class PriorityUpdates:
         Raises:
             ShardError: a shard is dead (this update's, or an earlier one's left in flight).
         """
-        self.collect(block=False)   # an earlier update's error first
-        shards = index >> INDEX_SHIFT
-        refs = {}
-        for shard in np.unique(shards).tolist():
-            if not 0 <= shard < self._shards.num_shards:
-                continue   # no such shard: nothing of it is live
-            queue = self._in_flight.setdefault(shard, deque())
-            while len(queue) >= self._shards.options.max_in_flight:
-                self._settle(shard, queue.popleft())
-            mine = shards == shard
-            refs[shard] = self._shards.call(shard, "update_priorities", index[mine] & LOCAL_MASK, priority[mine])
-        if not wait:
-            for shard, ref in refs.items():
-                self._in_flight[shard].append(ref)
-            return None
-        return sum(self._settle(shard, ref) for shard, ref in refs.items())
+        with self._lock:
+            self.collect(block=False)   # an earlier update's error first
+            shards = index >> INDEX_SHIFT
+            refs = {}
+            for shard in np.unique(shards).tolist():
+                if not 0 <= shard < self._shards.num_shards:
+                    continue   # no such shard: nothing of it is live
+                queue = self._in_flight.setdefault(shard, deque())
+                while len(queue) >= self._shards.options.max_in_flight:
+                    self._settle(shard, queue.popleft())
+                mine = shards == shard
+                refs[shard] = self._shards.call(shard, "update_priorities", index[mine] & LOCAL_MASK, priority[mine])
+            if not wait:
+                for shard, ref in refs.items():
+                    self._in_flight[shard].append(ref)
+                return None
+            return sum(self._settle(shard, ref) for shard, ref in refs.items())
 
     def collect(self, block: bool) -> None:
         """Take the answers of the updates left in flight: those that came back (all of
         them with ``block``), raising the first error met."""
+        if not self._in_flight:
+            return
         ray = ray_module()
-        for shard, queue in self._in_flight.items():
-            while queue:
-                if not block and not ray.wait([queue[0]], timeout=0)[0]:
-                    break
-                self._settle(shard, queue.popleft())
+        with self._lock:
+            for shard, queue in self._in_flight.items():
+                while queue:
+                    if not block and not ray.wait([queue[0]], timeout=0)[0]:
+                        break
+                    self._settle(shard, queue.popleft())
 
     def _settle(self, shard: int, ref: Any) -> int:
         """An update's answer: how many of its indices were live (0 from a dead shard, with
