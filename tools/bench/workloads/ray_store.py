@@ -13,7 +13,9 @@ returns the shard's episode id), ``add_episodes`` of a rollout of K episodes
 writer (asynchronous, batched, the throughput path); ratio to the embedded store's sample; the same
 ``add_episode`` calls into a ``durable=`` store, whose shards log and fsync each
 write before answering it, vs the plain store (arrowbuf/durable: durable time
-over plain time, target <= 1.3). Timed in longer slices than the in-process
+over plain time, target <= 1.3). On W1, a learner's prioritized step (``sample`` +
+``update_priorities``) with the update waited for or left in flight (``wait=False``),
+and on the embedded store (`PerStores`; info). Timed in longer slices than the in-process
 workloads, each ending with a flush.
 
 Add race rows/s count every row a call writes: T for the contenders that write one
@@ -157,6 +159,42 @@ def stack_put_calls(ray: Any, episodes: list[dict[str, np.ndarray]], T: int, n: 
     return call
 
 
+class PerStores:
+    """A prioritized Ray store and a prioritized embedded store of the same rows, and the
+    race of a learner's step on them: ``sample(batch)`` + ``update_priorities`` of its
+    indices, the update waited for (``per_wait``) or left in flight (``per_inflight``,
+    ``wait=False``; each slice ends with a flush that collects the answers), against the
+    embedded store (``per_local``)."""
+
+    def __init__(self, ab: Any, rs: ReplaySpec, spec: RaySpec, episodes: list[dict[str, np.ndarray]]) -> None:
+        def sampler() -> Any:
+            return ab.PrioritizedSampler(alpha=0.6, beta=0.4)
+        self.store = ab.ExperienceStore(rs.capacity, backend="ray", num_shards=spec.num_shards, seed=0,
+                                        sampler=sampler())
+        self.local = ab.ExperienceStore(rs.capacity, seed=0, sampler=sampler())
+        T = rs.episode_len
+        for i in range(rs.capacity // (T + 1)):
+            self.store.add_episode(episodes[i % len(episodes)], env_id=f"env-{i % spec.envs}")
+            self.local.add_episode(episodes[i % len(episodes)])
+        self.store.flush()
+        self.batch = rs.batch_size
+        self.priorities = itertools.cycle(np.random.default_rng(0).uniform(0.1, 3.0, (64, rs.batch_size)))
+
+    def step(self, store: Any, wait: bool) -> Callable[[], None]:
+        def call() -> None:
+            batch = store.sample(self.batch)
+            store.update_priorities(batch["index"], next(self.priorities), wait=wait)
+        return call
+
+    def race(self, wname: str) -> Race:
+        return Race(f"{wname} PER step", "steps/s",
+                    {"per_wait": self.step(self.store, True), "per_inflight": self.step(self.store, False),
+                     "per_local": self.step(self.local, True)},
+                    {"inflight/wait": ("per_inflight", "per_wait"), "inflight/local": ("per_inflight", "per_local")},
+                    target="info: a learner's sample + update_priorities",
+                    finish={"per_inflight": self.store.flush})
+
+
 def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
     """Start a local Ray, run each schema's contenders, shut Ray down."""
     t0 = start_workload(Arrowbuf)
@@ -195,6 +233,9 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
     notes.append("  durable: add_episode + flush into ExperienceStore(backend='ray', durable=dir), each shard "
                  "logging and fsyncing every write request before answering it; unsynced: the same with "
                  "RayOptions(durable_sync=False) (the log written, its flush to disk left to the OS)")
+    notes.append("  PER step (W1): sample(batch) + update_priorities(index, priorities) on prioritized stores "
+                 "(alpha 0.6, beta 0.4) of the same rows; per_inflight passes wait=False and ends each slice with "
+                 "flush() (its updates answered)")
     notes.append("  put: ray.put of each episode alone (nothing stored): the bound of one writer, whose episodes "
                  "must enter the object store")
     notes.append(f"  batch: store.add_episodes of {spec.envs} episodes ([E, T, ...] arrays, env ids env-0..env-"
@@ -204,15 +245,17 @@ def run_ray(spec: RaySpec, opts: Options) -> WorkloadResult:
                  "next_obs")
     return WorkloadResult("RAY", spec.short(), spec.describe(),
                           ["naive", "arrowbuf", "arrowbuf_sync", "arrowbuf_writer", "arrowbuf_batch", "local", "put",
-                           "stack_put", "durable", "unsynced"],
+                           "stack_put", "durable", "unsynced", "per_wait", "per_inflight", "per_local"],
                           metrics, notes, time.perf_counter() - t0,
                           labels={"naive": "naive actor", "arrowbuf": "arrowbuf sample_iter / add_episode",
                                   "arrowbuf_sync": "arrowbuf sample()", "arrowbuf_writer": "arrowbuf writer",
                                   "arrowbuf_batch": f"arrowbuf add_episodes x{spec.envs}",
                                   "stack_put": "np.stack + ray.put",
                                   "local": "local store", "put": "ray.put only", "durable": "arrowbuf durable=True",
-                                  "unsynced": "durable, durable_sync=False"},
-                          ratio_columns=["arrowbuf/naive", "arrowbuf/local"])
+                                  "unsynced": "durable, durable_sync=False",
+                                  "per_wait": "PER step, update waited", "per_inflight": "PER step, wait=False",
+                                  "per_local": "PER step, local store"},
+                          ratio_columns=["arrowbuf/naive", "arrowbuf/local", "inflight/wait"])
 
 
 def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, float, int], notes: list[str],
@@ -231,6 +274,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                                   durable=os.path.join(durable_dir, "unsynced"),
                                   ray_options=RayOptions(durable_sync=False))
     local = ab.ExperienceStore(rs.capacity, seed=0)
+    per = PerStores(ab, rs, spec, episodes) if wname == "W1" else None
     log(f"  RAY {wname}: actors started in {time.perf_counter() - start:.1f} s")
     laps = rs.capacity // (T + 1)
     env = itertools.count()
@@ -291,7 +335,8 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
             notes.append(f"  RAY {wname}: write warm-up before timing: {calls} add_episodes calls ({seconds:.1f} s, "
                          f"{calls * call_bytes / 1e9:.1f} GB; `warm_object_store`)")
         rounds, min_time, slices = timing
-        sample, add = compare(f"RAY {wname}", [
+        per_race = [] if per is None else [per.race(wname)]
+        sample, add, *per_metric = compare(f"RAY {wname}", [
             Race(f"{wname} sample", "batches/s", sample_fns,
                  {**over("arrowbuf", "naive", "local"), "arrowbuf sample()/naive": ("arrowbuf_sync", "naive")},
                  target=f"{naive_key} >= 10, arrowbuf/local >= {local_target}",
@@ -308,6 +353,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
                  units={c: T * spec.envs if c == "arrowbuf_batch" else T for c in add_fns},
                  finish={"arrowbuf": store.flush, "arrowbuf_writer": store.flush, "arrowbuf_batch": store.flush,
                          "durable": durable.flush, "unsynced": unsynced.flush}),
+            *per_race,
         ], rounds, min_time, slices)
         if profile:
             notes.append(profile_calls(f"RAY {wname}: driver side of arrowbuf sample_iter", lambda: next(iterator),
@@ -321,6 +367,8 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
             store.flush()
     finally:
         store.close()
+        if per is not None:
+            per.store.close()
         durable.close()
         unsynced.close()
         shutil.rmtree(durable_dir, ignore_errors=True)
@@ -330,7 +378,7 @@ def ray_schema(wname: str, rs: ReplaySpec, spec: RaySpec, timing: tuple[int, flo
     first = Metric(f"{wname} 1st lap", "rows/s", {"naive": cold_naive, "arrowbuf": cold_ab},
                    {"arrowbuf/naive": Series([cold_ab / cold_naive])},
                    target="info: fresh memory (naive pre-touched)")
-    return [sample, add, first]
+    return [sample, add, *per_metric, first]
 
 
 register(Workload(
