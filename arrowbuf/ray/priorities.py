@@ -70,7 +70,7 @@ class PriorityUpdates:
     def collect(self, block: bool) -> None:
         """Take the answers of the updates left in flight: those that came back (all of
         them with ``block``), raising the first error met."""
-        if not self._in_flight:
+        if not any(self._in_flight.values()):   # the common case, a store nobody updates without waiting
             return
         ray = ray_module()
         with self._lock:
