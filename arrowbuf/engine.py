@@ -141,6 +141,23 @@ class ShardEngine:
             if self._shard is None:
                 self._bind(self._make_shard(schema))
 
+    def attach(self, shard: Shard) -> None:
+        """Serve ``shard``, filled elsewhere (a read-only dataset's memory-mapped rows,
+        `arrowbuf.dataset`): the sampler is bound to it and told of its transitions.
+
+        Raises:
+            ValueError: the engine already has a shard.
+        """
+        with self.lock:
+            if self._shard is not None:
+                raise ValueError("the engine already has a shard")
+            self._bind(shard)
+            if self.sampler.tracks_rows:
+                table = shard.table
+                for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
+                    if length:
+                        self.sampler.on_add(first, length)
+
     def _make_shard(self, schema: Schema) -> Shard:
         return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
 
@@ -245,7 +262,7 @@ class ShardEngine:
             shard = self._shard
             keys = shard.gather.check_keys(keys)
             if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
-                    and shard.reuse is None and type(shard) is Shard:
+                    and shard.reuse is None and shard.host_columns:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
                 self.counts.samples += batch_size
                 return batch
