@@ -171,7 +171,9 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
         table = {**{k: np.asarray(episodes[k], EPISODE_COLUMNS[k]) for k in EPISODE_COLUMNS
                     if k not in ("first_row", "length")},
                  "first_row": first_row, "length": length.astype(np.int64)}
-        arrow = pa.table({**{k: pa.array(table[k]) for k in EPISODE_COLUMNS},
+        # Flags as uint8: converting an Arrow boolean array to numpy imports pandas (1 s at open).
+        arrow = pa.table({**{k: pa.array(table[k].view(np.uint8) if table[k].dtype == bool else table[k])
+                             for k in EPISODE_COLUMNS},
                           "env_id": pa.array(list(episodes["env_id"]), pa.string()),
                           "metadata": pa.array(list(episodes["metadata"]), pa.string())})
         with pa.OSFile(str(sink.staging / EPISODES), "wb") as out, pa.ipc.new_file(out, arrow.schema) as writer:
@@ -272,7 +274,7 @@ def read_episodes(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any
         with pa.memory_map(str(path)) as source:
             table = pa.ipc.open_file(source).read_all()
         table.validate(full=True)
-        columns = {name: table.column(name).to_numpy().astype(dtype, copy=True)
+        columns = {name: primitive_numpy(table.column(name).combine_chunks(), np.dtype(dtype), name).astype(dtype)
                    for name, dtype in EPISODE_COLUMNS.items()}
         columns["env_id"] = table.column("env_id").to_pylist()
         columns["metadata"] = table.column("metadata").to_pylist()
@@ -287,6 +289,23 @@ def read_episodes(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any
         raise FormatError(f"{path}: its episodes do not describe the {rows} rows of {ROWS} "
                           "(counts, first rows or lengths disagree)")
     return columns
+
+
+def primitive_numpy(array: pa.Array, dtype: np.dtype, name: str) -> np.ndarray:
+    """A zero-copy numpy view of a primitive Arrow array without nulls (its data buffer).
+
+    Not ``Array.to_numpy``: pyarrow imports pandas on its first call (1 s here).
+
+    Raises:
+        FormatError: nulls, or a buffer too short for the array.
+    """
+    data = array.buffers()[1] if len(array.buffers()) > 1 else None
+    if array.null_count or data is None:
+        raise FormatError(f"column {name!r} has nulls or no data buffer")
+    start, stop = array.offset * dtype.itemsize, (array.offset + len(array)) * dtype.itemsize
+    if stop > data.size:
+        raise FormatError(f"column {name!r}: {len(array)} values need {stop} bytes, its buffer holds {data.size}")
+    return np.frombuffer(data, dtype, len(array), start)
 
 
 class MappedRows:
@@ -320,7 +339,7 @@ class MappedRows:
                 if column.null_count or column.offset:
                     raise FormatError(f"{path}: column {name!r} has nulls or an offset")
                 values = column.values if spec.shape else column
-                array = values.to_numpy(zero_copy_only=True)
+                array = primitive_numpy(values, np.dtype(np.uint8 if spec.dtype == "bool" else spec.numpy_dtype), name)
                 if spec.dtype == "bool":
                     array = array.view(np.bool_)
                 self.columns[name] = array.reshape(num_rows, *spec.shape)
