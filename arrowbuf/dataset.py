@@ -189,19 +189,21 @@ class Dataset:
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               keys: list | None = None) -> TensorDict:
+               keys: list | None = None, min_version: int | None = None) -> TensorDict:
         """Sample with the dataset's sampler, as `ExperienceStore.sample` does (n-step
-        returns and frame stacks stay within episodes).
+        returns and frame stacks stay within episodes); ``min_version``: only steps of
+        ``policy_version`` >= it (`arrowbuf.versions`).
 
         Raises:
             ValueError: a bad argument.
-            EmptyStoreError: the dataset holds no transition.
+            EmptyStoreError: the dataset holds no transition (of ``min_version``).
         """
         batch_size = check_int("batch_size", batch_size, 1)
         args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
         device = check_device(device)
         pin_memory = check_bool("pin_memory", pin_memory)
-        batch = self._engine.sample(batch_size, args, device, pin_memory, None, keys)
+        min_version = check_optional_int("min_version", min_version, 0)
+        batch = self._engine.sample(batch_size, args, device, pin_memory, None, keys, min_version)
         self._account(batch.numel())
         return batch
 
@@ -217,7 +219,7 @@ class Dataset:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None) -> Iterator[TensorDict]:
+                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
         """Every transition once per epoch, in batches (as `ExperienceStore.iter_batches`;
         batches are always copies: the mapped rows are read-only).
 
@@ -230,12 +232,13 @@ class Dataset:
         epochs = check_int("epochs", epochs, 1)
         device = check_device(device)
         keys = self._engine.check_keys(keys)
-        return self._epochs(batch_size, shuffle, drop_last, epochs, device, keys)
+        min_version = check_optional_int("min_version", min_version, 0)
+        return self._epochs(batch_size, shuffle, drop_last, epochs, device, keys, min_version)
 
     def _epochs(self, batch_size: int, shuffle: bool, drop_last: bool, epochs: int, device: Any,
-                keys: Any) -> Iterator[TensorDict]:
+                keys: Any, min_version: int | None) -> Iterator[TensorDict]:
         for _ in range(epochs):
-            for indices in self._engine.epoch(batch_size, shuffle, drop_last):
+            for indices in self._engine.epoch(batch_size, shuffle, drop_last, min_version):
                 batch = self._engine.gather(indices, device, keys)
                 self._account(len(indices))
                 yield batch

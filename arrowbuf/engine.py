@@ -41,6 +41,7 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
+from arrowbuf.versions import fresh_indices, fresh_selection, no_fresh_step, stale_episodes
 
 # Sample arguments in one tuple: (n_step, gamma, frame_stack).
 PLAIN = (1, 1.0, 1)
@@ -241,7 +242,7 @@ class ShardEngine:
                                   "add episodes first")
 
     def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
-               timeout: float | None = None, keys: Any = None) -> TensorDict:
+               timeout: float | None = None, keys: Any = None, min_version: int | None = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
@@ -251,16 +252,27 @@ class ShardEngine:
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
             keys: the fields to gather (see `check_keys`); None: all.
+            min_version: draw only transitions of ``policy_version`` >= it
+                (`arrowbuf.versions`; a `UniformSampler` only).
 
         Raises:
-            EmptyStoreError: no transition stored.
+            EmptyStoreError: no transition stored (or none of ``min_version``).
             RateLimited: the limiter refuses the sample.
-            ValueError: ``keys`` names no field (nothing is drawn).
+            ValueError: ``keys`` names no field (nothing is drawn), or ``min_version``
+                with another sampler.
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
+            if min_version is not None:
+                if type(self.sampler) is not UniformSampler:
+                    raise ValueError(f"min_version needs a UniformSampler; this store uses {self.sampler!r}")
+                check_batch(shard.schema, self.sampler, shard.table, batch_size, args[2])
+                selection = fresh_selection(self._rng, batch_size, shard, min_version)
+                batch = self._gather(selection, args, device, pin_memory, keys)
+                self._sampled(selection)
+                return batch
             if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
                     and shard.reuse is None and shard.host_columns:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
@@ -326,11 +338,40 @@ class ShardEngine:
         with self.lock:
             return keys if self._shard is None else self._shard.gather.check_keys(keys)
 
-    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
-        """Every live index once, in batches (shuffled by the engine's generator, drawn now)."""
+    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool,
+              min_version: int | None = None) -> list[np.ndarray]:
+        """Every live index once (of ``policy_version`` >= ``min_version`` when given), in
+        batches (shuffled by the engine's generator, drawn now).
+
+        Raises:
+            EmptyStoreError: ``min_version`` given and no transition has it.
+        """
         with self.lock:
-            indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            if min_version is None or self._shard is None:
+                indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            else:
+                indices = fresh_indices(self._shard, min_version)
+                if not len(indices):
+                    raise no_fresh_step(self._shard, min_version)
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
+
+    def evict(self, min_version: int) -> int:
+        """Free the oldest episodes whose steps are all of ``policy_version`` < ``min_version``
+        (FIFO: up to the first with a fresher step; `arrowbuf.versions.stale_episodes`);
+        returns how many."""
+        with self._changed:
+            shard = self._shard
+            if shard is None:
+                return 0
+            count = stale_episodes(shard, min_version)
+            if count:
+                spans = shard.evicted_spans(count) if self.sampler.tracks_rows else None
+                shard.table.pop_oldest(count)
+                if spans is not None:
+                    self.sampler.on_evict(*spans)
+                if self._limited:
+                    self._changed.notify_all()
+            return count
 
     def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
         """The live ones of transition ``indices`` (1-D), in that order; None before the first write.

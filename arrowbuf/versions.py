@@ -1,0 +1,113 @@
+"""Policy versions: which policy chose each step, and draws of fresh steps only.
+
+Asynchronous trainers collect with one policy version while they train another; a
+step's ``"policy_version"`` (int64, a step field like any other: sampled, exported,
+checkpointed) says which policy chose its action. A step without one has version 0.
+
+- `fresh_selection`: a uniform draw of transitions whose version is at least
+  ``min_version``: rejection first (O(batch) per round while most steps qualify),
+  then, for the slots still empty after `REJECTION_ROUNDS` rounds, a draw among the
+  qualifying transitions listed explicitly (O(transitions)). Each slot is uniform
+  over the qualifying transitions either way.
+- `stale_episodes`: how many of the oldest episodes hold only steps older than a
+  version, which `ShardEngine.evict` then frees. Eviction stays FIFO: it stops at the
+  first episode with a step of that version or newer, so it never leaves a hole in
+  the ring (older episodes behind a fresher one stay until the ring overwrites them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from arrowbuf.errors import EmptyStoreError
+from arrowbuf.samplers import Selection, select_indices, uniform_indices
+
+if TYPE_CHECKING:
+    from arrowbuf.shard import Shard
+
+VERSION = "policy_version"
+#: Rounds of rejection before the qualifying transitions are listed.
+REJECTION_ROUNDS = 3
+
+
+def versions_of(shard: Shard, rows: np.ndarray) -> np.ndarray:
+    """The policy versions of arena ``rows`` (0 where the store has no version column)."""
+    if VERSION not in shard.schema.fields:
+        return np.zeros(rows.shape, np.int64)
+    return np.asarray(shard.reader(VERSION)[rows]).reshape(rows.shape)
+
+
+def newest_version(shard: Shard | None) -> int | None:
+    """The newest version among the live transitions; None when there are none."""
+    if shard is None or not shard.table.num_transitions:
+        return None
+    return int(versions_of(shard, shard.transition_rows()).max())
+
+
+def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
+    newest = newest_version(shard)
+    held = "no transition" if newest is None else f"the newest version held is {newest}"
+    return EmptyStoreError(f"cannot sample: no transition has policy_version >= {min_version} ({held}); "
+                           "lower min_version or wait for fresher steps")
+
+
+def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version: int) -> Selection:
+    """``n`` transitions drawn uniformly among those of version >= ``min_version``.
+
+    Raises:
+        EmptyStoreError: none qualifies (naming the newest version held).
+    """
+    table = shard.table
+    first, stop = table.live_range()
+    indices = np.empty(n, np.int64)
+    filled = 0
+    for _ in range(REJECTION_ROUNDS):
+        if first == stop:
+            break
+        draw = uniform_indices(rng, n - filled, first, stop)
+        kept = draw[versions_of(shard, table.rows_of(draw)) >= min_version]
+        indices[filled:filled + len(kept)] = kept
+        filled += len(kept)
+        if filled == n:
+            return select_indices(table, indices)
+    live = np.arange(first, stop, dtype=np.int64)
+    fresh = live[versions_of(shard, table.rows_of(live)) >= min_version] if len(live) else live
+    if not len(fresh):
+        raise no_fresh_step(shard, min_version)
+    indices[filled:] = fresh[rng.integers(0, len(fresh), n - filled)]
+    return select_indices(table, indices)
+
+
+def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
+    """The live transition indices of version >= ``min_version``, oldest first."""
+    live = np.arange(*shard.table.live_range(), dtype=np.int64)
+    return live[versions_of(shard, shard.table.rows_of(live)) >= min_version] if len(live) else live
+
+
+def stale_episodes(shard: Shard, min_version: int) -> int:
+    """How many of the oldest live episodes have every step older than ``min_version``."""
+    table = shard.table
+    if VERSION not in shard.schema.fields:
+        return len(table) if min_version > 0 else 0
+    column = shard.reader(VERSION)
+    steps = table.col("num_rows") - table.col("has_final")
+    count = 0
+    for first, n in zip(table.col("first_row").tolist(), steps.tolist()):
+        if n and int(np.max(column[first:first + n])) >= min_version:
+            break
+        count += 1
+    return count
+
+
+def check_versions(versions: np.ndarray, name: str = "policy_version") -> np.ndarray:
+    """``versions`` as int64 >= 0.
+
+    Raises:
+        ValueError: not integers, or negative.
+    """
+    array = np.asarray(versions)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or (array.size and array.min() < 0):
+        raise ValueError(f"{name} must be ints >= 0 (one per step, env or episode), got {array!r}")
+    return array.astype(np.int64)
