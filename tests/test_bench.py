@@ -144,8 +144,10 @@ def test_the_default_docs_page_is_docs_performance_md_and_docs_needs_markdown():
     assert BEGIN not in tail and END not in head   # one pair of markers, in order
 
 
-@pytest.mark.parametrize("page_text", ["# no markers\n", f"{END} -->\n{BEGIN} -->\n", f"{BEGIN} -->\n{BEGIN} -->\n{END} -->\n"])
-def test_docs_refuses_a_page_without_one_ordered_pair_of_markers_and_leaves_it_unchanged(onpolicy, tmp_path, page_text):
+@pytest.mark.parametrize("page_text", ["# no markers\n", f"{END} -->\n{BEGIN} -->\n",
+                                       f"{BEGIN} -->\n{BEGIN} -->\n{END} -->\n"])
+def test_docs_refuses_a_page_without_one_ordered_pair_of_markers_and_leaves_it_unchanged(onpolicy, tmp_path,
+                                                                                         page_text):
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(onpolicy[1]))
     page = tmp_path / "page.md"

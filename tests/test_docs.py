@@ -13,8 +13,9 @@ Conventions for the Markdown pages (README.md and every ``docs/*.md`` page):
   just before its fence, REASON being one of `REASONS` (a GPU, several nodes). Opt-outs are
   counted: `OPT_OUTS` lists how many each page has, and the test fails when a page has more or
   fewer, so a block cannot stop running without this file saying so.
-- Relative links (``[text](path)``, images too) point to files that exist (anchors are not
-  checked); absolute URLs are not fetched.
+- Relative links (``[text](path)``, images too) point to files that exist, and a ``#anchor``
+  into a Markdown page to one of its headings (GitHub's heading ids); absolute URLs are not
+  fetched.
 """
 
 from __future__ import annotations
@@ -153,11 +154,36 @@ def relative_links(text: str) -> list[str]:
     return [t for t in targets if not re.match(r"^([a-z][a-z0-9+.-]*:|#)", t, flags=re.I)]
 
 
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown text's headings: lower case, punctuation dropped, spaces to
+    hyphens, repeats numbered (``-1``, ``-2``...)."""
+    prose = re.sub(r"^(\s*)(`{3,}).*?^\s*\2\s*$", "", text, flags=re.M | re.S)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", prose, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=relative)
-def test_every_relative_link_points_to_a_file_that_exists(page):
-    missing = [t for t in relative_links(page.read_text())
-               if not (page.parent / t.split("#", 1)[0]).exists()]
+def test_every_relative_link_points_to_a_file_that_exists_and_a_heading_it_has(page):
+    missing, unknown = [], []
+    for target in relative_links(page.read_text()):
+        path, _, anchor = target.partition("#")
+        file = page.parent / path if path else page
+        if not file.exists():
+            missing.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            unknown.append(target)
     assert missing == [], f"{relative(page)} links to missing files: {missing}"
+    assert unknown == [], f"{relative(page)} links to headings its targets lack: {unknown}"
+
+
+def test_anchors_follow_githubs_heading_ids():
+    text = "# Columns on a device (`storage_device`)\n## Data plane: blocks, readers\n## Tests\n## Tests\n"
+    assert anchors(text) == {"columns-on-a-device-storage_device", "data-plane-blocks-readers", "tests", "tests-1"}
 
 
 def test_the_link_checker_finds_links_and_images_but_not_urls_anchors_or_code():
