@@ -136,7 +136,12 @@ class Dataset:
         self._rows = MappedRows(directory, schema, manifest["num_rows"])
         self._engine = ShardEngine(max(manifest["num_rows"], 1), sampler=sampler, rate_limiter=RateLimiter(),
                                    seed=seed)
-        self._engine.attach(MappedShard(schema, self._rows.columns, _episode_table(episodes), manifest["num_rows"]))
+        table = _episode_table(episodes)
+        self._engine.attach(MappedShard(schema, self._rows.columns, table, manifest["num_rows"]))
+        if sampler.tracks_rows:   # a prioritized sampler: every transition at the first priority
+            for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
+                if length:
+                    sampler.on_add(first, length)
         # Bytes of pages one gathered row may touch: a page per column read, plus the row.
         self._row_cost = len(schema.fields) * mmap.PAGESIZE + 2 * schema.row_bytes
         self._limit = resident_limit if resident_limit is not None and self._rows.nbytes > resident_limit else None
@@ -311,8 +316,8 @@ def source_files(kind: str, path: Path) -> tuple[list[Path], list[Path]]:
             raise FormatError(f"{path / EXPORT_MANIFEST}: incomplete manifest ({err!r})") from None
         return [path / EXPORT_MANIFEST, *(path / p for p in listed)], [path / EXPORT_MANIFEST]
     if kind == "lerobot":
-        files = [*sorted(path.glob("data/chunk-*/file-*.parquet")), *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")),
-                 path / LEROBOT_INFO]
+        files = [*sorted(path.glob("data/chunk-*/file-*.parquet")),
+                 *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")), path / LEROBOT_INFO]
         return files, [path / LEROBOT_INFO]
     rows = sorted(p for p in path.glob("*.arrow") if p.name != EPISODES_IPC)
     return [*rows, path / EPISODES_IPC], [path / EPISODES_IPC]

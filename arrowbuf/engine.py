@@ -41,7 +41,7 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
-from arrowbuf.versions import fresh_indices, fresh_selection, no_fresh_step, stale_episodes
+from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
 
 # Sample arguments in one tuple: (n_step, gamma, frame_stack).
 PLAIN = (1, 1.0, 1)
@@ -143,21 +143,9 @@ class ShardEngine:
                 self._bind(self._make_shard(schema))
 
     def attach(self, shard: Shard) -> None:
-        """Serve ``shard``, filled elsewhere (a read-only dataset's memory-mapped rows,
-        `arrowbuf.dataset`): the sampler is bound to it and told of its transitions.
-
-        Raises:
-            ValueError: the engine already has a shard.
-        """
+        """Serve ``shard`` (a dataset's mapped rows, `arrowbuf.dataset`); the caller tells the sampler of its rows."""
         with self.lock:
-            if self._shard is not None:
-                raise ValueError("the engine already has a shard")
             self._bind(shard)
-            if self.sampler.tracks_rows:
-                table = shard.table
-                for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
-                    if length:
-                        self.sampler.on_add(first, length)
 
     def _make_shard(self, schema: Schema) -> Shard:
         return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
@@ -252,33 +240,23 @@ class ShardEngine:
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
             keys: the fields to gather (see `check_keys`); None: all.
-            min_version: draw only transitions of ``policy_version`` >= it
-                (`arrowbuf.versions`; a `UniformSampler` only).
+            min_version: only transitions of ``policy_version`` >= it (`arrowbuf.versions`).
 
         Raises:
             EmptyStoreError: no transition stored (or none of ``min_version``).
             RateLimited: the limiter refuses the sample.
-            ValueError: ``keys`` names no field (nothing is drawn), or ``min_version``
-                with another sampler.
+            ValueError: ``keys`` names no field, or ``min_version`` without a `UniformSampler`.
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if min_version is not None:
-                if type(self.sampler) is not UniformSampler:
-                    raise ValueError(f"min_version needs a UniformSampler; this store uses {self.sampler!r}")
-                check_batch(shard.schema, self.sampler, shard.table, batch_size, args[2])
-                selection = fresh_selection(self._rng, batch_size, shard, min_version)
-                batch = self._gather(selection, args, device, pin_memory, keys)
-                self._sampled(selection)
-                return batch
-            if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
+            if self._direct and min_version is None and args[0] == 1 == args[2] and device is None and not pin_memory \
                     and shard.reuse is None and shard.host_columns:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
                 self.counts.samples += batch_size
                 return batch
-            selection = self._draw(batch_size, args)
+            selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
@@ -299,10 +277,14 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
 
-    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None) -> Selection:
-        """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
+    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None,
+              min_version: int | None = None) -> Selection:
+        """The sampler's selection (of ``min_version``: `arrowbuf.versions.fresh_selection`),
+        once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table
         check_batch(self._shard.schema, sampler, table, batch_size, args[2])
+        if min_version is not None:
+            return fresh_selection(self._rng, batch_size, self._shard, min_version, sampler)
         if population is not None and isinstance(sampler, PrioritizedSampler):
             return sampler.sample(self._rng, batch_size, table, population)
         return sampler.sample(self._rng, batch_size, table)
@@ -340,37 +322,17 @@ class ShardEngine:
 
     def epoch(self, batch_size: int, shuffle: bool, drop_last: bool,
               min_version: int | None = None) -> list[np.ndarray]:
-        """Every live index once (of ``policy_version`` >= ``min_version`` when given), in
-        batches (shuffled by the engine's generator, drawn now).
-
-        Raises:
-            EmptyStoreError: ``min_version`` given and no transition has it.
-        """
+        """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            if min_version is None or self._shard is None:
-                indices = np.arange(*self.table.live_range(), dtype=np.int64)
-            else:
-                indices = fresh_indices(self._shard, min_version)
-                if not len(indices):
-                    raise no_fresh_step(self._shard, min_version)
+            indices = (np.arange(*self.table.live_range(), dtype=np.int64) if min_version is None or self._shard is None
+                       else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def evict(self, min_version: int) -> int:
-        """Free the oldest episodes whose steps are all of ``policy_version`` < ``min_version``
-        (FIFO: up to the first with a fresher step; `arrowbuf.versions.stale_episodes`);
-        returns how many."""
+        """Free the oldest episodes older than ``min_version`` (`arrowbuf.versions.evict_stale`); how many."""
         with self._changed:
-            shard = self._shard
-            if shard is None:
-                return 0
-            count = stale_episodes(shard, min_version)
-            if count:
-                spans = shard.evicted_spans(count) if self.sampler.tracks_rows else None
-                shard.table.pop_oldest(count)
-                if spans is not None:
-                    self.sampler.on_evict(*spans)
-                if self._limited:
-                    self._changed.notify_all()
+            count = evict_stale(self._shard, self.sampler, min_version) if self._shard is not None else 0
+            self._changed.notify_all()   # a rate limiter may allow inserts now
             return count
 
     def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:

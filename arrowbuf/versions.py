@@ -17,12 +17,12 @@ checkpointed) says which policy chose its action. A step without one has version
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from arrowbuf.errors import EmptyStoreError
-from arrowbuf.samplers import Selection, select_indices, uniform_indices
+from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
 
 if TYPE_CHECKING:
     from arrowbuf.shard import Shard
@@ -53,12 +53,16 @@ def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
                            "lower min_version or wait for fresher steps")
 
 
-def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version: int) -> Selection:
+def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version: int, sampler: Any) -> Selection:
     """``n`` transitions drawn uniformly among those of version >= ``min_version``.
 
     Raises:
+        ValueError: ``sampler`` is not a plain `UniformSampler` (other samplers do not take
+            ``min_version``).
         EmptyStoreError: none qualifies (naming the newest version held).
     """
+    if type(sampler) is not UniformSampler:
+        raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
     table = shard.table
     first, stop = table.live_range()
     indices = np.empty(n, np.int64)
@@ -81,9 +85,27 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
 
 
 def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
-    """The live transition indices of version >= ``min_version``, oldest first."""
+    """The live transition indices of version >= ``min_version``, oldest first.
+
+    Raises:
+        EmptyStoreError: none (naming the newest version held).
+    """
     live = np.arange(*shard.table.live_range(), dtype=np.int64)
-    return live[versions_of(shard, shard.table.rows_of(live)) >= min_version] if len(live) else live
+    fresh = live[versions_of(shard, shard.table.rows_of(live)) >= min_version] if len(live) else live
+    if not len(fresh):
+        raise no_fresh_step(shard, min_version)
+    return fresh
+
+
+def evict_stale(shard: Shard, sampler: Any, min_version: int) -> int:
+    """Free the `stale_episodes` of ``shard`` (its sampler told, as a write's eviction tells it); how many."""
+    count = stale_episodes(shard, min_version)
+    if count:
+        spans = shard.evicted_spans(count) if sampler.tracks_rows else None
+        shard.table.pop_oldest(count)
+        if spans is not None:
+            sampler.on_evict(*spans)
+    return count
 
 
 def stale_episodes(shard: Shard, min_version: int) -> int:
