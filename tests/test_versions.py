@@ -1,0 +1,115 @@
+"""Policy versions: fresh-only draws, the newest version named, FIFO eviction of stale episodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+import arrowbuf as ab
+from arrowbuf.errors import EmptyStoreError
+
+
+def _episode(T: int, version, rng=None) -> dict:
+    rng = rng or np.random.default_rng(0)
+    versions = np.broadcast_to(np.asarray(version, np.int64), (T,)).copy()
+    return {"obs": rng.standard_normal((T + 1, 2)).astype(np.float32), "action": np.arange(T, dtype=np.int64),
+            "reward": np.ones(T, np.float32), "terminated": np.arange(T) == T - 1, "truncated": np.zeros(T, bool),
+            "policy_version": versions}
+
+
+# An interleaving: ("write", T, version bump), ("evict", offset below the newest), ("sample", offset).
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(1, 12), st.integers(0, 2)),
+    st.tuples(st.just("evict"), st.integers(0, 3)),
+    st.tuples(st.just("sample"), st.integers(0, 3))), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, capacity=st.integers(20, 80))
+def test_no_sampled_step_is_older_than_the_bound(ops, capacity):
+    store = ab.ExperienceStore(capacity=capacity, seed=0)
+    engine = store.engine
+    version = 0
+    for op in ops:
+        if op[0] == "write":
+            T, bump = op[1], op[2]
+            versions = version + np.sort(np.random.default_rng(T).integers(0, bump + 1, T))   # bumps mid-episode too
+            store.add_episode(_episode(min(T, capacity - 1), versions[:min(T, capacity - 1)]))
+            version = int(versions[-1])
+            continue
+        if not len(store):
+            continue
+        newest = max(newest_step_version(store, i) for i in store.episodes().column("episode_id").to_pylist())
+        bound = max(0, newest - op[1])
+        if op[0] == "evict":
+            ids = store.episodes().column("episode_id").to_pylist()
+            newest_of = [newest_step_version(store, i) for i in ids]
+            freed = engine.evict(bound)
+            assert store.episodes().column("episode_id").to_pylist() == ids[freed:]    # FIFO, no holes
+            assert all(v < bound for v in newest_of[:freed])                           # only stale ones
+            assert freed == len(ids) or newest_of[freed] >= bound                      # up to a fresh one
+        else:
+            batch = engine.sample(64, min_version=bound)
+            assert bool((batch["policy_version"] >= bound).all())
+            again = store.gather(batch["index"])   # real stored rows, versions as stored
+            assert torch.equal(again["policy_version"], batch["policy_version"])
+
+
+def newest_step_version(store: ab.ExperienceStore, episode_id: int) -> int:
+    """The newest version among an episode's steps (-1 for none)."""
+    rows = store.episode(episode_id)
+    steps = rows.num_rows - int(rows.schema.metadata[b"arrowbuf.has_final"] == b"1")
+    return int(rows.column("policy_version").to_numpy()[:steps].max(initial=-1))
+
+
+def test_fresh_draws_are_uniform_over_the_qualifying_steps():
+    store = ab.ExperienceStore(capacity=1_000, seed=1)
+    for version in range(6):
+        store.add_episode(_episode(20, version))
+    counts = np.zeros(len(store), np.int64)
+    for _ in range(300):
+        index = store.engine.sample(64, min_version=4)["index"].numpy()
+        counts += np.bincount(index, minlength=len(store))
+    assert counts[:80].sum() == 0          # versions 0..3: never drawn
+    assert chisquare(counts[80:]).pvalue > 1e-3
+
+
+def test_too_fresh_a_bound_names_the_newest_version_held_and_rare_fresh_steps_are_still_found():
+    store = ab.ExperienceStore(capacity=10_000, seed=2)
+    for _ in range(50):
+        store.add_episode(_episode(100, 3))
+    store.add_episode(_episode(2, [3, 7]))   # 1 step of version 7 among 5,002: past rejection, listed
+    with pytest.raises(EmptyStoreError, match="newest version held is 7"):
+        store.engine.sample(8, min_version=8)
+    assert store.engine.sample(16, min_version=7)["policy_version"].tolist() == [7] * 16
+    seq = ab.ExperienceStore(capacity=1_000, sampler=ab.SequenceSampler(seq_len=2))
+    seq.add_episode(_episode(10, 1))
+    with pytest.raises(ValueError, match="UniformSampler"):
+        seq.engine.sample(4, min_version=1)
+
+
+def test_evicting_older_episodes_frees_them_for_the_sampler_and_new_writes():
+    store = ab.ExperienceStore(capacity=200, seed=3, sampler=ab.PrioritizedSampler())
+    for version in (0, 0, 1, 2, 1):
+        store.add_episode(_episode(10, version))
+    assert store.engine.evict(2) == 3       # stops at version 2 (the version-1 episode after it stays)
+    assert store.episodes().column("episode_id").to_pylist() == [3, 4]
+    assert len(store) == 20
+    assert set(store.sample(256)["index"].tolist()) <= set(range(30, 50))   # the sum tree forgot the freed rows
+    store.add_episode(_episode(10, 3))
+    assert len(store) == 30
+
+
+def test_a_dataset_exported_with_versions_samples_fresh_steps(tmp_path):
+    store = ab.ExperienceStore(capacity=1_000, seed=4)
+    for version in range(5):
+        store.add_episode(_episode(10, version))
+    dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"), seed=0)
+    assert dataset.sample(64, min_version=3)["policy_version"].min().item() == 3
+    assert sorted(torch.cat([b["policy_version"] for b in dataset.iter_batches(7, min_version=4)]).tolist()) == [4] * 10
+    with pytest.raises(EmptyStoreError, match="newest version held is 4"):
+        dataset.sample(4, min_version=5)
