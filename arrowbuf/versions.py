@@ -5,10 +5,11 @@ step's ``"policy_version"`` (int64, a step field like any other: sampled, export
 checkpointed) says which policy chose its action. A step without one has version 0.
 
 - `fresh_selection`: a uniform draw of transitions whose version is at least
-  ``min_version``: rejection first (O(batch) per round while most steps qualify),
-  then, for the slots still empty after `REJECTION_ROUNDS` rounds, a draw among the
-  qualifying transitions listed explicitly (O(transitions)). Each slot is uniform
-  over the qualifying transitions either way.
+  ``min_version``: rejection first (each round draws enough for the slots still empty
+  at the share of qualifying draws seen so far: O(batch / share)), then, for slots
+  still empty after `REJECTION_ROUNDS` rounds or when fewer than `MIN_RATE` of the
+  draws qualify, a draw among the qualifying transitions listed explicitly
+  (O(transitions)). Each slot is uniform over the qualifying transitions either way.
 - `stale_episodes`: how many of the oldest episodes hold only steps older than a
   version, which `ShardEngine.evict` then frees. Eviction stays FIFO: it stops at the
   first episode with a step of that version or newer, so it never leaves a hole in
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     from arrowbuf.shard import Shard
 
 VERSION = "policy_version"
-#: Rounds of rejection before the qualifying transitions are listed.
-REJECTION_ROUNDS = 3
+#: Rounds of rejection before the qualifying transitions are listed; and the share of
+#: qualifying draws below which they are listed at once.
+REJECTION_ROUNDS = 4
+MIN_RATE = 1 / 64
 
 
 def versions_of(shard: Shard, rows: np.ndarray) -> np.ndarray:
@@ -66,16 +69,20 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
     table = shard.table
     first, stop = table.live_range()
     indices = np.empty(n, np.int64)
-    filled = 0
+    filled, size = 0, n
     for _ in range(REJECTION_ROUNDS):
         if first == stop:
             break
-        draw = uniform_indices(rng, n - filled, first, stop)
-        kept = draw[versions_of(shard, table.rows_of(draw)) >= min_version]
+        draw = uniform_indices(rng, size, first, stop)
+        kept = draw[versions_of(shard, table.rows_of(draw)) >= min_version][:n - filled]
         indices[filled:filled + len(kept)] = kept
         filled += len(kept)
         if filled == n:
             return select_indices(table, indices)
+        rate = len(kept) / size
+        if rate < MIN_RATE:
+            break
+        size = int((n - filled) / rate * 1.5) + 8   # enough draws to fill the rest at the rate seen
     live = np.arange(first, stop, dtype=np.int64)
     fresh = live[versions_of(shard, table.rows_of(live)) >= min_version] if len(live) else live
     if not len(fresh):

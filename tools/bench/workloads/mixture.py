@@ -5,6 +5,9 @@
   page cache after a warm-up) and an online W1 store, vs ``sample(256)`` of the
   online store alone (target mixture/online >= 0.8). For information: the dataset
   alone vs the store alone.
+- versions: W1 ``sample(256, min_version=v)`` with 3/4 of the steps at version >= v
+  (a version per episode, rising) vs a plain ``sample(256)`` of the same store
+  (target fresh/plain >= 0.8).
 - open: ``open_dataset`` of a converted W1 dataset of ``open_rows`` rows (10M full,
   far fewer in quick mode), in a fresh process: seconds and RSS growth (targets
   < 1 s and < 200 MB), its one-time conversion timed apart (info).
@@ -61,11 +64,17 @@ class MixSpec:
                 f"open: {self.open_rows:,}-row W1 dataset in a fresh process")
 
 
-def _filled(ab, spec: ReplaySpec, seed: int):
+def _filled(ab, spec: ReplaySpec, seed: int, versions: bool = False):
+    """A store of ``spec`` filled once; with ``versions``, episode k's steps have policy_version k."""
+    import numpy as np
+
     store = ab.ExperienceStore(spec.capacity, seed=seed)
     episodes = make_episodes(spec, seed=seed)
     for i in range(spec.capacity // (spec.episode_len + 1)):
-        store.add_episode(episodes[i % len(episodes)])
+        episode = episodes[i % len(episodes)]
+        if versions:
+            episode = {**episode, "policy_version": np.full(spec.episode_len, i, np.int64)}
+        store.add_episode(episode)
     return store
 
 
@@ -88,20 +97,31 @@ def run_mix(spec: MixSpec, opts: Options) -> WorkloadResult:
         for fn in fns.values():       # warm-up: the dataset's pages into the page cache, pools
             for _ in range(50):
                 fn()
-        (sample,) = compare("MIX", [Race("sample", "batches/s", fns,
-                                         {"mixture/online": ("mixture", "online"), "dataset/online": ("dataset", "online")},
-                                         target="mixture/online >= 0.8", goal=at_least("mixture/online", 0.8))],
-                            opts.rounds, opts.min_time, opts.slices)
+        versioned = _filled(ab, spec.online, 3, versions=True)
+        bound = versioned.num_episodes // 4     # 3/4 of the steps qualify
+        fresh = {"fresh": lambda: versioned.engine.sample(batch, min_version=bound),
+                 "plain": lambda: versioned.sample(batch)}
+        for fn in fresh.values():
+            for _ in range(50):
+                fn()
+        sample, versions = compare("MIX", [
+            Race("sample", "batches/s", fns,
+                 {"mixture/online": ("mixture", "online"), "dataset/online": ("dataset", "online")},
+                 target="mixture/online >= 0.8", goal=at_least("mixture/online", 0.8)),
+            Race("sample(min_version), 3/4 qualify", "batches/s", fresh, {"fresh/plain": ("fresh", "plain")},
+                 target="fresh/plain >= 0.8", goal=at_least("fresh/plain", 0.8))],
+            opts.rounds, opts.min_time, opts.slices)
         if opts.profile:
             notes.append(profile_calls("mixture sample", fns["mixture"], 3000))
-        del mixture, dataset, online
-        metrics = [sample, _open_metric(ab, spec, root, notes)]
+        del mixture, dataset, online, versioned, fresh, fns
+        metrics = [sample, versions, _open_metric(ab, spec, root, notes)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     flag_noisy("MIX", metrics, notes)
     notes.append(load_note(load_start))
-    return WorkloadResult("MIX", spec.short(), spec.describe(), ["mixture", "online", "dataset"], metrics, notes,
-                          time.perf_counter() - t0, ratio_columns=["mixture/online", "dataset/online"])
+    return WorkloadResult("MIX", spec.short(), spec.describe(), ["mixture", "online", "dataset", "fresh", "plain"],
+                          metrics, notes, time.perf_counter() - t0,
+                          ratio_columns=["mixture/online", "dataset/online", "fresh/plain"])
 
 
 def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:
@@ -128,7 +148,7 @@ def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:
         growth.values.append(result["rss_growth"] / 1e6)
         log(f"  MIX: open {result['seconds']:.3f} s, RSS +{result['rss_growth'] / 1e6:.0f} MB")
     metric = Metric(f"open_dataset, {spec.open_rows:,} rows (s; RSS MB)", "s",
-                    {"mixture": None, "online": None, "dataset": seconds},
+                    {"mixture": None, "online": None, "dataset": seconds, "fresh": None, "plain": None},
                     {}, target="< 1 s and RSS +< 200 MB", detail={"rss_growth_mb": growth.values})
     metric.met = seconds.median < 1.0 and max(growth.values) < 200
     notes.append(f"  open: median {seconds.median:.3f} s, RSS growth {', '.join(f'{g:.0f}' for g in growth.values)} MB")
