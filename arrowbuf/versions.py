@@ -18,15 +18,18 @@ checkpointed) says which policy chose its action. A step without one has version
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from arrowbuf.errors import EmptyStoreError
+from arrowbuf.fields import Field
 from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
 
 if TYPE_CHECKING:
-    from arrowbuf.shard import Shard
+    from arrowbuf.schema import Schema
+    from arrowbuf.shard import Episode, Shard
 
 VERSION = "policy_version"
 #: Rounds of rejection before the qualifying transitions are listed; and the share of
@@ -130,13 +133,44 @@ def stale_episodes(shard: Shard, min_version: int) -> int:
     return count
 
 
-def check_versions(versions: np.ndarray, name: str = "policy_version") -> np.ndarray:
-    """``versions`` as int64 >= 0.
+def check_versions(versions: Any, count: int, what: str) -> np.ndarray:
+    """``versions`` (an int, or one per ``what``) as ``count`` int64 values >= 0.
 
     Raises:
-        ValueError: not integers, or negative.
+        ValueError: not ints >= 0, or not one per ``what``.
     """
-    array = np.asarray(versions)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or (array.size and array.min() < 0):
-        raise ValueError(f"{name} must be ints >= 0 (one per step, env or episode), got {array!r}")
-    return array.astype(np.int64)
+    array = np.asarray(versions.cpu() if hasattr(versions, "cpu") else versions)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or (array.size and array.min() < 0) \
+            or array.ndim > 1 or (array.ndim == 1 and len(array) != count):
+        raise ValueError(f"policy_version must be an int >= 0 or {count} of them (one per {what}), "
+                         f"got {versions!r}")
+    return np.broadcast_to(array.astype(np.int64), (count,))
+
+
+#: The column of versions: derived, so writes without it store version 0.
+VERSION_FIELD = Field("int64", derived=True)
+
+
+def with_version(episode: Episode, schema: Schema, version: Any) -> tuple[Episode, Schema]:
+    """A read episode with its steps' ``policy_version`` column, and the schema that holds it.
+
+    Raises:
+        ValueError: a bad version, or the episode carries a ``policy_version`` field too.
+    """
+    if VERSION in episode.columns:
+        raise ValueError("the episode has a policy_version field and policy_version= was given too; give one")
+    column = np.ascontiguousarray(check_versions(version, episode.num_steps, "step"))
+    if VERSION not in schema.fields:
+        schema = schema.extended({VERSION: VERSION_FIELD})
+    elif schema.fields[VERSION].dtype != "int64" or schema.fields[VERSION].shape:
+        raise ValueError(f"the store's policy_version field is {schema.fields[VERSION]}; versions need int64 scalars")
+    return dataclasses.replace(episode, columns={**episode.columns, VERSION: column}), schema
+
+
+def ensure_version_column(engine: Any, schema: Schema) -> None:
+    """Give ``engine``'s shard the version column of ``schema`` (zero: version 0 in every row
+    written before), so that a versioned episode's column is stored."""
+    with engine.lock:
+        shard = engine.shard
+        if shard is not None and VERSION in schema.fields and VERSION not in shard.schema.fields:
+            shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
