@@ -28,7 +28,7 @@ class StoreSampling:
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
                worker_nodes: Sequence[str] | None = None,
-               keys: list | None = None) -> TensorDict | list[TensorDict]:
+               keys: list | None = None, min_version: int | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -51,6 +51,8 @@ class StoreSampling:
             keys: gather only these fields (names or key tuples; ``("next", k)``
                 only when named), plus ``"index"``, ``"episode_id"``, ``"step"``
                 and the sampler's extras; None gathers every field.
+            min_version: draw only steps of ``policy_version`` >= it (`arrowbuf.versions`;
+                a local store with a `UniformSampler`).
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
@@ -63,10 +65,12 @@ class StoreSampling:
 
         Raises:
             ValueError: a bad argument.
-            EmptyStoreError: the store holds no transition.
+            EmptyStoreError: the store holds no transition (none of ``min_version``:
+                the message names the newest version held).
             RateLimited: the rate limiter refuses the sample (after ``timeout``).
         """
         batch_size = check_int("batch_size", batch_size, 1)
+        min_version = self._check_min_version(min_version)
         # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
         args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
         device = check_device(device)
@@ -78,7 +82,19 @@ class StoreSampling:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+        fresh = {} if min_version is None else {"min_version": min_version}   # a Ray backend takes none
+        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys,
+                                    **fresh)
+
+    def _check_min_version(self, min_version: Any) -> int | None:
+        """A checked ``min_version`` (None passes); local stores only, for now."""
+        if min_version is None:
+            return None
+        min_version = check_int("min_version", min_version, 0)
+        if self.backend != "local":
+            raise ValueError("min_version needs backend='local' for now; a Ray store's readers do not filter "
+                             "by version yet")
+        return min_version
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -116,7 +132,7 @@ class StoreSampling:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None) -> Iterator[TensorDict]:
+                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch gathers each transition once, in a fresh random order (from the
@@ -135,9 +151,11 @@ class StoreSampling:
             epochs: passes over the store.
             device: where the tensors go.
             keys: the fields to gather, as in `sample`.
+            min_version: only steps of ``policy_version`` >= it, as in `sample`.
 
         Raises:
             ValueError: a bad argument.
+            EmptyStoreError: ``min_version`` given and no step has it.
 
         Example:
             >>> import numpy as np, arrowbuf as ab
@@ -152,15 +170,17 @@ class StoreSampling:
         drop_last = check_bool("drop_last", drop_last)
         epochs = check_int("epochs", epochs, 1)
         device = check_device(device)
-        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
+        # A Ray backend takes no min_version (refused above): passed only when given.
+        fresh = {} if self._check_min_version(min_version) is None else {"min_version": min_version}
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys, **fresh)
         if epochs == 1:
             return first
-        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        return self._epochs(first, epochs, (batch_size, shuffle, drop_last, device, keys), fresh)
 
-    def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
+    def _epochs(self, first: Iterator[TensorDict], epochs: int, args: tuple, fresh: dict) -> Iterator[TensorDict]:
         yield from first
         for _ in range(epochs - 1):
-            yield from self._backend.iter_batches(*args)
+            yield from self._backend.iter_batches(*args, **fresh)
 
     def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
         """The transitions of ``index`` (values of a batch's ``"index"``), in that order.

@@ -14,6 +14,7 @@ from arrowbuf.episode_batch import read_episodes
 from arrowbuf.episode_read import read_episode
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import CapacityError
+from arrowbuf.versions import attach_versions, check_versions
 
 
 class StoreWriting:
@@ -21,7 +22,7 @@ class StoreWriting:
 
     def add_episode(self, episode: Any, env_id: str = "default",
                     metadata: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-                    shard: int | None = None) -> int:
+                    shard: int | None = None, policy_version: Any = None) -> int:
         """Add one whole episode.
 
         Args:
@@ -35,6 +36,10 @@ class StoreWriting:
             shard: store it on this shard (Ray: e.g. the shard on the node that
                 will train on it), whatever its env's route; None routes by env id.
                 A local store has one shard: only 0 or None.
+            policy_version: the version of the policy that chose the actions: an int
+                >= 0, or one per step; stored as the int64 column ``"policy_version"``
+                (`arrowbuf.versions`; steps written without one have version 0).
+                Local stores only, for now.
 
         Returns:
             The new episode's id. On Ray the shard assigns it, so the call sends the
@@ -54,12 +59,15 @@ class StoreWriting:
         shard = check_shard(shard, self.num_shards)
         checked, schema = read_episode(episode, self.schema, env_id, metadata,
                                        keep_tensors=self.storage_device is not None)
+        if policy_version is not None:
+            (checked,), schema = attach_versions(self, [checked], schema, [policy_version])
         if shard is None:
             return self._backend.add(checked, schema, timeout)
         return self._backend.add_many([checked], schema, timeout, shard)[0]
 
     def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
-                     timeout: float | None = None, shard: int | None = None) -> list[int]:
+                     timeout: float | None = None, shard: int | None = None,
+                     policy_version: Any = None) -> list[int]:
         """Add E episodes given together: arrays shaped [E, T, ...] (a rollout of E envs).
 
         One check of the batch against the schema, then the episodes go in as views
@@ -78,6 +86,7 @@ class StoreWriting:
             metadata: None, or one JSON-serializable mapping (or None) per episode.
             timeout: seconds to wait for the rate limiter, per episode.
             shard: store all of them on this shard (see `add_episode`).
+            policy_version: an int >= 0 for all, or one per episode (see `add_episode`).
 
         Returns:
             The E new episode ids, in order.
@@ -107,6 +116,9 @@ class StoreWriting:
         shard = check_shard(shard, self.num_shards)
         checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata,
                                         keep_tensors=self.storage_device is not None)
+        if policy_version is not None:
+            checked, schema = attach_versions(self, checked, schema,
+                                              list(check_versions(policy_version, len(checked), "episode")))
         longest = max(e.num_rows for e in checked)
         if longest > self.capacity // self.num_shards:
             raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "
@@ -187,6 +199,24 @@ class StoreWriting:
         """Send what this process's writers queued and wait for it (no-op locally)."""
         for sink in self._writers.sinks():
             sink.flush()
+
+    def evict(self, *, min_version: int) -> int:
+        """Free every episode, oldest first, whose steps all have ``policy_version`` < ``min_version``.
+
+        Eviction stays FIFO: it stops at the first episode holding a step of
+        ``min_version`` or newer, so it leaves no hole in the ring and compacts nothing
+        (an older episode stored after a fresher one stays until the ring overwrites it).
+
+        Returns:
+            How many episodes were freed.
+
+        Raises:
+            ValueError: a bad ``min_version``, or a Ray store (not supported yet).
+        """
+        min_version = check_int("min_version", min_version, 0)
+        if self.backend != "local":
+            raise ValueError("evict(min_version=) needs backend='local' for now")
+        return self.engine.evict(min_version)
 
     def clear(self) -> None:
         """Remove every episode. Indices sampled before stay stale forever. Episodes

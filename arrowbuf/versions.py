@@ -174,3 +174,23 @@ def ensure_version_column(engine: Any, schema: Schema) -> None:
         shard = engine.shard
         if shard is not None and VERSION in schema.fields and VERSION not in shard.schema.fields:
             shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
+
+
+def attach_versions(store: Any, episodes: list[Episode], schema: Schema,
+                    versions: list[Any]) -> tuple[list[Episode], Schema]:
+    """``store``'s read ``episodes`` with their ``policy_version`` columns (``versions``: one
+    int or one per step, per episode), the schema holding them, and the store's shard given
+    the column (`ensure_version_column`).
+
+    Raises:
+        ValueError: a Ray store (its shards do not take the column yet), or a bad version.
+    """
+    if store.backend != "local":
+        raise ValueError("policy_version= needs backend='local' for now; on a Ray store, write the versions as "
+                         "an int64 'policy_version' step field of the episode")
+    out = []
+    for episode, version in zip(episodes, versions):
+        episode, schema = with_version(episode, schema, version)
+        out.append(episode)
+    ensure_version_column(store.engine, schema)
+    return out, schema

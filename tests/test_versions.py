@@ -113,3 +113,81 @@ def test_a_dataset_exported_with_versions_samples_fresh_steps(tmp_path):
     assert sorted(torch.cat([b["policy_version"] for b in dataset.iter_batches(7, min_version=4)]).tolist()) == [4] * 10
     with pytest.raises(EmptyStoreError, match="newest version held is 4"):
         dataset.sample(4, min_version=5)
+
+
+def _plain(T: int) -> dict:
+    return {"obs": np.zeros((T + 1, 2), np.float32), "action": np.arange(T, dtype=np.int64),
+            "terminated": np.arange(T) == T - 1}
+
+
+def test_the_store_keywords_store_sample_export_and_checkpoint_versions(tmp_path):
+    store = ab.ExperienceStore(capacity=1_000, seed=5)
+    store.add_episode(_plain(5))                                   # no version: 0
+    store.add_episode(_plain(5), policy_version=2)
+    store.add_episode(_plain(4), policy_version=np.array([2, 3, 3, 4]))   # one per step
+    store.add_episodes({"obs": np.zeros((2, 6, 2), np.float32), "action": np.zeros((2, 5), np.int64),
+                        "terminated": np.zeros((2, 5), bool)}, policy_version=[5, 6])
+    store.add_episode(_plain(3))                                   # no version again: 0
+    versions = store.to_arrow().column("policy_version").to_numpy()
+    assert versions[:6].tolist() == [0] * 6 and versions[6:11].tolist() == [2] * 5
+    assert store.sample(64, min_version=5)["policy_version"].unique().tolist() == [5, 6]
+    epoch = torch.cat([b["policy_version"] for b in store.iter_batches(4, min_version=4, epochs=2)])
+    assert sorted(epoch.tolist()) == sorted([4] * 2 + [5] * 10 + [6] * 10)
+    with pytest.raises(EmptyStoreError, match="newest version held is 6"):
+        store.sample(4, min_version=7)
+    store.save(tmp_path / "ckpt")
+    loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
+    assert torch.equal(loaded.gather(np.arange(len(store)))["policy_version"],
+                       store.gather(np.arange(len(store)))["policy_version"])
+    dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"), seed=0)   # the offline round trip
+    assert dataset.sample(32, min_version=6)["policy_version"].unique().tolist() == [6]
+    assert store.evict(min_version=3) == 2 and store.num_episodes == 4           # FIFO, up to the mixed one
+    assert len(store) == 4 + 10 + 3
+
+
+def test_bad_versions_and_ray_stores_are_refused_and_leave_the_store_unchanged():
+    store = ab.ExperienceStore(capacity=1_000)
+    store.add_episode(_plain(3), policy_version=1)
+    for bad in (-1, 1.5, True, [1, 2], "3"):
+        with pytest.raises(ValueError, match="policy_version"):
+            store.add_episode(_plain(3), policy_version=bad)
+    with pytest.raises(ValueError, match="policy_version"):
+        store.add_episode({**_plain(3), "policy_version": np.ones(3, np.int64)}, policy_version=1)
+    with pytest.raises(ValueError, match="one per episode"):
+        store.add_episodes({"obs": np.zeros((2, 4, 2), np.float32), "action": np.zeros((2, 3), np.int64),
+                            "terminated": np.zeros((2, 3), bool)}, policy_version=[1, 2, 3])
+    assert store.num_episodes == 1
+    for bad in (-1, 0.5, "x"):
+        with pytest.raises(ValueError, match="min_version"):
+            store.sample(4, min_version=bad)
+        with pytest.raises(ValueError, match="min_version"):
+            store.evict(min_version=bad)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_ray_store_refuses_the_version_keywords_for_now():
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1)
+    try:
+        with pytest.raises(ValueError, match="backend='local'"):
+            store.add_episode(_plain(3), policy_version=1)
+        store.add_episode(_plain(3))
+        with pytest.raises(ValueError, match="backend='local'"):
+            store.sample(4, min_version=1)
+        with pytest.raises(ValueError, match="backend='local'"):
+            store.evict(min_version=1)
+    finally:
+        store.close()
+
+
+def test_a_writer_step_carries_the_version_of_the_policy_that_chose_its_action():
+    store = ab.ExperienceStore(capacity=1_000, seed=0)
+    writer = store.writer(num_envs=2)
+    obs = np.zeros((2, 2), np.float32)
+    for t in range(6):
+        version = t // 2                      # the policy is updated every 2 steps
+        action = np.full(2, 10 * version + t, np.int64)   # the action encodes the policy that chose it
+        writer.add(obs=obs, action=action, reward=np.ones(2, np.float32), terminated=np.full(2, t == 5),
+                   truncated=np.zeros(2, bool), next_obs=obs, policy_version=np.full(2, version, np.int64))
+    batch = store.gather(np.arange(len(store)))
+    assert torch.equal(batch["action"] // 10, batch["policy_version"])   # not one step late
+    assert store.sample(32, min_version=2)["action"].unique().tolist() == [24, 25]
