@@ -286,3 +286,34 @@ def test_sampling_a_dataset_larger_than_its_resident_limit_stays_under_it(tmp_pa
     assert limited["growth"] < bound, limited
     unlimited = growth("none")
     assert unlimited["growth"] > 3 * bound, unlimited
+
+
+@pytest.mark.parametrize("restore_mtime", [False, True])
+def test_flipped_bytes_in_a_cache_raise_format_error_or_read_the_same_rows(tmp_path, restore_mtime):
+    """Damage written later (a new mtime) is caught by the hashes by default; damage behind the
+    recorded mtime needs verify=True. Either way, no flip ever reads different rows."""
+    export = _store(seed=0).to_parquet(tmp_path / "export")
+    pristine = ab.open_dataset(export).to_arrow()
+    cache = export / ".arrowbuf-cache"
+    originals = {name: (cache / name).read_bytes() for name in ("rows.arrow", "episodes.arrow", "_dataset.json")}
+    stats = {name: (cache / name).stat() for name in originals}
+    rng = np.random.default_rng(0)
+    outcomes = {"rejected": 0, "same": 0}
+    for trial in range(45):
+        name = list(originals)[trial % 3]
+        data = bytearray(originals[name])
+        data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+        (cache / name).write_bytes(bytes(data))
+        if restore_mtime:
+            os.utime(cache / name, ns=(stats[name].st_atime_ns, stats[name].st_mtime_ns))
+        try:
+            dataset = ab.open_dataset(export, verify=restore_mtime, rebuild=False)
+        except FormatError:
+            outcomes["rejected"] += 1
+        else:
+            assert dataset.to_arrow().equals(pristine), (name, trial)
+            outcomes["same"] += 1
+            dataset.close()
+        (cache / name).write_bytes(originals[name])
+        os.utime(cache / name, ns=(stats[name].st_atime_ns, stats[name].st_mtime_ns))
+    assert outcomes["rejected"] >= 40, outcomes
