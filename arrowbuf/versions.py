@@ -194,3 +194,20 @@ def attach_versions(store: Any, episodes: list[Episode], schema: Schema,
         out.append(episode)
     ensure_version_column(store.engine, schema)
     return out, schema
+
+
+def next_versions(value: Any, last: np.ndarray) -> np.ndarray:
+    """A writer step's versions (one int for every env, or one per env), checked to be no lower
+    than each env's ``last`` (updated in place).
+
+    Raises:
+        ValueError: not ints >= 0, or lower than an env's previous version.
+    """
+    versions = np.ascontiguousarray(check_versions(value, len(last), "env"))
+    older = np.flatnonzero(versions < last)
+    if len(older):
+        env = int(older[0])
+        raise ValueError(f"policy_version of env {env} went back from {int(last[env])} to {int(versions[env])}; "
+                         "versions are non-decreasing in each writer's order")
+    last[...] = versions
+    return versions

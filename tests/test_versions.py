@@ -187,7 +187,15 @@ def test_a_writer_step_carries_the_version_of_the_policy_that_chose_its_action()
         version = t // 2                      # the policy is updated every 2 steps
         action = np.full(2, 10 * version + t, np.int64)   # the action encodes the policy that chose it
         writer.add(obs=obs, action=action, reward=np.ones(2, np.float32), terminated=np.full(2, t == 5),
-                   truncated=np.zeros(2, bool), next_obs=obs, policy_version=np.full(2, version, np.int64))
+                   truncated=np.zeros(2, bool), next_obs=obs, policy_version=version)   # one int for both envs
     batch = store.gather(np.arange(len(store)))
     assert torch.equal(batch["action"] // 10, batch["policy_version"])   # not one step late
     assert store.sample(32, min_version=2)["action"].unique().tolist() == [24, 25]
+    step = dict(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2, np.float32), terminated=np.zeros(2, bool),
+                truncated=np.zeros(2, bool), next_obs=obs)
+    writer.add(**step, policy_version=np.array([3, 4]))                   # one per env (a reset step)
+    writer.add(**step, policy_version=np.array([3, 4]))
+    for bad in (np.array([4, 3]), -1, [1, 2, 3], 2.5):
+        with pytest.raises(ValueError, match="policy_version"):
+            writer.add(**step, policy_version=bad)
+    assert writer.open_steps.tolist() == [1, 1]                           # nothing recorded by them
