@@ -57,6 +57,7 @@ class LocalBackend:
     kind = "local"
     num_shards = 1
     name = None   # only a Ray store has a name
+    engine: ShardEngine
 
     def __init__(self, engine: ShardEngine) -> None:
         self.engine = engine
