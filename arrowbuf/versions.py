@@ -19,10 +19,11 @@ checkpointed) says which policy chose its action. A step without one has version
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from arrowbuf._checks import check_int
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.fields import Field
 from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
@@ -176,24 +177,87 @@ def ensure_version_column(engine: Any, schema: Schema) -> None:
             shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
 
 
-def attach_versions(store: Any, episodes: list[Episode], schema: Schema,
-                    versions: list[Any]) -> tuple[list[Episode], Schema]:
-    """``store``'s read ``episodes`` with their ``policy_version`` columns (``versions``: one
-    int or one per step, per episode), the schema holding them, and the store's shard given
-    the column (`ensure_version_column`).
+def local_engine(store: Any, what: str) -> Any:
+    """A local store's engine.
 
     Raises:
-        ValueError: a Ray store (its shards do not take the column yet), or a bad version.
+        ValueError: a Ray store (its shards and readers do not take versions yet).
     """
     if store.backend != "local":
-        raise ValueError("policy_version= needs backend='local' for now; on a Ray store, write the versions as "
-                         "an int64 'policy_version' step field of the episode")
+        raise ValueError(f"{what} needs backend='local' for now; a Ray store stores an int64 'policy_version' "
+                         "step field given in the data, but does not filter or evict by it yet")
+    return store.engine
+
+
+def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schema, version: Any,
+                    per_episode: bool = False) -> tuple[Episode | list[Episode], Schema]:
+    """``store``'s read episode (or list of them, with ``per_episode``) with its
+    ``policy_version`` column (``version``: an int, one per step of the one episode, or one
+    per episode), the schema holding them, and the store's shard given the column
+    (`ensure_version_column`). Unchanged when ``version`` is None.
+
+    Raises:
+        ValueError: a Ray store, or a bad version.
+    """
+    if version is None:
+        return episodes, schema
+    engine = local_engine(store, "policy_version=")
+    if not per_episode:
+        episode, schema = with_version(episodes, schema, version)
+        ensure_version_column(engine, schema)
+        return episode, schema
     out = []
-    for episode, version in zip(episodes, versions):
-        episode, schema = with_version(episode, schema, version)
+    for episode, each in zip(episodes, check_versions(version, len(episodes), "episode")):
+        episode, schema = with_version(episode, schema, each)
         out.append(episode)
-    ensure_version_column(store.engine, schema)
+    ensure_version_column(engine, schema)
     return out, schema
+
+
+def sample_fresh(store: Any, min_version: Any, batch_size: int, args: tuple, device: Any, pin_memory: bool,
+                 timeout: float | None, num_workers: int | None, keys: Any) -> Any:
+    """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (local stores).
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+    """
+    min_version = check_int("min_version", min_version, 0)
+    batch = local_engine(store, "min_version").sample(batch_size, args, device, pin_memory, timeout, keys,
+                                                      min_version)
+    return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+
+
+def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, drop_last: bool, epochs: int,
+                 device: Any, keys: Any) -> Iterator[Any]:
+    """`ExperienceStore.iter_batches` over the steps of ``policy_version`` >= ``min_version``.
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+        EmptyStoreError: no step qualifies (at the first epoch's start).
+    """
+    min_version = check_int("min_version", min_version, 0)
+    engine = local_engine(store, "min_version")
+    keys = engine.check_keys(keys)
+    first = engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
+
+    def batches() -> Iterator[Any]:
+        for epoch in range(epochs):
+            for indices in first if epoch == 0 else engine.epoch(batch_size, shuffle, drop_last, min_version):
+                batch = engine.gather(indices, device, keys)
+                if batch is not None and batch.batch_size[0]:
+                    yield batch
+
+    return batches()
+
+
+def evict_older(store: Any, min_version: Any) -> int:
+    """`ExperienceStore.evict`: free the oldest episodes older than ``min_version`` (`evict_stale`).
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+    """
+    min_version = check_int("min_version", min_version, 0)
+    return local_engine(store, "evict(min_version=)").evict(min_version)
 
 
 def next_versions(value: Any, last: np.ndarray) -> np.ndarray:
