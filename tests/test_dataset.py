@@ -317,3 +317,23 @@ def test_flipped_bytes_in_a_cache_raise_format_error_or_read_the_same_rows(tmp_p
         (cache / name).write_bytes(originals[name])
         os.utime(cache / name, ns=(stats[name].st_atime_ns, stats[name].st_mtime_ns))
     assert outcomes["rejected"] >= 40, outcomes
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_the_export_of_a_sharded_ray_store_opens_with_every_episode_whole(tmp_path):
+    store = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=2, seed=0)
+    try:
+        rng = np.random.default_rng(0)
+        for k in range(8):
+            T = 5 + k
+            store.add_episode({"obs": rng.standard_normal((T + 1, 2)).astype(np.float32),
+                               "action": np.full(T, k, np.int64), "terminated": np.arange(T) == T - 1},
+                              env_id=f"env-{k}")
+        store.flush()
+        dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"), seed=0)
+        assert len(dataset) == len(store) == sum(5 + k for k in range(8))
+        batch = dataset.gather(np.arange(len(dataset)))
+        assert torch.equal(batch["episode_id"], batch["action"])     # each row in its own episode
+        assert sorted(dataset.episodes().column("episode_id").to_pylist()) == list(range(8))
+    finally:
+        store.close()
