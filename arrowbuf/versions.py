@@ -72,21 +72,28 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
         raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
     table = shard.table
     first, stop = table.live_range()
-    indices = np.empty(n, np.int64)
+    first_row = table.col("first_row")
+    parts: list[tuple[np.ndarray, ...]] = []   # (indices, positions, steps, rows) kept, round by round
     filled, size = 0, n
     for _ in range(REJECTION_ROUNDS):
         if first == stop:
             break
         draw = uniform_indices(rng, size, first, stop)
-        kept = draw[versions_of(shard, table.rows_of(draw)) >= min_version][:n - filled]
-        indices[filled:filled + len(kept)] = kept
+        pos, step = table.locate(draw)            # located once: the selection reuses them
+        rows = first_row.take(pos) + step
+        kept = np.flatnonzero(versions_of(shard, rows) >= min_version)[:n - filled]
+        parts.append((draw[kept], pos[kept], step[kept], rows[kept]))
         filled += len(kept)
         if filled == n:
-            return select_indices(table, indices)
+            indices, pos, step, rows = (np.concatenate(column) for column in zip(*parts))
+            return Selection(rows, indices, pos, {}, step)
         rate = len(kept) / size
         if rate < MIN_RATE:
             break
         size = int((n - filled) / rate * 1.5) + 8   # enough draws to fill the rest at the rate seen
+    indices = np.empty(n, np.int64)
+    if parts:
+        indices[:filled] = np.concatenate([part[0] for part in parts])
     live = np.arange(first, stop, dtype=np.int64)
     fresh = live[versions_of(shard, table.rows_of(live)) >= min_version] if len(live) else live
     if not len(fresh):
