@@ -204,20 +204,22 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
     (`ensure_version_column`). Unchanged when ``version`` is None.
 
     Raises:
-        ValueError: a Ray store, or a bad version.
+        ValueError: a bad version, or a Ray store whose schema was fixed without the column.
     """
     if version is None:
         return episodes, schema
-    engine = local_engine(store, "policy_version=")
+    if store.backend != "local" and store.schema is not None and VERSION not in store.schema.fields:
+        raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one yet): "
+                         "give policy_version from the store's first write on, or declare the field in its schema")
     if not per_episode:
-        episode, schema = with_version(episodes, schema, version)
-        ensure_version_column(engine, schema)
-        return episode, schema
-    out = []
-    for episode, each in zip(episodes, check_versions(version, len(episodes), "episode")):
-        episode, schema = with_version(episode, schema, each)
-        out.append(episode)
-    ensure_version_column(engine, schema)
+        out, schema = with_version(episodes, schema, version)
+    else:
+        out = []
+        for episode, each in zip(episodes, check_versions(version, len(episodes), "episode")):
+            episode, schema = with_version(episode, schema, each)
+            out.append(episode)
+    if store.backend == "local":
+        ensure_version_column(store.engine, schema)
     return out, schema
 
 

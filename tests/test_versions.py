@@ -115,6 +115,13 @@ def test_a_dataset_exported_with_versions_samples_fresh_steps(tmp_path):
         dataset.sample(4, min_version=5)
 
 
+def _full(T: int) -> dict:
+    """`_episode` without its policy_version field."""
+    episode = _episode(T, 0)
+    del episode["policy_version"]
+    return episode
+
+
 def _plain(T: int) -> dict:
     return {"obs": np.zeros((T + 1, 2), np.float32), "action": np.arange(T, dtype=np.int64),
             "terminated": np.arange(T) == T - 1}
@@ -165,18 +172,45 @@ def test_bad_versions_and_ray_stores_are_refused_and_leave_the_store_unchanged()
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_ray_store_refuses_the_version_keywords_for_now():
-    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1)
+def test_a_ray_store_stores_versions_but_refuses_min_version_and_evict_for_now():
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
+    late = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1)
     try:
-        with pytest.raises(ValueError, match="backend='local'"):
-            store.add_episode(_plain(3), policy_version=1)
-        store.add_episode(_plain(3))
+        store.add_episode(_full(3), policy_version=1)
+        store.add_episodes({"obs": np.zeros((2, 4, 2), np.float32), "action": np.zeros((2, 3), np.int64),
+                            "reward": np.ones((2, 3), np.float32), "terminated": np.zeros((2, 3), bool),
+                            "truncated": np.zeros((2, 3), bool)}, policy_version=[2, 3])
+        store.add_episode(_full(3))                                             # version 0
+        writer = store.writer(num_envs=2)   # steps without a version: 0
+        obs = np.zeros((2, 2), np.float32)
+        for t in range(2):
+            writer.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2, np.float32),
+                       terminated=np.full(2, t == 1), truncated=np.zeros(2, bool), next_obs=obs)
+        store.flush()
+        held = store.to_arrow().column("policy_version").to_numpy()
+        assert sorted(set(held.tolist())) == [0, 1, 2, 3]
+        assert set(store.sample(64)["policy_version"].tolist()) <= {0, 1, 2, 3}
+        fresh = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
+        try:   # a writer's versions on a fresh store: a step field of every write
+            writer = fresh.writer(num_envs=2)
+            for version in (4, 5):
+                writer.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2, np.float32),
+                           terminated=np.full(2, version == 5), truncated=np.zeros(2, bool), next_obs=obs,
+                           policy_version=version)
+            fresh.flush()
+            assert fresh.to_arrow().column("policy_version").to_numpy().tolist()[:2] == [4, 5]
+        finally:
+            fresh.close()
         with pytest.raises(ValueError, match="backend='local'"):
             store.sample(4, min_version=1)
         with pytest.raises(ValueError, match="backend='local'"):
             store.evict(min_version=1)
+        late.add_episode(_full(3))
+        with pytest.raises(ValueError, match="first write"):
+            late.add_episode(_full(3), policy_version=1)
     finally:
         store.close()
+        late.close()
 
 
 def test_a_writer_step_carries_the_version_of_the_policy_that_chose_its_action():
