@@ -67,11 +67,11 @@ def render(results: Sequence[WorkloadResult], meta: dict) -> None:
     terminal = Console()
     # Tables are wide (a column per contender and ratio): never squeeze them below 150 columns, and
     # give a file or pipe room for every column unwrapped.
-    console = Console(width=max(150, terminal.width) if terminal.is_terminal else 320)
+    console = Console(width=max(150, terminal.width) if terminal.is_terminal else 420)
     for res in results:
         table = Table(title=f"{res.name}: {res.title}", title_justify="left", caption=res.description,
                       caption_justify="left")
-        table.add_column("metric")
+        table.add_column("metric", no_wrap=True)
         for c in res.contenders:
             table.add_column(res.label(c), justify="right")
         for col in res.ratio_columns:
