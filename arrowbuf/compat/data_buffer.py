@@ -86,7 +86,8 @@ class DataBuffer:
         backend: "local" or "ray" to override the placement's.
         num_shards: shards of a sharded store (``storage.num_shards`` wins).
         ray_options: `arrowbuf.RayOptions` for a Ray store.
-        autoreset_mode: "next_step" or "same_step" (`arrowbuf.compat.segments`).
+        autoreset_mode: "auto" (default: read from the records), "next_step" or "same_step"
+            (`arrowbuf.compat.segments`).
         component_distribution: RLightning's node -> component ids map for node
             affinity (default: the resource manager's, else all on this node).
 
@@ -107,7 +108,7 @@ class DataBuffer:
                  policy_resp_preprocess_fn: Callable | None = None, preprocess_fn: Callable | None = None,
                  postprocess_fn: Callable | None = None, *, seed: int | None = None, cluster: Any = None,
                  num_train_workers: int | None = None, backend: str | None = None, num_shards: int | None = None,
-                 ray_options: Any = None, autoreset_mode: str = "next_step",
+                 ray_options: Any = None, autoreset_mode: str = "auto",
                  component_distribution: Mapping[str, Any] | None = None) -> None:
         self.settings: BufferSettings = parse_config(config, self.buffer_type)
         self.config = copy.deepcopy(config)
