@@ -179,8 +179,10 @@ class DataBuffer:
 
     @_locked
     def size(self) -> int:
-        """Stored transitions, or episodes with ``storage.unit="episode"`` (in-progress ones excluded)."""
-        return self._sink.size(self.settings.unit)
+        """Stored transitions, or episodes with ``storage.unit="episode"`` (in-progress ones excluded);
+        at most ``capacity`` transitions per shard, as in the seed (`arrowbuf.compat.reading.Reader`)."""
+        reader = self._reader()
+        return 0 if reader is None else reader.count(reader.space())
 
     def __len__(self) -> int:
         return self.size()
@@ -329,7 +331,8 @@ class DataBuffer:
         if self._sink.store is None:
             return None
         device = self.settings.device if self.settings.device != "cpu" else None
-        return Reader(self._sink.store, self.settings.unit, device)
+        circular = self.settings.mode == "circular"
+        return Reader(self._sink.store, self.settings.unit, device, self.settings.capacity if circular else None)
 
     def get(self, item: Any) -> TensorDict:
         """``{"storage_idx": s, "indices": idx}`` -> ``self[s, idx]``; an index or indices -> ``self[item]``.
