@@ -127,7 +127,7 @@ def load(path: str) -> tuple[list[WorkloadResult], dict]:
     for w in data["workloads"]:
         metrics = [Metric(m["name"], m["unit"], {c: value(v) for c, v in m["values"].items()},
                           {k: Series(list(r["rounds"])) for k, r in m["ratios"].items()}, m["target"], m["met"],
-                          m["detail"]) for m in w["metrics"]]
+                          m["detail"], m.get("ratios_from_values", True)) for m in w["metrics"]]
         results.append(WorkloadResult(w["name"], w["title"], w["description"], w["contenders"], metrics, w["notes"],
                                       w["seconds"], w["labels"], w["ratio_columns"]))
     return results, data["meta"]
