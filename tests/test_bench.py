@@ -89,6 +89,8 @@ def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_inges
         assert metric in run.stdout
         assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
     assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+    # IsaacLab / RSL-RL send no final observation: compat still keeps every env step (issue 25 item 4)
+    assert "WBC: compat with info={} (no final observation, default autoreset_mode) stores 6,144 of 6,144" in run.stdout
     metric = "WBC add_episodes(256 episodes)"   # one add_episodes of the rollout against one add_episode per env
     assert metric in run.stdout and "store.add_episode x E" in run.stdout
     assert len(ratios[metric, "batched/single"]) == 2 and all(r > 0 for r in ratios[metric, "batched/single"])

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 import arrowbuf as ab
 from arrowbuf.compat import ClusterKeyWarning, ReplayBuffer, parse_config
@@ -80,8 +79,7 @@ def test_a_misspelt_cluster_key_warns_naming_it_and_the_known_keys_and_is_ignore
     assert placement.backend == "local"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        resolve_placement(settings, {key: None for key in ("ray_address", "remote_storage")} | {"remote_storage": False},
-                          driver_node="n0")
+        resolve_placement(settings, {"ray_address": "auto", "remote_storage": False}, driver_node="n0")
 
 
 def seed_checkout() -> Path | None:
@@ -94,6 +92,8 @@ def seed_checkout() -> Path | None:
 
 
 def test_every_buffer_and_cluster_config_rlightnings_examples_ship_loads():
+    import yaml   # (Ray's dependency)
+
     repo = seed_checkout()
     if repo is None:
         pytest.skip("no RLightning checkout: run `python tools/seed_checkout.py` (or set ARROWBUF_SEED_REPO)")
@@ -117,7 +117,8 @@ def test_every_buffer_and_cluster_config_rlightnings_examples_ship_loads():
             assert settings.capacity >= 1
     settings = parse_config({"type": "ReplayBuffer", "capacity": 10})
     sections = [(path, yaml.safe_load(path.read_text())) for path in clusters]
-    sections += [(path, top["cluster"]) for path, top in tops if isinstance(top, dict) and isinstance(top.get("cluster"), dict)]
+    sections += [(path, top["cluster"]) for path, top in tops
+                 if isinstance(top, dict) and isinstance(top.get("cluster"), dict)]
     for path, section in sections:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -98,8 +98,8 @@ def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
                                   "torchrl": "torchrl LazyTensorStorage", "arrowbuf_keys": "arrowbuf keys=",
                                   "arrowbuf_torch": f"torch arena ({opts.torch_device()})",
                                   "arrowbuf_cuda": "keys= to cuda"},
-                          ratio_columns=["arrowbuf/ideal", "arrowbuf/rlightning", "arrowbuf/seed", "arrowbuf_keys/ideal",
-                                         "arrowbuf_keys/rlightning", "arrowbuf_keys/seed",
+                          ratio_columns=["arrowbuf/ideal", "arrowbuf/rlightning", "arrowbuf/seed",
+                                         "arrowbuf_keys/ideal", "arrowbuf_keys/rlightning", "arrowbuf_keys/seed",
                                          *(f"{c}/ideal" for c in extra)])
 
 

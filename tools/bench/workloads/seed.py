@@ -203,6 +203,11 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
         contender.ingest()
         notes.append(f"  WBC: {c} stores {contender.transitions():,} of {shape.transitions:,} env steps")
         contender.clear()
+    blind = CompatRollout(shape, rollout, wbc_config, "rsl", autoreset_mode="auto")   # IsaacLab's info={}
+    blind.ingest()
+    notes.append(f"  WBC: compat with info={{}} (no final observation, default autoreset_mode) stores "
+                 f"{blind.transitions():,} of {shape.transitions:,} env steps")
+    del blind
     log(f"  SEED: WBC {shape.transitions:,} env steps a rollout")
     metrics += compare("SEED WBC", [
         Race("WBC ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
