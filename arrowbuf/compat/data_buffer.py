@@ -181,8 +181,13 @@ class DataBuffer:
     def size(self) -> int:
         """Stored transitions, or episodes with ``storage.unit="episode"`` (in-progress ones excluded);
         at most ``capacity`` transitions per shard, as in the seed (`arrowbuf.compat.reading.Reader`)."""
+        store = self._sink.store
+        if store is None:
+            return 0
+        if self.settings.mode != "circular" or len(store) <= self.settings.capacity:   # nothing past the capacity:
+            return store.num_episodes if self.settings.unit == "episode" else len(store)   # the cheap counts
         reader = self._reader()
-        return 0 if reader is None else reader.count(reader.space())
+        return reader.count(reader.space())
 
     def __len__(self) -> int:
         return self.size()

@@ -1,6 +1,16 @@
-"""SEED: RLightning's engines through ``arrowbuf.compat.DataBuffer`` vs the native writer (issue 12).
+"""SEED: RLightning's engines through the real seed, ``arrowbuf.compat.DataBuffer`` and the native writer.
 
-The same rollout (`rollouts.make_rollout`, torch tensors as local envs and
+First rows (issue 25 item 5): whole rollouts (ingest, sample, the trainer's PPO
+minibatches) as RSLRLEngine (WBC) and SyncRLEngine (VLA) run them, through
+RLightning's own ``RolloutBuffer`` with its shipped configs and example hooks
+(`seed_engines`, `real_seed`), compat (fed RLightning's own types) and the
+native writer: in steady state (one buffer each, >= 5 rollouts, the first left
+out) and with a fresh buffer per rollout; compat/seed and native/seed time
+ratios, and each contender's ingest max/min over the steady rollouts. Without
+an RLightning checkout (``tools/seed_checkout.py``, ``--seed-repo``,
+``ARROWBUF_SEED_REPO``) the seed's columns stay empty and a note says why.
+
+Then compat against the native writer alone (issue 12). The same rollout (`rollouts.make_rollout`, torch tensors as local envs and
 policies hand them over) goes both ways:
 
 - WBC (RSLRLEngine, wbc_tracking: unit episode, ``batch`` sampler,
