@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -21,10 +21,14 @@ from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
+
+if TYPE_CHECKING:
+    from arrowbuf.samplers import Selection
 
 MODES = ("circular", "fixed")
 
@@ -131,6 +135,9 @@ class Shard:
         ValueError: a capacity below 1 or an unknown mode.
     """
 
+    #: numpy columns in host memory, sampled by `arrowbuf.direct` (a torch arena's are not).
+    host_columns = True
+
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1) -> None:
         if capacity < 1:
@@ -160,7 +167,7 @@ class Shard:
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
-        self.gather = self.make_gather(self._gather_columns())
+        self.gather = self.make_gather(self.gather_columns())
 
     def __len__(self) -> int:
         return self.table.num_transitions
@@ -172,9 +179,10 @@ class Shard:
                 self.arena[name] = self.new_column(f, zero=True)
         self.schema = schema
         self.specs = {**schema.fields, **SYSTEM_SPECS}
-        self.gather = self.make_gather(self._gather_columns())
+        self.gather = self.make_gather(self.gather_columns())
 
-    def _gather_columns(self) -> dict:
+    def gather_columns(self) -> dict:
+        """The gather's columns: key -> (column, role, torch dtype, packed block or None)."""
         columns = {}
         for name, f in self.schema.fields.items():
             key = tuple(name.split("."))
@@ -203,7 +211,7 @@ class Shard:
         return column_view(self.packed, self._pack_offsets[name], spec.numpy_dtype, spec.shape)
 
     def make_gather(self, columns: dict) -> Gather:
-        """The gather of `_gather_columns`' columns."""
+        """The gather of `gather_columns`' columns."""
         return Gather(columns)
 
     def write_rows(self, name: str, start: int, data: Any) -> None:
@@ -404,6 +412,36 @@ class Shard:
         return self.reuse[self.transition_rows()] if self.reuse is not None else None
 
     # -- reading ----------------------------------------------------------------------
+
+    def lookups(self, selection: Selection, args: tuple, index_base: int = 0
+                ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection of
+        this shard's transitions, for ``args`` = (n_step, gamma, frame_stack); ``index_base``
+        is added to the ``index`` extra."""
+        n, gamma, frames = args
+        table = self.table
+        rows, pos = selection.rows, selection.pos
+        # episode_id and step come from the episode table, not from per-row columns.
+        step = selection.step
+        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        extra = {"index": selection.indices + index_base if index_base else selection.indices,
+                 "episode_id": table.col("episode_id").take(pos),
+                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+        obs_rows = next_rows = None
+        if n > 1:
+            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
+            # Windows stop at their episode's end: past the longest live episode, a
+            # longer n changes nothing but the cost.
+            ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
+            next_rows = ahead.next_rows
+            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in self.schema.fields:
+                    extra[flag] = self.reader(flag)[ahead.last_rows]
+        if frames > 1:
+            obs_rows = frame_rows(rows, first, frames)
+            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        return rows, extra, obs_rows, next_rows
 
     def index_rows(self) -> None:
         """Keep a row -> episode map from now on (4 bytes a row), for `positions_of_rows`."""
