@@ -152,7 +152,8 @@ def fresh_spans(shard: Shard, min_version: int) -> Spans | None:
     if len(mixed):
         column, first_row = _column(shard), table.col("first_row")
         for p in mixed.tolist():
-            values = np.asarray(column[first_row[p]:first_row[p] + length[p]]).reshape(-1)
+            # By an index array: a torch arena's reader takes those (`Shard.reader`), not slices.
+            values = np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
             if bounds.sorted[p]:
                 starts = np.array([values.searchsorted(min_version)])
                 stops = np.array([len(values)])
