@@ -5,8 +5,8 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
-                             SchemaError, ShardError)
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
+                             ResourceError, SchemaError, ShardError)
 from arrowbuf.fields import Field
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
@@ -26,6 +26,7 @@ __all__ = [
     "EpisodeSampler",
     "Field",
     "FormatError",
+    "InUseError",
     "MinSize",
     "PrioritizedSampler",
     "RateLimited",

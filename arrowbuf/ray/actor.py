@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._dirlock import private_directory
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
@@ -37,6 +38,7 @@ from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
 
 Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
+LOCK_WAIT = 10.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
 READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler)   # stateless: readers draw them
 
 
@@ -73,7 +75,11 @@ class ShardServer:
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
                                track_reuse=track_reuse, shard=shard, num_shards=num_shards)
 
-        self.durable = DurableShard(durable, shard, num_shards, durable_sync) if durable is not None else None
+        if durable is not None:   # the store's durable directory is private too (`arrowbuf._dirlock`)
+            private_directory(Path(durable).parent)
+        # A restarted shard may start while its killed predecessor's process is still going away.
+        self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT) \
+            if durable is not None else None
         self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
@@ -100,6 +106,13 @@ class ShardServer:
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
         return self.unfilled.fill(self.engine)
+
+    def release(self) -> None:
+        """Close the durable log and release its directory's lock (the store is closing: the
+        next store to open the directory must not wait for this process to be gone)."""
+        if self.durable is not None:
+            self.durable.close()
+            self.durable.failed("the store was closed")
 
     def ping(self) -> str:
         """This actor's node id (also proves it started)."""
