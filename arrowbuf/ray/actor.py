@@ -38,7 +38,7 @@ from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
 
 Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
-LOCK_WAIT = 10.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
+LOCK_WAIT = 5.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
 READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler)   # stateless: readers draw them
 
 
