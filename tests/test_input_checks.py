@@ -240,4 +240,4 @@ def test_a_tensor_on_an_unusable_device_raises_schema_error_naming_the_field_and
     batch = store.sample(4)
     with pytest.raises(ab.SchemaError, match=r"priority: a tensor on device meta"):
         store.update_priorities(batch["index"], torch.ones(4, device="meta"))
-    assert_same_snapshot(store, before)
+    assert_same_snapshot(before, snapshot(store))
