@@ -178,9 +178,14 @@ class RayBackend:
             self._schema = schema
             self._sink.set_schema(schema)
 
-    def size(self) -> tuple[int, int]:
-        """(transitions, episodes) as last reported (never waits; see the module docstring)."""
-        self._sizes.poll()
+    def size(self, exact: bool = True) -> tuple[int, int]:
+        """(transitions, episodes): asked of every shard now (one round trip), so every write
+        acknowledged before it counts, whichever process made it; ``exact=False``: as last
+        reported (never waits; see the module docstring)."""
+        if exact:
+            self._sizes.refresh()
+        else:
+            self._sizes.poll()
         return self._sizes.totals()
 
     def shard_sizes(self) -> np.ndarray:
