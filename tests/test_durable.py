@@ -528,3 +528,39 @@ def test_a_clear_after_an_insert_whose_write_was_never_logged_still_clears_at_a_
         engine.clear()
         durable.cleared(engine)
     assert contents(recovered(tmp_path)) == {}
+
+
+def test_a_reader_that_meets_blocks_of_a_restarted_shard_reads_its_manifest_again(tmp_path, ray_cluster):
+    # The first sample after the restart raised Ray's OwnerDiedError: this process still
+    # held blocks owned by the killed actor process. A retry half a second later worked.
+    ray = ray_cluster
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0, durable=tmp_path)
+    try:
+        for tag in range(20):
+            store.add_episode(make_episode(tag, 5), env_id=f"env-{tag}")
+        store.flush()   # this process holds the shards' manifests (no sample taken yet)
+        held = [block.ref for block in store._backend._reader.views[0].blocks]   # owned by shard 0's process
+        ray.kill(ray.get_actor(f"{store.name}:0", namespace="arrowbuf"), no_restart=False)
+        deadline = time.monotonic() + 60
+        while store.episodes().num_rows < 20:   # until the restarted shard answers with every episode
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while True:   # until this process knows the old blocks' owner is gone (else the race hides it)
+            try:
+                ray.get(held[0], timeout=10)
+            except ray.exceptions.ObjectLostError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        batch = store.sample(256)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == list(range(20))
+        # A shard that stays down is a ShardError, not one of Ray's errors.
+        victim = ray.get_actor(f"{store.name}:1", namespace="arrowbuf")
+        ray.kill(victim)   # no restart
+        deadline = time.monotonic() + 60   # samples draw from the blocks held here until a manifest poll fails
+        with pytest.raises(ab.ShardError, match=r"shard 1 of store"):
+            while time.monotonic() < deadline:
+                store.sample(256)
+                time.sleep(0.05)
+    finally:
+        store.close()
