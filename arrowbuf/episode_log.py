@@ -114,15 +114,9 @@ class EpisodeLog:
             for number in [n for n in numbers if n < head.first]:   # a compaction stopped after moving the head on
                 (self.directory / segment_name(number)).unlink()
             numbers = [n for n in numbers if n >= head.first]
-            missing = [n for n in range(head.first, head.newest + 1) if n not in numbers]
-            if missing:
-                lost = (f"; {self._unvouched(head)} cannot be vouched for" if head.newest in missing else
-                        ": the episodes and clears logged in it cannot be vouched for")
-                raise FormatError(f"{self.directory / segment_name(missing[0])}: missing (deleted); the log head "
-                                  f"({HEAD_NAME}) lists segments {head.first}..{head.newest}{lost}")
-            self.acked_next = head.acked_next
+        missing = [n for n in range(head.first, head.newest + 1) if n not in numbers] if head is not None else []
         gaps = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
-        if gaps:
+        if gaps and not missing:
             raise FormatError(f"{self.directory / segment_name(gaps[0])}: missing (deleted) between "
                               f"{segment_name(numbers[0])} and {segment_name(numbers[-1])}; the episodes and clears "
                               "logged in it cannot be vouched for")
@@ -138,7 +132,8 @@ class EpisodeLog:
             read.append((path, records, end, size))
         for (path, _, _, size), (_, records, _, _) in zip(read, read[1:]):
             previous = records[0].meta.get("previous") if records else None
-            if previous is not None and previous != [int(SEGMENT.fullmatch(path.name).group(1)), size]:
+            number = int(SEGMENT.fullmatch(path.name).group(1))
+            if previous is not None and previous[0] == number and previous[1] != size:   # (a gap is said below)
                 raise FormatError(f"{path}: {size} bytes, but the next segment's start record says it ended at "
                                   f"byte {previous[1]}; it was cut, and the episodes logged past byte {size} "
                                   "cannot be vouched for")
@@ -147,6 +142,13 @@ class EpisodeLog:
                 self._note(record)
             self._records += records
             self._segments.append((path, self._next_after))
+        if missing:   # said after reading the others: what they hold is vouched for
+            lost = (f"; {self._unvouched(head)} cannot be vouched for" if head.newest in missing else
+                    ": the episodes and clears logged in it cannot be vouched for")
+            raise FormatError(f"{self.directory / segment_name(missing[0])}: missing (deleted); the log head "
+                              f"({HEAD_NAME}) lists segments {head.first}..{head.newest}{lost}")
+        if head is not None:
+            self.acked_next = max(self.acked_next, head.acked_next)
         torn = None
         if read:
             path, records, end, size = read[-1]

@@ -49,7 +49,7 @@ def test_finished_episodes_reach_another_process_without_flush():
     try:
         writer = store.writer(num_envs=3, autoreset_mode="disabled")
         finish(writer)   # three finished episodes, never flushed; the writer stays open
-        assert ray.get(count_elsewhere.remote(store.name, 3, patience=5.0)) == 3
+        assert ray.get(count_elsewhere.remote(store.name, 3, patience=60.0)) == 3
         assert writer.pending == 0
     finally:
         store.close()
@@ -59,7 +59,7 @@ def test_a_task_that_returns_without_flush_still_delivers_its_episodes():
     store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
     try:
         assert ray.get(write_and_return.remote(store.writer(num_envs=3, autoreset_mode="disabled"))) == 3
-        assert ray.get(count_elsewhere.remote(store.name, 3, patience=5.0)) == 3
+        assert ray.get(count_elsewhere.remote(store.name, 3, patience=60.0)) == 3
     finally:
         store.close()
 
@@ -73,7 +73,7 @@ def test_a_dead_shard_is_reported_to_its_writer_with_the_number_of_episodes_lost
         kill_and_wait(ray.get_actor(f"{store.name}:0", namespace=NAMESPACE))
         finish(writer, 1.0)   # three episodes queued for the dead shard
         # The timer sends them and collects the failure; the next call reports it.
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 60   # generous: the condition, not the time, is what is checked
         with pytest.raises(ab.ShardError, match="3 episodes are lost"):
             while time.monotonic() < deadline:
                 writer.add(obs=np.zeros((3, 3), np.float32), action=np.zeros(3, np.int64),
