@@ -8,7 +8,9 @@ composes a `DurableShard` with its engine (see ``ShardServer``).
 
 Layout of a durable directory::
 
-    shard-dir/
+    shard-dir/                     0700, files 0600: the owner's only
+      lock                         flock'd by the one process writing here; names it (`arrowbuf._dirlock`)
+      log-head                     oldest and newest segment, the newest one's acknowledged end
       log-<segment:08d>.arrowlog   segments of the episode log (`arrowbuf.episode_log`)
       checkpoint/                  the last checkpoint (`arrowbuf.checkpoint`); saves compact the log
 

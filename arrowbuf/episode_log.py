@@ -12,11 +12,20 @@ others get their logged ids again. A retried write (the shard died after logging
 it, before its answer arrived) carries the batch number its writer gave it, and
 `EpisodeLog.seen` recognises it.
 
-**Crashes.** A record is appended and flushed before the answer, and nothing
-is written after it until then, so a crash can only leave a torn last record (its bytes run past the end
-of the newest segment): it was never acknowledged, and opening the log drops it.
-Any other damage (a bad header or checksum, a short older segment, ids that skip)
-raises `FormatError` naming the file.
+**Crashes and damage.** A record is appended and flushed before the answer, and
+nothing is written after it until then, so a crash can only leave a torn last record
+(its bytes run past the end of the newest segment): it was never acknowledged, and
+opening the log drops it. The two are told apart by ordering: once an append's bytes
+are flushed, and before it returns, the head file (``log-head``) is moved past them,
+so the head never claims more than the segment holds, and a newest segment that ends
+before the head's acknowledged end (cut, emptied), or is missing (deleted), was
+damaged. Each segment's start record names its predecessor and the bytes it ended
+with, so an older segment cut at a record boundary is found too. Any damage (a bad
+header or checksum, a cut, emptied or deleted segment, the head deleted, ids that
+skip) raises `FormatError` naming the file and what it cannot vouch for. The head
+moves without an fsync of its own: after a node crash it may lag the segment (a
+weaker check there, never a false one); with ``sync=False`` the segment itself may
+lag after a node crash, and the reopen then says what was lost.
 """
 
 from __future__ import annotations
