@@ -50,7 +50,8 @@ def holder_of(directory: Path) -> str:
     """Who holds ``directory``'s lock, as its lock file says (best effort)."""
     try:
         info = json.loads((directory / LOCK_NAME).read_text())
-        return f"process {info['pid']} on host {info['host']!r} (since {info['since']})"
+        note = f", {info['note']}" if info.get("note") else ""
+        return f"process {info['pid']} on host {info['host']!r} (since {info['since']}{note})"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (its lock file names none)"
 
@@ -62,12 +63,13 @@ class DirectoryLock:
         directory: the durable directory.
         wait: seconds to keep trying while another process holds it (a restarted
             shard waits for its killed predecessor's process to be gone).
+        note: what else names the holder in the lock file (a store's shard, its driver).
 
     Raises:
         InUseError: another process holds the lock (the message names it).
     """
 
-    def __init__(self, directory: str | os.PathLike, wait: float = 0.0) -> None:
+    def __init__(self, directory: str | os.PathLike, wait: float = 0.0, note: str | None = None) -> None:
         self.directory = private_directory(Path(directory))
         path = self.directory / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
@@ -88,7 +90,8 @@ class DirectoryLock:
                 time.sleep(0.05)
         os.fchmod(fd, FILE_MODE)
         since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode()
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since,
+                             "note": note}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
 

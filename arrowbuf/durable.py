@@ -94,7 +94,7 @@ class DurableShard:
     Args:
         directory: the shard's durable directory.
         shard, num_shards: the engine's place in its store (for checkpoint loads).
-        sync, lock_wait: see `EpisodeLog`.
+        sync, lock_wait, holder: see `EpisodeLog`.
 
     Raises:
         InUseError: another process has the directory open (its lock).
@@ -102,8 +102,8 @@ class DurableShard:
     """
 
     def __init__(self, directory: str | os.PathLike, shard: int = 0, num_shards: int = 1, sync: bool = True,
-                 lock_wait: float = 0.0) -> None:
-        self.log = EpisodeLog(directory, sync=sync, lock_wait=lock_wait)
+                 lock_wait: float = 0.0, holder: str | None = None) -> None:
+        self.log = EpisodeLog(directory, sync=sync, lock_wait=lock_wait, holder=holder)
         self.directory = self.log.directory
         self.shard = shard
         self.num_shards = num_shards

@@ -80,6 +80,7 @@ class EpisodeLog:
             leaves it to the OS: appends survive a dead process, not a node crash
             (after one, the reopen may raise `FormatError` for appends it lost).
         lock_wait: seconds to wait for another process's lock on the directory.
+        holder: what names this process in the lock file, beside its pid and host.
 
     Raises:
         InUseError: another process has the directory open.
@@ -89,13 +90,13 @@ class EpisodeLog:
     """
 
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20, sync: bool = True,
-                 lock_wait: float = 0.0) -> None:
+                 lock_wait: float = 0.0, holder: str | None = None) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise ValueError(f"directory must be a path, got {directory!r}")
         self.directory = Path(directory)
         self.segment_bytes = check_int("segment_bytes", segment_bytes, 1)
         self.sync = check_bool("sync", sync)
-        self._dirlock = DirectoryLock(self.directory, lock_wait)
+        self._dirlock = DirectoryLock(self.directory, lock_wait, holder)
         self._lock = threading.Lock()
         # writer -> [n, [numbers above n]]: its batches 1..n and those listed are logged.
         # Exact whatever order retries come in; a number that never comes (a write

@@ -55,11 +55,15 @@ def test_a_durable_directory_has_one_writer_at_a_time_and_a_killed_holder_leaves
 
 
 def test_a_ray_store_on_a_durable_directory_in_use_raises_in_use_error_naming_the_holder(tmp_path, ray_session):
-    with DurableShard(tmp_path / "shard-0"):   # this process writes the directory of the store's shard 0
-        with pytest.raises(InUseError, match=rf"shard-0 is in use by process {os.getpid()} on host "):
+    first = ab.ExperienceStore(100, backend="ray", num_shards=1, durable=tmp_path)
+    try:
+        with pytest.raises(InUseError, match=rf"shard-0 is in use by process \d+ on host .*shard 0 of store "
+                                             rf"{first.name!r}, started by pid {os.getpid()}"):
             ab.ExperienceStore(100, backend="ray", num_shards=1, durable=tmp_path)
-    store = ab.ExperienceStore(100, backend="ray", num_shards=1, durable=tmp_path)   # free again: it starts
-    store.close()
+    finally:
+        first.close()   # releases the locks at once, not when the actor processes are gone
+    second = ab.ExperienceStore(100, backend="ray", num_shards=1, durable=tmp_path)
+    second.close()
 
 
 def test_starting_a_store_under_a_running_name_raises_an_arrowbuf_error(ray_session):

@@ -20,8 +20,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 #: Episodes each writer of the stress test writes (a soak run: ARROWBUF_STRESS_EPISODES=2000).
 #: Work is bounded by counts, never by seconds: a loaded machine gives the same verdicts.
-STRESS_EPISODES = int(os.environ.get("ARROWBUF_STRESS_EPISODES", "110"))
-STRESS_CAPACITY = 4_000   # two writers of STRESS_EPISODES episodes of >= 20 steps fill it more than once
+STRESS_EPISODES = int(os.environ.get("ARROWBUF_STRESS_EPISODES", "55"))
+STRESS_CAPACITY = 2_000   # two writers of STRESS_EPISODES episodes of >= 20 steps fill it more than once
 
 
 def checksum(key: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -86,7 +86,7 @@ def sample_for(name: str, writers: list, min_batches: int, options: RayOptions) 
 
 def test_readers_in_two_processes_sample_consistent_rows_while_writers_evict():
     # Small blocks and a small ring: blocks are sealed, merged and evicted all the time.
-    options = RayOptions(block_bytes=16 << 10, seal_latency=0.02)
+    options = RayOptions(block_bytes=8 << 10, seal_latency=0.02)
     store = ab.ExperienceStore(STRESS_CAPACITY, backend="ray", num_shards=2, seed=0, ray_options=options)
     try:
         store.add_episode(keyed_episode(0, 30), env_id="seed")   # the schema, and something to sample
@@ -95,8 +95,8 @@ def test_readers_in_two_processes_sample_consistent_rows_while_writers_evict():
         readers = [sample_for.remote(store.name, writers, 10, options),
                    # the other reader treats every block as remote (copied), in a cache of about 4 blocks
                    sample_for.remote(store.name, writers, 10,
-                                     RayOptions(block_bytes=16 << 10, seal_latency=0.02, copy_blocks=True,
-                                                reader_cache_bytes=64 << 10))]
+                                     RayOptions(block_bytes=8 << 10, seal_latency=0.02, copy_blocks=True,
+                                                reader_cache_bytes=32 << 10))]
         written = ray.get(writers)
         seen = ray.get(readers)
         store.flush()

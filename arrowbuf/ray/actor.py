@@ -61,12 +61,14 @@ class ShardServer:
         durable_sync: flush the log to disk before answering a write.
         blocks: (block bytes, seal latency) of the blocks this shard publishes
             (`arrowbuf.ray.blocks`).
+        holder: what names this shard in its durable directory's lock file (its
+            store and driver), for the error another opener gets.
     """
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
-                 blocks: tuple[int, float] = (64 << 20, 0.1)) -> None:
+                 blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None) -> None:
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
@@ -78,8 +80,8 @@ class ShardServer:
         if durable is not None:   # the store's durable directory is private too (`arrowbuf._dirlock`)
             private_directory(Path(durable).parent)
         # A restarted shard may start while its killed predecessor's process is still going away.
-        self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT) \
-            if durable is not None else None
+        self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT,
+                                    holder=holder) if durable is not None else None
         self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`

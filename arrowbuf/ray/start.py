@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -74,7 +76,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
                 schema.to_json() if schema is not None else None, mode,
                 load_from[shard] if load_from is not None else None, track_reuse,
                 str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync,
-                (options.block_bytes, options.seal_latency))
+                (options.block_bytes, options.seal_latency),
+                f"shard {shard} of store {name!r}, started by pid {os.getpid()} on {socket.gethostname()!r}")
         except ValueError as err:   # Ray's ActorAlreadyExistsError: a store of that name started meanwhile
             for started in handles:
                 ray.kill(started)
