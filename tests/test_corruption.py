@@ -104,9 +104,9 @@ def _without_hashes(manifest_path: Path) -> None:
 def test_current_manifests_without_content_hashes_are_refused(tmp_path):
     store = wrapped_store("w1", capacity=100, episodes=20)
     out = store.to_parquet(tmp_path / "out")
-    _without_hashes(out / "manifest.json")
+    _without_hashes(out / "_arrowbuf.json")
     for read in (ab.ExperienceStore.from_parquet, ab.read_parquet):
-        with pytest.raises(ab.FormatError, match=r"manifest.json: the entry of .* has sha256=None; this format "
+        with pytest.raises(ab.FormatError, match=r"_arrowbuf.json: the entry of .* has sha256=None; this format "
                                                  r"version records every file's content hash"):
             read(out)
     store.save(tmp_path / "ckpt")
