@@ -28,10 +28,12 @@ FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700
 
 
-def private_directory(directory: Path) -> Path:
-    """Create ``directory`` (and missing parents) readable by its owner only; tighten it if it exists."""
+def private_directory(directory: Path, tighten: bool = True) -> Path:
+    """Create ``directory`` (and missing parents) readable by its owner only; with ``tighten``,
+    make it so if it exists (False for a directory the user chose, which may be shared)."""
+    existed = directory.is_dir()
     directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
-    if directory.stat().st_mode & 0o777 != DIRECTORY_MODE:
+    if (tighten or not existed) and directory.stat().st_mode & 0o777 != DIRECTORY_MODE:
         os.chmod(directory, DIRECTORY_MODE)
     return directory
 

@@ -77,8 +77,8 @@ class ShardServer:
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
                                track_reuse=track_reuse, shard=shard, num_shards=num_shards)
 
-        if durable is not None:   # the store's durable directory is private too (`arrowbuf._dirlock`)
-            private_directory(Path(durable).parent)
+        if durable is not None:   # created private (`arrowbuf._dirlock`); one the user made is left as it is
+            private_directory(Path(durable).parent, tighten=False)
         # A restarted shard may start while its killed predecessor's process is still going away.
         self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT,
                                     holder=holder) if durable is not None else None
