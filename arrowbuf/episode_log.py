@@ -197,6 +197,9 @@ class EpisodeLog:
         if head.acked_next > logged:
             return (f"episodes {logged}..{head.acked_next - 1} (acknowledged; the readable records end before "
                     "them) and any clear logged after them")
+        if head.acked_records == 0:
+            return (f"the start record of segment {head.newest} (the writers' batch numbers that recognise a "
+                    "retried write)")
         return f"the {head.acked_records} acknowledged appends of segment {head.newest} (their episodes and clears)"
 
     def _set_head(self, durable: bool = False) -> None:
