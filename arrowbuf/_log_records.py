@@ -47,7 +47,8 @@ HEADER_BYTES = HEADER.size + 4          # + crc32 of the header
 META = b"arrowbuf.log"
 SEGMENT = re.compile(r"log-(\d{8})\.arrowlog")
 HEAD_NAME = "log-head"
-HEAD = struct.Struct("<4sQQQQq")        # magic, first segment, newest segment, acked bytes and records of the newest, next id
+HEAD = struct.Struct("<4sQQQQqq")       # magic, first and newest segment, acked bytes and records of the newest,
+                                        # next id after the acknowledged episodes, next id of the last checkpoint
 HEAD_MAGIC = b"ABH1"
 Batch = tuple[str, int]                 # (writer id, the writer's batch number)
 
@@ -63,19 +64,23 @@ def segment_name(number: int) -> str:
 class Head:
     """What the log's head file records: segments ``first..newest`` exist, and appends to
     ``newest`` were acknowledged up to byte ``acked_bytes`` (``acked_records`` records
-    after its start), every episode below ``acked_next`` among them or before.
+    after its start), every episode below ``acked_next`` among them or before, and
+    the last compaction's checkpoint holds every episode below ``covered``.
 
     Written after the acknowledged append's bytes were flushed, so it never claims
     more than the segment holds; a crash mid-append leaves bytes beyond it (a torn
     record, never acknowledged), while a segment cut below it was damaged.
     """
 
-    def __init__(self, first: int, newest: int, acked_bytes: int, acked_records: int, acked_next: int) -> None:
+    def __init__(self, first: int, newest: int, acked_bytes: int, acked_records: int, acked_next: int,
+                 covered: int = 0) -> None:
         self.first, self.newest = first, newest
         self.acked_bytes, self.acked_records, self.acked_next = acked_bytes, acked_records, acked_next
+        self.covered = covered
 
     def pack(self) -> bytes:
-        body = HEAD.pack(HEAD_MAGIC, self.first, self.newest, self.acked_bytes, self.acked_records, self.acked_next)
+        body = HEAD.pack(HEAD_MAGIC, self.first, self.newest, self.acked_bytes, self.acked_records, self.acked_next,
+                         self.covered)
         return body + struct.pack("<I", zlib.crc32(body))
 
     @classmethod

@@ -110,6 +110,7 @@ class EpisodeLog:
         self._head_fd: int | None = None
         self._file: Any = None
         self.acked_next = 0      # every acknowledged episode's id is below it
+        self._covered = 0        # the last compaction's checkpoint holds every episode below it
         self._acked_records = 0  # records acknowledged in the active segment after its start
         try:
             self._open()
@@ -159,6 +160,7 @@ class EpisodeLog:
                               f"({HEAD_NAME}) lists segments {head.first}..{head.newest}{lost}")
         if head is not None:
             self.acked_next = max(self.acked_next, head.acked_next)
+            self._covered = head.covered
         torn = None
         if read:
             path, records, end, size = read[-1]
@@ -193,10 +195,10 @@ class EpisodeLog:
 
     def _unvouched(self, head: Head) -> str:
         """What a log cut before its head's acknowledged appends may have lost."""
-        logged = self._next_after
+        logged = max(self._next_after, head.covered)   # the log's records, or the last checkpoint, hold the rest
         if head.acked_next > logged:
-            return (f"episodes {logged}..{head.acked_next - 1} (acknowledged; the readable records end before "
-                    "them) and any clear logged after them")
+            return (f"episodes {logged}..{head.acked_next - 1} (acknowledged; neither the readable records nor "
+                    "the last checkpoint hold them) and any clear logged after them")
         if head.acked_records == 0:
             return (f"the start record of segment {head.newest} (the writers' batch numbers that recognise a "
                     "retried write)")
@@ -206,7 +208,7 @@ class EpisodeLog:
         """Record the active segment and its acknowledged end in the head (after the append's bytes are
         flushed: the head never claims more than the segment holds). ``durable``: flushed too (a new segment)."""
         number = int(SEGMENT.fullmatch(self._active_path.name).group(1))
-        head = Head(self._first, number, self._file.tell(), self._acked_records, self.acked_next)
+        head = Head(self._first, number, self._file.tell(), self._acked_records, self.acked_next, self._covered)
         os.pwrite(self._head_fd, head.pack(), 0)
         if durable and self.sync:
             os.fsync(self._head_fd)
@@ -386,6 +388,7 @@ class EpisodeLog:
             covered = [path for path, next_after in self._segments if next_after <= upto]
             kept = [p for p, _ in self._segments if p not in covered] + [self._active_path]
             self._first = int(SEGMENT.fullmatch(kept[0].name).group(1))
+            self._covered = max(self._covered, upto)
             self._set_head(durable=True)   # first: a crash before the unlinks leaves covered segments below it
             for path in covered:
                 path.unlink()

@@ -160,7 +160,8 @@ def test_a_checkpoint_then_damage_to_the_segment_after_it_is_still_found(tmp_pat
     write(durable, engine, [2])
     durable.close()
     os.truncate(durable.log.segments()[-1], 0)
-    with pytest.raises(FormatError, match=r"episodes 0\.\.2 \(acknowledged"):
+    with pytest.raises(FormatError, match=r"episodes 2\.\.2 \(acknowledged; neither the readable records nor the "
+                                          r"last checkpoint hold them\)"):
         DurableShard(tmp_path)
 
 
