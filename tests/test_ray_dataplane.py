@@ -76,7 +76,8 @@ def sample_for(name: str, writers: list, min_batches: int, options: RayOptions) 
     store = ab.ExperienceStore.attach(name, ray_options=options)
     seen: dict = {}
     rows = batches = 0
-    while batches < min_batches or len(ray.wait(writers, num_returns=len(writers), timeout=0)[0]) < len(writers):
+    # Between batches the reader waits a little for the writers (leaving them the CPU on a small machine).
+    while batches < min_batches or len(ray.wait(writers, num_returns=len(writers), timeout=0.005)[0]) < len(writers):
         rows += check_rows(store.sample(64), seen)
         batches += 1
     for batch in store.iter_batches(256):   # an epoch over a moving store: consistent too
