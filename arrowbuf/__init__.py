@@ -4,10 +4,12 @@ Episodes are stored as Arrow-compatible columns in a ring arena, sampled by inde
 and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
+from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
                              ResourceError, SchemaError, ShardError)
 from arrowbuf.fields import Field
+from arrowbuf.mixture import Mixture
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.ray.options import RayOptions
@@ -20,6 +22,7 @@ from arrowbuf.store import ExperienceStore
 __all__ = [
     "ArrowbufError",
     "CapacityError",
+    "Dataset",
     "EmptyStoreError",
     "ExperienceStore",
     "EpisodeSampler",
@@ -27,6 +30,7 @@ __all__ = [
     "FormatError",
     "InUseError",
     "MinSize",
+    "Mixture",
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
@@ -41,6 +45,7 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "open_dataset",
     "read_parquet",
     "__version__",
 ]
