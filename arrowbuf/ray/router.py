@@ -52,7 +52,7 @@ from arrowbuf.ray.reader import BlockReader
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES
-from arrowbuf.ray.start import find_shards, start_shards
+from arrowbuf.ray.start import find_shards, release_durable, start_shards
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -143,9 +143,14 @@ class RayBackend:
             self._schema = schema
             self._sink.set_schema(schema)
 
-    def size(self) -> tuple[int, int]:
-        """(transitions, episodes) as last reported (never waits; see the module docstring)."""
-        self._sizes.poll()
+    def size(self, exact: bool = True) -> tuple[int, int]:
+        """(transitions, episodes): asked of every shard now (one round trip), so every write
+        acknowledged before it counts, whichever process made it; ``exact=False``: as last
+        reported (never waits; see the module docstring)."""
+        if exact:
+            self._sizes.refresh()
+        else:
+            self._sizes.poll()
         return self._sizes.totals()
 
     def shard_sizes(self) -> np.ndarray:
@@ -236,6 +241,8 @@ class RayBackend:
         finally:
             self._reader.reset()   # this process's references to the blocks
             ray = ray_module()
+            if self.shards.durable:   # their directories' locks go now, not when the processes are gone
+                release_durable(self.shards)
             for handle in self.shards.handles:
                 ray.kill(handle)
             self.shards.closed = True
