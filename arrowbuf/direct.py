@@ -45,11 +45,13 @@ def sample_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int
     check_batch(shard.schema, _UNIFORM, table, batch_size)
     layout, at_index, at_episode, at_step = shard.gather.plain_layout(batch_size, keys)
     outs, batch = shard.gather.claim(layout)
-    index = uniform_indices(rng, batch_size, *table.live_range(), out=outs[at_index])
+    index = uniform_indices(rng, batch_size, *table.sample_range(), out=outs[at_index])
     pos, step = table.locate(index)
-    table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
+    table.ecol("episode_id").take(pos, 0, outs[at_episode], "clip")
     outs[at_step][...] = step
-    rows = table.col("first_row").take(pos)
+    if table.pieces:   # pieces of episodes: steps count from the episode's first
+        outs[at_step][...] += table.ecol("first_step").take(pos)
+    rows = table.ecol("first_row").take(pos)
     rows += step
     take_fields(layout, outs, (rows, rows, None))
     return batch

@@ -111,6 +111,11 @@ class ShardEngine:
         return self._shard.schema if self._shard is not None else None
 
     @property
+    def limited(self) -> bool:
+        """Whether the rate limiter can refuse or hold back a write or a sample."""
+        return self._limited
+
+    @property
     def shard(self) -> Shard | None:
         """The shard (None before the first write), for snapshots: read it under `lock`."""
         return self._shard
@@ -312,7 +317,7 @@ class ShardEngine:
     def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
         """Every live index once, in batches (shuffled by the engine's generator, drawn now)."""
         with self.lock:
-            indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            indices = np.arange(*self.table.sample_range(), dtype=np.int64)
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
@@ -325,7 +330,7 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
-            selection = select_indices(shard.table, indices[shard.table.is_live(indices)])
+            selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
@@ -382,10 +387,10 @@ class ShardEngine:
 
     # -- views ----------------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
-        """The episode table (one row per live episode, oldest first)."""
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        """The episode table (one row per live episode, oldest first; then the open tails)."""
         with self.lock:
-            return self.table.to_arrow()
+            return self.table.to_arrow(include_open)
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""

@@ -70,13 +70,18 @@ def batch_lookups(shard: Shard, selection: Selection, args: tuple, index_base: i
     rows, pos = selection.rows, selection.pos
     # episode_id and step come from the episode table, not from per-row columns.
     step = selection.step
-    first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+    first = table.ecol("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+    if step is None:
+        step = rows - first
+        if table.pieces:
+            step = step + table.ecol("first_step").take(pos)
     extra = {"index": selection.indices + index_base if index_base else selection.indices,
-             "episode_id": table.col("episode_id").take(pos),
-             "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+             "episode_id": table.ecol("episode_id").take(pos),
+             "step": step.astype(np.int32), **selection.extra}
     obs_rows = next_rows = None
     if n > 1:
-        last = first + table.col("length").take(pos) - 1   # the episode's last transition row
+        # The last transition row of the episode (piece; an open tail's last written step).
+        last = first + table.ecol("length").take(pos) - 1
         # Windows stop at their episode's end: past the longest live episode, a
         # longer n changes nothing but the cost.
         ahead = n_step(rows, last, shard.reader("reward"), min(n, table.longest), gamma)

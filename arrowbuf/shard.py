@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.packing import column_view, item_dtype, pack_layout
+from arrowbuf.regions import OpenRegions, span_plan
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
@@ -154,15 +155,22 @@ class Shard:
         self._items = {name: column_view(self.packed, offset, item_dtype(f.numpy_dtype, f.shape), ())
                        for name, offset in self._pack_offsets.items()
                        for f in [schema.fields[name]] if f.shape}
-        # Row -> serial of its episode (mod 2**32), kept only for samplers that pick
-        # rows rather than indices (prioritized): see `positions_of_rows`.
-        self._row_episode: np.ndarray | None = None
+        # Row -> serial of its episode (mod 2**32): which pieces a write overwrites once
+        # pieces are sealed out of ring order (`arrowbuf.regions`), and which episode a
+        # row picked by a sampler (prioritized) belongs to: see `positions_of_rows`.
+        # 4 bytes a row; pages are faulted in as rows are written.
+        self._row_episode: np.ndarray | None = np.zeros(capacity, np.uint32)
+        # The step writers' open regions (`arrowbuf.regions`), and whether the live pieces
+        # lie in the ring in table order (then `plan_write` places episodes, in O(evicted)).
+        self.regions = OpenRegions()
+        self.ordered = True
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
         self.gather = self.make_gather(self._gather_columns())
 
     def __len__(self) -> int:
+        """Sampleable transitions: sealed, and open tails'."""
         return self.table.num_transitions
 
     def extend(self, schema: Schema) -> None:
@@ -220,6 +228,14 @@ class Shard:
         """Zero rows ``[start, stop)`` of column ``name``."""
         self.arena[name][start:stop] = 0
 
+    def scatter(self, name: str, rows: np.ndarray, values: Any) -> None:
+        """Write a step's ``values`` (one row per entry of ``rows``, cast to the column) at arena ``rows``."""
+        self.arena[name][rows] = values
+
+    def zero_at(self, name: str, rows: np.ndarray) -> None:
+        """Zero arena ``rows`` of column ``name``."""
+        self.arena[name][rows] = 0
+
     def put_rows(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         """Write host ``values`` (numpy, bfloat16 as its uint16 bits) at arena ``rows``."""
         self.arena[name][rows] = values
@@ -276,20 +292,25 @@ class Shard:
             return episode.num_steps - 1
         return episode.num_steps
 
-    def check_fits(self, episode: Episode) -> tuple[int, int]:
-        """(start, evicted) for ``episode``, or `CapacityError` with nothing changed."""
+    def check_fits(self, episode: Episode) -> tuple[int, int, np.ndarray | None]:
+        """(start, evicted, open regions taken) for ``episode``, or `CapacityError` with nothing changed."""
         rows = episode.num_rows
         if rows > self.capacity:
             raise CapacityError(
                 f"episode of {episode.num_steps} steps needs {rows} rows"
                 f"{' (with its final observation)' if episode.has_final else ''}, "
                 f"more than the shard capacity of {self.capacity} rows")
-        start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
+        if self.ordered and not self.regions.count:
+            start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
+            taken = None
+        else:
+            start = self.write_pos if self.write_pos + rows <= self.capacity else 0
+            evicted, taken = span_plan(self, start, rows)
         if evicted and self.mode == "fixed":
             raise CapacityError(
                 f"store is full: {len(self.table)} episodes in {self.capacity} rows and mode='fixed' "
                 f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
-        return start, evicted
+        return start, evicted, taken
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(first row, rows) of the ``count`` oldest episodes: what a write that evicts them frees."""
@@ -310,7 +331,7 @@ class Shard:
             CapacityError: the episode is longer than the capacity, or the store is
                 full in ``mode="fixed"``; the shard is unchanged.
         """
-        start, evicted = plan if plan is not None else self.check_fits(episode)
+        start, evicted, *taken = plan if plan is not None else self.check_fits(episode)
         # Summaries first: the columns may be views of this arena (an episode read
         # back from the store) that the copy below overwrites.
         columns = episode.columns
@@ -321,6 +342,8 @@ class Shard:
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self.table.pop_oldest(evicted)
+        if taken and taken[0] is not None and len(taken[0]):
+            self.regions.take(taken[0])
         if rows:
             self.write_episode(start, episode)
         stop = start + episode.num_rows
@@ -334,7 +357,13 @@ class Shard:
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
                                        inserted_at=episode.inserted_at)
         self.write_pos = stop
+        if self.regions.count:
+            self.publish_open()
         return episode_id
+
+    def publish_open(self) -> None:
+        """Publish the open tails of the writers' regions in the episode table (sampleable)."""
+        self.table.publish_open(*self.regions.published())
 
     def write_episode(self, start: int, episode: Episode) -> None:
         """Copy ``episode``'s rows into the arena from row ``start`` (where `add` placed it)."""
@@ -350,16 +379,19 @@ class Shard:
                 self.zero_rows(name, stop - 1, stop)
 
     def clear(self) -> None:
-        """Drop every episode (the arena stays allocated for reuse)."""
+        """Drop every episode and open tail (the arena stays allocated for reuse); the
+        writers' open episodes continue in new regions from their next step."""
         self.table.clear()
+        self.regions.clear()
         self.write_pos = 0
+        self.ordered = True
 
     # -- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next episode goes, the episode table and the sample counts of
         `track_reuse` (the rows are saved apart)."""
-        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos,
+        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos, "ordered": self.ordered,
                 "table": self.table.state_dict(), "reuse": self.reuse.copy() if self.reuse is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,6 +407,7 @@ class Shard:
             raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
         self.write_pos = int(state["write_pos"])
+        self.ordered = bool(state.get("ordered", True))
         if self._row_episode is not None:   # rebuild the row -> episode map for the loaded table
             self._row_episode = None
             self.index_rows()

@@ -279,9 +279,20 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
 
     # -- views -------------------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
-        """The episode table (one row per live episode, oldest first)."""
-        return self._backend.episodes()
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        """The episode table (one row per live episode, oldest first).
+
+        A local store's step writers seal an episode longer than their region in
+        pieces (one row each, linked by env and ``first_step``; see docs/guide.md).
+        ``include_open`` adds the open episodes' written parts (``open`` True,
+        ``episode_id`` -1) after the sealed ones.
+
+        Raises:
+            ValueError: ``include_open`` is not a bool.
+        """
+        if not isinstance(include_open, bool):
+            raise ValueError(f"include_open must be a bool, got {include_open!r}")
+        return self._backend.episodes(include_open)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One episode's rows as a zero-copy RecordBatch (valid until it is evicted).
