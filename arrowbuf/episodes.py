@@ -124,6 +124,8 @@ class StepWriter:
         # ``in_place=False`` stages them as a Ray store's writer does.
         engine = getattr(sink, "inplace_engine", None) if in_place else None
         self._inplace = InPlace(engine, self.env_ids) if engine is not None else None
+        if self._inplace is not None:
+            self._inplace.bind()   # now, if the store has its schema: regions are shared among all writers
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.

@@ -50,10 +50,12 @@ class InPlace:
         self.base = 0
 
     def bind(self) -> None:
-        """Take slots in the engine's shard (made by the first step's schema)."""
+        """Take slots in the engine's shard (made by the first step's schema, if not before)."""
         if self.shard is not None:
             return
         shard = self.engine.shard
+        if shard is None:
+            return
         codes = np.array([shard.table.env_code(e) for e in self.env_ids], np.int32)
         self.base = shard.regions.allocate(codes)
         self.shard = shard
@@ -91,7 +93,7 @@ class InPlace:
         """
         self.bind()
         engine, shard = self.engine, self.shard
-        with engine.lock:
+        with engine.lock:   # noqa: the shard exists: the writer set the schema before
             regions = shard.regions
             slots = self.base + np.flatnonzero(recorded)
             everyone = len(slots) == self.num_envs
@@ -222,7 +224,7 @@ class InPlace:
         shard, engine = self.shard, self.engine
         regions, table, capacity = shard.regions, shard.table, shard.capacity
         used = int(table.col("num_rows").sum()) + int((regions.end - regions.start)[regions.held].sum())
-        size = max(region_rows(capacity, used, len(slots), regions.count), min_rows)
+        size = max(region_rows(capacity, used, max(len(slots), regions.count), regions.count), min_rows)
         if min_rows > capacity:
             raise CapacityError(f"an open episode of {min_rows - 1} rows does not fit in the store's capacity "
                                 f"of {capacity:,} rows")

@@ -99,14 +99,18 @@ class OpenRegions:
 
 
 def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> int:
-    """Rows of the next region: an even share of the free rows when the ring has room
-    (a fresh or cleared store: a rollout of T steps fits in T + 1 rows an env), else a
-    share of the capacity small enough that the head does not lap a region while its
-    env fills it (a quarter of the capacity over all writer envs), within
-    [`MIN_REGION`, `MAX_REGION`]."""
+    """Rows of the next region, within [`MIN_REGION`, `MAX_REGION`]:
+
+    - an even share of the free rows when the ring has room (a fresh or cleared store:
+      a rollout of T steps by N envs fits in N x (T + 1) rows, one piece an episode),
+      at most a quarter of the ring: eviction takes whole pieces, so a piece of a
+      quarter keeps at least half of the ring sampleable as it is overwritten;
+    - else a quarter of the ring over all writer envs: the head does not lap a region
+      while its env (stepping with the others) fills it.
+    """
     share = capacity // (4 * max(writers_envs, 1))
-    free = (capacity - used) // max(wanting, 1)
-    return int(min(MAX_REGION, max(MIN_REGION, share, min(free, capacity))))
+    free = min((capacity - used) // max(wanting, 1), capacity // 4)
+    return int(min(MAX_REGION, max(MIN_REGION, share, free)))
 
 
 def span_plan(shard: Shard, start: int, rows: int) -> tuple[int, np.ndarray]:
