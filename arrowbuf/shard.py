@@ -45,6 +45,7 @@ class Episode:
     metadata: dict[str, Any] | None = field(default=None)
     owned: bool = False   # columns are private copies, not views of a writer's staging rows
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
+    first_step: int = 0   # the step of its first row in its episode: > 0 for a piece that continues one
 
     @property
     def num_rows(self) -> int:
@@ -355,7 +356,7 @@ class Shard:
         episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
                                        has_final=episode.has_final, terminated=terminated, truncated=truncated,
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at)
+                                       inserted_at=episode.inserted_at, first_step=episode.first_step)
         self.write_pos = stop
         if self.regions.count:
             self.publish_open()
@@ -463,12 +464,14 @@ class Shard:
         start = int(table.col("first_row")[first])
         total = int(num_rows.sum())
         starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
-        step = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+        local = np.arange(total, dtype=np.int64) - starts
+        step = local + np.repeat(table.col("first_step")[first:stop], num_rows) if table.pieces else local
+        step = step.astype(np.int32)   # within the episode (a piece that continues one starts past 0)
         columns = {name: self.host_rows(name, start, start + total) for name in self.schema.fields}
         columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
         columns["step"] = step
         columns["is_first"] = step == 0
-        columns["is_last"] = step == np.repeat(num_rows - 1, num_rows)
+        columns["is_last"] = local == np.repeat(num_rows - 1, num_rows)
         return columns
 
     def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:

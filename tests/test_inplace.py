@@ -20,7 +20,7 @@ import arrowbuf as ab
 from arrowbuf.episodes import StepWriter
 
 from support.envs import FakeVectorRollout
-from support.episodes import EPISODE_SCHEMA, decode, tagged_action, tagged_obs, tagged_reward
+from support.episodes import EPISODE_SCHEMA, ExpectedEpisode, decode, tagged_action, tagged_obs, tagged_reward
 
 MODES = ["next_step", "same_step", "disabled"]
 
@@ -37,6 +37,7 @@ class Piece:
     terminated: bool
     truncated: bool
     ret: float
+    has_final: bool = True
 
 
 def cut(rollout: FakeVectorRollout) -> None:
@@ -48,9 +49,13 @@ def cut(rollout: FakeVectorRollout) -> None:
         rollout.tag[e] = rollout._new_tag()
 
 
-def played(rollouts: list[FakeVectorRollout]) -> tuple[set[tuple[int, int]], dict[int, object]]:
-    """Every complete transition the rollouts played, and their ended episodes by tag."""
+def played(rollouts: list[FakeVectorRollout], whole: list = ()) -> tuple[set[tuple[int, int]], dict[int, object]]:
+    """Every complete transition the rollouts played (and the ``whole`` episodes added
+    with `add_episode`), and their ended episodes by tag."""
     steps, ended = set(), {}
+    for e in whole:
+        steps |= {(e.tag, t) for t in range(e.length)}
+        ended[e.tag] = e
     for rollout in rollouts:
         for e in rollout.sealed:
             steps |= {(e.tag, t) for t in range(e.steps)}
@@ -68,14 +73,17 @@ def pieces_of(store: ab.ExperienceStore) -> list[Piece]:
     for row in table:
         tag, first = decode(obs[np.array([row["first_row"]])])
         out.append(Piece(int(tag[0]), row.get("first_step", 0), row["length"], row["first_row"],
-                         bool(row.get("open", False)), row["terminated"], row["truncated"], row["return"]))
+                         bool(row.get("open", False)), row["terminated"], row["truncated"], row["return"],
+                         row["has_final"] or bool(row.get("open", False))))
     return out
 
 
-def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *, evicts: bool) -> None:
+def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *, evicts: bool,
+                whole: list = ()) -> None:
     """The store against the played steps: pieces, counts, an epoch, samples, n-step
-    returns, frame stacks. ``evicts``: whether the ring may have dropped played steps."""
-    steps, ended = played(rollouts)
+    returns, frame stacks. ``evicts``: whether the ring may have dropped played steps;
+    ``whole``: episodes added with `add_episode`."""
+    steps, ended = played(rollouts, whole)
     pieces = pieces_of(store)
     at: dict[tuple[int, int], Piece] = {}
     shard = store.engine.shard
@@ -89,10 +97,12 @@ def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *,
             at[(p.tag, s)] = p
         if not p.open:
             episode = ended.get(p.tag)
-            last = episode is not None and p.first_step + p.length == episode.steps
+            last = episode is not None and p.first_step + p.length == episode.length
             assert p.terminated == (last and episode.terminated) and p.truncated == (last and episode.truncated)
-            assert p.ret == pytest.approx(float(tagged_reward(p.tag, p.first_step + np.arange(p.length)).sum()))
-            assert shard.reader("action")[np.array([p.first_row + p.length])][0] == 0, "the final row holds zeros"
+            steps_of = p.length + (0 if p.has_final else 1)   # without its final observation: one step more
+            assert p.ret == pytest.approx(float(tagged_reward(p.tag, p.first_step + np.arange(steps_of)).sum()))
+            if p.has_final:
+                assert shard.reader("action")[np.array([p.first_row + p.length])][0] == 0, "the final row holds zeros"
     assert len(store) == len(at) == sum(p.length for p in pieces)
     assert store.num_episodes == sum(not p.open for p in pieces) == store.episodes().num_rows
     if not evicts:
@@ -135,7 +145,7 @@ def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *,
         assert batch["n_steps"][i] == k
         assert float(batch["reward"][i]) == pytest.approx(float(sum(gamma ** j * tagged_reward(a, t + j) for j in range(k))))
         np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i]), tagged_obs(a, t + k))
-        assert bool(batch["terminated"][i]) == (t + k == p.first_step + p.length and p.terminated)
+        assert bool(batch["terminated"][i]) == (t + k == p.first_step + p.length and p.terminated and p.has_final)
 
     frames = 3
     batch = store.sample(64, frame_stack=frames)
@@ -160,14 +170,20 @@ def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(
     episode_lengths = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_size=1, max_size=3)
     rollouts = [FakeVectorRollout(data.draw(episode_lengths), mode, first_tag=1000 * k) for k in range(2)]
     writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
-    ops = st.tuples(st.sampled_from([0, 1]), st.integers(1, 9), st.booleans())
-    for which, count, flush in data.draw(st.lists(ops, min_size=1, max_size=8)):
+    whole = []   # whole episodes added between the writers' steps
+    ops = st.tuples(st.sampled_from([0, 1, "episode"]), st.integers(1, 9), st.booleans())
+    for which, count, flag in data.draw(st.lists(ops, min_size=1, max_size=8)):
+        if which == "episode":
+            if count + int(flag) <= capacity // 2:
+                whole.append(ExpectedEpisode(5000 + len(whole), count, flag, terminated=True))
+                store.add_episode(whole[-1].arrays)
+            continue
         for _ in range(count):
             writers[which].add(**rollouts[which].step_arrays())
-        if flush:
+        if flag:
             writers[which].flush()
             cut(rollouts[which])
-        check_store(store, rollouts, evicts=capacity < 100_000)   # at most 8 x 9 x 2 x 3 rows a writer
+        check_store(store, rollouts, evicts=capacity < 100_000, whole=whole)   # 100k rows: room for all
 
 
 @settings(max_examples=15, deadline=None)
@@ -313,3 +329,51 @@ def test_a_staged_writer_is_used_where_a_write_may_be_refused():
         writer.add(**rollout.step_arrays())
         assert len(store) == 0 and writer.open_steps.tolist() == [1], "staged until the episode ends"
     assert isinstance(writer, StepWriter)
+
+
+# -- persistence of stores with open episodes ---------------------------------------------------
+
+
+def test_a_checkpoint_keeps_open_tails_sampleable_and_the_loaded_writer_continues_them_in_place(tmp_path):
+    store = ab.ExperienceStore(capacity=60, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[9, 4], [30]], "same_step")
+    writer = store.writer(num_envs=2, autoreset_mode="same_step", name="actor")
+    for _ in range(40):   # wraps the ring: pieces, evictions, two open tails
+        writer.add(**rollout.step_arrays())
+    assert store.episodes(include_open=True).column("open").to_pylist().count(True) == 2
+    store.save(tmp_path / "ckpt")
+    loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
+    restored = loaded.writer(num_envs=2, autoreset_mode="same_step", name="actor")
+    assert len(loaded) == len(store) and loaded.num_episodes == store.num_episodes
+    keep = ["first_row", "num_rows", "length", "first_step", "open", "terminated", "truncated", "env_id"]
+    assert loaded.episodes(include_open=True).select(keep) == store.episodes(include_open=True).select(keep)
+    check_store(loaded, [rollout], evicts=True)
+    twin = FakeVectorRollout([[9, 4], [30]], "same_step")
+    for _ in range(40):
+        twin.step_arrays()
+    for _ in range(25):
+        writer.add(**rollout.step_arrays())
+        restored.add(**twin.step_arrays())
+    assert loaded.episodes(include_open=True).select(keep) == store.episodes(include_open=True).select(keep)
+    check_store(loaded, [twin], evicts=True)
+
+
+def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_path):
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[7], [70]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    for _ in range(45):
+        writer.add(**rollout.step_arrays())
+    open_steps = int(store.episodes(include_open=True).filter(
+        store.episodes(include_open=True).column("open")).column("length").to_numpy().sum())
+    assert open_steps > 0 and store.num_episodes > 0
+    store.to_parquet(tmp_path / "out")
+    loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
+    sealed = store.episodes()
+    assert len(loaded) == len(store) - open_steps == sum(sealed.column("length").to_pylist())
+    assert loaded.episodes().column("first_step").to_pylist() == sealed.column("first_step").to_pylist()
+    batch = loaded.sample(64)
+    tag, step = decode(batch["obs"])
+    np.testing.assert_array_equal(batch["step"].numpy(), step)
+    np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
+    np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
