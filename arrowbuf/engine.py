@@ -227,6 +227,10 @@ class ShardEngine:
         if shard is None or not shard.table.num_transitions:
             raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
                                   "add episodes first")
+        if not self.sampler.draws_open and not shard.table.sealed_transitions:
+            raise EmptyStoreError(f"cannot sample: {self.sampler!r} draws sealed episodes, and the store holds "
+                                  f"none yet ({shard.table.num_transitions} steps of open episodes; a writer "
+                                  "seals an episode when it ends, at flush(), or in pieces)")
 
     def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
                timeout: float | None = None, keys: Any = None) -> TensorDict:

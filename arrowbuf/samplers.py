@@ -89,6 +89,7 @@ class Sampler:
     """
 
     tracks_rows = False   # whether on_add / on_evict do anything (the engine skips the spans otherwise)
+    draws_open = False    # whether it draws open tails (`EpisodeTable.sample_range`), or sealed episodes only
 
     def __init__(self) -> None:
         self._shard = None
@@ -150,6 +151,8 @@ class UniformSampler(Sampler):
         >>> store.sample(5)["index"].shape
         torch.Size([5])
     """
+
+    draws_open = True
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         return select_indices(table, uniform_indices(rng, n, *table.sample_range()))
@@ -378,6 +381,7 @@ class SequenceSampler(Sampler):
             raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
         self.seq_len = check_int("seq_len", seq_len, 1)
         self.strict = bool(strict)
+        self.draws_open = not self.strict   # strict windows: within sealed episodes
         self._counter = f"windows{self.seq_len}"
 
     def bind(self, shard) -> None:

@@ -377,3 +377,19 @@ def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_pat
     np.testing.assert_array_equal(batch["step"].numpy(), step)
     np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
     np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
+
+
+@pytest.mark.parametrize("sampler", [lambda: ab.PrioritizedSampler(), lambda: ab.SequenceSampler(2),
+                                     lambda: ab.EpisodeSampler(), lambda: ab.WithoutReplacementSampler()])
+def test_samplers_of_sealed_episodes_wait_for_a_seal_and_never_draw_open_tails(sampler):
+    store = ab.ExperienceStore(capacity=100, seed=0, schema=EPISODE_SCHEMA, sampler=sampler())
+    rollout = FakeVectorRollout([[3], [50]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    writer.add(**rollout.step_arrays())
+    assert len(store) == 2 and store.num_episodes == 0
+    with pytest.raises(ab.EmptyStoreError, match="draws sealed episodes"):
+        store.sample(4)
+    for _ in range(4):
+        writer.add(**rollout.step_arrays())   # env 0's episode (tag 0) is sealed at step 3, its next is open
+    tag, _ = decode(store.sample(16)["obs"])
+    assert set(tag.reshape(-1).tolist()) == {0}, "only the sealed episode is drawn"
