@@ -89,8 +89,8 @@ class StepWriter:
         >>> w.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2),
         ...       terminated=np.array([True, False]), truncated=np.zeros(2, bool), next_obs=obs + 1)
         1
-        >>> store.num_episodes, len(store)
-        (1, 1)
+        >>> store.num_episodes, len(store)   # env 1's open step is sampleable already
+        (1, 2)
     """
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
