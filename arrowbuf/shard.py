@@ -231,7 +231,15 @@ class Shard:
 
     def scatter(self, name: str, rows: np.ndarray, values: Any) -> None:
         """Write a step's ``values`` (one row per entry of ``rows``, cast to the column) at arena ``rows``."""
-        self.arena[name][rows] = values
+        column = self.arena[name]
+        if type(values) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
+                and values.flags.c_contiguous and column.flags.c_contiguous and values.shape[1:] == column.shape[1:]:
+            # Whole rows as opaque items: numpy copies each with one memcpy, where a fancy
+            # assignment of uint16[6, 112, 112] rows copies element by element (2-3x slower).
+            items = item_dtype(column.dtype, column.shape[1:])
+            column.reshape(len(column), -1).view(items)[rows, 0] = values.reshape(len(values), -1).view(items)[:, 0]
+        else:
+            column[rows] = values
 
     def zero_at(self, name: str, rows: np.ndarray) -> None:
         """Zero arena ``rows`` of column ``name``."""
