@@ -56,19 +56,32 @@ class OpenRegions:
         self.count = 0                        # slots alive
 
     def allocate(self, envs: np.ndarray) -> int:
-        """A block of ``len(envs)`` slots for a writer's envs (codes ``envs``); its first slot."""
+        """A block of ``len(envs)`` slots for a writer's envs (codes ``envs``); its first slot.
+        Slots released by writers that are gone are reused (a new writer per rollout
+        does not grow the arrays)."""
         n = len(envs)
-        base = self.size
-        for name in ("start", "end", "length", "first_step", "env", "alive", "held"):
-            array = getattr(self, name)
-            grown = np.zeros(base + n, array.dtype)
-            grown[:base] = array
-            setattr(self, name, grown)
-        self.env[base:] = envs
-        self.alive[base:] = True
-        self.size += n
+        base = self._free_block(n)
+        if base + n > self.size:
+            for name in ("start", "end", "length", "first_step", "env", "alive", "held"):
+                array = getattr(self, name)
+                grown = np.zeros(base + n, array.dtype)
+                grown[:self.size] = array[:base + n]
+                setattr(self, name, grown)
+            self.size = base + n
+        block = slice(base, base + n)
+        self.env[block] = envs
+        self.alive[block] = True
+        self.held[block] = False
+        self.length[block] = self.first_step[block] = 0
         self.count += n
         return base
+
+    def _free_block(self, n: int) -> int:
+        """The first slot of the first run of ``n`` dead slots (a run at the end may be
+        short: the arrays grow past it)."""
+        dead = np.cumsum(np.concatenate([[0], ~self.alive, np.ones(n, bool)]), dtype=np.int64)
+        runs = dead[n:] - dead[:-n]   # dead slots in the window of n from each slot
+        return int(np.flatnonzero(runs == n)[0])
 
     def release(self, base: int, n: int) -> None:
         """The writer of slots ``[base, base + n)`` is done: its regions go (unwritten rows stay dead)."""

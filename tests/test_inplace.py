@@ -393,3 +393,20 @@ def test_samplers_of_sealed_episodes_wait_for_a_seal_and_never_draw_open_tails(s
         writer.add(**rollout.step_arrays())   # env 0's episode (tag 0) is sealed at step 3, its next is open
     tag, _ = decode(store.sample(16)["obs"])
     assert set(tag.reshape(-1).tolist()) == {0}, "only the sealed episode is drawn"
+
+
+def test_a_new_writer_per_rollout_reuses_the_regions_and_slots_of_the_writers_before():
+    store = ab.ExperienceStore(capacity=2 * 4 * 11, seed=0, schema=EPISODE_SCHEMA)
+    rows = set()
+    for rollout_number in range(6):
+        rollout = FakeVectorRollout([[10]] * 4, "disabled", first_tag=100 * rollout_number)
+        with store.writer(num_envs=4, autoreset_mode="disabled") as writer:
+            for _ in range(10):
+                writer.add(**rollout.step_arrays())
+        table = store.episodes()
+        rows |= set(table.column("first_row").to_pylist())
+        assert table.column("length").to_pylist() == [10] * 4
+        check_store(store, [rollout], evicts=False)
+        store.clear()
+    assert len(rows) == 4, "every rollout wrote the same (warm) rows"
+    assert store.engine.shard.regions.size == 4, "released slots are reused"
