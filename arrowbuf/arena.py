@@ -192,6 +192,8 @@ class TorchShard(Shard):
         """Write a step's ``values`` (a tensor on any device, or numpy; bfloat16 numpy as
         its uint16 bits) at arena ``rows``, on the arena's device."""
         column = self.arena[name]
+        if not len(rows):
+            return
         if not isinstance(values, torch.Tensor):
             values = host_tensor(np.ascontiguousarray(values), self.schema.fields[name])
         index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)

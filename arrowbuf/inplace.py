@@ -31,7 +31,7 @@ import torch
 from arrowbuf.errors import CapacityError
 from arrowbuf.regions import MIN_REGION, region_rows, span_plan
 from arrowbuf.schema import Schema
-from arrowbuf.shard import _total
+from arrowbuf.shard import total_reward
 
 
 class InPlace:
@@ -274,13 +274,11 @@ class InPlace:
         sampler = engine.sampler
         for k, slot in enumerate(slots.tolist()):
             a, n = int(start[k]), int(length[k])
-            if shard.reuse is not None:
-                shard.reuse[a:a + n + 1] = 0
-            shard._row_episode[a:a + n + 1] = table.episodes_added & 0xFFFFFFFF
+            shard.own_rows(a, a + n + 1)
             table.append(first_row=a, num_rows=n + 1, length=n, has_final=True,
                          terminated=bool(terminated[k]) if terminated is not None else False,
                          truncated=bool(truncated[k]) if truncated is not None else False,
-                         ret=_total(reward[a:a + n]) if reward is not None else float("nan"),
+                         ret=total_reward(reward[a:a + n]) if reward is not None else float("nan"),
                          env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]))
             if sampler.tracks_rows:
                 sampler.on_add(a, n)

@@ -24,12 +24,9 @@ episode in a new region from its next step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from arrowbuf.shard import Shard
 
 #: Largest region (rows) a writer reserves for one env at a time.
 MAX_REGION = 4096
@@ -126,8 +123,9 @@ def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> in
     return int(min(MAX_REGION, max(MIN_REGION, share, free)))
 
 
-def span_plan(shard: Shard, start: int, rows: int) -> tuple[int, np.ndarray]:
-    """(live pieces to evict, oldest first, open regions to take) for rows ``[start, start + rows)``:
+def span_plan(shard: Any, start: int, rows: int) -> tuple[int, np.ndarray]:
+    """(live pieces to evict, oldest first, open regions to take) for rows ``[start, start + rows)``
+    of ``shard`` (a `arrowbuf.shard.Shard`):
     every piece with a row there and every piece sealed before it; every region there."""
     table = shard.table
     n = len(table)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -21,11 +21,15 @@ from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.regions import OpenRegions, span_plan
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
+
+if TYPE_CHECKING:
+    from arrowbuf.samplers import Selection
 
 MODES = ("circular", "fixed")
 
@@ -80,7 +84,7 @@ def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int)
     return start, evicted
 
 
-def _total(reward: Any) -> float:
+def total_reward(reward: Any) -> float:
     """The sum of an episode's rewards, in float64 (a numpy array or a torch tensor on any device)."""
     if isinstance(reward, np.ndarray):
         return float(np.add.reduce(reward, axis=None, dtype=np.float64))
@@ -232,6 +236,8 @@ class Shard:
     def scatter(self, name: str, rows: np.ndarray, values: Any) -> None:
         """Write a step's ``values`` (one row per entry of ``rows``, cast to the column) at arena ``rows``."""
         column = self.arena[name]
+        if not len(rows):
+            return
         if type(values) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
                 and values.flags.c_contiguous and column.flags.c_contiguous and values.shape[1:] == column.shape[1:]:
             # Whole rows as opaque items: numpy copies each with one memcpy, where a fancy
@@ -347,7 +353,7 @@ class Shard:
         # A flag is () or (1,) a step (the schema's rule): bool() reads either.
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
-        ret = _total(columns["reward"]) if "reward" in columns else float("nan")
+        ret = total_reward(columns["reward"]) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self.table.pop_oldest(evicted)
@@ -356,10 +362,7 @@ class Shard:
         if rows:
             self.write_episode(start, episode)
         stop = start + episode.num_rows
-        if self._row_episode is not None:
-            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
-        if self.reuse is not None:
-            self.reuse[start:stop] = 0
+        self.own_rows(start, stop)
         length = self.transitions_of(episode)
         episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
                                        has_final=episode.has_final, terminated=terminated, truncated=truncated,
@@ -369,6 +372,14 @@ class Shard:
         if self.regions.count:
             self.publish_open()
         return episode_id
+
+    def own_rows(self, start: int, stop: int) -> None:
+        """Rows ``[start, stop)`` belong to the episode (piece) the table appends next:
+        the row -> episode map, and `track_reuse`'s counts start over."""
+        if self._row_episode is not None:
+            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
+        if self.reuse is not None:
+            self.reuse[start:stop] = 0
 
     def publish_open(self) -> None:
         """Publish the open tails of the writers' regions in the episode table (sampleable)."""
@@ -446,6 +457,41 @@ class Shard:
         return self.reuse[self.transition_rows()] if self.reuse is not None else None
 
     # -- reading ----------------------------------------------------------------------
+
+    def lookups(self, selection: Selection, args: tuple, index_base: int = 0
+                ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection of
+        this shard's transitions, for ``args`` = (n_step, gamma, frame_stack); ``index_base``
+        is added to the ``index`` extra."""
+        n, gamma, frames = args
+        table = self.table
+        rows, pos = selection.rows, selection.pos
+        # episode_id and step come from the episode table, not from per-row columns.
+        step = selection.step
+        first = table.ecol("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        if step is None:
+            step = rows - first
+            if table.pieces:   # the step within the episode of a piece that continues one
+                step = step + table.ecol("first_step").take(pos)
+        extra = {"index": selection.indices + index_base if index_base else selection.indices,
+                 "episode_id": table.ecol("episode_id").take(pos),
+                 "step": step.astype(np.int32), **selection.extra}
+        obs_rows = next_rows = None
+        if n > 1:
+            # The last transition row of the episode (piece; an open tail's last written step).
+            last = first + table.ecol("length").take(pos) - 1
+            # Windows stop at their episode's end: past the longest live episode, a
+            # longer n changes nothing but the cost.
+            ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
+            next_rows = ahead.next_rows
+            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in self.schema.fields:
+                    extra[flag] = self.reader(flag)[ahead.last_rows]
+        if frames > 1:
+            obs_rows = frame_rows(rows, first, frames)
+            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        return rows, extra, obs_rows, next_rows
 
     def index_rows(self) -> None:
         """Keep a row -> episode map from now on (4 bytes a row), for `positions_of_rows`."""
