@@ -5,6 +5,13 @@ too short for the next episode, writing restarts at row 0 and the rows left at t
 tail stay dead until the next lap. Whole episodes are evicted oldest first to make
 room (``mode="circular"``), or the write is refused (``mode="fixed"``).
 
+A local store's step writers write steps in place into per-env regions reserved at
+the ring's head (`arrowbuf.regions`, `arrowbuf.inplace`): an episode is then a chain
+of contiguous pieces (table rows linked by env and ``first_step``), each evicted whole;
+pieces seal out of ring order, so a write evicts every piece its rows overlap and every
+piece sealed before those (`arrowbuf.regions.span_plan`), and open tails are published
+after the sealed episodes (`EpisodeTable.publish_open`).
+
 The embedded store and each Ray shard actor run this same code.
 """
 
