@@ -19,6 +19,7 @@ from arrowbuf._checks import (check_bool, check_choice, check_device, check_frac
                               check_workers, to_numpy)
 from arrowbuf.errors import describe
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
+from arrowbuf.torchrl_layout import check_layout, to_torchrl
 
 
 class StoreSampling:
@@ -28,7 +29,7 @@ class StoreSampling:
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
                worker_nodes: Sequence[str] | None = None,
-               keys: list | None = None) -> TensorDict | list[TensorDict]:
+               keys: list | None = None, layout: str = "arrowbuf") -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -51,6 +52,9 @@ class StoreSampling:
             keys: gather only these fields (names or key tuples; ``("next", k)``
                 only when named), plus ``"index"``, ``"episode_id"``, ``"step"``
                 and the sampler's extras; None gathers every field.
+            layout: "arrowbuf", or "torchrl": the keys TorchRL's losses read
+                (``"observation"``, ``("next", "reward" / "done" / "terminated" /
+                "truncated")``, ``"priority_weight"``; `arrowbuf.torchrl_layout`).
 
         Returns:
             A TensorDict of batch size [batch_size] ([batch_size, L] for sequence
@@ -78,11 +82,16 @@ class StoreSampling:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+        torchrl = check_layout(layout) == "torchrl"
+        batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+        if not torchrl:
+            return batch
+        schema = self.schema
+        return [to_torchrl(b, schema) for b in batch] if num_workers is not None else to_torchrl(batch, schema)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
-                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+                    device: torch.device | str | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
         """Endless batches, as `sample` would give them. A Ray store keeps ``prefetch``
         requests in flight per shard so that sampling overlaps training.
 
@@ -101,7 +110,7 @@ class StoreSampling:
                 gathered into one pooled buffer of at most
                 ``arrowbuf.ray.gather.GROUP_BYTES`` (4 MiB): a batch you keep is never
                 overwritten, and keeps that buffer from reuse. Ignored by a local store.
-            n_step, gamma, frame_stack, device: as in `sample`.
+            n_step, gamma, frame_stack, device, layout: as in `sample`.
 
         Raises:
             ValueError: a bad argument.
@@ -112,11 +121,13 @@ class StoreSampling:
             batches_per_request = check_int("batches_per_request", batches_per_request, 1)
         args = check_sample_args(n_step, gamma, frame_stack, self.schema)
         device = check_device(device)
-        return self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
+        torchrl = check_layout(layout) == "torchrl"
+        batches = self._backend.sample_iter(batch_size, args, device, prefetch, batches_per_request)
+        return self._torchrl(batches) if torchrl else batches
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None) -> Iterator[TensorDict]:
+                     keys: list | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch gathers each transition once, in a fresh random order (from the
@@ -135,6 +146,7 @@ class StoreSampling:
             epochs: passes over the store.
             device: where the tensors go.
             keys: the fields to gather, as in `sample`.
+            layout: "arrowbuf" or "torchrl", as in `sample`.
 
         Raises:
             ValueError: a bad argument.
@@ -152,10 +164,15 @@ class StoreSampling:
         drop_last = check_bool("drop_last", drop_last)
         epochs = check_int("epochs", epochs, 1)
         device = check_device(device)
+        torchrl = check_layout(layout) == "torchrl"
         first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
-        if epochs == 1:
-            return first
-        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        if epochs > 1:
+            first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        return self._torchrl(first) if torchrl else first
+
+    def _torchrl(self, batches: Iterator[TensorDict]) -> Iterator[TensorDict]:
+        for batch in batches:
+            yield to_torchrl(batch, self.schema)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
         yield from first

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+import numpy as np
 import pyarrow as pa
 
 from arrowbuf._checks import check_bool, check_choice, check_episode_id, check_int, check_name, check_storage_device
@@ -295,3 +296,91 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
     def to_arrow(self) -> pa.Table:
         """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
         return self._backend.to_arrow()
+
+    # -- TorchRL's replay-buffer verbs (the work: `arrowbuf.torchrl_layout`) ------------------
+
+    def extend(self, td: Any, *, timeout: float | None = None) -> list[int]:
+        """Store what a TorchRL collector yields: a TensorDict [T] or [num_envs, T]
+        with ``("next", ...)`` keys, cut into episodes at its done flags and
+        trajectory ids (vectorized). An episode still running at the batch's end is
+        stored at once, cut, and its continuation in the next batch as a further
+        episode with the same ``traj_id`` in its metadata: every frame is a
+        transition right after the call (`arrowbuf.torchrl_layout`).
+
+        Returns:
+            The new episode ids (TorchRL's buffer returns storage indices; arrowbuf's
+            transition indices come with samples, as ``"index"``).
+
+        Raises:
+            ValueError: ``td`` is not a collector batch.
+            SchemaError, CapacityError, RateLimited: as `add_episodes`.
+        """
+        from arrowbuf.torchrl_layout import episodes_of_collector_batch
+
+        ids: list[int] = []
+        for columns, lengths, env_ids, metadata in episodes_of_collector_batch(td, self.schema):
+            ids += self.add_episodes(columns, lengths=lengths, env_ids=env_ids, metadata=metadata, timeout=timeout)
+        return ids
+
+    def update_priority(self, index: Any, priority: Any) -> int | None:
+        """TorchRL's name for `update_priorities` (same arguments; waits for the update)."""
+        return self.update_priorities(index, priority)
+
+    def update_tensordict_priority(self, td: Any) -> int | None:
+        """Set priorities from a sampled batch a TorchRL loss wrote ``"td_error"`` into.
+
+        Raises:
+            ValueError: no ``"index"`` or ``"td_error"`` in ``td``; not a prioritized store.
+        """
+        from arrowbuf.torchrl_layout import priorities_of
+
+        return self.update_priorities(*priorities_of(td))
+
+    def __getitem__(self, index: Any) -> Any:
+        """``store[index]``: the transitions of ``index`` (values of a batch's ``"index"``,
+        an int or a 1-D array of them), as `gather`. Not positions: slices are refused.
+
+        Raises:
+            TypeError: a slice or another key (names `gather` and `live_ranges`).
+            KeyError: indices that are not live.
+        """
+        from arrowbuf.torchrl_layout import refused_verb
+
+        if isinstance(index, (slice, str, tuple)) or index is None or index is Ellipsis:
+            raise refused_verb(f"positional indexing (store[{index!r}])",
+                               "store[i] reads transition indices (a batch's 'index', see live_ranges()) "
+                               "as store.gather(index) does")
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            return self.gather(np.array([index], np.int64))[0]
+        return self.gather(index)
+
+    def __iter__(self) -> Any:
+        from arrowbuf.torchrl_layout import refused_verb
+
+        raise refused_verb("iteration", "iterate store.iter_batches(batch_size, epochs=...) for every transition "
+                           "once per epoch, or store.sample_iter(batch_size) for endless samples")
+
+    def state_dict(self) -> Any:
+        """Refused: a store's state is its rows. `save` / `load` (or TorchRL's `dumps`)."""
+        from arrowbuf.torchrl_layout import refused_verb
+
+        raise refused_verb("state_dict()", "checkpoint it into a directory with store.save(path) (or "
+                           "store.dumps(path)) and restore with ExperienceStore.load(path)")
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Refused: see `state_dict`."""
+        from arrowbuf.torchrl_layout import refused_verb
+
+        raise refused_verb("load_state_dict()", "restore a checkpoint with store = ExperienceStore.load(path) "
+                           "(saved by store.save(path) or store.dumps(path))")
+
+    def dumps(self, path: Any) -> Any:
+        """TorchRL's name for `save`: checkpoint the store into directory ``path``."""
+        return self.save(path)
+
+    def loads(self, path: Any) -> None:
+        """Refused: a store is loaded as a new store, ``ExperienceStore.load(path)``."""
+        from arrowbuf.torchrl_layout import refused_verb
+
+        raise refused_verb("loads() in place", f"a checkpoint loads as a new store: "
+                           f"store = ExperienceStore.load({str(path)!r})")
