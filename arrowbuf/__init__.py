@@ -4,6 +4,7 @@ Episodes are stored as Arrow-compatible columns in a ring arena, sampled by inde
 and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
+from arrowbuf.autoreset import AutoresetModeError
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
                              SchemaError, ShardError)
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",
+    "AutoresetModeError",
     "CapacityError",
     "EmptyStoreError",
     "ExperienceStore",

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from arrowbuf._checks import (check_bool, check_choice, check_device, check_fraction, check_index_batches,
                               check_int, check_priorities, check_sample_args, check_timeout, check_worker_nodes,
                               check_workers, to_numpy)
-from arrowbuf.errors import describe
+from arrowbuf.errors import EmptyStoreError, describe
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.torchrl_layout import check_layout, to_torchrl
 
@@ -83,11 +83,27 @@ class StoreSampling:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
         torchrl = check_layout(layout) == "torchrl"
-        batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+        try:
+            batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
+                                         keys)
+        except EmptyStoreError as err:
+            raise self._empty_error(err) from None
         if not torchrl:
             return batch
         schema = self.schema
         return [to_torchrl(b, schema) for b in batch] if num_workers is not None else to_torchrl(batch, schema)
+
+    def _empty_error(self, err: EmptyStoreError) -> EmptyStoreError:
+        """``err``, saying what this process's writers hold in open episodes (not stored yet)."""
+        held = {name: int(w.open_steps.sum()) for name, w in self._writers.live().items()}
+        held = {name: steps for name, steps in held.items() if steps}
+        if not held:
+            return err
+        return EmptyStoreError(
+            f"{err}. This process's writers hold {sum(held.values())} steps of open episodes "
+            f"({', '.join(f'{n!r}: {k}' for n, k in held.items())}), which are stored when their episodes end: "
+            "call writer.flush() to cut and store them now (e.g. at the end of a rollout), or sample once an "
+            "episode has ended")
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from arrowbuf._checks import check_env_id, check_int, check_metadata, check_name, check_shard, check_timeout
+from arrowbuf.autoreset import writer_settings
 from arrowbuf.episode_batch import read_episodes
 from arrowbuf.episode_read import read_episode
 from arrowbuf.episodes import StepWriter
@@ -113,10 +114,20 @@ class StoreWriting:
                                 f"{self.capacity // self.num_shards} rows; nothing was stored")
         return self._backend.add_many(checked, schema, timeout, shard)
 
-    def writer(self, num_envs: int, autoreset_mode: str = "next_step",
-               env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
+    def writer(self, num_envs: int | None = None, autoreset_mode: Any = None,
+               env_ids: Sequence[str] | None = None, *, env: Any = None, timeout: float | None = None,
                name: str | None = None) -> StepWriter:
         """A step writer for ``num_envs`` vectorized environments (see `StepWriter`).
+
+        The autoreset mode (`arrowbuf.autoreset`) comes from ``autoreset_mode``
+        (``"next_step"``, ``"same_step"``, ``"disabled"`` or a gymnasium
+        ``AutoresetMode``), or from ``env``, a gymnasium vector env, whose
+        ``metadata["autoreset_mode"]`` it reads (and its ``num_envs``). Given
+        neither, the writer assumes gymnasium's default, ``"next_step"``, and checks
+        it as steps arrive: it keeps a step after an episode's end whose ``obs`` is
+        not that env's last ``next_obs`` (you reset the env), and raises
+        `AutoresetModeError` (naming the modes) for one that carries a reward or a
+        done flag, so no step is dropped silently.
 
         ``timeout`` is how long a sealed episode waits for the rate limiter.
         ``name`` identifies the writer in checkpoints (default ``writer-<k>``):
@@ -129,11 +140,13 @@ class StoreWriting:
         at its next call.
 
         Raises:
-            ValueError: a bad argument; a writer of this name is already open; a
+            ValueError: a bad argument (an ``env`` whose num_envs or mode contradicts
+                the others given); a writer of this name is already open; a
                 restored writer of this name has another num_envs, mode or env_ids.
         """
         name = check_name(name)
         timeout = check_timeout(timeout)
+        num_envs, autoreset_mode, check_resets = writer_settings(num_envs, autoreset_mode, env)
         num_envs = check_int("num_envs", num_envs, 1)
         claimed = self._writers.claim(name, num_envs, autoreset_mode, env_ids) if name else None
         if claimed is not None:
@@ -141,7 +154,8 @@ class StoreWriting:
             sink.timeout = timeout
             return writer
         sink = self._backend.sink(timeout, env_ids)
-        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=self.storage_device)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=self.storage_device,
+                            check_resets=check_resets)
         self._writers.add(name or self._writers.new_name(), writer, sink)
         return writer
 
@@ -168,7 +182,8 @@ class StoreWriting:
     def _restore_writers(self, states: Mapping[str, Any]) -> None:
         """Writers of a loaded checkpoint, held until claimed by name."""
         for name, state in states.items():
-            writer = self.writer(int(state["num_envs"]), state["autoreset_mode"], state["env_ids"], name=name)
+            mode = None if state.get("check_resets") else state["autoreset_mode"]   # older states lack it
+            writer = self.writer(int(state["num_envs"]), mode, state["env_ids"], name=name)
             writer.load_state_dict(state)
             self._writers.hold(name)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
+from arrowbuf.autoreset import ZERO_ON_RESET, ResetCheck
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
@@ -56,9 +57,12 @@ class StepWriter:
     the store, with ``next_obs`` as its final observation. `flush` cuts every open
     episode (end of a rollout); the final observation is the last ``next_obs``.
 
-    Gymnasium autoreset modes (``autoreset_mode``):
+    Gymnasium autoreset modes (``autoreset_mode``; `arrowbuf.autoreset`):
         - ``"next_step"`` (gymnasium's default): the step after an episode ends only
-          resets that env; the writer ignores it for that env.
+          resets that env; the writer ignores it for that env. A writer given no
+          mode (``check_resets``) checks each such step: it keeps one whose ``obs``
+          is not the env's last ``next_obs`` (the user reset the env), and raises
+          `AutoresetModeError` for one that carries a reward or a done flag.
         - ``"same_step"``: the env resets within the ending step and ``next_obs`` is
           already the next episode's first observation; pass ``final_obs`` (e.g.
           ``info["final_obs"]``) so the final observation is stored.
@@ -81,7 +85,8 @@ class StepWriter:
     """
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
-                 env_ids: Sequence[str] | None = None, device: torch.device | None = None) -> None:
+                 env_ids: Sequence[str] | None = None, device: torch.device | None = None,
+                 check_resets: bool = False) -> None:
         if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
             raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
         if autoreset_mode not in AUTORESET_MODES:
@@ -106,6 +111,8 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
+        # A mode nobody confirmed: the steps it would drop are checked (`arrowbuf.autoreset`).
+        self.reset_check = ResetCheck() if check_resets and autoreset_mode == "next_step" else None
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
@@ -165,10 +172,15 @@ class StepWriter:
         if isinstance(done, torch.Tensor):
             done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._final_obs(final_obs, next_cols, done, schema)
+        skip = self._skip   # next_step mode: envs whose step is taken as a reset step, not stored
+        if self.reset_check is not None and (final_obs is not None or skip.any()):
+            zero_on_reset = [a for n, (a, _) in step_cols.items() if n.split(".")[0] in ZERO_ON_RESET]
+            skip = self.reset_check.reset_steps(skip, {n: a for n, (a, _) in obs_cols.items()}, self._last_next,
+                                                zero_on_reset, final_obs, self.env_ids)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
 
-        active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         outgrown = self._outgrown(active)
         refused = self._refuse(outgrown) if len(outgrown) else None
         recorded = active & ~self._refused
@@ -248,6 +260,7 @@ class StepWriter:
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
+            "check_resets": self.reset_check is not None,
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(),
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
