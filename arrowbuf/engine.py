@@ -177,7 +177,7 @@ class ShardEngine:
             if self._limited and limited:
                 limiter, counts = self.rate_limiter, self.counts
                 self._wait(lambda: limiter.can_insert(transitions, counts), timeout,
-                           lambda: limiter.why_not_insert(transitions, counts))
+                           lambda: limiter.why_not_insert(transitions, counts, self.limiter_scope()))
                 if self._shard is not None and shard is not self._shard:
                     # Another thread made the store's first write while this one waited.
                     if self._shard.schema != shard.schema:
@@ -207,6 +207,13 @@ class ShardEngine:
             if self.sampler.tracks_rows and len(shard.table):
                 self.sampler.on_evict(*shard.evicted_spans(len(shard.table)))
             shard.clear()
+
+    def limiter_scope(self) -> str:
+        """What the rate limiter's counts cover, for its messages: the store, or this shard."""
+        if self.num_shards == 1:
+            return "the store"
+        return (f"shard {self.shard_index} of {self.num_shards} (each shard applies its own copy of the rate "
+                "limiter to its own transitions and counts)")
 
     def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
         if allowed():
@@ -282,7 +289,7 @@ class ShardEngine:
         if self._limited:
             limiter, counts = self.rate_limiter, self.counts
             self._wait(lambda: limiter.can_sample(batch_size, len(self), counts), timeout,
-                       lambda: limiter.why_not_sample(batch_size, len(self), counts))
+                       lambda: limiter.why_not_sample(batch_size, len(self), counts, self.limiter_scope()))
         self.require_data()
 
     def _sampled(self, selection: Selection) -> None:

@@ -256,6 +256,20 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
                 f"episodes={episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "
                 f"schema={self.schema!r})")
 
+    def __reduce__(self) -> tuple:
+        """A Ray store pickles (into a Ray task or actor) as its name: it arrives as a handle
+        attached to the same shards (`attach`, its own generator freshly seeded, so that
+        handles do not draw the same batches), writers and sizes of its own.
+
+        Raises:
+            TypeError: a local store, whose rows live in this process.
+        """
+        if self.backend != "ray":
+            raise TypeError("a local ExperienceStore cannot be pickled (its rows live in this process): make it "
+                            "with backend='ray' to pass it to Ray tasks and actors (it arrives attached), or "
+                            "save(path) it and ExperienceStore.load(path) it there")
+        return type(self).attach, (self.name, None, self._backend.options)
+
     # -- lifecycle and statistics --------------------------------------------------------
 
     def close(self) -> None:
