@@ -157,19 +157,19 @@ class SampleToInsertRatio(RateLimiter):
 
     def why_not_sample(self, n: int, size: int, counts: Counts, where: str = "the store") -> str:
         if counts.inserts < self.min_size:
-            return (f"Cannot sample {n} transitions yet: {counts.inserts} transitions inserted into {where}, "
+            return (f"Cannot sample {n} transitions yet from {where}: {counts.inserts} transitions inserted, "
                     f"SampleToInsertRatio "
                     f"needs min_size={self.min_size} before the first sample. Insert more, or pass timeout= to wait "
                     "for writers.")
-        return (f"Cannot sample {n} transitions: samples from {where} ({counts.samples}) are too far ahead of "
-                f"inserts ({counts.inserts}) for samples_per_insert={self.samples_per_insert}, "
+        return (f"Cannot sample {n} transitions: samples ({counts.samples}) are too far ahead of inserts "
+                f"({counts.inserts}) in {where} for samples_per_insert={self.samples_per_insert}, "
                 f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = "
                 f"{self._diff(counts):g} must stay >= {self.min_diff:g}). Insert more, or pass timeout= to wait for "
                 "writers.")
 
     def why_not_insert(self, n: int, counts: Counts, where: str = "the store") -> str:
-        return (f"Cannot insert {n} transitions: inserts into {where} ({counts.inserts}) are too far ahead of "
-                f"samples ({counts.samples}) for samples_per_insert={self.samples_per_insert}, "
+        return (f"Cannot insert {n} transitions: inserts ({counts.inserts}) are too far ahead of samples "
+                f"({counts.samples}) in {where} for samples_per_insert={self.samples_per_insert}, "
                 f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = "
                 f"{self._diff(counts):g} must stay <= {self.max_diff:g}). Sample more, or pass timeout= to wait for "
                 "trainers.")

@@ -99,7 +99,7 @@ def test_a_refused_sample_changes_nothing_and_counts_nothing():
 def test_sample_to_insert_ratio_waits_for_min_size_inserted_before_the_first_sample():
     store = ratio_store()
     add(store)
-    with pytest.raises(ab.RateLimited, match=r"3 transitions inserted into the store, SampleToInsertRatio needs min_size=6"):
+    with pytest.raises(ab.RateLimited, match=r"3 transitions inserted, SampleToInsertRatio needs min_size=6"):
         store.sample(1)
     add(store)
     store.sample(1)
