@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from arrowbuf._checks import check_int
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
 from arrowbuf.autoreset import ZERO_ON_RESET, ResetCheck
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
@@ -59,10 +60,8 @@ class StepWriter:
 
     Gymnasium autoreset modes (``autoreset_mode``; `arrowbuf.autoreset`):
         - ``"next_step"`` (gymnasium's default): the step after an episode ends only
-          resets that env; the writer ignores it for that env. A writer given no
-          mode (``check_resets``) checks each such step: it keeps one whose ``obs``
-          is not the env's last ``next_obs`` (the user reset the env), and raises
-          `AutoresetModeError` for one that carries a reward or a done flag.
+          resets that env; the writer ignores it for that env (a writer given no mode,
+          ``check_resets``, checks each such step: `arrowbuf.autoreset`).
         - ``"same_step"``: the env resets within the ending step and ``next_obs`` is
           already the next episode's first observation; pass ``final_obs`` (e.g.
           ``info["final_obs"]``) so the final observation is stored.
@@ -87,8 +86,7 @@ class StepWriter:
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None, device: torch.device | None = None,
                  check_resets: bool = False) -> None:
-        if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+        num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         if env_ids is not None and (isinstance(env_ids, str) or len(env_ids) != num_envs
@@ -111,7 +109,6 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
-        # A mode nobody confirmed: the steps it would drop are checked (`arrowbuf.autoreset`).
         self.reset_check = ResetCheck() if check_resets and autoreset_mode == "next_step" else None
 
     def __setstate__(self, state: dict) -> None:

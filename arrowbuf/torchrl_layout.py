@@ -42,7 +42,7 @@ where TorchRL's losses look for them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -190,8 +190,106 @@ def priorities_of(td: Any) -> tuple[Any, Any]:
     return index, priority
 
 
-def refused_verb(verb: str, instead: str) -> TypeError:
-    """The error of a TorchRL replay-buffer verb arrowbuf does not take, naming what to call."""
+def as_layout(batch: TensorDict | list[TensorDict], schema: Schema | None,
+              layout: str) -> TensorDict | list[TensorDict]:
+    """A sample (a batch, or a ``num_workers`` sample's list) in ``layout`` (`to_torchrl`)."""
+    if layout == "arrowbuf":
+        return batch
+    return [to_torchrl(b, schema) for b in batch] if isinstance(batch, list) else to_torchrl(batch, schema)
+
+
+def each_as_layout(batches: Iterator[TensorDict], store: Any, layout: str) -> Iterator[TensorDict]:
+    """The batches of an iterator (``iter_batches``, ``sample_iter``) in ``layout``."""
+    if layout == "arrowbuf":
+        return batches
+    return (to_torchrl(batch, store.schema) for batch in batches)
+
+
+# -- ExperienceStore's methods with TorchRL's names (assigned in its class body) ----------
+
+
+def extend(store: Any, td: Any, *, timeout: float | None = None) -> list[int]:
+    """Store what a TorchRL collector yields: a TensorDict [T] or [num_envs, T] with
+    ``("next", ...)`` keys, cut into episodes at its done flags and trajectory ids
+    (vectorized, `episodes_of_collector_batch`). A trajectory still running at the
+    batch's end is stored at once, cut; its continuation in the next batch is a further
+    episode with the same ``traj_id`` in its metadata (see the module docstring).
+
+    Returns:
+        The new episode ids (transition indices come with samples, as ``"index"``).
+
+    Raises:
+        ValueError: ``td`` is not a collector batch.
+        SchemaError, CapacityError, RateLimited: as `ExperienceStore.add_episodes`.
+    """
+    ids: list[int] = []
+    for columns, lengths, env_ids, metadata in episodes_of_collector_batch(td, store.schema):
+        ids += store.add_episodes(columns, lengths=lengths, env_ids=env_ids, metadata=metadata, timeout=timeout)
+    return ids
+
+
+def update_priority(store: Any, index: Any, priority: Any) -> int | None:
+    """TorchRL's name for `ExperienceStore.update_priorities` (same arguments)."""
+    return store.update_priorities(index, priority)
+
+
+def update_tensordict_priority(store: Any, td: Any) -> int | None:
+    """Set priorities from a sampled batch a TorchRL loss wrote ``"td_error"`` into
+    (``[B]`` or TorchRL's ``[B, 1]``); how many indices were still live.
+
+    Raises:
+        ValueError: no ``"index"`` or ``"td_error"`` in ``td``; not a prioritized store.
+    """
+    return store.update_priorities(*priorities_of(td))
+
+
+def getitem(store: Any, index: Any) -> Any:
+    """``store[index]``: the transitions of ``index`` (a batch's ``"index"``, or one int), as
+    `ExperienceStore.gather` reads them. Indices, not positions: slices are refused.
+
+    Raises:
+        TypeError: a slice, a str, a tuple, None or Ellipsis.
+        KeyError: indices that are not live.
+    """
+    if isinstance(index, (slice, str, tuple)) or index is None or index is Ellipsis:
+        raise TypeError(f"ExperienceStore has no positional indexing (store[{index!r}]) as TorchRL's ReplayBuffer "
+                        "does: store[index] reads transition indices (a batch's 'index'; live_ranges() gives "
+                        "their ranges), as store.gather(index) does")
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return store.gather(np.array([index], np.int64))[0]
+    return store.gather(index)
+
+
+def iterate(store: Any) -> Iterator[TensorDict]:
+    """Refused (TypeError), naming ``iter_batches`` (epochs) and ``sample_iter`` (endless)."""
+    raise _refused("iteration", "iterate store.iter_batches(batch_size, epochs=...) for every transition once "
+                   "per epoch, or store.sample_iter(batch_size) for endless samples")
+
+
+def state_dict(store: Any) -> Any:
+    """Refused (TypeError): a store's state is its rows; it names ``save`` and ``load``."""
+    raise _refused("state_dict()", "checkpoint it into a directory with store.save(path) (or store.dumps(path)) "
+                   "and restore it with ExperienceStore.load(path)")
+
+
+def load_state_dict(store: Any, state: Any) -> None:
+    """Refused (TypeError), naming ``ExperienceStore.load``."""
+    raise _refused("load_state_dict()", "restore a checkpoint with store = ExperienceStore.load(path) (saved by "
+                   "store.save(path) or store.dumps(path))")
+
+
+def dumps(store: Any, path: Any) -> Any:
+    """TorchRL's name for `ExperienceStore.save`: checkpoint the store into directory ``path``."""
+    return store.save(path)
+
+
+def loads(store: Any, path: Any) -> None:
+    """Refused (TypeError): a checkpoint loads as a new store, ``ExperienceStore.load(path)``."""
+    raise _refused("loads() in place",
+                   f"a checkpoint loads as a new store: store = ExperienceStore.load({str(path)!r})")
+
+
+def _refused(verb: str, instead: str) -> TypeError:
     return TypeError(f"ExperienceStore has no {verb} as TorchRL's ReplayBuffer does; {instead}")
 
 

@@ -3,9 +3,7 @@ told the mode (by the env or by name) or not, every played transition counted.""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +14,6 @@ import arrowbuf as ab
 from arrowbuf.autoreset import writer_settings
 
 NUM_ENVS = 3
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "gymnasium.md"
 
 
 def vector_env(mode: AutoresetMode) -> gym.vector.SyncVectorEnv:
@@ -134,9 +131,3 @@ def test_sampling_while_writers_hold_only_open_episodes_names_them_and_flush():
     writer.flush()
     assert len(store.sample(4)) == 4
 
-
-def test_the_code_blocks_of_docs_gymnasium_run():
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    assert len(blocks) == 2
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"<docs/gymnasium.md block {i}>", "exec"), {})

@@ -7,7 +7,6 @@ import difflib
 import json
 import re
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +25,6 @@ with warnings.catch_warnings():   # torchrl 0.14 warns of its own deprecated cla
     from torchrl.envs import GymEnv, SerialEnv
     from torchrl.modules import MLP, EGreedyModule, QValueActor
     from torchrl.objectives import DQNLoss
-
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "torchrl.md"
-
 
 def collected(num_envs: int, frames: int, batches: int, seed: int = 0) -> list[TensorDict]:
     """What a real TorchRL collector yields on CartPole, random policy ([T] for one env)."""
@@ -297,10 +293,3 @@ def test_torchrl_verbs_work_or_name_arrowbufs(tmp_path):
     with pytest.raises(ValueError, match="PrioritizedSampler"):
         store.update_priority(batch["index"], torch.ones(5))
 
-
-def test_the_code_blocks_of_docs_torchrl_run():
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    assert blocks
-    scope: dict = {}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"<docs/torchrl.md block {i}>", "exec"), scope)
