@@ -190,3 +190,48 @@ def test_reopening_a_durable_store_with_data_says_so_and_resume_chooses(ray_sess
     fresh = ab.ExperienceStore(1_000, backend="ray", name=f"{name}-new", durable=tmp_path / "new")
     fresh.close()
     assert not [r for r in caplog.records if "earlier run" in r.getMessage()]
+
+
+def test_a_ray_store_extends_collector_batches_and_samples_them_in_torchrl_layout(ray_session):
+    import torch
+    from tensordict import TensorDict
+
+    steps = 6
+    obs = torch.arange(2 * steps, dtype=torch.float32).reshape(2, steps, 1)
+    done = torch.zeros(2, steps, 1, dtype=torch.bool)
+    done[0, 2] = True
+    td = TensorDict({"observation": obs, "action": torch.ones(2, steps, dtype=torch.long),
+                     "next": {"observation": obs + 1, "reward": torch.ones(2, steps, 1), "done": done,
+                              "terminated": done, "truncated": torch.zeros_like(done)}}, batch_size=[2, steps])
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        assert len(store.extend(td)) == 3
+        store.flush()
+        assert len(store) == 12
+        batch = store.sample(8, layout="torchrl")
+        assert batch["next", "done"].shape == (8, 1) and batch["observation"].shape == (8, 1)
+        torch.testing.assert_close(batch["next", "observation"], batch["observation"] + 1)
+    finally:
+        store.close()
+
+
+def test_a_ray_writer_given_no_mode_keeps_the_steps_of_envs_the_user_resets(ray_session):
+    import gymnasium as gym
+
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 2,
+                                    autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0)
+    try:
+        writer = store.writer(2)   # no mode: next_step assumed, and checked
+        obs, _ = envs.reset(seed=0)
+        for _ in range(100):
+            next_obs, reward, terminated, truncated, _ = envs.step(envs.action_space.sample())
+            writer.add(obs=obs, action=np.zeros(2, np.int64), reward=reward.astype(np.float32),
+                       terminated=terminated, truncated=truncated, next_obs=next_obs)
+            done = terminated | truncated
+            obs = envs.reset(options={"reset_mask": done})[0] if done.any() else next_obs
+        writer.close()
+        store.flush()
+        assert writer.reset_check.kept > 0 and len(store) == 200   # every played step, on the shards
+    finally:
+        store.close()

@@ -96,9 +96,10 @@ class RayOptions:
             pages (numpy asks for them), which the object store's tmpfs does not
             give by default: gathers of large rows run faster from them (W2
             `sample_iter` 10-13% per batch here; README, Ray backend, Pages).
-        init: with no Ray cluster connected in this process, start a local one
-            (``ray.init()`` with Ray's defaults: every CPU, an object store of about
-            30% of memory), logged as a warning naming its resources. False (the
+        init: with no Ray cluster connected in this process, start a new local one
+            (``ray.init(address="local")`` with Ray's defaults: every CPU, an object
+            store of about 30% of memory; no dashboard), logged as a warning naming its
+            resources. False (the
             default) refuses with `ShardError`: call ``ray.init(...)`` first, sized
             for the job, or ``ray.init(address="auto")`` to join a running cluster.
         namespace: the Ray namespace the shard actors are named in

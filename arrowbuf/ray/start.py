@@ -109,7 +109,9 @@ def connect(options: RayOptions) -> Any:
             "take every CPU and an object store of about 30% of memory). Call ray.init(...) first, sized for the "
             "job (e.g. ray.init(num_cpus=8, object_store_memory=4 << 30)), or ray.init(address='auto') to join a "
             "running cluster; or pass ray_options=ab.RayOptions(init=True) to start a local one with Ray's defaults")
-    ray.init(logging_level=logging.WARNING)
+    # A new local cluster, as asked: a bare ray.init() would join any cluster it finds on this
+    # machine (the latest one started, even another user's).
+    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
     resources = ray.cluster_resources()
     logger.warning("arrowbuf started a local Ray cluster (RayOptions(init=True)): %g CPUs, %g GPUs, %.1f GB of "
                    "memory, %.1f GB object store; call ray.init(...) yourself to size it", resources.get("CPU", 0),
