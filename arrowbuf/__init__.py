@@ -5,10 +5,12 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
 from arrowbuf.autoreset import AutoresetModeError
+from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
                              SchemaError, ShardError)
 from arrowbuf.fields import Field
+from arrowbuf.mixture import Mixture
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.ray.options import RayOptions
@@ -22,12 +24,14 @@ __all__ = [
     "ArrowbufError",
     "AutoresetModeError",
     "CapacityError",
+    "Dataset",
     "EmptyStoreError",
     "ExperienceStore",
     "EpisodeSampler",
     "Field",
     "FormatError",
     "MinSize",
+    "Mixture",
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
@@ -42,6 +46,7 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "open_dataset",
     "read_parquet",
     "__version__",
 ]

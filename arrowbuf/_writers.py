@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from arrowbuf._checks import check_int, check_name
-from arrowbuf.autoreset import writer_settings
+from arrowbuf.autoreset import ResetCheck, writer_settings
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import EmptyStoreError
 
@@ -93,7 +93,8 @@ class WriterRegistry:
             sink.timeout = timeout
             return writer
         sink = make_sink(timeout, env_ids)
-        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device, check_resets=check_resets)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device,
+                            reset_check=ResetCheck() if check_resets else None)
         self.add(name or self.new_name(), writer, sink)
         return writer
 

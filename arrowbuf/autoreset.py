@@ -91,16 +91,16 @@ class ResetCheck:
         self.kept = 0
         self.dropped = 0
 
-    def reset_steps(self, skip: np.ndarray, obs: dict, last_next: dict, zero_on_reset: list, final_obs: Any,
+    def reset_steps(self, skip: np.ndarray, obs: dict, last_next: dict, step: dict, final_obs: Any,
                     env_ids: list[str]) -> np.ndarray:
         """Of the envs whose step the writer would drop as a next-step reset (``skip``),
         those whose step is one; the others' steps are kept (the user reset them).
 
         Args:
             skip: [N] bool, envs whose previous step ended an episode.
-            obs, last_next: the step's observation columns and each env's last
-                ``next_obs`` (name -> [N, ...] arrays or tensors).
-            zero_on_reset: the step's `ZERO_ON_RESET` columns, leading dim N.
+            obs, last_next: the step's observation columns, name -> (array, dtype name), and
+                each env's last ``next_obs``, name -> array ([N, ...] arrays or tensors).
+            step: the step's other columns, name -> (array, dtype name).
             final_obs: what the step passed as ``final_obs`` (None in next-step mode).
             env_ids: the writer's env ids, for the error.
 
@@ -117,10 +117,11 @@ class ResetCheck:
             return skip
         envs = np.flatnonzero(skip)
         same = np.ones(len(envs), bool)
-        for name, column in obs.items():
+        for name, (column, _) in obs.items():
             same &= _rows_equal(column, last_next[name], envs)
         looks_reset = envs[same]
         wrong = np.zeros(len(looks_reset), bool)
+        zero_on_reset = [column for name, (column, _) in step.items() if name.split(".")[0] in ZERO_ON_RESET]
         for column in zero_on_reset if len(looks_reset) else ():
             wrong |= _nonzero(column, looks_reset)
         if wrong.any():

@@ -34,12 +34,13 @@ from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observatio
 from arrowbuf.arena import make_shard
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
-from arrowbuf.rate_limiters import Counts, RateLimiter, limits
+from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
+from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
 
 # Sample arguments in one tuple: (n_step, gamma, frame_stack).
 PLAIN = (1, 1.0, 1)
@@ -84,6 +85,7 @@ class ShardEngine:
         self.track_reuse = track_reuse
         self.seed = seed
         self.shard_index = shard
+        self.limiter_scope = scope(shard, num_shards)   # what the limiter's messages say its counts cover
         self.num_shards = num_shards
         self.counts = Counts()
         self.lock = threading.RLock()
@@ -140,6 +142,11 @@ class ShardEngine:
             if self._shard is None:
                 self._bind(self._make_shard(schema))
 
+    def attach(self, shard: Shard) -> None:
+        """Serve ``shard`` (a dataset's mapped rows, `arrowbuf.dataset`); the caller tells the sampler of its rows."""
+        with self.lock:
+            self._bind(shard)
+
     def _make_shard(self, schema: Schema) -> Shard:
         return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
 
@@ -176,7 +183,7 @@ class ShardEngine:
             if self._limited and limited:
                 limiter, counts = self.rate_limiter, self.counts
                 self._wait(lambda: limiter.can_insert(transitions, counts), timeout,
-                           lambda: limiter.why_not_insert(transitions, counts, self.limiter_scope()))
+                           lambda: limiter.why_not_insert(transitions, counts, self.limiter_scope))
                 if self._shard is not None and shard is not self._shard:
                     # Another thread made the store's first write while this one waited.
                     if self._shard.schema != shard.schema:
@@ -207,13 +214,6 @@ class ShardEngine:
                 self.sampler.on_evict(*shard.evicted_spans(len(shard.table)))
             shard.clear()
 
-    def limiter_scope(self) -> str:
-        """What the rate limiter's counts cover, for its messages: the store, or this shard."""
-        if self.num_shards == 1:
-            return "the store"
-        return (f"shard {self.shard_index} of {self.num_shards} (each shard applies its own copy of the rate "
-                "limiter to its own transitions and counts)")
-
     def _wait(self, allowed: Callable[[], bool], timeout: float | None, why: Callable[[], str]) -> None:
         if allowed():
             return
@@ -230,7 +230,7 @@ class ShardEngine:
                                   "add episodes first")
 
     def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
-               timeout: float | None = None, keys: Any = None) -> TensorDict:
+               timeout: float | None = None, keys: Any = None, min_version: int | None = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
@@ -240,22 +240,23 @@ class ShardEngine:
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
             keys: the fields to gather (see `check_keys`); None: all.
+            min_version: only transitions of ``policy_version`` >= it (`arrowbuf.versions`).
 
         Raises:
-            EmptyStoreError: no transition stored.
+            EmptyStoreError: no transition stored (or none of ``min_version``).
             RateLimited: the limiter refuses the sample.
-            ValueError: ``keys`` names no field (nothing is drawn).
+            ValueError: ``keys`` names no field, or ``min_version`` without a `UniformSampler`.
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
-                    and shard.reuse is None and type(shard) is Shard:
+            if self._direct and min_version is None and args[0] == 1 == args[2] and device is None and not pin_memory \
+                    and shard.reuse is None and shard.host_columns:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
                 self.counts.samples += batch_size
                 return batch
-            selection = self._draw(batch_size, args)
+            selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
@@ -276,10 +277,14 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
 
-    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None) -> Selection:
-        """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
+    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None,
+              min_version: int | None = None) -> Selection:
+        """The sampler's selection (of ``min_version``: `arrowbuf.versions.fresh_selection`),
+        once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table
         check_batch(self._shard.schema, sampler, table, batch_size, args[2])
+        if min_version is not None:
+            return fresh_selection(self._rng, batch_size, self._shard, min_version, sampler)
         if population is not None and isinstance(sampler, PrioritizedSampler):
             return sampler.sample(self._rng, batch_size, table, population)
         return sampler.sample(self._rng, batch_size, table)
@@ -288,7 +293,7 @@ class ShardEngine:
         if self._limited:
             limiter, counts = self.rate_limiter, self.counts
             self._wait(lambda: limiter.can_sample(batch_size, len(self), counts), timeout,
-                       lambda: limiter.why_not_sample(batch_size, len(self), counts, self.limiter_scope()))
+                       lambda: limiter.why_not_sample(batch_size, len(self), counts, self.limiter_scope))
         self.require_data()
 
     def _sampled(self, selection: Selection) -> None:
@@ -315,11 +320,20 @@ class ShardEngine:
         with self.lock:
             return keys if self._shard is None else self._shard.gather.check_keys(keys)
 
-    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
-        """Every live index once, in batches (shuffled by the engine's generator, drawn now)."""
+    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool,
+              min_version: int | None = None) -> list[np.ndarray]:
+        """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            indices = (np.arange(*self.table.live_range(), dtype=np.int64) if min_version is None or self._shard is None
+                       else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
+
+    def evict(self, min_version: int) -> int:
+        """Free the oldest episodes older than ``min_version`` (`arrowbuf.versions.evict_stale`); how many."""
+        with self._changed:
+            count = evict_stale(self._shard, self.sampler, min_version) if self._shard is not None else 0
+            self._changed.notify_all()   # a rate limiter may allow inserts now
+            return count
 
     def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
         """The live ones of transition ``indices`` (1-D), in that order; None before the first write.

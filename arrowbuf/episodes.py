@@ -15,11 +15,11 @@ import torch
 
 from arrowbuf._checks import check_int
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
-from arrowbuf.autoreset import ZERO_ON_RESET, ResetCheck
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
+from arrowbuf.versions import next_versions
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
@@ -60,8 +60,7 @@ class StepWriter:
 
     Gymnasium autoreset modes (``autoreset_mode``; `arrowbuf.autoreset`):
         - ``"next_step"`` (gymnasium's default): the step after an episode ends only
-          resets that env; the writer ignores it for that env (a writer given no mode,
-          ``check_resets``, checks each such step: `arrowbuf.autoreset`).
+          resets that env; the writer ignores it for that env (checked: ``reset_check``).
         - ``"same_step"``: the env resets within the ending step and ``next_obs`` is
           already the next episode's first observation; pass ``final_obs`` (e.g.
           ``info["final_obs"]``) so the final observation is stored.
@@ -85,7 +84,7 @@ class StepWriter:
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None, device: torch.device | None = None,
-                 check_resets: bool = False) -> None:
+                 reset_check: Any = None) -> None:
         num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
@@ -109,12 +108,14 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
-        self.reset_check = ResetCheck() if check_resets and autoreset_mode == "next_step" else None
+        self.reset_check = reset_check   # an `arrowbuf.autoreset.ResetCheck` of a mode not given, or None
+        self._versions = np.zeros(num_envs, np.int64)   # each env's last policy_version (`arrowbuf.versions`)
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
         self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
+        self._versions = self.__dict__.get("_versions", np.zeros(self.num_envs, np.int64)).copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
         self._last_next = {n: a.copy() for n, a in self._last_next.items()}
 
@@ -139,7 +140,8 @@ class StepWriter:
             final_obs: ``same_step`` mode only: final observations of the envs that
                 ended (an [N, ...] array, or gymnasium's object array with None for
                 envs that did not end).
-            **extra: more per-step fields (log_prob, value, ...), leading dim N.
+            **extra: more per-step fields (log_prob, value, ...), leading dim N;
+                ``policy_version`` may be one int for every env (non-decreasing per env).
 
         Returns:
             The number of episodes sealed by this step.
@@ -157,6 +159,8 @@ class StepWriter:
                 skipped until it ends (or `flush` cuts it); the other envs' steps
                 are recorded.
         """
+        if "policy_version" in extra:
+            extra["policy_version"] = next_versions(extra["policy_version"], self._versions)
         self._push_pending()
         step = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extra}
         exact = self._exact_step(obs, next_obs, step)
@@ -169,11 +173,8 @@ class StepWriter:
         if isinstance(done, torch.Tensor):
             done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._final_obs(final_obs, next_cols, done, schema)
-        skip = self._skip   # next_step mode: envs whose step is taken as a reset step, not stored
-        if self.reset_check is not None and (final_obs is not None or skip.any()):
-            zero_on_reset = [a for n, (a, _) in step_cols.items() if n.split(".")[0] in ZERO_ON_RESET]
-            skip = self.reset_check.reset_steps(skip, {n: a for n, (a, _) in obs_cols.items()}, self._last_next,
-                                                zero_on_reset, final_obs, self.env_ids)
+        skip = self._skip if self.reset_check is None else self.reset_check.reset_steps(   # next_step: reset steps
+            self._skip, obs_cols, self._last_next, step_cols, final_obs, self.env_ids)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
 
@@ -257,9 +258,8 @@ class StepWriter:
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
-            "check_resets": self.reset_check is not None,
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
-            "refused": self._refused.copy(),
+            "refused": self._refused.copy(), "check_resets": self.reset_check is not None,
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
             "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,

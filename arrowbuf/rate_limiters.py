@@ -70,6 +70,14 @@ class RateLimiter:
         return Counts(inserts, samples)
 
 
+def scope(shard: int, num_shards: int) -> str:
+    """What a shard's limiter counts cover, for its messages: the store, or (on Ray) the shard."""
+    if num_shards == 1:
+        return "the store"
+    return (f"shard {shard} of {num_shards} (each shard applies its own copy of the rate limiter to its own "
+            "transitions and counts)")
+
+
 def limits(rate_limiter: RateLimiter) -> bool:
     """Whether ``rate_limiter`` can make calls wait (the base class never does, and only
     counts): its engine waits on a condition, and its Ray shards are threaded."""

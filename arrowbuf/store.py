@@ -25,7 +25,7 @@ from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_
                               check_sample_args, check_shard, check_storage_device, check_timeout, check_worker_nodes,
                               check_workers, to_numpy)
 from arrowbuf._stats import store_html
-from arrowbuf import torchrl_layout
+from arrowbuf import torchrl_layout as trl
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.backend import Backend
 from arrowbuf.engine import ShardEngine
@@ -38,6 +38,7 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
+from arrowbuf.versions import attach_versions, epochs_fresh, evict_older, sample_fresh
 
 
 class ExperienceStore:
@@ -171,7 +172,7 @@ class ExperienceStore:
 
     def add_episode(self, episode: Any, env_id: str = "default",
                     metadata: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-                    shard: int | None = None) -> int:
+                    shard: int | None = None, policy_version: Any = None) -> int:
         """Add one whole episode; its id (on Ray a round trip; writers are the asynchronous path).
 
         Args:
@@ -181,37 +182,37 @@ class ExperienceStore:
             env_id, metadata: kept in the episode table (metadata JSON-serializable).
             timeout: seconds to wait for the rate limiter; None raises at once.
             shard: store it on this shard, whatever its env's route.
+            policy_version: the version of the policy that chose its actions (an int, or one per step).
 
         Raises (changing nothing):
             SchemaError: a wrong field name, dtype, shape or ragged lengths.
             CapacityError: longer than the capacity, or a full ``mode="fixed"`` store.
             RateLimited: the rate limiter refuses it (after ``timeout``); ValueError: a bad argument.
         """
-        timeout = check_timeout(timeout)
-        check_env_id(env_id)
-        metadata = check_metadata(metadata)
+        timeout, env_id, metadata = check_timeout(timeout), check_env_id(env_id), check_metadata(metadata)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = read_episode(episode, self.schema, env_id, metadata,
-                                       keep_tensors=self.storage_device is not None)
+        read = read_episode(episode, self.schema, env_id, metadata, keep_tensors=self.storage_device is not None)
+        checked, schema = attach_versions(self, *read, policy_version)
         if shard is None:
             return self._backend.add(checked, schema, timeout)
         return self._backend.add_many([checked], schema, timeout, shard)[0]
 
     def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
-                     timeout: float | None = None, shard: int | None = None) -> list[int]:
+                     timeout: float | None = None, shard: int | None = None, policy_version: Any = None) -> list[int]:
         """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
 
-        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or
-        [E, T, ...]; ``lengths``: None, or E ints in [1, T] (episode e is its first
-        ``lengths[e]`` steps); ``env_ids``: one for all or one per episode; ``metadata``:
-        one mapping (or None) per episode; ``timeout`` (per episode) and ``shard`` as in
-        `add_episode`, which says what it raises. Nothing is stored when a check refuses
-        the batch; episodes refused by a full fixed store or the limiter are counted in the error.
+        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...];
+        ``lengths``: None, or E ints in [1, T] (episode e is its first ``lengths[e]`` steps);
+        ``env_ids``: one for all or one per episode; ``metadata``: one mapping (or None) per episode;
+        ``policy_version``: one int or one per episode; ``timeout`` (per episode) and ``shard`` as in
+        `add_episode`, which says what it raises. Nothing is stored when a check refuses the batch;
+        episodes refused by a full fixed store or the limiter are counted in the error.
         """
         timeout = check_timeout(timeout)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata,
-                                        keep_tensors=self.storage_device is not None)
+        checked, schema = attach_versions(self, *read_episodes(episodes, self.schema, lengths, env_ids, metadata,
+                                                               keep_tensors=self.storage_device is not None),
+                                          policy_version, per_episode=True)
         longest = max(e.num_rows for e in checked)
         if longest > self.capacity // self.num_shards:
             raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "
@@ -220,16 +221,11 @@ class ExperienceStore:
 
     def writer(self, num_envs: int | None = None, autoreset_mode: Any = None, env_ids: Sequence[str] | None = None,
                *, env: Any = None, timeout: float | None = None, name: str | None = None) -> StepWriter:
-        """A `StepWriter` for ``num_envs`` vectorized envs in ``autoreset_mode`` or for ``env`` (a
-        gymnasium vector env: its mode is read; no mode: "next_step", checked, `arrowbuf.autoreset`).
-        ``timeout`` is how long a sealed episode waits for the rate limiter, ``name`` (default
-        ``writer-<k>``) names it in checkpoints (a loaded store hands the restored writer back).
-        On Ray it pickles into tasks and actors and sends episodes within ``RayOptions.delivery_latency``.
-
-        Raises:
-            ValueError: a bad argument, a writer of this name open, or restored with
-                another num_envs, mode or env_ids.
-        """
+        """A `StepWriter` for ``num_envs`` vectorized envs in ``autoreset_mode``, or for ``env`` (a gymnasium
+        vector env: mode read; none given: "next_step", checked, `arrowbuf.autoreset`); ``timeout``: a sealed
+        episode's wait for the rate limiter; ``name`` (default ``writer-<k>``) names it in checkpoints. On Ray it
+        pickles into tasks and actors. ValueError: a bad argument, a writer of this name open, or restored
+        with another num_envs, mode or env_ids."""
         name, timeout = check_name(name), check_timeout(timeout)
         return self._writers.open(self._backend.sink, num_envs, autoreset_mode, env_ids, timeout, name,
                                   self.storage_device, env)
@@ -254,6 +250,10 @@ class ExperienceStore:
         self._writers.flush()
         self._backend.flush()
 
+    def evict(self, *, min_version: int) -> int:
+        """Free the oldest episodes of steps all older than ``min_version`` (FIFO); `arrowbuf.versions`."""
+        return evict_older(self, min_version)
+
     def clear(self) -> None:
         """Remove every episode (after storing those this process's writers sealed)."""
         self._writers.flush()
@@ -268,8 +268,8 @@ class ExperienceStore:
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
-               worker_nodes: Sequence[str] | None = None,
-               keys: list | None = None, layout: str = "arrowbuf") -> TensorDict | list[TensorDict]:
+               worker_nodes: Sequence[str] | None = None, keys: list | None = None,
+               min_version: int | None = None, layout: str = "arrowbuf") -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -281,8 +281,7 @@ class ExperienceStore:
             timeout: seconds to wait for the rate limiter; None raises at once.
             num_workers, worker_nodes: a list of that many disjoint equal batches; on
                 Ray, each worker draws from the shards on its node.
-            keys: gather only these fields (plus ``"index"``, ``"episode_id"``, ``"step"``).
-            layout: "torchrl": the keys TorchRL's losses read (`arrowbuf.torchrl_layout`).
+            keys, layout: only these fields (and "index", "episode_id", "step"); "torchrl": `arrowbuf.torchrl_layout`.
 
         Returns a TensorDict [batch_size] (or [batch_size, L]): the fields at t, ``("next",
         obs)``, ``"index"``, ``"episode_id"``, ``"step"``, the sampler's ``"weight"`` /
@@ -293,7 +292,7 @@ class ExperienceStore:
         # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
         args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
         device = check_device(device)
-        timeout, layout = check_timeout(timeout), torchrl_layout.check_layout(layout)
+        timeout, layout = check_timeout(timeout), trl.check_layout(layout)
         pin_memory = check_bool("pin_memory", pin_memory)
         num_workers = check_workers(batch_size, num_workers)
         check_worker_nodes(self.backend, num_workers, worker_nodes)
@@ -302,13 +301,15 @@ class ExperienceStore:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
         with self._writers.explain_empty():   # an empty store names the writers' open steps
-            batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
-        return torchrl_layout.as_layout(batch, self.schema, layout)
+            batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
+                                         keys) if min_version is None else \
+                sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers, keys)
+        return trl.as_layout(batch, self.schema, layout)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
-                    device: torch.device | str | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
-        """Endless batches, as `sample` gives them (``layout`` too; ValueError for a bad argument).
+                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` gives them (ValueError for a bad argument).
 
         On Ray, ``prefetch`` index requests stay in flight when the shards draw
         (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
@@ -319,18 +320,17 @@ class ExperienceStore:
         prefetch = check_int("prefetch", prefetch, 1)
         if batches_per_request is not None:
             batches_per_request = check_int("batches_per_request", batches_per_request, 1)
-        args, layout = check_sample_args(n_step, gamma, frame_stack, self.schema), torchrl_layout.check_layout(layout)
-        batches = self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request)
-        return torchrl_layout.each_as_layout(batches, self, layout)
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema)
+        return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
+                     epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,
+                     min_version: int | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
         those added join the next epoch. With ``shuffle=False`` a local batch of
-        contiguous rows is a view of the arena. ValueError for a bad argument.
+        contiguous rows is a view of the arena. ValueError for a bad argument; ``min_version`` as in `sample`.
 
         Example:
             >>> import numpy as np, arrowbuf as ab
@@ -342,10 +342,12 @@ class ExperienceStore:
         """
         batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
-        device, layout = check_device(device), torchrl_layout.check_layout(layout)
-        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
-        batches = first if epochs == 1 else self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
-        return torchrl_layout.each_as_layout(batches, self, layout)
+        device, layout = check_device(device), trl.check_layout(layout)
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
+            else epochs_fresh(self, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
+        if epochs > 1 and min_version is None:
+            first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        return trl.each_as_layout(first, self, layout)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
         yield from first
@@ -493,8 +495,6 @@ class ExperienceStore:
     def __reduce__(self) -> tuple:   # a Ray store arrives attached in Ray tasks and actors
         return reduce_store(self, self._backend)
     # TorchRL's replay-buffer verbs (`arrowbuf.torchrl_layout`; each refusal names arrowbuf's own verb)
-    extend, __getitem__, __iter__ = torchrl_layout.extend, torchrl_layout.getitem, torchrl_layout.iterate
-    update_priority = torchrl_layout.update_priority
-    update_tensordict_priority = torchrl_layout.update_tensordict_priority
-    state_dict, load_state_dict = torchrl_layout.state_dict, torchrl_layout.load_state_dict
-    dumps, loads = torchrl_layout.dumps, torchrl_layout.loads
+    extend, update_priority, dumps, loads = trl.extend, trl.update_priority, trl.dumps, trl.loads
+    __getitem__, __iter__, state_dict, load_state_dict = trl.getitem, trl.iterate, trl.state_dict, trl.load_state_dict
+    update_tensordict_priority = trl.update_tensordict_priority

@@ -199,7 +199,7 @@ def as_layout(batch: TensorDict | list[TensorDict], schema: Schema | None,
 
 
 def each_as_layout(batches: Iterator[TensorDict], store: Any, layout: str) -> Iterator[TensorDict]:
-    """The batches of an iterator (``iter_batches``, ``sample_iter``) in ``layout``."""
+    """The batches of an iterator (``iter_batches``) in ``layout``."""
     if layout == "arrowbuf":
         return batches
     return (to_torchrl(batch, store.schema) for batch in batches)

@@ -163,7 +163,6 @@ def test_the_torchrl_layout_of_a_writer_store_renames_obs_and_moves_flags_under_
     with pytest.raises(ValueError, match="layout must be one of"):
         store.sample(4, layout="rlds")
     assert [len(b) for b in store.iter_batches(1, layout="torchrl", epochs=2)] == [1, 1, 1, 1]
-    assert ("next", "done") in next(store.sample_iter(3, layout="torchrl")).keys(include_nested=True)
 
 
 def test_dqn_loss_trains_on_prioritized_arrowbuf_batches_of_a_real_collector():
