@@ -10,9 +10,14 @@ with ``out=``, the steps by one assignment. W1 (256 rows from a million, numpy
 ideal 38.4 us a batch here, min of interleaved timeit runs): the generic path
 41.6 us, this one 32.5 us (a prototype of it).
 
+The same path serves ``min_version`` (a uniform draw over the spans of qualifying
+steps, `arrowbuf._version_spans`) and a `arrowbuf.mixture.Mixture`, whose sources
+each fill their share of one pooled batch (`fill_plain_uniform` into given views).
+
 It draws from the generator exactly as `UniformSampler.sample` does (same calls,
 same order), so a seeded store samples the same batches either way
-(tests/test_direct.py compares them).
+(tests/test_direct.py compares them); with ``min_version``, as
+`arrowbuf.versions.fresh_selection` does.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_batch
 from arrowbuf.samplers import UniformSampler, uniform_indices
 from arrowbuf.tensors import take_fields
+from arrowbuf.versions import fresh_spans, no_fresh_step
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,22 +40,46 @@ _UNIFORM = UniformSampler()
 
 
 def sample_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int,
-                         keys: frozenset | None) -> TensorDict:
-    """A uniform batch of ``batch_size`` transitions of ``shard`` (which holds some), its
-    fields ``keys`` (checked; None: all), on the CPU, in a pooled slot.
+                         keys: frozenset | None, min_version: int | None = None) -> TensorDict:
+    """A uniform batch of ``batch_size`` transitions of ``shard`` (which holds some; of
+    version >= ``min_version`` when given), its fields ``keys`` (checked; None: all), on
+    the CPU, in a pooled slot.
 
     Raises:
         ResourceError: the batch cannot be allocated (nothing drawn).
+        EmptyStoreError: no transition of ``min_version`` (nothing drawn).
     """
-    table = shard.table
-    check_batch(shard.schema, _UNIFORM, table, batch_size)
-    layout, at_index, at_episode, at_step = shard.gather.plain_layout(batch_size, keys)
-    outs, batch = shard.gather.claim(layout)
-    index = uniform_indices(rng, batch_size, *table.live_range(), out=outs[at_index])
-    pos, step = table.locate(index)
-    table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
-    outs[at_step][...] = step
-    rows = table.col("first_row").take(pos)
-    rows += step
-    take_fields(layout, outs, (rows, rows, None))
+    check_batch(shard.schema, _UNIFORM, shard.table, batch_size)
+    plain = shard.gather.plain_layout(batch_size, keys)
+    spans = None
+    if min_version is not None:
+        spans = fresh_spans(shard, min_version)
+        if spans is None:
+            raise no_fresh_step(shard, min_version)
+    outs, batch = shard.gather.claim(plain[0])
+    fill_plain_uniform(shard, rng, batch_size, plain, outs, spans)
     return batch
+
+
+def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, plain: tuple,
+                       outs: list[np.ndarray], spans: object = None) -> None:
+    """Draw ``batch_size`` transitions (among ``spans`` when given: `arrowbuf._version_spans.Spans`)
+    and gather them into ``outs``, views laid out as ``plain`` (`Gather.plain_layout`) says."""
+    layout, at_index, at_episode, at_step = plain
+    table = shard.table
+    if spans is None:
+        index = uniform_indices(rng, batch_size, *table.live_range(), out=outs[at_index])
+        pos, step = table.locate(index)
+        table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
+        outs[at_step][...] = step
+        rows = table.col("first_row").take(pos)
+        rows += step
+    else:
+        k, offset = spans.draw(uniform_indices(rng, batch_size, 0, spans.total))
+        spans.index0.take(k, 0, outs[at_index], "clip")
+        outs[at_index] += offset
+        spans.episode_id.take(k, 0, outs[at_episode], "clip")
+        outs[at_step][...] = spans.step0.take(k) + offset
+        rows = spans.row0.take(k)
+        rows += offset
+    take_fields(layout, outs, (rows, rows, None))

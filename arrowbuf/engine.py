@@ -84,8 +84,7 @@ class ShardEngine:
         self.rate_limiter = rate_limiter
         self.track_reuse = track_reuse
         self.seed = seed
-        self.shard_index = shard
-        self.limiter_scope = scope(shard, num_shards)   # what the limiter's messages say its counts cover
+        self.shard_index, self.limiter_scope = shard, scope(shard, num_shards)   # limiter messages: store or shard
         self.num_shards = num_shards
         self.counts = Counts()
         self.lock = threading.RLock()
@@ -251,15 +250,21 @@ class ShardEngine:
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if self._direct and min_version is None and args[0] == 1 == args[2] and device is None and not pin_memory \
-                    and shard.reuse is None and shard.host_columns:
-                batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
+            direct = self.direct() if args[0] == 1 == args[2] and device is None and not pin_memory else None
+            if direct is not None:
+                batch = sample_plain_uniform(shard, self._rng, batch_size, keys, min_version)
                 self.counts.samples += batch_size
                 return batch
             selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
+
+    def direct(self) -> tuple[Shard, np.random.Generator] | None:
+        """(shard, generator) when plain uniform samples go straight into a slot (`arrowbuf.direct`); under `lock`."""
+        shard = self._shard
+        return (shard, self._rng) if self._direct and shard is not None and shard.reuse is None and shard.host_columns \
+            else None
 
     def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
@@ -410,8 +415,7 @@ class ShardEngine:
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""
         with self.lock:
-            table = self.table
-            return table.col("first_index").copy(), table.col("length").copy()
+            return self.table.col("first_index").copy(), self.table.col("length").copy()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One live episode's rows as a zero-copy RecordBatch.
@@ -440,13 +444,9 @@ class ShardEngine:
             elapsed = max(time.monotonic() - self._created, 1e-9)
             counts = self.counts
             return {
-                "transitions": len(self),
-                "episodes": self.num_episodes,
-                "capacity": self.capacity,
-                "inserts": counts.inserts,
-                "samples": counts.samples,
-                "inserts_per_s": counts.inserts / elapsed,
-                "samples_per_s": counts.samples / elapsed,
+                "transitions": len(self), "episodes": self.num_episodes, "capacity": self.capacity,
+                "inserts": counts.inserts, "samples": counts.samples,
+                "inserts_per_s": counts.inserts / elapsed, "samples_per_s": counts.samples / elapsed,
                 "sample_to_insert_ratio": counts.samples / counts.inserts if counts.inserts else 0.0,
                 "rate_limiter": self.rate_limiter.state(counts),
                 "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,
