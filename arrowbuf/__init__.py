@@ -4,6 +4,7 @@ Episodes are stored as Arrow-compatible columns in a ring arena, sampled by inde
 and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
+from arrowbuf.autoreset import AutoresetModeError
 from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
@@ -21,6 +22,7 @@ from arrowbuf.store import ExperienceStore
 
 __all__ = [
     "ArrowbufError",
+    "AutoresetModeError",
     "CapacityError",
     "Dataset",
     "EmptyStoreError",

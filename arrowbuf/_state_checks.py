@@ -198,6 +198,8 @@ def _tree(where: str, tree: Mapping[str, Any], shard: Mapping[str, Any] | None) 
 def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
     num_envs = _int(where, f"{field}.num_envs", state["num_envs"], 1)
     _choice(where, f"{field}.autoreset_mode", state["autoreset_mode"], AUTORESET_MODES)
+    if not isinstance(state.get("check_resets", False), bool):
+        raise _bad(where, f"{field}.check_resets", state["check_resets"], "a bool")
     _counter(where, f"{field}.episodes_written", state["episodes_written"])
     pos = _array(where, f"{field}.pos", state["pos"], "i", num_envs)
     if np.any(pos < 0):

@@ -8,12 +8,15 @@ before anyone could ask for them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from arrowbuf._checks import check_int, check_name
+from arrowbuf.autoreset import ResetCheck, writer_settings
 from arrowbuf.episodes import StepWriter
+from arrowbuf.errors import EmptyStoreError
 
 
 class WriterRegistry:
@@ -75,18 +78,23 @@ class WriterRegistry:
         """Every writer still referenced (or restored and not yet claimed), by name, in name order."""
         return dict(sorted(self._live.items()))
 
-    def open(self, make_sink: Callable[[float | None, Sequence[str] | None], Any], num_envs: int,
-             autoreset_mode: str, env_ids: Sequence[str] | None, timeout: float | None, name: str | None,
-             device: Any) -> StepWriter:
+    def open(self, make_sink: Callable[[float | None, Sequence[str] | None], Any], num_envs: int | None,
+             autoreset_mode: Any, env_ids: Sequence[str] | None, timeout: float | None, name: str | None,
+             device: Any, env: Any = None) -> StepWriter:
         """The restored writer ``name`` if there is one (its sink now waits ``timeout``), else a
-        new writer over ``make_sink(timeout, env_ids)`` (the store's backend), tracked by name."""
+        new writer over ``make_sink(timeout, env_ids)`` (the store's backend), tracked by name.
+        ``num_envs`` and ``autoreset_mode`` (None: not given, then checked) may come from
+        ``env``, a gymnasium vector env (`arrowbuf.autoreset.writer_settings`)."""
+        num_envs, autoreset_mode, check_resets = writer_settings(num_envs, autoreset_mode, env)
+        num_envs = check_int("num_envs", num_envs, 1)
         claimed = self.claim(name, num_envs, autoreset_mode, env_ids) if name else None
         if claimed is not None:
             writer, sink = claimed
             sink.timeout = timeout
             return writer
         sink = make_sink(timeout, env_ids)
-        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device,
+                            reset_check=ResetCheck() if check_resets else None)
         self.add(name or self.new_name(), writer, sink)
         return writer
 
@@ -95,10 +103,26 @@ class WriterRegistry:
         checks its arguments), held until claimed."""
         for name, state in states.items():
             num_envs = check_int("num_envs", int(state["num_envs"]), 1)
-            writer = self.open(make_sink, num_envs, state["autoreset_mode"], state["env_ids"], None,
-                               check_name(name), device)
+            mode = None if state.get("check_resets") else state["autoreset_mode"]   # None: checked, as saved
+            writer = self.open(make_sink, num_envs, mode, state["env_ids"], None, check_name(name), device)
             writer.load_state_dict(state)
             self.hold(name)
+
+    @contextlib.contextmanager
+    def explain_empty(self) -> Iterator[None]:
+        """An `EmptyStoreError` raised inside says what the writers hold in open episodes."""
+        try:
+            yield
+        except EmptyStoreError as err:
+            held = {name: int(w.open_steps.sum()) for name, w in self.live().items()}
+            held = {name: steps for name, steps in held.items() if steps}
+            if not held:
+                raise
+            raise EmptyStoreError(
+                f"{err}. This process's writers hold {sum(held.values())} steps of open episodes "
+                f"({', '.join(f'{n!r}: {k}' for n, k in held.items())}), which are stored when their episodes "
+                "end: call writer.flush() to cut and store them now (e.g. at the end of a rollout), or sample "
+                "once an episode has ended") from None
 
     def flush(self) -> None:
         """Send what the writers' sinks queued and wait for it (no-op for a local store's)."""

@@ -34,7 +34,7 @@ from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observatio
 from arrowbuf.arena import make_shard
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
-from arrowbuf.rate_limiters import Counts, RateLimiter, limits
+from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
@@ -84,7 +84,7 @@ class ShardEngine:
         self.rate_limiter = rate_limiter
         self.track_reuse = track_reuse
         self.seed = seed
-        self.shard_index = shard
+        self.shard_index, self.limiter_scope = shard, scope(shard, num_shards)   # limiter messages: store or shard
         self.num_shards = num_shards
         self.counts = Counts()
         self.lock = threading.RLock()
@@ -187,7 +187,7 @@ class ShardEngine:
             if self._limited and limited:
                 limiter, counts = self.rate_limiter, self.counts
                 self._wait(lambda: limiter.can_insert(transitions, counts), timeout,
-                           lambda: limiter.why_not_insert(transitions, counts))
+                           lambda: limiter.why_not_insert(transitions, counts, self.limiter_scope))
                 if self._shard is not None and shard is not self._shard:
                     # Another thread made the store's first write while this one waited.
                     if self._shard.schema != shard.schema:
@@ -307,7 +307,7 @@ class ShardEngine:
         if self._limited:
             limiter, counts = self.rate_limiter, self.counts
             self._wait(lambda: limiter.can_sample(batch_size, len(self), counts), timeout,
-                       lambda: limiter.why_not_sample(batch_size, len(self), counts))
+                       lambda: limiter.why_not_sample(batch_size, len(self), counts, self.limiter_scope))
         self.require_data()
 
     def _sampled(self, selection: Selection) -> None:

@@ -63,9 +63,9 @@ class StepWriter:
     the store, with ``next_obs`` as its final observation. `flush` cuts every open
     episode (end of a rollout); the final observation is the last ``next_obs``.
 
-    Gymnasium autoreset modes (``autoreset_mode``):
+    Gymnasium autoreset modes (``autoreset_mode``; `arrowbuf.autoreset`):
         - ``"next_step"`` (gymnasium's default): the step after an episode ends only
-          resets that env; the writer ignores it for that env.
+          resets that env; the writer ignores it for that env (checked: ``reset_check``).
         - ``"same_step"``: the env resets within the ending step and ``next_obs`` is
           already the next episode's first observation; pass ``final_obs`` (e.g.
           ``info["final_obs"]``) so the final observation is stored.
@@ -97,7 +97,7 @@ class StepWriter:
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None, device: torch.device | None = None,
-                 in_place: bool = True) -> None:
+                 in_place: bool = True, reset_check: Any = None) -> None:
         num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
@@ -121,6 +121,7 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
+        self.reset_check = reset_check   # an `arrowbuf.autoreset.ResetCheck` of a mode not given, or None
         self._versions = np.zeros(num_envs, np.int64)   # each env's last policy_version (`arrowbuf.versions`)
         # A local store's engine: steps are written in place (`arrowbuf.inplace`);
         # ``in_place=False`` stages them as a Ray store's writer does.
@@ -193,12 +194,14 @@ class StepWriter:
         if isinstance(done, torch.Tensor):
             done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._final_obs(final_obs, next_cols, done, schema)
+        skip = self._skip if self.reset_check is None else self.reset_check.reset_steps(   # next_step: reset steps
+            self._skip, obs_cols, self._last_next, step_cols, final_obs, self.env_ids)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
         if self._inplace is not None:
-            return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, final_obs, done)
+            return self._add_in_place(schema, next_cols, obs_cols, step_cols, final, done, skip)
 
-        active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         outgrown = self._outgrown(active)
         refused = self._refuse(outgrown) if len(outgrown) else None
         recorded = active & ~self._refused
@@ -226,13 +229,22 @@ class StepWriter:
             raise too_long
         return len(ended)
 
-    def _add_in_place(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
-                      final_obs: Any, done: np.ndarray) -> int:
-        active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+    def _add_in_place(self, schema: Schema, next_cols: dict, obs_cols: dict, step_cols: dict, final: dict,
+                      done: np.ndarray, skip: np.ndarray) -> int:
+        active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         ended = self._inplace.add(schema, obs_cols, next_cols, step_cols,
                                   final if self.autoreset_mode == "same_step" and done.any() else None, done, active)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
+            if self.reset_check is not None and self._skip.any():
+                # The reset check compares an ended env's next step with its last next_obs; in place,
+                # no other copy of it is kept, so keep the ended envs' (one row each, at episode ends only).
+                envs = np.flatnonzero(self._skip)
+                for name, (array, _) in next_cols.items():
+                    if name not in self._last_next:
+                        self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
+                                                            schema.fields[name], self.device)
+                    self._last_next[name][envs] = like_stage(array[envs], self._last_next[name])
         self.episodes_written += ended
         return ended
 
@@ -298,12 +310,13 @@ class StepWriter:
                  "first_step": np.zeros(self.num_envs, np.int64)}
             return {"num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
                     "episodes_written": self.episodes_written, "skip": self._skip.copy(),
-                    "refused": self._refused.copy(), "pending": [], **state}
+                    "refused": self._refused.copy(), "check_resets": self.reset_check is not None, "pending": [],
+                    **state}
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
-            "refused": self._refused.copy(),
+            "refused": self._refused.copy(), "check_resets": self.reset_check is not None,
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
             "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,

@@ -118,6 +118,21 @@ def attach_backend(name: Any, seed: int | None, ray_options: Any) -> Opened:
                   config["track_reuse"], time.time())
 
 
+def reduce_store(store: Any, backend: Any) -> tuple:
+    """`ExperienceStore.__reduce__`: a Ray store pickles (into Ray tasks and actors) as its
+    name and arrives as a handle attached to the same shards, with its own generator
+    (freshly seeded: handles must not draw the same batches), writers and sizes.
+
+    Raises:
+        TypeError: a local store, whose rows live in this process.
+    """
+    if store.backend != "ray":
+        raise TypeError("a local ExperienceStore cannot be pickled (its rows live in this process): make it with "
+                        "backend='ray' to pass it to Ray tasks and actors (it arrives attached), or save(path) it "
+                        "and ExperienceStore.load(path) it there")
+    return type(store).attach, (store.name, None, backend.options)
+
+
 def load_backend(path: str | Path, progress: bool | None, num_shards: Any, name: Any, ray_options: Any,
                  storage_device: Any) -> Opened:
     """The backend saved in ``path``, local or Ray (see `ExperienceStore.load`)."""

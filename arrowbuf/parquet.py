@@ -10,7 +10,11 @@ Layout of ``store.to_parquet("out/")``::
 
 Step columns are plain (see `arrowbuf._persist`): DuckDB, Polars and pandas read
 them without arrowbuf (fixed-shape fields as fixed-size lists, flattened, the shape
-in the field metadata). Every Parquet file carries the arrowbuf version, the schema
+in the field metadata). Rows follow RLDS (`ROW_CONVENTION`, also in every file's
+metadata): one per step, and an episode stored with its final observation has one
+row more, holding it, with zeros in its step fields; a ``final_observation`` bool
+column marks those rows, as Ray Data does (format 3; exports of format 2 lack it
+and load as before). Every Parquet file carries the arrowbuf version, the schema
 JSON (dtypes, shapes, which fields are observations) and the store's settings
 (capacity, mode, creation time) in its key-value metadata.
 
@@ -58,7 +62,16 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.parquet"
-FORMAT_VERSION = 2      # 2: page checksums, content hashes of every file and of the manifest
+FORMAT_VERSION = 3      # 2: page checksums, content hashes of every file and of the manifest; 3: final_observation
+#: The export-only column marking each episode's final-observation row (Ray Data's name).
+FINAL_OBSERVATION = "final_observation"
+#: What a step file's rows are, in words (every file's metadata, ``arrowbuf.row_convention``).
+ROW_CONVENTION = (
+    "One row per step (RLDS): a step's observation fields hold the observation before it, its other fields "
+    "(action, reward, terminated, truncated, ...) what the step did. An episode stored with its final observation "
+    "(has_final in episodes.parquet) has one row more, after its last step: final_observation=True and "
+    "is_last=True, its observation fields hold the final observation and its step fields zeros; the episode's "
+    "terminated / truncated flags are on the row before it. The next observation of step t is row t+1.")
 MANIFEST = EXPORT_MANIFEST
 STEPS = "steps"
 EPISODES = "episodes.parquet"
@@ -78,16 +91,32 @@ def file_metadata(store_info: Mapping[str, Any]) -> dict[str, str]:
     """The key-value metadata of every file of an export."""
     from arrowbuf import __version__
 
-    return {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT,
+    return {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT, "arrowbuf.row_convention": ROW_CONVENTION,
             "arrowbuf.format_version": str(FORMAT_VERSION), "arrowbuf.store": json.dumps(dict(store_info))}
 
 
 # -- export ----------------------------------------------------------------------------
 
 
-def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schema, *, group: int,
-                compression: str = "zstd", rows_per_file: int | None = None, bar: Any = None) -> list[dict[str, Any]]:
-    """Write one shard's rows as ``part-<shard>-<n>.parquet`` files of whole episodes.
+def export_schema(plain: pa.Schema) -> pa.Schema:
+    """The columns of a step file: the plain columns and ``final_observation``."""
+    role = {b"arrowbuf.role": b"export", b"arrowbuf.doc": b"this row holds its episode's final observation"}
+    return plain.append(pa.field(FINAL_OBSERVATION, pa.bool_(), nullable=False, metadata=role))
+
+
+def final_observations(num_rows: np.ndarray, has_final: np.ndarray) -> np.ndarray:
+    """The ``final_observation`` column of consecutive episodes: the last row of each
+    episode stored with its final observation."""
+    column = np.zeros(int(num_rows.sum()), bool)
+    column[np.cumsum(num_rows)[has_final] - 1] = True
+    return column
+
+
+def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schema, has_final: np.ndarray, *,
+                group: int, compression: str = "zstd", rows_per_file: int | None = None,
+                bar: Any = None) -> list[dict[str, Any]]:
+    """Write one shard's rows as ``part-<shard>-<n>.parquet`` files of whole episodes,
+    with the ``final_observation`` column (``has_final``: one flag per episode).
 
     A file gets episodes until the next would take it past ``rows_per_file`` rows
     (an episode longer than that gets a file of its own); row groups have ``group``
@@ -99,6 +128,9 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
         first and last episode id, bytes.
     """
     table = pa.Table.from_batches(rows.batches, schema=schema)
+    schema = export_schema(schema)
+    table = table.append_column(schema.field(FINAL_OBSERVATION),
+                                pa.array(final_observations(rows.num_rows, np.asarray(has_final, bool))))
     limit = rows_per_file or max(rows.rows, 1)
     ends = np.cumsum(rows.num_rows)
     entries, first_episode, first_row = [], 0, 0
@@ -138,9 +170,11 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
                 episodes.take(np.arange(episodes.num_rows)))    # a copy: the table's columns change
 
     def write(snapshot: tuple[EpisodeRows, pa.Table]) -> list[dict[str, Any]]:
-        rows = snapshot[0]
+        rows, episodes = snapshot
+        has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
         with progress_bar(progress, rows.rows, label) as bar:
-            return write_steps(rows, steps_dir, shard_index, schema, group=group_rows(shard.schema.row_bytes),
+            return write_steps(rows, steps_dir, shard_index, schema, has_final,
+                               group=group_rows(shard.schema.row_bytes),
                                compression=compression, rows_per_file=rows_per_file, bar=bar)
 
     def discard(entries: list[dict[str, Any]]) -> None:
@@ -256,6 +290,8 @@ def open_export(path: str | Path) -> Export:
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
     expected = plain_schema(schema)
+    if manifest["format_version"] >= 3:
+        expected = export_schema(expected)
     for entry in files:
         file = path / entry["path"]
         num_rows, arrow_schema = _footer(file)
@@ -325,10 +361,11 @@ def read_parquet(path: str | Path) -> ds.Dataset:
 
     Fixed-shape fields come back as ``fixed_shape_tensor`` columns (as in
     `ExperienceStore.to_arrow`), with role, dtype and shape in the field
-    metadata and the arrowbuf schema in the schema metadata. Every step file's
-    content hash is checked first (one pass over the bytes, as `from_parquet`
-    does), so damaged bytes raise `FormatError` here rather than an untyped error
-    from a later scan; the dataset then reads only what it is asked for:
+    metadata and the arrowbuf schema in the schema metadata; a ``final_observation``
+    column marks final-observation rows (`ROW_CONVENTION`; not in exports of format
+    2). Every step file's content hash is checked first (one pass over the bytes, as
+    `from_parquet` does), so damaged bytes raise `FormatError` here rather than an
+    untyped error from a later scan; the dataset then reads only what it is asked for:
     ``.to_table()``, ``.to_batches()``, ``.scanner(filter=...)``, ``.head(n)``.
 
     Raises:
@@ -343,6 +380,8 @@ def read_parquet(path: str | Path) -> ds.Dataset:
         check_file(export.path / entry["path"], entry, hashed)
     meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
     schema = tensor_schema(export.schema, meta)
+    if export.manifest["format_version"] >= 3:
+        schema = export_schema(schema)
     checked = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
         page_checksum_verification=True))
     return ds.dataset([str(export.path / e["path"]) for e in export.files], schema=schema, format=checked)

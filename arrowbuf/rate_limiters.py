@@ -33,11 +33,12 @@ class RateLimiter:
     def can_insert(self, n: int, counts: Counts) -> bool:
         return True
 
-    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
-        """Why a sample of ``n`` from a store of ``size`` transitions waits: a sentence."""
+    def why_not_sample(self, n: int, size: int, counts: Counts, where: str = "the store") -> str:
+        """Why a sample of ``n`` from a store of ``size`` transitions waits: a sentence
+        whose subject is ``where`` ("the store", or on Ray the shard that applies it)."""
         return ""
 
-    def why_not_insert(self, n: int, counts: Counts) -> str:
+    def why_not_insert(self, n: int, counts: Counts, where: str = "the store") -> str:
         """Why an insert of ``n`` transitions waits: a sentence."""
         return ""
 
@@ -69,6 +70,14 @@ class RateLimiter:
         return Counts(inserts, samples)
 
 
+def scope(shard: int, num_shards: int) -> str:
+    """What a shard's limiter counts cover, for its messages: the store, or (on Ray) the shard."""
+    if num_shards == 1:
+        return "the store"
+    return (f"shard {shard} of {num_shards} (each shard applies its own copy of the rate limiter to its own "
+            "transitions and counts)")
+
+
 def limits(rate_limiter: RateLimiter) -> bool:
     """Whether ``rate_limiter`` can make calls wait (the base class never does, and only
     counts): its engine waits on a condition, and its Ray shards are threaded."""
@@ -95,8 +104,8 @@ class MinSize(RateLimiter):
     def can_sample(self, n: int, size: int, counts: Counts) -> bool:
         return size >= self.min_size
 
-    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
-        return (f"Cannot sample {n} transitions yet: the store holds {size} transitions, MinSize needs "
+    def why_not_sample(self, n: int, size: int, counts: Counts, where: str = "the store") -> str:
+        return (f"Cannot sample {n} transitions yet: {where} holds {size} transitions, MinSize needs "
                 f"{self.min_size} before the first sample. Add episodes first, or pass timeout= to wait for writers.")
 
     def state(self, counts: Counts) -> dict:
@@ -153,21 +162,24 @@ class SampleToInsertRatio(RateLimiter):
         # Inserts are always allowed before min_size is reached, else sampling could never start.
         return counts.inserts < self.min_size or self._diff(counts) <= self.max_diff
 
-    def why_not_sample(self, n: int, size: int, counts: Counts) -> str:
+    def why_not_sample(self, n: int, size: int, counts: Counts, where: str = "the store") -> str:
         if counts.inserts < self.min_size:
-            return (f"Cannot sample {n} transitions yet: {counts.inserts} transitions inserted, SampleToInsertRatio "
+            return (f"Cannot sample {n} transitions yet from {where}: {counts.inserts} transitions inserted, "
+                    f"SampleToInsertRatio "
                     f"needs min_size={self.min_size} before the first sample. Insert more, or pass timeout= to wait "
                     "for writers.")
         return (f"Cannot sample {n} transitions: samples ({counts.samples}) are too far ahead of inserts "
-                f"({counts.inserts}) for samples_per_insert={self.samples_per_insert}, "
-                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff(counts):g} "
-                f"must stay >= {self.min_diff:g}). Insert more, or pass timeout= to wait for writers.")
+                f"({counts.inserts}) in {where} for samples_per_insert={self.samples_per_insert}, "
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = "
+                f"{self._diff(counts):g} must stay >= {self.min_diff:g}). Insert more, or pass timeout= to wait for "
+                "writers.")
 
-    def why_not_insert(self, n: int, counts: Counts) -> str:
+    def why_not_insert(self, n: int, counts: Counts, where: str = "the store") -> str:
         return (f"Cannot insert {n} transitions: inserts ({counts.inserts}) are too far ahead of samples "
-                f"({counts.samples}) for samples_per_insert={self.samples_per_insert}, "
-                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = {self._diff(counts):g} "
-                f"must stay <= {self.max_diff:g}). Sample more, or pass timeout= to wait for trainers.")
+                f"({counts.samples}) in {where} for samples_per_insert={self.samples_per_insert}, "
+                f"error_buffer={self.error_buffer} (inserts x samples_per_insert - samples = "
+                f"{self._diff(counts):g} must stay <= {self.max_diff:g}). Sample more, or pass timeout= to wait for "
+                "trainers.")
 
     def state(self, counts: Counts) -> dict:
         return {**super().state(counts), "samples_per_insert": self.samples_per_insert, "min_size": self.min_size,

@@ -25,6 +25,7 @@ from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_
                               check_sample_args, check_shard, check_storage_device, check_timeout, check_worker_nodes,
                               check_workers, to_numpy)
 from arrowbuf._stats import store_html
+from arrowbuf import torchrl_layout as trl
 from arrowbuf._writers import WriterRegistry
 from arrowbuf.backend import Backend
 from arrowbuf.engine import ShardEngine
@@ -32,7 +33,7 @@ from arrowbuf.episode_batch import read_episodes
 from arrowbuf.episode_read import read_episode
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import CapacityError, describe
-from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend
+from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend, reduce_store
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
@@ -114,13 +115,9 @@ class ExperienceStore:
 
     @classmethod
     def attach(cls, name: str, seed: int | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
-        """The running Ray store ``name``, from any process of the cluster; ``seed`` and
-        ``ray_options`` are this handle's.
-
-        Raises:
-            ValueError: no store of that name is running.
-            ShardError: one of its shards is not running.
-        """
+        """The running Ray store ``name`` (in ``RayOptions.namespace``), from any process of the
+        cluster; ``seed`` and ``ray_options`` are this handle's. Raises ValueError (no store of
+        that name runs) or ShardError (a shard is not running, or no Ray cluster is connected)."""
         return cls._opened(attach_backend(name, seed, ray_options))
 
     # -- shape of the store ---------------------------------------------------------
@@ -234,22 +231,16 @@ class ExperienceStore:
                                 f"{self.capacity // self.num_shards} rows; nothing was stored")
         return self._backend.add_many(checked, schema, timeout, shard)
 
-    def writer(self, num_envs: int, autoreset_mode: str = "next_step",
-               env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
-               name: str | None = None) -> StepWriter:
-        """A `StepWriter` for ``num_envs`` vectorized envs; ``timeout`` is how long a sealed
-        episode waits for the rate limiter, ``name`` (default ``writer-<k>``) names it in
-        checkpoints (a loaded store hands the restored writer back). On Ray it pickles into
-        tasks and actors and sends episodes within ``RayOptions.delivery_latency``.
-
-        Raises:
-            ValueError: a bad argument, a writer of this name open, or restored with
-                another num_envs, mode or env_ids.
-        """
+    def writer(self, num_envs: int | None = None, autoreset_mode: Any = None, env_ids: Sequence[str] | None = None,
+               *, env: Any = None, timeout: float | None = None, name: str | None = None) -> StepWriter:
+        """A `StepWriter` for ``num_envs`` vectorized envs in ``autoreset_mode``, or for ``env`` (a gymnasium
+        vector env: mode read; none given: "next_step", checked, `arrowbuf.autoreset`); ``timeout``: a sealed
+        episode's wait for the rate limiter; ``name`` (default ``writer-<k>``) names it in checkpoints. On Ray it
+        pickles into tasks and actors. ValueError: a bad argument, a writer of this name open, or restored
+        with another num_envs, mode or env_ids."""
         name, timeout = check_name(name), check_timeout(timeout)
-        num_envs = check_int("num_envs", num_envs, 1)
         return self._writers.open(self._backend.sink, num_envs, autoreset_mode, env_ids, timeout, name,
-                                  self.storage_device)
+                                  self.storage_device, env)
 
     @property
     def writers(self) -> dict[str, StepWriter]:
@@ -290,7 +281,7 @@ class ExperienceStore:
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
                worker_nodes: Sequence[str] | None = None, keys: list | None = None,
-               min_version: int | None = None) -> TensorDict | list[TensorDict]:
+               min_version: int | None = None, layout: str = "arrowbuf") -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -302,7 +293,7 @@ class ExperienceStore:
             timeout: seconds to wait for the rate limiter; None raises at once.
             num_workers, worker_nodes: a list of that many disjoint equal batches; on
                 Ray, each worker draws from the shards on its node.
-            keys: gather only these fields (plus ``"index"``, ``"episode_id"``, ``"step"``).
+            keys, layout: only these fields (and "index", "episode_id", "step"); "torchrl": `arrowbuf.torchrl_layout`.
 
         Returns a TensorDict [batch_size] (or [batch_size, L]): the fields at t, ``("next",
         obs)``, ``"index"``, ``"episode_id"``, ``"step"``, the sampler's ``"weight"`` /
@@ -313,7 +304,7 @@ class ExperienceStore:
         # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
         args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
         device = check_device(device)
-        timeout = check_timeout(timeout)
+        timeout, layout = check_timeout(timeout), trl.check_layout(layout)
         pin_memory = check_bool("pin_memory", pin_memory)
         num_workers = check_workers(batch_size, num_workers)
         check_worker_nodes(self.backend, num_workers, worker_nodes)
@@ -321,9 +312,11 @@ class ExperienceStore:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        if min_version is not None:
-            return sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers, keys)
-        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+        with self._writers.explain_empty():   # an empty store names the writers' open steps
+            batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
+                                         keys) if min_version is None else \
+                sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers, keys)
+        return trl.as_layout(batch, self.schema, layout)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -343,8 +336,8 @@ class ExperienceStore:
         return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
-                     epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
+                     epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,
+                     min_version: int | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
@@ -361,12 +354,12 @@ class ExperienceStore:
         """
         batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
-        device = check_device(device)
+        device, layout = check_device(device), trl.check_layout(layout)
         first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
             else epochs_fresh(self, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
-        if epochs == 1 or min_version is not None:
-            return first
-        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        if epochs > 1 and min_version is None:
+            first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        return trl.each_as_layout(first, self, layout)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
         yield from first
@@ -515,3 +508,10 @@ class ExperienceStore:
         store = cls(capacity, schema=schema, **store_kwargs)
         store._backend.import_episodes(episodes)
         return store
+
+    def __reduce__(self) -> tuple:   # a Ray store arrives attached in Ray tasks and actors
+        return reduce_store(self, self._backend)
+    # TorchRL's replay-buffer verbs (`arrowbuf.torchrl_layout`; each refusal names arrowbuf's own verb)
+    extend, update_priority, dumps, loads = trl.extend, trl.update_priority, trl.dumps, trl.loads
+    __getitem__, __iter__, state_dict, load_state_dict = trl.getitem, trl.iterate, trl.state_dict, trl.load_state_dict
+    update_tensordict_priority = trl.update_tensordict_priority

@@ -38,7 +38,9 @@ def filled(seed: int = 0, **kwargs) -> ab.ExperienceStore:
 
 def test_writer_flags_of_shape_n_by_1_end_only_their_own_env():
     store = ab.ExperienceStore(capacity=100)
-    writer = store.writer(2)
+    # Told the mode: env 0's second step is taken as its reset step (a writer given no mode
+    # refuses it, since it carries a reward: tests/test_autoreset.py).
+    writer = store.writer(2, "next_step")
     assert writer.add(**step([[True], [False]], [[False], [False]])) == 1
     assert writer.add(**step([[False], [True]], [[False], [False]], OBS + 1)) == 1
     table = store.episodes()

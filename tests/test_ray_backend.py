@@ -75,7 +75,7 @@ def two_shard_store():
 def test_writers_in_two_actors_store_every_episode_exactly_once(two_shard_store):
     store = two_shard_store
     store.clear()
-    writer = store.writer(num_envs=4)
+    writer = store.writer(num_envs=4, autoreset_mode="next_step")   # its runners' reset steps carry rewards
     runners = [EnvRunner.remote(writer, r) for r in range(2)]
     finished = sum(ray.get([runner.run.remote(150, seed) for seed, runner in enumerate(runners)]), [])
     store.flush()   # sizes written from other processes are exact after it
@@ -322,7 +322,7 @@ NODE_AFFINITY_SCRIPT = textwrap.dedent("""
     ids = {n["Resources"].get("node_a") and "a" or "b": n["NodeID"] for n in ray.nodes() if n["Alive"]}
     store = ab.ExperienceStore(1000, backend="ray", num_shards=2,
                                ray_options=RayOptions(nodes=[ids["a"], ids["b"]]))
-    writer = store.writer(num_envs=2)
+    writer = store.writer(num_envs=2, autoreset_mode="next_step")
 
     @ray.remote(resources={"node_b": 0.1})
     def run(writer):

@@ -215,7 +215,7 @@ def test_a_ray_store_stores_versions_but_refuses_min_version_and_evict_for_now()
 
 def test_a_writer_step_carries_the_version_of_the_policy_that_chose_its_action():
     store = ab.ExperienceStore(capacity=1_000, seed=0)
-    writer = store.writer(num_envs=2)
+    writer = store.writer(num_envs=2, autoreset_mode="next_step")   # its synthetic reset step pays a reward
     obs = np.zeros((2, 2), np.float32)
     for t in range(6):
         version = t // 2                      # the policy is updated every 2 steps

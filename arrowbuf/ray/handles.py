@@ -71,13 +71,24 @@ class ShardHandles:
         """Results of ``{shard: ref}``; a dead shard raises `ShardError` (or is skipped if allowed)."""
         ray = ray_module()
         results = {}
-        for shard, ref in refs.items():
-            try:
-                results[shard] = ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                self.dead.add(shard)
-                if not self.options.allow_partial:
-                    raise ShardError(f"shard {shard} of store {self.name!r} is dead: {err}") from None
+        pending = list(refs.items())
+        try:
+            while pending:
+                shard, ref = pending.pop(0)
+                try:
+                    results[shard] = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self.dead.add(shard)
+                    if not self.options.allow_partial:
+                        raise ShardError(f"shard {shard} of store {self.name!r} is dead: {err}") from None
+        finally:
+            # The first error is raised; the other shards' answers are taken too, else Ray
+            # prints each error it holds as an "Unhandled error" once its ref is dropped.
+            for _, ref in pending:
+                try:
+                    ray.get(ref)
+                except Exception:   # noqa: BLE001 - the first error is the one raised
+                    pass
         return results
 
     def live(self) -> list[int]:
@@ -89,8 +100,13 @@ class ShardHandles:
         return [s for s in range(len(self.handles)) if s not in self.dead]
 
     def check_open(self) -> None:
+        """Raises `ShardError` when the store is closed, or Ray was shut down (never starting it again)."""
         if self.closed:
             raise ShardError(f"store {self.name!r} is closed (its shard actors are gone)")
+        if not ray_module().is_initialized():
+            raise ShardError(f"Ray was shut down (ray.shutdown()) before store {self.name!r} was closed: its shard "
+                             "actors ended with the cluster, and with them its data. arrowbuf does not start Ray "
+                             "again; close stores (store.close()) before ray.shutdown()")
 
     def dead_error(self) -> ShardError:
         dead = sorted(self.dead)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from arrowbuf._checks import check_bool, check_int
 from arrowbuf.errors import describe
 
-NAMESPACE = "arrowbuf"               # Ray namespace of the named shard actors
+NAMESPACE = "arrowbuf"               # default Ray namespace of the named shard actors (RayOptions.namespace)
 INDEX_SHIFT = 48                     # a batch's "index" = shard << 48 | local index
 LOCAL_MASK = (1 << INDEX_SHIFT) - 1
 
@@ -97,6 +97,22 @@ class RayOptions:
             pages (numpy asks for them), which the object store's tmpfs does not
             give by default: gathers of large rows run faster from them (W2
             `sample_iter` 10-13% per batch here; README, Ray backend, Pages).
+        init: with no Ray cluster connected in this process, start a new local one
+            (``ray.init(address="local")`` with Ray's defaults: every CPU, an object
+            store of about 30% of memory; no dashboard), logged as a warning naming its
+            resources. False (the
+            default) refuses with `ShardError`: call ``ray.init(...)`` first, sized
+            for the job, or ``ray.init(address="auto")`` to join a running cluster.
+        namespace: the Ray namespace the shard actors are named in
+            (``<store name>:<shard>``), where `attach` (and a store pickled into a
+            task or actor) finds them: by default ``"arrowbuf"``, shared by every job
+            of the cluster; None is the namespace of the job that starts the store
+            (``ray.init(namespace=...)``; Ray's default is one per job, so other
+            jobs cannot attach).
+        resume: a durable store (``durable=``) whose directory holds episodes of an
+            earlier run: None resumes them and logs a warning with their count;
+            True resumes them (logged at INFO); False discards them (the shards'
+            logs are cleared) and starts empty.
 
     Example:
         >>> import arrowbuf as ab
@@ -119,6 +135,9 @@ class RayOptions:
     seal_latency: float = 0.1
     reader_cache_bytes: int | None = None
     copy_blocks: bool = False
+    init: bool = False
+    namespace: str | None = NAMESPACE
+    resume: bool | None = None
 
     def __post_init__(self) -> None:
         self.num_cpus = _check_seconds("num_cpus", self.num_cpus, zero_ok=True)
@@ -136,6 +155,12 @@ class RayOptions:
         if self.reader_cache_bytes is not None:
             check_int("RayOptions.reader_cache_bytes", self.reader_cache_bytes, 0)
         check_bool("RayOptions.copy_blocks", self.copy_blocks)
+        check_bool("RayOptions.init", self.init)
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ValueError(f"RayOptions.namespace must be a non-empty str or None (the job's namespace), "
+                             f"got {self.namespace!r}")
+        if self.resume is not None:
+            check_bool("RayOptions.resume", self.resume)
         if self.max_restarts is not None:
             check_int("RayOptions.max_restarts", self.max_restarts, -1)
         if self.nodes is not None and (isinstance(self.nodes, str) or not all(isinstance(n, str) for n in self.nodes)):

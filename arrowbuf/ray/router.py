@@ -235,6 +235,9 @@ class RayBackend:
         """End the shard actors (their data is gone)."""
         if self.shards.closed:
             return
+        if not ray_module().is_initialized():   # ray.shutdown() ended the actors: nothing to release
+            self.shards.closed = True
+            return
         try:
             self._sink.close()
             self._updates.collect(block=True)   # their errors are raised, the actors ended all the same
