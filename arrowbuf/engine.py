@@ -36,15 +36,12 @@ from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import batch_lookups
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
-
-# Sample arguments in one tuple: (n_step, gamma, frame_stack).
-PLAIN = (1, 1.0, 1)
-
 
 class ShardEngine:
     """One shard of a store: arena, episode table, sampler, generator, counters, lock.
@@ -223,13 +220,13 @@ class ShardEngine:
             raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
                                   "add episodes first")
 
-    def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
+    def sample(self, batch_size: int, args: SampleArgs = PLAIN, device: Any = None, pin_memory: bool = False,
                timeout: float | None = None, keys: Any = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
             batch_size: what the sampler draws (transitions, windows or episodes).
-            args: (n_step, gamma, frame_stack), checked by the caller.
+            args: n-step and frame-stack look-ups, checked by the caller.
             device: a checked torch.device or None.
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
@@ -244,7 +241,7 @@ class ShardEngine:
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if self._direct and args[0] == 1 == args[2] and device is None and not pin_memory \
+            if self._direct and args.plain and device is None and not pin_memory \
                     and shard.reuse is None and type(shard) is Shard:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
                 self.counts.samples += batch_size
@@ -254,7 +251,7 @@ class ShardEngine:
             self._sampled(selection)
             return batch
 
-    def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
+    def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
         """Draw as `sample` does, counted as a sample, without gathering (a Ray reader gathers)."""
         with self._changed:
@@ -270,10 +267,10 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
 
-    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None) -> Selection:
+    def _draw(self, batch_size: int, args: SampleArgs, population: tuple[int, float] | None = None) -> Selection:
         """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table
-        check_batch(self._shard.schema, sampler, table, batch_size, args[2])
+        check_batch(self._shard.schema, sampler, table, batch_size, args.frame_stack)
         if population is not None and isinstance(sampler, PrioritizedSampler):
             return sampler.sample(self._rng, batch_size, table, population)
         return sampler.sample(self._rng, batch_size, table)
@@ -342,7 +339,7 @@ class ShardEngine:
             rows, extra, _, _ = batch_lookups(self._shard, select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
+    def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = batch_lookups(self._shard, selection, args)
         if views and contiguous(rows):   # no copy: views of the arena

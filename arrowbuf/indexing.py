@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from arrowbuf.sample_args import SampleArgs
+
 if TYPE_CHECKING:
     from arrowbuf.samplers import Selection
     from arrowbuf.shard import Shard
@@ -60,12 +62,12 @@ def frame_rows(rows: np.ndarray, first_row: np.ndarray, frames: int) -> np.ndarr
     return np.maximum(rows[..., None] - back, first_row[..., None])
 
 
-def batch_lookups(shard: Shard, selection: Selection, args: tuple, index_base: int = 0
+def batch_lookups(shard: Shard, selection: Selection, args: SampleArgs, index_base: int = 0
                   ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
     """(rows, extra arrays, observation rows, next-observation rows) of a selection of
-    ``shard``'s transitions, for ``args`` = (n_step, gamma, frame_stack); ``index_base``
+    ``shard``'s transitions, for the look-ups ``args``; ``index_base``
     is added to the ``index`` extra."""
-    n, gamma, frames = args
+    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
     table = shard.table
     rows, pos = selection.rows, selection.pos
     # episode_id and step come from the episode table, not from per-row columns.

@@ -143,9 +143,12 @@ class BlockGather:
             return tuple(batch.to(device, non_blocking=True) for batch in batches)
         return batches
 
-    def out_bytes(self, staged: Staged, count: int) -> int:
-        """Bytes of the pooled buffer of a batch of ``count`` staged items (every field)."""
-        return self._layout_of(staged, count, None).slot.nbytes
+    def sizes(self, staged: Staged, count: int) -> tuple[int, int]:
+        """(bytes a batch of ``count`` staged items puts through the scratch arrays (its
+        fields other than the large rows copied straight from the blocks), bytes of its
+        pooled buffer), of every field."""
+        layout = self._layout_of(staged, count, None)
+        return layout.staged_bytes, layout.slot.nbytes
 
     @staticmethod
     def _fill(staged: Staged, layout: "_Layout", outs: list[np.ndarray], start: int, stop: int) -> None:
@@ -185,11 +188,6 @@ class BlockGather:
                 staged.records_of(group).take(inv, 0, records, "clip")
             for target, source in copies:
                 outs[target][...] = outs[source]
-
-    def staged_bytes(self, staged: Staged, count: int, keys: frozenset | None) -> int:
-        """Bytes a batch of ``count`` staged items puts through the scratch arrays (its
-        fields other than the large rows copied straight from the blocks)."""
-        return self._layout_of(staged, count, keys).staged_bytes
 
     def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
         known = staged.layouts.get((self, count, keys))

@@ -38,7 +38,8 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,15 +48,18 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
-from arrowbuf.ray.gather import BlockGather, same_width
+from arrowbuf.ray.gather import GROUP_BYTES, BlockGather, same_width
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
-from arrowbuf.ray.staging import Staged, block_order, placed, stage_part
+from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, block_order, placed, stage_part
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
 _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
+#: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
+PLAIN_LOOPS = 4
 
 
 @dataclass
@@ -119,7 +123,8 @@ class BlockReader:
         self._polled = -np.inf
         self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
-        self._scratch: dict = {}   # staged field arrays of `sample` and `gather` (used under the lock)
+        self._scratch: dict = {}   # staged field arrays of `gather` (used under the lock)
+        self._loops: dict[SampleRequest, DrawLoop] = {}   # plain samples' draws ahead, oldest request first
         # Counts changes of the views and writes of this process: batches drawn ahead
         # (`sample_iter`) are dropped when it moved since their draw.
         self.generation = 0
@@ -137,6 +142,7 @@ class BlockReader:
     def reset(self) -> None:
         """Forget every view and block (after `clear`, at `close`)."""
         self.views.clear()
+        self._loops.clear()
         self.generation += 1
         self._joined_view = None
         self._chunks.clear()
@@ -323,20 +329,42 @@ class BlockReader:
             self.sync(stale)
         return [self.views[s] for s in shards if s in self.views]
 
-    @_locked
-    def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
-               shards: list[int]) -> TensorDict:
-        """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
-        return self.emit(self._draw(batch_size, 1, args, shards, self._scratch), 0, batch_size,
-                         self._gatherer().check_keys(keys), device)
+    def _live(self, shards: tuple[int, ...] | None) -> list[int]:
+        """The live shards among ``shards`` (all live ones when None, or when none of them is)."""
+        live = self.shards.live()
+        return live if shards is None else [s for s in live if s in shards] or live
 
     @_locked
-    def draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
-        """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` (each
-        batch an independent draw), staged for `emit` with the caller's ``scratch``."""
-        return self._draw(batch_size, batches, args, shards, scratch)
+    def sample(self, request: SampleRequest) -> TensorDict:
+        """One batch of ``request``, handed out of the batches drawn ahead for the same
+        request (`DrawLoop`), as `batches` hands them out.
 
-    def _draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
+        Manifests that came back are collected first (`poll`), so batches drawn ahead
+        of a change of the views (or of a write of this process) are dropped and drawn
+        again: a sample sees what one drawn on the spot would. The loops of the last
+        `PLAIN_LOOPS` requests are kept; a new request's first draw is one batch.
+        """
+        self._poll()
+        loop = self._loops.pop(request, None)
+        if loop is None:
+            loop = DrawLoop(self, request)
+            if len(self._loops) >= PLAIN_LOOPS:
+                del self._loops[next(iter(self._loops))]
+        self._loops[request] = loop   # the most recent last
+        return loop.next()
+
+    def batches(self, request: SampleRequest) -> Iterator[TensorDict]:
+        """Endless batches of ``request`` (a store's `sample_iter`), drawn and staged
+        ``request.batches`` at a time (`DrawLoop`)."""
+        loop = DrawLoop(self, request)
+        while True:
+            with self._lock:
+                batch = loop.next()
+            yield batch
+
+    def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict) -> Staged:
+        """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
+        proportion to their mass (each batch an independent draw), staged with ``scratch``."""
         views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
@@ -362,42 +390,6 @@ class BlockReader:
         return staged
 
     @_locked
-    def emit(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
-             device: torch.device | None) -> TensorDict:
-        """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`);
-        a drawn batch counts as the shards' samples now, not when it was drawn ahead."""
-        batch = self._gatherer()(staged, start, stop, keys, device)
-        self._count(staged, start // (stop - start))
-        return batch
-
-    @_locked
-    def emit_together(self, staged: Staged, start: int, stop: int, batch_size: int,
-                      device: torch.device | None) -> tuple[TensorDict, ...]:
-        """The staged batches of ``batch_size`` items in ``[start, stop)``, gathered together
-        (`BlockGather.batches`: one pooled slot for all); each counts as the shards'
-        samples once it is handed out (`count`), not when it is gathered."""
-        return self._gatherer().batches(staged, start, stop, batch_size, None, device)
-
-    @_locked
-    def count(self, staged: Staged, batch: int) -> None:
-        """The staged batch number ``batch`` is handed out: its items count as the shards' samples."""
-        self._count(staged, batch)
-
-    def _count(self, staged: Staged, batch: int) -> None:
-        if staged.drawn is not None:
-            self._drawn += staged.drawn[batch]
-
-    @_locked
-    def staged_bytes(self, staged: Staged, batch_size: int) -> int:
-        """Bytes a batch of ``batch_size`` staged items puts through the staging's scratch arrays."""
-        return self._gatherer().staged_bytes(staged, batch_size, None)
-
-    @_locked
-    def out_bytes(self, staged: Staged, batch_size: int) -> int:
-        """Bytes of the pooled buffer a batch of ``batch_size`` staged items is gathered into."""
-        return self._gatherer().out_bytes(staged, batch_size)
-
-    @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
         """The selection of ``shard``'s indices (drawn by the shard), or None if this view lacks one."""
         view = self.views.get(shard)
@@ -412,7 +404,7 @@ class BlockReader:
         return view, Selection(view.table.col("first_row").take(pos) + step, indices, pos, extra, step)
 
     @_locked
-    def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
+    def gather(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, keys: Any,
                device: torch.device | None, normalize_weights: bool = False,
                places: list[np.ndarray] | None = None) -> TensorDict:
         """One batch of every part's items (gathered block by block: `arrowbuf.ray.gather`).
@@ -428,7 +420,7 @@ class BlockReader:
             staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
         return gather(staged, 0, staged.size, keys, device)
 
-    def _stage(self, parts: list[tuple[ShardView, Selection]], args: tuple, places: list[np.ndarray] | None,
+    def _stage(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, places: list[np.ndarray] | None,
               scratch: dict) -> Staged:
         """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
         parts = same_width(parts)
@@ -449,7 +441,7 @@ class BlockReader:
         if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
             order = orders[0][3]
             inv = None if order is None else placed(np.arange(offset), order)
-            return Staged(pieces, rows, extras[0], inv, offset, item, args[2], scratch, grown=self.cache.grew)
+            return Staged(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=self.cache.grew)
         extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
         ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
         drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
@@ -463,7 +455,7 @@ class BlockReader:
             extra = {name: placed(value, drawn) for name, value in extra.items()}
         if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
             inv = placed(np.arange(offset), in_block_order)
-        return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch, grown=self.cache.grew)
+        return Staged(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=self.cache.grew)
 
     @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:
@@ -471,3 +463,64 @@ class BlockReader:
         return {"cached_blocks": len(cache.entries), "cached_bytes": cache.nbytes, "cache_limit": cache.limit,
                 "fetches": cache.fetches, "copy_blocks": cache.copy,
                 "blocks": sum(len(v.manifest.blocks) for v in self.views.values())}
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What a store asks its reader for: batches of ``batch_size`` items with ``args``'s
+    look-ups, fields ``keys`` (checked; None: all), on ``device``, drawn over ``shards``
+    (None: every live one), ``batches`` batches drawn and staged at once (None: as many
+    as `STAGE_BYTES` hold, at most `MAX_STAGED`)."""
+
+    batch_size: int
+    args: SampleArgs = PLAIN
+    keys: frozenset | None = None
+    device: torch.device | None = None
+    shards: tuple[int, ...] | None = None
+    batches: int | None = None
+
+
+class DrawLoop:
+    """The draw-stage-gather loop of one request: batches drawn and staged together,
+    gathered ``group`` at a time into one pooled slot (`BlockGather.batches`), handed
+    out one by one; drawn again once the reader's views change (or this process
+    writes). A batch counts as the shards' samples when it is handed out, not when it
+    is drawn. Called under the reader's lock.
+    """
+
+    def __init__(self, reader: BlockReader, request: SampleRequest) -> None:
+        self.reader = reader
+        self.request = request
+        self.batches = request.batches   # per draw; found from the first draw's sizes when None
+        self.group = 1                   # batches gathered together (`GROUP_BYTES`)
+        self.scratch: dict = {}          # this loop's staged field arrays, reused draw after draw
+        self.staged: Staged | None = None
+        self.generation = -1             # the reader's, at the draw of `staged`
+        self.step = 0                    # batches in `staged`
+        self.next_batch = 0              # the next of them to hand out
+        self.ready: deque = deque()      # gathered, not yet handed out
+
+    def next(self) -> TensorDict:
+        reader, request, size = self.reader, self.request, self.request.batch_size
+        while True:
+            current = self.staged is not None and reader.generation == self.generation
+            if current and self.ready:
+                batch = self.ready.popleft()
+                if self.staged.drawn is not None:
+                    reader._drawn += self.staged.drawn[self.next_batch]
+                self.next_batch += 1
+                return batch
+            if current and self.next_batch < self.step:
+                stop = min(self.next_batch + self.group, self.step)
+                self.ready.extend(reader._gatherer().batches(self.staged, self.next_batch * size, stop * size, size,
+                                                             request.keys, request.device))
+                continue
+            self.ready.clear()
+            step = self.batches or 1   # the first draw of an unknown size is one batch
+            self.staged = None
+            staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch)
+            self.staged, self.generation, self.step, self.next_batch = staged, reader.generation, step, 0
+            if self.batches is None:   # how many fit in STAGE_BYTES, and in GROUP_BYTES together
+                staged_bytes, out_bytes = reader._gatherer().sizes(staged, size)
+                self.batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(staged_bytes, 1)))
+                self.group = max(1, min(self.batches, GROUP_BYTES // max(out_bytes, 1)))

@@ -39,7 +39,6 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
-from arrowbuf.engine import PLAIN
 from arrowbuf.errors import ShardError
 from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.gae import compute_gae
@@ -47,12 +46,11 @@ from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
 from arrowbuf.ray.priorities import PriorityUpdates
-from arrowbuf.ray.gather import GROUP_BYTES
-from arrowbuf.ray.reader import BlockReader
+from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
-from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES
 from arrowbuf.ray.start import find_shards, start_shards
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -288,15 +286,11 @@ class RayBackend:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _shards_of(self, shards: Sequence[int] | None) -> list[int]:
-        live = self.shards.live()
-        return [s for s in live if s in shards] or live if shards is not None else live
-
     def _check_keys(self, keys: Any) -> Any:
         """``keys`` checked before anything is drawn (nothing to check them against before the first write)."""
         return self._reader.check_keys(keys) if keys is not None and self.schema is not None else keys
 
-    def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
+    def sample(self, batch_size: int, args: SampleArgs, device: torch.device | None, pin_memory: bool,
                timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
@@ -314,8 +308,10 @@ class RayBackend:
             ValueError: ``keys`` names no field (nothing is drawn).
         """
         if self.schema is not None:   # this process gathers the whole batch: it must fit here
-            check_batch(self.schema, self.sampler, None, batch_size, args[2])
+            check_batch(self.schema, self.sampler, None, batch_size, args.frame_stack)
         keys = self._check_keys(keys)
+        if keys is not None and not isinstance(keys, frozenset):   # no schema yet: EmptyStoreError
+            keys = self._reader.check_keys(keys)
         self._updates.collect(block=False)   # an update left in flight that failed is raised here
         if num_workers is None:
             return self._draw(batch_size, args, timeout, keys, device, pin_memory)
@@ -325,49 +321,27 @@ class RayBackend:
                            None if node is None else [s for s, n in enumerate(self.shards.nodes) if n == node])
                 for node in nodes]
 
-    def _draw(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
+    def _draw(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
               pin_memory: bool, shards: Sequence[int] | None = None) -> TensorDict:
         reader = self._reader
         on_cpu = device is None or device.type == "cpu"
         if reader.draws_here():
-            batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
+            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards))
+            batch = reader.sample(request)   # out of the draws ahead of this request
         else:
             batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
-    def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
+    def sample_iter(self, batch_size: int, args: SampleArgs, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
         """Endless batches. Draws made here need no round trip: ``batches_per_request``
         batches (default: as many as `STAGE_BYTES` hold, at most `MAX_STAGED`) are drawn
         and staged at once; draws made by the shards keep ``prefetch`` index requests
         in flight."""
         if self._reader.draws_here():
-            return self._drawing_here(batch_size, args, device, batches_per_request)
+            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request))
         return self._draws.prefetching(batch_size, prefetch, args, device)
-
-    def _drawing_here(self, batch_size: int, args: tuple, device: Any, batches: int | None) -> Iterator[TensorDict]:
-        reader = self._reader
-        scratch: dict = {}   # this iterator's staged field arrays, reused draw after draw
-        step = batches or 1
-        group = 1   # batches gathered together into one pooled slot (GROUP_BYTES)
-        while True:
-            staged = reader.draw(batch_size, step, args, self.shards.live(), scratch)
-            generation = reader.generation
-            if batches is None:   # the first batch tells how many fit in STAGE_BYTES and GROUP_BYTES
-                batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(reader.staged_bytes(staged, batch_size), 1)))
-                group = max(1, min(batches, GROUP_BYTES // max(reader.out_bytes(staged, batch_size), 1)))
-            k = 0
-            while k < step and reader.generation == generation:
-                together = reader.emit_together(staged, k * batch_size, min(k + group, step) * batch_size,
-                                                batch_size, device)
-                for batch in together:
-                    if reader.generation != generation:   # new views, or a write of this process: drawn again
-                        break
-                    reader.count(staged, k)
-                    k += 1
-                    yield batch
-            step = batches
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None) -> Iterator[TensorDict]:

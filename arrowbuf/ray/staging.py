@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection
 
 #: Bytes of a row from which a batch's rows of a field are copied straight from their
@@ -59,7 +60,7 @@ DIRECT_ROW_BYTES = 16 << 10
 #: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
 #: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
 #: 121-145 us). Only the fields read through the scratch count
-#: (`arrowbuf.ray.reader.BlockReader.staged_bytes`): rows copied straight from the
+#: (`arrowbuf.ray.gather.BlockGather.sizes`): rows copied straight from the
 #: blocks (`DIRECT_ROW_BYTES`, W2's pixels) stage nothing, so W2 now draws 16
 #: batches at once (~450 B of scratch each).
 STAGE_BYTES = 8 << 20
@@ -237,7 +238,7 @@ def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
 
 
 def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
-               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: tuple
+               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: SampleArgs
                ) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(extras in drawn order, block-local rows by role in block order) of one view's selection.
 
@@ -245,9 +246,9 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
         view: the `arrowbuf.ray.reader.ShardView` the selection was made in.
         block, starts, order: the selection's `block_order`.
         columns: the columns of each touched block.
-        args: (n_step, gamma, frame_stack).
+        args: the n-step and frame-stack look-ups.
     """
-    n, gamma, frames = args
+    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
     table = view.table
     rows, pos, step = selection.rows, selection.pos, selection.step
     first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
