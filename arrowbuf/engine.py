@@ -32,7 +32,6 @@ from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.arena import make_shard
-from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.indexing import batch_lookups
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits
@@ -41,7 +40,7 @@ from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSam
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload
+from arrowbuf.tensors import Payload, take_fields
 
 class ShardEngine:
     """One shard of a store: arena, episode table, sampler, generator, counters, lock.
@@ -95,7 +94,7 @@ class ShardEngine:
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
         self._limited = limits(rate_limiter)
-        # Plain uniform samples of a numpy arena may take `arrowbuf.direct`'s path.
+        # Plain uniform samples of a numpy arena may take `_sample_plain`'s path.
         self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
@@ -243,13 +242,41 @@ class ShardEngine:
             keys = shard.gather.check_keys(keys)
             if self._direct and args.plain and device is None and not pin_memory \
                     and shard.reuse is None and type(shard) is Shard:
-                batch = sample_plain_uniform(shard, self._rng, batch_size, keys)
+                batch = self._sample_plain(shard, batch_size, keys)
                 self.counts.samples += batch_size
                 return batch
             selection = self._draw(batch_size, args)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
+
+    def _sample_plain(self, shard: Shard, batch_size: int, keys: frozenset | None) -> TensorDict:
+        """A uniform batch of ``batch_size`` transitions of ``shard`` (which holds some), its
+        fields ``keys`` (checked; None: all), on the CPU, in a pooled slot.
+
+        The generic path draws a `Selection`, computes the batch's extras (``index``,
+        ``episode_id``, ``step``) as arrays of their own, then the gather copies them
+        into the pooled slot beside the fields. This one claims the slot first and
+        writes each extra where the batch keeps it: `UniformSampler.draw` into
+        ``index``, the episode ids by a take with ``out=``, the steps by one
+        assignment. W1 (256 rows from a million, numpy ideal 38.4 us a batch here,
+        min of interleaved timeit runs): the generic path 41.6 us, this one 32.5 us.
+
+        Raises:
+            ResourceError: the batch cannot be allocated (nothing drawn).
+        """
+        table, gather = shard.table, shard.gather
+        check_batch(shard.schema, self.sampler, table, batch_size)
+        layout, at_index, at_episode, at_step = gather.plain_layout(batch_size, keys)
+        outs, batch = gather.claim(layout)
+        index = self.sampler.draw(self._rng, batch_size, table, out=outs[at_index])
+        pos, step = table.locate(index)
+        table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
+        outs[at_step][...] = step
+        rows = table.col("first_row").take(pos)
+        rows += step
+        take_fields(layout, outs, (rows, rows, None))
+        return batch
 
     def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:

@@ -1,5 +1,5 @@
-"""`arrowbuf.direct`: the plain uniform sample written straight into its pooled batch
-gives what the generic path gives, from the same draws."""
+"""The engine's plain uniform path (`ShardEngine._sample_plain`, `UniformSampler.draw`
+written straight into its pooled batch) gives what the generic path gives, from the same draws."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def twin_stores() -> tuple[ab.ExperienceStore, ab.ExperienceStore]:
 @pytest.fixture
 def direct_calls(monkeypatch):
     calls = []
-    original = engine_module.sample_plain_uniform
+    original = engine_module.ShardEngine._sample_plain
 
     def counting(*args, **kwargs):
         calls.append(args[2])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample_plain_uniform", counting)
+    monkeypatch.setattr(engine_module.ShardEngine, "_sample_plain", counting)
     return calls
 
 
