@@ -5,7 +5,8 @@ their blocks, their block-local rows in block order, and where each batch
 position lies in that order. For each batch, `BlockGather` fills one pooled
 output (a `SlotPool` slot, as a local store's samples: a batch is reused only
 once nothing refers to it any more, and steady sampling neither faults fresh
-memory nor rebuilds a TensorDict):
+memory nor rebuilds a TensorDict), and the staging reads its items into it
+(`Staged.fill`) as the batch's layout says:
 
 - where the batch's order is the block order (one block, or an unshuffled epoch
   chunk), each field is taken straight from its blocks into the output: the
@@ -28,8 +29,6 @@ memory nor rebuilds a TensorDict):
 once into one slot of as many parts (`arrowbuf._pool.SlotSpec.parts`): one claim,
 and the steps above once, for all of them; each part is a TensorDict of its own.
 
-`same_width` pads episode batches of several shards to one width.
-
 Batches are planned by `arrowbuf.layout` (the planner `arrowbuf.tensors.Gather`
 uses too): fields in schema order (an observation field also as ``("next", ...)``),
 then the extras (index, episode_id, step, and weights, masks, n-step targets), then
@@ -51,7 +50,6 @@ from arrowbuf._pool import SlotPool
 from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
 from arrowbuf.packing import pack_layout
 from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
-from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
 
 
@@ -111,7 +109,7 @@ class BlockGather:
         """
         layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
-        self._fill(staged, layout, outs, start, stop)
+        staged.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
@@ -131,7 +129,7 @@ class BlockGather:
             slot = dataclasses.replace(whole.slot, parts=parts)
             layout = self._parted[(whole, parts)] = dataclasses.replace(whole, slot=slot)
         outs, batches = self._pool.claim(layout, layout.slot)
-        self._fill(staged, layout, outs, start, stop)
+        staged.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return tuple(batch.to(device, non_blocking=True) for batch in batches)
         return batches
@@ -143,49 +141,14 @@ class BlockGather:
         layout = self._layout_of(staged, count, None)
         return layout.fill[1], layout.slot.nbytes
 
-    @staticmethod
-    def _fill(staged: Staged, layout: Layout, outs: list[np.ndarray], start: int, stop: int) -> None:
-        """Gather the staged items ``[start, stop)`` into a slot's views, as ``layout`` says."""
-        extra = staged.extra
-        inv = None if staged.inv is None else staged.inv[start:stop]
-        direct = []
-        for (source, role), how, out in zip(layout.plan, layout.fill[0], outs):
-            if role < 0:
-                # Same dtype and shape (`arrowbuf.layout.matches`): an item assignment, cheaper than np.copyto.
-                out[...] = extra[source][start:stop]
-            elif how == "packed":
-                continue
-            elif inv is None:
-                rows = staged.rows[role]
-                for columns, lo, hi in staged.pieces:
-                    lo, hi = max(lo, start), min(hi, stop)
-                    if lo < hi:
-                        columns[source].take(rows[lo:hi], 0, out[lo - start:hi - start], "clip")
-            elif how == "direct":
-                direct.append((source, role, out))
-            else:
-                staged.rows_of(source, role).take(inv, 0, out, "clip")
-        if direct:
-            staged.rows_into(direct, start, stop)
-        for group, _, region in layout.records:   # the small step fields, packed in records
-            records = outs[region]
-            if inv is None:
-                rows = staged.rows[0]
-                for columns, lo, hi in staged.pieces:
-                    lo, hi = max(lo, start), min(hi, stop)
-                    if lo < hi:
-                        staged.block_records(columns, group).take(rows[lo:hi], 0, records[lo - start:hi - start],
-                                                                  "clip")
-            else:
-                staged.records_of(group).take(inv, 0, records, "clip")
-        for target, source in layout.unpack:
-            outs[target][...] = outs[source]
-
     def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> Layout:
         known = staged.layouts.get((self, count, keys))
         if known is not None:   # the staging's later batches: same extras, same layout
             return known
-        staged.layouts[(self, count, keys)] = layout = self._layouts.find(staged.shapes(count), keys, staged.extra)
+        # Row shapes by role of a batch of ``count`` items: (step, obs, next), a frame axis on the last two.
+        step, frames = (count, *staged.item), (staged.frames,) if staged.frames > 1 else ()
+        shapes = (step, (*step, *frames), (*step, *frames))
+        staged.layouts[(self, count, keys)] = layout = self._layouts.find(shapes, keys, staged.extra)
         return layout
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
@@ -213,22 +176,3 @@ class BlockGather:
             return tuple(how), staged
 
         return plan_layout(self.entries, shapes, keys, every_extra, pack, hows)
-
-
-def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:
-    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
-    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
-    if len(widths) <= 1:
-        return parts
-    width = max(widths)
-    padded = []
-    for view, s in parts:
-        pad = width - s.rows.shape[1]
-        if pad:
-            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
-            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
-            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
-                          None if s.step is None else edge(s.step))
-        padded.append((view, s))
-    return padded
-

@@ -9,8 +9,13 @@ copy of the store's sampler bound to that table. Block rows are placed at
 which block an item comes from.
 
 - Uniform, sequence and episode sampling draw here, from the views, and gather
-  from the blocks: no actor call per batch. The draws are counted, and the
-  counts reach the shards with the next manifest poll.
+  from the blocks: no actor call per batch. The store hands the reader a
+  `SampleRequest`; a `DrawLoop` draws several batches of it at once, stages them
+  (`arrowbuf.ray.staging`), gathers them a group at a time into one pooled slot
+  (`arrowbuf.ray.gather`) and hands them out one by one: `sample_iter` runs one
+  loop (`BlockReader.batches`), and a plain ``sample`` is handed out of the loop of
+  its request (`BlockReader.sample`). The draws are counted when a batch is handed
+  out, and the counts reach the shards with the next manifest poll.
 - Prioritized sampling, rate-limited stores, without-replacement epochs and
   ``track_reuse`` draw in the shard (`select`: indices only, a small call), and
   are gathered here.
@@ -48,10 +53,10 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
-from arrowbuf.ray.gather import GROUP_BYTES, BlockGather, same_width
+from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
-from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, block_order, placed, stage_part
+from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, stage
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
@@ -82,6 +87,7 @@ class ShardView:
     columns: dict[str, np.ndarray]        # what `table` was built from
     index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
     shards: np.ndarray | None = None      # shard of each episode (a view of several)
+    keys: tuple = ()                      # `BlockInfo.key` of each block (the cache's)
 
 
 def _locked(method: Callable) -> Callable:
@@ -102,13 +108,15 @@ class BlockReader:
         sizes: the store's size cache (manifest answers carry readings).
         sampler: the store's sampler (each view binds a copy).
         rng: the generator that draws here (the router's).
-        schema: returns the store's schema (None while unknown).
+        schema: returns the store's schema (None while unknown), asked only while the
+            reader knows none: the store hands it every schema it learns (`set_schema`).
     """
 
     def __init__(self, shards: ShardHandles, sizes: SizeCache, sampler: Sampler, rng: np.random.Generator,
                  schema: Callable[[], Schema | None]) -> None:
         self.shards = shards
         self.schema = schema
+        self._schema: Schema | None = None   # the store's, as it last said (`set_schema`)
         self.sizes = sizes
         self.sampler = sampler
         self.rng = rng
@@ -163,8 +171,15 @@ class BlockReader:
         """``keys`` checked against the store's fields (see `BlockGather.check_keys`)."""
         return self._gatherer().check_keys(keys)
 
+    @_locked
+    def set_schema(self, schema: Schema | None) -> None:
+        """The store's schema is now ``schema`` (compute_gae adds fields; None: forgotten)."""
+        self._schema = schema
+
     def _gatherer(self) -> BlockGather:
-        schema = self.schema()
+        schema = self._schema
+        if schema is None:   # none known here yet: the store looks (a shard may have one by now)
+            schema = self._schema = self.schema()
         if self._gather is None or self._gather[0] is not schema:   # compute_gae adds fields
             if schema is None:
                 raise EmptyStoreError(f"cannot sample: store {self.shards.name!r} holds no episode yet")
@@ -257,7 +272,7 @@ class BlockReader:
         table, sampler, mass = self._table(columns, manifest.stop_serial, manifest.stop_index, manifest.draws_here,
                                            shard, n)
         self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
-                                      shard << INDEX_SHIFT)
+                                      shard << INDEX_SHIFT, keys=tuple(b.key for b in blocks))
         self.generation += 1
 
     def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
@@ -304,7 +319,8 @@ class BlockReader:
         columns = {name: np.concatenate(parts) for name, parts in columns.items()}
         table, sampler, mass = self._table(columns, len(columns["first_row"]), indices, True)
         joined = ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
-                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners))
+                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners),
+                           tuple(key for v in views for key in v.keys))
         self._joined_view = (views, joined)
         return joined
 
@@ -385,7 +401,7 @@ class BlockReader:
             if batches > 1:
                 cells += np.arange(count) // batch_size * shards_count
             drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
-        staged = self._stage([(view, selection)], args, None, scratch)
+        staged = stage([(view, selection)], self.cache, args, None, scratch)
         staged.drawn = drawn
         return staged
 
@@ -415,47 +431,10 @@ class BlockReader:
         """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        staged = self._stage(parts, args, places, self._scratch)
+        staged = stage(parts, self.cache, args, places, self._scratch)
         if normalize_weights and "weight" in staged.extra:
             staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
         return gather(staged, 0, staged.size, keys, device)
-
-    def _stage(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, places: list[np.ndarray] | None,
-              scratch: dict) -> Staged:
-        """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
-        parts = same_width(parts)
-        orders = [block_order(view.bases, selection.rows) for view, selection in parts]
-        keep = {view.blocks[b].key for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
-        pieces, roles, extras, offset = [], ([], [], []), [], 0
-        for (view, selection), (block, touched, starts, order) in zip(parts, orders):
-            columns = [self.cache.get(view.blocks[b], keep) for b in touched.tolist()]
-            extra, rows = stage_part(view, selection, block, starts, order, columns, args)
-            extras.append(extra)
-            for role, part in zip(roles, rows):
-                role.append(part)
-            pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
-                                                                          starts[1:].tolist())]
-            offset += len(selection.rows)
-        rows = tuple(r[0] if len(r) == 1 else np.concatenate(r or [np.zeros(0, np.int64)]) for r in roles)
-        item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
-        if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
-            order = orders[0][3]
-            inv = None if order is None else placed(np.arange(offset), order)
-            return Staged(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=self.cache.grew)
-        extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
-        ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
-        drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
-                                for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
-        # the batch position of each staged item: its part's block order of its drawn positions
-        in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
-                                         for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
-                                        or [np.zeros(0, np.int64)])
-        inv = None
-        if not (drawn == np.arange(offset)).all():
-            extra = {name: placed(value, drawn) for name, value in extra.items()}
-        if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
-            inv = placed(np.arange(offset), in_block_order)
-        return Staged(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=self.cache.grew)
 
     @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:

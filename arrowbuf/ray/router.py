@@ -86,6 +86,7 @@ class RayBackend:
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
+        self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
         self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
         self._updates = PriorityUpdates(shards, self._sizes)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
@@ -169,12 +170,14 @@ class RayBackend:
             if found:
                 self._schema = Schema.from_json(found[0])
                 self._sink.set_schema(self._schema)
+                self._reader.set_schema(self._schema)
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
         if self._schema is None:
             self._schema = schema
             self._sink.set_schema(schema)
+            self._reader.set_schema(schema)
 
     def size(self) -> tuple[int, int]:
         """(transitions, episodes) as last reported (never waits; see the module docstring)."""
@@ -235,6 +238,7 @@ class RayBackend:
         if not stored:
             self._schema = None
             self._sink.forget_schema()
+            self._reader.set_schema(None)
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
@@ -296,8 +300,9 @@ class RayBackend:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         Uniform, sequence and episode draws happen here, from the shards' sealed
-        blocks; other samplers (and rate-limited stores) ask each shard for its
-        indices. Either way the rows are gathered here, from the blocks, into one
+        blocks, handed out of the reader's draws ahead of the same request
+        (`arrowbuf.ray.reader.BlockReader.sample`); other samplers (and rate-limited
+        stores) ask each shard for its indices. Either way the rows are gathered here, from the blocks, into one
         reused buffer (writable tensors, as a local store's). A batch keeps its
         items' drawn order (a slice is a sample of the whole store); with
         ``num_workers`` each worker's batch is drawn on its own; with ``worker_nodes``, from the shards on its
@@ -428,6 +433,7 @@ class RayBackend:
         written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value)
         if schema is not None:
             self._schema = schema   # now with the derived fields
+            self._reader.set_schema(schema)
         self._reader.sync(seal=False)   # the shards sealed their blocks again, with the new columns
         return written
 
