@@ -105,6 +105,58 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout
 
 
+BEGIN, END = "<!-- bench tables: begin", "<!-- bench tables: end"
+
+
+def around_the_tables(page: str) -> tuple[str, str, str]:
+    """A page split into (up to and with its begin marker line, the tables, from its end marker line)."""
+    head, rest = page.split(BEGIN, 1)
+    marker, rest = rest.split("\n", 1)
+    tables, tail = rest.split(END, 1)
+    return head + BEGIN + marker + "\n", tables, END + tail
+
+
+def test_a_saved_run_is_written_into_the_tables_of_docs_performance_md_and_nowhere_else(onpolicy, tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(onpolicy[1]))
+    page = tmp_path / "performance.md"   # a copy of the real page: its markers are the ones --docs targets
+    original = (ROOT / "docs" / "performance.md").read_text()
+    page.write_text(original)
+    run = bench("--markdown", str(saved), "--docs", str(page))
+    assert run.returncode == 0, run.stderr
+    assert "| metric |" not in run.stdout   # written, not printed
+    written = page.read_text()
+    head, tables, tail = around_the_tables(written)
+    old_head, old_tables, old_tail = around_the_tables(original)
+    assert (head, tail) == (old_head, old_tail) and tables != old_tables
+    assert "| WBC rollout sample ms |" in tables and "Command: `python tools/bench.py --quick --only ONPOLICY" in tables
+    assert "**W1**" not in tables   # the page's old tables are gone, not kept beside the new ones
+    assert bench("--markdown", str(saved), "--docs", str(page)).returncode == 0
+    assert page.read_text() == written   # a second write of the same run changes nothing
+
+
+def test_the_default_docs_page_is_docs_performance_md_and_docs_needs_markdown():
+    run = bench("--help")
+    assert run.returncode == 0 and str(ROOT / "docs" / "performance.md") in " ".join(run.stdout.split())
+    run = bench("--docs")
+    assert run.returncode == 2 and "pass --markdown too" in run.stderr
+    head, _, tail = around_the_tables((ROOT / "docs" / "performance.md").read_text())
+    assert BEGIN not in tail and END not in head   # one pair of markers, in order
+
+
+@pytest.mark.parametrize("page_text", ["# no markers\n", f"{END} -->\n{BEGIN} -->\n",
+                                       f"{BEGIN} -->\n{BEGIN} -->\n{END} -->\n"])
+def test_docs_refuses_a_page_without_one_ordered_pair_of_markers_and_leaves_it_unchanged(onpolicy, tmp_path,
+                                                                                         page_text):
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(onpolicy[1]))
+    page = tmp_path / "page.md"
+    page.write_text(page_text)
+    run = bench("--markdown", str(saved), "--docs", str(page))
+    assert run.returncode == 2 and "bench tables: begin" in run.stderr and str(page) in run.stderr
+    assert page.read_text() == page_text
+
+
 def test_a_saved_run_plots_as_a_png_bar_chart(onpolicy, tmp_path):
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(onpolicy[1]))

@@ -1,4 +1,4 @@
-"""The tree keeps the shape the README promises: every module listed in its Layout
+"""The tree keeps the shape docs/internals.md promises: every module listed in its Layout
 table (and nothing listed that is gone), each small and stating its job."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ MAX_LINES = 500
 
 
 def layout_entries() -> set[str]:
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "internals.md").read_text()
+    table = page.split("## Layout", 1)[1].split("\n## ", 1)[0]
     names = set()
     for line in table.splitlines():
         if line.startswith("| `"):
@@ -25,11 +25,11 @@ def layout_entries() -> set[str]:
     return names
 
 
-def test_the_readme_layout_table_lists_every_module_and_only_modules_that_exist():
+def test_the_internals_layout_table_lists_every_module_and_only_modules_that_exist():
     listed = layout_entries()
     modules = {str(p.relative_to(PACKAGE)) for p in MODULES}
     covered = {m for m in modules if m in listed or any(m.startswith(d) for d in listed if d.endswith("/"))}
-    assert modules - covered == set(), "modules missing from README's Layout table"
+    assert modules - covered == set(), "modules missing from docs/internals.md's Layout table"
     assert {n for n in listed if not (PACKAGE / n).exists()} == set(), "Layout lists modules that do not exist"
 
 

@@ -41,7 +41,8 @@ Examples:
     python tools/bench.py --quick            # smoke test, smaller sizes
     python tools/bench.py --only W1 --json out/bench.json
     python tools/bench.py --only W1 --profile   # cProfile arrowbuf's add and sample
-    python tools/bench.py --markdown out/bench.json   # README tables of a saved run
+    python tools/bench.py --markdown out/bench.json   # the Markdown tables of a saved run
+    python tools/bench.py --markdown out/bench.json --docs   # ... written into docs/performance.md
     python tools/bench.py --plot out/bench.json       # tools/bench.png
     arrowbuf bench --quick --only ONPOLICY   # the same, from the installed CLI
 """

@@ -1,5 +1,6 @@
 """The command line: run workloads (``--only``, ``--quick``, ``--rounds``, ``--profile``,
-``--json``), or render a saved run (``--markdown``, ``--plot``)."""
+``--json``), or render a saved run (``--markdown``, ``--plot``); ``--docs`` writes the Markdown
+tables into docs/performance.md (between its markers) instead of printing them."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Sequence
 from . import __doc__ as OVERVIEW
 from . import workloads  # noqa: F401  registers the workloads
 from .harness import WORKLOADS, Options, log
-from .report import load, markdown, render, save
+from .report import into_page, load, markdown, render, save
 
 DEFAULT_PNG = Path(__file__).resolve().parents[1] / "bench.png"   # tools/bench.png
+DEFAULT_DOCS = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
 
 
 def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
@@ -43,6 +45,9 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--markdown", nargs="?", const="", metavar="JSON",
                         help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
+    parser.add_argument("--docs", nargs="?", const=str(DEFAULT_DOCS), metavar="PAGE",
+                        help=f"with --markdown: write the tables into PAGE (default {DEFAULT_DOCS}) between its "
+                             "'bench tables' markers instead of printing them")
     parser.add_argument("--plot", metavar="JSON", help="draw the ratios of a saved JSON run as a bar chart and exit")
     parser.add_argument("--png", metavar="PATH", default=str(DEFAULT_PNG),
                         help=f"where --plot writes the chart (default {DEFAULT_PNG})")
@@ -71,6 +76,19 @@ def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
     return results, meta
 
 
+def publish(tables: str, page: str | None, parser: argparse.ArgumentParser) -> None:
+    """Print the Markdown tables, or write them into ``page`` between its markers."""
+    if page is None:
+        print(tables, end="")
+        return
+    path = Path(page)
+    try:
+        path.write_text(into_page(path.read_text(), tables))
+    except (OSError, ValueError) as err:
+        parser.error(f"--docs {page}: {err}")
+    log(f"wrote the tables into {page}")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     """Entry of ``python tools/bench.py`` and ``arrowbuf bench``."""
     parser = build_parser(prog)
@@ -84,8 +102,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         for w in WORKLOADS.values():
             print(f"{w.name}: {w.help}\n    full: {w.full.describe()}\n    quick: {w.quick.describe()}")
         return 0
+    if args.docs is not None and args.markdown is None:
+        parser.error("--docs writes the tables of --markdown: pass --markdown too")
     if args.markdown:
-        print(markdown(*load(args.markdown)), end="")
+        publish(markdown(*load(args.markdown)), args.docs, parser)
     if args.plot:
         from .plot import plot
 
@@ -102,9 +122,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
                    memory=not args.no_memory, profile=args.profile, device=args.device)
     results, meta = run(names, opts)
     render(results, meta)
-    if args.markdown is not None:
-        print(markdown(results, meta), end="")
     if args.json:
         save(args.json, results, meta)
         log(f"wrote {args.json}")
+    if args.markdown is not None:   # after the save: a page it cannot write loses no run
+        publish(markdown(results, meta), args.docs, parser)
     return 0

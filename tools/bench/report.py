@@ -1,7 +1,9 @@
-"""The report: rich tables on the terminal, a Markdown summary for the README, and JSON.
+"""The report: rich tables on the terminal, Markdown tables for docs/performance.md, and JSON.
 
 JSON is the exchange format: `save` writes a run, `load` reads one back, and
 `markdown` and `bench.plot` work from it, so a saved run can be re-rendered.
+`into_page` puts the Markdown tables into a page between its `BEGIN` and `END`
+markers (docs/performance.md), leaving the rest of the page as it is.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import os
 from typing import Any, Iterator, Sequence
 
 from .results import Series, WorkloadResult
+
+BEGIN = "<!-- bench tables: begin"   # the markers' starts: a marker line may go on with a note
+END = "<!-- bench tables: end"
 
 
 def number(value: float, unit: str) -> str:
@@ -145,3 +150,19 @@ def markdown(results: Sequence[WorkloadResult], meta: dict) -> str:
                  f"-> {meta.get('loadavg_end')}; {versions}. Command: `python tools/bench.py "
                  f"{' '.join(meta.get('argv', []))}`.")
     return "\n".join(lines) + "\n"
+
+
+def into_page(page: str, tables: str) -> str:
+    """``page`` with the text between its tables markers (their lines excluded) replaced by ``tables``.
+
+    Raises:
+        ValueError: the page lacks a marker, has either twice, or has them in the wrong order.
+    """
+    lines = page.splitlines(keepends=True)
+    begins = [i for i, line in enumerate(lines) if line.startswith(BEGIN)]
+    ends = [i for i, line in enumerate(lines) if line.startswith(END)]
+    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
+        raise ValueError(f"expected one line starting {BEGIN!r} and, after it, one starting {END!r}; found "
+                         f"{len(begins)} and {len(ends)}" + (" in the wrong order" if begins and ends and
+                                                              begins[0] > ends[0] else ""))
+    return "".join(lines[:begins[0] + 1]) + tables.rstrip("\n") + "\n\n" + "".join(lines[ends[0]:])
