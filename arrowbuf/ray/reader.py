@@ -195,12 +195,8 @@ class BlockReader:
         self._sent[shard] = time.monotonic()
         return self.shards.call(shard, "manifest", *self._known(shard), drawn, seal)
 
-    @_locked
-    def poll(self) -> None:
-        """Collect manifest answers that came back, ask again where due; never waits."""
-        self._poll()
-
     def _poll(self) -> None:
+        """Collect manifest answers that came back, ask again where due; never waits."""
         now = time.monotonic()
         latency = self.shards.options.seal_latency
         if now - self._polled < latency / 8:
@@ -333,12 +329,8 @@ class BlockReader:
             self.sync()
         return all(view.manifest.draws_here for view in self.views.values())
 
-    @_locked
-    def views_of(self, shards: list[int]) -> list[ShardView]:
-        """Current views of live ``shards``: synced first where this process wrote, or none is known."""
-        return self._views_of(shards)
-
     def _views_of(self, shards: list[int]) -> list[ShardView]:
+        """Current views of live ``shards``: synced first where this process wrote, or none is known."""
         self._poll()
         stale = [s for s in shards if s in self._stale or s not in self.views]
         if stale:
