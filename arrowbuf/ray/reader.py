@@ -42,8 +42,8 @@ import functools
 import threading
 import time
 import types
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -134,7 +134,7 @@ class BlockReader:
         self._scratch: dict = {}   # staged field arrays of `gather` (used under the lock)
         self._loops: dict[SampleRequest, DrawLoop] = {}   # plain samples' draws ahead, oldest request first
         # Counts changes of the views and writes of this process: batches drawn ahead
-        # (`sample_iter`) are dropped when it moved since their draw.
+        # (`DrawLoop`) are dropped when it moved since their draw.
         self.generation = 0
         self._lock = threading.RLock()
 
@@ -347,7 +347,7 @@ class BlockReader:
         """One batch of ``request``, handed out of the batches drawn ahead for the same
         request (`DrawLoop`), as `batches` hands them out.
 
-        Manifests that came back are collected first (`poll`), so batches drawn ahead
+        Manifest answers that came back are collected first, so batches drawn ahead
         of a change of the views (or of a write of this process) are dropped and drawn
         again: a sample sees what one drawn on the spot would. The loops of the last
         `PLAIN_LOOPS` requests are kept; a new request's first draw is one batch.
