@@ -14,9 +14,8 @@ from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, Sampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.schema import Schema
+from arrowbuf._version import __version__
 from arrowbuf.store import ExperienceStore
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",

@@ -25,6 +25,13 @@ from arrowbuf.errors import describe
 from arrowbuf.sample_args import PLAIN, SampleArgs
 
 
+def is_int(value: Any, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an int (numpy ints too, bools not) >= ``minimum``: the test of
+    `check_int`, for callers that raise their own error."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
+        minimum is None or value >= minimum)
+
+
 def check_int(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int >= ``minimum`` (numpy ints accepted, bools refused).
 
@@ -33,7 +40,7 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     """
     if type(value) is int and value >= minimum:   # the common case, checked first
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -117,7 +124,7 @@ def check_storage_device(storage_device: Any, backend: str) -> torch.device | No
 
 def check_episode_id(episode_id: Any) -> int:
     """Raises ValueError unless ``episode_id`` is an int (an id from ``episodes()``)."""
-    if isinstance(episode_id, bool) or not isinstance(episode_id, (int, np.integer)):
+    if not is_int(episode_id):
         raise ValueError(f"episode_id must be an int (an id from episodes()), got {episode_id!r}")
     return int(episode_id)
 
@@ -317,7 +324,19 @@ def check_shard(shard: Any, num_shards: int) -> int | None:
     """
     if shard is None:
         return None
-    if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) or not 0 <= shard < num_shards:
+    if not is_int(shard) or not 0 <= shard < num_shards:
         where = "a local store has one shard, 0" if num_shards == 1 else f"the store has {num_shards} shards"
         raise ValueError(f"shard must be an int in [0, {num_shards}) or None, got {shard!r} ({where})")
     return int(shard)
+
+
+def check_gae_args(gamma: Any, lam: Any, value_key: Any, bootstrap_value: Any, schema: Any) -> tuple[float, float]:
+    """`ExperienceStore.compute_gae`'s arguments: (gamma, lam) checked; ValueError otherwise."""
+    gamma, lam = check_fraction("gamma", gamma), check_fraction("lam", lam)
+    if not isinstance(value_key, str) or schema is None or value_key not in schema.fields:
+        raise ValueError(f"value_key {value_key!r} is not a field of the store; fields: "
+                         f"{list(schema.fields) if schema else 'none yet'}")
+    if bootstrap_value is not None and not callable(bootstrap_value):
+        raise ValueError(f"bootstrap_value must be a callable (final_obs TensorDict -> values) or None, "
+                         f"got {describe(bootstrap_value)}")
+    return gamma, lam

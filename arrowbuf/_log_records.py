@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._persist import plain_array, plain_field, schema_of
+from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import arrow_to_numpy
 from arrowbuf.schema import Schema
@@ -76,8 +77,6 @@ def stream(schema: pa.Schema, meta: Mapping[str, Any], batches: Sequence[pa.Reco
 
 def episodes_schema(schema: Schema) -> pa.Schema:
     """One list column per user field (its rows, plain layout), then the system columns."""
-    from arrowbuf import __version__
-
     fields = [pa.field(name, pa.large_list(plain_field(name, spec, "log").type)) for name, spec in
               schema.fields.items()]
     meta = {b"arrowbuf.schema": schema.to_json().encode(), b"arrowbuf.version": __version__.encode()}

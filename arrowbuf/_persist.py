@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, T
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import Field, arrow_to_numpy, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
@@ -332,8 +333,6 @@ def check_format(manifest: Mapping[str, Any], path: Path, fmt: str, version: int
         FormatError: another format, a version newer than this arrowbuf reads, or
             a manifest whose content does not match its checksum.
     """
-    from arrowbuf import __version__
-
     if manifest.get("format") != fmt:
         raise FormatError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
     found = manifest.get("format_version")

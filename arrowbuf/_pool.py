@@ -45,7 +45,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from operator import is_
 from sys import getrefcount
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -71,7 +71,28 @@ MAX_BYTES = 8 << 30
 #: W1 slots (~48 KB) are below the 2 MB huge-page size: the advice cannot apply.
 HUGEPAGES = True
 
-_storage_use_count = torch._C._storage_Use_Count
+
+
+def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Callable[[torch.Tensor], int],
+                               Callable[[TensorDict], dict]]:
+    """The private torch and tensordict names the pool reads, all of them here: the only
+    private names of other packages arrowbuf reads (`tests/test_layers.py` checks that
+    none is read elsewhere; a torch or tensordict release that renames one fails
+    `tests/test_gather_pool.py`). Public APIs do not count C++ users, and
+    reading a TensorDict's entries publicly costs more than the gather it guards.
+
+    Returns:
+        ``storage_use_count(handle)``: users of a storage's C++ object
+        (``torch._C._storage_Use_Count``); ``storage_handle(storage)``: the handle it
+        takes (``UntypedStorage._cdata``); ``tensor_use_count(tensor)``: users of a
+        tensor's C++ object (``Tensor._use_count``); ``entries(td)``: a TensorDict's own
+        dict of entries (``_tensordict``), the one O(1) way to see an entry replaced.
+    """
+    return (torch._C._storage_Use_Count, lambda storage: storage._cdata, torch.Tensor._use_count,
+            lambda td: td._tensordict)
+
+
+_storage_use_count, _storage_handle, _tensor_use_count, _entries = torch_internals()
 
 
 @dataclass(frozen=True)
@@ -182,7 +203,7 @@ class Slot:
         # Counts of an unused slot, taken once: a TensorDict rebuilt later has the
         # same structure, hence the same counts when nobody else holds it.
         self._storage = self._flat.untyped_storage()
-        self._storage_cdata = self._storage._cdata
+        self._storage_cdata = _storage_handle(self._storage)
         self._storage_uses = _storage_use_count(self._storage_cdata)
         self._root_refs = list(map(getrefcount, self._roots))
         self._counts = self._refcounts()
@@ -200,9 +221,9 @@ class Slot:
         pending = list(self._roots)
         while pending:
             container = pending.pop()
-            # tensordict keeps a TensorDict's entries in the plain dict `_tensordict`:
+            # tensordict keeps a TensorDict's entries in a plain dict (`torch_internals`):
             # the only O(1) way to see that a returned batch had an entry replaced.
-            children = container._tensordict
+            children = _entries(container)
             values = list(children.values())
             self._containers.append((children, list(children), values, dict(vars(container)), container))
             self._objects += values
@@ -210,7 +231,7 @@ class Slot:
 
     def _refcounts(self) -> list[int]:
         """Python references to each value, then C++ users of each tensor."""
-        return [*map(getrefcount, self._objects), *map(torch.Tensor._use_count, self._tensors)]
+        return [*map(getrefcount, self._objects), *map(_tensor_use_count, self._tensors)]
 
     def _intact(self) -> bool:
         """Whether the TensorDict still has the layout's entries and attributes."""

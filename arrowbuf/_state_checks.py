@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from arrowbuf._checks import is_int
 from arrowbuf.episodes import AUTORESET_MODES
 from arrowbuf.errors import FormatError, describe
 from arrowbuf.shard import MODES
@@ -58,8 +59,7 @@ def _bad(where: str, field: str, value: Any, expected: str) -> FormatError:
 
 
 def _int(where: str, field: str, value: Any, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
-            high is not None and value > high):
+    if not is_int(value, low) or (high is not None and value > high):
         raise _bad(where, field, value, f"an int in [{low}, {'inf' if high is None else high}]")
     return int(value)
 

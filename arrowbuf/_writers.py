@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from arrowbuf._checks import check_int, check_name
 from arrowbuf.episodes import StepWriter
 
 
@@ -73,3 +74,33 @@ class WriterRegistry:
     def live(self) -> dict[str, StepWriter]:
         """Every writer still referenced (or restored and not yet claimed), by name, in name order."""
         return dict(sorted(self._live.items()))
+
+    def open(self, make_sink: Callable[[float | None, Sequence[str] | None], Any], num_envs: int,
+             autoreset_mode: str, env_ids: Sequence[str] | None, timeout: float | None, name: str | None,
+             device: Any) -> StepWriter:
+        """The restored writer ``name`` if there is one (its sink now waits ``timeout``), else a
+        new writer over ``make_sink(timeout, env_ids)`` (the store's backend), tracked by name."""
+        claimed = self.claim(name, num_envs, autoreset_mode, env_ids) if name else None
+        if claimed is not None:
+            writer, sink = claimed
+            sink.timeout = timeout
+            return writer
+        sink = make_sink(timeout, env_ids)
+        writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device)
+        self.add(name or self.new_name(), writer, sink)
+        return writer
+
+    def restore(self, states: Mapping[str, Any], make_sink: Callable[..., Any], device: Any) -> None:
+        """Writers of a loaded checkpoint (states by name, checked as `ExperienceStore.writer`
+        checks its arguments), held until claimed."""
+        for name, state in states.items():
+            num_envs = check_int("num_envs", int(state["num_envs"]), 1)
+            writer = self.open(make_sink, num_envs, state["autoreset_mode"], state["env_ids"], None,
+                               check_name(name), device)
+            writer.load_state_dict(state)
+            self.hold(name)
+
+    def flush(self) -> None:
+        """Send what the writers' sinks queued and wait for it (no-op for a local store's)."""
+        for sink in self.sinks():
+            sink.flush()

@@ -14,6 +14,17 @@ Example:
     >>> adv, target = gae(np.ones(3), np.zeros(3), np.array([0.0]), np.array([3]), gamma=1.0, lam=1.0)
     >>> adv.tolist(), target.tolist()
     ([3.0, 2.0, 1.0], [3.0, 2.0, 1.0])
+
+On a store (``compute_gae`` writes the ``"advantage"`` and ``"value_target"`` columns):
+    >>> import arrowbuf as ab
+    >>> store = ab.ExperienceStore(100)
+    >>> _ = store.add_episode({"obs": np.zeros((3, 2), np.float32), "reward": np.ones(2, np.float32),
+    ...                        "value": np.zeros(2, np.float32), "terminated": np.array([False, True]),
+    ...                        "truncated": np.zeros(2, bool)})
+    >>> store.compute_gae(gamma=1.0, lam=1.0)
+    2
+    >>> store.episode(0).column("advantage").to_pylist()
+    [2.0, 1.0, 0.0]
 """
 
 from __future__ import annotations
@@ -268,9 +279,17 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
                      final_values: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """GAE of every live transition of ``shard``, written to its derived columns.
 
-    What each episode's last transition bootstraps from is documented at
-    `arrowbuf.ExperienceStore.compute_gae`. The columns ``"advantage"`` and
-    ``"value_target"`` extend the shard's schema at the first call.
+    The columns ``"advantage"`` and ``"value_target"`` (advantage + value) extend the
+    shard's schema as derived float32 fields at the first call: sampled and exported
+    like any field; episodes written later hold zeros until the next call, and rows
+    that are no transitions hold 0. An episode's last transition bootstraps from:
+
+    - nothing if it terminated;
+    - ``bootstrap_value(final_obs)`` if it was cut after its final observation
+      (truncated, or cut by a writer's ``flush()``): ``final_obs`` is a TensorDict [n]
+      of the observation fields of those n episodes (on a local store its tensors may
+      view the rows: clone what you keep), and the result holds n finite values;
+    - the value of its last stored step if it was stored without a final observation.
 
     Args:
         final_values: (episode ids, values) of the final observations of the cut

@@ -76,6 +76,7 @@ from arrowbuf._persist import (CHECKPOINT_MANIFEST, EpisodeRows, arrays_table, b
                                plain_schema, progress_bar, read_json, read_manifest, snapshot_and_write,
                                split_arrays, table_arrays, take_rows, write_ipc, write_manifest)
 from arrowbuf._state_checks import check_state
+from arrowbuf._version import __version__
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
@@ -131,8 +132,6 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
         FileExistsError: ``path`` is a file, or holds a manifest.json that is not
             an arrowbuf checkpoint.
     """
-    from arrowbuf import __version__
-
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save needs a directory")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from arrowbuf import __version__
+from arrowbuf._version import __version__
 from arrowbuf.demo import NUM_ENVS, TOTAL_STEPS
 
 

@@ -33,7 +33,6 @@ from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.arena import make_shard
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
-from arrowbuf.indexing import batch_lookups
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
@@ -355,12 +354,12 @@ class ShardEngine:
             live = indices[self._shard.table.is_live(indices)]
             if not len(live):
                 return None
-            rows, extra, _, _ = batch_lookups(self._shard, select_indices(self._shard.table, live), PLAIN, index_base)
+            rows, extra, _, _ = self._shard.lookups(select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
     def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
-        rows, extra, obs_rows, next_rows = batch_lookups(self._shard, selection, args)
+        rows, extra, obs_rows, next_rows = self._shard.lookups(selection, args)
         if views and contiguous(rows):   # no copy: views of the arena
             return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,

@@ -6,6 +6,17 @@ padded batch of trajectories). Every episode of a batch has the same dtypes and
 per-step shapes, so checking the first one against the schema checks them all;
 the episodes are then views of the batch's arrays (no copy until the shard
 copies them in), cut to their ``lengths``.
+
+Example:
+    >>> import numpy as np, arrowbuf as ab
+    >>> store = ab.ExperienceStore(capacity=1_000)
+    >>> E, T = 4, 5
+    >>> ids = store.add_episodes({"obs": np.zeros((E, T + 1, 3), np.float32),
+    ...                           "action": np.zeros((E, T), np.int64), "reward": np.ones((E, T)),
+    ...                           "terminated": np.zeros((E, T), bool), "truncated": np.ones((E, T), bool)},
+    ...                          lengths=[5, 3, 5, 1], env_ids=[f"env-{e}" for e in range(E)])
+    >>> ids, len(store)
+    ([0, 1, 2, 3], 14)
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from arrowbuf._checks import check_int
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
@@ -82,8 +83,7 @@ class StepWriter:
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None, device: torch.device | None = None) -> None:
-        if not isinstance(num_envs, (int, np.integer)) or isinstance(num_envs, bool) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+        num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         if env_ids is not None and (isinstance(env_ids, str) or len(env_ids) != num_envs

@@ -1,5 +1,5 @@
-"""Index arithmetic at sample time: a selection's rows and extras, n-step returns, frame
-stacks, and which episode holds an index.
+"""Index arithmetic at sample time: n-step returns, frame stacks, and which episode holds
+an index (`arrowbuf.shard.Shard.lookups` applies them to a sampler's selection).
 
 N-step returns and frame stacks read the rows already stored (nothing is duplicated
 in storage): an n-step return sums rewards of rows t..t+k-1 and bootstraps from the
@@ -12,16 +12,7 @@ while they are sampled many times (a Ray reader's views).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-from arrowbuf.sample_args import SampleArgs
-
-if TYPE_CHECKING:
-    from arrowbuf.samplers import Selection
-    from arrowbuf.shard import Shard
-
 
 @dataclass
 class NStep:
@@ -60,37 +51,6 @@ def frame_rows(rows: np.ndarray, first_row: np.ndarray, frames: int) -> np.ndarr
     """
     back = np.arange(frames - 1, -1, -1, dtype=np.int64)
     return np.maximum(rows[..., None] - back, first_row[..., None])
-
-
-def batch_lookups(shard: Shard, selection: Selection, args: SampleArgs, index_base: int = 0
-                  ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
-    """(rows, extra arrays, observation rows, next-observation rows) of a selection of
-    ``shard``'s transitions, for the look-ups ``args``; ``index_base``
-    is added to the ``index`` extra."""
-    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
-    table = shard.table
-    rows, pos = selection.rows, selection.pos
-    # episode_id and step come from the episode table, not from per-row columns.
-    step = selection.step
-    first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
-    extra = {"index": selection.indices + index_base if index_base else selection.indices,
-             "episode_id": table.col("episode_id").take(pos),
-             "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
-    obs_rows = next_rows = None
-    if n > 1:
-        last = first + table.col("length").take(pos) - 1   # the episode's last transition row
-        # Windows stop at their episode's end: past the longest live episode, a
-        # longer n changes nothing but the cost.
-        ahead = n_step(rows, last, shard.reader("reward"), min(n, table.longest), gamma)
-        next_rows = ahead.next_rows
-        extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
-        for flag in ("terminated", "truncated"):
-            if flag in shard.schema.fields:
-                extra[flag] = shard.reader(flag)[ahead.last_rows]
-    if frames > 1:
-        obs_rows = frame_rows(rows, first, frames)
-        next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
-    return rows, extra, obs_rows, next_rows
 
 
 @dataclass(frozen=True)

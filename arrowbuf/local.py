@@ -1,14 +1,14 @@
 """The embedded backend: one `ShardEngine` in this process.
 
-`ExperienceStore` holds a backend and talks to it through the methods below;
-the Ray backend (`arrowbuf.ray`) offers the same ones over shard actors.
-Arguments arrive checked by the facade.
+`ExperienceStore` holds a backend and talks to it through the members of
+`arrowbuf.backend.Backend`; the Ray backend (`arrowbuf.ray.router`) offers the
+same ones over shard actors. Arguments arrive checked by the facade.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +57,8 @@ class LocalBackend:
 
     kind = "local"
     num_shards = 1
+    name = None   # only a Ray store has a name
+    engine: ShardEngine
 
     def __init__(self, engine: ShardEngine) -> None:
         self.engine = engine
@@ -187,6 +189,17 @@ class LocalBackend:
         from arrowbuf.parquet import export_shard
 
         return export_shard(self.engine.shard, self.engine.lock, steps_dir, schema, **options)
+
+    def save(self, path: str | Path, info: Mapping[str, Any], writer_states: Callable[[], dict],
+             progress: bool | None) -> Path:
+        """Checkpoint the engine and the writers' open episodes (`arrowbuf.checkpoint`)."""
+        from arrowbuf.checkpoint import save_engine
+
+        return save_engine(self.engine, path, info, writer_states, progress)
+
+    def to_ray_dataset(self) -> Any:
+        raise ValueError("to_ray_dataset needs backend='ray'; a local store exports with to_parquet(), "
+                         "which ray.data.read_parquet() reads")
 
     def flush(self) -> None:
         """Writes are synchronous: nothing to wait for."""

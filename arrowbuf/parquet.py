@@ -48,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from arrowbuf._checks import is_int
 from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format, check_size,
                                file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
@@ -163,8 +164,7 @@ def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]],
         ValueError: the store has no schema yet, or a bad ``rows_per_file``.
         FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is False.
     """
-    if rows_per_file is not None and (isinstance(rows_per_file, bool) or not isinstance(rows_per_file, (int, np.integer))
-                                      or rows_per_file < 1):
+    if rows_per_file is not None and not is_int(rows_per_file, 1):
         raise ValueError(f"rows_per_file must be an int >= 1 or None, got {rows_per_file!r}")
     rows_per_file = int(rows_per_file) if rows_per_file is not None else None
     path = Path(path)

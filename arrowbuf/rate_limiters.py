@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from arrowbuf._checks import check_int, is_int
+
 
 @dataclass
 class Counts:
@@ -62,7 +64,7 @@ class RateLimiter:
             raise ValueError(f"rate limiter state of {state.get('type')}({state.get('config')}) cannot be "
                              f"loaded into {type(self).__name__}({self.config()})")
         inserts, samples = state["inserts"], state["samples"]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (inserts, samples)):
+        if not all(is_int(c, 0) for c in (inserts, samples)):
             raise ValueError(f"rate limiter counters must be ints >= 0, got inserts={inserts!r}, samples={samples!r}")
         return Counts(inserts, samples)
 
@@ -88,9 +90,7 @@ class MinSize(RateLimiter):
     """
 
     def __init__(self, min_size: int) -> None:
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
-            raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
-        self.min_size = min_size
+        self.min_size = check_int("min_size", min_size, 1)
 
     def can_sample(self, n: int, size: int, counts: Counts) -> bool:
         return size >= self.min_size
@@ -133,8 +133,7 @@ class SampleToInsertRatio(RateLimiter):
     def __init__(self, samples_per_insert: float, min_size: int, error_buffer: float) -> None:
         if not (math.isfinite(samples_per_insert) and samples_per_insert > 0):
             raise ValueError(f"samples_per_insert must be a finite number > 0, got {samples_per_insert!r}")
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
-            raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+        min_size = check_int("min_size", min_size, 1)
         if not (math.isfinite(error_buffer) and error_buffer >= 0):
             raise ValueError(f"error_buffer must be a finite number >= 0, got {error_buffer!r}")
         self.samples_per_insert = float(samples_per_insert)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -21,10 +21,15 @@ from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
+from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.packing import column_view, item_dtype, pack_layout
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
+
+if TYPE_CHECKING:
+    from arrowbuf.samplers import Selection
 
 MODES = ("circular", "fixed")
 
@@ -404,6 +409,36 @@ class Shard:
         return self.reuse[self.transition_rows()] if self.reuse is not None else None
 
     # -- reading ----------------------------------------------------------------------
+
+    def lookups(self, selection: Selection, args: SampleArgs, index_base: int = 0
+                ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
+        """(rows, extra arrays, observation rows, next-observation rows) of a selection of
+        this shard's transitions, for the look-ups ``args``; ``index_base`` is added to the
+        ``index`` extra."""
+        n, gamma, frames = args.n_step, args.gamma, args.frame_stack
+        table = self.table
+        rows, pos = selection.rows, selection.pos
+        # episode_id and step come from the episode table, not from per-row columns.
+        step = selection.step
+        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        extra = {"index": selection.indices + index_base if index_base else selection.indices,
+                 "episode_id": table.col("episode_id").take(pos),
+                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+        obs_rows = next_rows = None
+        if n > 1:
+            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
+            # Windows stop at their episode's end: past the longest live episode, a
+            # longer n changes nothing but the cost.
+            ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
+            next_rows = ahead.next_rows
+            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
+            for flag in ("terminated", "truncated"):
+                if flag in self.schema.fields:
+                    extra[flag] = self.reader(flag)[ahead.last_rows]
+        if frames > 1:
+            obs_rows = frame_rows(rows, first, frames)
+            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        return rows, extra, obs_rows, next_rows
 
     def index_rows(self) -> None:
         """Keep a row -> episode map from now on (4 bytes a row), for `positions_of_rows`."""

@@ -1,84 +1,67 @@
-"""`ExperienceStore`: the public store, a facade over one backend.
+"""`ExperienceStore`: the public store, a facade over one `Backend`.
 
 The facade checks every argument once, reads and checks episodes against the
-schema, keeps the named writers, and hands the work to its backend: a
-`arrowbuf.local.LocalBackend` (one `ShardEngine` in this process) or the Ray
-backend (`arrowbuf.ray.router.RayBackend`: shard actors, each running the same
-engine). Both backends keep one contract (`tests/test_contract.py` runs it on
-each); where Ray differs (asynchronous writers, per-shard rate limiters, sizes
-as last reported) the docstrings say so.
-
-This module builds the store (settings, backend), and holds its shape, views and
-statistics; its other methods come by job from `arrowbuf._store_writing`
-(episodes, writers), `arrowbuf._store_sampling` (samples, epochs, priorities,
-GAE) and `arrowbuf._store_io` (Parquet, checkpoints, Ray Data).
+schema, keeps the named writers, and hands the work to its backend
+(`arrowbuf.backend.Backend`): a `arrowbuf.local.LocalBackend` (one `ShardEngine`
+in this process) or a `arrowbuf.ray.router.RayBackend` (shard actors, each
+running the same engine), made by `arrowbuf.opening`. Both keep one contract
+(`tests/test_contract.py` runs it on each); where Ray differs (asynchronous
+writers, per-shard rate limiters, sizes as last reported) the docstrings say so.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
+import torch
+from tensordict import TensorDict
 
-from arrowbuf._checks import check_bool, check_choice, check_episode_id, check_int, check_name, check_storage_device
+from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_gae_args,
+                              check_index_batches, check_int, check_metadata, check_name, check_priorities,
+                              check_sample_args, check_shard, check_storage_device, check_timeout, check_worker_nodes,
+                              check_workers, to_numpy)
 from arrowbuf._stats import store_html
-from arrowbuf._store_io import StoreIO
-from arrowbuf._store_sampling import StoreSampling
-from arrowbuf._store_writing import StoreWriting
 from arrowbuf._writers import WriterRegistry
+from arrowbuf.backend import Backend
 from arrowbuf.engine import ShardEngine
-from arrowbuf.errors import describe
-from arrowbuf.local import LocalBackend
+from arrowbuf.episode_batch import read_episodes
+from arrowbuf.episode_read import read_episode
+from arrowbuf.episodes import StepWriter
+from arrowbuf.errors import CapacityError, describe
+from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend
 from arrowbuf.rate_limiters import RateLimiter
-from arrowbuf.ray.options import RayOptions, as_ray_options
-from arrowbuf.samplers import EpisodeSampler, Sampler, UniformSampler, WithoutReplacementSampler
+from arrowbuf.ray.options import RayOptions
+from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
-from arrowbuf.shard import MODES
-
-BACKENDS = ("local", "ray")
 
 
-class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
+class ExperienceStore:
     """A replay / rollout store of whole episodes, sampled into TensorDicts.
 
     Rows follow RLDS: one row per step, observations stored once; the ``next``
-    observation of step t is read from row t+1 of the same episode. ``len(store)``
-    counts transitions: steps that have a next observation (an episode given
-    without its final observation stores its last step, but that step is not a
-    transition).
+    observation of step t is row t+1 of the same episode. ``len(store)`` counts
+    transitions: steps that have a next observation.
 
     Args:
-        capacity: rows the store holds (an episode of T steps with its final
-            observation takes T+1 rows).
+        capacity: rows held (T steps with the final observation take T+1 rows).
         seed: seed of the store's `numpy.random.Generator`; sampling is reproducible.
-        sampler: how `sample` selects transitions (a `Sampler`: `UniformSampler`
-            by default, `PrioritizedSampler`, `SequenceSampler`, ...); one per store.
-        rate_limiter: when sampling and inserting may proceed (`MinSize`,
-            `SampleToInsertRatio`); unlimited by default. On Ray each shard
-            applies its own copy to its own counts.
-        schema: an `arrowbuf.Schema` or a mapping name -> `Field`; inferred from
-            the first write when None, then enforced.
-        mode: "circular" evicts the oldest whole episodes when full; "fixed"
-            refuses the write with `CapacityError`.
-        backend: "local" (in-process, the default) or "ray" (sharded Ray actors;
-            see `arrowbuf.ray` and `RayOptions`).
-        num_shards: shards of a Ray store (1 for the local backend); ``capacity``
-            is their total.
-        name: a Ray store's name, for `attach` from other processes (default: random).
-        ray_options: a Ray store's `RayOptions` (placement, writer delivery, ...).
-        track_reuse: count how often each stored step is sampled, for the
-            ``"reuse"`` entry of `stats` (costs ~5-10% of a small-row sample).
-        durable: Ray only: True (``~/.cache/arrowbuf/<name>``, ``name=`` required) or a directory for the
-            shards' episode logs: each shard logs every episode before it answers,
-            and Ray restarts a shard that dies, which rebuilds itself from its last
-            checkpoint plus the log (`arrowbuf.durable`); False keeps episodes in
-            memory only.
-        storage_device: None (default) keeps the columns as numpy arrays in host
-            memory; a torch device ("cuda", "cuda:1", "cpu") keeps them as torch
-            tensors there (`arrowbuf.arena`): a write of tensors on that device is a
-            ``copy_``, a sample an ``index_select`` on it, and batches stay on it
-            unless ``device=`` says otherwise. Local backend only.
+        sampler: a `Sampler` (`UniformSampler` by default, `PrioritizedSampler`, ...).
+        rate_limiter: `MinSize`, `SampleToInsertRatio`; unlimited by default (on Ray,
+            per shard).
+        schema: a `Schema` or a mapping name -> `Field`; None: inferred from the first write.
+        mode: "circular" evicts the oldest episodes when full; "fixed" raises `CapacityError`.
+        backend: "local" (in-process) or "ray" (sharded Ray actors, `RayOptions`).
+        num_shards, name, ray_options: a Ray store's shards (``capacity`` is their
+            total), name (for `attach`; default random) and `RayOptions`.
+        track_reuse: count samples per step, for `stats` (~5-10% of a small-row sample).
+        durable: Ray only: True (``~/.cache/arrowbuf/<name>``) or a directory for the
+            shards' episode logs, from which a dead shard is rebuilt (`arrowbuf.durable`).
+        storage_device: a torch device keeping the columns as tensors (`arrowbuf.arena`;
+            local only); None: numpy in host memory.
 
     Raises:
         ValueError: a bad argument, named with the value received.
@@ -105,110 +88,46 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         storage_device = check_storage_device(storage_device, backend)
         num_shards = check_int("num_shards", num_shards, 1)
         self.capacity = check_int("capacity", capacity, num_shards)
-        if schema is not None and not isinstance(schema, Schema):
-            schema = Schema(schema)
-        if backend == "local":
-            if num_shards != 1 or name is not None or ray_options is not None:
-                raise ValueError(f"num_shards={num_shards!r}, name={name!r} and ray_options={ray_options!r} "
-                                 "need backend='ray'; the local backend has one unnamed shard")
-            if durable is not False:
-                raise ValueError(f"durable={durable!r} needs backend='ray' (durable shard actors); a local store is "
-                                 "saved with save()")
-            self._backend: Any = LocalBackend(ShardEngine(
-                self.capacity, sampler=self.sampler, rate_limiter=self.rate_limiter, mode=mode, seed=self.seed,
-                schema=schema, track_reuse=self.track_reuse, storage_device=storage_device))
-        else:
-            self._backend = self._start_ray(num_shards, schema, name, ray_options, durable)
-
-    def _start_ray(self, num_shards: int, schema: Schema | None, name: Any, ray_options: Any, durable: Any) -> Any:
-        """The Ray backend of a new store (see `arrowbuf.ray.router`)."""
-        from arrowbuf.durable import durable_directory
-        from arrowbuf.ray.router import RayBackend, start_shards
-
-        if durable is True and name is None:   # a random name: a directory nobody finds again, kept forever
-            raise ValueError("durable=True keeps the shards' logs in ~/.cache/arrowbuf/<name>: pass name= (so a "
-                             "new driver finds the store's directory again) or a directory, durable='some/dir'")
-        name = check_name(name) or RayBackend.new_name()
-        directory = durable_directory(durable, name)
-        ray_options = as_ray_options(ray_options)
-        if isinstance(self.sampler, EpisodeSampler) and num_shards > 1:
-            raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
-                             "cannot agree on; use num_shards=1 or a SequenceSampler")
-        if isinstance(self.sampler, WithoutReplacementSampler) and num_shards > 1:
-            raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
-                             "different times; use num_shards=1, or iter_batches() for epochs across shards")
-        shards = start_shards(name, self.capacity, num_shards, seed=self.seed, sampler=self.sampler,
-                              rate_limiter=self.rate_limiter, schema=schema, mode=self.mode,
-                              track_reuse=self.track_reuse, options=ray_options, durable=directory)
-        return RayBackend(shards, capacity=self.capacity, sampler=self.sampler, seed=self.seed, schema=schema,
-                          schema_fixed=schema is not None)
+        self._backend: Backend = new_backend(self, schema, num_shards, name, ray_options, durable, storage_device)
 
     def _configure(self, seed: Any, sampler: Any, mode: Any, backend: Any, rate_limiter: Any,
                    track_reuse: Any) -> None:
         """Check and keep the settings both backends share."""
-        if seed is not None:
-            seed = check_int("seed", seed, 0)   # a plain int (it is saved as JSON)
-        check_choice("mode", mode, MODES)
-        check_choice("backend", backend, BACKENDS)
-        sampler = UniformSampler() if sampler is None else sampler
-        if not isinstance(sampler, Sampler):
-            raise ValueError(f"sampler must be an arrowbuf Sampler (UniformSampler(), PrioritizedSampler(), ...), "
-                             f"got {describe(sampler)}")
-        rate_limiter = RateLimiter() if rate_limiter is None else rate_limiter
-        if not isinstance(rate_limiter, RateLimiter):
-            raise ValueError(f"rate_limiter must be an arrowbuf RateLimiter (MinSize, SampleToInsertRatio), "
-                             f"got {describe(rate_limiter)}")
-        self.track_reuse = check_bool("track_reuse", track_reuse)
-        self.seed = seed
-        self.mode = mode
-        self.backend = backend
-        self.sampler = sampler
-        self.rate_limiter = rate_limiter
+        self.seed, self.sampler, self.mode, self.backend, self.rate_limiter, self.track_reuse = check_settings(
+            seed, sampler, mode, backend, rate_limiter, track_reuse)
         self.created_at = time.time()              # wall clock, recorded in exports and checkpoints
         self._writers = WriterRegistry()           # writers by name: `save` stores their open episodes
 
     @classmethod
-    def attach(cls, name: str, seed: int | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
-        """Connect to a running Ray store by its name, from any process of the cluster.
+    def _opened(cls, opened: Opened) -> "ExperienceStore":
+        """A store around a running backend (attached, or loaded from a checkpoint)."""
+        store = cls.__new__(cls)
+        store.capacity = opened.capacity
+        store._configure(opened.seed, opened.sampler, opened.mode, opened.backend.kind, opened.rate_limiter,
+                         opened.track_reuse)
+        store.created_at = opened.created_at
+        store._backend = opened.backend
+        with opened.typed_errors():   # writers of a loaded checkpoint, held until claimed by name
+            store._writers.restore(opened.writers, store._backend.sink, store.storage_device)
+        return store
 
-        Args:
-            name: the store's ``name``.
-            seed: seed of this handle's generator (how it splits batches across shards).
-            ray_options: this handle's options (e.g. ``allow_partial``); the shards keep theirs.
+    @classmethod
+    def attach(cls, name: str, seed: int | None = None, ray_options: RayOptions | None = None) -> "ExperienceStore":
+        """The running Ray store ``name``, from any process of the cluster; ``seed`` and
+        ``ray_options`` are this handle's.
 
         Raises:
             ValueError: no store of that name is running.
             ShardError: one of its shards is not running.
         """
-        from arrowbuf.ray.router import RayBackend
-
-        if check_name(name) is None:
-            raise ValueError("name must be the name of a running Ray store, got None")
-        backend, config = RayBackend.attach(name, seed=seed, options=as_ray_options(ray_options))
-        return cls._of_backend(backend, config["capacity"], seed, config["sampler"], config["mode"],
-                               config["rate_limiter"], config["track_reuse"], time.time())
-
-    @classmethod
-    def _of_backend(cls, backend: Any, capacity: int, seed: int | None, sampler: Sampler, mode: str,
-                    rate_limiter: RateLimiter, track_reuse: bool, created_at: float) -> "ExperienceStore":
-        """A store around a running backend (attached, or restored from a checkpoint)."""
-        store = cls.__new__(cls)
-        store.capacity = capacity
-        store._configure(seed, sampler, mode, backend.kind, rate_limiter, track_reuse)
-        store.created_at = created_at
-        store._backend = backend
-        return store
+        return cls._opened(attach_backend(name, seed, ray_options))
 
     # -- shape of the store ---------------------------------------------------------
 
     @property
     def engine(self) -> ShardEngine:
-        """The shard engine of a local store (for persistence and tools).
-
-        Raises:
-            AttributeError: a Ray store, whose engines live in its shard actors.
-        """
-        engine = getattr(self._backend, "engine", None)
+        """The shard engine of a local store (AttributeError on Ray: they live in its actors)."""
+        engine = self._backend.engine
         if engine is None:
             raise AttributeError(f"a {self.backend} store has no in-process engine; its engines live in its shards")
         return engine
@@ -216,7 +135,7 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
     @property
     def storage_device(self) -> Any:
         """The torch device holding the columns, or None for numpy columns in host memory."""
-        return getattr(self._backend, "storage_device", None)
+        return self._backend.storage_device
 
     @property
     def schema(self) -> Schema | None:
@@ -231,7 +150,7 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
     @property
     def name(self) -> str | None:
         """A Ray store's name (for `attach`); None for a local store."""
-        return getattr(self._backend, "name", None)
+        return self._backend.name
 
     @property
     def num_episodes(self) -> int:
@@ -239,13 +158,9 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         return self._backend.size()[1]
 
     def __len__(self) -> int:
-        """Transitions stored.
-
-        On Ray it never waits for the shards: it sums the sizes they last reported
-        (with every write's acknowledgement and every sample, and from a background
-        request every ``RayOptions.size_refresh`` seconds), so changes made by other
-        processes show within about that interval; after `flush` it is exact.
-        """
+        """Transitions stored. On Ray it never waits: it sums the sizes the shards last
+        reported (with every write's answer and sample, and every
+        ``RayOptions.size_refresh`` seconds); after `flush` it is exact."""
         return self._backend.size()[0]
 
     def __repr__(self) -> str:
@@ -255,21 +170,258 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
                 f"episodes={episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "
                 f"schema={self.schema!r})")
 
-    # -- lifecycle and statistics --------------------------------------------------------
+    # -- writing ----------------------------------------------------------------------
+
+    def add_episode(self, episode: Any, env_id: str = "default",
+                    metadata: Mapping[str, Any] | None = None, *, timeout: float | None = None,
+                    shard: int | None = None) -> int:
+        """Add one whole episode; its id (on Ray a round trip; writers are the asynchronous path).
+
+        Args:
+            episode: a dict (nested allowed) of arrays / tensors, a TensorDict or a
+                RecordBatch: step fields T rows, observation fields T+1 (with the final
+                observation) or T.
+            env_id, metadata: kept in the episode table (metadata JSON-serializable).
+            timeout: seconds to wait for the rate limiter; None raises at once.
+            shard: store it on this shard, whatever its env's route.
+
+        Raises (changing nothing):
+            SchemaError: a wrong field name, dtype, shape or ragged lengths.
+            CapacityError: longer than the capacity, or a full ``mode="fixed"`` store.
+            RateLimited: the rate limiter refuses it (after ``timeout``); ValueError: a bad argument.
+        """
+        timeout = check_timeout(timeout)
+        check_env_id(env_id)
+        metadata = check_metadata(metadata)
+        shard = check_shard(shard, self.num_shards)
+        checked, schema = read_episode(episode, self.schema, env_id, metadata,
+                                       keep_tensors=self.storage_device is not None)
+        if shard is None:
+            return self._backend.add(checked, schema, timeout)
+        return self._backend.add_many([checked], schema, timeout, shard)[0]
+
+    def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
+                     timeout: float | None = None, shard: int | None = None) -> list[int]:
+        """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
+
+        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or
+        [E, T, ...]; ``lengths``: None, or E ints in [1, T] (episode e is its first
+        ``lengths[e]`` steps); ``env_ids``: one for all or one per episode; ``metadata``:
+        one mapping (or None) per episode; ``timeout`` (per episode) and ``shard`` as in
+        `add_episode`, which says what it raises. Nothing is stored when a check refuses
+        the batch; episodes refused by a full fixed store or the limiter are counted in the error.
+        """
+        timeout = check_timeout(timeout)
+        shard = check_shard(shard, self.num_shards)
+        checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata,
+                                        keep_tensors=self.storage_device is not None)
+        longest = max(e.num_rows for e in checked)
+        if longest > self.capacity // self.num_shards:
+            raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "
+                                f"{self.capacity // self.num_shards} rows; nothing was stored")
+        return self._backend.add_many(checked, schema, timeout, shard)
+
+    def writer(self, num_envs: int, autoreset_mode: str = "next_step",
+               env_ids: Sequence[str] | None = None, *, timeout: float | None = None,
+               name: str | None = None) -> StepWriter:
+        """A `StepWriter` for ``num_envs`` vectorized envs; ``timeout`` is how long a sealed
+        episode waits for the rate limiter, ``name`` (default ``writer-<k>``) names it in
+        checkpoints (a loaded store hands the restored writer back). On Ray it pickles into
+        tasks and actors and sends episodes within ``RayOptions.delivery_latency``.
+
+        Raises:
+            ValueError: a bad argument, a writer of this name open, or restored with
+                another num_envs, mode or env_ids.
+        """
+        name, timeout = check_name(name), check_timeout(timeout)
+        num_envs = check_int("num_envs", num_envs, 1)
+        return self._writers.open(self._backend.sink, num_envs, autoreset_mode, env_ids, timeout, name,
+                                  self.storage_device)
+
+    @property
+    def writers(self) -> dict[str, StepWriter]:
+        """Writers by name: those still referenced, and restored ones not yet claimed."""
+        return self._writers.live()
+
+    def pin_env(self, env_id: str, shard: int) -> None:
+        """Route the `add_episode` episodes of ``env_id`` to ``shard`` unless it was routed
+        already (ValueError for a bad env id or shard)."""
+        check_env_id(env_id)
+        shard = check_shard(shard, self.num_shards)
+        if shard is None:
+            raise ValueError(f"shard must be an int in [0, {self.num_shards}), got None")
+        self._backend.pin(env_id, shard)
+
+    def flush(self) -> None:
+        """Wait until every write so far is stored (Ray: this process's writers' queued
+        episodes too; ``len`` is exact after it) and raise the first error."""
+        self._writers.flush()
+        self._backend.flush()
+
+    def clear(self) -> None:
+        """Remove every episode (after storing those this process's writers sealed)."""
+        self._writers.flush()
+        self._backend.clear()
 
     def close(self) -> None:
-        """Release the backend (a Ray store ends its shard actors; their data is gone)."""
+        """Release the backend (a Ray store ends its shard actors, and their data)."""
         self._backend.close()
 
-    def stats(self) -> dict:
-        """Size, episodes, inserts and samples (totals and per second), limiter state.
+    # -- sampling -----------------------------------------------------------------------
 
-        ``"reuse"`` is how often the live transitions were sampled (min / mean /
-        max) in a store made with ``track_reuse=True``, else None; ``"priorities"``
-        the counts of live priorities over log-spaced bins (``edges``, ``counts``)
-        in a prioritized store, else None. A Ray store adds ``"shards"``, one entry
-        per shard.
+    def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+               device: torch.device | str | None = None, pin_memory: bool = False,
+               timeout: float | None = None, num_workers: int | None = None,
+               worker_nodes: Sequence[str] | None = None,
+               keys: list | None = None) -> TensorDict | list[TensorDict]:
+        """Sample transitions with the store's sampler.
+
+        Args:
+            batch_size: transitions (or windows, or episodes) to draw.
+            n_step, gamma: n-step returns: ``"reward"`` sums the next n rewards discounted
+                by gamma, ``("next", obs)`` follows them (``"discount"``, ``"n_steps"``).
+            frame_stack: observation fields hold the last k frames, oldest first.
+            device, pin_memory: where the tensors go; gather into pinned memory.
+            timeout: seconds to wait for the rate limiter; None raises at once.
+            num_workers, worker_nodes: a list of that many disjoint equal batches; on
+                Ray, each worker draws from the shards on its node.
+            keys: gather only these fields (plus ``"index"``, ``"episode_id"``, ``"step"``).
+
+        Returns a TensorDict [batch_size] (or [batch_size, L]): the fields at t, ``("next",
+        obs)``, ``"index"``, ``"episode_id"``, ``"step"``, the sampler's ``"weight"`` /
+        ``"mask"``; its memory is reused only once nothing refers to it. Raises ValueError
+        (a bad argument), EmptyStoreError, RateLimited (after ``timeout``).
         """
+        batch_size = check_int("batch_size", batch_size, 1)
+        # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
+        device = check_device(device)
+        timeout = check_timeout(timeout)
+        pin_memory = check_bool("pin_memory", pin_memory)
+        num_workers = check_workers(batch_size, num_workers)
+        check_worker_nodes(self.backend, num_workers, worker_nodes)
+        if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
+                and not self.sampler.drop_last:
+            raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
+                             "returns a short one at each epoch's end: use drop_last=True")
+        return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
+
+    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
+                    n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` gives them (ValueError for a bad argument).
+
+        On Ray, ``prefetch`` index requests stay in flight when the shards draw
+        (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
+        drawn and gathered together when this process draws (default: as fit in
+        ``arrowbuf.ray.staging.STAGE_BYTES``, at most 16; see `arrowbuf.ray.reader`).
+        """
+        batch_size = check_int("batch_size", batch_size, 1)
+        prefetch = check_int("prefetch", prefetch, 1)
+        if batches_per_request is not None:
+            batches_per_request = check_int("batches_per_request", batches_per_request, 1)
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema)
+        return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request)
+
+    def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
+                     epochs: int = 1, device: torch.device | str | None = None,
+                     keys: list | None = None) -> Iterator[TensorDict]:
+        """Every stored transition once per epoch (on-policy PPO epochs), in batches.
+
+        Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
+        those added join the next epoch. With ``shuffle=False`` a local batch of
+        contiguous rows is a view of the arena. ValueError for a bad argument.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(100, seed=0)
+            >>> _ = store.add_episode({"obs": np.zeros((11, 2)), "action": np.zeros(10),
+            ...                        "terminated": np.arange(10) == 9})
+            >>> [len(b) for b in store.iter_batches(4, epochs=2)]
+            [4, 4, 2, 4, 4, 2]
+        """
+        batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
+        shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
+        device = check_device(device)
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
+        if epochs == 1:
+            return first
+        return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+
+    def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:
+        yield from first
+        for _ in range(epochs - 1):
+            yield from self._backend.iter_batches(*args)
+
+    def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
+        """The transitions of ``index`` (a batch's ``"index"``) in that order, not counted as
+        a sample (ValueError: not a 1-D array of ints; KeyError: some are not live)."""
+        array, _ = to_numpy(index, "index")
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"index must be a 1-D array of ints, got {describe(array)}")
+        return self._backend.gather(array.astype(np.int64), check_device(device))
+
+    def gather_refs(self, indices: Sequence[Any], *, extras: Sequence[Mapping[str, Any]] | None = None,
+                    next_keys: str = "nested") -> list:
+        """Ray only: refs of batches the shards gather into Ray's object store, one per array
+        of ``indices`` (1-D or 2-D) with its ``extras``; ``next_keys``: "nested" or "flat".
+        Raises ValueError (a bad argument, a local store) or KeyError (indices not live).
+        """
+        check_choice("next_keys", next_keys, ("nested", "flat"))
+        batches, fields = check_index_batches(indices, extras)
+        return self._backend.gather_refs(batches, fields, next_keys == "flat")
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """[first, stop) of the live indices of each shard (a shard's indices are contiguous)."""
+        return self._backend.live_ranges()
+
+    def episode_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first index, transitions) of every live episode, shard by shard, oldest first."""
+        return self._backend.episode_spans()
+
+    def update_priorities(self, index: Any, priority: Any, *, wait: bool = True) -> int | None:
+        """Set sampled transitions' priorities (`PrioritizedSampler`); how many were live.
+
+        ``wait=False`` on Ray returns None at once: applied before this process's next
+        sample, its error raised by the next call (`arrowbuf.ray.priorities`).
+
+        Raises ValueError (nothing sent): not prioritized, or mismatched / negative input.
+        """
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler):
+            raise ValueError(f"update_priorities needs a PrioritizedSampler; this store uses {sampler!r}")
+        wait = check_bool("wait", wait)
+        index, priority = check_priorities(index, priority, sampler.alpha, sampler.eps, self.capacity)
+        return self._backend.update_priorities(index, priority, wait)
+
+    def compute_gae(self, gamma: float = 0.99, lam: float = 0.95, *, value_key: str = "value",
+                    bootstrap_value: Callable[[TensorDict], Any] | None = None) -> int:
+        """Write generalized advantages of every stored transition as ``"advantage"`` and
+        ``"value_target"`` (derived float32 fields); the number of transitions written.
+
+        Episodes cut after their final observation bootstrap from ``bootstrap_value``
+        (final observations [n] -> n values); see `arrowbuf.advantages`. ValueError
+        (nothing changed) for a bad argument or a missing field.
+        """
+        gamma, lam = check_gae_args(gamma, lam, value_key, bootstrap_value, self.schema)
+        return self._backend.compute_gae(gamma, lam, value_key, bootstrap_value)
+
+    # -- views and statistics ------------------------------------------------------------
+
+    def episodes(self) -> pa.Table:
+        """The episode table (one row per live episode, oldest first)."""
+        return self._backend.episodes()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        """One episode's rows, zero-copy (KeyError if not live, ValueError if not an int)."""
+        return self._backend.episode(check_episode_id(episode_id))
+
+    def to_arrow(self) -> pa.Table:
+        """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
+        return self._backend.to_arrow()
+
+    def stats(self) -> dict:
+        """Sizes, inserts and samples, limiter state, ``"reuse"``, ``"priorities"`` (Ray: per shard)."""
         return self._backend.stats()
 
     def _repr_html_(self) -> str:
@@ -277,21 +429,64 @@ class ExperienceStore(StoreWriting, StoreSampling, StoreIO):
         return store_html(f"{type(self).__name__} ({self.backend}, {self.mode}, sampler {self.sampler!r})",
                           self.schema, self.stats())
 
-    # -- views -------------------------------------------------------------------------
+    # -- persistence ------------------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
-        """The episode table (one row per live episode, oldest first)."""
-        return self._backend.episodes()
+    def to_parquet(self, path: str | Path, compression: str = "zstd", rows_per_file: int | None = None,
+                   progress: bool | None = None, *, overwrite: bool = False) -> Path:
+        """Export the live episodes as a Parquet directory (`arrowbuf.parquet`); ``path``.
+        Raises ValueError (no schema yet, a bad argument), FileExistsError (without ``overwrite``)."""
+        from arrowbuf.parquet import export_store
 
-    def episode(self, episode_id: int) -> pa.RecordBatch:
-        """One episode's rows as a zero-copy RecordBatch (valid until it is evicted).
+        return export_store(self, self._backend.export_steps, path, compression=compression,
+                            rows_per_file=rows_per_file, progress=progress, overwrite=overwrite)
 
-        Raises:
-            KeyError: no live episode has this id.
-            ValueError: ``episode_id`` is not an int.
+    @classmethod
+    def from_parquet(cls, path: str | Path, capacity: int | None = None, episode_filter: Any = None,
+                     progress: bool | None = None, **store_kwargs: Any) -> Any:
+        """A local store of a `to_parquet` export's newest episodes that fit ``capacity``,
+        those ``episode_filter`` selects (an Expression or a callable over the episode
+        table); see `arrowbuf.parquet_load`.
+
+        Raises FormatError (a missing, corrupted or newer export) or CapacityError.
         """
-        return self._backend.episode(check_episode_id(episode_id))
+        from arrowbuf.parquet_load import load_store
 
-    def to_arrow(self) -> pa.Table:
-        """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
-        return self._backend.to_arrow()
+        return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
+
+    def save(self, path: str | Path, progress: bool | None = None) -> Path:
+        """Checkpoint the store (rows, sampler, limiter, generator, writers' open episodes)
+        into directory ``path``, writing only what changed (`arrowbuf.checkpoint`); FileExistsError
+        when ``path`` is a file or holds a foreign manifest.json."""
+        info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
+                "created_at": self.created_at}
+        if self.storage_device is not None:   # rows are saved from host copies; the device is restored
+            info["storage_device"] = str(self.storage_device)
+        return self._backend.save(path, info, lambda: {name: w.state_dict() for name, w in self.writers.items()},
+                                  progress)
+
+    @classmethod
+    def load(cls, path: str | Path, progress: bool | None = None, *, num_shards: int | None = None,
+             name: str | None = None, ray_options: RayOptions | None = None,
+             storage_device: Any = AS_SAVED) -> Any:
+        """The store saved in ``path``, sampling as the saved one would have (writers in
+        `writers`); a Ray checkpoint loads over ``num_shards`` Ray shards (default: as saved).
+
+        Raises FormatError (naming the file: missing, incomplete, truncated, newer) or
+        ValueError (Ray arguments for a local checkpoint).
+        """
+        return cls._opened(load_backend(path, progress, num_shards, name, ray_options, storage_device))
+
+    def to_ray_dataset(self) -> Any:
+        """Ray only: the rows as a `ray.data.Dataset` built by the shards (`arrowbuf.ray.persist`)."""
+        self.flush()
+        return self._backend.to_ray_dataset()
+
+    @classmethod
+    def from_ray_dataset(cls, dataset: Any, capacity: int, **store_kwargs: Any) -> Any:
+        """A new store of a `to_ray_dataset` dataset's episodes (FormatError: another layout)."""
+        from arrowbuf.ray.persist import episodes_of_dataset
+
+        schema, episodes = episodes_of_dataset(dataset)
+        store = cls(capacity, schema=schema, **store_kwargs)
+        store._backend.import_episodes(episodes)
+        return store

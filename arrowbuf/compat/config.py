@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from arrowbuf._checks import is_int
+
 BUFFER_TYPES = ("ReplayBuffer", "RolloutBuffer")
 SAMPLER_TYPES = ("uniform", "batch", "all")
 DEFAULT_SAMPLER = {"ReplayBuffer": "uniform", "RolloutBuffer": "all"}
@@ -96,7 +98,7 @@ def _flag(section: dict[str, Any], key: str, path: str) -> bool:
 
 
 def _int(value: Any, path: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value, minimum):
         raise _fail(path, value, f"an int >= {minimum}")
     return int(value)
 

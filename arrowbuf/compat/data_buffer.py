@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from arrowbuf._checks import is_int
 from arrowbuf.compat.config import BufferSettings, parse_config
 from arrowbuf.compat.ingest import Ingest, parse_env_meta, truncation_list
 from arrowbuf.compat.placement import Placement, check_env_nodes, driver_node, resolve_placement
@@ -310,7 +311,7 @@ class DataBuffer:
         shard = None
         if isinstance(item, tuple) and len(item) == 2:
             shard, item = item
-            if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)):
+            if not is_int(shard):
                 raise TypeError(f"storage index must be an int, got {shard!r}")
             shard = int(shard)
         unit = self.settings.unit
@@ -372,8 +373,7 @@ class DataBuffer:
                 sampler 'all'), missing for 'uniform' / 'batch', not an int >= 1,
                 or too small for the train workers with ``drop_last``.
         """
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                       or batch_size < 1):
+        if batch_size is not None and not is_int(batch_size, 1):
             raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
         with self._timers.timed("sample"):
             total = self.size()

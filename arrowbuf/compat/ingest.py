@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from arrowbuf._checks import check_int, is_int
 from arrowbuf.compat.processing import Hooks, is_env_ret, is_policy_resp
 from arrowbuf.compat.segments import Piece, Segmenter
 from arrowbuf.compat.sink import StoreSink
@@ -80,7 +81,7 @@ def parse_env_meta(env_meta_list: Sequence[Any] | None) -> dict[str, int]:
         if not isinstance(env_id, str):
             raise ValueError(f"env meta {meta!r} has no env_id str")
         n = 1 if n is None else n
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        if not is_int(n, 1):
             raise ValueError(f"env meta of {env_id!r}: num_envs must be an int >= 1 or None, got {n!r}")
         num_envs[env_id] = int(n)
     return num_envs
@@ -144,8 +145,7 @@ class Ingest:
             episode = episode.to_dict()
         if not isinstance(episode, Mapping):
             raise TypeError(f"episode must be a dict or TensorDict, got {type(episode).__name__}")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
-            raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+        num_envs = check_int("num_envs", num_envs, 1)
         columns = flatten(episode)
         if num_envs == 1:
             lengths = [len(column) for column in columns.values()]

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from arrowbuf._checks import is_int
 from arrowbuf.compat.config import BufferSettings, plain_section
 
 _CLUSTER_KEYS = ("remote_storage", "buffer_worker_num", "train_worker_num")
@@ -85,9 +86,9 @@ def _count(value: Any, path: str, allow_auto: bool = False) -> int | str | None:
         return None
     if allow_auto and value == "auto":
         return "auto"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value, 1):
         raise _fail(path, value, "an int >= 1" + (" or 'auto'" if allow_auto else ""))
-    return value
+    return int(value)
 
 
 def driver_node() -> str | None:

@@ -23,8 +23,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
+
+from arrowbuf._checks import tensor_to_numpy
 
 __all__ = ["BatchedData", "EnvMeta", "EnvRet", "MultiAgentEnvRet", "MultiAgentPolicyResponse", "PolicyResponse",
            "Processed_EnvRet_fields"]
@@ -42,13 +43,6 @@ def _map_tensors(value: Any, fn) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_map_tensors(v, fn) for v in value)
     return value
-
-
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)   # the seed's bf16 carrier
-    return tensor.numpy()
 
 
 def _latency(ts: Any, now_ns: int | None) -> float:
@@ -77,7 +71,7 @@ class _TensorConversions:
 
     def numpy(self):
         """Every tensor as a numpy array (bfloat16 as its uint16 bits, as the seed sends it)."""
-        return self._apply(_to_numpy)
+        return self._apply(tensor_to_numpy)   # bf16 as uint16 bits: the seed's carrier
 
 
 @dataclass

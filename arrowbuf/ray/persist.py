@@ -13,8 +13,8 @@ Layout of a Ray checkpoint::
 A save stages a new generation, and replacing the manifest commits it at once:
 a save that fails on any shard leaves the previous generation named, complete.
 
-The router (`arrowbuf.ray.router`) starts shards from a checkpoint; this module
-holds what the shards, the router and the facade share, and imports none of them.
+`arrowbuf.opening` starts shards from a checkpoint; this module holds what the
+shards, the router and the opener share, and imports none of them.
 
 Ray Data rows use the plain export layout (fixed-size lists, Arrow booleans, the
 system columns) plus one bool column, ``final_observation``: True on the row that
@@ -41,7 +41,7 @@ from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
 
 if TYPE_CHECKING:
-    from arrowbuf.ray.router import RayBackend
+    from arrowbuf.ray.handles import ShardHandles
     from arrowbuf.ray.sink import RaySink
 
 RAY_MANIFEST = "ray_checkpoint.json"
@@ -71,7 +71,7 @@ def plain_rows(engine: ShardEngine) -> pa.Table:
     return table.append_column(FINAL, pa.array(final))
 
 
-def save_ray_store(backend: "RayBackend", path: Path, info: dict) -> Path:
+def save_ray_store(shards: "ShardHandles", path: Path, info: dict) -> Path:
     """Every shard saves into a new generation ``path/gen-<id>/shard-<k>`` in parallel;
     replacing the manifest (with the store's ``info``: capacity, mode, seed) commits
     the generation, and older generations are deleted.
@@ -84,8 +84,6 @@ def save_ray_store(backend: "RayBackend", path: Path, info: dict) -> Path:
     Raises:
         ShardError: a shard died during the save (the previous checkpoint stays).
     """
-    backend.flush()
-    shards = backend.shards
     previous = _committed_generation(path)
     generation = f"gen-{uuid.uuid4().hex[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -93,17 +91,17 @@ def save_ray_store(backend: "RayBackend", path: Path, info: dict) -> Path:
         staged = sink.staging / generation
         refs: dict[int, Any] = {}
         failure = None
-        for s in range(backend.num_shards):
+        for s in range(shards.num_shards):
             try:
                 refs[s] = shards.call(s, "save", str(shard_dir(staged, s)),
                                       str(shard_dir(previous, s)) if previous is not None else None)
             except ShardError as err:   # a shard known dead: wait for the others before the abort
                 failure = err
                 break
-        _wait_all(refs, backend.name, failure)
+        _wait_all(refs, shards.name, failure)
         write_manifest(sink.staging / RAY_MANIFEST, {
             "format": RAY_FORMAT, "format_version": RAY_FORMAT_VERSION, "generation": generation,
-            "num_shards": backend.num_shards, **info})
+            "num_shards": shards.num_shards, **info})
     for old in [*path.glob("gen-*"), *path.glob("shard-*"), *path.glob(f"{STAGING_PREFIX}*")]:
         if old.name != generation:
             remove(old)
@@ -191,12 +189,11 @@ def reshard_task(directory: str, sink: "RaySink") -> int:
     return len(ids)
 
 
-def to_ray_dataset(backend: "RayBackend") -> Any:
+def to_ray_dataset(shards: "ShardHandles") -> Any:
     """A `ray.data.Dataset` of every shard's rows, built from Arrow tables the shards
     put in the object store (no round trip through the driver)."""
     import ray.data
 
-    shards = backend.shards
     return ray.data.from_arrow_refs([shards.call(s, "plain_rows") for s in shards.live()])
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +44,7 @@ from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
-from arrowbuf.ray.persist import checkpoint_dirs, reshard_task
+from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
@@ -72,6 +72,8 @@ class RayBackend:
     """
 
     kind = "ray"
+    engine = None           # the engines live in the shard actors
+    storage_device = None   # columns stay in the shards' host memory
 
     def __init__(self, shards: ShardHandles, *, capacity: int, sampler: Sampler, seed: int | None,
                  schema: Schema | None, schema_fixed: bool) -> None:
@@ -105,43 +107,6 @@ class RayBackend:
         schema = Schema.from_json(config["schema"]) if config["schema"] is not None else None
         backend = cls(shards, capacity=config["capacity"], sampler=config["sampler"], seed=seed, schema=schema,
                       schema_fixed=schema is not None)
-        return backend, config
-
-    @classmethod
-    def load(cls, path: Path, num_shards: int | None, name: str | None, options: RayOptions
-             ) -> tuple["RayBackend", dict]:
-        """A backend from a Ray checkpoint (`arrowbuf.ray.persist.save_ray_store`), into
-        ``num_shards`` shards (default: as saved), and its configuration (capacity,
-        mode, seed, track_reuse, sampler, rate_limiter).
-
-        With the saved number of shards every shard actor loads its own directory
-        (sampler, limiter and generator state included). Into another number, the
-        episodes of each saved shard are streamed into the new shards by tasks in
-        parallel, the way writers send them; their ids are renumbered and sampler
-        state starts fresh.
-
-        Raises:
-            FormatError: no complete Ray checkpoint in ``path``.
-        """
-        from arrowbuf.checkpoint import load_engine
-
-        manifest, dirs = checkpoint_dirs(path)
-        num_shards = len(dirs) if num_shards is None else num_shards
-        first = load_engine(dirs[0], progress=False).engine
-        config = {"capacity": int(manifest["capacity"]), "mode": manifest["mode"], "seed": manifest["seed"],
-                  "track_reuse": first.track_reuse, "sampler": type(first.sampler)(**first.sampler.config()),
-                  "rate_limiter": type(first.rate_limiter)(**first.rate_limiter.config())}
-        shards = start_shards(name or cls.new_name(), config["capacity"], num_shards, seed=config["seed"],
-                              sampler=config["sampler"], rate_limiter=config["rate_limiter"], schema=first.schema,
-                              mode=config["mode"], track_reuse=config["track_reuse"], options=options,
-                              load_from=[str(d) for d in dirs] if num_shards == len(dirs) else None)
-        backend = cls(shards, capacity=config["capacity"], sampler=config["sampler"], seed=config["seed"],
-                      schema=first.schema, schema_fixed=first.schema is not None)
-        if num_shards != len(dirs):
-            ray = ray_module()
-            reshard = ray.remote(reshard_task)
-            ray.get([reshard.remote(str(d), backend.sink(None, None)) for d in dirs])
-            backend.flush()
         return backend, config
 
     @staticmethod
@@ -467,3 +432,13 @@ class RayBackend:
         tables = [results[s][0] for s in sorted(results) if results[s][0].num_rows]
         entries = [entry for s in sorted(results) for entry in results[s][1]]
         return (pa.concat_tables(tables) if tables else EpisodeTable().to_arrow()), entries
+
+    def save(self, path: str | Path, info: Mapping[str, Any], writer_states: Callable[[], dict],
+             progress: bool | None) -> Path:
+        """Every shard saves its own generation directory (`save_ray_store`); writers' open
+        episodes are not kept."""
+        self.flush()
+        return save_ray_store(self.shards, Path(path), dict(info))
+
+    def to_ray_dataset(self) -> Any:
+        return to_ray_dataset(self.shards)
