@@ -4,10 +4,12 @@ Episodes are stored as Arrow-compatible columns in a ring arena, sampled by inde
 and returned as TensorDicts whose tensors are views of one gathered buffer.
 """
 
+from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
                              SchemaError, ShardError)
 from arrowbuf.fields import Field
+from arrowbuf.mixture import Mixture
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.ray.options import RayOptions
@@ -20,12 +22,14 @@ from arrowbuf.store import ExperienceStore
 __all__ = [
     "ArrowbufError",
     "CapacityError",
+    "Dataset",
     "EmptyStoreError",
     "ExperienceStore",
     "EpisodeSampler",
     "Field",
     "FormatError",
     "MinSize",
+    "Mixture",
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
@@ -40,6 +44,7 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "open_dataset",
     "read_parquet",
     "__version__",
 ]

@@ -152,6 +152,8 @@ class TorchShard(Shard):
         ResourceError: the arena does not fit in the device's (or the host's) memory.
     """
 
+    host_columns = False
+
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device) -> None:
         if device.type == "cuda":

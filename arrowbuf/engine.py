@@ -39,7 +39,9 @@ from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSam
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import Payload, take_fields
+from arrowbuf.tensors import Payload
+from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
+
 
 class ShardEngine:
     """One shard of a store: arena, episode table, sampler, generator, counters, lock.
@@ -93,7 +95,7 @@ class ShardEngine:
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
         self._limited = limits(rate_limiter)
-        # Plain uniform samples of a numpy arena may take `_sample_plain`'s path.
+        # Plain uniform samples of a numpy arena may take `Gather.plain`'s path.
         self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
@@ -135,6 +137,11 @@ class ShardEngine:
         with self.lock:
             if self._shard is None:
                 self._bind(self._make_shard(schema))
+
+    def attach(self, shard: Shard) -> None:
+        """Serve ``shard`` (a dataset's mapped rows, `arrowbuf.dataset`); the caller tells the sampler of its rows."""
+        with self.lock:
+            self._bind(shard)
 
     def _make_shard(self, schema: Schema) -> Shard:
         return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
@@ -219,7 +226,7 @@ class ShardEngine:
                                   "add episodes first")
 
     def sample(self, batch_size: int, args: SampleArgs = PLAIN, device: Any = None, pin_memory: bool = False,
-               timeout: float | None = None, keys: Any = None) -> TensorDict:
+               timeout: float | None = None, keys: Any = None, min_version: int | None = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
@@ -229,45 +236,27 @@ class ShardEngine:
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
             keys: the fields to gather (see `check_keys`); None: all.
+            min_version: only transitions of ``policy_version`` >= it (`arrowbuf.versions`).
 
         Raises:
-            EmptyStoreError: no transition stored.
+            EmptyStoreError: no transition stored (or none of ``min_version``).
             RateLimited: the limiter refuses the sample.
-            ValueError: ``keys`` names no field (nothing is drawn).
+            ValueError: ``keys`` names no field, or ``min_version`` without a `UniformSampler`.
         """
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if self._direct and args.plain and device is None and not pin_memory \
-                    and shard.reuse is None and type(shard) is Shard:
-                batch = self._sample_plain(shard, batch_size, keys)
+            if self._direct and min_version is None and args.plain and device is None and not pin_memory \
+                    and shard.reuse is None and shard.host_columns:
+                check_batch(shard.schema, self.sampler, shard.table, batch_size)
+                batch = shard.gather.plain(shard.table, self.sampler, self._rng, batch_size, keys)
                 self.counts.samples += batch_size
                 return batch
-            selection = self._draw(batch_size, args)
+            selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
-
-    def _sample_plain(self, shard: Shard, batch_size: int, keys: frozenset | None) -> TensorDict:
-        """A uniform batch of ``batch_size`` transitions of ``shard`` (which holds some), fields
-        ``keys`` (checked), on the CPU: the slot claimed first, each extra written where the
-        batch keeps it (`UniformSampler.draw` into ``index``, episode ids by a take with
-        ``out=``, steps by one assignment), not computed apart and copied as the generic
-        path does. W1 (numpy ideal 38.4 us a batch here): generic 41.6 us, this 32.5 us.
-        Raises `ResourceError` when the batch cannot be allocated (nothing drawn)."""
-        table, gather = shard.table, shard.gather
-        check_batch(shard.schema, self.sampler, table, batch_size)
-        layout, at_index, at_episode, at_step = gather.plain_layout(batch_size, keys)
-        outs, batch = gather.claim(layout)
-        index = self.sampler.draw(self._rng, batch_size, table, out=outs[at_index])
-        pos, step = table.locate(index)
-        table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
-        outs[at_step][...] = step
-        rows = table.col("first_row").take(pos)
-        rows += step
-        take_fields(layout, outs, (rows, rows, None))
-        return batch
 
     def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
@@ -285,10 +274,14 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
 
-    def _draw(self, batch_size: int, args: SampleArgs, population: tuple[int, float] | None = None) -> Selection:
-        """The sampler's selection, once the batch is known to fit in memory (`check_batch`)."""
+    def _draw(self, batch_size: int, args: SampleArgs, population: tuple[int, float] | None = None,
+              min_version: int | None = None) -> Selection:
+        """The sampler's selection (of ``min_version``: `arrowbuf.versions.fresh_selection`),
+        once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table
         check_batch(self._shard.schema, sampler, table, batch_size, args.frame_stack)
+        if min_version is not None:
+            return fresh_selection(self._rng, batch_size, self._shard, min_version, sampler)
         if population is not None and isinstance(sampler, PrioritizedSampler):
             return sampler.sample(self._rng, batch_size, table, population)
         return sampler.sample(self._rng, batch_size, table)
@@ -324,11 +317,20 @@ class ShardEngine:
         with self.lock:
             return keys if self._shard is None else self._shard.gather.check_keys(keys)
 
-    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
-        """Every live index once, in batches (shuffled by the engine's generator, drawn now)."""
+    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool,
+              min_version: int | None = None) -> list[np.ndarray]:
+        """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = np.arange(*self.table.live_range(), dtype=np.int64)
+            indices = (np.arange(*self.table.live_range(), dtype=np.int64) if min_version is None or self._shard is None
+                       else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
+
+    def evict(self, min_version: int) -> int:
+        """Free the oldest episodes older than ``min_version`` (`arrowbuf.versions.evict_stale`); how many."""
+        with self._changed:
+            count = evict_stale(self._shard, self.sampler, min_version) if self._shard is not None else 0
+            self._changed.notify_all()   # a rate limiter may allow inserts now
+            return count
 
     def gather(self, indices: np.ndarray, device: Any = None, keys: Any = None, views: bool = False) -> TensorDict | None:
         """The live ones of transition ``indices`` (1-D), in that order; None before the first write.

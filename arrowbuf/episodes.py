@@ -19,6 +19,7 @@ from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
+from arrowbuf.versions import next_versions
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
@@ -106,11 +107,13 @@ class StepWriter:
         # and pushed again before the next step is recorded.
         self._pending: list[Episode] = []
         self.episodes_written = 0
+        self._versions = np.zeros(num_envs, np.int64)   # each env's last policy_version (`arrowbuf.versions`)
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
         self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
+        self._versions = self.__dict__.get("_versions", np.zeros(self.num_envs, np.int64)).copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
         self._last_next = {n: a.copy() for n, a in self._last_next.items()}
 
@@ -135,7 +138,8 @@ class StepWriter:
             final_obs: ``same_step`` mode only: final observations of the envs that
                 ended (an [N, ...] array, or gymnasium's object array with None for
                 envs that did not end).
-            **extra: more per-step fields (log_prob, value, ...), leading dim N.
+            **extra: more per-step fields (log_prob, value, ...), leading dim N;
+                ``policy_version`` may be one int for every env (non-decreasing per env).
 
         Returns:
             The number of episodes sealed by this step.
@@ -153,6 +157,8 @@ class StepWriter:
                 skipped until it ends (or `flush` cuts it); the other envs' steps
                 are recorded.
         """
+        if "policy_version" in extra:
+            extra["policy_version"] = next_versions(extra["policy_version"], self._versions)
         self._push_pending()
         step = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extra}
         exact = self._exact_step(obs, next_obs, step)

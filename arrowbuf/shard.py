@@ -136,6 +136,9 @@ class Shard:
         ValueError: a capacity below 1 or an unknown mode.
     """
 
+    #: numpy columns in host memory, sampled by `Gather.plain` (a torch arena's are not).
+    host_columns = True
+
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1) -> None:
         if capacity < 1:
@@ -165,7 +168,7 @@ class Shard:
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
-        self.gather = self.make_gather(self._gather_columns())
+        self.gather = self.make_gather(self.gather_columns())
 
     def __len__(self) -> int:
         return self.table.num_transitions
@@ -177,9 +180,10 @@ class Shard:
                 self.arena[name] = self.new_column(f, zero=True)
         self.schema = schema
         self.specs = {**schema.fields, **SYSTEM_SPECS}
-        self.gather = self.make_gather(self._gather_columns())
+        self.gather = self.make_gather(self.gather_columns())
 
-    def _gather_columns(self) -> dict:
+    def gather_columns(self) -> dict:
+        """The gather's columns: key -> (column, role, torch dtype, packed block or None)."""
         columns = {}
         for name, f in self.schema.fields.items():
             key = tuple(name.split("."))
@@ -208,7 +212,7 @@ class Shard:
         return column_view(self.packed, self._pack_offsets[name], spec.numpy_dtype, spec.shape)
 
     def make_gather(self, columns: dict) -> Gather:
-        """The gather of `_gather_columns`' columns."""
+        """The gather of `gather_columns`' columns."""
         return Gather(columns)
 
     def write_rows(self, name: str, start: int, data: Any) -> None:

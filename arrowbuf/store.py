@@ -37,6 +37,7 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
+from arrowbuf.versions import attach_versions, epochs_fresh, evict_older, sample_fresh
 
 
 class ExperienceStore:
@@ -174,7 +175,7 @@ class ExperienceStore:
 
     def add_episode(self, episode: Any, env_id: str = "default",
                     metadata: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-                    shard: int | None = None) -> int:
+                    shard: int | None = None, policy_version: Any = None) -> int:
         """Add one whole episode; its id (on Ray a round trip; writers are the asynchronous path).
 
         Args:
@@ -184,37 +185,37 @@ class ExperienceStore:
             env_id, metadata: kept in the episode table (metadata JSON-serializable).
             timeout: seconds to wait for the rate limiter; None raises at once.
             shard: store it on this shard, whatever its env's route.
+            policy_version: the version of the policy that chose its actions (an int, or one per step).
 
         Raises (changing nothing):
             SchemaError: a wrong field name, dtype, shape or ragged lengths.
             CapacityError: longer than the capacity, or a full ``mode="fixed"`` store.
             RateLimited: the rate limiter refuses it (after ``timeout``); ValueError: a bad argument.
         """
-        timeout = check_timeout(timeout)
-        check_env_id(env_id)
-        metadata = check_metadata(metadata)
+        timeout, env_id, metadata = check_timeout(timeout), check_env_id(env_id), check_metadata(metadata)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = read_episode(episode, self.schema, env_id, metadata,
-                                       keep_tensors=self.storage_device is not None)
+        read = read_episode(episode, self.schema, env_id, metadata, keep_tensors=self.storage_device is not None)
+        checked, schema = attach_versions(self, *read, policy_version)
         if shard is None:
             return self._backend.add(checked, schema, timeout)
         return self._backend.add_many([checked], schema, timeout, shard)[0]
 
     def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
-                     timeout: float | None = None, shard: int | None = None) -> list[int]:
+                     timeout: float | None = None, shard: int | None = None, policy_version: Any = None) -> list[int]:
         """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
 
-        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or
-        [E, T, ...]; ``lengths``: None, or E ints in [1, T] (episode e is its first
-        ``lengths[e]`` steps); ``env_ids``: one for all or one per episode; ``metadata``:
-        one mapping (or None) per episode; ``timeout`` (per episode) and ``shard`` as in
-        `add_episode`, which says what it raises. Nothing is stored when a check refuses
-        the batch; episodes refused by a full fixed store or the limiter are counted in the error.
+        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...];
+        ``lengths``: None, or E ints in [1, T] (episode e is its first ``lengths[e]`` steps);
+        ``env_ids``: one for all or one per episode; ``metadata``: one mapping (or None) per episode;
+        ``policy_version``: one int or one per episode; ``timeout`` (per episode) and ``shard`` as in
+        `add_episode`, which says what it raises. Nothing is stored when a check refuses the batch;
+        episodes refused by a full fixed store or the limiter are counted in the error.
         """
         timeout = check_timeout(timeout)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = read_episodes(episodes, self.schema, lengths, env_ids, metadata,
-                                        keep_tensors=self.storage_device is not None)
+        checked, schema = attach_versions(self, *read_episodes(episodes, self.schema, lengths, env_ids, metadata,
+                                                               keep_tensors=self.storage_device is not None),
+                                          policy_version, per_episode=True)
         longest = max(e.num_rows for e in checked)
         if longest > self.capacity // self.num_shards:
             raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "
@@ -258,6 +259,10 @@ class ExperienceStore:
         self._writers.flush()
         self._backend.flush()
 
+    def evict(self, *, min_version: int) -> int:
+        """Free the oldest episodes of steps all older than ``min_version`` (FIFO); `arrowbuf.versions`."""
+        return evict_older(self, min_version)
+
     def clear(self) -> None:
         """Remove every episode (after storing those this process's writers sealed)."""
         self._writers.flush()
@@ -272,8 +277,8 @@ class ExperienceStore:
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
-               worker_nodes: Sequence[str] | None = None,
-               keys: list | None = None) -> TensorDict | list[TensorDict]:
+               worker_nodes: Sequence[str] | None = None, keys: list | None = None,
+               min_version: int | None = None) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -304,6 +309,8 @@ class ExperienceStore:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
+        if min_version is not None:
+            return sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers, keys)
         return self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
@@ -325,12 +332,12 @@ class ExperienceStore:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None) -> Iterator[TensorDict]:
+                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches.
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
         those added join the next epoch. With ``shuffle=False`` a local batch of
-        contiguous rows is a view of the arena. ValueError for a bad argument.
+        contiguous rows is a view of the arena. ValueError for a bad argument; ``min_version`` as in `sample`.
 
         Example:
             >>> import numpy as np, arrowbuf as ab
@@ -343,8 +350,9 @@ class ExperienceStore:
         batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
         device = check_device(device)
-        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys)
-        if epochs == 1:
+        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
+            else epochs_fresh(self, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
+        if epochs == 1 or min_version is not None:
             return first
         return self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
 

@@ -18,7 +18,7 @@ from PIL import Image
 from arrowbuf.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED"]
+WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED", "MIX"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -189,3 +189,12 @@ def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report
         ratios = headline_ratios(saved, name)
         assert ratios, f"{name} reported no ratio"
         assert all(r > 0 for rounds in ratios.values() for r in rounds), name
+
+
+def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(tmp_path_factory):
+    run, saved = quick_run("MIX", tmp_path_factory)
+    ratios = headline_ratios(saved, "MIX")
+    for metric, col in (("sample", "mixture/online"), ("sample", "dataset/online"),
+                        ("sample(min_version), 3/4 qualify", "fresh/plain")):
+        assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col])
+    assert "open_dataset, 200,000 rows" in run.stdout

@@ -1,5 +1,5 @@
-"""The engine's plain uniform path (`ShardEngine._sample_plain`, `UniformSampler.draw`
-written straight into its pooled batch) gives what the generic path gives, from the same draws."""
+"""The engine's plain uniform path (`Gather.plain`: `UniformSampler.draw` written
+straight into its pooled batch) gives what the generic path gives, from the same draws."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-import arrowbuf.engine as engine_module
+from arrowbuf.tensors import Gather
 
 from support.compare import assert_same_batches
 from support.episodes import make_episode
@@ -28,13 +28,13 @@ def twin_stores() -> tuple[ab.ExperienceStore, ab.ExperienceStore]:
 @pytest.fixture
 def direct_calls(monkeypatch):
     calls = []
-    original = engine_module.ShardEngine._sample_plain
+    original = Gather.plain
 
     def counting(*args, **kwargs):
-        calls.append(args[2])
+        calls.append(args[4])   # (gather, table, sampler, rng, batch_size, keys)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.ShardEngine, "_sample_plain", counting)
+    monkeypatch.setattr(Gather, "plain", counting)
     return calls
 
 

@@ -5,7 +5,7 @@ shared and noisy, so absolute numbers drift while paired ratios hold. In each
 timing round the contenders take turns in short slices (rotating order), a ratio
 is taken per round, and the median over rounds is reported with its min-max range.
 
-Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED``; ``--list`` shows
+Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED,MIX``; ``--list`` shows
 them), one module each under ``workloads/`` with its protocol and targets in its
 docstring:
 
@@ -23,6 +23,8 @@ docstring:
   Python loops.
 - SEED (`workloads.seed`): RLightning's engines through ``arrowbuf.compat``
   vs the native writer on the same data.
+- MIX (`workloads.mixture`): a 25/75 mixture of a memory-mapped dataset and an
+  online store vs the store alone; ``open_dataset`` of a 10M-row dataset.
 
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and

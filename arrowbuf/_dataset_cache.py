@@ -1,0 +1,377 @@
+"""The memory-mappable form of an offline dataset: rows as one Arrow IPC record batch.
+
+`arrowbuf.dataset.open_dataset` samples a dataset straight from this form. Its
+directory holds::
+
+    rows.arrow        every row, episode after episode (an episode's T steps, then its
+                      final observation when it has one: the arena's layout), as ONE
+                      record batch of plain columns, so that each column is one
+                      contiguous buffer that numpy views in place (flags stored as
+                      uint8, bfloat16 as its uint16 bits, shaped fields as fixed-size lists)
+    episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
+    _dataset.json     manifest, written last: format, schema, counts, the source it was
+                      converted from (each file's size and mtime, hashes of its small
+                      metadata files) and each cache file's size, mtime and SHA-256
+
+A source (Parquet export, Arrow IPC directory, LeRobot dataset: `arrowbuf._dataset_sources`)
+is converted once by `write_cache`: its rows stream into one raw file per column (memory
+stays bounded whatever the dataset's size), then those files, memory-mapped, become
+the columns of the single record batch. `MappedRows` maps a checked cache with
+``pyarrow.memory_map``; nothing is read until sampled, and `MappedRows.release` drops
+the pages sampling touched from this process's resident set (they stay in the page
+cache), which keeps resident memory bounded on datasets larger than memory.
+
+Checks: every open compares each cache file's size with the manifest and parses the
+IPC footer and batch layout (cheap); the SHA-256 of the cache files is checked too
+when a file's mtime differs from the one recorded (a file written after the
+conversion) or with ``verify=True``. A mismatch raises `FormatError`: a damaged
+cache is never sampled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf._filesink import DirectorySink
+from arrowbuf._persist import check_format, file_digest, progress_bar, read_json, write_manifest
+from arrowbuf.errors import FormatError
+from arrowbuf.fields import Field
+from arrowbuf.schema import Schema
+
+FORMAT = "arrowbuf.dataset"
+FORMAT_VERSION = 1
+MANIFEST = "_dataset.json"
+ROWS = "rows.arrow"
+EPISODES = "episodes.arrow"
+_RAW = ".raw-"
+_DTYPE = b"arrowbuf.dtype"
+_SHAPE = b"arrowbuf.shape"
+
+#: Columns of the episode table in the cache (numpy dtypes); env_id and metadata are strings.
+EPISODE_COLUMNS: dict[str, Any] = {
+    "episode_id": np.int64, "first_row": np.int64, "num_rows": np.int64, "length": np.int64,
+    "has_final": np.bool_, "terminated": np.bool_, "truncated": np.bool_, "return": np.float64,
+    "inserted_at": np.int64,
+}
+
+
+@dataclass
+class Source:
+    """A dataset to convert: schema, episodes, and its rows in order.
+
+    ``episodes`` holds one array per `EPISODE_COLUMNS` name but ``first_row`` and
+    ``length`` (derived here), plus ``env_id`` and ``metadata`` (lists of str / None).
+    ``rows()`` yields dicts of numpy arrays, one per schema field, rows first, in the
+    order of the episodes (each episode's ``num_rows`` rows together).
+    ``files`` are the source files whose size and mtime decide whether a cache is
+    still the source's; ``hashed`` the small ones whose SHA-256 decides it too.
+    """
+
+    kind: str
+    path: Path
+    schema: Schema
+    episodes: dict[str, Any]
+    rows: Callable[[], Iterator[Mapping[str, np.ndarray]]]
+    files: list[Path]
+    hashed: list[Path]
+    info: dict[str, Any]
+
+
+def fingerprint(source_path: Path, files: list[Path], hashed: list[Path]) -> dict[str, Any]:
+    """What a cache records of its source: each file's size and mtime, hashes of the small ones."""
+    def rel(file: Path) -> str:
+        return str(file.relative_to(source_path)) if file.is_relative_to(source_path) else str(file)
+
+    entries = {}
+    for file in files:
+        stat = file.stat()
+        entries[rel(file)] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    for file in hashed:
+        entries.setdefault(rel(file), {})["sha256"] = file_digest(file)
+    return entries
+
+
+def _arrow_field(name: str, spec: Field) -> pa.Field:
+    value = pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
+    size = int(np.prod(spec.shape, dtype=np.int64))
+    arrow_type = pa.list_(value, size) if spec.shape else value
+    return pa.field(name, arrow_type, nullable=False,
+                    metadata={_DTYPE: spec.dtype.encode(), _SHAPE: json.dumps(list(spec.shape)).encode()})
+
+
+def rows_schema(schema: Schema) -> pa.Schema:
+    """The Arrow schema of ``rows.arrow`` (one plain column per field)."""
+    return pa.schema([_arrow_field(name, spec) for name, spec in schema.fields.items()],
+                     metadata={b"arrowbuf.schema": schema.to_json().encode()})
+
+
+def write_cache(directory: Path, source: Source, progress: bool | None = None) -> None:
+    """Convert ``source`` into a cache at ``directory`` (replacing one that is there).
+
+    Written through a `DirectorySink`: an interrupted conversion leaves no cache.
+
+    Raises:
+        FormatError: the source's rows disagree with its episode table.
+    """
+    schema = source.schema
+    episodes = source.episodes
+    num_rows = np.asarray(episodes["num_rows"], np.int64)
+    has_final = np.asarray(episodes["has_final"], bool)
+    total = int(num_rows.sum())
+    names = list(schema.fields)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with DirectorySink(directory) as sink:
+        raws = {name: sink.staging / f"{_RAW}{i}" for i, name in enumerate(names)}
+        handles = {name: open(path, "wb") for name, path in raws.items()}
+        written = 0
+        try:
+            with progress_bar(progress, total, f"convert {source.path.name}") as bar:
+                for columns in source.rows():
+                    count = None
+                    for name in names:
+                        spec = schema.fields[name]
+                        array = np.ascontiguousarray(columns[name], dtype=spec.numpy_dtype)
+                        if array.shape[1:] != spec.shape:
+                            raise FormatError(f"{source.path}: field {name!r} has rows of shape {array.shape[1:]}, "
+                                              f"expected {spec.shape}")
+                        if count is None:
+                            count = len(array)
+                        elif len(array) != count:
+                            raise FormatError(f"{source.path}: columns of unequal lengths in one batch of rows")
+                        handles[name].write(memoryview(array.reshape(-1)).cast("B"))
+                    written += count or 0
+                    if written > total:
+                        break
+                    bar.update(count or 0)
+        finally:
+            for handle in handles.values():
+                handle.close()
+        if written != total:
+            raise FormatError(f"{source.path}: {written} rows, but its episodes hold {total}")
+        arrays = [_mapped_array(raws[name], schema.fields[name], total) for name in names]
+        batch = pa.RecordBatch.from_arrays(arrays, schema=rows_schema(schema))
+        with pa.OSFile(str(sink.staging / ROWS), "wb") as out, pa.ipc.new_file(out, batch.schema) as writer:
+            writer.write_batch(batch)
+        del arrays, batch
+        for path in raws.values():
+            path.unlink()
+        first_row = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).astype(np.int64) if len(num_rows) else num_rows
+        # With observation fields, an episode has T + 1 rows and T transitions with its final
+        # observation, T rows and T - 1 transitions without (its last step has no next one).
+        length = num_rows - 1 if schema.observation_names else num_rows - has_final
+        table = {**{k: np.asarray(episodes[k], EPISODE_COLUMNS[k]) for k in EPISODE_COLUMNS
+                    if k not in ("first_row", "length")},
+                 "first_row": first_row, "length": length.astype(np.int64)}
+        # Flags as uint8: converting an Arrow boolean array to numpy imports pandas (1 s at open).
+        arrow = pa.table({**{k: pa.array(table[k].view(np.uint8) if table[k].dtype == bool else table[k])
+                             for k in EPISODE_COLUMNS},
+                          "env_id": pa.array(list(episodes["env_id"]), pa.string()),
+                          "metadata": pa.array(list(episodes["metadata"]), pa.string())})
+        with pa.OSFile(str(sink.staging / EPISODES), "wb") as out, pa.ipc.new_file(out, arrow.schema) as writer:
+            writer.write_table(arrow)
+        files = {}
+        for name in (ROWS, EPISODES):
+            stat = (sink.staging / name).stat()
+            files[name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                           "sha256": file_digest(sink.staging / name)}
+        write_manifest(sink.staging / MANIFEST, {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "schema": json.loads(schema.to_json()),
+            "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
+            "source": {"kind": source.kind, "path": str(source.path.resolve()), "info": source.info,
+                       "files": fingerprint(source.path, source.files, source.hashed)},
+            "files": files,
+        })
+
+
+def _mapped_array(raw: Path, spec: Field, rows: int) -> pa.Array:
+    """The column of ``rows`` rows held in raw file ``raw``, as an Arrow array over its
+    memory-mapped bytes (the IPC writer then copies it into ``rows.arrow``)."""
+    nbytes = rows * spec.row_bytes
+    if nbytes:
+        with open(raw, "rb") as f:
+            buffer = pa.py_buffer(mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ))
+    else:
+        buffer = pa.py_buffer(b"")
+    value = pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
+    size = int(np.prod(spec.shape, dtype=np.int64))
+    values = pa.Array.from_buffers(value, rows * size, [None, buffer])
+    if not spec.shape:
+        return values
+    return pa.FixedSizeListArray.from_arrays(values, size)
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+def read_cache_manifest(directory: Path) -> dict[str, Any]:
+    """The checked manifest of a cache directory.
+
+    Raises:
+        FormatError: missing, unreadable, of another format or a newer version.
+    """
+    if not directory.is_dir():
+        raise FormatError(f"{directory}: no such directory; expected an arrowbuf dataset cache")
+    path = directory / MANIFEST
+    manifest = read_json(path, "not an arrowbuf dataset cache, or its conversion did not finish "
+                               "(the manifest is written last)")
+    check_format(manifest, path, FORMAT, FORMAT_VERSION)
+    for key, kind in (("schema", dict), ("num_rows", int), ("num_episodes", int), ("files", dict), ("source", dict)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise FormatError(f"{path}: manifest entry {key!r} is {manifest.get(key)!r}; expected a {kind.__name__}")
+    for name in (ROWS, EPISODES):
+        entry = manifest["files"].get(name)
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), t) for k, t in
+                                                  (("bytes", int), ("mtime_ns", int), ("sha256", str))):
+            raise FormatError(f"{path}: manifest lacks a complete entry for {name} ({entry!r})")
+    return manifest
+
+
+def source_changed(manifest: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The source files whose size, mtime or hash differ from what the cache recorded."""
+    recorded = manifest["source"].get("files", {})
+    names = sorted(set(recorded) | set(current))
+    return [name for name in names if recorded.get(name) != current.get(name)]
+
+
+def check_cache_files(directory: Path, manifest: Mapping[str, Any], verify: bool) -> None:
+    """Sizes always; SHA-256 when ``verify`` or a file's mtime differs from the recorded one.
+
+    Raises:
+        FormatError: naming the file and what differs.
+    """
+    for name in (ROWS, EPISODES):
+        entry, path = manifest["files"][name], directory / name
+        try:
+            stat = path.stat()
+        except OSError:
+            raise FormatError(f"{path}: missing; the dataset cache's manifest lists it") from None
+        if stat.st_size != entry["bytes"]:
+            raise FormatError(f"{path}: {stat.st_size} bytes, the cache's manifest says {entry['bytes']} "
+                              "(truncated or overwritten)")
+        if (verify or stat.st_mtime_ns != entry["mtime_ns"]) and file_digest(path) != entry["sha256"]:
+            raise FormatError(f"{path}: its content differs from the cache's recorded SHA-256; the cache is "
+                              "damaged (delete it, or open the source with rebuild=True, to convert again)")
+
+
+def read_episodes(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The cache's episode table as numpy arrays (+ env_id, metadata lists), checked.
+
+    Raises:
+        FormatError: an unreadable file, a missing column, or values that do not
+            describe the rows (first rows not consecutive, counts off).
+    """
+    path = directory / EPISODES
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        table.validate(full=True)
+        columns = {name: primitive_numpy(table.column(name).combine_chunks(), np.dtype(dtype), name).astype(dtype)
+                   for name, dtype in EPISODE_COLUMNS.items()}
+        columns["env_id"] = table.column("env_id").to_pylist()
+        columns["metadata"] = table.column("metadata").to_pylist()
+    except (pa.ArrowException, OSError, KeyError, ValueError, TypeError) as err:
+        raise FormatError(f"{path}: not a readable episode table ({err})") from None
+    n, rows = manifest["num_episodes"], manifest["num_rows"]
+    num_rows, first_row, length = columns["num_rows"], columns["first_row"], columns["length"]
+    expected_first = np.concatenate([[0], np.cumsum(num_rows)[:-1]]) if n else num_rows
+    if (len(num_rows) != n or np.any(num_rows < 1) or int(num_rows.sum()) != rows
+            or not np.array_equal(first_row, expected_first) or np.any(length < 0) or np.any(length > num_rows)
+            or (n and int(length.sum()) != manifest.get("num_transitions"))):
+        raise FormatError(f"{path}: its episodes do not describe the {rows} rows of {ROWS} "
+                          "(counts, first rows or lengths disagree)")
+    return columns
+
+
+def primitive_numpy(array: pa.Array, dtype: np.dtype, name: str) -> np.ndarray:
+    """A zero-copy numpy view of a primitive Arrow array without nulls (its data buffer).
+
+    Not ``Array.to_numpy``: pyarrow imports pandas on its first call (1 s here).
+
+    Raises:
+        FormatError: nulls, or a buffer too short for the array.
+    """
+    data = array.buffers()[1] if len(array.buffers()) > 1 else None
+    if array.null_count or data is None:
+        raise FormatError(f"column {name!r} has nulls or no data buffer")
+    start, stop = array.offset * dtype.itemsize, (array.offset + len(array)) * dtype.itemsize
+    if stop > data.size:
+        raise FormatError(f"column {name!r}: {len(array)} values need {stop} bytes, its buffer holds {data.size}")
+    return np.frombuffer(data, dtype, len(array), start)
+
+
+class MappedRows:
+    """The columns of a cache's ``rows.arrow``, memory-mapped: numpy views, read-only.
+
+    Args:
+        directory: the cache directory (checked by `check_cache_files`).
+        schema: the fields it must hold.
+        num_rows: rows it must hold.
+
+    Raises:
+        FormatError: not one record batch of the expected columns and rows.
+    """
+
+    def __init__(self, directory: Path, schema: Schema, num_rows: int) -> None:
+        path = directory / ROWS
+        try:
+            self._file = pa.memory_map(str(path))
+            reader = pa.ipc.open_file(self._file)
+            if reader.num_record_batches != 1:
+                raise FormatError(f"{path}: {reader.num_record_batches} record batches; a dataset cache has one")
+            if not reader.schema.equals(rows_schema(schema)):
+                raise FormatError(f"{path}: its columns differ from the cache manifest's schema {schema}")
+            batch = reader.get_batch(0)
+            batch.validate()   # buffer sizes against the row count: no read past the file
+            if batch.num_rows != num_rows:
+                raise FormatError(f"{path}: {batch.num_rows} rows, the cache's manifest says {num_rows}")
+            self.columns: dict[str, np.ndarray] = {}
+            for name, spec in schema.fields.items():
+                column = batch.column(name)
+                if column.null_count or column.offset:
+                    raise FormatError(f"{path}: column {name!r} has nulls or an offset")
+                values = column.values if spec.shape else column
+                array = primitive_numpy(values, np.dtype(np.uint8 if spec.dtype == "bool" else spec.numpy_dtype), name)
+                if spec.dtype == "bool":
+                    array = array.view(np.bool_)
+                self.columns[name] = array.reshape(num_rows, *spec.shape)
+            self._file.seek(0)
+            self._whole = self._file.read_buffer()   # the mapping, for `release`
+        except (pa.ArrowException, OSError, ValueError) as err:
+            raise FormatError(f"{path}: not a readable dataset cache ({err}); it is truncated or damaged") from None
+        self.nbytes = self._whole.size
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process's resident set (``MADV_DONTNEED``):
+        they stay in the page cache, and the next read maps them again. Linux only; a
+        no-op elsewhere."""
+        if not sys.platform.startswith("linux") or not self.nbytes:
+            return
+        page = mmap.PAGESIZE
+        start = self._whole.address - self._whole.address % page
+        length = self._whole.address + self.nbytes - start
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4)   # MADV_DONTNEED
+
+    def close(self) -> None:
+        self.columns = {}
+        self._whole = None
+        self._file.close()
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return _LIBC

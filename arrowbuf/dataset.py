@@ -1,0 +1,379 @@
+"""Offline datasets, opened and not loaded: `open_dataset` and `Dataset`.
+
+A `Dataset` is a read-only store over a dataset on disk: an arrowbuf Parquet export
+(``store.to_parquet``), an Arrow IPC directory, or a LeRobot v3 dataset's tabular
+data (`arrowbuf._dataset_sources`). The source is converted once into a
+memory-mappable cache beside it (`arrowbuf._dataset_cache`), and the dataset samples
+straight from the mapped columns: the rows are never loaded, and only the pages a
+batch reads are brought in.
+
+Sampling reuses the store's machinery unchanged: the rows keep the arena's layout
+(each episode's steps, then its final observation), so a `MappedShard` holding the
+mapped columns and the episode table is served by a `ShardEngine` like any shard,
+with the same samplers (uniform, prioritized, sequences, episodes), the same
+n-step and frame-stack look-ups (within episodes) and the same pooled gather.
+Batches are the store's: a TensorDict with the fields at t, ``("next", obs)``,
+``"index"``, ``"episode_id"`` and ``"step"``.
+
+Example:
+    >>> import numpy as np, arrowbuf as ab, tempfile, os
+    >>> store = ab.ExperienceStore(capacity=100, seed=0)
+    >>> _ = store.add_episode({"obs": np.zeros((4, 3), np.float32), "action": np.zeros(3, np.int64),
+    ...                        "terminated": np.array([False, False, True])})
+    >>> out = store.to_parquet(os.path.join(tempfile.mkdtemp(), "export"))
+    >>> dataset = ab.open_dataset(out, seed=0)
+    >>> len(dataset), dataset.sample(8)["next", "obs"].shape
+    (3, torch.Size([8, 3]))
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tensordict import TensorDict
+
+from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
+                              check_sample_args, to_numpy)
+from arrowbuf._dataset_cache import (MappedRows, check_cache_files, fingerprint, read_cache_manifest, read_episodes,
+                                     source_changed, write_cache)
+from arrowbuf._dataset_sources import EPISODES_IPC, LEROBOT_INFO, detect, export_source, ipc_source, lerobot_source
+from arrowbuf.arena import host_tensor
+from arrowbuf.engine import ShardEngine
+from arrowbuf.errors import FormatError, describe
+from arrowbuf.parquet import MANIFEST as EXPORT_MANIFEST
+from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.samplers import PrioritizedSampler, Sampler, UniformSampler
+from arrowbuf.schema import SYSTEM_SPECS, Schema
+from arrowbuf.shard import Shard
+from arrowbuf.table import EpisodeTable
+
+#: Where `open_dataset` keeps a source's cache, inside the source directory (``cache_dir=`` moves it).
+CACHE_DIR = ".arrowbuf-cache"
+#: Default ``resident_limit``: bytes of mapped pages a dataset lets sampling keep resident.
+RESIDENT_LIMIT = 1 << 30
+
+_SOURCES = {"export": export_source, "ipc": ipc_source, "lerobot": lerobot_source}
+
+
+class MappedShard(Shard):
+    """A read-only `Shard` whose columns are views of memory-mapped rows.
+
+    Nothing is written into it: the engine that serves it only samples and gathers.
+    Small fields are not row-packed (their columns are the file's), and its tensors
+    of contiguous rows (`tensor_rows`) are views of read-only memory.
+    """
+
+    def __init__(self, schema: Schema, columns: dict[str, np.ndarray], table: EpisodeTable, num_rows: int) -> None:
+        # Not Shard.__init__: that allocates an arena; these columns exist already.
+        self.schema = schema
+        self.capacity = max(num_rows, 1)
+        self.mode = "fixed"
+        self.table = table
+        self.write_pos = num_rows
+        self.specs = {**schema.fields, **SYSTEM_SPECS}
+        self.packed, self._pack_offsets = None, {}
+        self.arena = columns
+        self._items = {}
+        self._row_episode = None
+        self.reuse = None
+        self.gather = self.make_gather(self.gather_columns())
+
+    def tensor_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return host_tensor(self.arena[name][start:stop], self.schema.fields[name])
+
+
+def _episode_table(episodes: dict[str, Any]) -> EpisodeTable:
+    """An `EpisodeTable` of the cache's episodes (no index map: `build_lookup` instead)."""
+    n = len(episodes["episode_id"])
+    env_names = sorted(set(episodes["env_id"]))
+    codes = {name: k for k, name in enumerate(env_names)}
+    length = episodes["length"]
+    columns = {name: episodes[name] for name in ("episode_id", "first_row", "num_rows", "length", "has_final",
+                                                 "terminated", "truncated", "return", "inserted_at")}
+    columns["env"] = np.array([codes[e] for e in episodes["env_id"]], np.int32)
+    columns["first_index"] = np.cumsum(length) - length
+    table = EpisodeTable()
+    table.load_state_dict({"shard": 0, "id_offset": 0, "id_stride": 1, "episodes_added": n,
+                           "env_names": env_names, "counters": {"index": int(length.sum())}, "columns": columns,
+                           "metadata": [[i, m] for i, m in enumerate(episodes["metadata"]) if m is not None]})
+    table.build_lookup()
+    return table
+
+
+class Dataset:
+    """A read-only, memory-mapped offline dataset, sampled like a store. Made by `open_dataset`.
+
+    ``len(dataset)`` counts transitions, as a store's does (an export opens with its
+    store's ``len``). Batches are the store's (see `ExperienceStore.sample`); their
+    ``"index"`` numbers the dataset's transitions 0..len-1, in episode order.
+
+    Resident memory: sampling brings the pages it reads into this process's resident
+    set. When the rows file is larger than ``resident_limit`` bytes, the dataset drops
+    its mapped pages from the resident set (they stay in the page cache) each time
+    batches may have touched that many bytes, so resident memory stays near
+    ``resident_limit`` whatever the dataset's size; a smaller file is never dropped.
+    """
+
+    def __init__(self, directory: Path, manifest: dict, sampler: Sampler, seed: int | None,
+                 resident_limit: int | None, verify: bool) -> None:
+        try:
+            schema = Schema.from_json(json.dumps(manifest["schema"]))
+        except (ValueError, TypeError, KeyError) as err:
+            raise FormatError(f"{directory}: the cache's schema does not parse ({err})") from None
+        check_cache_files(directory, manifest, verify)
+        episodes = read_episodes(directory, manifest)
+        self.path = directory
+        self.info = dict(manifest["source"].get("info") or {}, kind=manifest["source"].get("kind"),
+                         source=manifest["source"].get("path"))
+        self.sampler = sampler
+        self.seed = seed
+        self._rows = MappedRows(directory, schema, manifest["num_rows"])
+        self._engine = ShardEngine(max(manifest["num_rows"], 1), sampler=sampler, rate_limiter=RateLimiter(),
+                                   seed=seed)
+        table = _episode_table(episodes)
+        self._engine.attach(MappedShard(schema, self._rows.columns, table, manifest["num_rows"]))
+        if sampler.tracks_rows:   # a prioritized sampler: every transition at the first priority
+            for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
+                if length:
+                    sampler.on_add(first, length)
+        # Bytes of pages one gathered row may touch: a page per column read, plus the row.
+        self._row_cost = len(schema.fields) * mmap.PAGESIZE + 2 * schema.row_bytes
+        self._limit = resident_limit if resident_limit is not None and self._rows.nbytes > resident_limit else None
+        self._touched = 0
+
+    # -- shape -----------------------------------------------------------------------
+
+    @property
+    def schema(self) -> Schema:
+        return self._engine.schema
+
+    def __len__(self) -> int:
+        """Transitions (steps that have a next observation)."""
+        return len(self._engine)
+
+    @property
+    def num_episodes(self) -> int:
+        return self._engine.num_episodes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the memory-mapped rows file."""
+        return self._rows.nbytes
+
+    def __repr__(self) -> str:
+        return (f"Dataset({str(self.path)!r}, kind={self.info.get('kind')!r}, transitions={len(self)}, "
+                f"episodes={self.num_episodes}, sampler={self.sampler!r}, schema={self.schema!r})")
+
+    def episodes(self) -> pa.Table:
+        """The episode table (as `ExperienceStore.episodes`)."""
+        return self._engine.episodes()
+
+    def episode(self, episode_id: int) -> pa.RecordBatch:
+        """One episode's rows, zero-copy views of the mapped file.
+
+        Raises:
+            KeyError: no episode has this id.
+        """
+        ids = self._engine.table.col("episode_id")
+        found = np.flatnonzero(ids == episode_id) if isinstance(episode_id, (int, np.integer)) else []
+        if not len(found):
+            raise KeyError(f"episode {episode_id!r} is not in the dataset ({len(ids)} episodes)")
+        return self._engine.shard.episode_view(int(found[0]))
+
+    def to_arrow(self) -> pa.Table:
+        """Every row (system columns computed), zero-copy where the columns allow."""
+        return self._engine.to_arrow()
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+               device: torch.device | str | None = None, pin_memory: bool = False,
+               keys: list | None = None, min_version: int | None = None) -> TensorDict:
+        """Sample with the dataset's sampler, as `ExperienceStore.sample` does (n-step
+        returns and frame stacks stay within episodes); ``min_version``: only steps of
+        ``policy_version`` >= it (`arrowbuf.versions`).
+
+        Raises:
+            ValueError: a bad argument.
+            EmptyStoreError: the dataset holds no transition (of ``min_version``).
+        """
+        batch_size = check_int("batch_size", batch_size, 1)
+        args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
+        device = check_device(device)
+        pin_memory = check_bool("pin_memory", pin_memory)
+        min_version = check_optional_int("min_version", min_version, 0)
+        batch = self._engine.sample(batch_size, args, device, pin_memory, None, keys, min_version)
+        self._account(batch.numel())
+        return batch
+
+    def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
+                    n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
+        """Endless `sample` batches (``prefetch`` and ``batches_per_request`` are a Ray
+        store's and are ignored here)."""
+        batch_size = check_int("batch_size", batch_size, 1)
+        check_sample_args(n_step, gamma, frame_stack, self.schema)
+        while True:
+            yield self.sample(batch_size, n_step=n_step, gamma=gamma, frame_stack=frame_stack, device=device)
+
+    def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
+                     epochs: int = 1, device: torch.device | str | None = None,
+                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Every transition once per epoch, in batches (as `ExperienceStore.iter_batches`;
+        batches are always copies: the mapped rows are read-only).
+
+        Raises:
+            ValueError: a bad argument.
+        """
+        batch_size = check_int("batch_size", batch_size, 1)
+        shuffle = check_bool("shuffle", shuffle)
+        drop_last = check_bool("drop_last", drop_last)
+        epochs = check_int("epochs", epochs, 1)
+        device = check_device(device)
+        keys = self._engine.check_keys(keys)
+        min_version = check_optional_int("min_version", min_version, 0)
+        return self._epochs(batch_size, shuffle, drop_last, epochs, device, keys, min_version)
+
+    def _epochs(self, batch_size: int, shuffle: bool, drop_last: bool, epochs: int, device: Any,
+                keys: Any, min_version: int | None) -> Iterator[TensorDict]:
+        for _ in range(epochs):
+            for indices in self._engine.epoch(batch_size, shuffle, drop_last, min_version):
+                batch = self._engine.gather(indices, device, keys)
+                self._account(len(indices))
+                yield batch
+
+    def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
+        """The transitions of ``index`` (values of a batch's ``"index"``), in that order.
+
+        Raises:
+            ValueError: ``index`` is not a 1-D array of ints.
+            KeyError: some indices are outside 0..len-1.
+        """
+        array, _ = to_numpy(index, "index")
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"index must be a 1-D array of ints, got {describe(array)}")
+        array = array.astype(np.int64)
+        live = self._engine.table.is_live(array)
+        if not live.all():
+            raise KeyError(f"{int((~live).sum())} of the {len(array)} indices are outside the dataset's "
+                           f"0..{len(self) - 1}")
+        batch = self._engine.gather(array, check_device(device))
+        self._account(len(array))
+        return batch
+
+    def update_priorities(self, index: Any, priority: Any, *, wait: bool = True) -> int:
+        """Set priorities of sampled transitions (a dataset opened with a `PrioritizedSampler`);
+        as `ExperienceStore.update_priorities`. Returns how many indices were in the dataset.
+
+        Raises:
+            ValueError: not prioritized, or bad input (nothing is changed).
+        """
+        if not isinstance(self.sampler, PrioritizedSampler):
+            raise ValueError(f"update_priorities needs a PrioritizedSampler; this dataset uses {self.sampler!r}")
+        check_bool("wait", wait)
+        index, priority = check_priorities(index, priority, self.sampler.alpha, self.sampler.eps,
+                                           self._engine.capacity)
+        return self._engine.update_priorities(index, priority)
+
+    def _account(self, rows: int) -> None:
+        """Count the pages ``rows`` gathered rows may have touched; past the limit, drop them."""
+        if self._limit is None:
+            return
+        self._touched += rows * self._row_cost
+        if self._touched >= self._limit:
+            self._rows.release()
+            self._touched = 0
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process's resident set now (they stay in the page cache)."""
+        self._rows.release()
+        self._touched = 0
+
+    def close(self) -> None:
+        """Unmap the rows; the dataset cannot be sampled after."""
+        self._rows.close()
+
+    def __enter__(self) -> "Dataset":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def source_files(kind: str, path: Path) -> tuple[list[Path], list[Path]]:
+    """(files, hashed files) a cache of ``path`` records, listed without parsing the rows."""
+    if kind == "export":
+        manifest = json.loads((path / EXPORT_MANIFEST).read_text())
+        try:
+            listed = [e["path"] for e in manifest["steps"]] + [manifest["episodes"]["path"]]
+        except (KeyError, TypeError) as err:
+            raise FormatError(f"{path / EXPORT_MANIFEST}: incomplete manifest ({err!r})") from None
+        return [path / EXPORT_MANIFEST, *(path / p for p in listed)], [path / EXPORT_MANIFEST]
+    if kind == "lerobot":
+        files = [*sorted(path.glob("data/chunk-*/file-*.parquet")),
+                 *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")), path / LEROBOT_INFO]
+        return files, [path / LEROBOT_INFO]
+    rows = sorted(p for p in path.glob("*.arrow") if p.name != EPISODES_IPC)
+    return [*rows, path / EPISODES_IPC], [path / EPISODES_IPC]
+
+
+def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int | None = None,
+                 cache_dir: str | Path | None = None, rebuild: bool = True, verify: bool = False,
+                 resident_limit: int | None = RESIDENT_LIMIT, progress: bool | None = None) -> Dataset:
+    """Open an offline dataset for sampling, without loading it.
+
+    Args:
+        path: an arrowbuf Parquet export (``store.to_parquet``), an Arrow IPC directory
+            (``episodes.arrow`` + ``*.arrow`` files of rows), a LeRobot v3 dataset's
+            root (``meta/info.json``), or a dataset cache directory itself.
+        sampler: how `Dataset.sample` selects (`UniformSampler` by default; any
+            store sampler: `PrioritizedSampler`, `SequenceSampler`, ...), one per dataset.
+        seed: seed of the dataset's generator.
+        cache_dir: where the memory-mappable cache goes (default: ``path/.arrowbuf-cache``).
+        rebuild: when the cache is missing, or its source changed since it was converted
+            (a source file's size, mtime or hash), convert again (True) or raise
+            `FormatError` (False; a missing cache is converted either way).
+        verify: check the cache files' SHA-256 on every open (by default only when a
+            cache file's mtime changed since it was written; sizes and layout always).
+        resident_limit: bytes of mapped pages sampling may keep resident before they are
+            dropped (`Dataset`); None never drops them (the kernel reclaims them under
+            memory pressure).
+        progress: a progress bar for the conversion (None: when stderr is a terminal).
+
+    Raises:
+        FormatError: not a dataset arrowbuf reads, a damaged source or cache, or a stale
+            cache with ``rebuild=False``.
+        ValueError: a bad argument.
+    """
+    path = Path(path)
+    sampler = UniformSampler() if sampler is None else sampler
+    if not isinstance(sampler, Sampler):
+        raise ValueError(f"sampler must be an arrowbuf Sampler (UniformSampler(), PrioritizedSampler(), ...), "
+                         f"got {describe(sampler)}")
+    if seed is not None:
+        seed = check_int("seed", seed, 0)
+    rebuild, verify = check_bool("rebuild", rebuild), check_bool("verify", verify)
+    resident_limit = check_optional_int("resident_limit", resident_limit, 0)
+    if not path.is_dir():
+        raise FormatError(f"{path}: no such directory")
+    kind = detect(path)
+    if kind == "cache":
+        return Dataset(path, read_cache_manifest(path), sampler, seed, resident_limit, verify)
+    cache = Path(cache_dir) if cache_dir is not None else path / CACHE_DIR
+    files, hashed = source_files(kind, path)
+    if cache.exists():
+        manifest = read_cache_manifest(cache)
+        changed = source_changed(manifest, fingerprint(path, files, hashed))
+        if not changed:
+            return Dataset(cache, manifest, sampler, seed, resident_limit, verify)
+        if not rebuild:
+            raise FormatError(f"{cache}: the cache is stale: {changed[:5]} changed since it was converted from "
+                              f"{path}; pass rebuild=True to convert again")
+    write_cache(cache, _SOURCES[kind](path), progress)
+    return Dataset(cache, read_cache_manifest(cache), sampler, seed, resident_limit, verify)

@@ -1,0 +1,287 @@
+"""Policy versions: which policy chose each step, and draws of fresh steps only.
+
+Asynchronous trainers collect with one policy version while they train another; a
+step's ``"policy_version"`` (int64, a step field like any other: sampled, exported,
+checkpointed) says which policy chose its action. A step without one has version 0.
+
+- `fresh_selection`: a uniform draw of transitions whose version is at least
+  ``min_version``: rejection first (each round draws enough for the slots still empty
+  at the share of qualifying draws seen so far: O(batch / share)), then, for slots
+  still empty after `REJECTION_ROUNDS` rounds or when fewer than `MIN_RATE` of the
+  draws qualify, a draw among the qualifying transitions listed explicitly
+  (O(transitions)). Each slot is uniform over the qualifying transitions either way.
+- `stale_episodes`: how many of the oldest episodes hold only steps older than a
+  version, which `ShardEngine.evict` then frees. Eviction stays FIFO: it stops at the
+  first episode with a step of that version or newer, so it never leaves a hole in
+  the ring (older episodes behind a fresher one stay until the ring overwrites them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from arrowbuf._checks import check_int
+from arrowbuf.errors import EmptyStoreError
+from arrowbuf.fields import Field
+from arrowbuf.sample_args import SampleArgs
+from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
+
+if TYPE_CHECKING:
+    from arrowbuf.schema import Schema
+    from arrowbuf.shard import Episode, Shard
+
+VERSION = "policy_version"
+#: Rounds of rejection before the qualifying transitions are listed; and the share of
+#: qualifying draws below which they are listed at once.
+REJECTION_ROUNDS = 4
+MIN_RATE = 1 / 64
+
+
+def versions_of(shard: Shard, rows: np.ndarray) -> np.ndarray:
+    """The policy versions of arena ``rows`` (0 where the store has no version column)."""
+    if VERSION not in shard.schema.fields:
+        return np.zeros(rows.shape, np.int64)
+    return np.asarray(shard.reader(VERSION)[rows]).reshape(rows.shape)
+
+
+def newest_version(shard: Shard | None) -> int | None:
+    """The newest version among the live transitions; None when there are none."""
+    if shard is None or not shard.table.num_transitions:
+        return None
+    return int(versions_of(shard, shard.transition_rows()).max())
+
+
+def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
+    newest = newest_version(shard)
+    held = "no transition" if newest is None else f"the newest version held is {newest}"
+    return EmptyStoreError(f"cannot sample: no transition has policy_version >= {min_version} ({held}); "
+                           "lower min_version or wait for fresher steps")
+
+
+def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version: int, sampler: Any) -> Selection:
+    """``n`` transitions drawn uniformly among those of version >= ``min_version``.
+
+    Raises:
+        ValueError: ``sampler`` is not a plain `UniformSampler` (other samplers do not take
+            ``min_version``).
+        EmptyStoreError: none qualifies (naming the newest version held).
+    """
+    if type(sampler) is not UniformSampler:
+        raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
+    table = shard.table
+    first, stop = table.live_range()
+    first_row = table.col("first_row")
+    parts: list[tuple[np.ndarray, ...]] = []   # (indices, positions, steps, rows) kept, round by round
+    filled, size = 0, n
+    for _ in range(REJECTION_ROUNDS):
+        if first == stop:
+            break
+        draw = uniform_indices(rng, size, first, stop)
+        pos, step = table.locate(draw)            # located once: the selection reuses them
+        rows = first_row.take(pos) + step
+        kept = np.flatnonzero(versions_of(shard, rows) >= min_version)[:n - filled]
+        parts.append((draw[kept], pos[kept], step[kept], rows[kept]))
+        filled += len(kept)
+        if filled == n:
+            indices, pos, step, rows = (np.concatenate(column) for column in zip(*parts))
+            return Selection(rows, indices, pos, {}, step)
+        rate = len(kept) / size
+        if rate < MIN_RATE:
+            break
+        size = int((n - filled) / rate * 1.5) + 8   # enough draws to fill the rest at the rate seen
+    indices = np.empty(n, np.int64)
+    if parts:
+        indices[:filled] = np.concatenate([part[0] for part in parts])
+    live = np.arange(first, stop, dtype=np.int64)
+    fresh = live[versions_of(shard, table.rows_of(live)) >= min_version] if len(live) else live
+    if not len(fresh):
+        raise no_fresh_step(shard, min_version)
+    indices[filled:] = fresh[rng.integers(0, len(fresh), n - filled)]
+    return select_indices(table, indices)
+
+
+def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
+    """The live transition indices of version >= ``min_version``, oldest first.
+
+    Raises:
+        EmptyStoreError: none (naming the newest version held).
+    """
+    live = np.arange(*shard.table.live_range(), dtype=np.int64)
+    fresh = live[versions_of(shard, shard.table.rows_of(live)) >= min_version] if len(live) else live
+    if not len(fresh):
+        raise no_fresh_step(shard, min_version)
+    return fresh
+
+
+def evict_stale(shard: Shard, sampler: Any, min_version: int) -> int:
+    """Free the `stale_episodes` of ``shard`` (its sampler told, as a write's eviction tells it); how many."""
+    count = stale_episodes(shard, min_version)
+    if count:
+        spans = shard.evicted_spans(count) if sampler.tracks_rows else None
+        shard.table.pop_oldest(count)
+        if spans is not None:
+            sampler.on_evict(*spans)
+    return count
+
+
+def stale_episodes(shard: Shard, min_version: int) -> int:
+    """How many of the oldest live episodes have every step older than ``min_version``."""
+    table = shard.table
+    if VERSION not in shard.schema.fields:
+        return len(table) if min_version > 0 else 0
+    column = shard.reader(VERSION)
+    steps = table.col("num_rows") - table.col("has_final")
+    count = 0
+    for first, n in zip(table.col("first_row").tolist(), steps.tolist()):
+        if n and int(np.max(column[first:first + n])) >= min_version:
+            break
+        count += 1
+    return count
+
+
+def check_versions(versions: Any, count: int, what: str) -> np.ndarray:
+    """``versions`` (an int, or one per ``what``) as ``count`` int64 values >= 0.
+
+    Raises:
+        ValueError: not ints >= 0, or not one per ``what``.
+    """
+    array = np.asarray(versions.cpu() if hasattr(versions, "cpu") else versions)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or (array.size and array.min() < 0) \
+            or array.ndim > 1 or (array.ndim == 1 and len(array) != count):
+        raise ValueError(f"policy_version must be an int >= 0 or {count} of them (one per {what}), "
+                         f"got {versions!r}")
+    return np.broadcast_to(array.astype(np.int64), (count,))
+
+
+#: The column of versions: derived, so writes without it store version 0.
+VERSION_FIELD = Field("int64", derived=True)
+
+
+def with_version(episode: Episode, schema: Schema, version: Any) -> tuple[Episode, Schema]:
+    """A read episode with its steps' ``policy_version`` column, and the schema that holds it.
+
+    Raises:
+        ValueError: a bad version, or the episode carries a ``policy_version`` field too.
+    """
+    if VERSION in episode.columns:
+        raise ValueError("the episode has a policy_version field and policy_version= was given too; give one")
+    column = np.ascontiguousarray(check_versions(version, episode.num_steps, "step"))
+    if VERSION not in schema.fields:
+        schema = schema.extended({VERSION: VERSION_FIELD})
+    elif schema.fields[VERSION].dtype != "int64" or schema.fields[VERSION].shape:
+        raise ValueError(f"the store's policy_version field is {schema.fields[VERSION]}; versions need int64 scalars")
+    return dataclasses.replace(episode, columns={**episode.columns, VERSION: column}), schema
+
+
+def ensure_version_column(engine: Any, schema: Schema) -> None:
+    """Give ``engine``'s shard the version column of ``schema`` (zero: version 0 in every row
+    written before), so that a versioned episode's column is stored."""
+    with engine.lock:
+        shard = engine.shard
+        if shard is not None and VERSION in schema.fields and VERSION not in shard.schema.fields:
+            shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
+
+
+def local_engine(store: Any, what: str) -> Any:
+    """A local store's engine.
+
+    Raises:
+        ValueError: a Ray store (its shards and readers do not take versions yet).
+    """
+    if store.backend != "local":
+        raise ValueError(f"{what} needs backend='local' for now; a Ray store stores an int64 'policy_version' "
+                         "step field given in the data, but does not filter or evict by it yet")
+    return store.engine
+
+
+def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schema, version: Any,
+                    per_episode: bool = False) -> tuple[Episode | list[Episode], Schema]:
+    """``store``'s read episode (or list of them, with ``per_episode``) with its
+    ``policy_version`` column (``version``: an int, one per step of the one episode, or one
+    per episode), the schema holding them, and the store's shard given the column
+    (`ensure_version_column`). Unchanged when ``version`` is None.
+
+    Raises:
+        ValueError: a bad version, or a Ray store whose schema was fixed without the column.
+    """
+    if version is None:
+        return episodes, schema
+    if store.backend != "local" and store.schema is not None and VERSION not in store.schema.fields:
+        raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one yet): "
+                         "give policy_version from the store's first write on, or declare the field in its schema")
+    if not per_episode:
+        out, schema = with_version(episodes, schema, version)
+    else:
+        out = []
+        for episode, each in zip(episodes, check_versions(version, len(episodes), "episode")):
+            episode, schema = with_version(episode, schema, each)
+            out.append(episode)
+    if store.backend == "local":
+        ensure_version_column(store.engine, schema)
+    return out, schema
+
+
+def sample_fresh(store: Any, min_version: Any, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool,
+                 timeout: float | None, num_workers: int | None, keys: Any) -> Any:
+    """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (local stores).
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+    """
+    min_version = check_int("min_version", min_version, 0)
+    batch = local_engine(store, "min_version").sample(batch_size, args, device, pin_memory, timeout, keys,
+                                                      min_version)
+    return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+
+
+def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, drop_last: bool, epochs: int,
+                 device: Any, keys: Any) -> Iterator[Any]:
+    """`ExperienceStore.iter_batches` over the steps of ``policy_version`` >= ``min_version``.
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+        EmptyStoreError: no step qualifies (at the first epoch's start).
+    """
+    min_version = check_int("min_version", min_version, 0)
+    engine = local_engine(store, "min_version")
+    keys = engine.check_keys(keys)
+    first = engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
+
+    def batches() -> Iterator[Any]:
+        for epoch in range(epochs):
+            for indices in first if epoch == 0 else engine.epoch(batch_size, shuffle, drop_last, min_version):
+                batch = engine.gather(indices, device, keys)
+                if batch is not None and batch.batch_size[0]:
+                    yield batch
+
+    return batches()
+
+
+def evict_older(store: Any, min_version: Any) -> int:
+    """`ExperienceStore.evict`: free the oldest episodes older than ``min_version`` (`evict_stale`).
+
+    Raises:
+        ValueError: a bad ``min_version``, or a Ray store.
+    """
+    min_version = check_int("min_version", min_version, 0)
+    return local_engine(store, "evict(min_version=)").evict(min_version)
+
+
+def next_versions(value: Any, last: np.ndarray) -> np.ndarray:
+    """A writer step's versions (one int for every env, or one per env), checked to be no lower
+    than each env's ``last`` (updated in place).
+
+    Raises:
+        ValueError: not ints >= 0, or lower than an env's previous version.
+    """
+    versions = np.ascontiguousarray(check_versions(value, len(last), "env"))
+    older = np.flatnonzero(versions < last)
+    if len(older):
+        env = int(older[0])
+        raise ValueError(f"policy_version of env {env} went back from {int(last[env])} to {int(versions[env])}; "
+                         "versions are non-decreasing in each writer's order")
+    last[...] = versions
+    return versions
