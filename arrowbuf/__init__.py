@@ -6,8 +6,8 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 
 from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, RateLimited, ResourceError,
-                             SchemaError, ShardError)
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
+                             ResourceError, SchemaError, ShardError)
 from arrowbuf.fields import Field
 from arrowbuf.mixture import Mixture
 from arrowbuf.parquet import read_parquet
@@ -28,6 +28,7 @@ __all__ = [
     "EpisodeSampler",
     "Field",
     "FormatError",
+    "InUseError",
     "MinSize",
     "Mixture",
     "PrioritizedSampler",

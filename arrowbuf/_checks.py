@@ -173,9 +173,15 @@ def check_name(name: Any) -> str | None:
     return name
 
 
-def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A detached CPU view of ``tensor`` as numpy; bfloat16 as its ``uint16`` bits (no copy on the CPU)."""
-    tensor = tensor.detach().cpu()
+def tensor_to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
+    """A detached CPU view of ``tensor`` as numpy; bfloat16 as its ``uint16`` bits (no copy on the CPU).
+
+    Raises:
+        SchemaError: a tensor whose device has no data to copy (``meta``), naming ``name``.
+    """
+    from arrowbuf.fields import tensor_on_cpu
+
+    tensor = tensor_on_cpu(tensor, name)
     if tensor.dtype == torch.bfloat16:
         return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
@@ -188,7 +194,7 @@ def to_numpy(value: Any, name: str) -> tuple[np.ndarray, bool]:
         ValueError: it cannot be read as an array.
     """
     if isinstance(value, torch.Tensor):
-        return tensor_to_numpy(value), value.dtype == torch.bfloat16
+        return tensor_to_numpy(value, name), value.dtype == torch.bfloat16
     try:
         return np.asarray(value), False
     except (TypeError, ValueError):

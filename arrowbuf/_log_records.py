@@ -14,6 +14,12 @@ metadata, inserted_at, has_final, num_steps) or ``clear``.
 `read_segment` reads a segment back: a record whose bytes run past the end of the
 newest segment is a torn append and ends it; any other damage raises `FormatError`
 naming the file. `arrowbuf.episode_log` appends and replays records.
+
+A segment's ``start`` record also names its predecessor and the bytes it ended
+with (``previous``: [segment, bytes], null for the first), so a segment cut at a
+record boundary is found; and ``head``: true says the log keeps a head file
+(``log-head``, `Head`): the oldest and newest segment and how far the newest one's
+appends were acknowledged, so a deleted or cut newest segment is found too.
 """
 
 from __future__ import annotations
@@ -40,11 +46,62 @@ HEADER = struct.Struct("<4sQQQ")        # magic, payload bytes, word sum, word x
 HEADER_BYTES = HEADER.size + 4          # + crc32 of the header
 META = b"arrowbuf.log"
 SEGMENT = re.compile(r"log-(\d{8})\.arrowlog")
+HEAD_NAME = "log-head"
+HEAD = struct.Struct("<4sQQQQqq")       # magic, first and newest segment, acked bytes and records of the newest,
+                                        # next id after the acknowledged episodes, next id of the last checkpoint
+HEAD_MAGIC = b"ABH1"
 Batch = tuple[str, int]                 # (writer id, the writer's batch number)
 
 # Columns after the user fields in an episodes record.
 SYSTEM_COLUMNS = pa.schema([("episode_id", pa.int64()), ("env_id", pa.string()), ("metadata", pa.string()),
                             ("inserted_at", pa.int64()), ("has_final", pa.bool_()), ("num_steps", pa.int64())])
+
+
+def segment_name(number: int) -> str:
+    return f"log-{number:08d}.arrowlog"
+
+
+class Head:
+    """What the log's head file records: segments ``first..newest`` exist, and appends to
+    ``newest`` were acknowledged up to byte ``acked_bytes`` (``acked_records`` records
+    after its start), every episode below ``acked_next`` among them or before, and
+    the last compaction's checkpoint holds every episode below ``covered``.
+
+    Written after the acknowledged append's bytes were flushed, so it never claims
+    more than the segment holds; a crash mid-append leaves bytes beyond it (a torn
+    record, never acknowledged), while a segment cut below it was damaged.
+    """
+
+    def __init__(self, first: int, newest: int, acked_bytes: int, acked_records: int, acked_next: int,
+                 covered: int = 0) -> None:
+        self.first, self.newest = first, newest
+        self.acked_bytes, self.acked_records, self.acked_next = acked_bytes, acked_records, acked_next
+        self.covered = covered
+
+    def pack(self) -> bytes:
+        body = HEAD.pack(HEAD_MAGIC, self.first, self.newest, self.acked_bytes, self.acked_records, self.acked_next,
+                         self.covered)
+        return body + struct.pack("<I", zlib.crc32(body))
+
+    @classmethod
+    def read(cls, path: Path) -> "Head | None":
+        """The head in ``path`` (None: no such file).
+
+        Raises:
+            FormatError: a damaged head file.
+        """
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) != HEAD.size + 4 or zlib.crc32(data[:HEAD.size]) != struct.unpack_from("<I", data, HEAD.size)[0]:
+            raise FormatError(f"{path}: a damaged log head ({len(data)} bytes, or a bad checksum); it records "
+                              "which segments exist and how far their appends were acknowledged, so the log "
+                              "cannot vouch for its newest episodes")
+        magic, *values = HEAD.unpack_from(data)
+        if magic != HEAD_MAGIC or values[0] > values[1] or min(values) < 0:
+            raise FormatError(f"{path}: not a log head (magic {magic!r}, segments {values[0]}..{values[1]})")
+        return cls(*values)
 
 
 def digest(payload: memoryview) -> tuple[int, int]:
@@ -179,6 +236,12 @@ def _meta_problem(meta: Any) -> str | None:
                 isinstance(w, list) and len(w) == 2 and _is_int(w[0]) and isinstance(w[1], list)
                 and all(_is_int(n) for n in w[1]) for w in writers.values()):
             return f"writers {writers!r:.80}, expected {{writer: [count, [numbers]]}}"
+        previous = meta.get("previous")
+        if previous is not None and not (isinstance(previous, list) and len(previous) == 2
+                                         and all(_is_int(v) and v >= 0 for v in previous)):
+            return f"previous {previous!r:.80}, expected null or [segment, bytes]"
+        if not isinstance(meta.get("head", False), bool):
+            return f"head {meta.get('head')!r:.80}, expected true or false"
     elif kind == "clear":
         if not _is_int(meta.get("next_id")) or meta["next_id"] < 0:
             return f"next_id {meta.get('next_id')!r:.80}, expected an int >= 0"

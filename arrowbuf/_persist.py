@@ -241,13 +241,25 @@ def file_entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": file_digest(path)}
 
 
-def check_file(path: Path, entry: Mapping[str, Any]) -> None:
+def check_hash_entry(entry: Mapping[str, Any], hashed: bool, where: Path) -> None:
+    """Raises `FormatError` unless ``entry`` records a ``sha256`` where its format requires one
+    (``hashed``: format version 2 on); a null there would skip every content check."""
+    expected = entry.get("sha256")
+    if hashed and not (isinstance(expected, str) and len(expected) == 64):
+        raise FormatError(f"{where}: the entry of {entry.get('path', 'a file')!r} has sha256={expected!r}; this "
+                          "format version records every file's content hash (64 hex digits), so the manifest was "
+                          "edited or damaged")
+
+
+def check_file(path: Path, entry: Mapping[str, Any], hashed: bool = True) -> None:
     """Check a file against its manifest entry: present, ``bytes`` long, and with
-    its recorded ``sha256`` (manifests of format version 1 have none).
+    its recorded ``sha256``, which ``hashed`` requires (manifests of format version 1
+    have none: pass False for them).
 
     Raises:
         FormatError: naming the file and what differs.
     """
+    check_hash_entry(entry, hashed, path)
     check_size(path, entry["bytes"])
     expected = entry.get("sha256")
     if expected is not None and file_digest(path) != expected:

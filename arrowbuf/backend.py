@@ -51,8 +51,9 @@ class Backend(Protocol):
     @property
     def schema(self) -> Schema | None: ...
 
-    def size(self) -> tuple[int, int]:
-        """(transitions, episodes); on Ray as last reported, never waiting."""
+    def size(self, exact: bool = True) -> tuple[int, int]:
+        """(transitions, episodes); on Ray asked of every shard, or with ``exact=False``
+        as last reported, never waiting."""
 
     # -- writing -------------------------------------------------------------------
 

@@ -301,9 +301,10 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
     with typed_errors(manifest_path):
         state_entry, row_files, token = manifest["state_file"], manifest["row_files"], manifest["token"]
         state_file = path / _name(state_entry["path"], manifest_path)
-        check_file(state_file, state_entry)
+        hashed = manifest["format_version"] >= 2
+        check_file(state_file, state_entry, hashed)
         for entry in row_files:
-            check_file(path / _name(entry["path"], manifest_path), entry)
+            check_file(path / _name(entry["path"], manifest_path), entry, hashed)
         state = join_arrays(manifest["state"], table_arrays(_read_state(state_file)))
         if isinstance(state.get("shard"), dict) and isinstance(state["shard"].get("table"), dict):
             upgrade_state(state["shard"]["table"])

@@ -153,6 +153,11 @@ class Dataset:
     def schema(self) -> Schema:
         return self._engine.schema
 
+    @property
+    def engine(self) -> ShardEngine:
+        """The engine serving the mapped shard (a `Mixture` samples it directly)."""
+        return self._engine
+
     def __len__(self) -> int:
         """Transitions (steps that have a next observation)."""
         return len(self._engine)
@@ -209,7 +214,7 @@ class Dataset:
         pin_memory = check_bool("pin_memory", pin_memory)
         min_version = check_optional_int("min_version", min_version, 0)
         batch = self._engine.sample(batch_size, args, device, pin_memory, None, keys, min_version)
-        self._account(batch.numel())
+        self.touched(batch.numel())
         return batch
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
@@ -245,7 +250,7 @@ class Dataset:
         for _ in range(epochs):
             for indices in self._engine.epoch(batch_size, shuffle, drop_last, min_version):
                 batch = self._engine.gather(indices, device, keys)
-                self._account(len(indices))
+                self.touched(len(indices))
                 yield batch
 
     def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
@@ -264,7 +269,7 @@ class Dataset:
             raise KeyError(f"{int((~live).sum())} of the {len(array)} indices are outside the dataset's "
                            f"0..{len(self) - 1}")
         batch = self._engine.gather(array, check_device(device))
-        self._account(len(array))
+        self.touched(len(array))
         return batch
 
     def update_priorities(self, index: Any, priority: Any, *, wait: bool = True) -> int:
@@ -281,8 +286,9 @@ class Dataset:
                                            self._engine.capacity)
         return self._engine.update_priorities(index, priority)
 
-    def _account(self, rows: int) -> None:
-        """Count the pages ``rows`` gathered rows may have touched; past the limit, drop them."""
+    def touched(self, rows: int) -> None:
+        """Count the pages ``rows`` gathered rows may have touched (sampled here, or by a
+        `Mixture` through `engine`); past the limit, drop them."""
         if self._limit is None:
             return
         self._touched += rows * self._row_cost

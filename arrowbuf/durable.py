@@ -8,7 +8,9 @@ composes a `DurableShard` with its engine (see ``ShardServer``).
 
 Layout of a durable directory::
 
-    shard-dir/
+    shard-dir/                     0700, files 0600: the owner's only
+      lock                         flock'd by the one process writing here; names it (`arrowbuf._dirlock`)
+      log-head                     oldest and newest segment, the newest one's acknowledged end
       log-<segment:08d>.arrowlog   segments of the episode log (`arrowbuf.episode_log`)
       checkpoint/                  the last checkpoint (`arrowbuf.checkpoint`); saves compact the log
 
@@ -36,6 +38,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from arrowbuf._dirlock import private_tree
 from arrowbuf._log_records import Batch
 from arrowbuf._persist import CHECKPOINT_MANIFEST
 from arrowbuf.engine import ShardEngine
@@ -51,16 +54,33 @@ def durable_directory(durable: Any, name: str) -> Path | None:
     ``~/.cache/arrowbuf/<name>`` for True; None for False (or None).
 
     Raises:
-        ValueError: anything but a bool or a path.
+        ValueError: anything but a bool or a path, or (for True) a name that is not
+            one plain directory name (it would put the data outside ``~/.cache/arrowbuf``).
     """
     if durable is False or durable is None:
         return None
     if durable is True:
+        check_directory_name(name)
         return Path.home() / ".cache" / "arrowbuf" / name
     if isinstance(durable, (str, os.PathLike)) and str(durable):
         return Path(durable).expanduser()
     raise ValueError(f"durable must be True, False or a directory path, got {durable!r}")
 
+
+
+def check_directory_name(name: str) -> str:
+    """``name`` as one directory name inside its parent: no separator, not ``.``/``..``, no NUL.
+
+    Raises:
+        ValueError: a name that could leave its directory (``../x``, ``/abs``, ``a/b``).
+    """
+    separators = {"/", os.sep, os.altsep} - {None}
+    if not isinstance(name, str) or not name or name in (".", "..") or "\0" in name \
+            or any(s in name for s in separators):
+        raise ValueError(f"name {name!r} cannot name a durable directory: with durable=True the store keeps its data "
+                         "in ~/.cache/arrowbuf/<name>, so the name must be one plain directory name (no '/', not "
+                         "'.' or '..'); pass durable='some/dir' to choose another place")
+    return name
 
 
 class DurableShard:
@@ -74,14 +94,16 @@ class DurableShard:
     Args:
         directory: the shard's durable directory.
         shard, num_shards: the engine's place in its store (for checkpoint loads).
-        sync: see `EpisodeLog`.
+        sync, lock_wait, holder: see `EpisodeLog`.
 
     Raises:
+        InUseError: another process has the directory open (its lock).
         FormatError: a damaged log (see `EpisodeLog`).
     """
 
-    def __init__(self, directory: str | os.PathLike, shard: int = 0, num_shards: int = 1, sync: bool = True) -> None:
-        self.log = EpisodeLog(directory, sync=sync)
+    def __init__(self, directory: str | os.PathLike, shard: int = 0, num_shards: int = 1, sync: bool = True,
+                 lock_wait: float = 0.0, holder: str | None = None) -> None:
+        self.log = EpisodeLog(directory, sync=sync, lock_wait=lock_wait, holder=holder)
         self.directory = self.log.directory
         self.shard = shard
         self.num_shards = num_shards
@@ -151,6 +173,10 @@ class DurableShard:
                 raise ShardError(self._failed) from None
             raise
 
+    def failed(self, reason: str) -> None:
+        """Refuse every later write (`commit` raises `ShardError` saying ``reason``)."""
+        self._failed = f"the durable log {self.directory} takes no more writes: {reason}"
+
     def cleared(self, engine: ShardEngine) -> None:
         """Log a `ShardEngine.clear` (call right after it)."""
         self.log.append_clear(next_episode_id(engine))
@@ -167,6 +193,7 @@ class DurableShard:
         with engine.lock:
             upto = next_episode_id(engine)   # every episode below it is in the save that follows
         save_engine(engine, self.checkpoint_path, info, progress=False)
+        private_tree(self.checkpoint_path)   # owner-only, as the log
         self.log.compact(upto)
         return self.checkpoint_path
 

@@ -32,6 +32,7 @@ from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.arena import make_shard
+from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits
 from arrowbuf.sample_args import PLAIN, SampleArgs
@@ -95,7 +96,7 @@ class ShardEngine:
         self.checkpoints: dict[str, str] = {}
         # The plain limiter only counts: the waits are skipped for it.
         self._limited = limits(rate_limiter)
-        # Plain uniform samples of a numpy arena may take `Gather.plain`'s path.
+        # Plain uniform samples of a numpy arena may take `arrowbuf.direct`'s path.
         self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
@@ -247,16 +248,21 @@ class ShardEngine:
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            if self._direct and min_version is None and args.plain and device is None and not pin_memory \
-                    and shard.reuse is None and shard.host_columns:
-                check_batch(shard.schema, self.sampler, shard.table, batch_size)
-                batch = shard.gather.plain(shard.table, self.sampler, self._rng, batch_size, keys)
+            direct = self.direct() if args.plain and device is None and not pin_memory else None
+            if direct is not None:
+                batch = sample_plain_uniform(shard, self._rng, batch_size, keys, min_version)
                 self.counts.samples += batch_size
                 return batch
             selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
             self._sampled(selection)
             return batch
+
+    def direct(self) -> tuple[Shard, np.random.Generator] | None:
+        """(shard, generator) when plain uniform samples go straight into a slot (`arrowbuf.direct`); under `lock`."""
+        shard = self._shard
+        return (shard, self._rng) if self._direct and shard is not None and shard.reuse is None and shard.host_columns \
+            else None
 
     def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
@@ -407,8 +413,7 @@ class ShardEngine:
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""
         with self.lock:
-            table = self.table
-            return table.col("first_index").copy(), table.col("length").copy()
+            return self.table.col("first_index").copy(), self.table.col("length").copy()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One live episode's rows as a zero-copy RecordBatch.
@@ -437,13 +442,9 @@ class ShardEngine:
             elapsed = max(time.monotonic() - self._created, 1e-9)
             counts = self.counts
             return {
-                "transitions": len(self),
-                "episodes": self.num_episodes,
-                "capacity": self.capacity,
-                "inserts": counts.inserts,
-                "samples": counts.samples,
-                "inserts_per_s": counts.inserts / elapsed,
-                "samples_per_s": counts.samples / elapsed,
+                "transitions": len(self), "episodes": self.num_episodes, "capacity": self.capacity,
+                "inserts": counts.inserts, "samples": counts.samples,
+                "inserts_per_s": counts.inserts / elapsed, "samples_per_s": counts.samples / elapsed,
                 "sample_to_insert_ratio": counts.samples / counts.inserts if counts.inserts else 0.0,
                 "rate_limiter": self.rate_limiter.state(counts),
                 "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,

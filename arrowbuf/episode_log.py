@@ -12,11 +12,20 @@ others get their logged ids again. A retried write (the shard died after logging
 it, before its answer arrived) carries the batch number its writer gave it, and
 `EpisodeLog.seen` recognises it.
 
-**Crashes.** A record is appended and flushed before the answer, and nothing
-is written after it until then, so a crash can only leave a torn last record (its bytes run past the end
-of the newest segment): it was never acknowledged, and opening the log drops it.
-Any other damage (a bad header or checksum, a short older segment, ids that skip)
-raises `FormatError` naming the file.
+**Crashes and damage.** A record is appended and flushed before the answer, and
+nothing is written after it until then, so a crash can only leave a torn last record
+(its bytes run past the end of the newest segment): it was never acknowledged, and
+opening the log drops it. The two are told apart by ordering: once an append's bytes
+are flushed, and before it returns, the head file (``log-head``) is moved past them,
+so the head never claims more than the segment holds, and a newest segment that ends
+before the head's acknowledged end (cut, emptied), or is missing (deleted), was
+damaged. Each segment's start record names its predecessor and the bytes it ended
+with, so an older segment cut at a record boundary is found too. Any damage (a bad
+header or checksum, a cut, emptied or deleted segment, the head deleted, ids that
+skip) raises `FormatError` naming the file and what it cannot vouch for. The head
+moves without an fsync of its own: after a node crash it may lag the segment (a
+weaker check there, never a false one); with ``sync=False`` the segment itself may
+lag after a node crash, and the reopen then says what was lost.
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from arrowbuf._checks import check_bool, check_int
+from arrowbuf._dirlock import FILE_MODE, DirectoryLock
 from arrowbuf._filesink import fsync
-from arrowbuf._log_records import (SEGMENT, Batch, Record, episodes_batch, episodes_schema, read_segment,
-                                  record_header, stream)
+from arrowbuf._log_records import (HEAD_NAME, SEGMENT, Batch, Head, Record, episodes_batch, episodes_schema,
+                                  read_segment, record_header, segment_name, stream)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError
 from arrowbuf.schema import Schema
@@ -58,27 +68,35 @@ def next_episode_id(engine: ShardEngine) -> int:
 class EpisodeLog:
     """The append-only episode log of one engine, in segment files of ``directory``.
 
-    Opening the log reads and checks every segment, drops a torn last record, and
-    keeps the records for `replay`.
+    Opening the log locks the directory (`arrowbuf._dirlock`: one writer at a
+    time, released by the OS when its process ends), reads and checks every
+    segment against the head and the segments' start records, drops a torn last
+    record, and keeps the records for `replay`.
 
     Args:
-        directory: where the segments live (created if missing).
+        directory: where the segments live (created 0700 if missing).
         segment_bytes: a segment this large is closed and a new one started.
         sync: flush each append to disk (``fdatasync``) before it returns; False
-            leaves it to the OS: appends survive a dead process, not a node crash.
+            leaves it to the OS: appends survive a dead process, not a node crash
+            (after one, the reopen may raise `FormatError` for appends it lost).
+        lock_wait: seconds to wait for another process's lock on the directory.
+        holder: what names this process in the lock file, beside its pid and host.
 
     Raises:
-        FormatError: a damaged record or segment (never a torn last record).
+        InUseError: another process has the directory open.
+        FormatError: a damaged record or segment (never a torn last record), a
+            deleted segment, or a newest segment cut below its acknowledged appends.
         ValueError: a bad argument.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20, sync: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20, sync: bool = True,
+                 lock_wait: float = 0.0, holder: str | None = None) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise ValueError(f"directory must be a path, got {directory!r}")
         self.directory = Path(directory)
         self.segment_bytes = check_int("segment_bytes", segment_bytes, 1)
         self.sync = check_bool("sync", sync)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._dirlock = DirectoryLock(self.directory, lock_wait, holder)
         self._lock = threading.Lock()
         # writer -> [n, [numbers above n]]: its batches 1..n and those listed are logged.
         # Exact whatever order retries come in; a number that never comes (a write
@@ -89,27 +107,112 @@ class EpisodeLog:
         self._segments: list[tuple[Path, int]] = []   # sealed segments and the next id after their records
         self._next_after = 0
         self._arrow_schema: tuple[Schema, pa.Schema] | None = None   # of the last append, reused
-        self._open()
+        self._head_fd: int | None = None
+        self._file: Any = None
+        self.acked_next = 0      # every acknowledged episode's id is below it
+        self._covered = 0        # the last compaction's checkpoint holds every episode below it
+        self._acked_records = 0  # records acknowledged in the active segment after its start
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self) -> None:
-        paths = sorted(p for p in self.directory.iterdir() if SEGMENT.fullmatch(p.name))
+        head = Head.read(self.directory / HEAD_NAME)
+        numbers = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := SEGMENT.fullmatch(p.name)))
+        if head is not None:
+            for number in [n for n in numbers if n < head.first]:   # a compaction stopped after moving the head on
+                (self.directory / segment_name(number)).unlink()
+            numbers = [n for n in numbers if n >= head.first]
+        missing = [n for n in range(head.first, head.newest + 1) if n not in numbers] if head is not None else []
+        gaps = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
+        if gaps and not missing:
+            raise FormatError(f"{self.directory / segment_name(gaps[0])}: missing (deleted) between "
+                              f"{segment_name(numbers[0])} and {segment_name(numbers[-1])}; the episodes and clears "
+                              "logged in it cannot be vouched for")
+        paths = [self.directory / segment_name(n) for n in numbers]
+        read = []
         for k, path in enumerate(paths):
-            records, end = read_segment(path, last=k == len(paths) - 1)
-            if end < path.stat().st_size:
-                logger.warning("%s: dropping a torn last record (%d bytes) of an append that never returned",
-                               path, path.stat().st_size - end)
-                os.truncate(path, end)
+            newest = k == len(paths) - 1
+            records, end = read_segment(path, last=newest)
+            size = path.stat().st_size
+            if records and records[0].kind != "start" or not records and not newest:
+                raise FormatError(f"{path}: does not begin with a start record; the segment was cut or emptied, "
+                                  "and the episodes logged in it cannot be vouched for")
+            read.append((path, records, end, size))
+        for (path, _, _, size), (_, records, _, _) in zip(read, read[1:]):
+            previous = records[0].meta.get("previous") if records else None
+            number = int(SEGMENT.fullmatch(path.name).group(1))
+            if previous is not None and previous[0] == number and previous[1] != size:   # (a gap is said below)
+                raise FormatError(f"{path}: {size} bytes, but the next segment's start record says it ended at "
+                                  f"byte {previous[1]}; it was cut, and the episodes logged past byte {size} "
+                                  "cannot be vouched for")
+        for path, records, _, _ in read:
             for record in records:
                 self._note(record)
             self._records += records
             self._segments.append((path, self._next_after))
+        if missing:   # said after reading the others: what they hold is vouched for
+            lost = (f"; {self._unvouched(head)} cannot be vouched for" if head.newest in missing else
+                    ": the episodes and clears logged in it cannot be vouched for")
+            raise FormatError(f"{self.directory / segment_name(missing[0])}: missing (deleted); the log head "
+                              f"({HEAD_NAME}) lists segments {head.first}..{head.newest}{lost}")
+        if head is not None:
+            self.acked_next = max(self.acked_next, head.acked_next)
+            self._covered = head.covered
+        torn = None
+        if read:
+            path, records, end, size = read[-1]
+            number = numbers[-1]
+            if head is not None and number == head.newest and end < head.acked_bytes:
+                raise FormatError(f"{path}: its records end at byte {end}, but appends to it were acknowledged up to "
+                                  f"byte {head.acked_bytes} ({head.acked_records} records after its start); the "
+                                  f"segment was cut or emptied, and {self._unvouched(head)} cannot be vouched for")
+            if head is None and any(r[1] and r[1][0].meta.get("head") for r in read) and not (
+                    len(read) == 1 and len(records) <= 1):
+                raise FormatError(f"{self.directory / HEAD_NAME}: missing (deleted); the segments say this log keeps "
+                                  "one (it records the newest segment and how far its appends were acknowledged), "
+                                  "so the newest episodes cannot be vouched for")
+            torn = (path, end, size) if end < size else None
+        # Verdict given: what remains is a crash's (a torn, never acknowledged, last record or segment).
+        if torn is not None:
+            path, end, size = torn
+            logger.warning("%s: dropping a torn last record (%d bytes) of an append that never returned",
+                           path, size - end)
+            os.truncate(path, end)
+        self._head_fd = os.open(self.directory / HEAD_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        self._first = numbers[0] if numbers else 0
         if self._segments and self._segments[-1][0].stat().st_size == 0:
             self._segments.pop()[0].unlink()   # a segment whose start record was torn
         if self._segments:
             self._active_path = self._segments.pop()[0]
             self._file = open(self._active_path, "ab")
+            self._acked_records = max(0, {p: len(r) for p, r, _, _ in read}[self._active_path] - 1)
+            self._set_head(durable=True)
         else:
-            self._start_segment(0)
+            self._start_segment(self._first, None)
+
+    def _unvouched(self, head: Head) -> str:
+        """What a log cut before its head's acknowledged appends may have lost."""
+        logged = max(self._next_after, head.covered)   # the log's records, or the last checkpoint, hold the rest
+        if head.acked_next > logged:
+            return (f"episodes {logged}..{head.acked_next - 1} (acknowledged; neither the readable records nor "
+                    "the last checkpoint hold them) and any clear logged after them")
+        if head.acked_records == 0:
+            return (f"the start record of segment {head.newest} (the writers' batch numbers that recognise a "
+                    "retried write)")
+        return f"the {head.acked_records} acknowledged appends of segment {head.newest} (their episodes and clears)"
+
+    def _set_head(self, durable: bool = False) -> None:
+        """Record the active segment and its acknowledged end in the head (after the append's bytes are
+        flushed: the head never claims more than the segment holds). ``durable``: flushed too (a new segment)."""
+        number = int(SEGMENT.fullmatch(self._active_path.name).group(1))
+        head = Head(self._first, number, self._file.tell(), self._acked_records, self.acked_next, self._covered)
+        os.pwrite(self._head_fd, head.pack(), 0)
+        if durable and self.sync:
+            os.fsync(self._head_fd)
+            fsync(self.directory)
 
     def _note(self, record: Record) -> None:
         if record.kind == "start":
@@ -120,6 +223,7 @@ class EpisodeLog:
             ids = record.ids()
             if ids:
                 self._next_after = max(self._next_after, ids[-1] + 1)
+                self.acked_next = max(self.acked_next, ids[-1] + 1)
         if record.batch is not None:
             self._remember(record.batch, record.ids() if record.kind == "episodes" else [])
 
@@ -137,12 +241,16 @@ class EpisodeLog:
         while len(self.batches) > _MAX_WRITERS:
             del self.batches[next(iter(self.batches))]
 
-    def _start_segment(self, number: int) -> None:
-        self._active_path = self.directory / f"log-{number:08d}.arrowlog"
-        self._file = open(self._active_path, "ab")
-        self._write(stream(pa.schema([]), {"kind": "start", "writers": self.batches}))
+    def _start_segment(self, number: int, previous: list[int] | None) -> None:
+        self._active_path = self.directory / segment_name(number)
+        fd = os.open(self._active_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
+        self._file = os.fdopen(fd, "ab")
+        self._write(stream(pa.schema([]), {"kind": "start", "writers": self.batches, "previous": previous,
+                                           "head": True}))
         if self.sync:
             fsync(self.directory)
+        self._acked_records = 0
+        self._set_head(durable=True)
 
     def _write(self, payload: pa.Buffer) -> None:
         """Append one record and flush it; a failed append leaves no partial record behind."""
@@ -157,6 +265,11 @@ class EpisodeLog:
         except BaseException:
             self._file.truncate(start)
             raise
+
+    def _acknowledge(self) -> None:
+        """An append's record is flushed: the head moves past it (then the append returns)."""
+        self._acked_records += 1
+        self._set_head()
 
     # -- appending ------------------------------------------------------------------------
 
@@ -188,6 +301,8 @@ class EpisodeLog:
             self._write(payload)
             if episodes:   # what `compact` asks of the segment holding this record
                 self._next_after = max(self._next_after, max(i for i, _, _ in episodes) + 1)
+                self.acked_next = max(self.acked_next, max(i for i, _, _ in episodes) + 1)
+            self._acknowledge()
             if batch is not None:
                 self._remember(batch, [i for i, _, _ in episodes])
 
@@ -197,15 +312,18 @@ class EpisodeLog:
             self._rotate_if_full()
             self._write(stream(pa.schema([]), {"kind": "clear", "next_id": int(next_id)}))
             self._next_after = max(self._next_after, int(next_id) + 1)
+            self._acknowledge()
 
     def _rotate_if_full(self) -> None:
         if self._file.tell() >= self.segment_bytes:
             self._rotate()
 
     def _rotate(self) -> None:
+        number = int(SEGMENT.fullmatch(self._active_path.name).group(1))
+        previous = [number, self._file.tell()]   # the next start record names this segment's end
         self._file.close()
         self._segments.append((self._active_path, self._next_after))
-        self._start_segment(int(SEGMENT.fullmatch(self._active_path.name).group(1)) + 1)
+        self._start_segment(number + 1, previous)
 
     # -- replay and compaction ------------------------------------------------------------
 
@@ -268,6 +386,10 @@ class EpisodeLog:
         with self._lock:
             self._rotate()
             covered = [path for path, next_after in self._segments if next_after <= upto]
+            kept = [p for p, _ in self._segments if p not in covered] + [self._active_path]
+            self._first = int(SEGMENT.fullmatch(kept[0].name).group(1))
+            self._covered = max(self._covered, upto)
+            self._set_head(durable=True)   # first: a crash before the unlinks leaves covered segments below it
             for path in covered:
                 path.unlink()
             self._segments = [(p, n) for p, n in self._segments if p not in covered]
@@ -280,7 +402,13 @@ class EpisodeLog:
         return [path for path, _ in self._segments] + [self._active_path]
 
     def close(self) -> None:
-        self._file.close()
+        """Close the files and release the directory's lock."""
+        if self._file is not None:
+            self._file.close()
+        if self._head_fd is not None:
+            os.close(self._head_fd)
+            self._head_fd = None
+        self._dirlock.release()
 
     def __enter__(self) -> "EpisodeLog":
         return self

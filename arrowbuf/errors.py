@@ -46,6 +46,15 @@ class ShardError(ArrowbufError):
     """A shard of a distributed store failed or is unreachable."""
 
 
+class InUseError(ArrowbufError, ValueError):
+    """A name or durable directory is held by another running store.
+
+    A durable directory is locked (``fcntl.flock``) by the process that writes it
+    and released by the OS when that process ends, however it ends. The message
+    names the holder (pid, host) and what to do.
+    """
+
+
 class FormatError(ArrowbufError, ValueError):
     """A file or directory is not a (complete, readable) arrowbuf export or checkpoint.
 

@@ -120,6 +120,21 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def tensor_on_cpu(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` detached and on the CPU.
+
+    Raises:
+        SchemaError: naming ``what`` (a field, an argument), when its device holds no
+            data to copy (torch's ``meta``) or cannot be read from here.
+    """
+    try:
+        return tensor.detach().cpu()
+    except (NotImplementedError, RuntimeError) as err:
+        raise SchemaError(f"{what}: a tensor on device {tensor.device} whose data cannot be copied to the CPU "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); pass a CPU or "
+                          "CUDA tensor or an array") from None
+
+
 def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     """A numpy view (no copy where possible) of one column and its dtype name.
 
@@ -130,7 +145,7 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
         SchemaError: the value cannot be read as an array of a supported dtype.
     """
     if isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu()
+        tensor = tensor_on_cpu(value, f"field {name!r}")
         if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
             return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
         if tensor.dtype not in _TORCH_TO_NAME:

@@ -72,7 +72,7 @@ class LocalBackend:
         """The torch device of a torch arena (`arrowbuf.arena`), or None."""
         return self.engine.storage_device
 
-    def size(self) -> tuple[int, int]:
+    def size(self, exact: bool = True) -> tuple[int, int]:
         """(transitions, episodes)."""
         _, transitions, episodes = self.engine.size()
         return transitions, episodes

@@ -48,6 +48,8 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._checks import check_bool, check_int
+from arrowbuf._mixed import MAX_PLANS, MixedPlan, direct_source
+from arrowbuf._pool import SlotPool
 from arrowbuf.errors import describe
 from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.tensors import make_tensordict
@@ -97,6 +99,12 @@ class Mixture:
                 raise ValueError(f"sources[{name!r}] must be a Dataset or ExperienceStore (something with "
                                  f"sample()), keyed by a str; got {describe(source)}")
         self._sources = dict(sources)
+        # (engine, rows callback) per source when all can take `arrowbuf._mixed`'s path.
+        found = [direct_source(source) for source in self._sources.values()]
+        self._direct = found if all(f is not None for f in found) else None
+        self._plans: dict[int, MixedPlan] = {}        # by batch size
+        self._generic: dict[int, tuple] = {}          # batch size -> the shards it did not apply to
+        self._pool = SlotPool()
         self.names = tuple(self._sources)
         self.shuffle = check_bool("shuffle", shuffle)
         self._rng = np.random.default_rng(None if seed is None else check_int("seed", seed, 0))
@@ -146,6 +154,8 @@ class Mixture:
         if total <= 0:
             raise ValueError(f"weights must not all be 0, got {dict(weights)}")
         self.weights = {name: value / total for name, value in zip(self.names, values)}
+        self._plans.clear()   # their counts were split by the old weights
+        self._generic.clear()
         self._weights = np.array([self.weights[n] for n in self.names])
 
     def counts(self, batch_size: int) -> dict[str, int]:
@@ -166,10 +176,35 @@ class Mixture:
             ValueError: a bad argument, or sources whose batches have different keys.
             EmptyStoreError: a source with a non-zero share holds nothing.
         """
+        if not kwargs and self._direct:
+            plan = self._plans.get(batch_size)
+            batch = plan.sample(self._pool) if plan is not None else None
+            if batch is None:
+                batch = self._sample_direct(check_int("batch_size", batch_size, 1))
+            if batch is not None:
+                return batch[torch.from_numpy(self._rng.permutation(batch_size))] if self.shuffle else batch
         counts = split_counts(self._weights, check_int("batch_size", batch_size, 1))
         parts = [(k, self._sources[name].sample(int(n), **kwargs))
                  for k, (name, n) in enumerate(zip(self.names, counts)) if n]
         return self._combine(parts)
+
+    def _sample_direct(self, batch_size: int) -> TensorDict | None:
+        """A batch of `arrowbuf._mixed`'s pooled path, through a new plan for ``batch_size``
+        (plans are kept per batch size until `set_weights`); None where it does not apply
+        (the generic path then draws it)."""
+        shards = tuple(engine.shard for engine, _ in self._direct)
+        if self._generic.get(batch_size) == shards:   # found not to apply, and no source changed since
+            return None
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        counts = split_counts(self._weights, batch_size).tolist()
+        plan = MixedPlan.build([(k, *self._direct[k], n) for k, n in enumerate(counts) if n])
+        if plan is None:
+            self._plans.pop(batch_size, None)
+            self._generic[batch_size] = shards
+            return None
+        self._plans[batch_size] = plan
+        return plan.sample(self._pool)
 
     def sample_iter(self, batch_size: int, **kwargs: Any) -> Iterator[TensorDict]:
         """Endless batches as `sample` gives them, drawn through each source's

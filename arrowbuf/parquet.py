@@ -50,8 +50,8 @@ import pyarrow.parquet as pq
 
 from arrowbuf._checks import is_int
 from arrowbuf._filesink import DirectorySink, aside_copies
-from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format, check_size,
-                               file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
+from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
+                               check_hash_entry, check_size, file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
                                take_rows, tensor_schema, write_manifest)
 from arrowbuf.errors import FormatError
 from arrowbuf.schema import Schema
@@ -246,9 +246,12 @@ def open_export(path: str | Path) -> Export:
         schema = Schema.from_json(json.dumps(manifest["schema"]))
         files = list(manifest["steps"])
         episodes_entry = manifest["episodes"]
+        hashed = manifest["format_version"] >= 2
         for entry in files:
             _check_entry(entry, _STEP_ENTRY, manifest_path)
+            check_hash_entry(entry, hashed, manifest_path)
         _check_entry(episodes_entry, _FILE_ENTRY, manifest_path)
+        check_hash_entry(episodes_entry, hashed, manifest_path)
         _check_entry(manifest["store"], _STORE_ENTRY, manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
@@ -268,7 +271,7 @@ def open_export(path: str | Path) -> Export:
         raise FormatError(f"{path / STEPS}: files {strays} are not part of this export (the manifest lists "
                           f"{sorted(listed)}); plain readers of steps/*.parquet would mix them in")
     episodes_path = path / episodes_entry["path"]
-    check_file(episodes_path, episodes_entry)
+    check_file(episodes_path, episodes_entry, hashed)
     try:
         episodes = pq.read_table(episodes_path, page_checksum_verification=True)
         names = episodes.column_names     # decoded here: a name may not be UTF-8
@@ -322,16 +325,22 @@ def read_parquet(path: str | Path) -> ds.Dataset:
 
     Fixed-shape fields come back as ``fixed_shape_tensor`` columns (as in
     `ExperienceStore.to_arrow`), with role, dtype and shape in the field
-    metadata and the arrowbuf schema in the schema metadata. The
-    dataset reads nothing until asked: ``.to_table()``, ``.to_batches()``,
-    ``.scanner(filter=...)``, ``.head(n)``.
+    metadata and the arrowbuf schema in the schema metadata. Every step file's
+    content hash is checked first (one pass over the bytes, as `from_parquet`
+    does), so damaged bytes raise `FormatError` here rather than an untyped error
+    from a later scan; the dataset then reads only what it is asked for:
+    ``.to_table()``, ``.to_batches()``, ``.scanner(filter=...)``, ``.head(n)``.
 
     Raises:
-        FormatError: not a complete, readable arrowbuf export (see `open_export`).
+        FormatError: not a complete, readable arrowbuf export (see `open_export`),
+            or a step file whose bytes differ from the manifest's hash.
     """
     import pyarrow.dataset as ds
 
     export = open_export(path)
+    hashed = export.manifest["format_version"] >= 2
+    for entry in export.files:
+        check_file(export.path / entry["path"], entry, hashed)
     meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
     schema = tensor_schema(export.schema, meta)
     checked = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(

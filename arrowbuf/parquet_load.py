@@ -123,7 +123,7 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
             if not len(ids) or entry["episodes"] == 0 or not _overlaps(entry, ids):
                 continue
             file = export.path / entry["path"]
-            check_file(file, entry)
+            check_file(file, entry, export.manifest["format_version"] >= 2)
             try:
                 reader = pq.ParquetFile(file, page_checksum_verification=True)
                 groups = _row_groups(reader, int(ids.min()), int(ids.max()))

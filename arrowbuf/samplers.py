@@ -146,7 +146,7 @@ class UniformSampler(Sampler):
     common call of off-policy replay) takes the engine's path that writes `draw`'s
     indices, their episodes and steps straight into its pooled batch, with no
     `Selection` (`arrowbuf.engine.ShardEngine.sample`). A seeded store thus samples
-    the same batches either way (`arrowbuf.tensors.Gather.plain`, tests/test_direct.py).
+    the same batches either way (`arrowbuf.direct`, tests/test_direct.py).
 
     Example:
         >>> import numpy as np, arrowbuf as ab

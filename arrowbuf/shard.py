@@ -136,7 +136,7 @@ class Shard:
         ValueError: a capacity below 1 or an unknown mode.
     """
 
-    #: numpy columns in host memory, sampled by `Gather.plain` (a torch arena's are not).
+    #: numpy columns in host memory, sampled by `arrowbuf.direct` (a torch arena's are not).
     host_columns = True
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,

@@ -155,17 +155,29 @@ class ExperienceStore:
 
     @property
     def num_episodes(self) -> int:
-        """Episodes stored (on Ray: as last reported, see `__len__`)."""
+        """Episodes stored (on Ray: asked of the shards, exact as `__len__`)."""
         return self._backend.size()[1]
 
     def __len__(self) -> int:
-        """Transitions stored. On Ray it never waits: it sums the sizes the shards last
-        reported (with every write's answer and sample, and every
-        ``RayOptions.size_refresh`` seconds); after `flush` it is exact."""
+        """Transitions stored.
+
+        On Ray it asks every shard (one round trip): every write acknowledged before
+        it counts, whichever process wrote it (a writer's `flush` returns once its
+        episodes are acknowledged). `cached_size` is the figure that never waits.
+        """
         return self._backend.size()[0]
 
+    @property
+    def cached_size(self) -> tuple[int, int]:
+        """(transitions, episodes) without waiting for the shards: on Ray, the sizes they
+        last reported (with every write's acknowledgement and every sample, and from a
+        background request every ``RayOptions.size_refresh`` seconds), so writes made
+        by other processes show within about that interval. Exact on the local backend.
+        """
+        return self._backend.size(exact=False)
+
     def __repr__(self) -> str:
-        transitions, episodes = self._backend.size()
+        transitions, episodes = self._backend.size(exact=False)
         where = f"backend='ray', name={self.name!r}, num_shards={self.num_shards}, " if self.backend == "ray" else ""
         return (f"ExperienceStore({where}capacity={self.capacity}, transitions={transitions}, "
                 f"episodes={episodes}, mode={self.mode!r}, sampler={self.sampler!r}, "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ class Gather:
     def plain_layout(self, batch_size: int, keys: frozenset | None) -> tuple[Layout, int, int, int]:
         """(layout, out positions of ``index``, ``episode_id``, ``step``) of a plain batch of
         ``batch_size`` transitions: what `__call__` uses for those rows and extras, for a
-        caller that writes the extras straight into a claimed slot (`plain`)."""
+        caller that writes the extras straight into a claimed slot (`arrowbuf.direct`)."""
         found = self._plain.get((batch_size, keys))
         if found is None:
             extra = {"index": np.zeros(batch_size, np.int64), "episode_id": np.zeros(batch_size, np.int64),
@@ -150,30 +150,6 @@ class Gather:
     def claim(self, layout: Layout) -> tuple[list[np.ndarray], TensorDict]:
         """(numpy views to fill, the TensorDict of them) of a free pooled slot of ``layout``."""
         return self._pool.claim(layout, layout.slot)
-
-    def plain(self, table: Any, sampler: Any, rng: np.random.Generator, batch_size: int,
-              keys: frozenset | None) -> TensorDict:
-        """A uniform batch of ``batch_size`` transitions of ``table`` (the episode table of
-        this gather's arena, which holds some), fields ``keys`` (checked), on the CPU.
-
-        The generic path draws a `Selection`, computes the batch's extras (``index``,
-        ``episode_id``, ``step``) as arrays of their own, then the gather copies them
-        into the pooled slot beside the fields. This one claims the slot first and
-        writes each extra where the batch keeps it: the draw of ``sampler`` (a
-        `UniformSampler`: its ``draw``) into ``index``, the episode ids by a take with
-        ``out=``, the steps by one assignment. W1 (256 rows from a million, numpy
-        ideal 38.4 us a batch here): the generic path 41.6 us, this one 32.5 us.
-        """
-        layout, at_index, at_episode, at_step = self.plain_layout(batch_size, keys)
-        outs, batch = self._pool.claim(layout, layout.slot)
-        index = sampler.draw(rng, batch_size, table, outs[at_index])
-        pos, step = table.locate(index)
-        table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
-        outs[at_step][...] = step
-        rows = table.col("first_row").take(pos)
-        rows += step
-        take_fields(layout, outs, (rows, rows, None))
-        return batch
 
     def payload(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None, *,
                 obs_rows: np.ndarray | None = None, next_rows: np.ndarray | None = None,

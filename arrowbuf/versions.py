@@ -5,11 +5,8 @@ step's ``"policy_version"`` (int64, a step field like any other: sampled, export
 checkpointed) says which policy chose its action. A step without one has version 0.
 
 - `fresh_selection`: a uniform draw of transitions whose version is at least
-  ``min_version``: rejection first (each round draws enough for the slots still empty
-  at the share of qualifying draws seen so far: O(batch / share)), then, for slots
-  still empty after `REJECTION_ROUNDS` rounds or when fewer than `MIN_RATE` of the
-  draws qualify, a draw among the qualifying transitions listed explicitly
-  (O(transitions)). Each slot is uniform over the qualifying transitions either way.
+  ``min_version``, without rejection: a draw over the qualifying transitions kept as
+  spans of episode steps (`arrowbuf._version_spans`), O(batch) once they are known.
 - `stale_episodes`: how many of the oldest episodes hold only steps older than a
   version, which `ShardEngine.evict` then frees. Eviction stays FIFO: it stops at the
   first episode with a step of that version or newer, so it never leaves a hole in
@@ -24,34 +21,21 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from arrowbuf._checks import check_int
+from arrowbuf._version_spans import VERSION, fresh_spans, newest
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.fields import Field
 from arrowbuf.sample_args import SampleArgs
-from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
+from arrowbuf.samplers import Selection, UniformSampler, uniform_indices
 
 if TYPE_CHECKING:
     from arrowbuf.schema import Schema
     from arrowbuf.shard import Episode, Shard
 
-VERSION = "policy_version"
-#: Rounds of rejection before the qualifying transitions are listed; and the share of
-#: qualifying draws below which they are listed at once.
-REJECTION_ROUNDS = 4
-MIN_RATE = 1 / 64
-
-
-def versions_of(shard: Shard, rows: np.ndarray) -> np.ndarray:
-    """The policy versions of arena ``rows`` (0 where the store has no version column)."""
-    if VERSION not in shard.schema.fields:
-        return np.zeros(rows.shape, np.int64)
-    return np.asarray(shard.reader(VERSION)[rows]).reshape(rows.shape)
 
 
 def newest_version(shard: Shard | None) -> int | None:
     """The newest version among the live transitions; None when there are none."""
-    if shard is None or not shard.table.num_transitions:
-        return None
-    return int(versions_of(shard, shard.transition_rows()).max())
+    return None if shard is None or not shard.table.num_transitions else newest(shard)
 
 
 def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
@@ -62,7 +46,8 @@ def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
 
 
 def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version: int, sampler: Any) -> Selection:
-    """``n`` transitions drawn uniformly among those of version >= ``min_version``.
+    """``n`` transitions drawn uniformly among those of version >= ``min_version``
+    (`arrowbuf._version_spans`: no rejection).
 
     Raises:
         ValueError: ``sampler`` is not a plain `UniformSampler` (other samplers do not take
@@ -71,36 +56,13 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
     """
     if type(sampler) is not UniformSampler:
         raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
-    table = shard.table
-    first, stop = table.live_range()
-    first_row = table.col("first_row")
-    parts: list[tuple[np.ndarray, ...]] = []   # (indices, positions, steps, rows) kept, round by round
-    filled, size = 0, n
-    for _ in range(REJECTION_ROUNDS):
-        if first == stop:
-            break
-        draw = uniform_indices(rng, size, first, stop)
-        pos, step = table.locate(draw)            # located once: the selection reuses them
-        rows = first_row.take(pos) + step
-        kept = np.flatnonzero(versions_of(shard, rows) >= min_version)[:n - filled]
-        parts.append((draw[kept], pos[kept], step[kept], rows[kept]))
-        filled += len(kept)
-        if filled == n:
-            indices, pos, step, rows = (np.concatenate(column) for column in zip(*parts))
-            return Selection(rows, indices, pos, {}, step)
-        rate = len(kept) / size
-        if rate < MIN_RATE:
-            break
-        size = int((n - filled) / rate * 1.5) + 8   # enough draws to fill the rest at the rate seen
-    indices = np.empty(n, np.int64)
-    if parts:
-        indices[:filled] = np.concatenate([part[0] for part in parts])
-    live = np.arange(first, stop, dtype=np.int64)
-    fresh = live[versions_of(shard, table.rows_of(live)) >= min_version] if len(live) else live
-    if not len(fresh):
+    spans = fresh_spans(shard, min_version)
+    if spans is None:
         raise no_fresh_step(shard, min_version)
-    indices[filled:] = fresh[rng.integers(0, len(fresh), n - filled)]
-    return select_indices(table, indices)
+    k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
+    step = spans.step0.take(k) + offset
+    rows = spans.row0.take(k) + offset
+    return Selection(rows, spans.index0.take(k) + offset, spans.pos.take(k), {}, step)
 
 
 def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
@@ -109,11 +71,10 @@ def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
     Raises:
         EmptyStoreError: none (naming the newest version held).
     """
-    live = np.arange(*shard.table.live_range(), dtype=np.int64)
-    fresh = live[versions_of(shard, shard.table.rows_of(live)) >= min_version] if len(live) else live
-    if not len(fresh):
+    spans = fresh_spans(shard, min_version)
+    if spans is None:
         raise no_fresh_step(shard, min_version)
-    return fresh
+    return spans.indices()
 
 
 def evict_stale(shard: Shard, sampler: Any, min_version: int) -> int:

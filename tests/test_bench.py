@@ -55,8 +55,11 @@ def headline_ratios(saved: dict, workload: str) -> dict[tuple[str, str], list[fl
 def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the_seed_like_store(onpolicy):
     run, saved = onpolicy
     assert "ONPOLICY: whole-rollout sample and 4 epochs x 8 minibatches" in run.stdout
-    for header in ("seed-like TensorDict", "torchrl LazyTensorStorage", "arrowbuf/ideal", "arrowbuf/seed"):
-        assert header in run.stdout
+    result, = [w for w in saved["workloads"] if w["name"] == "ONPOLICY"]   # (a wide table wraps its headers)
+    assert result["labels"]["torchrl"] == "torchrl LazyTensorStorage"
+    assert {"arrowbuf/ideal", "arrowbuf/seed", "arrowbuf/rlightning"} <= set(result["ratio_columns"])
+    assert result["labels"]["seed"] == "seed-like proxy (TensorDict)"   # the proxy, so labelled
+    assert result["labels"]["rlightning"] in ("RLightning (real seed)", "real seed (absent)")
     ratios = headline_ratios(saved, "ONPOLICY")
     for shape in ("WBC", "VLA"):
         for metric in (f"{shape} rollout sample", f"{shape} 4x8 epochs"):
@@ -80,15 +83,68 @@ def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_a
 
 def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_ingest_and_sample(seed):
     run, saved = seed
-    assert "SEED: arrowbuf.compat vs the native writer" in run.stdout
+    assert "SEED: the real seed vs arrowbuf.compat vs the native writer" in run.stdout
     ratios = headline_ratios(saved, "SEED")
     for metric in ("WBC ingest", "VLA ingest", "VLA sample(320)"):
         assert metric in run.stdout
         assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
     assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+    # IsaacLab / RSL-RL send no final observation: compat still keeps every env step (issue 25 item 4)
+    assert "WBC: compat with info={} (no final observation, default autoreset_mode) stores 6,144 of 6,144" in run.stdout
     metric = "WBC add_episodes(256 episodes)"   # one add_episodes of the rollout against one add_episode per env
     assert metric in run.stdout and "store.add_episode x E" in run.stdout
     assert len(ratios[metric, "batched/single"]) == 2 and all(r > 0 for r in ratios[metric, "batched/single"])
+
+
+def real_seed_checkout() -> Path | None:
+    """The RLightning checkout the bench finds (`tools/bench/real_seed.py`), or None."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from bench import real_seed
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return real_seed.locate()[0]
+
+
+def test_a_quick_seed_run_drives_rlightnings_own_databuffer_in_steady_state_and_with_fresh_buffers(seed):
+    if real_seed_checkout() is None:
+        pytest.skip("no RLightning checkout: run `python tools/seed_checkout.py` (or set ARROWBUF_SEED_REPO)")
+    run, saved = seed
+    assert "real seed (absent)" not in run.stdout and "RLightning DataBuffer (real seed)" in run.stdout
+    result, = [w for w in saved["workloads"] if w["name"] == "SEED"]
+    metrics = {m["name"]: m for m in result["metrics"]}
+    for shape in ("WBC", "VLA"):
+        steady, fresh = metrics[f"{shape} rollout, steady state"], metrics[f"{shape} rollout, fresh buffers"]
+        # steady state: >= 5 rollouts of one buffer each, the first left out; the seed ran every one
+        assert len(steady["values"]["seed"]["rounds"]) >= 5 and steady["detail"]["first_left_out"]
+        assert len(fresh["values"]["seed"]["rounds"]) >= 3
+        for metric in (steady, fresh):
+            for col in ("compat/seed", "native/seed"):
+                assert all(r > 0 for r in metric["ratios"][col]["rounds"])
+        spread = {c: v for c, v in metrics[f"{shape} ingest max/min, steady"]["values"].items() if v is not None}
+        assert set(spread) >= {"seed", "compat", "native"} and all(v >= 1 for v in spread.values())
+
+
+def test_without_the_seed_checkout_its_columns_say_so_and_the_other_contenders_still_run(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from bench import real_seed
+        from bench.rollouts import wbc
+        from bench.seed_engines import race_rollouts
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    real_seed.request(str(tmp_path / "no-such-checkout"))
+    try:
+        seed, why = real_seed.load()
+    finally:
+        real_seed.request(None)
+    assert seed is None and why.startswith("real seed absent: no RLightning checkout at --seed-repo")
+    notes: list[str] = []
+    metrics = race_rollouts(wbc(8), None, why, steady_rounds=2, fresh_rounds=1, notes=notes)
+    steady = metrics[0]
+    assert steady.name == "WBC rollout, steady state" and "seed" not in steady.values
+    assert not steady.ratios and len(steady.values["compat"].values) == 1 and len(steady.values["native"].values) == 1
+    assert any("real seed absent" in note for note in notes)
 
 
 def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, seed, tmp_path):
@@ -99,7 +155,7 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in rows if line.startswith("| metric |")]
-    assert len(headers) == 2 and len(rows) == 2 + 6 + 4
+    assert len(headers) == 2 and len(rows) == 2 + 6 + 10
     assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
     assert "| VLA rollout sample, torch arena (" in run.stdout
     assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout

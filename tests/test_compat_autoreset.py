@@ -13,7 +13,7 @@ import pytest
 from arrowbuf.compat import BatchedData, DataBuffer, ReplayBuffer
 from arrowbuf.compat.processing import default_postprocess_fn
 
-from support.compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth
+from support.compat_envs import VecWorker, losses, policy, rsl_rollout, sync_rollout, transitions, truth
 
 
 def replay_config(**overrides) -> dict:
@@ -73,19 +73,17 @@ def test_without_auto_truncation_a_segment_is_the_rollout_window_and_keeps_every
     assert sum(stored.values()) == 8 * 9
 
 
-def test_same_step_mode_refuses_a_done_record_without_its_terminal_observation_and_keeps_nothing_of_it():
-    worker = VecWorker(0, num_envs=2, autoreset="next_step")   # sends no final observation
+def test_same_step_mode_keeps_a_done_record_without_its_terminal_observation_and_marks_that_next_obs_unknown():
+    worker = VecWorker(0, num_envs=2, autoreset="same_step", final_key=None)   # IsaacLab: info={}
+    worker.length[:] = [1, 3]
     buffer = ReplayBuffer(replay_config(), seed=0, autoreset_mode="same_step")
     buffer.init([worker.meta()])
-    env_ret = worker.reset()
-    response = policy(env_ret)
-    buffer.add_transition(worker.env_id, env_ret, response)
-    done = worker.step(response.action)
-    done.last_truncated = np.array([True, False])
-    with pytest.raises(ValueError, match=r"autoreset_mode='same_step' but the EnvRet that ended sub-env\(s\) \[0\]"):
-        buffer.add_transition(worker.env_id, done, policy(done))
-    buffer.truncate_episodes([worker.env_id])
-    assert len(buffer) == 0                      # one record left: no transition
+    sync_rollout(buffer, [worker], steps=3)
+    assert losses(buffer[:], [worker]) == {"lost": 0, "extra": 0, "wrong_next": 0, "unknown_mid": 0, "unknown": 2}
+    stored = buffer[:]
+    blind = ~stored["next_observation_valid"]
+    # the unknown next observation repeats the step's own (a time-out then bootstraps from V(obs_t))
+    assert (stored["next_observation"][blind] == stored["observation"][blind]).all()
 
 
 def test_vector_flags_of_the_wrong_shape_are_refused_naming_the_field():

@@ -63,9 +63,56 @@ def test_a_flipped_byte_in_a_data_page_fails_the_page_checksum_of_plain_readers(
     data[start + chunk.total_compressed_size - 8] ^= 0x40   # inside the last page's values
     part.write_bytes(bytes(data))
     with pytest.raises(OSError, match="CRC|checksum"):
-        ab.read_parquet(out).to_table()
+        pq.read_table(part, page_checksum_verification=True)
     with pytest.raises(ab.FormatError, match=rf"{part.name}: its content hash differs"):
         ab.ExperienceStore.from_parquet(out)
+
+
+def test_read_parquet_raises_format_error_for_flipped_bytes_as_from_parquet_does(tmp_path):
+    # read_parquet's dataset met them in a scan, as pyarrow's untyped OSError ("CRC checksum
+    # verification failed"), or not at all where no page checksum covers the byte.
+    store = wrapped_store("w1", capacity=100, episodes=20)
+    out = store.to_parquet(tmp_path / "out", compression="none")
+    part = next((out / "steps").glob("*.parquet"))
+    pristine, expected = part.read_bytes(), ab.read_parquet(out).to_table()
+    for offset in np.linspace(4, len(pristine) - 9, 12).astype(int).tolist():
+        data = bytearray(pristine)
+        data[offset] ^= 0x40
+        part.write_bytes(bytes(data))
+        with pytest.raises(ab.FormatError, match=part.name):
+            ab.read_parquet(out).to_table()
+        with pytest.raises(ab.FormatError, match=part.name):
+            ab.ExperienceStore.from_parquet(out)
+    part.write_bytes(pristine)
+    assert ab.read_parquet(out).to_table().equals(expected)
+
+
+def _without_hashes(manifest_path: Path) -> None:
+    """Null every file's sha256 and seal the manifest again (its own checksum matches)."""
+    from arrowbuf._persist import write_manifest
+
+    def drop(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: None if k == "sha256" else drop(v) for k, v in value.items()}
+        return [drop(v) for v in value] if isinstance(value, list) else value
+
+    manifest = json.loads(manifest_path.read_text())
+    manifest.pop("checksum", None)
+    write_manifest(manifest_path, drop(manifest))
+
+
+def test_current_manifests_without_content_hashes_are_refused(tmp_path):
+    store = wrapped_store("w1", capacity=100, episodes=20)
+    out = store.to_parquet(tmp_path / "out")
+    _without_hashes(out / "_arrowbuf.json")
+    for read in (ab.ExperienceStore.from_parquet, ab.read_parquet):
+        with pytest.raises(ab.FormatError, match=r"_arrowbuf.json: the entry of .* has sha256=None; this format "
+                                                 r"version records every file's content hash"):
+            read(out)
+    store.save(tmp_path / "ckpt")
+    _without_hashes(tmp_path / "ckpt" / "manifest.json")
+    with pytest.raises(ab.FormatError, match=r"has sha256=None; this format version records"):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
 
 
 # -- edited manifests: well-formed, re-sealed, impossible ----------------------------------

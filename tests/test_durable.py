@@ -205,12 +205,15 @@ def test_add_episode_and_add_episodes_name_their_writes_so_a_durable_shard_can_r
     assert logged == [[ids[0]], ids[1:]]
 
 
-def two_records(directory):
-    """A closed log of two writes: its segment and where the first record ends."""
+def two_records(directory, heads=None):
+    """A closed log of two writes: its segment and where the first record ends (``heads``
+    gets the log head's bytes after each write)."""
     durable = DurableShard(directory)
     engine = durable.recover(new_engine)
     write(durable, engine, [0])
     first_end = durable.log.segments()[-1].stat().st_size
+    if heads is not None:
+        heads.append((directory / "log-head").read_bytes())
     write(durable, engine, [1])
     durable.close()
     return durable.log.segments()[-1], first_end
@@ -218,8 +221,12 @@ def two_records(directory):
 
 @pytest.mark.parametrize("cut", ["in its payload", "in its header"])
 def test_a_torn_last_record_is_dropped_and_appends_continue_after_it(tmp_path, cut):
-    segment, first_end = two_records(tmp_path)
+    heads = []
+    segment, first_end = two_records(tmp_path, heads)
+    # A crash in the second append: its bytes are cut, and the head (moved on only once an
+    # append's bytes are flushed, before it returns) still says the first one's end.
     os.truncate(segment, segment.stat().st_size - 1 if cut == "in its payload" else first_end + 10)
+    (tmp_path / "log-head").write_bytes(heads[0])
     assert contents(recovered(tmp_path)) == {0: 0}
     assert segment.stat().st_size == first_end   # the torn bytes were removed
     durable = DurableShard(tmp_path)
@@ -286,8 +293,8 @@ def test_a_log_with_a_segment_missing_in_the_middle_raises_format_error(tmp_path
     holding = [p for p in segments if b"episode_id" in p.read_bytes()]
     assert len(holding) == 3
     holding[1].unlink()   # episode 1's segment, deleted by hand
-    with EpisodeLog(tmp_path) as log, pytest.raises(FormatError, match="missing from the log"):
-        log.replay(new_engine())
+    with pytest.raises(FormatError, match=f"{holding[1].name}: missing \\(deleted\\); the log head"):
+        EpisodeLog(tmp_path)
 
 
 KILLED_WRITER = textwrap.dedent("""
@@ -521,3 +528,39 @@ def test_a_clear_after_an_insert_whose_write_was_never_logged_still_clears_at_a_
         engine.clear()
         durable.cleared(engine)
     assert contents(recovered(tmp_path)) == {}
+
+
+def test_a_reader_that_meets_blocks_of_a_restarted_shard_reads_its_manifest_again(tmp_path, ray_cluster):
+    # The first sample after the restart raised Ray's OwnerDiedError: this process still
+    # held blocks owned by the killed actor process. A retry half a second later worked.
+    ray = ray_cluster
+    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0, durable=tmp_path)
+    try:
+        for tag in range(20):
+            store.add_episode(make_episode(tag, 5), env_id=f"env-{tag}")
+        store.flush()   # this process holds the shards' manifests (no sample taken yet)
+        held = [block.ref for block in store._backend._reader.views[0].blocks]   # owned by shard 0's process
+        ray.kill(ray.get_actor(f"{store.name}:0", namespace="arrowbuf"), no_restart=False)
+        deadline = time.monotonic() + 60
+        while store.episodes().num_rows < 20:   # until the restarted shard answers with every episode
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while True:   # until this process knows the old blocks' owner is gone (else the race hides it)
+            try:
+                ray.get(held[0], timeout=10)
+            except ray.exceptions.ObjectLostError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        batch = store.sample(256)
+        assert sorted(set(batch["obs"][:, 0].numpy().astype(int).tolist())) == list(range(20))
+        # A shard that stays down is a ShardError, not one of Ray's errors.
+        victim = ray.get_actor(f"{store.name}:1", namespace="arrowbuf")
+        ray.kill(victim)   # no restart
+        deadline = time.monotonic() + 60   # samples draw from the blocks held here until a manifest poll fails
+        with pytest.raises(ab.ShardError, match=r"shard 1 of store"):
+            while time.monotonic() < deadline:
+                store.sample(256)
+                time.sleep(0.05)
+    finally:
+        store.close()

@@ -222,3 +222,22 @@ def test_ray_arguments_and_methods_on_a_local_store_say_they_need_ray():
     with pytest.raises(ValueError, match="to_ray_dataset needs backend='ray'"):
         store.to_ray_dataset()
     assert (store.name, store.num_shards) == (None, 1)
+
+
+# -- tensors on a device with no data ----------------------------------------------------
+
+
+def test_a_tensor_on_an_unusable_device_raises_schema_error_naming_the_field_and_changes_nothing():
+    # torch's "meta" device holds shapes only: copying one out raised NotImplementedError.
+    store = filled(sampler=ab.PrioritizedSampler())
+    before = snapshot(store)
+    episode = {**make_episode(9, 5), "reward": torch.ones(5, device="meta")}
+    with pytest.raises(ab.SchemaError, match=r"field 'reward': a tensor on device meta whose data cannot be copied"):
+        store.add_episode(episode)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    with pytest.raises(ab.SchemaError, match=r"field 'obs': a tensor on device meta"):
+        writer.add(**step([False, False], [False, False], obs=torch.zeros((2, 3), device="meta")))
+    batch = store.sample(4)
+    with pytest.raises(ab.SchemaError, match=r"priority: a tensor on device meta"):
+        store.update_priorities(batch["index"], torch.ones(4, device="meta"))
+    assert_same_snapshot(before, snapshot(store))

@@ -99,6 +99,31 @@ def test_a_dataset_and_a_store_mix(tmp_path):
     assert torch.bincount(next(stream)["source"]).tolist() == [16, 16]
 
 
+def test_the_pooled_path_gives_each_sources_own_draws_and_never_overwrites_a_kept_batch(tmp_path):
+    export = _store(3, 4).to_parquet(tmp_path / "demos")
+    demos, online = ab.open_dataset(export, seed=0), _store(4, 6)
+    twins = ab.open_dataset(export, seed=0), _store(4, 6)   # the same sources, sampled one by one
+    mixture = ab.Mixture({"demos": demos, "online": online}, weights={"demos": 0.25, "online": 0.75})
+    kept = [mixture.sample(40) for _ in range(6)]          # no arguments: one pooled slot per batch
+    assert len({batch["obs"].data_ptr() for batch in kept}) == 6
+    for batch in kept:                                      # checked after all were drawn
+        parts = [twins[0].sample(10), twins[1].sample(30)]
+        assert batch["source"].tolist() == [0] * 10 + [1] * 30
+        for key in parts[0].keys(include_nested=True, leaves_only=True):
+            assert torch.equal(batch[key], torch.cat([parts[0][key], parts[1][key]])), key
+    assert online.stats()["samples"] == 6 * 30
+    a, b = _store(5, 3), _store(6, 3)
+    pair = ab.Mixture({"a": a, "b": b}, weights={"a": 0.5, "b": 0.5})
+    assert "policy_version" not in pair.sample(8).keys()
+    for store in (a, b):   # a new column: each shard's gather changes, the pooled plan is rebuilt
+        store.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.zeros(3, np.int64),
+                           "reward": np.zeros(3, np.float32), "terminated": np.arange(3) == 2,
+                           "truncated": np.zeros(3, bool)}, policy_version=7)
+    batch = pair.sample(300)
+    assert batch["policy_version"].max().item() == 7 and batch["source"].tolist() == [0] * 150 + [1] * 150
+    assert torch.equal(batch["policy_version"] == 7, batch["episode_id"] == 3)
+
+
 def test_priorities_of_a_prioritized_source_are_updated_through_the_mixture(tmp_path):
     demos = ab.open_dataset(_store(5, 4).to_parquet(tmp_path / "demos"), seed=0)
     online = _store(6, 6, sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0))

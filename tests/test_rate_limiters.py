@@ -1,7 +1,6 @@
 """Rate limiters: who may sample or insert when, waiting for other threads, writer back-pressure."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -135,12 +134,10 @@ def test_a_blocked_sample_waits_until_another_thread_inserts():
     add(store)
     add(store)
     store.sample(8)                             # diff = -2: sampling is refused
-    start = time.monotonic()
     sampler = Background(lambda: store.sample(2, timeout=WAIT))
     assert sampler.is_blocked(), f"sample did not wait: {sampler.error!r}"
     add(store)
-    assert sampler.join().batch_size == (2,)
-    assert time.monotonic() - start < WAIT
+    assert sampler.join().batch_size == (2,)    # a wait that timed out would have raised RateLimited
     assert store.engine.counts.samples == 10
 
 
@@ -159,10 +156,9 @@ def test_a_blocked_insert_waits_until_another_thread_samples():
 def test_a_wait_that_times_out_raises_rate_limited_and_says_how_long_it_waited():
     store = ratio_store()
     add(store)
-    start = time.monotonic()
     with pytest.raises(ab.RateLimited, match=r"min_size=6 before the first sample\. .* Waited 0\.05 s\.$"):
         store.sample(1, timeout=0.05)
-    assert time.monotonic() - start >= 0.05
+    assert store.engine.counts.samples == 0
 
 
 def test_stats_show_the_rate_limiter_state():

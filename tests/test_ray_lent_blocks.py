@@ -328,10 +328,12 @@ def test_close_frees_the_lent_objects_too():
         store.add_episode(keyed_episode(key, 999), env_id=f"e{key}")
     store.flush()
     check_rows(store.sample(1024))
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60   # the object store's figure lags: wait for the condition, generously
+    while free() >= before - 4_000_000 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert free() < before - 4_000_000
     store.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while free() < before - 100_000 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert free() >= before - 100_000
@@ -343,7 +345,7 @@ def test_a_dead_shard_fails_a_lent_write_with_shard_error():
         store.add_episode(keyed_episode(1, 40), env_id="a")
         ray.kill(shard_actors(store)[0])
         with pytest.raises(ab.ShardError, match="shard 0 of store"):
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60   # until the write meets the dead shard (generous)
             while time.monotonic() < deadline:
                 store.add_episode(keyed_episode(2, 40), env_id="a")
                 time.sleep(0.1)

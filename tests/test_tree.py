@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "arrowbuf"
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
-MAX_LINES = 500
+MAX_LINES = 600   # issue 24's bound: split at seams (a job, a type), not at a line count
 
 
 def layout_entries() -> set[str]:

@@ -233,3 +233,17 @@ def test_a_writer_step_carries_the_version_of_the_policy_that_chose_its_action()
         with pytest.raises(ValueError, match="policy_version"):
             writer.add(**step, policy_version=bad)
     assert writer.open_steps.tolist() == [1, 1]                           # nothing recorded by them
+
+
+def test_versions_out_of_order_inside_an_episode_are_drawn_step_by_step():
+    store = ab.ExperienceStore(capacity=1_000, seed=5)
+    store.add_episode(_episode(6, [0, 5, 1, 6, 6, 2]))   # add_episode takes any per-step order
+    store.add_episode(_episode(4, [4, 4, 5, 5]))          # non-decreasing: its suffix qualifies
+    store.add_episode(_episode(3, 9))                     # every step qualifies
+    expected = [1, 3, 4, 8, 9, 10, 11, 12]
+    drawn = np.concatenate([store.sample(64, min_version=5)["index"].numpy() for _ in range(50)])
+    assert sorted(set(drawn.tolist())) == expected
+    assert chisquare(np.bincount(drawn, minlength=13)[expected]).pvalue > 1e-3
+    listed = np.concatenate([b["index"].numpy() for b in store.iter_batches(3, shuffle=False, min_version=5)])
+    assert listed.tolist() == expected
+    assert store.evict(min_version=7) == 2 and store.sample(8, min_version=5)["index"].unique().tolist() == [10, 11, 12]

@@ -14,6 +14,7 @@ from arrowbuf.compat.advantages import compute_gae
 from arrowbuf.compat.config import BufferSettings, parse_config
 from arrowbuf.compat.buffers import build_data_buffer
 from arrowbuf.compat.data_buffer import BufferFullError, DataBuffer, ReplayBuffer, RolloutBuffer
+from arrowbuf.compat.placement import ClusterKeyWarning
 from arrowbuf.ray.shipping import resolve
 from arrowbuf.compat.types import (
     BatchedData,
@@ -29,6 +30,7 @@ __all__ = [
     "BatchedData",
     "BufferFullError",
     "BufferSettings",
+    "ClusterKeyWarning",
     "DataBuffer",
     "EnvMeta",
     "EnvRet",

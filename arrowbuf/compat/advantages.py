@@ -25,7 +25,7 @@ def _as_tensor(value: Any, name: str, shape: torch.Size | None) -> torch.Tensor:
 
 def compute_gae(rewards: Any, values: Any, next_values: Any, dones: Any, gamma: float, lam: float,
                 normalize_adv: bool = True, *, terminated: Any = None, truncated: Any = None,
-                bootstrap_values: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                bootstrap_values: Any = None, next_observation_valid: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over a ``[T, num_envs]`` rollout, as the seed's ``default_compute_gae``.
 
     Args:
@@ -38,6 +38,10 @@ def compute_gae(rewards: Any, values: Any, next_values: Any, dones: Any, gamma: 
         truncated: which dones were truncations; with ``bootstrap_values`` their
             next value is the bootstrap value (of the final observation).
         bootstrap_values: ``[T, num_envs]`` values of final observations.
+        next_observation_valid: ``[T, num_envs]`` bools, the compat store's column: where
+            False (a same-step reset without a final observation) a step that did not
+            terminate bootstraps from its own value, RSL-RL's ``reward += gamma *
+            V(obs_t) * time_out``, whatever ``next_values`` / ``bootstrap_values`` say.
 
     Returns:
         ``(advantages, returns)``, ``[T, num_envs]`` tensors.
@@ -56,6 +60,9 @@ def compute_gae(rewards: Any, values: Any, next_values: Any, dones: Any, gamma: 
         cut = _as_tensor(truncated, "truncated", shape).bool() if truncated is not None else dones & ~terminal
         next_values = torch.where(cut & ~terminal, _as_tensor(bootstrap_values, "bootstrap_values", shape),
                                   next_values)
+    if next_observation_valid is not None:
+        blind = ~_as_tensor(next_observation_valid, "next_observation_valid", shape).bool() & ~terminal
+        next_values = torch.where(blind, values, next_values)
     ends = dones.clone()
     ends[-1] = True
     flat = [x.transpose(0, 1).reshape(-1) for x in (rewards, values, next_values, terminal, ends)]

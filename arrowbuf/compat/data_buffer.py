@@ -87,7 +87,8 @@ class DataBuffer:
         backend: "local" or "ray" to override the placement's.
         num_shards: shards of a sharded store (``storage.num_shards`` wins).
         ray_options: `arrowbuf.RayOptions` for a Ray store.
-        autoreset_mode: "next_step" or "same_step" (`arrowbuf.compat.segments`).
+        autoreset_mode: "auto" (default: read from the records), "next_step" or "same_step"
+            (`arrowbuf.compat.segments`).
         component_distribution: RLightning's node -> component ids map for node
             affinity (default: the resource manager's, else all on this node).
 
@@ -108,7 +109,7 @@ class DataBuffer:
                  policy_resp_preprocess_fn: Callable | None = None, preprocess_fn: Callable | None = None,
                  postprocess_fn: Callable | None = None, *, seed: int | None = None, cluster: Any = None,
                  num_train_workers: int | None = None, backend: str | None = None, num_shards: int | None = None,
-                 ray_options: Any = None, autoreset_mode: str = "next_step",
+                 ray_options: Any = None, autoreset_mode: str = "auto",
                  component_distribution: Mapping[str, Any] | None = None) -> None:
         self.settings: BufferSettings = parse_config(config, self.buffer_type)
         self.config = copy.deepcopy(config)
@@ -179,8 +180,15 @@ class DataBuffer:
 
     @_locked
     def size(self) -> int:
-        """Stored transitions, or episodes with ``storage.unit="episode"`` (in-progress ones excluded)."""
-        return self._sink.size(self.settings.unit)
+        """Stored transitions, or episodes with ``storage.unit="episode"`` (in-progress ones excluded);
+        at most ``capacity`` transitions per shard, as in the seed (`arrowbuf.compat.reading.Reader`)."""
+        store = self._sink.store
+        if store is None:
+            return 0
+        if self.settings.mode != "circular" or len(store) <= self.settings.capacity:   # nothing past the capacity:
+            return store.num_episodes if self.settings.unit == "episode" else len(store)   # the cheap counts
+        reader = self._reader()
+        return reader.count(reader.space())
 
     def __len__(self) -> int:
         return self.size()
@@ -329,7 +337,8 @@ class DataBuffer:
         if self._sink.store is None:
             return None
         device = self.settings.device if self.settings.device != "cpu" else None
-        return Reader(self._sink.store, self.settings.unit, device)
+        circular = self.settings.mode == "circular"
+        return Reader(self._sink.store, self.settings.unit, device, self.settings.capacity if circular else None)
 
     def get(self, item: Any) -> TensorDict:
         """``{"storage_idx": s, "indices": idx}`` -> ``self[s, idx]``; an index or indices -> ``self[item]``.

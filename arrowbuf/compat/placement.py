@@ -25,8 +25,10 @@ one-node cluster maps as the seed does.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +156,34 @@ def _affinity(settings: BufferSettings, distribution: dict[str, dict], num_shard
     return tuple(shard_nodes), env_nodes, worker_shards
 
 
+#: RLightning's ``ClusterConfig`` fields (and Hydra's ``defaults`` list, which cluster YAML files carry).
+CLUSTER_KEYS = ("ray_address", "train_worker_num", "eval_worker_num", "train_each_gpu_num", "eval_each_gpu_num",
+                "buffer_worker_num", "remote_train", "remote_eval", "remote_storage", "remote_env", "is_colocated",
+                "enable_offload", "rollout_env_interaction", "placement", "resource_pool", "defaults")
+
+
+class ClusterKeyWarning(UserWarning):
+    """A ``cluster`` key RLightning's config does not know (its pydantic model accepts it silently)."""
+
+
+def warn_unknown_cluster_keys(section: Mapping[str, Any]) -> None:
+    """Warn, naming the key and listing the known ones, for every key of ``section`` not in `CLUSTER_KEYS`.
+
+    A warning, not an error: the seed accepts any key, and one of RLightning's own example
+    configs (wbc_tracking 1train_1eval.yaml) spells ``remote_storge``; its value is ignored,
+    as the seed ignores it, so ``remote_storage`` keeps its default."""
+    for key in section:
+        if key in CLUSTER_KEYS:
+            continue
+        close = difflib.get_close_matches(str(key), CLUSTER_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        default = "" if not close else (f"; {close[0]} is {section[close[0]]!r}" if close[0] in section
+                                        else f"; {close[0]} keeps its default")
+        warnings.warn(ClusterKeyWarning(
+            f"cluster config: unknown key {key!r} (value {section[key]!r}) is ignored{hint}{default}; known keys: "
+            f"{', '.join(CLUSTER_KEYS)}"), stacklevel=4)
+
+
 def resolve_placement(settings: BufferSettings, cluster: Any = None, *, num_train_workers: int | None = None,
                       backend: str | None = None, num_shards: int | None = None,
                       component_distribution: Mapping[str, Any] | None = None,
@@ -175,6 +205,7 @@ def resolve_placement(settings: BufferSettings, cluster: Any = None, *, num_trai
     manager = None
     if cluster is not None:
         section = plain_section(cluster, "cluster")
+        warn_unknown_cluster_keys(section)
         remote = section.get("remote_storage", True)
         if not isinstance(remote, bool):
             raise _fail("remote_storage", remote, "true or false")

@@ -90,12 +90,18 @@ class Reader:
         store: the compat layer's store; reads flush it first, so they see every write.
         unit: "transition" or "episode".
         device: device of returned batches (None: CPU).
+        capacity: transitions a shard holds, as the seed's ring of ``capacity`` rows does
+            (None: all the store keeps). The store evicts whole episodes and keeps a final
+            observation row per episode, so it may keep a few more: only the newest
+            ``capacity`` transitions of each shard are addressed (in episode unit, the
+            newest episodes that fit), as the seed's ring overwrites its oldest rows.
     """
 
-    def __init__(self, store: ExperienceStore, unit: str, device: Any) -> None:
+    def __init__(self, store: ExperienceStore, unit: str, device: Any, capacity: int | None = None) -> None:
         self.store = store
         self.unit = unit
         self.device = device
+        self.capacity = capacity
 
     def space(self, shards: Any = None) -> Any:
         """What indices address: per-shard live index ranges (transition unit) or the episode table,
@@ -105,18 +111,32 @@ class Reader:
         if self.unit == "episode":
             self.store.flush()
             shard, first, length = self.store.episode_spans()
+            if self.capacity is not None:
+                shard, first, length = self._newest_episodes(shard, first, length)
             if shards is not None:
                 keep = np.isin(shard, list(shards))
                 shard, first, length = shard[keep], first[keep], length[keep]
             return shard, first, length
         self.store.flush()
         ranges = self.store.live_ranges()
+        if self.capacity is not None:
+            ranges = [(max(a, b - self.capacity), b) for a, b in ranges]
         if shards is not None:
             for s in shards:
                 if not 0 <= s < len(ranges):
                     raise IndexError(f"storage index {s} out of range for {len(ranges)} shard(s)")
             ranges = [(a, b) if s in shards else (a, a) for s, (a, b) in enumerate(ranges)]
         return ranges
+
+    def _newest_episodes(self, shard: np.ndarray, first: np.ndarray,
+                         length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The newest episodes of each shard whose transitions add up to at most the capacity."""
+        keep = np.zeros(len(shard), bool)
+        for s in np.unique(shard):
+            mine = np.flatnonzero(shard == s)            # oldest first
+            newest_first = np.cumsum(length[mine][::-1])
+            keep[mine[::-1][newest_first <= self.capacity]] = True
+        return shard[keep], first[keep], length[keep]
 
     @staticmethod
     def count(space: Any) -> int:

@@ -14,26 +14,39 @@ or the end of a rollout) and, with ``auto_truncate_episode``, a record whose
 found with numpy masks over the env axis). What a boundary stores depends on the
 env's autoreset style, so that every env step's transition is stored exactly once:
 
-- ``next_step`` (gymnasium's default, and the seed's reading): the record with the
-  flag holds the terminal observation; it is the last of its episode. The next
-  record of that sub-env is the reset (its ``last_reward`` is a dummy and the
-  action sent at the terminal observation is ignored by the env): the next
-  episode starts there. Nothing real is dropped; the reset step is not a transition.
-- ``same_step`` (ManiSkill, IsaacLab, gymnasium < 1.0): the env resets inside the
-  step that ended the episode; the record with the flag holds the *new* episode's
-  first observation and the terminal one is in ``info["final_observation"]`` or
-  ``info["final_obs"]`` (an ``[num_envs, ...]`` array / tensor / dict of them, or an
-  object array with None for sub-envs that did not end). The ended episode's last
-  transition gets that terminal observation as its next observation, and the
-  record itself starts the next episode (its action is that episode's first).
-  A done record whose info carries a final observation is read as ``same_step``
-  whatever the configured mode; with ``autoreset_mode="same_step"`` one without
-  it is an error (the terminal observation would be lost).
+- ``next_step`` (gymnasium's default): the record with the flag holds the terminal
+  observation; it is the last of its episode. The next record of that sub-env is
+  the reset (its ``last_reward`` is a dummy 0, it has no flags, and the action sent
+  at the terminal observation is ignored by the env): the next episode starts
+  there. Nothing real is dropped; the reset step is not a transition.
+- ``same_step`` (IsaacLab / RSL-RL, ManiSkill, gymnasium < 1.0): the env resets
+  inside the step that ended the episode; the record with the flag holds the *new*
+  episode's first observation, and its action and the next record's reward are
+  that episode's first transition. The ended episode keeps its last transition
+  (reward, flags); its next observation is the terminal one from
+  ``info["final_observation"]`` or ``info["final_obs"]`` (an ``[num_envs, ...]``
+  array / tensor / dict of them, or an object array with None for sub-envs that
+  did not end) when given. When not given (IsaacLab, RSL-RL) it is not known: the
+  episode's final observation row repeats the last step's observation, so a
+  time-out bootstraps from V(obs_t), RSL-RL's ``reward += gamma * V(obs_t) *
+  time_out``, and the step field ``next_observation_valid`` is False there (True on
+  every other step of an auto-truncated episode).
+
+``autoreset_mode="auto"`` (the default) reads each boundary from the records: a
+done record whose info carries a final observation is same-step (in every mode).
+Without one, the sub-env's next record decides: a next-step reset carries a
+reward of exactly 0 and no flags, so a nonzero reward or a flag there shows a
+same-step env, and the env worker is read as same-step from then on (RLightning's
+shipped WBC config, IsaacLab with ``info={}``, keeps every transition with no
+setting). Until a worker has shown same-step resets, a boundary its next record
+does not show (a reward of exactly 0, no flags) is read as next-step, and one a
+rollout ends on (a truncation right after it) keeps its transition with its next
+observation marked not known. ``"next_step"`` / ``"same_step"`` force one reading.
 
 A segment that opens on a record with a flag (RSL-style rollouts re-add their
-last EnvRet as the next rollout's first record) opens a new episode there in
-``same_step`` style; in ``next_step`` style that record is a terminal one, and
-the episode starts at the reset after it.
+last EnvRet as the next rollout's first record) is read the same way: same-step,
+a new episode opens there; next-step, that record is a terminal one, and the
+episode starts at the reset after it.
 
 Without ``auto_truncate_episode`` a segment is a rollout window (as in the seed):
 flags are stored, nothing is cut, and at an internal reset the next observation
@@ -59,7 +72,9 @@ from tensordict import TensorDictBase
 from arrowbuf.compat.staging import Stage, split_record, to_column, to_device, to_tensor
 from arrowbuf.schema import flatten, unflatten
 
-AUTORESET_MODES = ("next_step", "same_step")
+AUTORESET_MODES = ("auto", "next_step", "same_step")
+#: Step field of auto-truncated episodes: False where the step's next observation is not known.
+VALID = "next_observation_valid"
 _FINAL_KEYS = ("final_observation", "final_obs")
 
 
@@ -87,7 +102,7 @@ class Segmenter:
         auto_truncate: end an episode at a record whose ``last_terminated`` or
             ``last_truncated`` is set.
         num_envs: env id -> its vector size (1: not vectorized).
-        autoreset_mode: ``"next_step"`` or ``"same_step"`` (see the module docstring).
+        autoreset_mode: ``"auto"``, ``"next_step"`` or ``"same_step"`` (see the module docstring).
         postprocess_fn: the seed's hook, or None for the direct path.
         device: the storage device the hook's tensors are put on.
         obs_preprocessor: applied to a same-step terminal observation from ``info``.
@@ -96,7 +111,7 @@ class Segmenter:
         ValueError: an unknown autoreset mode.
     """
 
-    def __init__(self, auto_truncate: bool, num_envs: Callable[[str], int], autoreset_mode: str = "next_step",
+    def __init__(self, auto_truncate: bool, num_envs: Callable[[str], int], autoreset_mode: str = "auto",
                  postprocess_fn: Callable | None = None, device: Any = "cpu",
                  obs_preprocessor: Callable[[Any], Any] | None = None) -> None:
         if autoreset_mode not in AUTORESET_MODES:
@@ -111,6 +126,7 @@ class Segmenter:
         # Stages of envs with nothing open: their next segment reuses their (pre-faulted) columns,
         # a VLA rollout's ~0.8 GB, instead of growing fresh ones from 32 rows again.
         self._spare: dict[str, Stage] = {}
+        self._same_step_envs: set[str] = set()   # env workers whose records showed same-step resets
 
     def open_envs(self) -> list[str]:
         return list(self._stages)
@@ -132,27 +148,80 @@ class Segmenter:
             n = self._num_envs(env_id)
             spare = self._spare.pop(env_id, None)
             stage = Stage(env_id, n, n > 1, reuse=spare if spare is not None and spare.num_envs == n else None)
+            stage.same_step_seen = env_id in self._same_step_envs
             self._stages[env_id] = stage
         row = stage.write(*split_record(record))
         if not self.auto_truncate:
             return []
+        info = record.get("info")
+        given = _has_final(info)
         done = self._done(stage, row)
-        opening = done & (stage.starts == row)
-        try:
-            ended = np.flatnonzero(done & (stage.starts < row))
-            final = self._final_obs(stage, record.get("info"), ended, row) if len(ended) else None
+        try:   # every done sub-env with an open episode (or a boundary waiting for this record)
+            ending = np.flatnonzero(done & ((stage.starts < row) | (stage.pending >= 0)))
+            final = self._final_obs(stage, info, ending, row) if given and len(ending) else None
         except ValueError:
             stage.unwrite()   # the record is refused whole
             raise
-        if self.autoreset_mode == "next_step" and opening.any() and not _has_final(record.get("info")):
-            # A segment that opens on a terminal record (a rollout's last EnvRet re-added as the
-            # next one's first): that episode is over; the next one starts at the reset.
+        pieces = self._settle(stage, row)
+        ended = np.flatnonzero(done & (stage.starts < row))
+        opening = done & (stage.starts == row)
+        if given:
+            self._saw_same_step(stage)
+        if given or self.autoreset_mode == "same_step" or (self.autoreset_mode == "auto" and stage.same_step_seen):
+            # Same-step: this record starts the next episode; the ended one's last next observation
+            # is the final one given, or not known.
+            pieces += self._episodes(stage, ended, row, final, unknown=final is None)   # final: None or for all ended
+            stage.starts[ended] = row
+        elif self.autoreset_mode == "next_step":
+            # This record holds the terminal observation; the next episode starts at the reset after it.
+            pieces += self._episodes(stage, ended, row, None)
+            stage.starts[ended] = row + 1
             stage.starts[opening] = row + 1
-        if not len(ended):
-            return []
-        pieces = self._episodes(stage, ended, row, final)
-        stage.starts[ended] = row if final is not None else row + 1
+        else:   # auto: read at this sub-env's next record (`_settle`)
+            stage.pending[ended] = row
+            stage.pending[opening] = row
         return pieces
+
+    def _settle(self, stage: Stage, row: int) -> list[Piece]:
+        """Read the boundaries left open at the previous record (``autoreset_mode="auto"``).
+
+        A next-step reset record carries a dummy reward of exactly 0 and no flags; a
+        reward or a flag on the record after a done one shows a real step, so a
+        same-step env (the worker is then read as same-step from there on)."""
+        waiting = np.flatnonzero(stage.pending >= 0)
+        if not len(waiting):
+            return []
+        stepped = self._stepped(stage, row)[waiting]
+        if stepped.any():
+            self._saw_same_step(stage)
+        same = stepped | stage.same_step_seen
+        return self._close(stage, waiting, same)
+
+    def _close(self, stage: Stage, envs: np.ndarray, same: np.ndarray) -> list[Piece]:
+        """End the waiting episodes of ``envs``: same-step (the done record opens the next episode;
+        the last next observation is not known) where ``same``, else next-step."""
+        last = int(stage.pending[envs[0]])   # every waiting boundary is at the worker's previous record
+        pieces = []
+        for subset, is_same in ((envs[same], True), (envs[~same], False)):
+            if len(subset):
+                pieces += self._episodes(stage, subset, last, None, unknown=is_same)
+                stage.starts[subset] = last if is_same else last + 1
+        stage.pending[envs] = -1
+        return pieces
+
+    def _saw_same_step(self, stage: Stage) -> None:
+        stage.same_step_seen = True
+        self._same_step_envs.add(stage.env_id)
+
+    @staticmethod
+    def _stepped(stage: Stage, row: int) -> np.ndarray:
+        """Per sub-env: the record at ``row`` carries a nonzero reward or a done flag."""
+        out = np.zeros(stage.num_envs, bool)
+        for name in stage.columns:
+            top = name.split(".", 1)[0]
+            if top in ("last_terminated", "last_truncated") or (top.startswith("last_") and "reward" in top):
+                out |= stage.row(name, row).reshape(stage.num_envs, -1).astype(bool).any(axis=1)
+        return out
 
     def truncate(self, env_id: str) -> list[Piece]:
         """End the open episode(s) of ``env_id`` (or of one sub-env ``"<env_id>/<i>"``).
@@ -164,14 +233,18 @@ class Segmenter:
         if stage is not None:   # its pieces are views of it: written before its next record reuses it
             self._spare[env_id] = stage
             last = stage.rows - 1
-            return self._episodes(stage, np.arange(stage.num_envs), last, None) if last >= 0 else []
+            # A boundary still waiting is at this last record: no record after it tells whether its
+            # observation was terminal, so the ended episode's last next observation is not known.
+            return self._episodes(stage, np.arange(stage.num_envs), last, None,
+                                  unknown=stage.pending >= 0) if last >= 0 else []
         parent, _, index = env_id.rpartition("/")
         stage = self._stages.get(parent)
         if stage is None or not stage.vector or not index.isdigit() or int(index) >= stage.num_envs:
             return []
         i = np.array([int(index)])
-        pieces = self._episodes(stage, i, stage.rows - 1, None)
+        pieces = self._episodes(stage, i, stage.rows - 1, None, unknown=stage.pending[i] >= 0)
         stage.starts[i] = stage.rows
+        stage.pending[i] = -1
         return pieces
 
     # -- boundaries ---------------------------------------------------------------------
@@ -184,16 +257,9 @@ class Segmenter:
                 done |= stage.row(name, row).reshape(stage.num_envs, -1).any(axis=1)
         return done
 
-    def _final_obs(self, stage: Stage, info: Any, ended: np.ndarray, row: int) -> dict[str, np.ndarray] | None:
-        """The terminal observations of the ended sub-envs (``[num_envs, ...]`` per field), or None."""
-        given = next((info[key] for key in _FINAL_KEYS if info.get(key) is not None), None) \
-            if _has_final(info) else None
-        if given is None:
-            if self.autoreset_mode == "same_step":
-                raise ValueError(f"env {stage.env_id!r}: autoreset_mode='same_step' but the EnvRet that ended "
-                                 f"sub-env(s) {ended.tolist()} has no info['final_observation'] / info['final_obs'];"
-                                 " the terminal observation is needed as the last transition's next observation")
-            return None
+    def _final_obs(self, stage: Stage, info: Any, ended: np.ndarray, row: int) -> dict[str, np.ndarray]:
+        """The terminal observations ``info`` gives for the ended sub-envs (``[num_envs, ...]`` per field)."""
+        given = next(info[key] for key in _FINAL_KEYS if info.get(key) is not None)
         names = [name for name in stage.columns if is_observation(name)]
         out = {name: stage.row(name, row).copy() for name in names}
         if stage.vector and isinstance(given, np.ndarray) and given.dtype == object:
@@ -225,16 +291,24 @@ class Segmenter:
 
     # -- episodes -----------------------------------------------------------------------
 
-    def _episodes(self, stage: Stage, envs: np.ndarray, last: int, final: dict | None) -> list[Piece]:
-        """Episodes of sub-envs ``envs``, from their start row to record ``last``."""
+    def _episodes(self, stage: Stage, envs: np.ndarray, last: int, final: dict | None,
+                  unknown: bool | np.ndarray = False) -> list[Piece]:
+        """Episodes of sub-envs ``envs``, from their start row to record ``last``.
+
+        ``unknown`` (one bool, or one per env of ``envs``): the last transition's next
+        observation is not known (a same-step reset without a final observation). Its
+        final observation row then repeats the last step's observation (so a time-out
+        bootstraps from V(obs_t), RSL-RL's rule) and ``next_observation_valid`` is False
+        there; every episode cut with auto-truncation carries that column."""
         starts = stage.starts[envs]
+        unknown = np.broadcast_to(np.asarray(unknown, bool), envs.shape)
         keep = starts < last
-        envs, starts = envs[keep], starts[keep]
+        envs, starts, unknown = envs[keep], starts[keep], unknown[keep]
         if not len(envs):
             return []
         ids = [f"{stage.env_id}/{i}" if stage.vector else stage.env_id for i in envs]
         if self._postprocess_fn is not None:
-            return self._processed(stage, envs, starts, last, final, ids)
+            return self._processed(stage, envs, starts, last, final, ids, unknown)
         names = list(stage.columns)
         fields = [_field_of(name) for name in names]
         if len(set(fields)) != len(fields):
@@ -242,23 +316,28 @@ class Segmenter:
             raise ValueError(f"env {stage.env_id!r}: fields {clash} come from two keys each (e.g. 'reward' and "
                              "'last_reward'); rename one of them")
         pieces = []
-        for env_id, i, s in zip(ids, envs.tolist(), starts.tolist()):
+        for env_id, i, s, blind in zip(ids, envs.tolist(), starts.tolist(), unknown.tolist()):
             columns = {}
             for name, field in zip(names, fields):
                 if is_observation(name):
                     column = stage.rows_of(name, s, last + 1, i)
-                    if final is not None:
+                    if blind:
+                        column = np.concatenate([column[:-1], column[-2:-1]])
+                    elif final is not None:
                         column = np.concatenate([column[:-1], final[name][i][None]])
                 elif name.startswith("last_"):
                     column = stage.rows_of(name, s + 1, last + 1, i)
                 else:
                     column = stage.rows_of(name, s, last, i)
                 columns[field] = to_tensor(column, "bfloat16", False) if stage.dtypes[name] == "bfloat16" else column
+            valid = np.ones(last - s, bool)
+            valid[-1] = not blind
+            columns[VALID] = valid
             pieces.append(Piece(env_id, columns, last - s))
         return pieces
 
     def _processed(self, stage: Stage, envs: np.ndarray, starts: np.ndarray, last: int, final: dict | None,
-                   ids: list[str]) -> list[Piece]:
+                   ids: list[str], unknown: np.ndarray) -> list[Piece]:
         """Segments through the user's ``postprocess_fn``, as the seed calls it."""
         if not self.auto_truncate and stage.vector and (starts == starts[0]).all():
             # The seed's vector-env window: one call on [T+1] records of [num_envs, ...] values.
@@ -268,9 +347,12 @@ class Segmenter:
             return [Piece(env_id, {name: value[:, i] for name, value in out.items()}, steps)
                     for env_id, i in zip(ids, envs.tolist())]
         pieces = []
-        for env_id, i, s in zip(ids, envs.tolist(), starts.tolist()):
+        for env_id, i, s, blind in zip(ids, envs.tolist(), starts.tolist(), unknown.tolist()):
             block = {name: stage.rows_of(name, s, last + 1, i) for name in stage.columns}
-            if final is not None:
+            if blind:   # the hook gets the last step's observation again as the unknown terminal one
+                block.update({name: np.concatenate([block[name][:-1], block[name][-2:-1]])
+                              for name in block if is_observation(name)})
+            elif final is not None:
                 block.update({name: np.concatenate([block[name][:-1], final[name][i][None]]) for name in final})
             out = self._call_hook(stage, block, s, last)
             pieces.append(Piece(env_id, out, self._length(out, env_id, None)))

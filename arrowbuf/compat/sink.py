@@ -104,11 +104,6 @@ class StoreSink:
         if wrote and self.placement.backend == "ray":
             self.store.flush()
 
-    def size(self, unit: str) -> int:
-        if self.store is None:
-            return 0
-        return self.store.num_episodes if unit == "episode" else len(self.store)
-
     def clear(self) -> None:
         if self.store is not None:
             self.store.clear()

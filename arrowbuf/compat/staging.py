@@ -86,6 +86,10 @@ class Stage:
         self.base = 0                   # row number of columns[...][0]
         self.rows = 0
         self.starts = np.zeros(num_envs, np.int64)
+        # Per sub-env, the row of a done record whose reading (next- or same-step) waits for the
+        # sub-env's next record (-1: none); and whether this worker has shown same-step resets.
+        self.pending = np.full(num_envs, -1, np.int64)
+        self.same_step_seen = False
         self.infos: list[dict[str, Any]] = []   # per row: the record's *info* values, as sent (for hooks)
         # A finished stage of the same env whose columns fields of the same dtype and shape take over.
         self._reusable = dict(reuse.columns) if reuse is not None else {}

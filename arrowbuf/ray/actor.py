@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._dirlock import private_directory
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
@@ -38,6 +39,7 @@ from arrowbuf.shard import Episode
 from arrowbuf.tensors import Payload
 
 Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
+LOCK_WAIT = 5.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
 READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler)   # stateless: readers draw them
 
 
@@ -60,12 +62,14 @@ class ShardServer:
         durable_sync: flush the log to disk before answering a write.
         blocks: (block bytes, seal latency) of the blocks this shard publishes
             (`arrowbuf.ray.blocks`).
+        holder: what names this shard in its durable directory's lock file (its
+            store and driver), for the error another opener gets.
     """
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
-                 blocks: tuple[int, float] = (64 << 20, 0.1)) -> None:
+                 blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None) -> None:
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
@@ -74,7 +78,11 @@ class ShardServer:
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
                                track_reuse=track_reuse, shard=shard, num_shards=num_shards)
 
-        self.durable = DurableShard(durable, shard, num_shards, durable_sync) if durable is not None else None
+        if durable is not None:   # created private (`arrowbuf._dirlock`); one the user made is left as it is
+            private_directory(Path(durable).parent, tighten=False)
+        # A restarted shard may start while its killed predecessor's process is still going away.
+        self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT,
+                                    holder=holder) if durable is not None else None
         self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
@@ -101,6 +109,13 @@ class ShardServer:
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
         return self.unfilled.fill(self.engine)
+
+    def release(self) -> None:
+        """Close the durable log and release its directory's lock (the store is closing: the
+        next store to open the directory must not wait for this process to be gone)."""
+        if self.durable is not None:
+            self.durable.close()
+            self.durable.failed("the store was closed")
 
     def ping(self) -> str:
         """This actor's node id (also proves it started)."""

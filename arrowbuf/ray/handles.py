@@ -44,6 +44,7 @@ class ShardHandles:
     # Ray worker id of the process that started the actors: they die with it, so an
     # object it puts lives as long as they do (its writers lend their episodes as blocks).
     owner: str | None = None
+    durable: bool = False                   # the shards hold durable directories (locked until `close`)
 
     def started_here(self) -> bool:
         """Whether this process started the shard actors (it owns them)."""

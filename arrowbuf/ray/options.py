@@ -62,8 +62,9 @@ class RayOptions:
             is sent to its shard without `flush` (a timer thread per writer sends
             it); also how often that thread checks the answers, so that a dead
             shard is reported at the writer's next call.
-        size_refresh: seconds after which `len(store)` asks the shards for their
-            sizes again, in the background (it never waits for them).
+        size_refresh: seconds after which `ExperienceStore.cached_size` asks the
+            shards for their sizes again, in the background (it never waits for
+            them; `len(store)` and ``num_episodes`` ask them and wait).
         start_timeout: seconds to wait for the shard actors to start (they wait for
             ``num_cpus`` free CPUs) before `ShardError`.
         max_restarts: times Ray restarts a shard actor that died (-1: always); None

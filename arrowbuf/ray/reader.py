@@ -29,6 +29,12 @@ first sample, ``store.flush()`` and an epoch start with it, and a sample after
 this process's own `add_episode` syncs that shard, so a process reads its own
 writes. A dead shard is found by its failed manifest request.
 
+A shard that restarts (a durable one) publishes its blocks again as new objects:
+blocks of its old process are lost with it (Ray's ``OwnerDiedError``). A sample,
+draw or gather that meets one forgets that shard's view, reads its manifest again
+(waiting for the restarted shard) and retries (`LOST_RETRIES` times); a shard that
+stays down raises `ShardError` from that manifest request.
+
 Blocks are fetched on first use (`ray.get`: zero-copy on the node, one transfer
 from another node) into an LRU cache bounded by ``RayOptions.reader_cache_bytes``
 (blocks of the current batch are never dropped; `arrowbuf.ray.cache`). ``RayOptions.copy_blocks``
@@ -50,7 +56,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf.errors import EmptyStoreError
+from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
 from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
@@ -65,6 +71,7 @@ from arrowbuf.table import EpisodeTable
 _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
 PLAIN_LOOPS = 4
+LOST_RETRIES = 3   # fresh manifests read after meeting lost blocks, before giving up
 
 
 @dataclass
@@ -97,6 +104,24 @@ def _locked(method: Callable) -> Callable:
     def run(self: "BlockReader", *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return method(self, *args, **kwargs)
+    return run
+
+
+def _retry_lost(method: Callable) -> Callable:
+    """Run ``method`` again after a lost block (its shard's process died): the shards whose
+    blocks were lost are read again first (`BlockReader._forget_lost`)."""
+    @functools.wraps(method)
+    def run(self: "BlockReader", *args: Any, **kwargs: Any) -> Any:
+        lost_error = ray_module().exceptions.ObjectLostError
+        for attempt in range(LOST_RETRIES + 1):
+            try:
+                return method(self, *args, **kwargs)
+            except lost_error as err:
+                if attempt == LOST_RETRIES:
+                    raise ShardError(f"blocks of store {self.shards.name!r} were lost again after {LOST_RETRIES} "
+                                     f"fresh manifests (their shard's process keeps dying?): {err}") from None
+                args, kwargs = self._forget_lost(err, method.__name__, args, kwargs)
+        raise AssertionError("unreachable")
     return run
 
 
@@ -320,6 +345,38 @@ class BlockReader:
         self._joined_view = (views, joined)
         return joined
 
+    def _forget_lost(self, err: Exception, method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """After ``err`` (a lost block): drop the views of the shards it names (every view
+        if it names none), read their manifests again (a shard that stays down raises
+        `ShardError` here), and return the call's arguments for the retry (a gather's
+        parts are located again in the new views)."""
+        text = str(err)
+        named = {shard for shard, view in self.views.items()
+                 if any(b.ref.hex() in text or (not isinstance(b.episodes, dict) and b.episodes.hex() in text)
+                        for b in view.manifest.blocks)}
+        shards = sorted(named or self.views)
+        for shard in shards:
+            self.views.pop(shard, None)
+            self._pending.pop(shard, None)
+        self._joined_view = None
+        self.generation += 1
+        listed = {b.key for view in self.views.values() for b in view.manifest.blocks}
+        self.cache.retain(listed)
+        for key in [k for k in self._chunks if k not in listed]:
+            del self._chunks[key]
+        self.sync([s for s in shards if s in self.shards.live()])
+        if method != "gather":
+            return args, kwargs
+        parts = []
+        for view, selection in args[0]:
+            fresh = self.views.get(view.shard)
+            part = self.select_in(fresh, selection.indices, selection.extra) if fresh is not None else None
+            if part is None:
+                raise ShardError(f"shard {view.shard} of store {self.shards.name!r} restarted without rows this "
+                                 "batch was drawn from; draw it again") from None
+            parts.append(part)
+        return (parts, *args[1:]), kwargs
+
     # -- sampling ------------------------------------------------------------------
 
     @_locked
@@ -343,6 +400,7 @@ class BlockReader:
         return live if shards is None else [s for s in live if s in shards] or live
 
     @_locked
+    @_retry_lost
     def sample(self, request: SampleRequest) -> TensorDict:
         """One batch of ``request``, handed out of the batches drawn ahead for the same
         request (`DrawLoop`), as `batches` hands them out.
@@ -366,9 +424,13 @@ class BlockReader:
         ``request.batches`` at a time (`DrawLoop`)."""
         loop = DrawLoop(self, request)
         while True:
-            with self._lock:
-                batch = loop.next()
-            yield batch
+            yield self._next_of(loop)
+
+    @_locked
+    @_retry_lost
+    def _next_of(self, loop: DrawLoop) -> TensorDict:
+        """The next batch of ``loop`` (drawn again after a lost block: `_retry_lost`)."""
+        return loop.next()
 
     def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict) -> Staged:
         """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
@@ -412,6 +474,7 @@ class BlockReader:
         return view, Selection(view.table.col("first_row").take(pos) + step, indices, pos, extra, step)
 
     @_locked
+    @_retry_lost
     def gather(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, keys: Any,
                device: torch.device | None, normalize_weights: bool = False,
                places: list[np.ndarray] | None = None) -> TensorDict:

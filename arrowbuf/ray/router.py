@@ -49,13 +49,13 @@ from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
-from arrowbuf.ray.start import find_shards, start_shards
+from arrowbuf.ray.start import find_shards, release_durable, start_shards
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
-from arrowbuf.tensors import pinned
+from arrowbuf.tensors import make_tensordict, pinned
 
 
 class RayBackend:
@@ -144,9 +144,14 @@ class RayBackend:
             self._sink.set_schema(schema)
             self._reader.set_schema(schema)
 
-    def size(self) -> tuple[int, int]:
-        """(transitions, episodes) as last reported (never waits; see the module docstring)."""
-        self._sizes.poll()
+    def size(self, exact: bool = True) -> tuple[int, int]:
+        """(transitions, episodes): asked of every shard now (one round trip), so every write
+        acknowledged before it counts, whichever process made it; ``exact=False``: as last
+        reported (never waits; see the module docstring)."""
+        if exact:
+            self._sizes.refresh()
+        else:
+            self._sizes.poll()
         return self._sizes.totals()
 
     def shard_sizes(self) -> np.ndarray:
@@ -238,6 +243,8 @@ class RayBackend:
         finally:
             self._reader.reset()   # this process's references to the blocks
             ray = ray_module()
+            if self.shards.durable:   # their directories' locks go now, not when the processes are gone
+                release_durable(self.shards)
             for handle in self.shards.handles:
                 ray.kill(handle)
             self.shards.closed = True
@@ -360,13 +367,27 @@ class RayBackend:
         if found != len(index):
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
-        if not parts:
-            return TensorDict({}, batch_size=[0])
+        if not parts:   # nothing asked for: every field, empty, as the local store's gather
+            return self._empty_gather(device)
         if len(parts) == 1:   # views of Ray's read-only shared memory: copied, the caller may write in place
             return parts[0].clone()
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
+
+    def _empty_gather(self, device: torch.device | None) -> TensorDict:
+        """A gather of no indices: the schema's fields (observations also under ``"next"``), ``index``,
+        ``episode_id`` and ``step``, each with 0 rows."""
+        tensors = {("index",): torch.zeros(0, dtype=torch.int64, device=device),
+                   ("episode_id",): torch.zeros(0, dtype=torch.int64, device=device),
+                   ("step",): torch.zeros(0, dtype=torch.int32, device=device)}
+        schema = self.schema
+        for name, spec in (schema.fields.items() if schema is not None else ()):
+            path = tuple(name.split("."))
+            tensors[path] = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype, device=device)
+            if spec.observation:
+                tensors[("next", *path)] = tensors[path]
+        return make_tensordict(tensors, (0,), device)
 
     def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
         """One ObjectRef per index array, of its transitions as a TensorDict; the data never

@@ -9,12 +9,14 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
+import socket
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from arrowbuf.errors import FormatError, ShardError
+from arrowbuf.errors import FormatError, InUseError, ShardError
 from arrowbuf.rate_limiters import RateLimiter, limits
 from arrowbuf.ray.actor import ShardServer
 from arrowbuf.ray.blocks import check_object_store
@@ -50,6 +52,11 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
     threaded = limits(rate_limiter)
     actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardServer) if threaded else ray.remote(ShardServer)
     threads = {"max_concurrency": DEFAULT_CONCURRENCY} if threaded else {}
+    taken = running_shards(name, num_shards)
+    if taken:
+        raise InUseError(f"store name {name!r} is taken: shard actor(s) {taken} of a running store have it (in Ray "
+                         f"namespace {NAMESPACE!r}); close that store, attach to it with ExperienceStore.attach("
+                         f"{name!r}), or pass another name=")
     seeds = np.random.SeedSequence(seed).generate_state(num_shards).tolist()
     restarts = options.max_restarts if options.max_restarts is not None else -1 if durable is not None else 0
     handles = []
@@ -61,14 +68,21 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             node = options.nodes[shard % len(options.nodes)]
             placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         rows = capacity // num_shards + (shard < capacity % num_shards)
-        handles.append(actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
-                                     max_restarts=restarts, max_task_retries=-1 if restarts else 0,
-                                     **threads, **placement).remote(
-            rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
-            schema.to_json() if schema is not None else None, mode,
-            load_from[shard] if load_from is not None else None, track_reuse,
-            str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync,
-            (options.block_bytes, options.seal_latency)))
+        try:
+            handle = actor.options(name=f"{name}:{shard}", namespace=NAMESPACE, num_cpus=options.num_cpus,
+                                   max_restarts=restarts, max_task_retries=-1 if restarts else 0,
+                                   **threads, **placement).remote(
+                rows, shard, num_shards, seeds[shard], copy.deepcopy(sampler), copy.deepcopy(rate_limiter),
+                schema.to_json() if schema is not None else None, mode,
+                load_from[shard] if load_from is not None else None, track_reuse,
+                str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync,
+                (options.block_bytes, options.seal_latency),
+                f"shard {shard} of store {name!r}, started by pid {os.getpid()} on {socket.gethostname()!r}")
+        except ValueError as err:   # Ray's ActorAlreadyExistsError: a store of that name started meanwhile
+            for started in handles:
+                ray.kill(started)
+            raise InUseError(f"store name {name!r} is taken: {err}; pass another name=") from None
+        handles.append(handle)
     limit = None if math.isinf(options.start_timeout) else options.start_timeout
     try:
         nodes = ray.get([h.ping.remote() for h in handles], timeout=limit)
@@ -79,14 +93,47 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
             raise ShardError(f"the {num_shards} shard actors of store {name!r} did not start within "
                              f"{options.start_timeout} s; does the cluster have RayOptions.num_cpus="
                              f"{options.num_cpus} free CPUs for each?") from None
+        if isinstance(err, ray.exceptions.RayActorError) and err.actor_init_failed and "InUseError" in str(err):
+            raise InUseError(f"a shard of store {name!r} could not open its durable directory: "
+                             f"{_last_line(err)}") from None
         if isinstance(err, ray.exceptions.RayActorError) and err.actor_init_failed and "FormatError" in str(err):
             # A shard refused its checkpoint or log: the typed error a local load gives,
             # not Ray's (which keeps the cause only as text).
-            raise FormatError(f"a shard of store {name!r} could not load its data: "
-                              f"{str(err).strip().splitlines()[-1]}") from None
+            raise FormatError(f"a shard of store {name!r} could not load its data: {_last_line(err)}") from None
         raise
     return ShardHandles(name, handles, nodes, options, threaded,
-                        owner=ray.get_runtime_context().get_worker_id())
+                        owner=ray.get_runtime_context().get_worker_id(), durable=durable is not None)
+
+
+def _last_line(err: BaseException) -> str:
+    """The error a failed actor constructor raised, from Ray's text of it (``module.Error: message``)."""
+    line = str(err).strip().splitlines()[-1]
+    return line.split(": ", 1)[1] if line.startswith("arrowbuf.errors.") and ": " in line else line
+
+
+def running_shards(name: str, num_shards: int) -> list[int]:
+    """The shards ``0..num_shards-1`` of a store named ``name`` that run (their actor names are taken)."""
+    ray = ray_module()
+    taken = []
+    for shard in range(num_shards):
+        try:
+            ray.get_actor(f"{name}:{shard}", namespace=NAMESPACE)
+            taken.append(shard)
+        except ValueError:
+            pass
+    return taken
+
+
+def release_durable(shards: ShardHandles, timeout: float = 10.0) -> None:
+    """Have the shards close their durable logs, releasing their directories' locks
+    (a dead shard's lock went with its process)."""
+    ray = ray_module()
+    refs = [handle.release.remote() for handle in shards.handles]
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass
 
 
 def find_shards(name: str, options: RayOptions) -> tuple[ShardHandles, dict]:

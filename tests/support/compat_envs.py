@@ -11,7 +11,8 @@ Autoreset styles: ``"next_step"`` (the step after an episode's end only resets
 that sub-env: dummy reward 0, no flags, the action is ignored) and
 ``"same_step"`` (the ending step resets at once and returns the new first
 observation; the terminal one goes to ``info["final_observation"]``, an
-``[N, 3]`` array, or ``info["final_obs"]``, gymnasium's object array).
+``[N, 3]`` array, or ``info["final_obs"]``, gymnasium's object array, or nowhere
+with ``final_key=None``, as IsaacLab / RSL-RL send ``info={}``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class VecWorker:
     """Env worker ``index`` (id ``f"{uuid}-{index}"``) of ``num_envs`` sub-envs (``vector=False``: one plain env)."""
 
     def __init__(self, index: int, num_envs: int = 4, autoreset: str = "next_step", seed: int = 0,
-                 vector: bool = True, max_len: int = 5, final_key: str = "final_observation", min_len: int = 1,
+                 vector: bool = True, max_len: int = 5, final_key: str | None = "final_observation", min_len: int = 1,
                  uuid: str = "3f2a9c") -> None:
         self.env_id = f"{uuid}-{index}"
         self.base = 100 * index
@@ -79,7 +80,7 @@ class VecWorker:
             final = after.copy()
             self.episode = np.where(done, self.episode + 1, self.episode)
             self.t = np.where(done, 0, self.t)
-            if done.any():
+            if done.any() and self.final_key is not None:
                 if self.final_key == "final_obs":   # gymnasium's object array, None where nothing ended
                     entries = np.empty(self.n, object)
                     for i in np.flatnonzero(done):
@@ -106,6 +107,30 @@ def transitions(batch) -> Counter:
     rows = zip(map(tuple, obs), batch["action"].tolist(), batch["reward"].tolist(), map(tuple, nxt),
                batch["terminated"].tolist(), batch["truncated"].tolist())
     return Counter((o, int(a), float(r), n, bool(d), bool(c)) for o, a, r, n, d, c in rows)
+
+
+def losses(batch, workers: list[VecWorker]) -> dict[str, int]:
+    """How the stored transitions of ``batch`` differ from what the workers played, as counts:
+    ``lost`` (played, not stored), ``extra`` (stored, never played), ``wrong_next`` (a next
+    observation marked known that is not the played one), ``unknown_mid`` (a next observation
+    marked not known on a step that did not end an episode) and ``unknown`` (marked not known:
+    allowed only on an episode's last step)."""
+    played = truth(workers)
+    key = lambda t: (t[0], t[1], t[2], t[4], t[5])   # noqa: E731  a transition without its next observation
+    valid = (batch["next_observation_valid"].tolist() if "next_observation_valid" in batch.keys()
+             else [True] * batch.batch_size[0])
+    stored = transitions(batch)
+    rows = list(zip(map(tuple, batch["observation"].numpy()), batch["action"].tolist(), batch["reward"].tolist(),
+                    map(tuple, batch["next_observation"].numpy()), batch["terminated"].tolist(),
+                    batch["truncated"].tolist(), valid))
+    stored_keys = Counter(key((o, int(a), float(r), n, bool(d), bool(c))) for o, a, r, n, d, c, _ in rows)
+    played_keys = Counter(key(t) for t in played)
+    known = Counter((o, int(a), float(r), n, bool(d), bool(c)) for o, a, r, n, d, c, v in rows if v)
+    del stored
+    return {"lost": sum((played_keys - stored_keys).values()), "extra": sum((stored_keys - played_keys).values()),
+            "wrong_next": sum((known - played).values()),
+            "unknown_mid": sum(1 for *_, d, c, v in rows if not v and not (d or c)),
+            "unknown": sum(1 for *_, v in rows if not v)}
 
 
 def truth(workers: list[VecWorker]) -> Counter:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __doc__ as OVERVIEW
-from . import workloads  # noqa: F401  registers the workloads
+from . import real_seed, workloads  # noqa: F401  registers the workloads
 from .harness import WORKLOADS, Options, log
 from .report import into_page, load, markdown, render, save
 
@@ -42,6 +42,9 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="torch device of ONPOLICY's torch-arena rows (storage_device=; default: cuda when "
                              "available, else cpu)")
+    parser.add_argument("--seed-repo", metavar="PATH", default=None,
+                        help="RLightning checkout SEED drives as the real seed (default: $ARROWBUF_SEED_REPO, else "
+                             ".rlightning/RLightning from tools/seed_checkout.py)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--markdown", nargs="?", const="", metavar="JSON",
                         help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
@@ -93,6 +96,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     """Entry of ``python tools/bench.py`` and ``arrowbuf bench``."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    real_seed.request(args.seed_repo)
     if args._probe:
         wname, contender = args._probe.split(":")
         workload = WORKLOADS[wname]

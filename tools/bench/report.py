@@ -72,11 +72,11 @@ def render(results: Sequence[WorkloadResult], meta: dict) -> None:
     terminal = Console()
     # Tables are wide (a column per contender and ratio): never squeeze them below 150 columns, and
     # give a file or pipe room for every column unwrapped.
-    console = Console(width=max(150, terminal.width) if terminal.is_terminal else 320)
+    console = Console(width=max(150, terminal.width) if terminal.is_terminal else 420)
     for res in results:
         table = Table(title=f"{res.name}: {res.title}", title_justify="left", caption=res.description,
                       caption_justify="left")
-        table.add_column("metric")
+        table.add_column("metric", no_wrap=True)
         for c in res.contenders:
             table.add_column(res.label(c), justify="right")
         for col in res.ratio_columns:
@@ -127,7 +127,7 @@ def load(path: str) -> tuple[list[WorkloadResult], dict]:
     for w in data["workloads"]:
         metrics = [Metric(m["name"], m["unit"], {c: value(v) for c, v in m["values"].items()},
                           {k: Series(list(r["rounds"])) for k, r in m["ratios"].items()}, m["target"], m["met"],
-                          m["detail"]) for m in w["metrics"]]
+                          m["detail"], m.get("ratios_from_values", True)) for m in w["metrics"]]
         results.append(WorkloadResult(w["name"], w["title"], w["description"], w["contenders"], metrics, w["notes"],
                                       w["seconds"], w["labels"], w["ratio_columns"]))
     return results, data["meta"]

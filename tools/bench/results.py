@@ -46,7 +46,8 @@ class Metric:
         vals = {k: (v.to_json() if isinstance(v, Series) else v) for k, v in self.values.items()}
         return {"name": self.name, "unit": self.unit, "values": vals,
                 "ratios": {k: v.to_json() for k, v in self.ratios.items()},
-                "target": self.target, "met": self.met, "detail": self.detail}
+                "target": self.target, "met": self.met, "detail": self.detail,
+                "ratios_from_values": self.ratios_from_values}
 
 
 @dataclass

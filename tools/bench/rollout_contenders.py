@@ -2,8 +2,11 @@
 
 - ``ideal``: one contiguous numpy column per field; a sample is one
   ``np.take`` per field into a preallocated, pre-touched output.
-- ``seed``: the seed's ``DataContainer``: a preallocated TensorDict of capacity
-  rows, written with ``update_at_`` and read with ``td[idx]``.
+- ``rlightning``: the real seed (`real_seed`): RLightning's own ``ReplayBuffer``
+  (uniform sampler, transition unit), filled with its ``add_episode``; the rollout
+  sample is its ``sample(n)``, a minibatch its storage's ``[idx]`` (dicts of tensors).
+- ``seed``: a seed-*like proxy* of the seed's ``DataContainer``: a preallocated
+  TensorDict of capacity rows, written with ``update_at_`` and read with ``td[idx]``.
 - ``torchrl``: ``LazyTensorStorage`` read directly (``storage[idx]``) for the
   rollout, and a ``ReplayBuffer(SamplerWithoutReplacement)`` for the epochs.
 - ``arrowbuf``: ``store.sample(n)`` and ``iter_batches(batch, shuffle=True)``;
@@ -80,6 +83,24 @@ class IdealRollout(RolloutContender):
 
     def minibatch(self, index: Any) -> Any:
         return self._take(index.numpy(), self.out_batch)
+
+
+class RealSeedRollout(RolloutContender):
+    name = "rlightning"
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any], minibatches: int, seed: Any) -> None:
+        super().__init__(shape, rollout, minibatches)
+        config = seed.BufferConfig(type="ReplayBuffer", capacity=self.n, sampler={"type": "uniform"})
+        self.buffer = seed.ReplayBuffer(config)
+        self.buffer.init([seed.EnvMeta("env-0", None, None, num_envs=1)], ["env-0"])
+        self.buffer.add_episode(transitions(shape, rollout))
+        self.storage = self.buffer.storages[0]
+
+    def sample_all(self) -> Any:
+        return self.buffer.sample(self.n)[0]
+
+    def minibatch(self, index: Any) -> Any:
+        return self.storage[index]
 
 
 class SeedRollout(RolloutContender):

@@ -1,6 +1,16 @@
-"""SEED: RLightning's engines through ``arrowbuf.compat.DataBuffer`` vs the native writer (issue 12).
+"""SEED: RLightning's engines through the real seed, ``arrowbuf.compat.DataBuffer`` and the native writer.
 
-The same rollout (`rollouts.make_rollout`, torch tensors as local envs and
+First rows (issue 25 item 5): whole rollouts (ingest, sample, the trainer's PPO
+minibatches) as RSLRLEngine (WBC) and SyncRLEngine (VLA) run them, through
+RLightning's own ``RolloutBuffer`` with its shipped configs and example hooks
+(`seed_engines`, `real_seed`), compat (fed RLightning's own types) and the
+native writer: in steady state (one buffer each, >= 5 rollouts, the first left
+out) and with a fresh buffer per rollout; compat/seed and native/seed time
+ratios, and each contender's ingest max/min over the steady rollouts. Without
+an RLightning checkout (``tools/seed_checkout.py``, ``--seed-repo``,
+``ARROWBUF_SEED_REPO``) the seed's columns stay empty and a note says why.
+
+Then compat against the native writer alone (issue 12). The same rollout (`rollouts.make_rollout`, torch tensors as local envs and
 policies hand them over) goes both ways:
 
 - WBC (RSLRLEngine, wbc_tracking: unit episode, ``batch`` sampler,
@@ -33,7 +43,9 @@ from typing import Any, Mapping
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, profile_calls, \
     register, start_workload
 from ..results import Metric, WorkloadResult
+from .. import real_seed
 from ..rollouts import RolloutShape, episodes, ingest_native, make_rollout, vla, wbc
+from ..seed_engines import race_rollouts
 
 ENV = "env-worker-0"
 RATIO = {"compat/native": ("compat", "native")}
@@ -47,7 +59,8 @@ class SeedSpec:
     vla: RolloutShape
 
     def short(self) -> str:
-        return f"arrowbuf.compat vs the native writer: {self.wbc.short()}; {self.vla.short()}"
+        return (f"the real seed vs arrowbuf.compat vs the native writer: {self.wbc.short()}; "
+                f"{self.vla.short()}")
 
     def describe(self) -> str:
         return (f"{self.wbc.describe()}, terminations {self.wbc.terminations:.2%} per step (RSLRLEngine, "
@@ -173,10 +186,22 @@ def sample_after_ingest(contender: CompatRollout | NativeRollout) -> float:
 
 
 def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
-    """Time the WBC ingest, then the VLA ingest and sample, compat against native."""
+    """Whole rollouts against the real seed (steady state, fresh buffers), then the WBC ingest and the
+    VLA ingest and sample, compat against native."""
     t0 = start_workload()
     load_start = os.getloadavg()[0]
     notes: list[str] = []
+    seed, why_absent = real_seed.load()
+    if seed is not None:
+        notes.append(f"  real seed: RLightning's DataBuffer from {seed.repo}")
+    else:
+        notes.append(f"  {why_absent}")
+    steady, fresh = max(5, min(opts.rounds, 7)) + 1, max(3, min(opts.rounds, 5))
+    metrics: list[Metric] = []
+    for shape in (spec.wbc, spec.vla):
+        log(f"  SEED: {shape.name} rollouts against the real seed")
+        metrics += race_rollouts(shape, seed, why_absent, steady, fresh, notes)
+        gc.collect()
     timing = (max(2, min(opts.rounds, 5)), opts.min_time, 1)
     shape = spec.wbc
     rollout = make_rollout(shape)
@@ -188,8 +213,13 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
         contender.ingest()
         notes.append(f"  WBC: {c} stores {contender.transitions():,} of {shape.transitions:,} env steps")
         contender.clear()
+    blind = CompatRollout(shape, rollout, wbc_config, "rsl", autoreset_mode="auto")   # IsaacLab's info={}
+    blind.ingest()
+    notes.append(f"  WBC: compat with info={{}} (no final observation, default autoreset_mode) stores "
+                 f"{blind.transitions():,} of {shape.transitions:,} env steps")
+    del blind
     log(f"  SEED: WBC {shape.transitions:,} env steps a rollout")
-    metrics = compare("SEED WBC", [
+    metrics += compare("SEED WBC", [
         Race("WBC ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
              target="compat/native >= 0.5", goal=at_least("compat/native", 0.5), units=shape.transitions,
              self_timed=True)], *timing)
@@ -230,14 +260,17 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
                                    lambda: sample_after_ingest(pair["compat"]), 1, 20))
     pair.clear()
     flag_noisy("SEED", metrics, notes)
-    notes.append("  compat/native is a speed-up (> 1: compat is faster); native sample includes store.clear(), "
-                 "as the RolloutBuffer's sample clears it")
+    notes.append("  x/seed and compat/native are speed-ups (> 1: faster than the seed / than native); a "
+                 "rollout = the engine's ingest + sample + the trainer's PPO minibatches (seed_engines); native "
+                 "sample includes store.clear(), as the RolloutBuffer's sample clears it")
     notes.append(load_note(load_start))
-    return WorkloadResult("SEED", spec.short(), spec.describe(), ["compat", "native", "batched", "single"], metrics,
-                          notes, time.perf_counter() - t0,
-                          labels={"compat": "arrowbuf.compat DataBuffer", "native": "arrowbuf writer",
-                                  "batched": "store.add_episodes", "single": "store.add_episode x E"},
-                          ratio_columns=["compat/native", "batched/single"])
+    seed_label = "RLightning DataBuffer (real seed)" if seed is not None else "real seed (absent)"
+    return WorkloadResult("SEED", spec.short(), spec.describe(), ["seed", "compat", "native", "batched", "single"],
+                          metrics, notes, time.perf_counter() - t0,
+                          labels={"seed": seed_label, "compat": "arrowbuf.compat DataBuffer",
+                                  "native": "arrowbuf writer", "batched": "store.add_episodes",
+                                  "single": "store.add_episode x E"},
+                          ratio_columns=["compat/seed", "native/seed", "compat/native", "batched/single"])
 
 
 register(Workload(

@@ -1,0 +1,130 @@
+"""A `arrowbuf.mixture.Mixture` batch drawn straight into one pooled slot.
+
+The generic mixture samples each source (a pooled batch of its own), then joins
+them: a ``torch.cat`` per key, a ``"source"`` tensor and a new TensorDict, which
+cost more than the draws. When every source is a local store or a dataset whose
+plain uniform sample takes `arrowbuf.direct`'s path, and the call has no
+arguments, a `MixedPlan` lays out one slot for the whole batch (each key's rows
+of every source back to back, then ``"source"``) and each source draws and
+gathers its rows into its share of it (`arrowbuf.direct.fill_plain_uniform`), with
+its own generator in the same order as its own ``sample`` would. The plan is kept
+per batch size and counts, and rebuilt when a source's shard or gather changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from arrowbuf._bounds import check_batch
+from arrowbuf._pool import SlotPool, SlotSpec
+from arrowbuf.dataset import Dataset
+from arrowbuf.direct import fill_plain_uniform
+from arrowbuf.samplers import UniformSampler
+from arrowbuf.store import ExperienceStore
+from arrowbuf.tensors import ALIGN
+
+_UNIFORM = UniformSampler()
+#: Plans a mixture keeps (batch sizes x count splits, as an annealed schedule makes).
+MAX_PLANS = 8
+
+
+def direct_source(source: Any) -> tuple[Any, Callable[[int], None] | None] | None:
+    """(engine, rows callback) of a source a plan can draw from; None for others (Ray stores...)."""
+    if isinstance(source, Dataset):
+        return source.engine, source.touched
+    if isinstance(source, ExperienceStore) and source.backend == "local":
+        return source.engine, None
+    return None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class _Part:
+    __slots__ = ("engine", "account", "count", "shard", "gather", "plain", "start", "stop")
+
+    def __init__(self, engine: Any, account: Any, count: int, shard: Any, plain: tuple) -> None:
+        self.engine, self.account, self.count = engine, account, count
+        self.shard, self.gather, self.plain = shard, shard.gather, plain
+        self.start = self.stop = 0
+
+
+class MixedPlan:
+    """One slot's layout for a mixture's batch and each source's views into it."""
+
+    def __init__(self, parts: list[_Part], spec: SlotSpec, source_at: int, source: np.ndarray) -> None:
+        self.parts, self.spec, self.source_at, self.source = parts, spec, source_at, source
+        self._steps = [(p.engine, p.shard, p.gather, p.count, p.plain, p.start, p.stop, p.account) for p in parts]
+
+    @classmethod
+    def build(cls, sources: list[tuple[int, Any, Any, int]]) -> "MixedPlan | None":
+        """The plan of ``(position, engine, rows callback, count)`` per source with rows;
+        None when a source cannot take the direct path or the sources' fields differ."""
+        parts, layouts = [], []
+        for _, engine, account, count in sources:
+            with engine.lock:
+                direct = engine.direct()
+                if direct is None:
+                    return None
+                # The batch's size is checked once: it depends on the schema, fixed with the gather.
+                check_batch(direct[0].schema, _UNIFORM, direct[0].table, count)
+                plain = direct[0].gather.plain_layout(count, None)
+            parts.append(_Part(engine, account, count, direct[0], plain))
+            layouts.append(plain[0].slot)
+        fields = [{key: (dtype, shape[1:], size // shape[0] if shape[0] else 0) for key, dtype, _, size, shape in spec.leaves}
+                  for spec in layouts]
+        if any(f != fields[0] for f in fields) or any(row == 0 for _, _, row in fields[0].values()):
+            return None
+        total_rows = sum(part.count for part in parts)
+        offsets, leaves, total = {}, [], 0
+        for key, dtype, _, _, shape in layouts[0].leaves:
+            row = fields[0][key][2]
+            offsets[key] = total
+            leaves.append((key, dtype, total, total_rows * row, (total_rows, *shape[1:])))
+            total += _aligned(total_rows * row)
+        leaves.append((("source",), torch.int64, total, total_rows * 8, (total_rows,)))
+        source_offset = total
+        total += _aligned(total_rows * 8)
+        outs: list[tuple] = []
+        first = 0
+        for part, spec in zip(parts, layouts):
+            scratch = _aligned(max(offset + size for _, _, offset, size, _ in spec.leaves))
+            base = total
+            total += _aligned(max(spec.nbytes - scratch, 0))
+            part.start = len(outs)
+            for dtype, shape, offset, *strides in spec.outs:
+                for key, _, leaf_offset, size, _ in spec.leaves:
+                    if leaf_offset <= offset < leaf_offset + size:
+                        moved = offsets[key] + first * fields[0][key][2] + offset - leaf_offset
+                        break
+                else:
+                    moved = base + offset - scratch
+                outs.append((dtype, shape, moved, *strides))
+            part.stop = len(outs)
+            first += part.count
+        outs.append((np.dtype(np.int64), (total_rows,), source_offset))
+        source = np.repeat(np.array([k for k, *_ in sources], np.int64), [part.count for part in parts])
+        spec = SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size([total_rows]))
+        return cls(parts, spec, len(outs) - 1, source)
+
+    def sample(self, pool: SlotPool) -> TensorDict | None:
+        """A batch; None when a source's shard changed since the plan was built (the sources
+        before it have drawn: their generators moved on, their counts are kept)."""
+        outs, batch = pool.claim(self, self.spec)
+        for engine, shard, gather, count, plain, start, stop, account in self._steps:
+            with engine.lock:
+                direct = engine.direct()
+                if direct is None or direct[0] is not shard or shard.gather is not gather:
+                    return None
+                engine.require_data()
+                fill_plain_uniform(shard, direct[1], count, plain, outs[start:stop])
+                engine.counts.samples += count
+            if account is not None:
+                account(count)
+        outs[self.source_at][...] = self.source
+        return batch

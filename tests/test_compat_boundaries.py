@@ -1,0 +1,134 @@
+"""arrowbuf.compat loses no transition at an episode boundary, whatever the env's autoreset style,
+with the default ``autoreset_mode`` (read from the records: RLightning's configs cannot set it).
+
+Each pattern plays fake env workers (`support.compat_envs.VecWorker`, which log every
+transition they play) through an engine's call sequence, on the local and the Ray
+backends, and counts what the buffer lost against that log (`support.compat_envs.losses`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from arrowbuf.compat import ReplayBuffer, compute_gae
+
+from support.compat_envs import VecWorker, losses, rsl_rollout, sync_rollout
+
+#: (id, autoreset style, final-observation key or None, engine)
+PATTERNS = [
+    ("next-step", "next_step", None, "sync"),
+    ("same-step, final observation", "same_step", "final_observation", "sync"),
+    ("same-step, gymnasium final_obs", "same_step", "final_obs", "sync"),
+    ("same-step, no final observation", "same_step", None, "sync"),
+    ("RSL re-added records, same-step, no final observation", "same_step", None, "rsl"),
+    ("RSL re-added records, same-step, final observation", "same_step", "final_observation", "rsl"),
+    ("RSL re-added records, next-step", "next_step", None, "rsl"),
+]
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+def play(backend: str, autoreset: str, final_key: str | None, engine: str, auto_truncate: bool = True,
+         **buffer_args) -> tuple[ReplayBuffer, list[VecWorker]]:
+    workers = [VecWorker(k, num_envs=6, autoreset=autoreset, seed=20 + k, final_key=final_key) for k in range(2)]
+    config = {"type": "ReplayBuffer", "capacity": 10_000, "auto_truncate_episode": auto_truncate}
+    buffer = ReplayBuffer(config, seed=0, backend=backend, **buffer_args)
+    buffer.init([w.meta() for w in workers])
+    if engine == "sync":
+        sync_rollout(buffer, workers, steps=27)
+    else:
+        first = None
+        for _ in range(3):   # the RSL engine re-adds a rollout's last EnvRet as the next one's first record
+            first = rsl_rollout(buffer, workers, steps=9, first=first)
+    return buffer, workers
+
+
+def close(buffer: ReplayBuffer) -> None:
+    if buffer.backend == "ray":
+        buffer.store.close()
+
+
+@pytest.mark.parametrize("name, autoreset, final_key, engine", PATTERNS, ids=[p[0] for p in PATTERNS])
+def test_auto_truncation_loses_no_transition_in_any_boundary_pattern(backend, name, autoreset, final_key, engine):
+    buffer, workers = play(backend, autoreset, final_key, engine)
+    try:
+        counts = losses(buffer[:], workers)
+        played = sum(len(w.truth) for w in workers)
+        assert len(buffer) == played
+        assert {k: counts[k] for k in ("lost", "extra", "wrong_next", "unknown_mid")} == \
+            {"lost": 0, "extra": 0, "wrong_next": 0, "unknown_mid": 0}, name
+        if final_key is None and autoreset == "same_step":   # the terminal observations were never sent
+            assert counts["unknown"] > 0
+        elif autoreset == "same_step":
+            assert counts["unknown"] == 0
+        else:   # next-step: only an episode that ends on a rollout's last record (no record after it says how)
+            assert counts["unknown"] <= 12 * (1 if engine == "sync" else 3)
+    finally:
+        close(buffer)
+
+
+@pytest.mark.parametrize("name, autoreset, final_key, engine", PATTERNS, ids=[p[0] for p in PATTERNS])
+def test_without_auto_truncation_every_played_transition_is_in_a_rollout_window(backend, name, autoreset, final_key,
+                                                                                 engine):
+    buffer, workers = play(backend, autoreset, final_key, engine, auto_truncate=False)
+    try:
+        assert losses(buffer[:], workers)["lost"] == 0, name
+    finally:
+        close(buffer)
+
+
+def test_todays_next_step_reading_loses_a_transition_per_same_step_reset_and_the_default_loses_none():
+    """IsaacLab / RSL-RL with ``info={}`` (WBC, a smaller shape): read as next-step, as main read it by
+    default, the done record's action and the next record's reward are dropped at every reset."""
+    forced, workers = play("local", "same_step", None, "rsl", autoreset_mode="next_step")
+    resets = sum(1 for w in workers for t in w.truth if t[4] or t[5])
+    counts = losses(forced[:], workers)
+    assert resets > 10 and counts["lost"] >= resets - 2 * 6 and counts["lost"] > 0   # (a rollout's last step
+    # can end an episode: the next rollout then opens on it)
+    default, workers = play("local", "same_step", None, "rsl")
+    assert losses(default[:], workers)["lost"] == 0
+
+
+def test_a_time_out_without_a_final_observation_bootstraps_from_the_steps_own_value():
+    buffer, workers = play("local", "same_step", None, "sync")
+    stored = buffer[:]
+    blind = ~stored["next_observation_valid"]
+    assert blind.any() and (stored["next_observation"][blind] == stored["observation"][blind]).all()
+    # compute_gae with the column: RSL-RL's reward += gamma * V(obs_t) * time_out
+    rewards = torch.tensor([[1.0], [2.0]])
+    values = torch.tensor([[0.5], [3.0]])
+    next_values = torch.tensor([[3.0], [99.0]])          # 99: the value of a wrong (new episode's) observation
+    dones = torch.tensor([[False], [True]])
+    valid = torch.tensor([[True], [False]])
+    adv, ret = compute_gae(rewards, values, next_values, dones, gamma=0.9, lam=1.0, normalize_adv=False,
+                           terminated=torch.zeros(2, 1, dtype=torch.bool), next_observation_valid=valid)
+    last = 2.0 + 0.9 * 3.0                                 # r + gamma * V(obs_t)
+    assert ret[1, 0].item() == pytest.approx(last)
+    assert ret[0, 0].item() == pytest.approx(1.0 + 0.9 * last)
+    # the store's own GAE bootstraps a cut episode from its final observation row: that step's observation
+    store = buffer.store
+    store.compute_gae(gamma=0.9, lam=0.95, value_key="value",
+                      bootstrap_value=lambda obs: obs["observation"][:, 2] * 0.5)   # = the policy's value of it
+    after = buffer[:]
+    rows = blind & after["truncated"]
+    assert rows.any()
+    # a one-step view: delta = r + gamma * V(obs_t) - V(obs_t) at those steps, V = t / 2
+    v = after["value"][rows].double()
+    delta = after["reward"][rows].double() + 0.9 * v - v
+    assert np.allclose(after["advantage"][rows].double().numpy(), delta.numpy(), rtol=1e-5)
+
+
+def test_the_n_step_next_observation_of_a_step_whose_next_is_unknown_is_its_own():
+    buffer, _ = play("local", "same_step", None, "sync")
+    batch = buffer.store.sample(512, n_step=3, gamma=0.9)
+    blind = ~batch["next_observation_valid"]
+    assert blind.any()
+    assert (batch["next", "observation"][blind] == batch["observation"][blind]).all()
+    assert (batch["n_steps"][blind] == 1).all()
