@@ -1,5 +1,5 @@
-"""The engine's plain uniform path (`Gather.plain`: `UniformSampler.draw` written
-straight into its pooled batch) gives what the generic path gives, from the same draws."""
+"""`arrowbuf.direct`: the plain uniform sample written straight into its pooled batch
+gives what the generic path gives, from the same draws."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.tensors import Gather
+import arrowbuf.engine as engine_module
 
 from support.compare import assert_same_batches
 from support.episodes import make_episode
@@ -28,13 +28,13 @@ def twin_stores() -> tuple[ab.ExperienceStore, ab.ExperienceStore]:
 @pytest.fixture
 def direct_calls(monkeypatch):
     calls = []
-    original = Gather.plain
+    original = engine_module.sample_plain_uniform
 
     def counting(*args, **kwargs):
-        calls.append(args[4])   # (gather, table, sampler, rng, batch_size, keys)
+        calls.append(args[2])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(Gather, "plain", counting)
+    monkeypatch.setattr(engine_module, "sample_plain_uniform", counting)
     return calls
 
 
