@@ -112,11 +112,12 @@ def _retry_lost(method: Callable) -> Callable:
     blocks were lost are read again first (`BlockReader._forget_lost`)."""
     @functools.wraps(method)
     def run(self: "BlockReader", *args: Any, **kwargs: Any) -> Any:
-        lost_error = ray_module().exceptions.ObjectLostError
         for attempt in range(LOST_RETRIES + 1):
             try:
                 return method(self, *args, **kwargs)
-            except lost_error as err:
+            except Exception as err:   # Ray's error type looked up only then: no call per batch
+                if not isinstance(err, ray_module().exceptions.ObjectLostError):
+                    raise
                 if attempt == LOST_RETRIES:
                     raise ShardError(f"blocks of store {self.shards.name!r} were lost again after {LOST_RETRIES} "
                                      f"fresh manifests (their shard's process keeps dying?): {err}") from None
