@@ -148,7 +148,7 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
     order = np.argsort(first, kind="stable")
     if np.any(first[order][1:] < (first + rows)[order][:-1]):
         raise _bad(where, "first_row", first, "episodes whose rows do not overlap")
-    if write_pos != int(first[-1] + rows[-1]):
+    if shard.get("ordered", True) and write_pos != int(first[-1] + rows[-1]):
         raise _bad(where, "shard.write_pos", write_pos,
                    f"{int(first[-1] + rows[-1])}, the row after the newest episode (episode {int(ids[-1])})")
     if np.any(np.diff(indices) != length[:-1]) or counters.get("index") != int(indices[-1] + length[-1]):

@@ -190,6 +190,21 @@ class TorchShard(Shard):
     def zero_rows(self, name: str, start: int, stop: int) -> None:
         self.arena[name][start:stop].zero_()
 
+    def scatter(self, name: str, rows: np.ndarray, values: Any) -> None:
+        """Write a step's ``values`` (a tensor on any device, or numpy; bfloat16 numpy as
+        its uint16 bits) at arena ``rows``, on the arena's device."""
+        column = self.arena[name]
+        if not len(rows):
+            return
+        if not isinstance(values, torch.Tensor):
+            values = host_tensor(np.ascontiguousarray(values), self.schema.fields[name])
+        index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)
+        column.index_copy_(0, index, values.to(self.device, column.dtype).reshape(len(rows), *column.shape[1:]))
+
+    def zero_at(self, name: str, rows: np.ndarray) -> None:
+        index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)
+        self.arena[name].index_fill_(0, index, 0)
+
     def put_rows(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)
         column = self.arena[name]

@@ -370,6 +370,8 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                 live = (pos >= 0) & (pos < len(table))
                 live[live] = live_ids[pos[live]] == ids[live]
                 pos, step = pos[live], step[live]
+                if table.pieces:   # steps count from the episode's start; rows from the piece's
+                    step = step - table.col("first_step")[pos]
                 if np.any((step < 0) | (step >= num[pos])):
                     raise FormatError(f"{file}: rows with steps outside their episode")
                 target = first[pos] + step

@@ -67,19 +67,23 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
     and gather them into ``outs``, views laid out as ``plain`` (`Gather.plain_layout`) says."""
     layout, at_index, at_episode, at_step = plain
     table = shard.table
-    if spans is None:
+    if spans is None:   # every sampleable transition: sealed episodes, then open tails
         index = _UNIFORM.draw(rng, batch_size, table, outs[at_index])   # the draw `UniformSampler.sample` makes
         pos, step = table.locate(index)
-        table.col("episode_id").take(pos, 0, outs[at_episode], "clip")
+        table.ecol("episode_id").take(pos, 0, outs[at_episode], "clip")
         outs[at_step][...] = step
-        rows = table.col("first_row").take(pos)
+        if table.pieces:   # pieces of episodes: steps count from the episode's first
+            outs[at_step][...] += table.ecol("first_step").take(pos)
+        rows = table.ecol("first_row").take(pos)
         rows += step
-    else:
+    else:   # steps of sealed episodes of policy_version >= v
         k, offset = spans.draw(uniform_indices(rng, batch_size, 0, spans.total))
         spans.index0.take(k, 0, outs[at_index], "clip")
         outs[at_index] += offset
         spans.episode_id.take(k, 0, outs[at_episode], "clip")
         outs[at_step][...] = spans.step0.take(k) + offset
+        if table.pieces:
+            outs[at_step][...] += table.col("first_step").take(spans.pos.take(k))
         rows = spans.row0.take(k)
         rows += offset
     take_fields(layout, outs, (rows, rows, None))

@@ -109,6 +109,11 @@ class ShardEngine:
         return self._shard.schema if self._shard is not None else None
 
     @property
+    def limited(self) -> bool:
+        """Whether the rate limiter can refuse or hold back a write or a sample."""
+        return self._limited
+
+    @property
     def shard(self) -> Shard | None:
         """The shard (None before the first write), for snapshots: read it under `lock`."""
         return self._shard
@@ -225,6 +230,10 @@ class ShardEngine:
         if shard is None or not shard.table.num_transitions:
             raise EmptyStoreError(f"cannot sample: the store holds 0 transitions ({self.num_episodes} episodes); "
                                   "add episodes first")
+        if not self.sampler.draws_open and not shard.table.sealed_transitions:
+            raise EmptyStoreError(f"cannot sample: {self.sampler!r} draws sealed episodes, and the store holds "
+                                  f"none yet ({shard.table.num_transitions} steps of open episodes; a writer "
+                                  "seals an episode when it ends, at flush(), or in pieces)")
 
     def sample(self, batch_size: int, args: SampleArgs = PLAIN, device: Any = None, pin_memory: bool = False,
                timeout: float | None = None, keys: Any = None, min_version: int | None = None) -> TensorDict:
@@ -327,8 +336,8 @@ class ShardEngine:
               min_version: int | None = None) -> list[np.ndarray]:
         """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = (np.arange(*self.table.live_range(), dtype=np.int64) if min_version is None or self._shard is None
-                       else fresh_indices(self._shard, min_version))
+            indices = (np.arange(*self.table.sample_range(), dtype=np.int64) if min_version is None
+                       or self._shard is None else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def evict(self, min_version: int) -> int:
@@ -348,7 +357,7 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
-            selection = select_indices(shard.table, indices[shard.table.is_live(indices)])
+            selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
@@ -405,10 +414,10 @@ class ShardEngine:
 
     # -- views ----------------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
-        """The episode table (one row per live episode, oldest first)."""
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        """The episode table (one row per live episode, oldest first; then the open tails)."""
         with self.lock:
-            return self.table.to_arrow()
+            return self.table.to_arrow(include_open)
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""

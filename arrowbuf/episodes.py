@@ -1,8 +1,12 @@
 """Episode assembly from steps: the vectorized step writer.
 
-`StepWriter` stages steps from N vectorized environments in per-field
-arrays of shape [N, T_max, ...] (one fancy-indexed assignment per field and step,
-no Python loop over environments) and seals each episode as it ends.
+On a local store `StepWriter` writes each step straight into the arena rows it
+keeps (`arrowbuf.inplace`: one copy per byte, completed steps sampleable at once,
+episodes of any length as pieces). Elsewhere (a Ray store's sink, or a store whose
+rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N
+vectorized environments in per-field arrays of shape [N, T_max, ...] (one
+fancy-indexed assignment per field and step, no Python loop over environments)
+and seals each episode as it ends, into the store.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from arrowbuf._checks import check_int
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
+from arrowbuf.inplace import InPlace
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 from arrowbuf.versions import next_versions
@@ -66,9 +71,17 @@ class StepWriter:
           ``info["final_obs"]``) so the final observation is stored.
         - ``"disabled"``: you reset envs yourself; ``next_obs`` is the final observation.
 
-    With a ``device`` (a store's ``storage_device``) steps are staged on it: tensors
-    there never cross to the host (only the done flags do), and sealed episodes are
-    ``copy_``'d into the torch arena.
+    On a local store (``mode="circular"``, no rate limiter that waits) each step is
+    written once, straight into the arena rows it keeps, and is sampleable as soon as
+    its ``next_obs`` is known (`arrowbuf.inplace`; docs/guide.md "Steps written in
+    place"): ``obs`` is read at an episode's first step only, later observations come
+    from ``next_obs``; an episode longer than the env's region is sealed in pieces, so
+    none is ever too long for the store. Elsewhere (Ray, ``mode="fixed"``, a rate
+    limiter; or ``in_place=False``) steps are staged per env and each episode is
+    written when it ends.
+
+    With a ``device`` (a store's ``storage_device``) steps stay on it: tensors there
+    never cross to the host (only the done flags do).
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -78,12 +91,13 @@ class StepWriter:
         >>> w.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2),
         ...       terminated=np.array([True, False]), truncated=np.zeros(2, bool), next_obs=obs + 1)
         1
-        >>> store.num_episodes, len(store)
-        (1, 1)
+        >>> store.num_episodes, len(store)   # env 1's open step is sampleable already
+        (1, 2)
     """
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
-                 env_ids: Sequence[str] | None = None, device: torch.device | None = None) -> None:
+                 env_ids: Sequence[str] | None = None, device: torch.device | None = None,
+                 in_place: bool = True) -> None:
         num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
@@ -108,6 +122,12 @@ class StepWriter:
         self._pending: list[Episode] = []
         self.episodes_written = 0
         self._versions = np.zeros(num_envs, np.int64)   # each env's last policy_version (`arrowbuf.versions`)
+        # A local store's engine: steps are written in place (`arrowbuf.inplace`);
+        # ``in_place=False`` stages them as a Ray store's writer does.
+        engine = getattr(sink, "inplace_engine", None) if in_place else None
+        self._inplace = InPlace(engine, self.env_ids) if engine is not None else None
+        if self._inplace is not None:
+            self._inplace.bind()   # now, if the store has its schema: regions are shared among all writers
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
@@ -124,7 +144,9 @@ class StepWriter:
 
     @property
     def open_steps(self) -> np.ndarray:
-        """Steps recorded so far in each env's open episode."""
+        """Steps recorded so far in each env's open episode (in place: in its open piece)."""
+        if self._inplace is not None:
+            return self._inplace.lengths
         return self._pos.copy()
 
     def add(self, *, obs: Any, action: Any, reward: Any, terminated: Any, truncated: Any, next_obs: Any,
@@ -173,6 +195,8 @@ class StepWriter:
         final = self._final_obs(final_obs, next_cols, done, schema)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
+        if self._inplace is not None:
+            return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, final_obs, done)
 
         active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         outgrown = self._outgrown(active)
@@ -202,6 +226,16 @@ class StepWriter:
             raise too_long
         return len(ended)
 
+    def _add_in_place(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
+                      final_obs: Any, done: np.ndarray) -> int:
+        active = ~self._skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        ended = self._inplace.add(schema, obs_cols, next_cols, step_cols,
+                                  final if self.autoreset_mode == "same_step" and done.any() else None, done, active)
+        if self.autoreset_mode == "next_step":
+            self._skip = done & active
+        self.episodes_written += ended
+        return ended
+
     def flush(self) -> int:
         """Cut every open episode; its final observation is the env's last ``next_obs``.
 
@@ -212,6 +246,10 @@ class StepWriter:
             RateLimited, CapacityError: the store refuses an episode; it is kept
                 and pushed again by the next `add` or `flush`.
         """
+        if self._inplace is not None:
+            sealed = self._inplace.flush()
+            self.episodes_written += sealed
+            return sealed
         self._push_pending()
         open_envs = np.flatnonzero(self._pos > 0)
         for name, last in self._last_next.items():
@@ -235,6 +273,8 @@ class StepWriter:
         try:
             self.flush()
         finally:
+            if self._inplace is not None:
+                self._inplace.release()
             self._sink.close()
 
     def __enter__(self) -> "StepWriter":
@@ -251,6 +291,14 @@ class StepWriter:
 
         Not thread-safe against a concurrent `add`: take it between steps.
         """
+        if self._inplace is not None:
+            schema = self._sink.schema
+            state = self._inplace.state(schema) if schema is not None else \
+                {"pos": np.zeros(self.num_envs, np.int64), "stage": {}, "last_next": {},
+                 "first_step": np.zeros(self.num_envs, np.int64)}
+            return {"num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
+                    "episodes_written": self.episodes_written, "skip": self._skip.copy(),
+                    "refused": self._refused.copy(), "pending": [], **state}
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
@@ -279,6 +327,19 @@ class StepWriter:
         self._pos = np.array(state["pos"], np.int64)
         self._skip = np.array(state["skip"], bool)
         self._refused = np.array(state.get("refused", np.zeros(self.num_envs, bool)), bool)   # older states lack it
+        if self._inplace is not None:
+            if state["stage"] and self._sink.schema is None:
+                raise ValueError("writer state holds staged steps but the store has no schema")
+            if self._sink.schema is not None:
+                self._inplace.load(self._pos, state["stage"], state["last_next"],
+                                   np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64),
+                                   state.get("regions"))
+            self._pos[:] = 0
+            for episode in state["pending"]:   # a staged writer's refused episodes: stored now
+                self._sink.write(Episode({n: np.array(a) for n, a in episode["columns"].items()},
+                                         int(episode["num_steps"]), bool(episode["has_final"]), episode["env_id"],
+                                         episode["metadata"], owned=True))
+            return
         self._stage, self._last_next = {}, {}
         if state["stage"]:
             schema = self._sink.schema

@@ -39,6 +39,14 @@ class EngineSink:
     def set_schema(self, schema: Schema) -> None:
         self._engine.set_schema(schema)
 
+    @property
+    def inplace_engine(self) -> ShardEngine | None:
+        """The engine a writer writes its steps into in place (`arrowbuf.inplace`): this
+        one, unless a rate limiter or ``mode="fixed"`` may refuse a write (then writers
+        stage episodes and retry them)."""
+        engine = self._engine
+        return engine if engine.mode == "circular" and not engine.limited else None
+
     def write(self, episode: Episode) -> None:
         self._engine.add(episode, timeout=self.timeout)
 
@@ -169,8 +177,8 @@ class LocalBackend:
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
         return self.engine.compute_gae(gamma, lam, value_key, bootstrap_value)
 
-    def episodes(self) -> pa.Table:
-        return self.engine.episodes()
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        return self.engine.episodes(include_open)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         return self.engine.episode(episode_id)

@@ -108,6 +108,8 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
     has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
     env_ids = episodes.column("env_id").to_pylist()
     inserted = episodes.column("inserted_at").cast(pa.int64()).to_numpy()
+    first_step = (episodes.column("first_step").to_numpy() if "first_step" in episodes.column_names
+                  else np.zeros(len(ids), np.int64))   # pieces of episodes (a step writer's), else 0
     metadata = (episodes.column("metadata").to_pylist() if "metadata" in episodes.column_names
                 else [None] * len(ids))
     shard = engine.shard
@@ -147,6 +149,7 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
                         if have == num_rows[k]:
                             episode = _episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k],
                                                metadata[k], int(inserted[k]))
+                            episode.first_step = int(first_step[k])
                             engine.add(episode, limited=False)
                             bar.update(have)
                             parts, have, added = [], 0, added + 1

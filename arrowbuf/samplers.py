@@ -39,8 +39,10 @@ class Selection:
 def select_indices(table: EpisodeTable, indices: np.ndarray, extra: dict | None = None) -> Selection:
     """The selection of live transition indices."""
     pos, step = table.locate(indices)
-    rows = table.col("first_row").take(pos)
+    rows = table.ecol("first_row").take(pos)
     rows += step
+    if table.pieces:   # the step within the episode of a piece that continues one
+        step = step + table.ecol("first_step").take(pos)
     return Selection(rows, indices, pos, extra or {}, step)
 
 
@@ -87,6 +89,7 @@ class Sampler:
     """
 
     tracks_rows = False   # whether on_add / on_evict do anything (the engine skips the spans otherwise)
+    draws_open = False    # whether it draws open tails (`EpisodeTable.sample_range`), or sealed episodes only
 
     def __init__(self) -> None:
         self._shard = None
@@ -111,8 +114,9 @@ class Sampler:
         raise NotImplementedError
 
     def mass(self, table: EpisodeTable) -> float:
-        """This shard's share of a sharded batch: what the sampler draws from."""
-        return float(table.num_transitions)
+        """This shard's share of a sharded batch: what the sampler draws from (by default
+        the transitions of sealed episodes; open tails are drawn by `UniformSampler`)."""
+        return float(table.sealed_transitions)
 
     def config(self) -> dict:
         """The constructor arguments that rebuild this sampler (JSON values)."""
@@ -156,14 +160,20 @@ class UniformSampler(Sampler):
         torch.Size([5])
     """
 
+    draws_open = True
+
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         return select_indices(table, self.draw(rng, n, table))
 
     def draw(self, rng: np.random.Generator, n: int, table: EpisodeTable, out: np.ndarray | None = None
              ) -> np.ndarray:
-        """``n`` live transition indices of ``table``, drawn uniformly with replacement
-        (into ``out``, int64 ``[n]``, when given): what `sample` selects."""
-        return uniform_indices(rng, n, *table.live_range(), out=out)
+        """``n`` sampleable transition indices of ``table`` (`EpisodeTable.sample_range`), drawn
+        uniformly with replacement (into ``out``, int64 ``[n]``, when given): what `sample` selects."""
+        return uniform_indices(rng, n, *table.sample_range(), out=out)
+
+    def mass(self, table: EpisodeTable) -> float:
+        """Sealed transitions and open tails' (`EpisodeTable.sample_range`)."""
+        return float(table.num_transitions)
 
 
 class WithoutReplacementSampler(Sampler):
@@ -193,8 +203,8 @@ class WithoutReplacementSampler(Sampler):
         self.epoch = 0
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        if self.drop_last and table.num_transitions < n:
-            raise ValueError(f"batch of {n} is larger than the {table.num_transitions} stored transitions "
+        if self.drop_last and table.sealed_transitions < n:
+            raise ValueError(f"batch of {n} is larger than the {table.sealed_transitions} stored transitions "
                              "and drop_last=True")
         remaining = self._order[self._cursor:]
         remaining = remaining[table.is_live(remaining)]
@@ -305,7 +315,9 @@ class PrioritizedSampler(Sampler):
         pos = self._shard.positions_of_rows(rows)
         step = rows - table.col("first_row").take(pos)
         indices = table.col("first_index").take(pos) + step
-        count, mass = population if population is not None else (table.num_transitions, total)
+        if table.pieces:
+            step = step + table.col("first_step").take(pos)
+        count, mass = population if population is not None else (table.sealed_transitions, total)
         weight = (count * self.tree.leaves[rows] / mass) ** -self.beta
         if population is None:
             weight = weight / weight.max()
@@ -383,6 +395,7 @@ class SequenceSampler(Sampler):
             raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
         self.seq_len = check_int("seq_len", seq_len, 1)
         self.strict = bool(strict)
+        self.draws_open = not self.strict   # strict windows: within sealed episodes
         self._counter = f"windows{self.seq_len}"
 
     def bind(self, shard) -> None:
@@ -393,7 +406,7 @@ class SequenceSampler(Sampler):
 
     def mass(self, table: EpisodeTable) -> float:
         if not self.strict:
-            return float(table.num_transitions)
+            return float(table.num_transitions)   # open tails too
         first, stop = table.live_range(self._counter)
         return float(stop - first)
 
@@ -409,13 +422,14 @@ class SequenceSampler(Sampler):
             steps = start[:, None] + offsets
             mask = np.ones((n, self.seq_len), bool)
         else:
-            pos, step = table.locate(uniform_indices(rng, n, *table.live_range()))
-            last = table.col("length")[pos] - 1
+            # Open tails too: a window stops at the last written step, as at an episode's end.
+            pos, step = table.locate(uniform_indices(rng, n, *table.sample_range()))
+            last = table.ecol("length")[pos] - 1
             steps = step[:, None] + offsets
             mask = steps <= last[:, None]
             steps = np.minimum(steps, last[:, None])
-        indices = table.col("first_index")[pos][:, None] + steps
-        rows = table.col("first_row")[pos][:, None] + steps
+        indices = table.ecol("first_index")[pos][:, None] + steps
+        rows = table.ecol("first_row")[pos][:, None] + steps
         return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
 
     def config(self) -> dict:

@@ -5,6 +5,13 @@ too short for the next episode, writing restarts at row 0 and the rows left at t
 tail stay dead until the next lap. Whole episodes are evicted oldest first to make
 room (``mode="circular"``), or the write is refused (``mode="fixed"``).
 
+A local store's step writers write steps in place into per-env regions reserved at
+the ring's head (`arrowbuf.regions`, `arrowbuf.inplace`): an episode is then a chain
+of contiguous pieces (table rows linked by env and ``first_step``), each evicted whole;
+pieces seal out of ring order, so a write evicts every piece its rows overlap and every
+piece sealed before those (`arrowbuf.regions.span_plan`), and open tails are published
+after the sealed episodes (`EpisodeTable.publish_open`).
+
 The embedded store and each Ray shard actor run this same code.
 """
 
@@ -23,6 +30,7 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.packing import column_view, item_dtype, pack_layout
+from arrowbuf.regions import OpenRegions, span_plan
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
@@ -49,6 +57,7 @@ class Episode:
     metadata: dict[str, Any] | None = field(default=None)
     owned: bool = False   # columns are private copies, not views of a writer's staging rows
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
+    first_step: int = 0   # the step of its first row in its episode: > 0 for a piece that continues one
 
     @property
     def num_rows(self) -> int:
@@ -83,7 +92,7 @@ def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int)
     return start, evicted
 
 
-def _total(reward: Any) -> float:
+def total_reward(reward: Any) -> float:
     """The sum of an episode's rewards, in float64 (a numpy array or a torch tensor on any device)."""
     if isinstance(reward, np.ndarray):
         return float(np.add.reduce(reward, axis=None, dtype=np.float64))
@@ -162,15 +171,22 @@ class Shard:
         self._items = {name: column_view(self.packed, offset, item_dtype(f.numpy_dtype, f.shape), ())
                        for name, offset in self._pack_offsets.items()
                        for f in [schema.fields[name]] if f.shape}
-        # Row -> serial of its episode (mod 2**32), kept only for samplers that pick
-        # rows rather than indices (prioritized): see `positions_of_rows`.
-        self._row_episode: np.ndarray | None = None
+        # Row -> serial of its episode (mod 2**32): which pieces a write overwrites once
+        # pieces are sealed out of ring order (`arrowbuf.regions`), and which episode a
+        # row picked by a sampler (prioritized) belongs to: see `positions_of_rows`.
+        # 4 bytes a row; pages are faulted in as rows are written.
+        self._row_episode: np.ndarray | None = np.zeros(capacity, np.uint32)
+        # The step writers' open regions (`arrowbuf.regions`), and whether the live pieces
+        # lie in the ring in table order (then `plan_write` places episodes, in O(evicted)).
+        self.regions = OpenRegions()
+        self.ordered = True
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
         self.gather = self.make_gather(self.gather_columns())
 
     def __len__(self) -> int:
+        """Sampleable transitions: sealed, and open tails'."""
         return self.table.num_transitions
 
     def extend(self, schema: Schema) -> None:
@@ -229,6 +245,24 @@ class Shard:
         """Zero rows ``[start, stop)`` of column ``name``."""
         self.arena[name][start:stop] = 0
 
+    def scatter(self, name: str, rows: np.ndarray, values: Any) -> None:
+        """Write a step's ``values`` (one row per entry of ``rows``, cast to the column) at arena ``rows``."""
+        column = self.arena[name]
+        if not len(rows):
+            return
+        if type(values) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
+                and values.flags.c_contiguous and column.flags.c_contiguous and values.shape[1:] == column.shape[1:]:
+            # Whole rows as opaque items: numpy copies each with one memcpy, where a fancy
+            # assignment of uint16[6, 112, 112] rows copies element by element (2-3x slower).
+            items = item_dtype(column.dtype, column.shape[1:])
+            column.reshape(len(column), -1).view(items)[rows, 0] = values.reshape(len(values), -1).view(items)[:, 0]
+        else:
+            column[rows] = values
+
+    def zero_at(self, name: str, rows: np.ndarray) -> None:
+        """Zero arena ``rows`` of column ``name``."""
+        self.arena[name][rows] = 0
+
     def put_rows(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         """Write host ``values`` (numpy, bfloat16 as its uint16 bits) at arena ``rows``."""
         self.arena[name][rows] = values
@@ -285,20 +319,25 @@ class Shard:
             return episode.num_steps - 1
         return episode.num_steps
 
-    def check_fits(self, episode: Episode) -> tuple[int, int]:
-        """(start, evicted) for ``episode``, or `CapacityError` with nothing changed."""
+    def check_fits(self, episode: Episode) -> tuple[int, int, np.ndarray | None]:
+        """(start, evicted, open regions taken) for ``episode``, or `CapacityError` with nothing changed."""
         rows = episode.num_rows
         if rows > self.capacity:
             raise CapacityError(
                 f"episode of {episode.num_steps} steps needs {rows} rows"
                 f"{' (with its final observation)' if episode.has_final else ''}, "
                 f"more than the shard capacity of {self.capacity} rows")
-        start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
+        if self.ordered and not self.regions.count:
+            start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
+            taken = None
+        else:
+            start = self.write_pos if self.write_pos + rows <= self.capacity else 0
+            evicted, taken = span_plan(self, start, rows)
         if evicted and self.mode == "fixed":
             raise CapacityError(
                 f"store is full: {len(self.table)} episodes in {self.capacity} rows and mode='fixed' "
                 f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
-        return start, evicted
+        return start, evicted, taken
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(first row, rows) of the ``count`` oldest episodes: what a write that evicts them frees."""
@@ -319,31 +358,44 @@ class Shard:
             CapacityError: the episode is longer than the capacity, or the store is
                 full in ``mode="fixed"``; the shard is unchanged.
         """
-        start, evicted = plan if plan is not None else self.check_fits(episode)
+        start, evicted, *taken = plan if plan is not None else self.check_fits(episode)
         # Summaries first: the columns may be views of this arena (an episode read
         # back from the store) that the copy below overwrites.
         columns = episode.columns
         # A flag is () or (1,) a step (the schema's rule): bool() reads either.
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
-        ret = _total(columns["reward"]) if "reward" in columns else float("nan")
+        ret = total_reward(columns["reward"]) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         if evicted:
             self.table.pop_oldest(evicted)
+        if taken and taken[0] is not None and len(taken[0]):
+            self.regions.take(taken[0])
         if rows:
             self.write_episode(start, episode)
         stop = start + episode.num_rows
-        if self._row_episode is not None:
-            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
-        if self.reuse is not None:
-            self.reuse[start:stop] = 0
+        self.own_rows(start, stop)
         length = self.transitions_of(episode)
         episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
                                        has_final=episode.has_final, terminated=terminated, truncated=truncated,
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at)
+                                       inserted_at=episode.inserted_at, first_step=episode.first_step)
         self.write_pos = stop
+        if self.regions.count:
+            self.publish_open()
         return episode_id
+
+    def own_rows(self, start: int, stop: int) -> None:
+        """Rows ``[start, stop)`` belong to the episode (piece) the table appends next:
+        the row -> episode map, and `track_reuse`'s counts start over."""
+        if self._row_episode is not None:
+            self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
+        if self.reuse is not None:
+            self.reuse[start:stop] = 0
+
+    def publish_open(self) -> None:
+        """Publish the open tails of the writers' regions in the episode table (sampleable)."""
+        self.table.publish_open(*self.regions.published())
 
     def write_episode(self, start: int, episode: Episode) -> None:
         """Copy ``episode``'s rows into the arena from row ``start`` (where `add` placed it)."""
@@ -359,16 +411,19 @@ class Shard:
                 self.zero_rows(name, stop - 1, stop)
 
     def clear(self) -> None:
-        """Drop every episode (the arena stays allocated for reuse)."""
+        """Drop every episode and open tail (the arena stays allocated for reuse); the
+        writers' open episodes continue in new regions from their next step."""
         self.table.clear()
+        self.regions.clear()
         self.write_pos = 0
+        self.ordered = True
 
     # -- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next episode goes, the episode table and the sample counts of
         `track_reuse` (the rows are saved apart)."""
-        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos,
+        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos, "ordered": self.ordered,
                 "table": self.table.state_dict(), "reuse": self.reuse.copy() if self.reuse is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -384,6 +439,7 @@ class Shard:
             raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
         self.write_pos = int(state["write_pos"])
+        self.ordered = bool(state.get("ordered", True))
         if self._row_episode is not None:   # rebuild the row -> episode map for the loaded table
             self._row_episode = None
             self.index_rows()
@@ -424,13 +480,18 @@ class Shard:
         rows, pos = selection.rows, selection.pos
         # episode_id and step come from the episode table, not from per-row columns.
         step = selection.step
-        first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        first = table.ecol("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+        if step is None:
+            step = rows - first
+            if table.pieces:   # the step within the episode of a piece that continues one
+                step = step + table.ecol("first_step").take(pos)
         extra = {"index": selection.indices + index_base if index_base else selection.indices,
-                 "episode_id": table.col("episode_id").take(pos),
-                 "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+                 "episode_id": table.ecol("episode_id").take(pos),
+                 "step": step.astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
         if n > 1:
-            last = first + table.col("length").take(pos) - 1   # the episode's last transition row
+            # The last transition row of the episode (piece; an open tail's last written step).
+            last = first + table.ecol("length").take(pos) - 1
             # Windows stop at their episode's end: past the longest live episode, a
             # longer n changes nothing but the cost.
             ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
@@ -469,12 +530,14 @@ class Shard:
         start = int(table.col("first_row")[first])
         total = int(num_rows.sum())
         starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
-        step = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+        local = np.arange(total, dtype=np.int64) - starts
+        step = local + np.repeat(table.col("first_step")[first:stop], num_rows) if table.pieces else local
+        step = step.astype(np.int32)   # within the episode (a piece that continues one starts past 0)
         columns = {name: self.host_rows(name, start, start + total) for name in self.schema.fields}
         columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
         columns["step"] = step
         columns["is_first"] = step == 0
-        columns["is_last"] = step == np.repeat(num_rows - 1, num_rows)
+        columns["is_last"] = local == np.repeat(num_rows - 1, num_rows)
         return columns
 
     def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:

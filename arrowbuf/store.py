@@ -428,9 +428,14 @@ class ExperienceStore:
 
     # -- views and statistics ------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
-        """The episode table (one row per live episode, oldest first)."""
-        return self._backend.episodes()
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        """The episode table (one row per live episode, oldest first). A local store's
+        writers seal long episodes in pieces (rows linked by env and ``first_step``);
+        ``include_open`` adds the open episodes' written parts (``open`` True,
+        ``episode_id`` -1; docs/guide.md). ValueError if ``include_open`` is not a bool."""
+        if not isinstance(include_open, bool):
+            raise ValueError(f"include_open must be a bool, got {include_open!r}")
+        return self._backend.episodes(include_open)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         """One episode's rows, zero-copy (KeyError if not live, ValueError if not an int)."""

@@ -33,7 +33,11 @@ _COLUMNS: dict[str, Any] = {
     "return": np.float64,
     "inserted_at": np.int64,  # ns since the epoch
     "first_index": np.int64,
+    "first_step": np.int64,   # step of the first row within its episode: > 0 for a piece that continues one
 }
+
+#: Columns a state may lack (written before they existed), with their value then.
+_OPTIONAL = {"first_step": 0}
 
 
 #: Names in states written before "rank" became "index" (checkpoints of format 2
@@ -92,6 +96,12 @@ class EpisodeTable:
         self._longest: deque[tuple[int, int]] = deque()
         # `build_lookup`'s O(1) index -> episode lookup (without an index map), dropped by any change.
         self._lookup: RunLookup | None = None
+        # Open tails (`publish_open`): entries [tail, tail + _num_open) of the arrays, after the
+        # sealed ones, with provisional indices from `next_index` on; episode_id -1.
+        self._num_open = 0
+        self.open_total = 0       # their transitions
+        self._open_longest = 0
+        self.pieces = False       # whether a live or open entry continues an episode (first_step > 0)
 
     def __len__(self) -> int:
         return self.tail - self.head
@@ -103,13 +113,73 @@ class EpisodeTable:
 
     @property
     def num_transitions(self) -> int:
+        """Sampleable transitions: those of sealed episodes and the open tails'."""
+        first, stop = self.live_range()
+        return stop - first + self.open_total
+
+    @property
+    def sealed_transitions(self) -> int:
+        """Transitions of sealed episodes (pieces) only."""
         first, stop = self.live_range()
         return stop - first
 
     @property
+    def num_open(self) -> int:
+        """Open tails with at least one completed transition (`publish_open`)."""
+        return self._num_open
+
+    def sample_range(self) -> tuple[int, int]:
+        """[first, stop) of the indices uniform sampling draws from: the live indices, then
+        the open tails' provisional ones (valid until the next write; see `publish_open`)."""
+        first, stop = self.live_range()
+        return first, stop + self.open_total
+
+    def ecol(self, name: str) -> np.ndarray:
+        """`col` over the sealed entries followed by the open tails': what a position that
+        `locate` returned for a provisional index reads (positions >= ``len(self)``)."""
+        return self._cols[name][self.head:self.tail + self._num_open]
+
+    def publish_open(self, first_row: np.ndarray, length: np.ndarray, first_step: np.ndarray,
+                     env: np.ndarray) -> None:
+        """Make the completed steps of open episodes sampleable: entries after the sealed
+        ones, one per open tail with ``length`` >= 1 transitions at arena rows
+        ``[first_row, first_row + length]`` (the last row is the observation after the
+        last step). Their indices are provisional: ``next_index`` on, in the given order,
+        renumbered by the next write (a sealed piece then takes its permanent indices).
+        ``env`` holds codes of `env_code`."""
+        n = len(first_row)
+        while self.tail + n > len(self._cols["episode_id"]):
+            self._grow(self.tail + n)
+        i, stop = self.tail, self.tail + n
+        cols = self._cols
+        cols["episode_id"][i:stop] = -1
+        cols["env"][i:stop] = env
+        cols["first_row"][i:stop] = first_row
+        cols["num_rows"][i:stop] = length + 1
+        cols["length"][i:stop] = length
+        cols["has_final"][i:stop] = False
+        cols["terminated"][i:stop] = False
+        cols["truncated"][i:stop] = False
+        cols["first_step"][i:stop] = first_step
+        ends = np.cumsum(length)
+        cols["first_index"][i:stop] = self.next_index + ends - length
+        self._num_open = n
+        self.open_total = int(ends[-1]) if n else 0
+        self._open_longest = int(length.max()) if n else 0
+        self.pieces = self.pieces or bool(n and first_step.any())
+
+    def env_code(self, env_id: str) -> int:
+        """The code of ``env_id`` in `env_names` (added if new)."""
+        code = self._env_codes.get(env_id)
+        if code is None:
+            code = self._env_codes[env_id] = len(self.env_names)
+            self.env_names.append(env_id)
+        return code
+
+    @property
     def longest(self) -> int:
-        """Transitions of the longest live episode (0 when empty)."""
-        return self._longest[0][1] if self._longest else 0
+        """Transitions of the longest live episode or open tail (0 when empty)."""
+        return max(self._longest[0][1] if self._longest else 0, self._open_longest)
 
     @property
     def first_live_index(self) -> int:
@@ -153,8 +223,11 @@ class EpisodeTable:
 
     def append(self, *, first_row: int, num_rows: int, length: int, has_final: bool,
                terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None,
-               inserted_at: int | None = None) -> int:
-        """Add an episode as the newest; returns its id. ``inserted_at`` (ns) defaults to now."""
+               inserted_at: int | None = None, first_step: int = 0) -> int:
+        """Add an episode (or a piece of one that starts at step ``first_step``) as the
+        newest; returns its id. ``inserted_at`` (ns) defaults to now. Open tails published
+        before are dropped: the writer publishes them again."""
+        self._num_open = self.open_total = self._open_longest = 0
         if self.tail == len(self._cols["episode_id"]):
             self._make_room()
         code = self._env_codes.get(env_id)
@@ -174,6 +247,9 @@ class EpisodeTable:
         cols["truncated"][i] = truncated
         cols["return"][i] = ret
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
+        cols["first_step"][i] = first_step
+        if first_step:
+            self.pieces = True
         for name, (count, serial) in self._counters.items():
             cols[f"first_{name}"][i] = serial[0]
             serial[0] += count(length)
@@ -206,6 +282,8 @@ class EpisodeTable:
     def clear(self) -> None:
         """Drop every episode; ids and indices keep counting, so old indices stay stale."""
         self.head = self.tail = 0
+        self._num_open = self.open_total = self._open_longest = 0
+        self.pieces = False
         self._longest.clear()
         self._lookup = None
 
@@ -249,6 +327,9 @@ class EpisodeTable:
                 columns have unequal lengths.
         """
         columns = state["columns"]
+        n = len(columns.get("episode_id", ()))
+        columns = {**{name: np.full(n, value, self._cols[name].dtype) for name, value in _OPTIONAL.items()},
+                   **columns}
         missing = sorted(set(self._cols) - set(columns))
         if missing:
             raise ValueError(f"episode table state lacks column(s) {missing}")
@@ -274,6 +355,8 @@ class EpisodeTable:
         for name, (_, serial) in self._counters.items():
             serial[0] = int(state["counters"][name])
         self.head, self.tail = 0, n
+        self._num_open = self.open_total = self._open_longest = 0
+        self.pieces = bool(np.any(self._cols["first_step"][:n]))
         self._longest.clear()
         self._lookup = None
         for k, length in enumerate(self._cols["length"][:n].tolist()):
@@ -303,7 +386,11 @@ class EpisodeTable:
         """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
 
         For indices the offset is the step, so the arena row is ``first_row[pos] + offset``.
+        Provisional indices of open tails (`sample_range`) get positions >= ``len(self)``:
+        read them with `ecol`.
         """
+        if counter == "index" and self.open_total:
+            return self._locate_open(units)
         if counter == "index" and self._index_episode is not None:
             # A mask, not take(mode="wrap"): numpy wraps by repeated subtraction, which
             # grows with index / size (a store that ran long would sample ever slower).
@@ -321,6 +408,20 @@ class EpisodeTable:
             pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first.take(pos)
 
+    def _locate_open(self, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`locate` of indices that may be provisional (open tails published)."""
+        stop = self.next_index
+        is_open = units >= stop
+        if not is_open.any():
+            saved, self.open_total = self.open_total, 0
+            try:
+                return self.locate(units)
+            finally:
+                self.open_total = saved
+        first = self.ecol("first_index")
+        pos = np.searchsorted(first, units, side="right") - 1
+        return pos, units - first.take(pos)
+
     def rows_of(self, indices: np.ndarray) -> np.ndarray:
         """Arena rows of live transition indices."""
         pos, offset = self.locate(indices)
@@ -329,34 +430,60 @@ class EpisodeTable:
     def is_live(self, indices: np.ndarray) -> np.ndarray:
         return (indices >= self.first_live_index) & (indices < self.next_index)
 
+    def is_sampleable(self, indices: np.ndarray) -> np.ndarray:
+        """`is_live`, or a provisional index of an open tail (`sample_range`)."""
+        first, stop = self.sample_range()
+        return (indices >= first) & (indices < stop)
+
     def metadata(self) -> list[Any]:
         return self._metadata[self.head:self.tail]
 
-    def to_arrow(self) -> pa.Table:
-        """The live episodes as an Arrow table (a snapshot)."""
-        n = len(self)
-        env = pa.DictionaryArray.from_arrays(pa.array(self.col("env")), pa.array(self.env_names, pa.string()))
-        meta = self.metadata()
+    def to_arrow(self, include_open: bool = False) -> pa.Table:
+        """The live episodes as an Arrow table (a snapshot); with ``include_open``, the
+        open tails follow (episode_id -1, ``open`` True, return NaN, provisional first_index)."""
+        col = self.ecol if include_open else self.col
+        n = len(self) + (self._num_open if include_open else 0)
+        env = pa.DictionaryArray.from_arrays(pa.array(col("env")), pa.array(self.env_names, pa.string()))
+        meta = self.metadata() + ([None] * self._num_open if include_open else [])
+        ret = col("return").copy()
+        ret[len(self):] = np.nan
+        inserted = col("inserted_at").copy()
+        inserted[len(self):] = time.time_ns()
         columns = {
-            "episode_id": self.col("episode_id"),
+            "episode_id": col("episode_id"),
             "env_id": env.dictionary_decode() if n else pa.array([], pa.string()),
             "shard": np.full(n, self.shard, np.int32),
-            "first_row": self.col("first_row"),
-            "num_rows": self.col("num_rows"),
-            "length": self.col("length"),
-            "has_final": self.col("has_final"),
-            "terminated": self.col("terminated"),
-            "truncated": self.col("truncated"),
-            "return": self.col("return"),
-            "inserted_at": pa.array(self.col("inserted_at").copy(), pa.timestamp("ns")),
-            "first_index": self.col("first_index"),
+            "first_row": col("first_row"),
+            "num_rows": col("num_rows"),
+            "length": col("length"),
+            "has_final": col("has_final"),
+            "terminated": col("terminated"),
+            "truncated": col("truncated"),
+            "return": ret,
+            "inserted_at": pa.array(inserted, pa.timestamp("ns")),
+            "first_index": col("first_index"),
         }
+        if include_open or self.pieces:   # pieces of episodes (`arrowbuf.regions`): the step each starts at
+            columns["first_step"] = col("first_step")
+        if include_open:
+            columns["open"] = np.arange(n) >= len(self)
         # Copies (one value per episode): a table handed out must not change when
         # `clear` and new writes reuse these slots.
         table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v.copy()) for k, v in columns.items()})
         if any(m is not None for m in meta):
             table = table.append_column("metadata", pa.array(meta, pa.string()))
         return table
+
+    def _grow(self, needed: int) -> None:
+        """Room for ``needed`` entries from ``head`` (open tails published after the sealed ones)."""
+        live = len(self)
+        size = max(2 * len(self._cols["episode_id"]), needed - self.head)
+        for name, array in self._cols.items():
+            fresh = np.zeros(size, array.dtype)
+            fresh[:live] = array[self.head:self.tail]
+            self._cols[name] = fresh
+        self._metadata = self._metadata[self.head:self.tail] + [None] * (size - live)
+        self.head, self.tail = 0, live
 
     def _make_room(self) -> None:
         live = len(self)

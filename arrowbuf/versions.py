@@ -60,9 +60,12 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
     if spans is None:
         raise no_fresh_step(shard, min_version)
     k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
+    pos = spans.pos.take(k)
     step = spans.step0.take(k) + offset
     rows = spans.row0.take(k) + offset
-    return Selection(rows, spans.index0.take(k) + offset, spans.pos.take(k), {}, step)
+    if shard.table.pieces:   # the step within the episode of a piece that continues one
+        step += shard.table.col("first_step").take(pos)
+    return Selection(rows, spans.index0.take(k) + offset, pos, {}, step)
 
 
 def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:

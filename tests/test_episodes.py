@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import arrowbuf as ab
 from arrowbuf.episode_read import read_episode
+from arrowbuf.episodes import StepWriter
 
 from support.compare import assert_same_snapshot, column_numpy, snapshot
 from support.envs import EpisodeLog, FakeVectorRollout, make_cartpole
@@ -61,13 +62,19 @@ def test_read_episode_of_an_arrow_batch_restores_roles_and_the_final_row():
 # -- the step writer on synthetic envs --------------------------------------------------------
 
 
+def staged_writer(store: ab.ExperienceStore, num_envs: int, mode: str) -> StepWriter:
+    """A writer that stages episodes and writes each whole when it ends, as a Ray store's
+    writer does (a local store's `store.writer` writes steps in place: tests/test_inplace.py)."""
+    return StepWriter(store._backend.sink(None, None), num_envs, mode, in_place=False)
+
+
 @settings(max_examples=60, deadline=None)
 @given(mode=st.sampled_from(MODES), capacity=st.integers(7, 40),
        lengths=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3),
        num_steps=st.integers(1, 30), flush=st.booleans())
 def test_writer_seals_every_episode_in_order_in_any_autoreset_mode(mode, capacity, lengths, num_steps, flush):
     store = ab.ExperienceStore(capacity=capacity, seed=0)
-    writer = store.writer(num_envs=len(lengths), autoreset_mode=mode)
+    writer = staged_writer(store, len(lengths), mode)
     rollout = FakeVectorRollout(lengths, mode)
     for _ in range(num_steps):
         writer.add(**rollout.step_arrays())
@@ -84,7 +91,7 @@ def test_writer_seals_every_episode_in_order_in_any_autoreset_mode(mode, capacit
 
 def test_writer_grows_its_staging_for_long_episodes():
     store = ab.ExperienceStore(capacity=1000, seed=0)
-    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    writer = staged_writer(store, 2, "disabled")
     rollout = FakeVectorRollout([[150], [70, 90]], "disabled")
     for _ in range(170):
         writer.add(**rollout.step_arrays())
@@ -287,7 +294,7 @@ def test_episodes_a_full_fixed_store_refuses_are_kept_and_pushed_later():
 
 def test_an_episode_that_outgrows_the_capacity_is_refused_at_that_step_and_does_not_wedge_the_writer():
     store = ab.ExperienceStore(capacity=5, seed=0)
-    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[6, 2]], "disabled")
     for _ in range(3):
         writer.add(**rollout.step_arrays())   # 3 steps + the final observation: 4 rows, fits
@@ -305,7 +312,7 @@ def test_an_episode_that_outgrows_the_capacity_is_refused_at_that_step_and_does_
 
 def test_a_refused_episode_leaves_the_writers_other_envs_recording():
     store = ab.ExperienceStore(capacity=3, seed=0)
-    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    writer = staged_writer(store, 2, "disabled")
     rollout = FakeVectorRollout([[9], [2, 1]], "disabled")
     for _ in range(2):
         writer.add(**rollout.step_arrays())   # env 1 ends a 2-step episode (3 rows)
@@ -321,7 +328,7 @@ def test_a_refused_episode_leaves_the_writers_other_envs_recording():
 
 def test_flush_ends_the_skipping_of_a_refused_episode():
     store = ab.ExperienceStore(capacity=3, seed=0)
-    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[9]], "disabled")
     writer.add(**rollout.step_arrays())
     writer.add(**rollout.step_arrays())
@@ -391,13 +398,13 @@ def test_writer_records_cartpole_episodes_exactly_as_the_envs_played_them(mode):
 
 def test_a_refused_episode_stays_skipped_across_a_writer_state_round_trip():
     store = ab.ExperienceStore(capacity=3, seed=0)
-    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[9]], "disabled")
     for _ in range(2):
         writer.add(**rollout.step_arrays())
     with pytest.raises(ab.CapacityError):
         writer.add(**rollout.step_arrays())
-    restored = store.writer(num_envs=1, autoreset_mode="disabled")
+    restored = staged_writer(store, 1, "disabled")
     restored.load_state_dict(writer.state_dict())
     restored.add(**rollout.step_arrays())
     assert restored.open_steps.tolist() == [0]

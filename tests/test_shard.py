@@ -111,7 +111,8 @@ def test_a_plan_names_the_spans_its_write_evicts_before_the_rows_are_reused():
     shard.add(shard_episode(5, 3))
     shard.add(shard_episode(6, 3))
     episode = shard_episode(7, 3)
-    start, evicted = shard.check_fits(episode)   # 4 rows: wraps, evicts the first episode only
+    start, evicted, taken = shard.check_fits(episode)   # 4 rows: wraps, evicts the first episode only
+    assert taken is None   # no step writer holds a region of this shard
     first, rows = shard.evicted_spans(evicted)
     assert (start, first.tolist(), rows.tolist()) == (0, [0], [4])
     assert shard.arena["action"][first[0]] == 5000   # still the old episode's until the write

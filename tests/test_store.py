@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from tensordict import TensorDict
 
 import arrowbuf as ab
+from arrowbuf.episodes import StepWriter
 from arrowbuf.shard import position_runs
 
 from support.compare import assert_same_batches, assert_same_snapshot, column_numpy, snapshot
@@ -52,7 +53,9 @@ def test_whole_episodes_and_writer_steps_interleave_in_one_ring(capacity, data):
     model = RingModel(capacity)
     lengths = data.draw(st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3), min_size=1, max_size=3))
     rollout = FakeVectorRollout(lengths, "next_step", first_tag=1000)   # tags apart from the whole episodes'
-    writer = store.writer(num_envs=rollout.num_envs, autoreset_mode="next_step")
+    # A staged writer (as a Ray store's): whole episodes, placed as `RingModel` places them.
+    # A local store's in-place writer: tests/test_inplace.py.
+    writer = StepWriter(store._backend.sink(None, None), rollout.num_envs, "next_step", in_place=False)
     tag = 0
     ops = st.tuples(st.sampled_from(["episode", "writer steps"]), st.integers(1, 7), st.booleans())
     for kind, count, has_final in data.draw(st.lists(ops, min_size=1, max_size=12)):

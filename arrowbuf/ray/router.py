@@ -425,7 +425,8 @@ class RayBackend:
 
     # -- views ----------------------------------------------------------------------
 
-    def episodes(self) -> pa.Table:
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        # Ray writers stage episodes and seal them before shipping: a shard has no open tails.
         tables = list(self.shards.broadcast("episodes").values())
         return pa.concat_tables(tables, promote_options="permissive") if tables else EpisodeTable().to_arrow()
 

@@ -1,0 +1,304 @@
+"""The in-place write path of a step writer on a local store: every byte copied once.
+
+A `StepWriter` whose store is embedded (one `ShardEngine`, ``mode="circular"``, no
+rate limiter that can refuse) writes each step straight into the arena rows the
+step keeps (`arrowbuf.regions` describes the layout). Per call of `StepWriter.add`
+and per field, one fancy-indexed assignment copies the N envs' values from the
+caller's arrays into their rows:
+
+- the step's fields (action, reward, flags, extras) into row ``start + t`` of each
+  env's open piece, the row that already holds observation t;
+- the step's ``next_obs`` (or the final observation of an episode that ends) into
+  row ``start + t + 1``: it is observation t + 1, stored once, so the caller's
+  ``obs`` is read only at the first step of a piece (an episode's first step, or
+  the first step in a new region);
+- nothing is staged: the writer keeps no copy of a step, and the rows it writes
+  are arena rows, faulted in once for the life of the store.
+
+Completed steps are published at once (`EpisodeTable.publish_open`): sampleable
+by uniform sampling, `iter_batches` and non-strict sequences; prioritized, strict
+sequence and episode samplers see a piece once it is sealed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from arrowbuf.errors import CapacityError
+from arrowbuf.regions import MIN_REGION, region_rows, span_plan
+from arrowbuf.schema import Schema
+from arrowbuf.shard import total_reward
+
+
+class InPlace:
+    """The open pieces of one writer's ``num_envs`` envs, as slots of a shard's `OpenRegions`.
+
+    Args:
+        engine: the local store's engine (its lock is held for every call).
+        env_ids: one name per env.
+    """
+
+    def __init__(self, engine: Any, env_ids: list[str]) -> None:
+        self.engine = engine
+        self.env_ids = env_ids
+        self.num_envs = len(env_ids)
+        self.shard = None
+        self.base = 0
+
+    def bind(self) -> None:
+        """Take slots in the engine's shard (made by the first step's schema, if not before)."""
+        if self.shard is not None:
+            return
+        shard = self.engine.shard
+        if shard is None:
+            return
+        codes = np.array([shard.table.env_code(e) for e in self.env_ids], np.int32)
+        self.base = shard.regions.allocate(codes)
+        self.shard = shard
+        # A writer dropped without `close` gives its slots back when it is collected.
+        self._finalizer = weakref.finalize(self, _release, shard, self.base, self.num_envs, self.engine.lock)
+
+    def release(self) -> None:
+        """Give the slots back: open tails not sealed are dropped (once)."""
+        if self.shard is not None:
+            self._finalizer()
+
+    @property
+    def slots(self) -> slice:
+        return slice(self.base, self.base + self.num_envs)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Completed transitions of each env's open piece."""
+        if self.shard is None:
+            return np.zeros(self.num_envs, np.int64)
+        return self.shard.regions.length[self.slots].copy()
+
+    # -- a step ---------------------------------------------------------------------
+
+    def add(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
+            done: np.ndarray, recorded: np.ndarray) -> int:
+        """Write one step of the ``recorded`` envs; seal the pieces of those ``done``.
+
+        Returns:
+            The number of episodes sealed.
+
+        Raises:
+            CapacityError: the store's capacity cannot give every env a region of
+                `MIN_REGION` rows at once; nothing is written.
+        """
+        self.bind()
+        engine, shard = self.engine, self.shard
+        with engine.lock:   # noqa: the shard exists: the writer set the schema before
+            regions = shard.regions
+            slots = self.base + np.flatnonzero(recorded)
+            everyone = len(slots) == self.num_envs
+            # Regions without room for this step (its row and the next observation's):
+            # seal the piece written so far, and continue the episode in a new region.
+            full = slots[regions.held[slots] & (regions.start[slots] + regions.length[slots] + 1
+                                                >= regions.end[slots])]
+            boundary = full[regions.length[full] > 0]
+            if len(boundary):
+                self._seal(boundary, None, None, continues=True)
+            regions.held[full] = False
+            self._reserve(slots[~regions.held[slots]])
+            cur = regions.start[slots] + regions.length[slots]
+            fresh = regions.length[slots] == 0
+            for name, (array, _) in obs_cols.items():
+                if fresh.all():
+                    shard.scatter(name, cur, array if everyone else array[slots - self.base])
+                elif fresh.any():
+                    shard.scatter(name, cur[fresh], array[slots[fresh] - self.base])
+            for name, (array, _) in step_cols.items():
+                shard.scatter(name, cur, array if everyone else array[slots - self.base])
+            for name, (array, _) in next_cols.items():
+                shard.scatter(name, cur + 1, array if everyone else array[slots - self.base])
+            ended = slots[done[slots - self.base]]
+            if len(ended) and final is not None:
+                at = cur[done[slots - self.base]] + 1
+                for name, array in final.items():
+                    shard.scatter(name, at, array[ended - self.base])
+            regions.length[slots] += 1
+            if len(ended):
+                flags = {flag: _host_flags(step_cols[flag][0], self.num_envs)[ended - self.base]
+                         if flag in step_cols else np.zeros(len(ended), bool) for flag in ("terminated", "truncated")}
+                self._seal(ended, flags["terminated"], flags["truncated"], continues=False)
+            shard.publish_open()
+            return len(ended)
+
+    def flush(self) -> int:
+        """Seal every open piece (cut: its last row is the last next observation); the
+        env's next step starts a new episode. Returns the number sealed."""
+        if self.shard is None:
+            return 0
+        with self.engine.lock:
+            regions = self.shard.regions
+            slots = self.base + np.flatnonzero(regions.held[self.slots] & (regions.length[self.slots] > 0))
+            if len(slots):
+                self._seal(slots, None, None, continues=False)
+            regions.first_step[self.slots] = 0
+            self.shard.publish_open()
+            return len(slots)
+
+    # -- state ------------------------------------------------------------------------
+
+    def state(self, schema: Schema) -> dict[str, Any]:
+        """The open pieces as a staged writer's state holds open episodes: ``pos`` (steps),
+        ``stage`` (their rows, [N, steps, ...]), ``last_next`` (the observation after the
+        last step) and ``first_step`` (where each piece starts in its episode): host copies."""
+        lengths = self.lengths
+        steps = int(lengths.max(initial=0))
+        fields = schema.input_fields
+        stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype) for name, f in fields.items()}
+        last = {name: np.zeros((self.num_envs, *fields[name].shape), fields[name].numpy_dtype)
+                for name in schema.observation_names}
+        first_step = np.zeros(self.num_envs, np.int64)
+        if self.shard is not None and steps:
+            with self.engine.lock:
+                regions = self.shard.regions
+                first_step = regions.first_step[self.slots].copy()
+                for i in np.flatnonzero(lengths).tolist():
+                    a, n = int(regions.start[self.base + i]), int(lengths[i])
+                    for name in fields:
+                        stage[name][i, :n] = self.shard.host_rows(name, a, a + n)
+                    for name in last:
+                        last[name][i] = self.shard.host_rows(name, a + n, a + n + 1)[0]
+        held = np.zeros(self.num_envs, bool)
+        start = end = np.zeros(self.num_envs, np.int64)
+        if self.shard is not None:
+            regions = self.shard.regions
+            held, start, end = regions.held[self.slots].copy(), regions.start[self.slots].copy(), \
+                regions.end[self.slots].copy()
+        return {"pos": lengths, "stage": stage if steps else {}, "last_next": last if steps else {},
+                "first_step": first_step, "regions": {"held": held, "start": start, "end": end}}
+
+    def load(self, pos: np.ndarray, stage: dict, last_next: dict, first_step: np.ndarray,
+             saved: dict | None) -> None:
+        """Write saved open pieces (`state`, or a staged writer's open episodes) back into
+        regions of this store: the regions they had (``saved``, from a checkpoint of this
+        store: the rows there belong to no live piece), else new ones.
+
+        Raises:
+            CapacityError: a piece does not fit in the store's capacity.
+        """
+        self.bind()
+        with self.engine.lock:
+            regions, shard = self.shard.regions, self.shard
+            slots = self.slots
+            regions.held[slots] = False
+            regions.length[slots] = 0
+            regions.first_step[slots] = first_step
+            if saved is not None:
+                held = np.asarray(saved["held"], bool)
+                start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
+                room = np.where(pos > 0, end - 1, end)   # an open piece's rows start..start + pos lie inside
+                if any(a.shape != (self.num_envs,) for a in (held, start, end)) or np.any(
+                        held & ((start < 0) | (end > shard.capacity) | (start + pos > room))):
+                    raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
+                                     f"in a store of {shard.capacity} rows")
+                regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
+            for i in np.flatnonzero(pos).tolist():
+                n = int(pos[i])
+                slot = np.array([self.base + i])
+                if not regions.held[slot[0]]:
+                    self._reserve(slot, n + 2)
+                a = int(regions.start[slot[0]])
+                for name, rows in stage.items():
+                    shard.write_rows(name, a, rows[i, :n])
+                for name, row in last_next.items():
+                    shard.write_rows(name, a + n, row[i:i + 1])
+                regions.length[slot] = n
+            shard.publish_open()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION) -> None:
+        """Regions of at least ``min_rows`` rows for ``slots``, reserved at the ring's head
+        in blocks (one plan a block)."""
+        if not len(slots):
+            return
+        shard, engine = self.shard, self.engine
+        regions, table, capacity = shard.regions, shard.table, shard.capacity
+        used = int(table.col("num_rows").sum()) + int((regions.end - regions.start)[regions.held].sum())
+        size = max(region_rows(capacity, used, max(len(slots), regions.count), regions.count), min_rows)
+        if min_rows > capacity:
+            raise CapacityError(f"an open episode of {min_rows - 1} rows does not fit in the store's capacity "
+                                f"of {capacity:,} rows")
+        if MIN_REGION * len(slots) > capacity:
+            raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
+                                f"{len(slots)} envs (each needs {MIN_REGION} rows at least); raise the capacity")
+        done = 0
+        while done < len(slots):
+            head = shard.write_pos
+            if capacity - head < min_rows:
+                head = 0
+            space = capacity - head
+            count = min(len(slots) - done, max(1, space // size))
+            each = min(size, space) if count == 1 else size
+            evicted, taken = span_plan(shard, head, count * each)
+            mine = np.intersect1d(taken, slots[:done])
+            if len(mine):
+                raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
+                                    f"{len(slots)} envs at once; raise the capacity")
+            if evicted:
+                spans = shard.evicted_spans(evicted) if engine.sampler.tracks_rows else None
+                table.pop_oldest(evicted)
+                if spans is not None:
+                    engine.sampler.on_evict(*spans)
+            if len(taken):
+                regions.take(taken)
+            block = slots[done:done + count]
+            regions.start[block] = head + each * np.arange(count, dtype=np.int64)
+            regions.end[block] = regions.start[block] + each
+            regions.held[block] = True
+            shard.write_pos = head + count * each
+            shard.ordered = False
+            done += count
+
+    def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
+              continues: bool) -> None:
+        """Seal the open pieces of ``slots`` into the episode table (has_final: their last
+        row is an observation). ``continues``: the episodes go on in new regions."""
+        shard, engine = self.shard, self.engine
+        regions, table = shard.regions, shard.table
+        start, length = regions.start[slots], regions.length[slots]
+        last = start + length
+        for name, f in shard.schema.fields.items():
+            if not f.observation:
+                shard.zero_at(name, last)   # the final row holds only its observation
+        reward = shard.arena.get("reward")
+        sampler = engine.sampler
+        for k, slot in enumerate(slots.tolist()):
+            a, n = int(start[k]), int(length[k])
+            shard.own_rows(a, a + n + 1)
+            table.append(first_row=a, num_rows=n + 1, length=n, has_final=True,
+                         terminated=bool(terminated[k]) if terminated is not None else False,
+                         truncated=bool(truncated[k]) if truncated is not None else False,
+                         ret=total_reward(reward[a:a + n]) if reward is not None else float("nan"),
+                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]))
+            if sampler.tracks_rows:
+                sampler.on_add(a, n)
+        engine.counts.inserts += int(length.sum())
+        if continues:
+            regions.first_step[slots] += length
+        else:
+            regions.first_step[slots] = 0
+            regions.start[slots] = last + 1   # the env's next episode: right after, in the same region
+        regions.length[slots] = 0
+
+
+def _release(shard: Any, base: int, n: int, lock: Any) -> None:
+    with lock:
+        shard.regions.release(base, n)
+        shard.publish_open()
+
+
+def _host_flags(flags: Any, num_envs: int) -> np.ndarray:
+    """One bool per env, on the host, from a step's flags (N,) or (N, 1), numpy or a tensor."""
+    if isinstance(flags, torch.Tensor):
+        flags = flags.detach().cpu().numpy()
+    return np.asarray(flags).reshape(num_envs, -1).any(axis=1)

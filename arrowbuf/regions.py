@@ -1,0 +1,143 @@
+"""Open regions: where the step writers of a local store write steps in place.
+
+Each env of a step writer owns at most one *region*: a contiguous run of arena rows
+reserved at the ring's head (`plan_span`). Its episode's rows are written straight
+into it, one step at a time (`arrowbuf.inplace`): step t's fields into the row of
+observation t, and the step's next observation into the following row, which is
+observation t + 1. The steps written so far form the env's *open tail*; the
+episode table publishes it (`EpisodeTable.publish_open`), so every completed step
+is sampleable at once.
+
+A piece is sealed into the episode table when its episode ends, when the writer
+is flushed, or when the region is full: the episode then continues in a new
+region, whose first row repeats the last observation of the full one (one
+duplicated observation row per region). Pieces of one episode are linked by their
+env and ``first_step`` (the step their first row has in the episode).
+
+Eviction stays FIFO over sealed pieces: a reservation evicts every live piece its
+rows overlap, and every piece sealed before those (pieces seal out of ring order,
+so this can evict a few pieces ahead of the head early). A reservation that
+overlaps another env's open region *takes* it: that region's written steps are
+dropped (they are the oldest rows of the ring there) and its env continues its
+episode in a new region from its next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: Largest region (rows) a writer reserves for one env at a time.
+MAX_REGION = 4096
+#: Smallest region: one transition (its observation row and the next observation's).
+MIN_REGION = 2
+
+
+class OpenRegions:
+    """The regions of every writer env of one shard, as numpy arrays by slot.
+
+    A writer takes a block of consecutive slots (`allocate`), one per env, and keeps
+    its per-env state here, where the shard can take a region away (`take`).
+    """
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.start = np.zeros(0, np.int64)    # first row of the open piece (its observation 0)
+        self.end = np.zeros(0, np.int64)      # row after the region
+        self.length = np.zeros(0, np.int64)   # completed transitions of the open piece
+        self.first_step = np.zeros(0, np.int64)   # step of the piece's first row in its episode
+        self.env = np.zeros(0, np.int32)      # env code in the episode table
+        self.alive = np.zeros(0, bool)        # slot held by a writer
+        self.held = np.zeros(0, bool)         # slot holds a region
+        self.count = 0                        # slots alive
+
+    def allocate(self, envs: np.ndarray) -> int:
+        """A block of ``len(envs)`` slots for a writer's envs (codes ``envs``); its first slot.
+        Slots released by writers that are gone are reused (a new writer per rollout
+        does not grow the arrays)."""
+        n = len(envs)
+        base = self._free_block(n)
+        if base + n > self.size:
+            for name in ("start", "end", "length", "first_step", "env", "alive", "held"):
+                array = getattr(self, name)
+                grown = np.zeros(base + n, array.dtype)
+                grown[:self.size] = array[:base + n]
+                setattr(self, name, grown)
+            self.size = base + n
+        block = slice(base, base + n)
+        self.env[block] = envs
+        self.alive[block] = True
+        self.held[block] = False
+        self.length[block] = self.first_step[block] = 0
+        self.count += n
+        return base
+
+    def _free_block(self, n: int) -> int:
+        """The first slot of the first run of ``n`` dead slots (a run at the end may be
+        short: the arrays grow past it)."""
+        dead = np.cumsum(np.concatenate([[0], ~self.alive, np.ones(n, bool)]), dtype=np.int64)
+        runs = dead[n:] - dead[:-n]   # dead slots in the window of n from each slot
+        return int(np.flatnonzero(runs == n)[0])
+
+    def release(self, base: int, n: int) -> None:
+        """The writer of slots ``[base, base + n)`` is done: its regions go (unwritten rows stay dead)."""
+        self.alive[base:base + n] = False
+        self.held[base:base + n] = False
+        self.length[base:base + n] = 0
+        self.count -= n
+
+    def overlapping(self, a: int, b: int) -> np.ndarray:
+        """Slots whose region's unsealed rows ``[start, end)`` overlap rows ``[a, b)``."""
+        return np.flatnonzero(self.held & (self.start < b) & (self.end > a))
+
+    def take(self, slots: np.ndarray) -> None:
+        """Take the regions of ``slots``: their written steps are dropped, and each env's
+        episode continues, from its next step, in a new region."""
+        self.first_step[slots] += self.length[slots]
+        self.length[slots] = 0
+        self.held[slots] = False
+
+    def clear(self) -> None:
+        """Take every region (`ExperienceStore.clear`): open episodes continue in new ones."""
+        self.take(np.flatnonzero(self.held))
+
+    def published(self) -> tuple[np.ndarray, ...]:
+        """(first row, length, first step, env code) of the open tails with a completed step."""
+        slots = np.flatnonzero(self.held & (self.length > 0))
+        return self.start[slots], self.length[slots], self.first_step[slots], self.env[slots]
+
+
+def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> int:
+    """Rows of the next region, within [`MIN_REGION`, `MAX_REGION`]:
+
+    - an even share of the free rows when the ring has room (a fresh or cleared store:
+      a rollout of T steps by N envs fits in N x (T + 1) rows, one piece an episode),
+      at most a quarter of the ring: eviction takes whole pieces, so a piece of a
+      quarter keeps at least half of the ring sampleable as it is overwritten;
+    - else a quarter of the ring over all writer envs: the head does not lap a region
+      while its env (stepping with the others) fills it.
+    """
+    share = capacity // (4 * max(writers_envs, 1))
+    free = min((capacity - used) // max(wanting, 1), capacity // 4)
+    return int(min(MAX_REGION, max(MIN_REGION, share, free)))
+
+
+def span_plan(shard: Any, start: int, rows: int) -> tuple[int, np.ndarray]:
+    """(live pieces to evict, oldest first, open regions to take) for rows ``[start, start + rows)``
+    of ``shard`` (a `arrowbuf.shard.Shard`):
+    every piece with a row there and every piece sealed before it; every region there."""
+    table = shard.table
+    n = len(table)
+    evicted = 0
+    if n:
+        span = np.arange(start, start + rows, dtype=np.int64)
+        pos = shard.positions_of_rows(span)
+        live = pos < n
+        if live.any():
+            pos, span = pos[live], span[live]
+            first = table.col("first_row").take(pos)
+            mine = (first <= span) & (span < first + table.col("num_rows").take(pos))
+            if mine.any():
+                evicted = int(pos[mine].max()) + 1
+    return evicted, shard.regions.overlapping(start, start + rows)

@@ -1,0 +1,412 @@
+"""Step writers that write in place (`arrowbuf.inplace`): every step once, straight into the
+arena rows it keeps, sampleable as soon as its next observation is known.
+
+The reference is the steps the scripted envs played (`FakeVectorRollout`'s tags: row
+``[tag, t]`` is step t of the episode tagged ``tag``), not a model of the layout: the
+checks hold for any placement of regions and pieces, with evictions, wraps and open tails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.episodes import StepWriter
+
+from support.envs import FakeVectorRollout
+from support.episodes import EPISODE_SCHEMA, ExpectedEpisode, decode, tagged_action, tagged_obs, tagged_reward
+
+MODES = ["next_step", "same_step", "disabled"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One row of ``episodes(include_open=True)``, with the tag its rows were written with."""
+
+    tag: int
+    first_step: int
+    length: int
+    first_row: int
+    open: bool
+    terminated: bool
+    truncated: bool
+    ret: float
+    has_final: bool = True
+
+
+def cut(rollout: FakeVectorRollout) -> None:
+    """`FakeVectorRollout.flush` mid-rollout: the cut episodes are recorded, and each env
+    goes on with a new episode (a new tag) from step 0, as after a writer's `flush`."""
+    cut_envs = [e for e in range(rollout.num_envs) if rollout.t[e] > 0]
+    rollout.flush()
+    for e in cut_envs:
+        rollout.tag[e] = rollout._new_tag()
+
+
+def played(rollouts: list[FakeVectorRollout], whole: list = ()) -> tuple[set[tuple[int, int]], dict[int, object]]:
+    """Every complete transition the rollouts played (and the ``whole`` episodes added
+    with `add_episode`), and their ended episodes by tag."""
+    steps, ended = set(), {}
+    for e in whole:
+        steps |= {(e.tag, t) for t in range(e.length)}
+        ended[e.tag] = e
+    for rollout in rollouts:
+        for e in rollout.sealed:
+            steps |= {(e.tag, t) for t in range(e.steps)}
+            ended[e.tag] = e
+        for env in range(rollout.num_envs):
+            if not rollout.resetting[env]:
+                steps |= {(rollout.tag[env], t) for t in range(rollout.t[env])}
+    return steps, ended
+
+
+def pieces_of(store: ab.ExperienceStore) -> list[Piece]:
+    table = store.episodes(include_open=True).to_pylist()
+    obs = store.engine.shard.reader("obs")
+    out = []
+    for row in table:
+        tag, first = decode(obs[np.array([row["first_row"]])])
+        out.append(Piece(int(tag[0]), row.get("first_step", 0), row["length"], row["first_row"],
+                         bool(row.get("open", False)), row["terminated"], row["truncated"], row["return"],
+                         row["has_final"] or bool(row.get("open", False))))
+    return out
+
+
+def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *, evicts: bool,
+                whole: list = ()) -> None:
+    """The store against the played steps: pieces, counts, an epoch, samples, n-step
+    returns, frame stacks. ``evicts``: whether the ring may have dropped played steps;
+    ``whole``: episodes added with `add_episode`."""
+    steps, ended = played(rollouts, whole)
+    pieces = pieces_of(store)
+    at: dict[tuple[int, int], Piece] = {}
+    shard = store.engine.shard
+    for p in pieces:
+        rows = np.arange(p.first_row, p.first_row + p.length + 1)
+        np.testing.assert_array_equal(shard.reader("obs")[rows], tagged_obs(p.tag, p.first_step + np.arange(p.length + 1)))
+        np.testing.assert_array_equal(shard.reader("action")[rows[:-1]], tagged_action(p.tag, p.first_step + np.arange(p.length)))
+        for s in range(p.first_step, p.first_step + p.length):
+            assert (p.tag, s) not in at, f"step {s} of episode {p.tag} is stored twice"
+            assert (p.tag, s) in steps, f"step {s} of episode {p.tag} was never played"
+            at[(p.tag, s)] = p
+        if not p.open:
+            episode = ended.get(p.tag)
+            last = episode is not None and p.first_step + p.length == episode.length
+            assert p.terminated == (last and episode.terminated) and p.truncated == (last and episode.truncated)
+            steps_of = p.length + (0 if p.has_final else 1)   # without its final observation: one step more
+            assert p.ret == pytest.approx(float(tagged_reward(p.tag, p.first_step + np.arange(steps_of)).sum()))
+            if p.has_final:
+                assert shard.reader("action")[np.array([p.first_row + p.length])][0] == 0, "the final row holds zeros"
+    assert len(store) == len(at) == sum(p.length for p in pieces)
+    assert store.num_episodes == sum(not p.open for p in pieces) == store.episodes().num_rows
+    if not evicts:
+        assert set(at) == steps, "a played step is missing"
+    # Open tails are the freshest steps: every step of each env's open piece is there.
+    for rollout in rollouts:
+        for env in range(rollout.num_envs):
+            tag = rollout.tag[env]
+            mine = [p for p in pieces if p.tag == tag and p.open]
+            if mine:
+                assert mine[0].first_step + mine[0].length == rollout.t[env]
+
+    if not len(store):
+        with pytest.raises(ab.EmptyStoreError):
+            store.sample(4)
+        return
+    seen = []
+    for batch in store.iter_batches(7, shuffle=True):
+        tag, step = decode(batch["obs"])
+        np.testing.assert_array_equal(batch["step"].numpy(), step)
+        np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
+        seen += list(zip(tag.tolist(), step.tolist()))
+    assert len(seen) == len(set(seen)) == len(at), "an epoch reads every transition exactly once"
+    assert set(seen) == set(at)
+
+    batch = store.sample(64)
+    tag, step = decode(batch["obs"])
+    assert {(a, b) for a, b in zip(tag.tolist(), step.tolist())} <= set(at)
+    np.testing.assert_array_equal(batch["step"].numpy(), step)
+    np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
+    np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
+    np.testing.assert_array_equal(batch["reward"].numpy(), tagged_reward(tag, step))
+
+    n, gamma = 3, 0.5
+    batch = store.sample(64, n_step=n, gamma=gamma)
+    tag, step = decode(batch["obs"])
+    for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
+        p = at[(a, t)]
+        k = min(n, p.first_step + p.length - t)   # stops at the piece's last written step
+        assert batch["n_steps"][i] == k
+        assert float(batch["reward"][i]) == pytest.approx(float(sum(gamma ** j * tagged_reward(a, t + j) for j in range(k))))
+        np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i]), tagged_obs(a, t + k))
+        assert bool(batch["terminated"][i]) == (t + k == p.first_step + p.length and p.terminated and p.has_final)
+
+    frames = 3
+    batch = store.sample(64, frame_stack=frames)
+    obs = np.asarray(batch["obs"])
+    assert obs.shape == (64, frames, 2)
+    tag, step = decode(obs[:, -1])
+    for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
+        p = at[(a, t)]
+        expect = np.maximum(t - np.arange(frames - 1, -1, -1), p.first_step)   # written rows of the piece only
+        np.testing.assert_array_equal(obs[i], tagged_obs(a, expect))
+        np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i]),
+                                      tagged_obs(a, np.maximum(t + 1 - np.arange(frames - 1, -1, -1), p.first_step)))
+
+
+# -- property tests ---------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(mode=st.sampled_from(MODES), capacity=st.one_of(st.integers(8, 80), st.just(100_000)), data=st.data())
+def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(mode, capacity, data):
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA)
+    episode_lengths = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_size=1, max_size=3)
+    rollouts = [FakeVectorRollout(data.draw(episode_lengths), mode, first_tag=1000 * k) for k in range(2)]
+    writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
+    whole = []   # whole episodes added between the writers' steps
+    ops = st.tuples(st.sampled_from([0, 1, "episode"]), st.integers(1, 9), st.booleans())
+    for which, count, flag in data.draw(st.lists(ops, min_size=1, max_size=8)):
+        if which == "episode":
+            if count + int(flag) <= capacity // 2:
+                whole.append(ExpectedEpisode(5000 + len(whole), count, flag, terminated=True))
+                store.add_episode(whole[-1].arrays)
+            continue
+        for _ in range(count):
+            writers[which].add(**rollouts[which].step_arrays())
+        if flag:
+            writers[which].flush()
+            cut(rollouts[which])
+        check_store(store, rollouts, evicts=capacity < 100_000, whole=whole)   # 100k rows: room for all
+
+
+@settings(max_examples=15, deadline=None)
+@given(capacity=st.integers(12, 60), lengths=st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=3),
+                                                    min_size=1, max_size=3), num_steps=st.integers(1, 80))
+def test_a_torch_arena_writer_stores_exactly_the_played_steps(capacity, lengths, num_steps):
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA, storage_device="cpu")
+    rollout = FakeVectorRollout(lengths, "same_step")
+    writer = store.writer(num_envs=rollout.num_envs, autoreset_mode="same_step")
+    for _ in range(num_steps):
+        step = rollout.step_arrays()
+        writer.add(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) and v.dtype != object else v
+                      for k, v in step.items()})
+    check_store(store, [rollout], evicts=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(capacity=st.integers(10, 60), seq_len=st.integers(1, 6), lengths=st.lists(
+    st.lists(st.integers(1, 15), min_size=1, max_size=3), min_size=1, max_size=3), num_steps=st.integers(1, 60))
+def test_sequence_windows_stop_at_the_last_written_step(capacity, seq_len, lengths, num_steps):
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA,
+                               sampler=ab.SequenceSampler(seq_len, strict=False))
+    rollout = FakeVectorRollout(lengths, "disabled")
+    writer = store.writer(num_envs=rollout.num_envs, autoreset_mode="disabled")
+    for _ in range(num_steps):
+        writer.add(**rollout.step_arrays())
+    at = {(p.tag, s): p for p in pieces_of(store) for s in range(p.first_step, p.first_step + p.length)}
+    batch = store.sample(32)
+    obs, mask = np.asarray(batch["obs"]), batch["mask"].numpy()
+    tag, step = decode(obs[:, 0])
+    for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
+        p = at[(a, t)]
+        valid = min(seq_len, p.first_step + p.length - t)
+        np.testing.assert_array_equal(mask[i], np.arange(seq_len) < valid)
+        np.testing.assert_array_equal(obs[i, :valid], tagged_obs(a, t + np.arange(valid)))
+
+
+# -- continuing tasks, eviction of open regions, limits --------------------------------------
+
+
+def test_a_continuing_task_streams_ten_capacities_through_a_small_ring_and_samples_every_step():
+    capacity = 64
+    store = ab.ExperienceStore(capacity=capacity, seed=3, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[10 ** 9]], "disabled")   # one env, no episode end
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    with pytest.raises(ab.EmptyStoreError):
+        store.sample(4)
+    for t in range(1, 10 * capacity + 1):
+        writer.add(**rollout.step_arrays())
+        assert len(store) >= min(t, capacity // 2), "the freshest steps are sampleable at once"
+        batch = store.sample(16)
+        tag, step = decode(batch["obs"])
+        assert (tag == 0).all() and (step < t).all() and (step >= t - capacity).all()
+        np.testing.assert_array_equal(batch["step"].numpy(), step)
+        np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(0, step + 1))
+        np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(0, step))
+        np.testing.assert_array_equal(batch["reward"].numpy(), tagged_reward(0, step))
+        epoch = sorted(s for b in store.iter_batches(64, shuffle=False) for s in b["step"].tolist())
+        assert epoch == list(range(t - len(store), t)), "the newest steps, each once, the latest included"
+    assert writer.open_steps[0] > 0 and store.num_episodes >= 1
+    check_store(store, [rollout], evicts=True)
+    pieces = pieces_of(store)
+    assert all(p.tag == 0 and not p.terminated and not p.truncated for p in pieces)
+    assert [p.first_step for p in pieces] == sorted(p.first_step for p in pieces)
+
+
+def test_a_writer_that_stalls_loses_its_open_region_to_the_head_and_continues_its_episode():
+    store = ab.ExperienceStore(capacity=24, seed=0, schema=EPISODE_SCHEMA)
+    slow, fast = FakeVectorRollout([[100]], "disabled"), FakeVectorRollout([[5]], "disabled", first_tag=50)
+    slow_writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    fast_writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    for _ in range(3):
+        slow_writer.add(**slow.step_arrays())
+    assert store.episodes(include_open=True).column("length").to_pylist() == [3]
+    for _ in range(60):   # laps the ring: the head reaches the stalled writer's region
+        fast_writer.add(**fast.step_arrays())
+    assert slow_writer.open_steps.tolist() == [0], "its written steps went with the region"
+    assert all(p.tag != 0 for p in pieces_of(store))
+    slow_writer.add(**slow.step_arrays())   # its episode goes on, in a new region, from step 3
+    mine = [p for p in pieces_of(store) if p.tag == 0]
+    assert [(p.first_step, p.length, p.open) for p in mine] == [(3, 1, True)]
+    slow_writer.flush()
+    table = store.episodes()
+    assert table.column("first_step").to_pylist()[-1] == 3
+
+
+def test_regions_shrink_to_fit_many_envs_and_a_ring_too_small_for_them_is_refused():
+    store = ab.ExperienceStore(capacity=16, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[40]] * 8, "disabled")
+    writer = store.writer(num_envs=8, autoreset_mode="disabled")
+    for _ in range(30):   # 8 envs in 16 rows: regions of 2 rows, a piece a step
+        writer.add(**rollout.step_arrays())
+    check_store(store, [rollout], evicts=True)
+    assert len(store) == 8
+    small = ab.ExperienceStore(capacity=5, seed=0, schema=EPISODE_SCHEMA)
+    writer = small.writer(num_envs=3, autoreset_mode="disabled")
+    with pytest.raises(ab.CapacityError, match="cannot hold the open episodes of 3 envs"):
+        writer.add(**FakeVectorRollout([[4]] * 3, "disabled").step_arrays())
+    assert len(small) == 0 and small.num_episodes == 0
+
+
+def test_an_episode_longer_than_the_capacity_is_stored_in_linked_pieces():
+    store = ab.ExperienceStore(capacity=20, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[45, 3]], "disabled")
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    for _ in range(48):
+        writer.add(**rollout.step_arrays())
+    assert writer.episodes_written == 2
+    pieces = [p for p in pieces_of(store) if p.tag == 0]
+    assert pieces and pieces[-1].first_step + pieces[-1].length == 45 and pieces[-1].terminated
+    check_store(store, [rollout], evicts=True)
+
+
+def test_obs_is_read_at_a_pieces_first_step_only_and_next_obs_stored_once():
+    store = ab.ExperienceStore(capacity=100, seed=0, schema=EPISODE_SCHEMA)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    step = {"action": np.zeros(1, np.int64), "reward": np.zeros(1), "terminated": np.zeros(1, bool),
+            "truncated": np.zeros(1, bool)}
+    writer.add(obs=tagged_obs(7, [0]), next_obs=tagged_obs(7, [1]), **step)
+    writer.add(obs=np.full((1, 2), -5.0), next_obs=tagged_obs(7, [2]), **step)   # obs 1 is next_obs 0's
+    batch = store.sample(32)
+    assert sorted(set(decode(batch["obs"])[1].tolist())) == [0, 1]
+    assert (np.asarray(batch["obs"]) != -5).all()
+
+
+def test_clear_drops_open_tails_and_open_episodes_continue_in_new_regions():
+    store = ab.ExperienceStore(capacity=40, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[30], [7]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    for _ in range(5):
+        writer.add(**rollout.step_arrays())
+    store.clear()
+    assert len(store) == 0 and writer.open_steps.tolist() == [0, 0]
+    writer.add(**rollout.step_arrays())
+    assert sorted((p.tag, p.first_step, p.length) for p in pieces_of(store)) == [(0, 5, 1), (1, 5, 1)]
+
+
+def test_a_staged_writer_is_used_where_a_write_may_be_refused():
+    for kwargs in ({"mode": "fixed"}, {"rate_limiter": ab.SampleToInsertRatio(1.0, min_size=1, error_buffer=100)}):
+        store = ab.ExperienceStore(capacity=40, seed=0, schema=EPISODE_SCHEMA, **kwargs)
+        rollout = FakeVectorRollout([[3]], "disabled")
+        writer = store.writer(num_envs=1, autoreset_mode="disabled")
+        writer.add(**rollout.step_arrays())
+        assert len(store) == 0 and writer.open_steps.tolist() == [1], "staged until the episode ends"
+    assert isinstance(writer, StepWriter)
+
+
+# -- persistence of stores with open episodes ---------------------------------------------------
+
+
+def test_a_checkpoint_keeps_open_tails_sampleable_and_the_loaded_writer_continues_them_in_place(tmp_path):
+    store = ab.ExperienceStore(capacity=60, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[9, 4], [30]], "same_step")
+    writer = store.writer(num_envs=2, autoreset_mode="same_step", name="actor")
+    for _ in range(40):   # wraps the ring: pieces, evictions, two open tails
+        writer.add(**rollout.step_arrays())
+    assert store.episodes(include_open=True).column("open").to_pylist().count(True) == 2
+    store.save(tmp_path / "ckpt")
+    loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
+    restored = loaded.writer(num_envs=2, autoreset_mode="same_step", name="actor")
+    assert len(loaded) == len(store) and loaded.num_episodes == store.num_episodes
+    keep = ["first_row", "num_rows", "length", "first_step", "open", "terminated", "truncated", "env_id"]
+    assert loaded.episodes(include_open=True).select(keep) == store.episodes(include_open=True).select(keep)
+    check_store(loaded, [rollout], evicts=True)
+    twin = FakeVectorRollout([[9, 4], [30]], "same_step")
+    for _ in range(40):
+        twin.step_arrays()
+    for _ in range(25):
+        writer.add(**rollout.step_arrays())
+        restored.add(**twin.step_arrays())
+    assert loaded.episodes(include_open=True).select(keep) == store.episodes(include_open=True).select(keep)
+    check_store(loaded, [twin], evicts=True)
+
+
+def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_path):
+    store = ab.ExperienceStore(capacity=50, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[7], [70]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    for _ in range(45):
+        writer.add(**rollout.step_arrays())
+    open_steps = int(store.episodes(include_open=True).filter(
+        store.episodes(include_open=True).column("open")).column("length").to_numpy().sum())
+    assert open_steps > 0 and store.num_episodes > 0
+    store.to_parquet(tmp_path / "out")
+    loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
+    sealed = store.episodes()
+    assert len(loaded) == len(store) - open_steps == sum(sealed.column("length").to_pylist())
+    assert loaded.episodes().column("first_step").to_pylist() == sealed.column("first_step").to_pylist()
+    batch = loaded.sample(64)
+    tag, step = decode(batch["obs"])
+    np.testing.assert_array_equal(batch["step"].numpy(), step)
+    np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
+    np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
+
+
+@pytest.mark.parametrize("sampler", [lambda: ab.PrioritizedSampler(), lambda: ab.SequenceSampler(2),
+                                     lambda: ab.EpisodeSampler(), lambda: ab.WithoutReplacementSampler()])
+def test_samplers_of_sealed_episodes_wait_for_a_seal_and_never_draw_open_tails(sampler):
+    store = ab.ExperienceStore(capacity=100, seed=0, schema=EPISODE_SCHEMA, sampler=sampler())
+    rollout = FakeVectorRollout([[3], [50]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    writer.add(**rollout.step_arrays())
+    assert len(store) == 2 and store.num_episodes == 0
+    with pytest.raises(ab.EmptyStoreError, match="draws sealed episodes"):
+        store.sample(4)
+    for _ in range(4):
+        writer.add(**rollout.step_arrays())   # env 0's episode (tag 0) is sealed at step 3, its next is open
+    tag, _ = decode(store.sample(16)["obs"])
+    assert set(tag.reshape(-1).tolist()) == {0}, "only the sealed episode is drawn"
+
+
+def test_a_new_writer_per_rollout_reuses_the_regions_and_slots_of_the_writers_before():
+    store = ab.ExperienceStore(capacity=2 * 4 * 11, seed=0, schema=EPISODE_SCHEMA)
+    rows = set()
+    for rollout_number in range(6):
+        rollout = FakeVectorRollout([[10]] * 4, "disabled", first_tag=100 * rollout_number)
+        with store.writer(num_envs=4, autoreset_mode="disabled") as writer:
+            for _ in range(10):
+                writer.add(**rollout.step_arrays())
+        table = store.episodes()
+        rows |= set(table.column("first_row").to_pylist())
+        assert table.column("length").to_pylist() == [10] * 4
+        check_store(store, [rollout], evicts=False)
+        store.clear()
+    assert len(rows) == 4, "every rollout wrote the same (warm) rows"
+    assert store.engine.shard.regions.size == 4, "released slots are reused"
