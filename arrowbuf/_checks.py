@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from arrowbuf.errors import describe
+from arrowbuf.sample_args import PLAIN, SampleArgs
 
 
 def is_int(value: Any, minimum: int | None = None) -> bool:
@@ -218,8 +219,8 @@ def check_fraction(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) -> tuple[int, float, int]:
-    """(n_step, gamma, frame_stack) of a sample, checked against the store's schema; gamma is 1.0 when unused.
+def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) -> SampleArgs:
+    """The `SampleArgs` of a sample, checked against the store's schema; gamma is 1.0 when unused.
 
     Raises:
         ValueError: a bad value, or n_step > 1 without a scalar ``reward`` field.
@@ -227,7 +228,7 @@ def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) ->
     if n_step == 1 and frame_stack == 1 and type(n_step) is int and type(frame_stack) is int:   # the common case
         if gamma != 0.99:
             check_fraction("gamma", gamma)
-        return 1, 1.0, 1
+        return PLAIN
     n_step = check_int("n_step", n_step, 1)
     frame_stack = check_int("frame_stack", frame_stack, 1)
     gamma = check_fraction("gamma", gamma)
@@ -236,7 +237,7 @@ def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) ->
                          f"{list(schema.fields) if schema else 'no fields yet'}")
     if n_step > 1 and schema.fields["reward"].shape != ():
         raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
-    return n_step, gamma, frame_stack
+    return SampleArgs(n_step, gamma, frame_stack)
 
 
 def check_worker_nodes(backend: str, num_workers: int | None, worker_nodes: Any) -> None:

@@ -22,6 +22,7 @@ import pyarrow as pa
 from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 
@@ -84,12 +85,12 @@ class Backend(Protocol):
 
     # -- reading -------------------------------------------------------------------
 
-    def sample(self, batch_size: int, args: tuple, device: Any, pin_memory: bool, timeout: float | None,
+    def sample(self, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None) -> TensorDict | list[TensorDict]:
         """A batch drawn by the store's sampler, split into ``num_workers`` when given."""
 
-    def sample_iter(self, batch_size: int, args: tuple, device: Any, prefetch: int,
+    def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
         """Endless batches as `sample` gives them (Ray: requests kept in flight)."""
 

@@ -44,7 +44,7 @@ from arrowbuf._dataset_cache import (MappedRows, check_cache_files, fingerprint,
                                      source_changed, write_cache)
 from arrowbuf._dataset_sources import EPISODES_IPC, LEROBOT_INFO, detect, export_source, ipc_source, lerobot_source
 from arrowbuf.arena import host_tensor
-from arrowbuf.engine import PLAIN, ShardEngine
+from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, describe
 from arrowbuf.parquet import MANIFEST as EXPORT_MANIFEST
 from arrowbuf.rate_limiters import RateLimiter

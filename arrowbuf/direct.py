@@ -68,7 +68,7 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
     layout, at_index, at_episode, at_step = plain
     table = shard.table
     if spans is None:   # every sampleable transition: sealed episodes, then open tails
-        index = uniform_indices(rng, batch_size, *table.sample_range(), out=outs[at_index])
+        index = _UNIFORM.draw(rng, batch_size, table, outs[at_index])   # the draw `UniformSampler.sample` makes
         pos, step = table.locate(index)
         table.ecol("episode_id").take(pos, 0, outs[at_episode], "clip")
         outs[at_step][...] = step

@@ -35,15 +35,13 @@ from arrowbuf.arena import make_shard
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
-
-# Sample arguments in one tuple: (n_step, gamma, frame_stack).
-PLAIN = (1, 1.0, 1)
 
 
 class ShardEngine:
@@ -237,13 +235,13 @@ class ShardEngine:
                                   f"none yet ({shard.table.num_transitions} steps of open episodes; a writer "
                                   "seals an episode when it ends, at flush(), or in pieces)")
 
-    def sample(self, batch_size: int, args: tuple = PLAIN, device: Any = None, pin_memory: bool = False,
+    def sample(self, batch_size: int, args: SampleArgs = PLAIN, device: Any = None, pin_memory: bool = False,
                timeout: float | None = None, keys: Any = None, min_version: int | None = None) -> TensorDict:
         """Draw with the sampler and gather: the store's `sample` on one shard.
 
         Args:
             batch_size: what the sampler draws (transitions, windows or episodes).
-            args: (n_step, gamma, frame_stack), checked by the caller.
+            args: n-step and frame-stack look-ups, checked by the caller.
             device: a checked torch.device or None.
             pin_memory: gather into pinned memory.
             timeout: seconds to wait for the rate limiter.
@@ -259,7 +257,7 @@ class ShardEngine:
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
             keys = shard.gather.check_keys(keys)
-            direct = self.direct() if args[0] == 1 == args[2] and device is None and not pin_memory else None
+            direct = self.direct() if args.plain and device is None and not pin_memory else None
             if direct is not None:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys, min_version)
                 self.counts.samples += batch_size
@@ -275,7 +273,7 @@ class ShardEngine:
         return (shard, self._rng) if self._direct and shard is not None and shard.reuse is None and shard.host_columns \
             else None
 
-    def select(self, batch_size: int, args: tuple = PLAIN, population: tuple[int, float] | None = None,
+    def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:
         """Draw as `sample` does, counted as a sample, without gathering (a Ray reader gathers)."""
         with self._changed:
@@ -291,12 +289,12 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
 
-    def _draw(self, batch_size: int, args: tuple, population: tuple[int, float] | None = None,
+    def _draw(self, batch_size: int, args: SampleArgs, population: tuple[int, float] | None = None,
               min_version: int | None = None) -> Selection:
         """The sampler's selection (of ``min_version``: `arrowbuf.versions.fresh_selection`),
         once the batch is known to fit in memory (`check_batch`)."""
         sampler, table = self.sampler, self._shard.table
-        check_batch(self._shard.schema, sampler, table, batch_size, args[2])
+        check_batch(self._shard.schema, sampler, table, batch_size, args.frame_stack)
         if min_version is not None:
             return fresh_selection(self._rng, batch_size, self._shard, min_version, sampler)
         if population is not None and isinstance(sampler, PrioritizedSampler):
@@ -376,7 +374,7 @@ class ShardEngine:
             rows, extra, _, _ = self._shard.lookups(select_indices(self._shard.table, live), PLAIN, index_base)
             return self._shard.gather.payload(rows, extra)
 
-    def _gather(self, selection: Selection, args: tuple, device: Any, pin_memory: bool,
+    def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._shard.lookups(selection, args)
         if views and contiguous(rows):   # no copy: views of the arena

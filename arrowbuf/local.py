@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, refused_in_batch
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 
@@ -121,7 +122,7 @@ class LocalBackend:
             self.engine.add(episode, limited=False)
         return count
 
-    def sample(self, batch_size: int, args: tuple, device: Any, pin_memory: bool, timeout: float | None,
+    def sample(self, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None) -> TensorDict | list[TensorDict]:
         batch = self.engine.sample(batch_size, args, device, pin_memory, timeout, keys)
@@ -129,7 +130,7 @@ class LocalBackend:
             return batch
         return list(batch.split(batch_size // num_workers, dim=0))
 
-    def sample_iter(self, batch_size: int, args: tuple, device: Any, prefetch: int,
+    def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
         """Endless samples: in-process there is no round trip to hide, so no prefetch."""
         while True:

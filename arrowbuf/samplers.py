@@ -144,6 +144,14 @@ class Sampler:
 class UniformSampler(Sampler):
     """Uniform sampling with replacement over stored transitions (the default).
 
+    Both ways of sampling draw through `draw`: `sample` is `draw`, then
+    `select_indices`; and a store's plain ``sample(batch_size)`` (this sampler, no
+    rate limit, on the CPU, no n-step or frame stack, no reuse tracking: the most
+    common call of off-policy replay) takes the engine's path that writes `draw`'s
+    indices, their episodes and steps straight into its pooled batch, with no
+    `Selection` (`arrowbuf.engine.ShardEngine.sample`). A seeded store thus samples
+    the same batches either way (`arrowbuf.direct`, tests/test_direct.py).
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, sampler=ab.UniformSampler(), seed=0)
@@ -155,7 +163,13 @@ class UniformSampler(Sampler):
     draws_open = True
 
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
-        return select_indices(table, uniform_indices(rng, n, *table.sample_range()))
+        return select_indices(table, self.draw(rng, n, table))
+
+    def draw(self, rng: np.random.Generator, n: int, table: EpisodeTable, out: np.ndarray | None = None
+             ) -> np.ndarray:
+        """``n`` sampleable transition indices of ``table`` (`EpisodeTable.sample_range`), drawn
+        uniformly with replacement (into ``out``, int64 ``[n]``, when given): what `sample` selects."""
+        return uniform_indices(rng, n, *table.sample_range(), out=out)
 
     def mass(self, table: EpisodeTable) -> float:
         """Sealed transitions and open tails' (`EpisodeTable.sample_range`)."""

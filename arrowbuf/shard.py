@@ -31,6 +31,7 @@ from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.regions import OpenRegions, span_plan
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
@@ -469,12 +470,12 @@ class Shard:
 
     # -- reading ----------------------------------------------------------------------
 
-    def lookups(self, selection: Selection, args: tuple, index_base: int = 0
+    def lookups(self, selection: Selection, args: SampleArgs, index_base: int = 0
                 ) -> tuple[np.ndarray, dict, np.ndarray | None, np.ndarray | None]:
         """(rows, extra arrays, observation rows, next-observation rows) of a selection of
-        this shard's transitions, for ``args`` = (n_step, gamma, frame_stack); ``index_base``
-        is added to the ``index`` extra."""
-        n, gamma, frames = args
+        this shard's transitions, for the look-ups ``args``; ``index_base`` is added to the
+        ``index`` extra."""
+        n, gamma, frames = args.n_step, args.gamma, args.frame_stack
         table = self.table
         rows, pos = selection.rows, selection.pos
         # episode_id and step come from the episode table, not from per-row columns.

@@ -14,61 +14,23 @@ to the GPU is done too. A Ray shard's `Payload` uses a fresh buffer per sample (
 
 The plan (which arena column goes to which key, shifted by one row for ``next``
 observations) is built once per layout, not per sample: converting columns one by
-one on every call costs as much as the gather itself.
+one on every call costs as much as the gather itself. Where each key lies in the
+buffer is planned by `arrowbuf.layout` (the planner the Ray reader's gather uses
+too); the bound takes of the arena's columns are this module's (`Layout.fill`).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._pool import SlotPool, SlotSpec, leaf_views, make_td, nest, out_views
-from arrowbuf.packing import record_outs
-
-ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vector loads
-#: Extras every batch has, whatever ``keys`` selects; naming them in ``keys`` is allowed.
-ALWAYS = (("index",), ("episode_id",), ("step",))
-
-
-@dataclass(frozen=True)
-class _Entry:
-    key: tuple[str, ...]
-    column: np.ndarray          # the arena column, shape (capacity, *shape)
-    role: str                   # which rows it reads: "step", "obs" or "next" (observation after)
-    torch_dtype: torch.dtype
-    row_bytes: int
-    # (row-packed block, byte offset) of a packed field (`arrowbuf.packing`), else None:
-    # a packed field is gathered with its block's records, never by a take of its
-    # strided column (``np.take`` copies a non-contiguous source whole first).
-    packed: tuple[np.ndarray, int] | None = None
-
-
-@dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per sample
-class _Layout:
-    """Where everything of one batch layout goes in the buffer."""
-
-    # (arena column, role index) per gathered field, then (extra name, -1) per extra:
-    # the source of each of `slot.outs`, in order.
-    plan: tuple[tuple[Any, int], ...]
-    slot: SlotSpec
-    # (dtype, shape) of each extra, in the order of the call's ``extra`` dict.
-    extras: tuple[tuple[np.dtype, tuple[int, ...]], ...]
-    reads_next: bool   # whether a field reads the next-observation rows
-    # `plan` split for `_fill`: (out position, bound ``take`` of the column, role) per
-    # field, (out position, extra name) per extra; a loop over `plan` that tells them
-    # apart and looks up ``take`` per entry cost ~1 us of a W1 sample. Default next
-    # observations (``next_rows`` None) take the step rows of the column shifted by one.
-    takes: tuple[tuple[int, Any, int], ...]
-    copies: tuple[tuple[int, str], ...]
-    # (an alias of a packed field's out, its strided view in the gathered records) per
-    # packed field (`packing.record_outs`): copied after the takes.
-    unpack: tuple[tuple[int, int], ...] = ()
+from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
+from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 
 
 def pinned(pin_memory: bool, device: torch.device | None) -> bool:
@@ -100,51 +62,29 @@ class Gather:
     """
 
     def __init__(self, columns: Mapping[tuple[str, ...], tuple]) -> None:
-        self._entries = [
-            _Entry(key, column, role, torch_dtype, column.itemsize * int(np.prod(column.shape[1:], dtype=np.int64)),
-                   *packed)
-            for key, (column, role, torch_dtype, *packed) in columns.items()
-        ]
-        self._layouts: dict[tuple, _Layout] = {}   # by shapes, keys and every extra's name, dtype and shape
-        self._recent: dict[tuple, _Layout] = {}    # by shapes, keys and extras' names: the last one used
+        self._fields = [FieldPlan(key, column, ROLES.index(role), column.dtype, tuple(column.shape[1:]), torch_dtype)
+                        for key, (column, role, torch_dtype, *_) in columns.items()]
+        # (row-packed block, byte offset) of each packed field (`arrowbuf.packing`), by key: a
+        # packed field is gathered with its block's records, never by a take of its strided
+        # column (``np.take`` copies a non-contiguous source whole first).
+        self._packed = {key: packed[0] for key, (_, _, _, *packed) in columns.items() if packed and packed[0]}
+        self._layouts = Layouts(self._layout)
         self._plain: dict[tuple, tuple] = {}       # `plain_layout`'s, by batch size and keys
         self._pool = SlotPool()
 
     def check_keys(self, keys: Iterable[str | tuple[str, ...]] | None) -> frozenset | None:
-        """The gathered keys that ``keys`` selects (None: all), checked before anything is drawn.
-
-        Args:
-            keys: names (a dotted name nests: "obs.pixels") or key tuples
-                (``("next", "obs")``); a key that prefixes others selects them all
-                (``("next",)``: every next observation). ``"index"``,
-                ``"episode_id"`` and ``"step"`` are always gathered.
-
-        Returns:
-            The selected keys, as `__call__` takes them; None for None.
+        """The gathered keys that ``keys`` selects (None: all), checked before anything is
+        drawn (`arrowbuf.layout.check_keys`), as `__call__` takes them.
 
         Raises:
             ValueError: ``keys`` is not a collection of keys, or names a key that
                 is not gathered.
         """
-        if keys is None or isinstance(keys, frozenset):
-            return keys
-        if isinstance(keys, (str, bytes, tuple)) or not isinstance(keys, Iterable):
-            raise ValueError(f"keys must be a list of keys (names or key tuples), got {keys!r}; "
-                             f"for one key pass [{keys!r}]")
-        selected = set()
-        for key in keys:
-            path = field_key(key) if isinstance(key, str) else key
-            if not (isinstance(path, tuple) and path and all(isinstance(part, str) for part in path)):
-                raise ValueError(f"keys: {key!r} is not a key (a name or a tuple of names)")
-            matches = {entry.key for entry in self._entries if entry.key[:len(path)] == path}
-            if not matches and path not in ALWAYS:
-                raise ValueError(f"keys: no field {key!r}; available: {self.available_keys()}")
-            selected |= matches
-        return frozenset(selected)
+        return check_keys(keys, [f.key for f in self._fields])
 
     def available_keys(self) -> list:
         """Every key ``keys`` can name: the fields, their ``("next", ...)``, and the extras always there."""
-        return [key[0] if len(key) == 1 else key for key in [*(entry.key for entry in self._entries), *ALWAYS]]
+        return available_keys([f.key for f in self._fields])
 
     def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
@@ -194,7 +134,7 @@ class Gather:
         tensors = leaf_views(slot.copy_to(device), spec.leaves)
         return make_tensordict(dict(zip((leaf[0] for leaf in spec.leaves), tensors)), tuple(spec.batch_size), device)
 
-    def plain_layout(self, batch_size: int, keys: frozenset | None) -> tuple[_Layout, int, int, int]:
+    def plain_layout(self, batch_size: int, keys: frozenset | None) -> tuple[Layout, int, int, int]:
         """(layout, out positions of ``index``, ``episode_id``, ``step``) of a plain batch of
         ``batch_size`` transitions: what `__call__` uses for those rows and extras, for a
         caller that writes the extras straight into a claimed slot (`arrowbuf.direct`)."""
@@ -207,7 +147,7 @@ class Gather:
             found = self._plain[batch_size, keys] = (layout, at["index"], at["episode_id"], at["step"])
         return found
 
-    def claim(self, layout: _Layout) -> tuple[list[np.ndarray], TensorDict]:
+    def claim(self, layout: Layout) -> tuple[list[np.ndarray], TensorDict]:
         """(numpy views to fill, the TensorDict of them) of a free pooled slot of ``layout``."""
         return self._pool.claim(layout, layout.slot)
 
@@ -229,7 +169,7 @@ class Gather:
         return Payload(buffer[:end], spec.leaves, tuple(spec.batch_size))
 
     def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
-                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["_Layout", "_Layout", tuple]:
+                  next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["Layout", "Layout", tuple]:
         """(layout key, layout, rows by role) of a call, for gathers out of other storage
         (`arrowbuf.arena`): ``layout.plan`` holds (column or extra name, role index:
         0 step, 1 obs, 2 next, -1 extra) for each of ``layout.slot.leaves``, in order."""
@@ -239,118 +179,51 @@ class Gather:
         return key, layout, by_role
 
     def _plan(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None,
-              next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[_Layout, _Layout, tuple]:
-        """(layout key, layout, rows by role) of one call; the key is the layout itself.
-
-        Found by the shapes, the keys and the extras' names, then checked against the
-        extras' dtypes and shapes: building and hashing a key of every dtype and
-        shape cost ~2.5 us a sample (W1), as much as three of its takes.
-        """
+              next_rows: np.ndarray | None, keys: frozenset | None) -> tuple[Layout, Layout, tuple]:
+        """(layout key, layout, rows by role) of one call; the key is the layout itself."""
         if keys is not None and type(keys) is not frozenset:
             keys = self.check_keys(keys)
         shape = rows.shape
         # Next-observation rows by default (None) are a layout of their own: `_fill` reads them
         # as the rows themselves of the column shifted by one (no ``rows + 1`` to compute).
-        key = (shape, shape if obs_rows is None else obs_rows.shape, None if next_rows is None else next_rows.shape,
-               keys, *extra)
-        layout = self._recent.get(key)
-        if layout is None or not _matches(layout.extras, extra):
-            full = (*key[:4], *[(name, value.dtype, value.shape) for name, value in extra.items()])
-            layout = self._layouts.get(full)
-            if layout is None:
-                layout = self._layouts[full] = self._layout(key[:3], keys, full[4:])
-            self._recent[key] = layout
+        layout = self._layouts.find((shape, shape if obs_rows is None else obs_rows.shape,
+                                     None if next_rows is None else next_rows.shape), keys, extra)
         if obs_rows is None:
             obs_rows = rows
         return layout, layout, (rows, obs_rows, next_rows)
 
-    def _layout(self, shapes: tuple, keys: frozenset | None, extras: tuple) -> _Layout:
-        every_extra = extras
-        fields = {entry.key for entry in self._entries}
-        # An extra named like a field replaces it (n-step reward), so comes only with it.
-        extras = [(name, dtype, shape) for name, dtype, shape in extras
-                  if keys is None or field_key(name) not in fields or field_key(name) in keys]
-        replaced = {field_key(name) for name, _, _ in extras}
-        plan, outs, leaves, total = [], [], [], 0
-        packed: dict[int, list] = {}   # id(block) -> [block, role, shape, [(out position, entry)]]
+    def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
+        def pack(chosen: list[FieldPlan]) -> dict[int, tuple]:
+            return {i: (block, block.shape[1], offset) for i, f in enumerate(chosen) if f.key in self._packed
+                    for block, offset in [self._packed[f.key]]}
 
-        def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
-                  shape: tuple, size: int) -> None:
-            nonlocal total
-            plan.append((source, role))
-            outs.append((dtype, shape, total))
-            leaves.append((key, torch_dtype, total, size, shape))
-            total += -(-size // ALIGN) * ALIGN
+        def takes(layout: Layout) -> tuple:
+            # (out position, bound ``take`` of the column, role) per field not packed, then
+            # per packed group (its records); a loop over `plan` that tells them apart and
+            # looks up ``take`` per entry cost ~1 us of a W1 sample. Default next
+            # observations (``next_rows`` None) take the step rows of the column shifted by one.
+            fields = [(i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
+                      for i, (source, role) in enumerate(layout.plan) if role >= 0 and i not in layout.packed]
+            return tuple(fields + [(region, block.take, role) for block, role, region in layout.records])
 
-        for entry in self._entries:
-            if entry.key in replaced or (keys is not None and entry.key not in keys):
-                continue
-            role = ROLES.index(entry.role)
-            shape = shapes[0] if shapes[role] is None else shapes[role]
-            rows = int(np.prod(shape, dtype=np.int64))
-            if entry.packed is not None:
-                block = entry.packed[0]
-                packed.setdefault(id(block), [block, role, shape, []])[3].append((len(outs), entry))
-            place(entry.column, role, entry.key, entry.column.dtype, entry.torch_dtype,
-                  tuple(shape) + tuple(entry.column.shape[1:]), rows * entry.row_bytes)
-        for name, dtype, shape in extras:
-            place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        # A packed field is gathered with its block's records (below), not by a take of its column.
-        in_records = {position for *_, members in packed.values() for position, _ in members}
-        takes = [(i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
-                 for i, (source, role) in enumerate(plan) if role >= 0 and i not in in_records]
-        # Each packed block's records are gathered once into a hidden region after the
-        # leaves (no tensor views it), and every selected field of it copied out of there.
-        unpack = []
-        for block, role, shape, members in packed.values():
-            rows = int(np.prod(shape, dtype=np.int64))
-            if not rows:
-                continue   # no rows: nothing to gather (and no region to place views in)
-            takes.append((len(outs), block.take, role))
-            unpack += record_outs(outs, total, tuple(shape), block.shape[1],
-                                  [(position, entry.packed[1]) for position, entry in members])
-            total += -(-rows * block.shape[1] // ALIGN) * ALIGN
-        return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
-                       tuple((dtype, shape) for _, dtype, shape in every_extra), any(role == 2 for _, role in plan),
-                       tuple(takes),
-                       tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0),
-                       tuple(unpack))
+        return plan_layout(self._fields, shapes, keys, every_extra, pack, takes)
 
 
-ROLES = ("step", "obs", "next")
-
-
-def _matches(expected: tuple, extra: Mapping[str, np.ndarray]) -> bool:
-    """Whether the extras have the (dtype, shape)s of a layout's, in order."""
-    for (dtype, shape), value in zip(expected, extra.values()):
-        # `is` first: arrays of a builtin dtype share its one descriptor, and `!=` on
-        # dtypes costs ~0.1 us each.
-        if (value.dtype is not dtype and value.dtype != dtype) or value.shape != shape:
-            return False
-    return True
-
-
-def take_fields(layout: _Layout, outs: list[np.ndarray], by_role: tuple) -> None:
+def take_fields(layout: Layout, outs: list[np.ndarray], by_role: tuple) -> None:
     """Take every field's rows (a packed block's records) into its view, and copy each
     packed field out of its records."""
-    for i, take, role in layout.takes:
+    for i, take, role in layout.fill:
         take(by_role[role], 0, outs[i], "clip")   # positional: numpy parses keywords slower
     for i, source in layout.unpack:
         outs[i][...] = outs[source]
 
 
-def _fill(layout: _Layout, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:
+def _fill(layout: Layout, outs: list[np.ndarray], by_role: tuple, extra: Mapping[str, np.ndarray]) -> None:
     """`take_fields`, then copy every extra into its own view."""
     take_fields(layout, outs, by_role)
     for i, name in layout.copies:
-        # Same dtype and shape (`_matches`): an item assignment, half the cost of np.copyto.
+        # Same dtype and shape (`arrowbuf.layout.matches`): an item assignment, half the cost of np.copyto.
         outs[i][...] = extra[name]
-
-
-@functools.lru_cache(maxsize=None)
-def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
-    """The torch twin of a numpy dtype."""
-    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def _aligned_empty(nbytes: int) -> np.ndarray:
@@ -403,12 +276,6 @@ def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape
                     device: torch.device | None = None) -> TensorDict:
     """A (nested) TensorDict of ``tensors`` keyed by paths, built without per-key checks."""
     return make_td(nest(tensors), torch.Size(batch_shape), device)
-
-
-@functools.lru_cache(maxsize=None)
-def field_key(name: str) -> tuple[str, ...]:
-    """A dotted name as a TensorDict key path: "next.obs" -> ("next", "obs")."""
-    return tuple(name.split("."))
 
 
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:

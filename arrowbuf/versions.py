@@ -24,6 +24,7 @@ from arrowbuf._checks import check_int
 from arrowbuf._version_spans import VERSION, fresh_spans, newest
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.fields import Field
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection, UniformSampler, uniform_indices
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
     return out, schema
 
 
-def sample_fresh(store: Any, min_version: Any, batch_size: int, args: tuple, device: Any, pin_memory: bool,
+def sample_fresh(store: Any, min_version: Any, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool,
                  timeout: float | None, num_workers: int | None, keys: Any) -> Any:
     """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (local stores).
 

@@ -32,6 +32,7 @@ from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import EpisodeSampler, SequenceSampler, UniformSampler
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -227,7 +228,7 @@ class ShardServer:
             known = manifest.token == token and manifest.version == version
             return (None if known else manifest), self.size()
 
-    def select(self, n: int, args: tuple, population: tuple[int, float] | None, timeout: float | None,
+    def select(self, n: int, args: SampleArgs, population: tuple[int, float] | None, timeout: float | None,
                token: str | None, version: int) -> tuple[np.ndarray, dict, Manifest | None, Reading]:
         """Draw ``n`` items here (the limiter and sampler state are here): (indices, extras such
         as weights and masks, the manifest if the caller's is not current, size).

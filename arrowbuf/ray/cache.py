@@ -31,9 +31,12 @@ class BlockCache:
         self.fetches = 0
         self._key_of: dict[int, Any] = {}   # id of a cached block's columns dict -> its key
 
-    def get(self, block: BlockInfo, keep: set) -> dict:
-        """The block's columns (fetched now if not cached); blocks in ``keep`` are not dropped."""
-        key = block.key
+    def columns(self, blocks: list[tuple[Any, BlockInfo]], keep: set) -> list[dict]:
+        """The columns of each of ``blocks`` ((`BlockInfo.key`, block) pairs), fetched now
+        where not cached; blocks in ``keep`` are not dropped."""
+        return [self._get(key, block, keep) for key, block in blocks]
+
+    def _get(self, key: Any, block: BlockInfo, keep: set) -> dict:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)

@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.reader import BlockReader
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection
 
 
@@ -66,7 +67,7 @@ class ShardDraws:
             raise EmptyStoreError(f"cannot sample: the {self.shards.num_shards} shards of {self.shards.name!r} hold 0 transitions")
         return live, self._rng.multinomial(batch_size, masses / masses.sum())
 
-    def request(self, batch_size: int, args: tuple, timeout: float | None,
+    def request(self, batch_size: int, args: SampleArgs, timeout: float | None,
                 shards: Sequence[int] | None = None) -> tuple:
         """Ask the shards (of ``shards``, default all) to draw ``batch_size`` items: the request in flight."""
         live, counts = self._split(batch_size, shards)
@@ -114,14 +115,14 @@ class ShardDraws:
             parts += more
         return parts, population
 
-    def batch(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
+    def batch(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
               shards: Sequence[int] | None = None) -> TensorDict:
         """One batch drawn by the shards (of ``shards``, default all), gathered by the reader."""
         parts = self.collect(self.request(batch_size, args, timeout, shards))
         return self._reader.gather(parts, args, keys, device, isinstance(self.sampler, PrioritizedSampler),
                                    self._mixed(parts))
 
-    def prefetching(self, batch_size: int, prefetch: int, args: tuple, device: Any) -> Iterator[TensorDict]:
+    def prefetching(self, batch_size: int, prefetch: int, args: SampleArgs, device: Any) -> Iterator[TensorDict]:
         """Endless batches, ``prefetch`` requests kept in flight."""
         pending = deque(self.request(batch_size, args, None) for _ in range(prefetch))
         normalize = isinstance(self.sampler, PrioritizedSampler)

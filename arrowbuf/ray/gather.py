@@ -5,7 +5,8 @@ their blocks, their block-local rows in block order, and where each batch
 position lies in that order. For each batch, `BlockGather` fills one pooled
 output (a `SlotPool` slot, as a local store's samples: a batch is reused only
 once nothing refers to it any more, and steady sampling neither faults fresh
-memory nor rebuilds a TensorDict):
+memory nor rebuilds a TensorDict), and the staging reads its items into it
+(`Staged.fill`) as the batch's layout says:
 
 - where the batch's order is the block order (one block, or an unshuffled epoch
   chunk), each field is taken straight from its blocks into the output: the
@@ -28,33 +29,28 @@ memory nor rebuilds a TensorDict):
 once into one slot of as many parts (`arrowbuf._pool.SlotSpec.parts`): one claim,
 and the steps above once, for all of them; each part is a TensorDict of its own.
 
-`same_width` pads episode batches of several shards to one width.
-
-The layout follows `arrowbuf.tensors.Gather`: fields in schema order (an
-observation field also as ``("next", ...)``), then the extras (index,
-episode_id, step, and weights, masks, n-step targets); an extra named like a
-field replaces it; ``keys`` selects fields as `Gather.check_keys` does. As
-there, the layout is found by the shapes, the keys and the extras' names, and
-checked against the extras' dtypes (building a key of every dtype and shape per
-batch costs as much as a few takes).
+Batches are planned by `arrowbuf.layout` (the planner `arrowbuf.tensors.Gather`
+uses too): fields in schema order (an observation field also as ``("next", ...)``),
+then the extras (index, episode_id, step, and weights, masks, n-step targets), then
+the packed records' region; an extra named like a field replaces it; ``keys``
+selects fields as `arrowbuf.layout.check_keys` says. What is read how (through the
+scratch, straight from the blocks, in records) is this module's (`BlockGather._layout`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._pool import SlotPool, SlotSpec
-from arrowbuf.packing import pack_layout, record_outs
+from arrowbuf._pool import SlotPool
+from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
+from arrowbuf.packing import pack_layout
 from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
-from arrowbuf.samplers import Selection
 from arrowbuf.schema import Schema
-from arrowbuf.tensors import ALIGN, ROLES, Gather, field_key, torch_dtype_of
 
 
 #: Bytes of one pooled buffer into which `sample_iter` gathers several batches of a
@@ -84,26 +80,21 @@ class BlockGather:
     def __init__(self, schema: Schema, direct_row_bytes: int = DIRECT_ROW_BYTES) -> None:
         self.direct_row_bytes = direct_row_bytes
         self.fields = schema.fields
-        self.entries = []   # (key, field name, role index, numpy dtype, row shape, torch dtype)
-        checks = {}
+        self.entries = []   # every gathered field (`arrowbuf.layout.FieldPlan`), its source the field's name
         for name, f in schema.fields.items():
             key = field_key(name)
-            dtype = np.dtype(f.numpy_dtype)
             roles = [(key, "obs" if f.observation else "step")]
             if f.observation:
                 roles.append((("next", *key), "next"))
-            for k, role in roles:
-                self.entries.append((k, name, ROLES.index(role), dtype, tuple(f.shape), f.torch_dtype))
-                checks[k] = (np.empty((0, *f.shape), dtype), role, f.torch_dtype)
-        self._checks = Gather(checks)   # its key rules, without an arena
-        self._layouts: dict[tuple, tuple] = {}   # by shapes, keys and every extra's name, dtype, shape
-        self._recent: dict[tuple, tuple] = {}    # by shapes, keys and the extras' names: the last one used
+            self.entries += [FieldPlan(k, name, ROLES.index(role), np.dtype(f.numpy_dtype), tuple(f.shape),
+                                       f.torch_dtype) for k, role in roles]
+        self._layouts = Layouts(self._layout)
         self._pool = SlotPool()
-        self._parted: dict[tuple, "_Layout"] = {}   # (a layout, parts) -> its layout of that many batches
+        self._parted: dict[tuple, Layout] = {}   # (a layout, parts) -> its layout of that many batches
 
     def check_keys(self, keys: Any) -> frozenset | None:
-        """``keys`` checked as `arrowbuf.tensors.Gather.check_keys` does (None: every field)."""
-        return self._checks.check_keys(keys)
+        """``keys`` checked as `arrowbuf.layout.check_keys` does (None: every field)."""
+        return check_keys(keys, [entry.key for entry in self.entries])
 
     def __call__(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
                  device: torch.device | None = None) -> TensorDict:
@@ -118,7 +109,7 @@ class BlockGather:
         """
         layout = self._layout_of(staged, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
-        self._fill(staged, layout, outs, start, stop)
+        staged.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
@@ -138,164 +129,50 @@ class BlockGather:
             slot = dataclasses.replace(whole.slot, parts=parts)
             layout = self._parted[(whole, parts)] = dataclasses.replace(whole, slot=slot)
         outs, batches = self._pool.claim(layout, layout.slot)
-        self._fill(staged, layout, outs, start, stop)
+        staged.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return tuple(batch.to(device, non_blocking=True) for batch in batches)
         return batches
 
-    def out_bytes(self, staged: Staged, count: int) -> int:
-        """Bytes of the pooled buffer of a batch of ``count`` staged items (every field)."""
-        return self._layout_of(staged, count, None).slot.nbytes
+    def sizes(self, staged: Staged, count: int) -> tuple[int, int]:
+        """(bytes a batch of ``count`` staged items puts through the scratch arrays (its
+        fields other than the large rows copied straight from the blocks), bytes of its
+        pooled buffer), of every field."""
+        layout = self._layout_of(staged, count, None)
+        return layout.fill[1], layout.slot.nbytes
 
-    @staticmethod
-    def _fill(staged: Staged, layout: "_Layout", outs: list[np.ndarray], start: int, stop: int) -> None:
-        """Gather the staged items ``[start, stop)`` into a slot's views, as ``layout`` says."""
-        extra = staged.extra
-        inv = None if staged.inv is None else staged.inv[start:stop]
-        direct = []
-        for (source, role, how), out in zip(layout.plan, outs):
-            if role < 0:
-                # Same dtype and shape (`_matches`): an item assignment, cheaper than np.copyto.
-                out[...] = extra[source][start:stop]
-            elif how == "packed":
-                continue
-            elif inv is None:
-                rows = staged.rows[role]
-                for columns, lo, hi in staged.pieces:
-                    lo, hi = max(lo, start), min(hi, stop)
-                    if lo < hi:
-                        columns[source].take(rows[lo:hi], 0, out[lo - start:hi - start], "clip")
-            elif how == "direct":
-                direct.append((source, role, out))
-            else:
-                staged.rows_of(source, role).take(inv, 0, out, "clip")
-        if direct:
-            staged.rows_into(direct, start, stop)
-        if layout.packed is not None:
-            group, region, copies = layout.packed
-            records = outs[region]
-            if inv is None:
-                rows = staged.rows[0]
-                for columns, lo, hi in staged.pieces:
-                    lo, hi = max(lo, start), min(hi, stop)
-                    if lo < hi:
-                        staged.block_records(columns, group).take(rows[lo:hi], 0, records[lo - start:hi - start],
-                                                                  "clip")
-            else:
-                staged.records_of(group).take(inv, 0, records, "clip")
-            for target, source in copies:
-                outs[target][...] = outs[source]
-
-    def staged_bytes(self, staged: Staged, count: int, keys: frozenset | None) -> int:
-        """Bytes a batch of ``count`` staged items puts through the scratch arrays (its
-        fields other than the large rows copied straight from the blocks)."""
-        return self._layout_of(staged, count, keys).staged_bytes
-
-    def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
+    def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> Layout:
         known = staged.layouts.get((self, count, keys))
         if known is not None:   # the staging's later batches: same extras, same layout
             return known
-        staged.layouts[(self, count, keys)] = layout = self._find_layout(staged, count, keys)
+        # Row shapes by role of a batch of ``count`` items: (step, obs, next), a frame axis on the last two.
+        step, frames = (count, *staged.item), (staged.frames,) if staged.frames > 1 else ()
+        shapes = (step, (*step, *frames), (*step, *frames))
+        staged.layouts[(self, count, keys)] = layout = self._layouts.find(shapes, keys, staged.extra)
         return layout
 
-    def _find_layout(self, staged: Staged, count: int, keys: frozenset | None) -> "_Layout":
-        extra = staged.extra
-        shapes = staged.shapes(count)
-        key = (shapes, keys, *extra)
-        layout = self._recent.get(key)
-        if layout is None or not _matches(layout.extras, extra):
-            full = (shapes, keys, *[(name, value.dtype, (count, *value.shape[1:])) for name, value in extra.items()])
-            layout = self._layouts.get(full)
-            if layout is None:
-                layout = self._layouts[full] = self._layout(shapes, keys, full[2:])
-            self._recent[key] = layout
-        return layout
+    def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
+        def pack(chosen: list[FieldPlan]) -> dict[int, tuple]:
+            # Small step fields of this layout, packed into records (`arrowbuf.packing`; observations are not).
+            record_bytes, offsets = pack_layout({f.source: self.fields[f.source] for f in chosen if f.role == 0})
+            group = (record_bytes, tuple(offsets.items()))   # `Staged.records_of`'s key
+            return {i: (group, record_bytes, offsets[f.source]) for i, f in enumerate(chosen)
+                    if f.role == 0 and f.source in offsets}
 
-    def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> "_Layout":
-        fields = {entry[0] for entry in self.entries}
-        extras = [(name, dtype, shape) for name, dtype, shape in every_extra
-                  if keys is None or field_key(name) not in fields or field_key(name) in keys]
-        replaced = {field_key(name) for name, _, _ in extras}
-        chosen = [entry for entry in self.entries if entry[0] not in replaced and (keys is None or entry[0] in keys)]
-        # Small step fields of this layout, packed into records (`arrowbuf.packing`; observations are not).
-        record_bytes, offsets = pack_layout({name: self.fields[name] for _, name, role, *_ in chosen if role == 0})
-        step_rows = int(np.prod(shapes[0], dtype=np.int64))
-        if not step_rows:
-            record_bytes, offsets = 0, {}   # no rows: nothing to gather (and no region to view)
-        plan, outs, leaves, total, staged = [], [], [], 0, record_bytes * step_rows
+        def hows(layout: Layout) -> tuple[tuple[str, ...], int]:
+            # How each field is read: "packed" in records, "direct" row by row from the blocks
+            # (large rows of plain items: one row per item, a 1-D batch of rows), "take"
+            # through the scratch; and the bytes read through the scratch (out of block order).
+            how, staged = [], sum(int(np.prod(layout.slot.outs[region][1], dtype=np.int64))
+                                  for _, _, region in layout.records)
+            for i, ((source, role), (_, _, _, size, shape)) in enumerate(zip(layout.plan, layout.slot.leaves)):
+                if i in layout.packed:
+                    how.append("packed")
+                elif role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1):
+                    how.append("direct")
+                else:
+                    how.append("take")
+                    staged += size if role >= 0 else 0
+            return tuple(how), staged
 
-        def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype,
-                  shape: tuple) -> None:
-            nonlocal total, staged
-            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if role >= 0 and source in offsets:
-                how = "packed"
-            # Large rows of plain items (one row per item: a 1-D batch of rows) skip the scratch.
-            elif role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1):
-                how = "direct"
-            else:
-                how = "take"
-                staged += size if role >= 0 else 0
-            plan.append((source, role, how))
-            outs.append((dtype, shape, total))
-            leaves.append((key, torch_dtype, total, size, shape))
-            total += -(-size // ALIGN) * ALIGN
-
-        for key, name, role, dtype, row_shape, torch_dtype in chosen:
-            place(name, role, key, dtype, torch_dtype, tuple(shapes[role]) + row_shape)
-        for name, dtype, shape in extras:
-            place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
-        packed = None
-        if offsets:
-            # The batch's records go to a region of the slot past the leaves, each packed
-            # field copied out of them (`packing.record_outs`).
-            region, step = len(outs), tuple(shapes[0])
-            copies = record_outs(outs, total, step, record_bytes,
-                                 [(position, offsets[source]) for position, (source, _, how) in enumerate(plan)
-                                  if how == "packed"])
-            total += -(-step_rows * record_bytes // ALIGN) * ALIGN
-            packed = ((record_bytes, tuple(offsets.items())), region, tuple(copies))
-        return _Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
-                       tuple((dtype, shape[1:]) for _, dtype, shape in every_extra), staged, packed)
-
-
-@dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per batch
-class _Layout:
-    """Where one batch layout's fields and extras go in its slot."""
-
-    # (field name, role index, how: "take" through the scratch, "direct" row by row,
-    # "packed" in records) per gathered field, then (extra name, -1, "take") per extra
-    plan: tuple
-    slot: SlotSpec
-    extras: tuple        # (dtype, shape past the batch axis) of each extra, in the order of the call's
-    staged_bytes: int    # bytes of the fields (and records) read through the scratch arrays (out of block order)
-    # ((record bytes, (field, byte offset in a record) of each packed field), the out of
-    # the records' region, (out to copy to, out to copy from) per packed field), None: nothing packed
-    packed: tuple | None = None
-
-
-def _matches(expected: tuple, extra: dict) -> bool:
-    """Whether the extras have a layout's dtypes and shapes (past the batch axis), in order."""
-    for (dtype, shape), value in zip(expected, extra.values()):
-        if value.dtype != dtype or value.shape[1:] != shape:
-            return False
-    return True
-
-
-def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:
-    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
-    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
-    if len(widths) <= 1:
-        return parts
-    width = max(widths)
-    padded = []
-    for view, s in parts:
-        pad = width - s.rows.shape[1]
-        if pad:
-            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
-            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
-            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
-                          None if s.step is None else edge(s.step))
-        padded.append((view, s))
-    return padded
-
+        return plan_layout(self.entries, shapes, keys, every_extra, pack, hows)

@@ -9,8 +9,13 @@ copy of the store's sampler bound to that table. Block rows are placed at
 which block an item comes from.
 
 - Uniform, sequence and episode sampling draw here, from the views, and gather
-  from the blocks: no actor call per batch. The draws are counted, and the
-  counts reach the shards with the next manifest poll.
+  from the blocks: no actor call per batch. The store hands the reader a
+  `SampleRequest`; a `DrawLoop` draws several batches of it at once, stages them
+  (`arrowbuf.ray.staging`), gathers them a group at a time into one pooled slot
+  (`arrowbuf.ray.gather`) and hands them out one by one: `sample_iter` runs one
+  loop (`BlockReader.batches`), and a plain ``sample`` is handed out of the loop of
+  its request (`BlockReader.sample`). The draws are counted when a batch is handed
+  out, and the counts reach the shards with the next manifest poll.
 - Prioritized sampling, rate-limited stores, without-replacement epochs and
   ``track_reuse`` draw in the shard (`select`: indices only, a small call), and
   are gathered here.
@@ -43,8 +48,9 @@ import functools
 import threading
 import time
 import types
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -53,15 +59,18 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
-from arrowbuf.ray.gather import BlockGather, same_width
+from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
-from arrowbuf.ray.staging import Staged, block_order, placed, stage_part
+from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, stage
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
 _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
+#: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
+PLAIN_LOOPS = 4
 LOST_RETRIES = 3   # fresh manifests read after meeting lost blocks, before giving up
 
 
@@ -85,6 +94,7 @@ class ShardView:
     columns: dict[str, np.ndarray]        # what `table` was built from
     index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
     shards: np.ndarray | None = None      # shard of each episode (a view of several)
+    keys: tuple = ()                      # `BlockInfo.key` of each block (the cache's)
 
 
 def _locked(method: Callable) -> Callable:
@@ -102,11 +112,12 @@ def _retry_lost(method: Callable) -> Callable:
     blocks were lost are read again first (`BlockReader._forget_lost`)."""
     @functools.wraps(method)
     def run(self: "BlockReader", *args: Any, **kwargs: Any) -> Any:
-        lost_error = ray_module().exceptions.ObjectLostError
         for attempt in range(LOST_RETRIES + 1):
             try:
                 return method(self, *args, **kwargs)
-            except lost_error as err:
+            except Exception as err:   # Ray's error type looked up only then: no call per batch
+                if not isinstance(err, ray_module().exceptions.ObjectLostError):
+                    raise
                 if attempt == LOST_RETRIES:
                     raise ShardError(f"blocks of store {self.shards.name!r} were lost again after {LOST_RETRIES} "
                                      f"fresh manifests (their shard's process keeps dying?): {err}") from None
@@ -123,13 +134,15 @@ class BlockReader:
         sizes: the store's size cache (manifest answers carry readings).
         sampler: the store's sampler (each view binds a copy).
         rng: the generator that draws here (the router's).
-        schema: returns the store's schema (None while unknown).
+        schema: returns the store's schema (None while unknown), asked only while the
+            reader knows none: the store hands it every schema it learns (`set_schema`).
     """
 
     def __init__(self, shards: ShardHandles, sizes: SizeCache, sampler: Sampler, rng: np.random.Generator,
                  schema: Callable[[], Schema | None]) -> None:
         self.shards = shards
         self.schema = schema
+        self._schema: Schema | None = None   # the store's, as it last said (`set_schema`)
         self.sizes = sizes
         self.sampler = sampler
         self.rng = rng
@@ -144,9 +157,10 @@ class BlockReader:
         self._polled = -np.inf
         self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
-        self._scratch: dict = {}   # staged field arrays of `sample` and `gather` (used under the lock)
+        self._scratch: dict = {}   # staged field arrays of `gather` (used under the lock)
+        self._loops: dict[SampleRequest, DrawLoop] = {}   # plain samples' draws ahead, oldest request first
         # Counts changes of the views and writes of this process: batches drawn ahead
-        # (`sample_iter`) are dropped when it moved since their draw.
+        # (`DrawLoop`) are dropped when it moved since their draw.
         self.generation = 0
         self._lock = threading.RLock()
 
@@ -162,6 +176,7 @@ class BlockReader:
     def reset(self) -> None:
         """Forget every view and block (after `clear`, at `close`)."""
         self.views.clear()
+        self._loops.clear()
         self.generation += 1
         self._joined_view = None
         self._chunks.clear()
@@ -182,8 +197,15 @@ class BlockReader:
         """``keys`` checked against the store's fields (see `BlockGather.check_keys`)."""
         return self._gatherer().check_keys(keys)
 
+    @_locked
+    def set_schema(self, schema: Schema | None) -> None:
+        """The store's schema is now ``schema`` (compute_gae adds fields; None: forgotten)."""
+        self._schema = schema
+
     def _gatherer(self) -> BlockGather:
-        schema = self.schema()
+        schema = self._schema
+        if schema is None:   # none known here yet: the store looks (a shard may have one by now)
+            schema = self._schema = self.schema()
         if self._gather is None or self._gather[0] is not schema:   # compute_gae adds fields
             if schema is None:
                 raise EmptyStoreError(f"cannot sample: store {self.shards.name!r} holds no episode yet")
@@ -199,12 +221,8 @@ class BlockReader:
         self._sent[shard] = time.monotonic()
         return self.shards.call(shard, "manifest", *self._known(shard), drawn, seal)
 
-    @_locked
-    def poll(self) -> None:
-        """Collect manifest answers that came back, ask again where due; never waits."""
-        self._poll()
-
     def _poll(self) -> None:
+        """Collect manifest answers that came back, ask again where due; never waits."""
         now = time.monotonic()
         latency = self.shards.options.seal_latency
         if now - self._polled < latency / 8:
@@ -276,7 +294,7 @@ class BlockReader:
         table, sampler, mass = self._table(columns, manifest.stop_serial, manifest.stop_index, manifest.draws_here,
                                            shard, n)
         self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
-                                      shard << INDEX_SHIFT)
+                                      shard << INDEX_SHIFT, keys=tuple(b.key for b in blocks))
         self.generation += 1
 
     def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
@@ -323,7 +341,8 @@ class BlockReader:
         columns = {name: np.concatenate(parts) for name, parts in columns.items()}
         table, sampler, mass = self._table(columns, len(columns["first_row"]), indices, True)
         joined = ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
-                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners))
+                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners),
+                           tuple(key for v in views for key in v.keys))
         self._joined_view = (views, joined)
         return joined
 
@@ -368,34 +387,55 @@ class BlockReader:
             self.sync()
         return all(view.manifest.draws_here for view in self.views.values())
 
-    @_locked
-    def views_of(self, shards: list[int]) -> list[ShardView]:
-        """Current views of live ``shards``: synced first where this process wrote, or none is known."""
-        return self._views_of(shards)
-
     def _views_of(self, shards: list[int]) -> list[ShardView]:
+        """Current views of live ``shards``: synced first where this process wrote, or none is known."""
         self._poll()
         stale = [s for s in shards if s in self._stale or s not in self.views]
         if stale:
             self.sync(stale)
         return [self.views[s] for s in shards if s in self.views]
 
-    @_locked
-    @_retry_lost
-    def sample(self, batch_size: int, args: tuple, keys: Any, device: torch.device | None,
-               shards: list[int]) -> TensorDict:
-        """Draw ``batch_size`` items over ``shards`` in proportion to their mass, and gather them."""
-        return self.emit(self._draw(batch_size, 1, args, shards, self._scratch), 0, batch_size,
-                         self._gatherer().check_keys(keys), device)
+    def _live(self, shards: tuple[int, ...] | None) -> list[int]:
+        """The live shards among ``shards`` (all live ones when None, or when none of them is)."""
+        live = self.shards.live()
+        return live if shards is None else [s for s in live if s in shards] or live
 
     @_locked
     @_retry_lost
-    def draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
-        """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` (each
-        batch an independent draw), staged for `emit` with the caller's ``scratch``."""
-        return self._draw(batch_size, batches, args, shards, scratch)
+    def sample(self, request: SampleRequest) -> TensorDict:
+        """One batch of ``request``, handed out of the batches drawn ahead for the same
+        request (`DrawLoop`), as `batches` hands them out.
 
-    def _draw(self, batch_size: int, batches: int, args: tuple, shards: list[int], scratch: dict) -> Staged:
+        Manifest answers that came back are collected first, so batches drawn ahead
+        of a change of the views (or of a write of this process) are dropped and drawn
+        again: a sample sees what one drawn on the spot would. The loops of the last
+        `PLAIN_LOOPS` requests are kept; a new request's first draw is one batch.
+        """
+        self._poll()
+        loop = self._loops.pop(request, None)
+        if loop is None:
+            loop = DrawLoop(self, request)
+            if len(self._loops) >= PLAIN_LOOPS:
+                del self._loops[next(iter(self._loops))]
+        self._loops[request] = loop   # the most recent last
+        return loop.next()
+
+    def batches(self, request: SampleRequest) -> Iterator[TensorDict]:
+        """Endless batches of ``request`` (a store's `sample_iter`), drawn and staged
+        ``request.batches`` at a time (`DrawLoop`)."""
+        loop = DrawLoop(self, request)
+        while True:
+            yield self._next_of(loop)
+
+    @_locked
+    @_retry_lost
+    def _next_of(self, loop: DrawLoop) -> TensorDict:
+        """The next batch of ``loop`` (drawn again after a lost block: `_retry_lost`)."""
+        return loop.next()
+
+    def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict) -> Staged:
+        """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
+        proportion to their mass (each batch an independent draw), staged with ``scratch``."""
         views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
@@ -416,45 +456,9 @@ class BlockReader:
             if batches > 1:
                 cells += np.arange(count) // batch_size * shards_count
             drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
-        staged = self._stage([(view, selection)], args, None, scratch)
+        staged = stage([(view, selection)], self.cache, args, None, scratch)
         staged.drawn = drawn
         return staged
-
-    @_locked
-    def emit(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
-             device: torch.device | None) -> TensorDict:
-        """The batch of staged items ``[start, stop)`` (``keys`` checked by `check_keys`);
-        a drawn batch counts as the shards' samples now, not when it was drawn ahead."""
-        batch = self._gatherer()(staged, start, stop, keys, device)
-        self._count(staged, start // (stop - start))
-        return batch
-
-    @_locked
-    def emit_together(self, staged: Staged, start: int, stop: int, batch_size: int,
-                      device: torch.device | None) -> tuple[TensorDict, ...]:
-        """The staged batches of ``batch_size`` items in ``[start, stop)``, gathered together
-        (`BlockGather.batches`: one pooled slot for all); each counts as the shards'
-        samples once it is handed out (`count`), not when it is gathered."""
-        return self._gatherer().batches(staged, start, stop, batch_size, None, device)
-
-    @_locked
-    def count(self, staged: Staged, batch: int) -> None:
-        """The staged batch number ``batch`` is handed out: its items count as the shards' samples."""
-        self._count(staged, batch)
-
-    def _count(self, staged: Staged, batch: int) -> None:
-        if staged.drawn is not None:
-            self._drawn += staged.drawn[batch]
-
-    @_locked
-    def staged_bytes(self, staged: Staged, batch_size: int) -> int:
-        """Bytes a batch of ``batch_size`` staged items puts through the staging's scratch arrays."""
-        return self._gatherer().staged_bytes(staged, batch_size, None)
-
-    @_locked
-    def out_bytes(self, staged: Staged, batch_size: int) -> int:
-        """Bytes of the pooled buffer a batch of ``batch_size`` staged items is gathered into."""
-        return self._gatherer().out_bytes(staged, batch_size)
 
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
@@ -472,7 +476,7 @@ class BlockReader:
 
     @_locked
     @_retry_lost
-    def gather(self, parts: list[tuple[ShardView, Selection]], args: tuple, keys: Any,
+    def gather(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, keys: Any,
                device: torch.device | None, normalize_weights: bool = False,
                places: list[np.ndarray] | None = None) -> TensorDict:
         """One batch of every part's items (gathered block by block: `arrowbuf.ray.gather`).
@@ -483,47 +487,10 @@ class BlockReader:
         """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        staged = self._stage(parts, args, places, self._scratch)
+        staged = stage(parts, self.cache, args, places, self._scratch)
         if normalize_weights and "weight" in staged.extra:
             staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
         return gather(staged, 0, staged.size, keys, device)
-
-    def _stage(self, parts: list[tuple[ShardView, Selection]], args: tuple, places: list[np.ndarray] | None,
-              scratch: dict) -> Staged:
-        """Every part's items staged block by block (`arrowbuf.ray.staging`), placed as `gather` says."""
-        parts = same_width(parts)
-        orders = [block_order(view.bases, selection.rows) for view, selection in parts]
-        keep = {view.blocks[b].key for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
-        pieces, roles, extras, offset = [], ([], [], []), [], 0
-        for (view, selection), (block, touched, starts, order) in zip(parts, orders):
-            columns = [self.cache.get(view.blocks[b], keep) for b in touched.tolist()]
-            extra, rows = stage_part(view, selection, block, starts, order, columns, args)
-            extras.append(extra)
-            for role, part in zip(roles, rows):
-                role.append(part)
-            pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
-                                                                          starts[1:].tolist())]
-            offset += len(selection.rows)
-        rows = tuple(r[0] if len(r) == 1 else np.concatenate(r or [np.zeros(0, np.int64)]) for r in roles)
-        item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
-        if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
-            order = orders[0][3]
-            inv = None if order is None else placed(np.arange(offset), order)
-            return Staged(pieces, rows, extras[0], inv, offset, item, args[2], scratch, grown=self.cache.grew)
-        extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
-        ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
-        drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
-                                for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
-        # the batch position of each staged item: its part's block order of its drawn positions
-        in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
-                                         for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
-                                        or [np.zeros(0, np.int64)])
-        inv = None
-        if not (drawn == np.arange(offset)).all():
-            extra = {name: placed(value, drawn) for name, value in extra.items()}
-        if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
-            inv = placed(np.arange(offset), in_block_order)
-        return Staged(pieces, rows, extra, inv, offset, item, args[2], scratch, grown=self.cache.grew)
 
     @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:
@@ -531,3 +498,64 @@ class BlockReader:
         return {"cached_blocks": len(cache.entries), "cached_bytes": cache.nbytes, "cache_limit": cache.limit,
                 "fetches": cache.fetches, "copy_blocks": cache.copy,
                 "blocks": sum(len(v.manifest.blocks) for v in self.views.values())}
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What a store asks its reader for: batches of ``batch_size`` items with ``args``'s
+    look-ups, fields ``keys`` (checked; None: all), on ``device``, drawn over ``shards``
+    (None: every live one), ``batches`` batches drawn and staged at once (None: as many
+    as `STAGE_BYTES` hold, at most `MAX_STAGED`)."""
+
+    batch_size: int
+    args: SampleArgs = PLAIN
+    keys: frozenset | None = None
+    device: torch.device | None = None
+    shards: tuple[int, ...] | None = None
+    batches: int | None = None
+
+
+class DrawLoop:
+    """The draw-stage-gather loop of one request: batches drawn and staged together,
+    gathered ``group`` at a time into one pooled slot (`BlockGather.batches`), handed
+    out one by one; drawn again once the reader's views change (or this process
+    writes). A batch counts as the shards' samples when it is handed out, not when it
+    is drawn. Called under the reader's lock.
+    """
+
+    def __init__(self, reader: BlockReader, request: SampleRequest) -> None:
+        self.reader = reader
+        self.request = request
+        self.batches = request.batches   # per draw; found from the first draw's sizes when None
+        self.group = 1                   # batches gathered together (`GROUP_BYTES`)
+        self.scratch: dict = {}          # this loop's staged field arrays, reused draw after draw
+        self.staged: Staged | None = None
+        self.generation = -1             # the reader's, at the draw of `staged`
+        self.step = 0                    # batches in `staged`
+        self.next_batch = 0              # the next of them to hand out
+        self.ready: deque = deque()      # gathered, not yet handed out
+
+    def next(self) -> TensorDict:
+        reader, request, size = self.reader, self.request, self.request.batch_size
+        while True:
+            current = self.staged is not None and reader.generation == self.generation
+            if current and self.ready:
+                batch = self.ready.popleft()
+                if self.staged.drawn is not None:
+                    reader._drawn += self.staged.drawn[self.next_batch]
+                self.next_batch += 1
+                return batch
+            if current and self.next_batch < self.step:
+                stop = min(self.next_batch + self.group, self.step)
+                self.ready.extend(reader._gatherer().batches(self.staged, self.next_batch * size, stop * size, size,
+                                                             request.keys, request.device))
+                continue
+            self.ready.clear()
+            step = self.batches or 1   # the first draw of an unknown size is one batch
+            self.staged = None
+            staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch)
+            self.staged, self.generation, self.step, self.next_batch = staged, reader.generation, step, 0
+            if self.batches is None:   # how many fit in STAGE_BYTES, and in GROUP_BYTES together
+                staged_bytes, out_bytes = reader._gatherer().sizes(staged, size)
+                self.batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(staged_bytes, 1)))
+                self.group = max(1, min(self.batches, GROUP_BYTES // max(out_bytes, 1)))

@@ -39,7 +39,6 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
-from arrowbuf.engine import PLAIN
 from arrowbuf.errors import ShardError
 from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.gae import compute_gae
@@ -47,12 +46,11 @@ from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
-from arrowbuf.ray.gather import GROUP_BYTES
-from arrowbuf.ray.reader import BlockReader
+from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import RaySink
-from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES
 from arrowbuf.ray.start import find_shards, release_durable, start_shards
+from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -90,6 +88,7 @@ class RayBackend:
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
+        self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
         self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
         self._updates = PriorityUpdates(shards, self._sizes)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
@@ -136,12 +135,14 @@ class RayBackend:
             if found:
                 self._schema = Schema.from_json(found[0])
                 self._sink.set_schema(self._schema)
+                self._reader.set_schema(self._schema)
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
         if self._schema is None:
             self._schema = schema
             self._sink.set_schema(schema)
+            self._reader.set_schema(schema)
 
     def size(self, exact: bool = True) -> tuple[int, int]:
         """(transitions, episodes): asked of every shard now (one round trip), so every write
@@ -207,6 +208,7 @@ class RayBackend:
         if not stored:
             self._schema = None
             self._sink.forget_schema()
+            self._reader.set_schema(None)
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
@@ -263,22 +265,19 @@ class RayBackend:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _shards_of(self, shards: Sequence[int] | None) -> list[int]:
-        live = self.shards.live()
-        return [s for s in live if s in shards] or live if shards is not None else live
-
     def _check_keys(self, keys: Any) -> Any:
         """``keys`` checked before anything is drawn (nothing to check them against before the first write)."""
         return self._reader.check_keys(keys) if keys is not None and self.schema is not None else keys
 
-    def sample(self, batch_size: int, args: tuple, device: torch.device | None, pin_memory: bool,
+    def sample(self, batch_size: int, args: SampleArgs, device: torch.device | None, pin_memory: bool,
                timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         Uniform, sequence and episode draws happen here, from the shards' sealed
-        blocks; other samplers (and rate-limited stores) ask each shard for its
-        indices. Either way the rows are gathered here, from the blocks, into one
+        blocks, handed out of the reader's draws ahead of the same request
+        (`arrowbuf.ray.reader.BlockReader.sample`); other samplers (and rate-limited
+        stores) ask each shard for its indices. Either way the rows are gathered here, from the blocks, into one
         reused buffer (writable tensors, as a local store's). A batch keeps its
         items' drawn order (a slice is a sample of the whole store); with
         ``num_workers`` each worker's batch is drawn on its own; with ``worker_nodes``, from the shards on its
@@ -289,8 +288,10 @@ class RayBackend:
             ValueError: ``keys`` names no field (nothing is drawn).
         """
         if self.schema is not None:   # this process gathers the whole batch: it must fit here
-            check_batch(self.schema, self.sampler, None, batch_size, args[2])
+            check_batch(self.schema, self.sampler, None, batch_size, args.frame_stack)
         keys = self._check_keys(keys)
+        if keys is not None and not isinstance(keys, frozenset):   # no schema yet: EmptyStoreError
+            keys = self._reader.check_keys(keys)
         self._updates.collect(block=False)   # an update left in flight that failed is raised here
         if num_workers is None:
             return self._draw(batch_size, args, timeout, keys, device, pin_memory)
@@ -300,49 +301,27 @@ class RayBackend:
                            None if node is None else [s for s, n in enumerate(self.shards.nodes) if n == node])
                 for node in nodes]
 
-    def _draw(self, batch_size: int, args: tuple, timeout: float | None, keys: Any, device: Any,
+    def _draw(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
               pin_memory: bool, shards: Sequence[int] | None = None) -> TensorDict:
         reader = self._reader
         on_cpu = device is None or device.type == "cpu"
         if reader.draws_here():
-            batch = reader.sample(batch_size, args, keys, device, self._shards_of(shards))
+            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards))
+            batch = reader.sample(request)   # out of the draws ahead of this request
         else:
             batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
-    def sample_iter(self, batch_size: int, args: tuple, device: torch.device | None, prefetch: int,
+    def sample_iter(self, batch_size: int, args: SampleArgs, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None) -> Iterator[TensorDict]:
         """Endless batches. Draws made here need no round trip: ``batches_per_request``
         batches (default: as many as `STAGE_BYTES` hold, at most `MAX_STAGED`) are drawn
         and staged at once; draws made by the shards keep ``prefetch`` index requests
         in flight."""
         if self._reader.draws_here():
-            return self._drawing_here(batch_size, args, device, batches_per_request)
+            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request))
         return self._draws.prefetching(batch_size, prefetch, args, device)
-
-    def _drawing_here(self, batch_size: int, args: tuple, device: Any, batches: int | None) -> Iterator[TensorDict]:
-        reader = self._reader
-        scratch: dict = {}   # this iterator's staged field arrays, reused draw after draw
-        step = batches or 1
-        group = 1   # batches gathered together into one pooled slot (GROUP_BYTES)
-        while True:
-            staged = reader.draw(batch_size, step, args, self.shards.live(), scratch)
-            generation = reader.generation
-            if batches is None:   # the first batch tells how many fit in STAGE_BYTES and GROUP_BYTES
-                batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(reader.staged_bytes(staged, batch_size), 1)))
-                group = max(1, min(batches, GROUP_BYTES // max(reader.out_bytes(staged, batch_size), 1)))
-            k = 0
-            while k < step and reader.generation == generation:
-                together = reader.emit_together(staged, k * batch_size, min(k + group, step) * batch_size,
-                                                batch_size, device)
-                for batch in together:
-                    if reader.generation != generation:   # new views, or a write of this process: drawn again
-                        break
-                    reader.count(staged, k)
-                    k += 1
-                    yield batch
-            step = batches
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None) -> Iterator[TensorDict]:
@@ -443,6 +422,7 @@ class RayBackend:
         written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value)
         if schema is not None:
             self._schema = schema   # now with the derived fields
+            self._reader.set_schema(schema)
         self._reader.sync(seal=False)   # the shards sealed their blocks again, with the new columns
         return written
 

@@ -11,9 +11,12 @@ are separate buffers, so each field is read block by block:
 - `stage_part` looks up, for one part of a batch (one view's selection), its
   extras in drawn order (index, episode_id, step, n-step targets) and its
   block-local rows by role (step, observation, next observation) in block order;
-- `Staged` holds every part of one or several batches: the blocks' columns with
-  the ranges of staged items they hold, the rows, the extras in batch order, and
-  ``inv`` (batch position -> staged position) where the two orders differ.
+- `stage` stages every part of one or several batches (parts of several shards
+  padded to one width first: `same_width`) into a `Staged`: the blocks' columns
+  with the ranges of staged items they hold, the rows, the extras in batch order,
+  and ``inv`` (batch position -> staged position) where the two orders differ;
+- `Staged.fill` reads the items of one batch (or of several gathered together)
+  into the views of a pooled slot, as `arrowbuf.ray.gather.BlockGather` laid it out.
 
 `arrowbuf.ray.gather.BlockGather` then reads each field block by block into a
 scratch array (staged order; once for all the staged batches) and takes it into
@@ -36,6 +39,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection
 
 #: Bytes of a row from which a batch's rows of a field are copied straight from their
@@ -59,7 +63,7 @@ DIRECT_ROW_BYTES = 16 << 10
 #: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
 #: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
 #: 121-145 us). Only the fields read through the scratch count
-#: (`arrowbuf.ray.reader.BlockReader.staged_bytes`): rows copied straight from the
+#: (`arrowbuf.ray.gather.BlockGather.sizes`): rows copied straight from the
 #: blocks (`DIRECT_ROW_BYTES`, W2's pixels) stage nothing, so W2 now draws 16
 #: batches at once (~450 B of scratch each).
 STAGE_BYTES = 8 << 20
@@ -99,11 +103,45 @@ class Staged:
     # cache counts them against its bound (`arrowbuf.ray.cache.BlockCache.grew`)
     grown: Callable[[dict, int], None] | None = None
 
-    def shapes(self, count: int) -> tuple[tuple[int, ...], ...]:
-        """Row shapes by role of a batch of ``count`` items."""
-        frames = (self.frames,) if self.frames > 1 else ()
-        step = (count, *self.item)
-        return step, (*step, *frames), (*step, *frames)
+    def fill(self, layout: Any, outs: list[np.ndarray], start: int, stop: int) -> None:
+        """Gather the staged items ``[start, stop)`` into a slot's views, as ``layout`` (an
+        `arrowbuf.layout.Layout` of `arrowbuf.ray.gather.BlockGather`'s) says: per field,
+        its source and role (``plan``), how it is read (``fill[0]``: "take" through the
+        scratch, "direct" row by row, "packed" in records), and the records' regions."""
+        extra = self.extra
+        inv = None if self.inv is None else self.inv[start:stop]
+        direct = []
+        for (source, role), how, out in zip(layout.plan, layout.fill[0], outs):
+            if role < 0:
+                # Same dtype and shape (`arrowbuf.layout.matches`): an item assignment, cheaper than np.copyto.
+                out[...] = extra[source][start:stop]
+            elif how == "packed":
+                continue
+            elif inv is None:
+                rows = self.rows[role]
+                for columns, lo, hi in self.pieces:
+                    lo, hi = max(lo, start), min(hi, stop)
+                    if lo < hi:
+                        columns[source].take(rows[lo:hi], 0, out[lo - start:hi - start], "clip")
+            elif how == "direct":
+                direct.append((source, role, out))
+            else:
+                self.rows_of(source, role).take(inv, 0, out, "clip")
+        if direct:
+            self.rows_into(direct, start, stop)
+        for group, _, region in layout.records:   # the small step fields, packed in records
+            records = outs[region]
+            if inv is None:
+                rows = self.rows[0]
+                for columns, lo, hi in self.pieces:
+                    lo, hi = max(lo, start), min(hi, stop)
+                    if lo < hi:
+                        self.block_records(columns, group).take(rows[lo:hi], 0, records[lo - start:hi - start],
+                                                                "clip")
+            else:
+                self.records_of(group).take(inv, 0, records, "clip")
+        for target, source in layout.unpack:
+            outs[target][...] = outs[source]
 
     def rows_of(self, source: str, role: int) -> np.ndarray:
         """Column ``source``'s rows of role ``role`` for every staged item, in staged order
@@ -237,7 +275,7 @@ def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
 
 
 def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
-               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: tuple
+               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: SampleArgs
                ) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(extras in drawn order, block-local rows by role in block order) of one view's selection.
 
@@ -245,9 +283,9 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
         view: the `arrowbuf.ray.reader.ShardView` the selection was made in.
         block, starts, order: the selection's `block_order`.
         columns: the columns of each touched block.
-        args: (n_step, gamma, frame_stack).
+        args: the n-step and frame-stack look-ups.
     """
-    n, gamma, frames = args
+    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
     table = view.table
     rows, pos, step = selection.rows, selection.pos, selection.step
     first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
@@ -291,3 +329,69 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
         obs_rows = frame_rows(local, first, frames)
         next_rows = frame_rows(next_rows, first, frames)
     return extra, (local, obs_rows, next_rows)
+
+
+def stage(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
+          scratch: dict) -> Staged:
+    """Every part's items staged block by block, with ``scratch`` (a reader's reusable arrays).
+
+    Args:
+        parts: (`arrowbuf.ray.reader.ShardView`, its selection) of each part of the batches.
+        cache: the reader's `arrowbuf.ray.cache.BlockCache`, which serves the touched blocks.
+        args: the n-step and frame-stack look-ups.
+        places: the batch positions of each part's items (an epoch's chunk order, or
+            a shuffle of the parts drawn by several shards); None: the parts follow
+            each other, each in drawn order.
+    """
+    parts = same_width(parts)
+    orders = [block_order(view.bases, selection.rows) for view, selection in parts]
+    keep = {view.keys[b] for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
+    pieces, roles, extras, offset = [], ([], [], []), [], 0
+    for (view, selection), (block, touched, starts, order) in zip(parts, orders):
+        columns = cache.columns([(view.keys[b], view.blocks[b]) for b in touched.tolist()], keep)
+        extra, rows = stage_part(view, selection, block, starts, order, columns, args)
+        extras.append(extra)
+        for role, part in zip(roles, rows):
+            role.append(part)
+        pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
+                                                                      starts[1:].tolist())]
+        offset += len(selection.rows)
+    rows = tuple(r[0] if len(r) == 1 else np.concatenate(r or [np.zeros(0, np.int64)]) for r in roles)
+    item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
+    if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
+        order = orders[0][3]
+        inv = None if order is None else placed(np.arange(offset), order)
+        return Staged(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+    extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
+    ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
+    drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
+                            for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
+    # the batch position of each staged item: its part's block order of its drawn positions
+    in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
+                                     for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
+                                    or [np.zeros(0, np.int64)])
+    inv = None
+    if not (drawn == np.arange(offset)).all():
+        extra = {name: placed(value, drawn) for name, value in extra.items()}
+    if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
+        inv = placed(np.arange(offset), in_block_order)
+    return Staged(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+
+
+def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:
+    """Episode batches of several shards padded to one width (the last step repeated, masked out)."""
+    widths = {s.rows.shape[1] for _, s in parts if s.rows.ndim == 2}
+    if len(widths) <= 1:
+        return parts
+    width = max(widths)
+    padded = []
+    for view, s in parts:
+        pad = width - s.rows.shape[1]
+        if pad:
+            edge = lambda a: np.pad(a, ((0, 0), (0, pad)), mode="edge")
+            extra = {k: (np.pad(v, ((0, 0), (0, pad))) if k == "mask" else edge(v)) for k, v in s.extra.items()}
+            s = Selection(edge(s.rows), edge(s.indices), edge(np.ascontiguousarray(s.pos)), extra,
+                          None if s.step is None else edge(s.step))
+        padded.append((view, s))
+    return padded
+

@@ -1,0 +1,99 @@
+"""The Ray reader owns its draw-stage-gather loop (issue 24): the store hands it a request,
+a traced batch crosses few module boundaries and never comes back into the router, and a
+plain ``sample`` is handed out of the same loop's draws ahead."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+ROUTER = "arrowbuf.ray.router"
+
+
+def back_into_router(seen: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The calls of ``seen`` into the router from the parts it drives (not from the store facade)."""
+    return [c for c in seen if c[1] == ROUTER and c[0].startswith("arrowbuf.ray.")]
+
+
+def crossings(call) -> list[tuple[str, str, str]]:
+    """(caller module, callee module, function) of every Python-level call from one
+    arrowbuf module into another while ``call()`` runs (``sys.setprofile``)."""
+    seen = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_globals.get("__name__", ""), frame.f_back.f_globals.get("__name__", "")
+        if callee != caller and callee.startswith("arrowbuf") and caller.startswith("arrowbuf"):
+            seen.append((caller, callee, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def filled_store(num_shards: int = 2) -> ab.ExperienceStore:
+    store = ab.ExperienceStore(4000, backend="ray", num_shards=num_shards, seed=0)
+    rng = np.random.default_rng(0)
+    for e in range(12):
+        steps = 40 + e
+        store.add_episode({"obs": rng.random((steps + 1, 4), np.float32), "action": rng.random((steps, 2), np.float32),
+                           "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1},
+                          env_id=f"env-{e}")
+    store.flush()
+    return store
+
+
+def test_the_first_batch_of_a_ray_sample_iter_stays_in_the_reader_and_its_parts():
+    store = filled_store()
+    try:
+        # A fresh batch shape: its layout is planned in this batch, still never through the router.
+        cold = crossings(lambda: next(store.sample_iter(24)))
+        assert back_into_router(cold) == [], cold
+        # The first batch of an iterator once the layouts are known: draw, stage, gather.
+        iterator = store.sample_iter(24)
+        warm = crossings(lambda: next(iterator))
+        assert [c for c in warm if c[1] == ROUTER] == [], warm
+        assert len(warm) <= 15, warm
+        assert {callee for _, callee, _ in warm} <= {
+            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.staging",
+            "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool", "arrowbuf.ray.reader"}, warm
+        # A plain sample takes the same loop.
+        store.sample(24)
+        plain = crossings(lambda: store.sample(24))
+        assert back_into_router(plain) == [], plain
+    finally:
+        store.close()
+
+
+def test_plain_samples_are_handed_out_of_draws_ahead_and_counted_when_handed_out():
+    store = filled_store()
+    try:
+        draws = []
+        for _ in range(40):
+            draws += [c for c in crossings(lambda: store.sample(16)) if c[1:] == ("arrowbuf.samplers", "sample")]
+        # The first draw of a request is one batch, the next ones several (`STAGE_BYTES`).
+        assert 2 <= len(draws) <= 5, len(draws)
+        assert store.stats()["samples"] == 40 * 16   # handed out, not drawn ahead
+        # Requests of other keys or sizes get their own loops, each batch its own keys.
+        for _ in range(3):
+            assert set(store.sample(16, keys=["obs"]).keys()) == {"obs", "index", "episode_id", "step"}
+            assert store.sample(8)["action"].shape == (8, 2)
+            assert "action" in store.sample(16).keys()
+        # A write of this process drops the draws ahead: the very next batch is drawn again,
+        # and the new episode holds about half the rows (1 in 2**16 batches holds none of it).
+        store.sample(16)
+        store.add_episode({"obs": np.full((601, 4), -1, np.float32), "action": np.zeros((600, 2), np.float32),
+                           "reward": np.ones(600, np.float32), "terminated": np.arange(600) == 599}, env_id="new")
+        assert (store.sample(16)["obs"] == -1).any()
+    finally:
+        store.close()
