@@ -103,7 +103,9 @@ class ShardHandles:
         """Raises `ShardError` when the store is closed, or Ray was shut down (never starting it again)."""
         if self.closed:
             raise ShardError(f"store {self.name!r} is closed (its shard actors are gone)")
-        if not ray_module().is_initialized():
+        import ray   # handles exist only where Ray runs: no install hint (ray_module) on this per-call path
+
+        if not ray.is_initialized():
             raise ShardError(f"Ray was shut down (ray.shutdown()) before store {self.name!r} was closed: its shard "
                              "actors ended with the cluster, and with them its data. arrowbuf does not start Ray "
                              "again; close stores (store.close()) before ray.shutdown()")
