@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 import arrowbuf as ab
 from arrowbuf import _persist, parquet
-from tests.support.compare import assert_same_store
+from support.compare import assert_same_store
 
 
 def episode(steps: int, final: bool, terminated: bool, value: float) -> dict:
