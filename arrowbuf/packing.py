@@ -11,7 +11,7 @@ copies each field out of the gathered records into its own contiguous output.
 Measured here (W1: a 1M-row arena, batches of 256; action f32[6], reward f32 and
 two flags packed into 32 bytes; `tools/bench.py --only W1`): arrowbuf's sample went
 from 0.79x to 0.98x the numpy ideal with packing alone (5 rounds, a loaded
-machine), 1.08x with the engine's plain uniform path too (the README's full run).
+machine), 1.08x with the engine's plain uniform path too (docs/performance.md's full run).
 
 Observations stay columnar: their next value is the adjacent row of the same
 column (a take that hits the cache lines the first one loaded), frame stacking

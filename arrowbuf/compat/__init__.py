@@ -7,7 +7,7 @@ workers, node affinity), `ingest` (EnvRets / PolicyResponses in), `staging` and
 `segments` (records -> episodes, autoreset styles), `sink` (the store),
 `reading` (indices and samplers), `data_buffer` and `buffers` (the facade),
 `advantages` (`compute_gae`), `types` (also `arrowbuf.types`). What still
-differs from the seed: the README's "Migrating from RLightning".
+differs from the seed: docs/migrating-from-rlightning.md.
 """
 
 from arrowbuf.compat.advantages import compute_gae

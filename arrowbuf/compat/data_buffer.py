@@ -27,8 +27,8 @@ Semantics kept from the seed
   gets indices k, k+W, ... ``ReplayBuffer`` keeps its data; ``RolloutBuffer``
   clears it after sampling.
 
-The differences from the seed that remain are listed in the README section
-"Migrating from RLightning".
+The differences from the seed that remain are listed in
+docs/migrating-from-rlightning.md.
 """
 
 from __future__ import annotations

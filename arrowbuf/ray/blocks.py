@@ -33,7 +33,7 @@ MB, 2 shards, 2 cores), the shard's part of an `add_episode` fell from ~4.3 ms
 chunk put) to ~1.2 ms. Reading PER, logs and checkpoints from sealed objects
 instead would rebuild the engine over immutable blocks. The price is that the
 ring is held twice once it is filled: in the arena and in the object store (see
-the README).
+docs/ray.md).
 
 Episodes written since the last seal are *open*. They are sealed into a new
 block when they reach ``RayOptions.block_bytes``, or once the oldest has waited

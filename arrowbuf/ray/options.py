@@ -96,7 +96,7 @@ class RayOptions:
             the remote-reader path on one node). The copies get transparent huge
             pages (numpy asks for them), which the object store's tmpfs does not
             give by default: gathers of large rows run faster from them (W2
-            `sample_iter` 10-13% per batch here; README, Ray backend, Pages).
+            `sample_iter` 10-13% per batch here; docs/ray.md).
         init: with no Ray cluster connected in this process, start a new local one
             (``ray.init(address="local")`` with Ray's defaults: every CPU, an object
             store of about 30% of memory; no dashboard), logged as a warning naming its
