@@ -199,7 +199,7 @@ class StepWriter:
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
         if self._inplace is not None:
-            return self._add_in_place(schema, next_cols, obs_cols, step_cols, final, done, skip)
+            return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
 
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         outgrown = self._outgrown(active)
@@ -229,7 +229,7 @@ class StepWriter:
             raise too_long
         return len(ended)
 
-    def _add_in_place(self, schema: Schema, next_cols: dict, obs_cols: dict, step_cols: dict, final: dict,
+    def _add_in_place(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
                       done: np.ndarray, skip: np.ndarray) -> int:
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         ended = self._inplace.add(schema, obs_cols, next_cols, step_cols,
