@@ -476,22 +476,18 @@ class EpisodeTable:
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` entries from ``head`` (open tails published after the sealed ones)."""
+        self._relocate(max(2 * len(self._cols["episode_id"]), needed - self.head))
+
+    def _make_room(self) -> None:
+        size = len(self._cols["episode_id"])
+        self._relocate(size * 2 if len(self) > size // 2 else size)
+
+    def _relocate(self, size: int) -> None:
+        """Move the live entries to the front of new arrays of ``size`` entries."""
         live = len(self)
-        size = max(2 * len(self._cols["episode_id"]), needed - self.head)
         for name, array in self._cols.items():
             fresh = np.zeros(size, array.dtype)
             fresh[:live] = array[self.head:self.tail]
             self._cols[name] = fresh
         self._metadata = self._metadata[self.head:self.tail] + [None] * (size - live)
-        self.head, self.tail = 0, live
-
-    def _make_room(self) -> None:
-        live = len(self)
-        size = len(self._cols["episode_id"])
-        new_size = size * 2 if live > size // 2 else size
-        for name, array in self._cols.items():
-            fresh = np.zeros(new_size, array.dtype)
-            fresh[:live] = array[self.head:self.tail]
-            self._cols[name] = fresh
-        self._metadata = self._metadata[self.head:self.tail] + [None] * (new_size - live)
         self.head, self.tail = 0, live
