@@ -287,6 +287,7 @@ class RayBackend:
             ResourceError: the batch cannot be allocated here (before any shard draws).
             ValueError: ``keys`` names no field (nothing is drawn).
         """
+        self.shards.check_open()   # a closed store says so, before any shard (dead or not) is asked
         if self.schema is not None:   # this process gathers the whole batch: it must fit here
             check_batch(self.schema, self.sampler, None, batch_size, args.frame_stack)
         keys = self._check_keys(keys)
