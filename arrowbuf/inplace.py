@@ -105,7 +105,7 @@ class InPlace:
             if len(boundary):
                 self._seal(boundary, None, None, continues=True)
             regions.held[full] = False
-            self._reserve(slots[~regions.held[slots]])
+            self._reserve(slots[~regions.held[slots]], active=slots)
             cur = regions.start[slots] + regions.length[slots]
             fresh = regions.length[slots] == 0
             for name, (array, _) in obs_cols.items():
@@ -216,9 +216,16 @@ class InPlace:
 
     # -- internals -------------------------------------------------------------------
 
-    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION) -> None:
+    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None) -> None:
         """Regions of at least ``min_rows`` rows for ``slots``, reserved at the ring's head
-        in blocks (one plan a block)."""
+        in blocks (one plan a block).
+
+        A block may take the region of an env in ``active`` (the envs this call writes
+        a step for) that still had room: that env lost its written steps with it, and
+        its step is about to be written, so it gets a new region here too (it must not
+        write into rows it no longer holds). Taking a region reserved in this same call
+        means the ring cannot hold them all at once: `CapacityError`.
+        """
         if not len(slots):
             return
         shard, engine = self.shard, self.engine
@@ -231,19 +238,18 @@ class InPlace:
         if MIN_REGION * len(slots) > capacity:
             raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
                                 f"{len(slots)} envs (each needs {MIN_REGION} rows at least); raise the capacity")
-        done = 0
-        while done < len(slots):
+        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
+        while len(pending):
             head = shard.write_pos
             if capacity - head < min_rows:
                 head = 0
             space = capacity - head
-            count = min(len(slots) - done, max(1, space // size))
+            count = min(len(pending), max(1, space // size))
             each = min(size, space) if count == 1 else size
             evicted, taken = span_plan(shard, head, count * each)
-            mine = np.intersect1d(taken, slots[:done])
-            if len(mine):
+            if np.isin(taken, reserved).any():
                 raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                    f"{len(slots)} envs at once; raise the capacity")
+                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
             if evicted:
                 spans = shard.evicted_spans(evicted) if engine.sampler.tracks_rows else None
                 table.pop_oldest(evicted)
@@ -251,13 +257,15 @@ class InPlace:
                     engine.sampler.on_evict(*spans)
             if len(taken):
                 regions.take(taken)
-            block = slots[done:done + count]
+            block, pending = pending[:count], pending[count:]
             regions.start[block] = head + each * np.arange(count, dtype=np.int64)
             regions.end[block] = regions.start[block] + each
             regions.held[block] = True
             shard.write_pos = head + count * each
             shard.ordered = False
-            done += count
+            reserved = np.concatenate([reserved, block])
+            if active is not None and len(taken):
+                pending = np.concatenate([pending, taken[np.isin(taken, active)]])
 
     def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
               continues: bool) -> None:
