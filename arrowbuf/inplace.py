@@ -141,6 +141,7 @@ class InPlace:
             if len(slots):
                 self._seal(slots, None, None, continues=False)
             regions.first_step[self.slots] = 0
+            regions.prev[self.slots] = -1
             self.shard.publish_open()
             return len(slots)
 
@@ -169,12 +170,14 @@ class InPlace:
                         last[name][i] = self.shard.host_rows(name, a + n, a + n + 1)[0]
         held = np.zeros(self.num_envs, bool)
         start = end = np.zeros(self.num_envs, np.int64)
+        prev = np.full(self.num_envs, -1, np.int64)
         if self.shard is not None:
             regions = self.shard.regions
             held, start, end = regions.held[self.slots].copy(), regions.start[self.slots].copy(), \
                 regions.end[self.slots].copy()
+            prev = regions.prev[self.slots].copy()
         return {"pos": lengths, "stage": stage if steps else {}, "last_next": last if steps else {},
-                "first_step": first_step, "regions": {"held": held, "start": start, "end": end}}
+                "first_step": first_step, "regions": {"held": held, "start": start, "end": end, "prev": prev}}
 
     def load(self, pos: np.ndarray, stage: dict, last_next: dict, first_step: np.ndarray,
              saved: dict | None) -> None:
@@ -192,6 +195,7 @@ class InPlace:
             regions.held[slots] = False
             regions.length[slots] = 0
             regions.first_step[slots] = first_step
+            regions.prev[slots] = -1
             if saved is not None:
                 held = np.asarray(saved["held"], bool)
                 start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
@@ -201,6 +205,11 @@ class InPlace:
                     raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
                                      f"in a store of {shard.capacity} rows")
                 regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
+                prev = np.asarray(saved.get("prev", np.full(self.num_envs, -1)), np.int64)
+                if prev.shape != (self.num_envs,) or np.any((prev < -1) | (prev >= shard.table.episodes_added)):
+                    raise ValueError(f"writer state has pieces continued {prev!r}; expected {self.num_envs} serials "
+                                     f"of pieces added to this store (< {shard.table.episodes_added}) or -1")
+                regions.prev[slots] = np.where(held, prev, -1)
             for i in np.flatnonzero(pos).tolist():
                 n = int(pos[i])
                 slot = np.array([self.base + i])
@@ -287,14 +296,17 @@ class InPlace:
                          terminated=bool(terminated[k]) if terminated is not None else False,
                          truncated=bool(truncated[k]) if truncated is not None else False,
                          ret=total_reward(reward[a:a + n]) if reward is not None else float("nan"),
-                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]))
+                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]),
+                         prev_piece=int(regions.prev[slot]))
             if sampler.tracks_rows:
                 sampler.on_add(a, n)
         engine.counts.inserts += int(length.sum())
-        if continues:
+        if continues:   # the next piece continues these: serials of the k-th added
             regions.first_step[slots] += length
+            regions.prev[slots] = table.episodes_added - len(slots) + np.arange(len(slots))
         else:
             regions.first_step[slots] = 0
+            regions.prev[slots] = -1
             regions.start[slots] = last + 1   # the env's next episode: right after, in the same region
         regions.length[slots] = 0
 

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
-from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.indexing import frame_rows, n_step, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.regions import OpenRegions, span_plan
 from arrowbuf.sample_args import SampleArgs
@@ -489,18 +489,28 @@ class Shard:
                  "episode_id": table.ecol("episode_id").take(pos),
                  "step": step.astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
+        # Pieces of one episode read as one episode where their rows are held (`PieceChains`).
+        chains = piece_chains(table) if table.pieces and (n > 1 or frames > 1) else None
+        if chains is not None:
+            step = step.astype(np.int64, copy=False)
         if n > 1:
-            # The last transition row of the episode (piece; an open tail's last written step).
-            last = first + table.ecol("length").take(pos) - 1
-            # Windows stop at their episode's end: past the longest live episode, a
-            # longer n changes nothing but the cost.
-            ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
+            if chains is not None:
+                ahead = chains.n_step(pos, step, self.reader("reward"), n, gamma)
+            else:
+                # The last transition row of the episode (an open tail's last written step).
+                last = first + table.ecol("length").take(pos) - 1
+                # Windows stop at their episode's end: past the longest live episode, a
+                # longer n changes nothing but the cost.
+                ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
             next_rows = ahead.next_rows
             extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
             for flag in ("terminated", "truncated"):
                 if flag in self.schema.fields:
                     extra[flag] = self.reader(flag)[ahead.last_rows]
-        if frames > 1:
+        if frames > 1 and chains is not None:
+            obs_rows = chains.frames(pos, step, frames)
+            next_rows = chains.frames(pos, step + (ahead.steps if n > 1 else 1), frames)
+        elif frames > 1:
             obs_rows = frame_rows(rows, first, frames)
             next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
         return rows, extra, obs_rows, next_rows

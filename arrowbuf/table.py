@@ -34,10 +34,11 @@ _COLUMNS: dict[str, Any] = {
     "inserted_at": np.int64,  # ns since the epoch
     "first_index": np.int64,
     "first_step": np.int64,   # step of the first row within its episode: > 0 for a piece that continues one
+    "prev_piece": np.int64,   # serial (k-th added) of the piece this one continues, its steps just before; -1: none
 }
 
 #: Columns a state may lack (written before they existed), with their value then.
-_OPTIONAL = {"first_step": 0}
+_OPTIONAL = {"first_step": 0, "prev_piece": -1}
 
 
 #: Names in states written before "rank" became "index" (checkpoints of format 2
@@ -140,13 +141,14 @@ class EpisodeTable:
         return self._cols[name][self.head:self.tail + self._num_open]
 
     def publish_open(self, first_row: np.ndarray, length: np.ndarray, first_step: np.ndarray,
-                     env: np.ndarray) -> None:
+                     env: np.ndarray, prev_piece: np.ndarray | None = None) -> None:
         """Make the completed steps of open episodes sampleable: entries after the sealed
         ones, one per open tail with ``length`` >= 1 transitions at arena rows
         ``[first_row, first_row + length]`` (the last row is the observation after the
         last step). Their indices are provisional: ``next_index`` on, in the given order,
         renumbered by the next write (a sealed piece then takes its permanent indices).
-        ``env`` holds codes of `env_code`."""
+        ``env`` holds codes of `env_code`; ``prev_piece`` the serial of the sealed piece
+        each tail continues (-1: none)."""
         n = len(first_row)
         while self.tail + n > len(self._cols["episode_id"]):
             self._grow(self.tail + n)
@@ -161,6 +163,7 @@ class EpisodeTable:
         cols["terminated"][i:stop] = False
         cols["truncated"][i:stop] = False
         cols["first_step"][i:stop] = first_step
+        cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
         self._num_open = n
@@ -223,10 +226,11 @@ class EpisodeTable:
 
     def append(self, *, first_row: int, num_rows: int, length: int, has_final: bool,
                terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None,
-               inserted_at: int | None = None, first_step: int = 0) -> int:
-        """Add an episode (or a piece of one that starts at step ``first_step``) as the
-        newest; returns its id. ``inserted_at`` (ns) defaults to now. Open tails published
-        before are dropped: the writer publishes them again."""
+               inserted_at: int | None = None, first_step: int = 0, prev_piece: int = -1) -> int:
+        """Add an episode (or a piece of one that starts at step ``first_step``, continuing
+        the piece added as the ``prev_piece``-th, if any) as the newest; returns its id.
+        ``inserted_at`` (ns) defaults to now. Open tails published before are dropped:
+        the writer publishes them again."""
         self._num_open = self.open_total = self._open_longest = 0
         if self.tail == len(self._cols["episode_id"]):
             self._make_room()
@@ -248,6 +252,7 @@ class EpisodeTable:
         cols["return"][i] = ret
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         cols["first_step"][i] = first_step
+        cols["prev_piece"][i] = prev_piece
         if first_step:
             self.pieces = True
         for name, (count, serial) in self._counters.items():
