@@ -275,6 +275,38 @@ def test_a_continuing_task_streams_ten_capacities_through_a_small_ring_and_sampl
     assert [p.first_step for p in pieces] == sorted(p.first_step for p in pieces)
 
 
+def test_eviction_takes_an_open_episodes_oldest_steps_first_a_whole_piece_at_a_time():
+    # Two envs step together, never ending (issue 25: what eviction does to an open episode).
+    store = ab.ExperienceStore(capacity=48, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[10 ** 9], [10 ** 9]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    earliest = [0, 0]
+    evicted_some = False
+    for t in range(1, 6 * 48):
+        writer.add(**rollout.step_arrays())
+        pieces = pieces_of(store)
+        for env in range(2):
+            mine = sorted((p for p in pieces if p.tag == env), key=lambda p: p.first_step)
+            held = [s for p in mine for s in range(p.first_step, p.first_step + p.length)]
+            # The newest steps stay, the oldest go first: a suffix of the played steps,
+            # whose start only moves on, and only to where a piece began.
+            assert held == list(range(held[0], t)), f"env {env} at step {t}: held steps {held}"
+            assert held[0] >= earliest[env] and held[0] == mine[0].first_step
+            evicted_some |= held[0] > earliest[env]
+            earliest[env] = held[0]
+            assert mine[-1].open and mine[-1].first_step + mine[-1].length == t, "the open tail is never evicted"
+        assert len(store) >= min(2 * t, 48 // 2), "pieces of a quarter ring at most: half the ring stays sampleable"
+    assert evicted_some and min(earliest) > 48
+    # Reads start at the earliest held step: a frame stack there repeats its frame.
+    batch = store.sample(256, frame_stack=4)
+    tag, step = decode(np.asarray(batch["obs"])[:, -1])
+    at_earliest = np.flatnonzero(step == np.array(earliest)[tag])
+    assert len(at_earliest), "256 draws of a few dozen steps reach the earliest held ones"
+    for i in at_earliest:
+        np.testing.assert_array_equal(np.asarray(batch["obs"][i]), tagged_obs(tag[i], [step[i]] * 4))
+    check_store(store, [rollout], evicts=True)
+
+
 def test_a_writer_that_stalls_loses_its_open_region_to_the_head_and_continues_its_episode():
     store = ab.ExperienceStore(capacity=24, seed=0, schema=EPISODE_SCHEMA)
     slow, fast = FakeVectorRollout([[100]], "disabled"), FakeVectorRollout([[5]], "disabled", first_tag=50)
