@@ -131,10 +131,11 @@ class LocalBackend:
         return list(batch.split(batch_size // num_workers, dim=0))
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
-                    batches_per_request: int | None) -> Iterator[TensorDict]:
-        """Endless samples: in-process there is no round trip to hide, so no prefetch."""
+                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Endless samples (of ``policy_version >= min_version`` when given): in-process there
+        is no round trip to hide, so no prefetch."""
         while True:
-            yield self.engine.sample(batch_size, args, device)
+            yield self.engine.sample(batch_size, args, device, min_version=min_version)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
@@ -148,6 +149,9 @@ class LocalBackend:
             batch = self.engine.gather(indices, device, keys, views)
             if batch is not None and batch.batch_size[0]:
                 yield batch
+
+    def evict(self, min_version: int) -> int:
+        return self.engine.evict(min_version)
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The live transitions of ``index`` (indices), in that order."""
