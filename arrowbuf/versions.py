@@ -59,8 +59,10 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
             ``min_version``).
         EmptyStoreError: none qualifies (naming the newest version held).
     """
+    if type(sampler).__name__ == "FreshnessSampler":   # weighted by freshness above the bound
+        return sampler.sample(rng, n, shard.table, min_version)
     if type(sampler) is not UniformSampler:
-        raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
+        raise ValueError(f"min_version needs a UniformSampler or a FreshnessSampler; this store uses {sampler!r}")
     spans = fresh_spans(shard, min_version)
     if spans is None:
         raise no_fresh_step(shard, min_version)
@@ -211,8 +213,9 @@ def check_fresh_iter(store: Any, min_version: Any) -> int | None:
     if min_version is None:
         return None
     min_version = check_int("min_version", min_version, 0)
-    if type(store.sampler) is not UniformSampler:
-        raise ValueError(f"min_version needs a UniformSampler; this store uses {store.sampler!r}")
+    if type(store.sampler).__name__ not in ("UniformSampler", "FreshnessSampler"):
+        raise ValueError(f"min_version needs a UniformSampler or a FreshnessSampler; this store uses "
+                         f"{store.sampler!r}")
     return min_version
 
 
