@@ -19,6 +19,7 @@ from arrowbuf.errors import ArrowbufError, refused_in_batch
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
+from arrowbuf.versions import VERSION, VERSION_FIELD, ensure_version_column
 
 
 class EngineSink:
@@ -46,6 +47,10 @@ class EngineSink:
         stage episodes and retry them)."""
         engine = self._engine
         return engine if engine.mode == "circular" and not engine.limited else None
+
+    def add_version_column(self) -> None:
+        """Give the store the ``policy_version`` column (0 in every row written before)."""
+        ensure_version_column(self._engine, self._engine.schema.extended({VERSION: VERSION_FIELD}))
 
     def write(self, episode: Episode) -> None:
         self._engine.add(episode, timeout=self.timeout)

@@ -171,6 +171,8 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
     Raises:
         ValueError: a bad version, or a Ray store whose schema was fixed without the column.
     """
+    if store.schema is None:   # a first write's policy_version field: the column every write path shares
+        schema = as_version_schema(schema)
     if version is None:
         return episodes, schema
     if store.backend != "local" and store.schema is not None and VERSION not in store.schema.fields:
@@ -261,6 +263,50 @@ def evict_older(store: Any, min_version: Any) -> int:
     """
     min_version = check_int("min_version", min_version, 0)
     return store._backend.evict(min_version)
+
+
+def writer_fields(schema: Schema) -> dict[str, Field]:
+    """The fields a writer's steps carry: the input fields, and ``policy_version`` when the
+    store has it (a derived column, 0 where a write lacks it: a writer fills the 0s, so
+    that its steps' rows never keep what the arena held before)."""
+    fields = schema.input_fields
+    if VERSION in schema.fields and VERSION not in fields:
+        fields = {**fields, VERSION: schema.fields[VERSION]}
+    return fields
+
+
+def as_version_schema(schema: Schema) -> Schema:
+    """``schema`` with its ``policy_version`` field (inferred from a writer's first step) as
+    the derived column every write path shares (`VERSION_FIELD`)."""
+    field = schema.fields.get(VERSION)
+    if field is None or field.derived:
+        return schema
+    if field.dtype != "int64" or field.shape:
+        raise ValueError(f"policy_version must be int64 scalars per step, got {field}")
+    from arrowbuf.schema import Schema   # noqa: the module's Schema is a type-checking import
+
+    return Schema({n: f for n, f in schema.fields.items() if n != VERSION}).extended({VERSION: VERSION_FIELD})
+
+
+def step_versions(writer_versions: np.ndarray, extra: dict, schema: Schema | None, sink: Any) -> None:
+    """A writer step's ``policy_version`` in ``extra``: checked (`next_versions`, against each
+    env's ``writer_versions``) when given, else 0 for every env when the store has the column.
+    A local store without the column gains it (0 in every row written before).
+
+    Raises:
+        ValueError: bad or decreasing versions, or a Ray store whose schema lacks the column.
+    """
+    if VERSION in extra:
+        extra[VERSION] = next_versions(extra[VERSION], writer_versions)
+        if schema is not None and VERSION not in schema.fields:
+            add_column = getattr(sink, "add_version_column", None)
+            if add_column is None:
+                raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one "
+                                 "yet): give policy_version from the store's first write on, or declare the field "
+                                 "in its schema")
+            add_column()
+    elif schema is not None and VERSION in schema.fields:
+        extra[VERSION] = np.zeros(len(writer_versions), np.int64)
 
 
 def next_versions(value: Any, last: np.ndarray) -> np.ndarray:

@@ -188,3 +188,27 @@ def test_ray_stores_refuse_min_version_where_shards_draw_and_leave_the_store_unc
             ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, sampler=ab.FreshnessSampler())
     finally:
         per.close()
+
+
+def test_a_ray_store_takes_versions_from_add_episode_and_writers_in_any_order():
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        store.add_episode(_episode([1, 1, 1], 0))                   # a policy_version field in the data
+        store.add_episode({k: v for k, v in _episode([0] * 3, 1).items() if k != "policy_version"},
+                          policy_version=2)                          # the keyword
+        obs = np.zeros((2, 2), np.float32)
+        for key, version in ((2, None), (3, 3)):                     # a writer's steps without, then with
+            writer = store.writer(num_envs=2, autoreset_mode="disabled")
+            for t in range(3):
+                writer.add(obs=obs, action=np.full(2, key, np.int64), reward=np.ones(2, np.float32),
+                           terminated=np.full(2, t == 2), truncated=np.zeros(2, bool), next_obs=obs,
+                           **({} if version is None else {"policy_version": version}))
+            writer.flush()
+        store.add_episode({k: v for k, v in _episode([0] * 3, 4).items() if k != "policy_version"})   # version 0
+        store.flush()
+        live = store.gather(np.concatenate([np.arange(a, b) for a, b in store.live_ranges()]))
+        held = {key: live["policy_version"][live["action"] == key].unique().tolist() for key in range(5)}
+        assert held == {0: [1], 1: [2], 2: [0], 3: [3], 4: [0]}
+        assert store.sample(32, min_version=3)["action"].unique().tolist() == [3]
+    finally:
+        store.close()
