@@ -24,7 +24,7 @@ from arrowbuf.fields import as_array, check_column
 from arrowbuf.inplace import InPlace
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
-from arrowbuf.versions import next_versions
+from arrowbuf.versions import as_version_schema, step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
@@ -180,8 +180,7 @@ class StepWriter:
                 skipped until it ends (or `flush` cuts it); the other envs' steps
                 are recorded.
         """
-        if "policy_version" in extra:
-            extra["policy_version"] = next_versions(extra["policy_version"], self._versions)
+        step_versions(self._versions, extra, self._sink.schema, self._sink)   # 0 where the store has versions
         self._push_pending()
         step = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extra}
         exact = self._exact_step(obs, next_obs, step)
@@ -382,10 +381,11 @@ class StepWriter:
         next_cols = self._columns({"obs": next_obs}, "next_obs")
         step_cols = self._columns(step, "step")
         schema = self._schema_for(obs_cols, step_cols)
-        expected = {n: self.num_envs for n in schema.input_fields}
+        fields = writer_fields(schema)
+        expected = {n: self.num_envs for n in fields}
         given = {n: a.shape[0] if a.ndim else None for n, (a, _) in {**obs_cols, **step_cols}.items()}
         if given != expected:
-            missing = sorted(set(schema.input_fields) - set(given))
+            missing = sorted(set(fields) - set(given))
             unknown = sorted(set(given) - set(schema.fields))
             wrong = {n: v for n, v in given.items() if n in expected and v != self.num_envs}
             raise SchemaError(f"writer step does not match the schema: missing {missing}, unknown {unknown}, "
@@ -428,7 +428,7 @@ class StepWriter:
         """(name, numpy dtype, step shape [num_envs, ...], dtype name) of the observation
         ``obs``, then of each step field; None when the fast path cannot apply (staging on a
         device, observations other than one ``obs`` array, nested names, bfloat16)."""
-        fields = schema.input_fields
+        fields = writer_fields(schema)
         if self.device is not None or schema.observation_names != ("obs",) \
                 or any("." in name or f.dtype == "bfloat16" for name, f in fields.items()):
             return None
@@ -447,7 +447,7 @@ class StepWriter:
         schema = self._sink.schema
         if schema is None:
             columns = {**obs_cols, **step_cols}
-            schema = Schema.infer(columns, observation_names=list(obs_cols))
+            schema = as_version_schema(Schema.infer(columns, observation_names=list(obs_cols)))
         elif set(schema.observation_names) != set(obs_cols):
             raise SchemaError(f"obs has fields {sorted(obs_cols)}; the store's observation fields are "
                               f"{sorted(schema.observation_names)}")
@@ -511,8 +511,13 @@ class StepWriter:
             "capacity, or cut long episodes with flush()")
 
     def _ensure_stage(self, schema: Schema, steps: int) -> None:
+        if self._stage:   # a column the store gained since (policy_version): 0 in the steps staged so far
+            width = next(iter(self._stage.values())).shape[1]
+            for name, f in writer_fields(schema).items():
+                if name not in self._stage:
+                    self._stage[name] = stage_zeros((self.num_envs, width, *f.shape), f, self.device)
         if not self._stage:
-            for name, f in schema.input_fields.items():
+            for name, f in writer_fields(schema).items():
                 self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device)
             for name in schema.observation_names:
                 self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
@@ -532,7 +537,7 @@ class StepWriter:
         for i in envs:
             steps = int(self._pos[i])
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
-                       for name, f in schema.input_fields.items()}
+                       for name, f in writer_fields(schema).items()}
             self._pos[i] = 0
             episode = Episode(columns, steps, has_final, self.env_ids[i])
             if self._pending:

@@ -32,6 +32,7 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.regions import MIN_REGION, region_rows, span_plan
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
+from arrowbuf.versions import writer_fields
 
 
 class InPlace:
@@ -153,7 +154,7 @@ class InPlace:
         last step) and ``first_step`` (where each piece starts in its episode): host copies."""
         lengths = self.lengths
         steps = int(lengths.max(initial=0))
-        fields = schema.input_fields
+        fields = writer_fields(schema)
         stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype) for name, f in fields.items()}
         last = {name: np.zeros((self.num_envs, *fields[name].shape), fields[name].numpy_dtype)
                 for name in schema.observation_names}

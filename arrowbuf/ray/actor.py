@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._dirlock import private_directory
+from arrowbuf._version_spans import VERSION
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
@@ -188,7 +189,8 @@ class ShardServer:
                     if lends:
                         ref, part, columns = lent_rows
                         self.blocks.lend(engine.table.episodes_added - 1, ref,
-                                         sum(data.nbytes for data in columns.values()), part)
+                                         sum(data.nbytes for data in columns.values()), part,
+                                         columns.get(VERSION))
                     if later:
                         self.unfilled.add(ids[-1], episode)
                 added.append((ids[-1], episode))
@@ -294,6 +296,17 @@ class ShardServer:
 
     def to_arrow(self) -> pa.Table:
         return self._arena().to_arrow()
+
+    def evict(self, min_version: int) -> tuple[int, Reading]:
+        """Free the oldest episodes whose steps are all older than ``min_version``
+        (`arrowbuf.versions.evict_stale`): how many, and the shard's size."""
+        engine = self.engine
+        with engine.lock:
+            count = engine.evict(min_version)
+            if count:
+                self.unfilled.forget_evicted(engine.table)
+                self.blocks.evicted(engine)
+        return count, self.size()
 
     def clear(self) -> Reading:
         with self.engine.lock:
