@@ -62,6 +62,24 @@ def test_a_replayed_log_restores_every_committed_episode_with_its_id_and_table_r
                                   engine.episode(2).column("action").to_numpy())
 
 
+def test_pieces_of_an_episode_replay_with_the_step_they_start_at(tmp_path):
+    """A Ray writer ships open episodes in pieces (`arrowbuf.open_pieces`): a replay keeps each piece's first step."""
+    import dataclasses
+
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    added = []
+    for first_step in (0, 5, 10):
+        episode, schema = read_episode(make_episode(first_step, 5), EPISODE_SCHEMA, "env-0", None)
+        piece = dataclasses.replace(episode, first_step=first_step)
+        added.append((engine.add(piece, schema), piece))
+    durable.commit(engine, added)
+    durable.close()
+    again = recovered(tmp_path)
+    assert again.episodes().column("first_step").to_pylist() == [0, 5, 10]
+    assert again.episodes().equals(engine.episodes())
+
+
 def test_replay_after_a_checkpoint_adds_only_the_episodes_logged_after_it(tmp_path):
     durable = DurableShard(tmp_path)
     engine = durable.recover(new_engine)
