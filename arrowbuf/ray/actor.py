@@ -326,7 +326,10 @@ class ShardServer:
         return self.size()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "shard": self.shard, "node_id": self.ping()}
+        stats = self.engine.stats()
+        with self.engine.lock:   # open episodes' pieces count as transitions only, as in `size`
+            stats["episodes"] -= self.open_pieces.count(self.engine.table)
+        return {**stats, "shard": self.shard, "node_id": self.ping()}
 
     def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
         """Write this shard's rows as Parquet parts into ``steps_dir`` (a shared directory)."""
