@@ -232,15 +232,17 @@ class EpisodeTable:
         ``inserted_at`` (ns) defaults to now. Open tails published before are dropped:
         the writer publishes them again."""
         self._num_open = self.open_total = self._open_longest = 0
-        if self.tail == len(self._cols["episode_id"]):
+        cols = self._cols   # one store per column (a dict of values to loop over costs 2x)
+        if self.tail == len(cols["episode_id"]):
             self._make_room()
+            cols = self._cols
         code = self._env_codes.get(env_id)
         if code is None:
             code = self._env_codes[env_id] = len(self.env_names)
             self.env_names.append(env_id)
-        episode_id = self.episode_id_of(self.episodes_added)
+        serial = self.episodes_added
+        episode_id = self.id_offset + serial * self.id_stride   # `episode_id_of`
         i = self.tail
-        cols = self._cols   # one store per column (a dict of values to loop over costs 2x)
         cols["episode_id"][i] = episode_id
         cols["env"][i] = code
         cols["first_row"][i] = first_row
@@ -255,16 +257,32 @@ class EpisodeTable:
         cols["prev_piece"][i] = prev_piece
         if first_step:
             self.pieces = True
-        for name, (count, serial) in self._counters.items():
-            cols[f"first_{name}"][i] = serial[0]
-            serial[0] += count(length)
-        if self._index_episode is not None and length:
-            self._map_indices(self.next_index - length, length, self.episodes_added)
+        counters = self._counters
+        index = counters["index"][1]
+        first_index = index[0]
+        cols["first_index"][i] = first_index
+        index[0] = first_index + length
+        if len(counters) > 1:
+            for name, (count, running) in counters.items():
+                if name != "index":
+                    cols[f"first_{name}"][i] = running[0]
+                    running[0] += count(length)
+        if length and self._index_episode is not None:
+            size = len(self._index_episode)
+            start = first_index & self._index_mask
+            if start + length <= size:
+                self._index_episode[start:start + length] = serial & 0xFFFFFFFF
+            else:
+                self._map_indices(first_index, length, serial)
         self._metadata[i] = metadata
-        self._push_longest(self.episodes_added, length)
-        self.tail += 1
+        longest = self._longest
+        if not longest or longest[-1][1] > length:
+            longest.append((serial, length))
+        else:
+            self._push_longest(serial, length)
+        self.tail = i + 1
         self._lookup = None
-        self.episodes_added += 1
+        self.episodes_added = serial + 1
         return episode_id
 
     def _push_longest(self, serial: int, length: int) -> None:
