@@ -87,6 +87,24 @@ class Piece:
     steps: int
 
 
+@dataclass
+class Window:
+    """The episodes of a vector env's rollout window side by side: columns ``[T, num_envs, ...]``
+    (what the seed's one ``postprocess_fn`` call per window returns); episode k is sub-env
+    ``envs[k]`` under ``env_ids[k]``. `arrowbuf.compat.sink.StoreSink` writes it with one
+    `ExperienceStore.add_episodes` call (no per-episode checks or slicing), or as its `pieces`."""
+
+    env_ids: list[str]
+    envs: list[int]
+    columns: dict[str, Any]
+    steps: int
+
+    def pieces(self) -> list[Piece]:
+        """One `Piece` per sub-env (views of the columns)."""
+        return [Piece(env_id, {name: value[:, i] for name, value in self.columns.items()}, self.steps)
+                for env_id, i in zip(self.env_ids, self.envs)]
+
+
 def is_observation(name: str) -> bool:
     return name == "observation" or name.startswith("observation.")
 
@@ -135,7 +153,7 @@ class Segmenter:
         self._spare.update(self._stages)
         self._stages.clear()
 
-    def append(self, env_id: str, record: Mapping[str, Any]) -> list[Piece]:
+    def append(self, env_id: str, record: Mapping[str, Any]) -> list[Piece | Window]:
         """Stage one record; returns the episodes it ended (auto-truncate only).
 
         Raises:
@@ -223,7 +241,7 @@ class Segmenter:
                 out |= stage.row(name, row).reshape(stage.num_envs, -1).astype(bool).any(axis=1)
         return out
 
-    def truncate(self, env_id: str) -> list[Piece]:
+    def truncate(self, env_id: str) -> list[Piece | Window]:
         """End the open episode(s) of ``env_id`` (or of one sub-env ``"<env_id>/<i>"``).
 
         Nothing open is not an error (the seed raised KeyError right after an
@@ -292,7 +310,7 @@ class Segmenter:
     # -- episodes -----------------------------------------------------------------------
 
     def _episodes(self, stage: Stage, envs: np.ndarray, last: int, final: dict | None,
-                  unknown: bool | np.ndarray = False) -> list[Piece]:
+                  unknown: bool | np.ndarray = False) -> list[Piece | Window]:
         """Episodes of sub-envs ``envs``, from their start row to record ``last``.
 
         ``unknown`` (one bool, or one per env of ``envs``): the last transition's next
@@ -337,15 +355,14 @@ class Segmenter:
         return pieces
 
     def _processed(self, stage: Stage, envs: np.ndarray, starts: np.ndarray, last: int, final: dict | None,
-                   ids: list[str], unknown: np.ndarray) -> list[Piece]:
+                   ids: list[str], unknown: np.ndarray) -> list[Piece | Window]:
         """Segments through the user's ``postprocess_fn``, as the seed calls it."""
         if not self.auto_truncate and stage.vector and (starts == starts[0]).all():
             # The seed's vector-env window: one call on [T+1] records of [num_envs, ...] values.
             block = {name: stage.columns[name][starts[0] - stage.base:last + 1 - stage.base] for name in stage.columns}
             out = self._call_hook(stage, block, int(starts[0]), last)
             steps = self._length(out, stage.env_id, stage.num_envs)
-            return [Piece(env_id, {name: value[:, i] for name, value in out.items()}, steps)
-                    for env_id, i in zip(ids, envs.tolist())]
+            return [Window(ids, envs.tolist(), out, steps)]
         pieces = []
         for env_id, i, s, blind in zip(ids, envs.tolist(), starts.tolist(), unknown.tolist()):
             block = {name: stage.rows_of(name, s, last + 1, i) for name in stage.columns}

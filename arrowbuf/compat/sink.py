@@ -7,11 +7,12 @@ import logging
 import math
 
 import numpy as np
+import torch
 from typing import Any
 
 from arrowbuf.compat.config import BufferSettings
 from arrowbuf.compat.placement import Placement
-from arrowbuf.compat.segments import Piece
+from arrowbuf.compat.segments import Piece, Window
 from arrowbuf.compat.timing import Timers
 from arrowbuf.errors import CapacityError
 from arrowbuf.schema import unflatten
@@ -67,42 +68,80 @@ class StoreSink:
         self.store = store
         return store
 
-    def write(self, pieces: list[Piece]) -> None:
+    def write(self, pieces: list[Piece | Window]) -> None:
         """Store finished episodes; on Ray, flushed so a shard's error surfaces here.
+
+        A `Window` (a vector env's rollout window) is stored with one ``add_episodes``
+        call when all of it fits; otherwise episode by episode, as its pieces.
 
         Raises:
             BufferFullError: a full fixed-mode buffer (episodes before it are kept).
             SchemaError: an episode that does not match the stored fields.
         """
         wrote = False
-        capacity = self.settings.capacity
         for piece in pieces:
-            columns, steps = piece.columns, piece.steps
-            if steps < 1:
-                continue
-            store = self._ensure_store(steps)
-            if self.settings.mode == "fixed":
-                limit = capacity * self.placement.num_shards
-                if self.stored_transitions + steps > limit:
-                    raise BufferFullError(
-                        f"buffer is full (storage.mode='fixed'): {self.stored_transitions} of {limit} transitions "
-                        f"stored, the episode of {steps} from env {piece.env_id!r} does not fit; clear() or sample "
-                        "a RolloutBuffer first")
-            elif steps > capacity:
-                logger.warning("episode of %d transitions from env %r is longer than the capacity %d; "
-                               "keeping its last %d", steps, piece.env_id, capacity, capacity)
-                columns = {name: column[-(capacity + 1):] if len(column) == steps + 1 else column[-capacity:]
-                           for name, column in columns.items()}
-                steps = capacity
-            shard = self.placement.shard_of_env(piece.env_id)
-            if shard is not None:
-                store.pin_env(piece.env_id, shard)
-            with self._timers.timed("add_episode"):
-                store.add_episode(unflatten(_with_flags(columns, steps)), env_id=piece.env_id)
-            self.stored_transitions += steps
-            wrote = True
+            if isinstance(piece, Window):
+                if piece.steps < 1 or not piece.envs:
+                    continue
+                if self._fits_whole(piece):
+                    self._write_window(piece)
+                    wrote = True
+                    continue
+                parts = piece.pieces()
+            else:
+                parts = [piece]
+            for part in parts:
+                wrote = self._write_piece(part) or wrote
         if wrote and self.placement.backend == "ray":
             self.store.flush()
+
+    def _fits_whole(self, window: Window) -> bool:
+        """Whether every episode of ``window`` is stored as given (no capacity cut, no fixed-mode refusal)."""
+        if self.settings.mode == "fixed":
+            limit = self.settings.capacity * self.placement.num_shards
+            return self.stored_transitions + window.steps * len(window.envs) <= limit
+        return window.steps <= self.settings.capacity
+
+    def _write_window(self, window: Window) -> None:
+        store = self._ensure_store(window.steps)
+        shard = self.placement.shard_of_env(window.env_ids[0])   # sub-envs share their worker's shard
+        if shard is not None:
+            for env_id in window.env_ids:
+                store.pin_env(env_id, shard)
+        full = window.envs == list(range(len(window.envs)))
+        columns = {name: _env_major(value, None if full else window.envs) for name, value in window.columns.items()}
+        count = len(window.envs)
+        with self._timers.timed("add_episode"):
+            store.add_episodes(unflatten(_with_flags(columns, (count, window.steps))), env_ids=window.env_ids)
+        self.stored_transitions += window.steps * count
+
+    def _write_piece(self, piece: Piece) -> bool:
+        """Store one episode (cut to the capacity, as the seed's ring keeps its newest rows); whether it had any."""
+        capacity = self.settings.capacity
+        columns, steps = piece.columns, piece.steps
+        if steps < 1:
+            return False
+        store = self._ensure_store(steps)
+        if self.settings.mode == "fixed":
+            limit = capacity * self.placement.num_shards
+            if self.stored_transitions + steps > limit:
+                raise BufferFullError(
+                    f"buffer is full (storage.mode='fixed'): {self.stored_transitions} of {limit} transitions "
+                    f"stored, the episode of {steps} from env {piece.env_id!r} does not fit; clear() or sample "
+                    "a RolloutBuffer first")
+        elif steps > capacity:
+            logger.warning("episode of %d transitions from env %r is longer than the capacity %d; "
+                           "keeping its last %d", steps, piece.env_id, capacity, capacity)
+            columns = {name: column[-(capacity + 1):] if len(column) == steps + 1 else column[-capacity:]
+                       for name, column in columns.items()}
+            steps = capacity
+        shard = self.placement.shard_of_env(piece.env_id)
+        if shard is not None:
+            store.pin_env(piece.env_id, shard)
+        with self._timers.timed("add_episode"):
+            store.add_episode(unflatten(_with_flags(columns, (steps,))), env_id=piece.env_id)
+        self.stored_transitions += steps
+        return True
 
     def clear(self) -> None:
         if self.store is not None:
@@ -110,10 +149,19 @@ class StoreSink:
         self.stored_transitions = 0
 
 
-def _with_flags(columns: dict[str, Any], steps: int) -> dict[str, Any]:
-    """``columns`` with False ``terminated`` / ``truncated`` where they are missing: the
-    seed's records default ``last_terminated`` and ``last_truncated`` to False, and a
-    store refuses inferred episodes without terminal flags."""
+def _with_flags(columns: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+    """``columns`` with False ``terminated`` / ``truncated`` of ``shape`` ([T], or [E, T] for a
+    window) where they are missing: the seed's records default ``last_terminated`` and
+    ``last_truncated`` to False, and a store refuses inferred episodes without terminal flags."""
     missing = [flag for flag in ("terminated", "truncated")
                if flag not in columns and not any(name.startswith(flag + ".") for name in columns)]
-    return {**columns, **{flag: np.zeros(steps, bool) for flag in missing}} if missing else columns
+    return {**columns, **{flag: np.zeros(shape, bool) for flag in missing}} if missing else columns
+
+
+def _env_major(value: Any, envs: list[int] | None) -> Any:
+    """A window column ``[T, num_envs, ...]`` as ``[E, T, ...]`` (a view; with ``envs``, those sub-envs)."""
+    if isinstance(value, torch.Tensor):
+        value = value if envs is None else value[:, envs]
+        return value.transpose(0, 1)
+    value = np.asarray(value)
+    return np.swapaxes(value if envs is None else value[:, envs], 0, 1)

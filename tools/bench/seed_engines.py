@@ -130,8 +130,23 @@ class EngineBuffer:
         return self.buffer.sample(batch_size=shape.envs if shape.name == "WBC" else shape.transitions)
 
 
+#: What native samples: the fields the seed's batch carries for the trainer (its examples' hooks), no more.
+#: WBC: both observations, the policy observation's next one (the hook's ``next_observation``), the step
+#: fields. VLA: the policy's inputs and outputs, rewards, flags and the PPO returns (the openvla hook
+#: computes returns and advantages; native computes them with ``compute_gae``); no next ``pixel_values``.
+NATIVE_KEYS = {
+    "WBC": [("obs",), ("next", "obs", "obs"), "action", "log_prob", "value", "reward", "terminated", "truncated"],
+    "VLA": [("obs",), "action", "log_prob", "value", "reward", "terminated", "truncated", "advantage",
+            "value_target"],
+}
+
+
 class NativeBuffer:
-    """An ``ExperienceStore`` fed by ``store.writer`` (one ``add`` per step), sampled whole, then cleared."""
+    """An ``ExperienceStore`` fed by ``store.writer`` (one ``add`` per step), sampled whole, then cleared.
+
+    The sample asks for `NATIVE_KEYS` (``keys=``), as a user feeding a PPO trainer does: without it the
+    batch also carries every next observation (VLA: a second ``pixel_values``), which the trainer's
+    minibatches would copy again and again."""
 
     def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any]) -> None:
         self.shape, self.rollout = shape, rollout
@@ -147,7 +162,12 @@ class NativeBuffer:
         ingest_native(self.store, self.shape, self.rollout, autoreset_mode=mode)
 
     def sample(self) -> Any:
-        batch = self.store.sample(self.shape.transitions)
+        if self.shape.name == "VLA":   # the openvla hook's PPO returns (gamma, lambda of its policy config)
+            import torch
+
+            ppo = VLA_POLICY_CFG.ppo_cfg   # the cut episodes bootstrap from 0, the responses' bootstrap_values
+            self.store.compute_gae(ppo.gamma, ppo.gae_lambda, bootstrap_value=lambda final: torch.zeros(len(final)))
+        batch = self.store.sample(self.shape.transitions, keys=NATIVE_KEYS[self.shape.name])
         self.store.clear()
         return batch
 
