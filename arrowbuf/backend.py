@@ -87,8 +87,9 @@ class Backend(Protocol):
 
     def sample(self, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None,
-               keys: Any = None) -> TensorDict | list[TensorDict]:
-        """A batch drawn by the store's sampler, split into ``num_workers`` when given."""
+               keys: Any = None, min_version: int | None = None) -> TensorDict | list[TensorDict]:
+        """A batch drawn by the store's sampler, split into ``num_workers`` when given; of steps
+        of ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
                     batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
@@ -96,9 +97,9 @@ class Backend(Protocol):
         ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
-                     keys: Any = None) -> Iterator[TensorDict]:
-        """One epoch: every live transition once, skipping those evicted meanwhile
-        (``min_version``: `arrowbuf.versions.epochs_fresh` instead)."""
+                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """One epoch: every live transition (of ``policy_version >= min_version``, when
+        given) once, skipping those evicted meanwhile."""
 
     def evict(self, min_version: int) -> int:
         """Free the oldest episodes whose steps are all older than ``min_version``; how many."""

@@ -111,9 +111,9 @@ class FreshnessSampler(Sampler):
         Raises:
             EmptyStoreError: no step may be drawn.
         """
-        if self._shard is None:
+        if self.bound_shard is None:
             raise ValueError(f"{self!r} is not bound to a store")
-        runs = version_runs(self._shard)
+        runs = version_runs(self.bound_shard)
         if not len(runs.count):
             raise EmptyStoreError("cannot sample: the store holds no sealed transition")
         newest = int(runs.version.max())

@@ -129,8 +129,8 @@ class LocalBackend:
 
     def sample(self, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None,
-               keys: Any = None) -> TensorDict | list[TensorDict]:
-        batch = self.engine.sample(batch_size, args, device, pin_memory, timeout, keys)
+               keys: Any = None, min_version: int | None = None) -> TensorDict | list[TensorDict]:
+        batch = self.engine.sample(batch_size, args, device, pin_memory, timeout, keys, min_version)
         if num_workers is None:
             return batch
         return list(batch.split(batch_size // num_workers, dim=0))
@@ -143,10 +143,11 @@ class LocalBackend:
             yield self.engine.sample(batch_size, args, device, min_version=min_version)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
-                     keys: Any = None) -> Iterator[TensorDict]:
+                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
         keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
         # In order, a batch of contiguous rows is a view of the arena (no gather).
-        return self._epoch(self.engine.epoch(batch_size, shuffle, drop_last), device, keys, views=not shuffle)
+        chunks = self.engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
+        return self._epoch(chunks, device, keys, views=not shuffle and min_version is None)
 
     def _epoch(self, chunks: list[np.ndarray], device: Any, keys: Any, views: bool) -> Iterator[TensorDict]:
         """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""

@@ -16,6 +16,7 @@ store gives each shard its own copy.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +95,11 @@ class Sampler:
 
     def __init__(self) -> None:
         self._shard = None
+
+    @property
+    def bound_shard(self) -> Any:
+        """The shard `bind` gave this sampler (None before)."""
+        return self._shard
 
     def bind(self, shard) -> None:
         """Attach to the shard whose episodes this sampler selects from.

@@ -264,7 +264,7 @@ class ExperienceStore:
 
     def evict(self, *, min_version: int) -> int:
         """Free the oldest episodes of steps all older than ``min_version`` (FIFO); `arrowbuf.versions`."""
-        return evict_older(self, min_version)
+        return evict_older(self._backend, min_version)
 
     def clear(self) -> None:
         """Remove every episode (after storing those this process's writers sealed)."""
@@ -315,7 +315,7 @@ class ExperienceStore:
         try:   # not a context manager: entering and leaving one cost ~1 us of a W1 sample
             batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
                                          keys) if min_version is None else \
-                sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers,
+                sample_fresh(self._backend, min_version, batch_size, args, device, pin_memory, timeout, num_workers,
                              worker_nodes, keys)
         except EmptyStoreError as err:   # an empty store names the writers' open steps
             explained = self._writers.explain(err)
@@ -364,7 +364,7 @@ class ExperienceStore:
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
         device, layout = check_device(device), trl.check_layout(layout)
         first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
-            else epochs_fresh(self, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
+            else epochs_fresh(self._backend, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
         if epochs > 1 and min_version is None:
             first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
         return trl.each_as_layout(first, self, layout)

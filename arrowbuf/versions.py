@@ -190,7 +190,7 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
     return out, schema
 
 
-def sample_fresh(store: Any, min_version: Any, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool,
+def sample_fresh(backend: Any, min_version: Any, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool,
                  timeout: float | None, num_workers: int | None, worker_nodes: Any, keys: Any) -> Any:
     """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (a Ray
     store's readers draw them from their views: `arrowbuf.ray.fresh`).
@@ -199,11 +199,8 @@ def sample_fresh(store: Any, min_version: Any, batch_size: int, args: SampleArgs
         ValueError: a bad ``min_version``, or a sampler that does not take it.
     """
     min_version = check_int("min_version", min_version, 0)
-    if store.backend != "local":
-        return store._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
-                                     keys, min_version)
-    batch = store.engine.sample(batch_size, args, device, pin_memory, timeout, keys, min_version)
-    return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+    return backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes, keys,
+                           min_version)
 
 
 def check_fresh_iter(store: Any, min_version: Any) -> int | None:
@@ -221,7 +218,7 @@ def check_fresh_iter(store: Any, min_version: Any) -> int | None:
     return min_version
 
 
-def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, drop_last: bool, epochs: int,
+def epochs_fresh(backend: Any, min_version: Any, batch_size: int, shuffle: bool, drop_last: bool, epochs: int,
                  device: Any, keys: Any) -> Iterator[Any]:
     """`ExperienceStore.iter_batches` over the steps of ``policy_version`` >= ``min_version``.
 
@@ -230,31 +227,17 @@ def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, d
         EmptyStoreError: no step qualifies (at the first epoch's start).
     """
     min_version = check_int("min_version", min_version, 0)
-    if store.backend != "local":
-        backend = store._backend
-        first = backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)
-
-        def ray_batches() -> Iterator[Any]:
-            yield from first
-            for _ in range(epochs - 1):
-                yield from backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)
-
-        return ray_batches()
-    engine = store.engine
-    keys = engine.check_keys(keys)
-    first = engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
+    first = backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)   # raises now locally
 
     def batches() -> Iterator[Any]:
-        for epoch in range(epochs):
-            for indices in first if epoch == 0 else engine.epoch(batch_size, shuffle, drop_last, min_version):
-                batch = engine.gather(indices, device, keys)
-                if batch is not None and batch.batch_size[0]:
-                    yield batch
+        yield from first
+        for _ in range(epochs - 1):
+            yield from backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)
 
     return batches()
 
 
-def evict_older(store: Any, min_version: Any) -> int:
+def evict_older(backend: Any, min_version: Any) -> int:
     """`ExperienceStore.evict`: free the oldest episodes older than ``min_version`` (`evict_stale`;
     on Ray, every shard its own, FIFO each).
 
@@ -262,7 +245,7 @@ def evict_older(store: Any, min_version: Any) -> int:
         ValueError: a bad ``min_version``.
     """
     min_version = check_int("min_version", min_version, 0)
-    return store._backend.evict(min_version)
+    return backend.evict(min_version)
 
 
 def writer_fields(schema: Schema) -> dict[str, Field]:

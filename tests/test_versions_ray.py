@@ -83,8 +83,9 @@ def test_no_step_sampled_from_a_ray_store_is_older_than_the_bound(ray_store, ops
                 gone = [i for i in ids if i not in kept]
                 assert gone == ids[:len(gone)]                                     # FIFO per shard, no holes
                 assert all(_newest_step_version(store, i) >= bound for i in ids[len(gone):len(gone) + 1])
-            plain = store.sample(64)                                               # this process sees its eviction
-            assert set(plain["episode_id"].tolist()) <= kept
+            if kept:
+                plain = store.sample(64)                                           # this process sees its eviction
+                assert set(plain["episode_id"].tolist()) <= kept
             continue
         try:
             if op[0] == "sample":

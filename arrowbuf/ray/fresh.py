@@ -29,7 +29,6 @@ from arrowbuf.versions import span_selection
 
 if TYPE_CHECKING:
     from arrowbuf.ray.cache import BlockCache
-    from arrowbuf.ray.reader import ShardView
 
 #: Bounds whose spans a view keeps at once.
 MAX_BOUNDS = 4
@@ -54,12 +53,12 @@ def view_versions(parts: list[tuple[dict, int]]) -> tuple[np.ndarray, np.ndarray
     return np.concatenate(low), np.concatenate(high), np.concatenate(ordered)
 
 
-def join_versions(views: list[ShardView]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def join_versions(views: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The versions of a view of several shards' views, episode by episode as it numbers them."""
     return tuple(np.concatenate([view.versions[k] for view in views]) for k in range(3))   # type: ignore[return-value]
 
 
-def view_spans(view: ShardView, min_version: int, cache: BlockCache) -> Spans | None:
+def view_spans(view: Any, min_version: int, cache: BlockCache) -> Spans | None:
     """The spans of ``view``'s transitions of version >= ``min_version`` (None: none qualifies)."""
     if min_version in view.spans:
         return view.spans[min_version]
@@ -82,7 +81,7 @@ def view_spans(view: ShardView, min_version: int, cache: BlockCache) -> Spans | 
     return spans
 
 
-def fresh_draw(rng: np.random.Generator, n: int, view: ShardView, min_version: int,
+def fresh_draw(rng: np.random.Generator, n: int, view: Any, min_version: int,
                cache: BlockCache) -> Selection | None:
     """``n`` transitions of ``view`` drawn uniformly among those of version >= ``min_version``;
     None when none qualifies."""
@@ -90,14 +89,14 @@ def fresh_draw(rng: np.random.Generator, n: int, view: ShardView, min_version: i
     return None if spans is None else span_selection(rng, n, spans, view.table)
 
 
-def newest(views: list[ShardView]) -> int | None:
+def newest(views: list[Any]) -> int | None:
     """The newest version among the views' live transitions; None when they hold none."""
     highs = [int(view.versions[1].max()) for view in views if len(view.versions[1])]
     best = max(highs, default=-1)
     return best if best >= 0 else None
 
 
-def fresh_indices(view: ShardView, min_version: int, cache: BlockCache) -> np.ndarray:
+def fresh_indices(view: Any, min_version: int, cache: BlockCache) -> np.ndarray:
     """The shard indices of ``view``'s (one shard's) transitions of version >= ``min_version``."""
     spans = view_spans(view, min_version, cache)
     return np.zeros(0, np.int64) if spans is None else spans.indices()
