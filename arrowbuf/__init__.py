@@ -10,6 +10,7 @@ from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
                              ResourceError, SchemaError, ShardError)
 from arrowbuf.fields import Field
+from arrowbuf.freshness import FreshnessSampler
 from arrowbuf.mixture import Mixture
 from arrowbuf.parquet import read_parquet
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
@@ -28,6 +29,7 @@ __all__ = [
     "EmptyStoreError",
     "ExperienceStore",
     "EpisodeSampler",
+    "FreshnessSampler",
     "Field",
     "FormatError",
     "InUseError",

@@ -366,6 +366,60 @@ class MappedRows:
         self._file.close()
 
 
+#: Bytes one read fault of a file mapping can make resident: Linux maps the cached pages
+#: around the faulting one too (``fault_around_bytes``, 64 KiB by default). Measured here:
+#: 1,280 reads of single random bytes of a 1.5 GB mapping grew RSS by 90 MB, 69 KB a read
+#: (with or without ``MADV_RANDOM``).
+FAULT_AROUND = 64 << 10
+
+
+def file_resident() -> int | None:
+    """Bytes of file-backed (and shared) pages resident in this process (``/proc/self/statm``);
+    None where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[2]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ResidentBound:
+    """Keeps the pages sampling maps from `MappedRows` near ``limit`` resident bytes.
+
+    Each gathered row may make ``row_cost`` bytes resident (an upper bound: a fault per
+    column read, each mapping `FAULT_AROUND` bytes). Once the rows counted since the last
+    check could have filled the room left, the process's file-backed resident bytes are
+    read (`file_resident`, a few us): past ``limit`` above what they were after the last
+    release, the mapping is dropped (`MappedRows.release`); below, the room left is what
+    the count waits for next. So checks are rare while far from the limit, and resident
+    memory exceeds it by at most one batch's rows. Without `file_resident`, the upper
+    bound alone decides (more releases than needed, never fewer).
+    """
+
+    def __init__(self, rows: MappedRows, limit: int, row_cost: int) -> None:
+        self.rows, self.limit, self.row_cost = rows, limit, row_cost
+        self.baseline = file_resident()
+        self.room = limit
+        self.counted = 0
+
+    def touched(self, count: int) -> None:
+        """Count ``count`` gathered rows; release the mapping when it holds ``limit`` bytes."""
+        self.counted += count * self.row_cost
+        if self.counted < self.room:
+            return
+        now = file_resident()
+        grown = None if now is None or self.baseline is None else now - self.baseline
+        if grown is None or grown >= self.limit:
+            self.release()
+        else:
+            self.counted, self.room = 0, self.limit - grown
+
+    def release(self) -> None:
+        self.rows.release()
+        self.baseline = file_resident()
+        self.counted, self.room = 0, self.limit
+
+
 _LIBC: Any = None
 
 

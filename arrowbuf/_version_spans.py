@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -109,20 +109,25 @@ def _refresh(shard: Shard) -> _Bounds:
 
 
 def _episode_bounds(shard: Shard, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(least, greatest, non-decreasing) version of the transitions of live episodes
-    ``start..stop`` (an episode without transitions: least past any bound, greatest -1)."""
+    """(least, greatest, non-decreasing) version of the transitions of live episodes ``start..stop``."""
     table = shard.table
-    length = table.col("length")[start:stop]
-    n = stop - start
+    return episode_bounds(table.col("first_row")[start:stop], table.col("length")[start:stop], _column(shard))
+
+
+def episode_bounds(first_row: np.ndarray, length: np.ndarray, column: Any
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(least, greatest, non-decreasing) version of the ``length`` transitions from each
+    ``first_row`` of ``column`` (indexed by row arrays; None: every version 0). An episode
+    without transitions: least past any bound, greatest -1."""
+    n = len(length)
     low, high, ordered = np.full(n, np.iinfo(np.int64).max), np.full(n, -1, np.int64), np.ones(n, bool)
-    column = _column(shard)
-    some = np.flatnonzero(length > 0)
-    if column is None:
+    some = np.flatnonzero(np.asarray(length) > 0)
+    if column is None or not len(some):
         low[some], high[some] = 0, 0
         return low, high, ordered
-    counts = length[some]
+    counts = np.asarray(length)[some].astype(np.int64)
     offsets = np.cumsum(counts) - counts
-    rows = np.repeat(table.col("first_row")[start:stop][some] - offsets, counts) + np.arange(int(counts.sum()))
+    rows = np.repeat(np.asarray(first_row)[some] - offsets, counts) + np.arange(int(counts.sum()))
     values = np.asarray(column[rows]).reshape(-1)
     low[some] = np.minimum.reduceat(values, offsets)
     high[some] = np.maximum.reduceat(values, offsets)
@@ -145,33 +150,45 @@ def fresh_spans(shard: Shard, min_version: int) -> Spans | None:
     if min_version in bounds.spans:
         return bounds.spans[min_version]
     table = shard.table
-    length = table.col("length")
-    whole = np.flatnonzero(bounds.low >= min_version)
-    pos, step0, count = [whole], [np.zeros(len(whole), np.int64)], [length[whole]]
-    mixed = np.flatnonzero((bounds.low < min_version) & (bounds.high >= min_version))
-    if len(mixed):
-        column, first_row = _column(shard), table.col("first_row")
-        for p in mixed.tolist():
-            # By an index array: a torch arena's reader takes those (`Shard.reader`), not slices.
-            values = np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
-            if bounds.sorted[p]:
-                starts = np.array([values.searchsorted(min_version)])
-                stops = np.array([len(values)])
-            else:
-                edges = np.diff(np.concatenate([[0], (values >= min_version).astype(np.int8), [0]]))
-                starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-            pos.append(np.full(len(starts), p))
-            step0.append(starts.astype(np.int64))
-            count.append((stops - starts).astype(np.int64))
-    pos_, step0_, count_ = (np.concatenate(part).astype(np.int64) for part in (pos, step0, count))
-    order = np.lexsort((step0_, pos_))
-    pos_, step0_, count_ = pos_[order], step0_[order], count_[order]
-    spans = None
-    if len(pos_) and count_.sum():
-        end = np.cumsum(count_)
-        spans = Spans(int(end[-1]), end, end - count_, pos_, step0_, table.col("first_index").take(pos_) + step0_,
-                      table.col("first_row").take(pos_) + step0_, table.col("episode_id").take(pos_))
+    column, first_row, length = _column(shard), table.col("first_row"), table.col("length")
+
+    def values_of(p: int) -> np.ndarray:
+        # By an index array: a torch arena's reader takes those (`Shard.reader`), not slices.
+        return np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
+
+    spans = spans_of(table, bounds.low, bounds.high, bounds.sorted, min_version, values_of)
     if len(bounds.spans) >= MAX_BOUNDS:
         bounds.spans.clear()
     bounds.spans[min_version] = spans
     return spans
+
+
+def spans_of(table: Any, low: np.ndarray, high: np.ndarray, ordered: np.ndarray, min_version: int,
+             values_of: Callable[[int], np.ndarray]) -> Spans | None:
+    """The spans of transitions of version >= ``min_version`` of ``table``'s live episodes,
+    given each episode's (least, greatest, non-decreasing) version and ``values_of(p)``,
+    the versions of episode ``p``'s transitions (read only for episodes that qualify in
+    part); None when none qualifies. A local shard's and a Ray reader's view alike."""
+    length = table.col("length")
+    whole = np.flatnonzero(low >= min_version)
+    pos, step0, count = [whole], [np.zeros(len(whole), np.int64)], [length[whole]]
+    mixed = np.flatnonzero((low < min_version) & (high >= min_version))
+    for p in mixed.tolist():
+        values = values_of(p)
+        if ordered[p]:
+            starts = np.array([values.searchsorted(min_version)])
+            stops = np.array([len(values)])
+        else:
+            edges = np.diff(np.concatenate([[0], (values >= min_version).astype(np.int8), [0]]))
+            starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        pos.append(np.full(len(starts), p))
+        step0.append(starts.astype(np.int64))
+        count.append((stops - starts).astype(np.int64))
+    pos_, step0_, count_ = (np.concatenate(part).astype(np.int64) for part in (pos, step0, count))
+    order = np.lexsort((step0_, pos_))
+    pos_, step0_, count_ = pos_[order], step0_[order], count_[order]
+    if not len(pos_) or not count_.sum():
+        return None
+    end = np.cumsum(count_)
+    return Spans(int(end[-1]), end, end - count_, pos_, step0_, table.col("first_index").take(pos_) + step0_,
+                 table.col("first_row").take(pos_) + step0_, table.col("episode_id").take(pos_))

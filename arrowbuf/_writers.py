@@ -8,10 +8,9 @@ before anyone could ask for them.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from arrowbuf._checks import check_int, check_name
 from arrowbuf.autoreset import ResetCheck, writer_settings
@@ -108,21 +107,18 @@ class WriterRegistry:
             writer.load_state_dict(state)
             self.hold(name)
 
-    @contextlib.contextmanager
-    def explain_empty(self) -> Iterator[None]:
-        """An `EmptyStoreError` raised inside says what the writers hold in open episodes."""
-        try:
-            yield
-        except EmptyStoreError as err:
-            held = {name: int(w.open_steps.sum()) for name, w in self.live().items()}
-            held = {name: steps for name, steps in held.items() if steps}
-            if not held:
-                raise
-            raise EmptyStoreError(
-                f"{err}. This process's writers hold {sum(held.values())} steps of open episodes "
-                f"({', '.join(f'{n!r}: {k}' for n, k in held.items())}), which are stored when their episodes "
-                "end: call writer.flush() to cut and store them now (e.g. at the end of a rollout), or sample "
-                "once an episode has ended") from None
+    def explain(self, err: EmptyStoreError) -> EmptyStoreError:
+        """``err``, or when this process's writers hold open steps, an `EmptyStoreError`
+        that says what they hold (``store.sample`` raises it instead, from None)."""
+        held = {name: int(w.open_steps.sum()) for name, w in self.live().items()}
+        held = {name: steps for name, steps in held.items() if steps}
+        if not held:
+            return err
+        return EmptyStoreError(
+            f"{err}. This process's writers hold {sum(held.values())} steps of open episodes "
+            f"({', '.join(f'{n!r}: {k}' for n, k in held.items())}), which are stored when their episodes "
+            "end (a Ray writer's also on its delivery timer): call writer.flush() to cut and store them now "
+            "(e.g. at the end of a rollout), or sample once an episode has ended")
 
     def flush(self) -> None:
         """Send what the writers' sinks queued and wait for it (no-op for a local store's)."""

@@ -91,12 +91,17 @@ class Backend(Protocol):
         """A batch drawn by the store's sampler, split into ``num_workers`` when given."""
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
-                    batches_per_request: int | None) -> Iterator[TensorDict]:
-        """Endless batches as `sample` gives them (Ray: requests kept in flight)."""
+                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Endless batches as `sample` gives them (Ray: requests kept in flight); of steps of
+        ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
-        """One epoch: every live transition once, skipping those evicted meanwhile."""
+        """One epoch: every live transition once, skipping those evicted meanwhile
+        (``min_version``: `arrowbuf.versions.epochs_fresh` instead)."""
+
+    def evict(self, min_version: int) -> int:
+        """Free the oldest episodes whose steps are all older than ``min_version``; how many."""
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The transitions of ``index`` in that order; KeyError naming how many are not live."""

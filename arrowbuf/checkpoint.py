@@ -79,6 +79,7 @@ from arrowbuf._state_checks import check_state
 from arrowbuf._version import __version__
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError
+from arrowbuf.freshness import FreshnessSampler
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
@@ -91,7 +92,7 @@ MANIFEST = CHECKPOINT_MANIFEST
 _BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
 
 SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
-                                    SequenceSampler, EpisodeSampler)}
+                                    SequenceSampler, EpisodeSampler, FreshnessSampler)}
 RATE_LIMITERS = {c.__name__: c for c in (RateLimiter, MinSize, SampleToInsertRatio)}
 
 

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import json
-import mmap
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,8 +39,8 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
                               check_sample_args, to_numpy)
-from arrowbuf._dataset_cache import (MappedRows, check_cache_files, fingerprint, read_cache_manifest, read_episodes,
-                                     source_changed, write_cache)
+from arrowbuf._dataset_cache import (FAULT_AROUND, MappedRows, ResidentBound, check_cache_files, fingerprint,
+                                     read_cache_manifest, read_episodes, source_changed, write_cache)
 from arrowbuf._dataset_sources import EPISODES_IPC, LEROBOT_INFO, detect, export_source, ipc_source, lerobot_source
 from arrowbuf.arena import host_tensor
 from arrowbuf.engine import ShardEngine
@@ -114,10 +113,12 @@ class Dataset:
     ``"index"`` numbers the dataset's transitions 0..len-1, in episode order.
 
     Resident memory: sampling brings the pages it reads into this process's resident
-    set. When the rows file is larger than ``resident_limit`` bytes, the dataset drops
-    its mapped pages from the resident set (they stay in the page cache) each time
-    batches may have touched that many bytes, so resident memory stays near
-    ``resident_limit`` whatever the dataset's size; a smaller file is never dropped.
+    set (a read fault maps the cached pages around it too: 64 KiB on Linux). When the
+    rows file is larger than ``resident_limit`` bytes, the dataset drops its mapped pages
+    from the resident set (they stay in the page cache) once they hold that many bytes
+    (`arrowbuf._dataset_cache.ResidentBound`), so resident memory stays within
+    ``resident_limit`` and one batch's rows whatever the dataset's size; a smaller file
+    is never dropped.
     """
 
     def __init__(self, directory: Path, manifest: dict, sampler: Sampler, seed: int | None,
@@ -142,10 +143,11 @@ class Dataset:
             for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
                 if length:
                     sampler.on_add(first, length)
-        # Bytes of pages one gathered row may touch: a page per column read, plus the row.
-        self._row_cost = len(schema.fields) * mmap.PAGESIZE + 2 * schema.row_bytes
-        self._limit = resident_limit if resident_limit is not None and self._rows.nbytes > resident_limit else None
-        self._touched = 0
+        # Bytes one gathered row may make resident: a fault per column read, each mapping
+        # the pages around it (`FAULT_AROUND`), plus the row and the next one.
+        limited = resident_limit is not None and self._rows.nbytes > resident_limit
+        self._bound = ResidentBound(self._rows, resident_limit, len(schema.fields) * FAULT_AROUND
+                                    + 2 * schema.row_bytes) if limited else None
 
     # -- shape -----------------------------------------------------------------------
 
@@ -287,19 +289,17 @@ class Dataset:
         return self._engine.update_priorities(index, priority)
 
     def touched(self, rows: int) -> None:
-        """Count the pages ``rows`` gathered rows may have touched (sampled here, or by a
-        `Mixture` through `engine`); past the limit, drop them."""
-        if self._limit is None:
-            return
-        self._touched += rows * self._row_cost
-        if self._touched >= self._limit:
-            self._rows.release()
-            self._touched = 0
+        """Count ``rows`` gathered rows (sampled here, or by a `Mixture` through `engine`);
+        past the resident limit, drop the mapped pages (`ResidentBound`)."""
+        if self._bound is not None:
+            self._bound.touched(rows)
 
     def release(self) -> None:
         """Drop the mapped pages from this process's resident set now (they stay in the page cache)."""
-        self._rows.release()
-        self._touched = 0
+        if self._bound is not None:
+            self._bound.release()
+        else:
+            self._rows.release()
 
     def close(self) -> None:
         """Unmap the rows; the dataset cannot be sampled after."""

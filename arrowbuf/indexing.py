@@ -4,7 +4,9 @@ an index (`arrowbuf.shard.Shard.lookups` applies them to a sampler's selection).
 N-step returns and frame stacks read the rows already stored (nothing is duplicated
 in storage): an n-step return sums rewards of rows t..t+k-1 and bootstraps from the
 observation of row t+k; a frame stack reads observation rows t-k+1..t, repeating the
-episode's first frame where the episode is younger than the stack. `RunLookup` finds
+episode's first frame where the episode is younger than the stack. `PieceChains` does
+both across the held pieces of an episode that a step writer cut (and places sequence
+windows that cross them). `RunLookup` finds
 the episode of each drawn index in O(1), for episode tables that stay unchanged
 while they are sampled many times (a Ray reader's views).
 """
@@ -38,10 +40,17 @@ def n_step(rows: np.ndarray, last_row: np.ndarray, reward: np.ndarray, n: int, g
     steps = np.minimum(n, last_row - rows + 1)
     offsets = np.arange(n, dtype=np.int64)
     window = np.minimum(rows[..., None] + offsets, last_row[..., None])
+    return _discounted(window, steps, reward, gamma, rows + steps, rows + steps - 1)
+
+
+def _discounted(window: np.ndarray, steps: np.ndarray, reward: np.ndarray, gamma: float,
+                next_rows: np.ndarray, last_rows: np.ndarray) -> NStep:
+    """The `NStep` of reward rows ``window`` [..., n] of which the first ``steps`` count."""
+    offsets = np.arange(window.shape[-1], dtype=np.int64)
     weights = np.where(offsets < steps[..., None], gamma ** offsets, 0.0)
     total = (reward[window].astype(np.float64) * weights).sum(axis=-1)
     dtype = reward.dtype if np.issubdtype(reward.dtype, np.floating) else np.float32
-    return NStep(rows + steps, total.astype(dtype), (gamma ** steps).astype(dtype), steps, rows + steps - 1)
+    return NStep(next_rows, total.astype(dtype), (gamma ** steps).astype(dtype), steps, last_rows)
 
 
 def frame_rows(rows: np.ndarray, first_row: np.ndarray, frames: int) -> np.ndarray:
@@ -51,6 +60,76 @@ def frame_rows(rows: np.ndarray, first_row: np.ndarray, frames: int) -> np.ndarr
     """
     back = np.arange(frames - 1, -1, -1, dtype=np.int64)
     return np.maximum(rows[..., None] - back, first_row[..., None])
+
+
+@dataclass(frozen=True)
+class PieceChains:
+    """The pieces of each episode, linked: an episode cut into pieces by a step writer's
+    bookkeeping (`arrowbuf.regions`) reads as one episode across the pieces still held.
+
+    Entries are the episode table's positions, sealed then open (`EpisodeTable.ecol`).
+    Entry ``i`` holds the observations of steps ``first_step[i] .. first_step[i] + length[i]``
+    of its episode at rows ``first_row[i] ..``; ``prev[i]`` / ``next[i]`` is the entry
+    holding the steps just before / after it (-1: none live, or a gap: steps that were
+    dropped or evicted are not there). Build it with `piece_chains`.
+    """
+
+    first_row: np.ndarray
+    first_step: np.ndarray
+    length: np.ndarray
+    prev: np.ndarray
+    next: np.ndarray
+
+    def locate(self, pos: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, entries) of episode ``steps`` (any shape), walking from entries ``pos``
+        (broadcast) along the chain; a step beyond the held ones is clamped to the nearest
+        held observation. A transition step (one with a next observation) lands in the
+        entry where it has its step fields (not a piece's final row)."""
+        pos = np.broadcast_to(pos, steps.shape).copy()
+        s = steps
+        while True:   # each element moves one way only, a piece at a time: as many rounds as pieces crossed
+            fs = self.first_step[pos]
+            end = fs + self.length[pos]
+            prev, nxt = self.prev[pos], self.next[pos]
+            back = (s < fs) & (prev >= 0)
+            ahead = (s >= end) & (nxt >= 0)
+            if not (back.any() or ahead.any()):
+                break
+            pos = np.where(back, prev, np.where(ahead, nxt, pos))
+        s = np.clip(s, fs, end)
+        return self.first_row[pos] + (s - fs), pos
+
+    def frames(self, pos: np.ndarray, step: np.ndarray, frames: int) -> np.ndarray:
+        """Observation rows of steps ``step - frames + 1 .. step`` (oldest first), [..., frames]:
+        before the earliest held step of the episode, its frame repeats."""
+        back = np.arange(frames - 1, -1, -1, dtype=np.int64)
+        return self.locate(pos[..., None], step[..., None] - back)[0]
+
+    def n_step(self, pos: np.ndarray, step: np.ndarray, reward: np.ndarray, n: int, gamma: float) -> NStep:
+        """`n_step` of the transitions at episode ``step`` of entries ``pos``, across pieces:
+        windows stop at the last held step of the chain (an open tail's last written one)."""
+        target, at = self.locate(pos, step + n)
+        steps = self.first_step[at] + (target - self.first_row[at]) - step   # k <= n held steps ahead
+        window_steps = np.minimum(step[..., None] + np.arange(n, dtype=np.int64), (step + steps - 1)[..., None])
+        window = self.locate(pos[..., None], window_steps)[0]
+        return _discounted(window, steps, reward, gamma, target, window[..., -1])
+
+
+def piece_chains(table) -> PieceChains:
+    """The `PieceChains` of an `arrowbuf.table.EpisodeTable`'s sealed and open entries
+    (O(entries)). A link is kept only to a live entry added before, of the same env,
+    whose steps end where the entry's begin (a damaged table links nothing else)."""
+    first_step, length, env = table.ecol("first_step"), table.ecol("length"), table.ecol("env")
+    own = np.arange(len(first_step), dtype=np.int64)
+    serial = table.ecol("prev_piece")
+    prev = serial - (table.episodes_added - len(table))
+    ok = (serial >= 0) & (prev >= 0) & (prev < np.minimum(own, len(table)))
+    p = np.where(ok, prev, 0)
+    ok &= (env[p] == env) & (first_step[p] + length[p] == first_step)
+    prev = np.where(ok, prev, -1)
+    nxt = np.full(len(own), -1, np.int64)
+    nxt[prev[ok]] = own[ok]
+    return PieceChains(table.ecol("first_row"), first_step, length, prev, nxt)
 
 
 @dataclass(frozen=True)

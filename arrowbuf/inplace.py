@@ -32,6 +32,7 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.regions import MIN_REGION, region_rows, span_plan
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
+from arrowbuf.versions import writer_fields
 
 
 class InPlace:
@@ -105,7 +106,7 @@ class InPlace:
             if len(boundary):
                 self._seal(boundary, None, None, continues=True)
             regions.held[full] = False
-            self._reserve(slots[~regions.held[slots]])
+            self._reserve(slots[~regions.held[slots]], active=slots)
             cur = regions.start[slots] + regions.length[slots]
             fresh = regions.length[slots] == 0
             for name, (array, _) in obs_cols.items():
@@ -141,6 +142,7 @@ class InPlace:
             if len(slots):
                 self._seal(slots, None, None, continues=False)
             regions.first_step[self.slots] = 0
+            regions.prev[self.slots] = -1
             self.shard.publish_open()
             return len(slots)
 
@@ -152,7 +154,7 @@ class InPlace:
         last step) and ``first_step`` (where each piece starts in its episode): host copies."""
         lengths = self.lengths
         steps = int(lengths.max(initial=0))
-        fields = schema.input_fields
+        fields = writer_fields(schema)
         stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype) for name, f in fields.items()}
         last = {name: np.zeros((self.num_envs, *fields[name].shape), fields[name].numpy_dtype)
                 for name in schema.observation_names}
@@ -169,12 +171,14 @@ class InPlace:
                         last[name][i] = self.shard.host_rows(name, a + n, a + n + 1)[0]
         held = np.zeros(self.num_envs, bool)
         start = end = np.zeros(self.num_envs, np.int64)
+        prev = np.full(self.num_envs, -1, np.int64)
         if self.shard is not None:
             regions = self.shard.regions
             held, start, end = regions.held[self.slots].copy(), regions.start[self.slots].copy(), \
                 regions.end[self.slots].copy()
+            prev = regions.prev[self.slots].copy()
         return {"pos": lengths, "stage": stage if steps else {}, "last_next": last if steps else {},
-                "first_step": first_step, "regions": {"held": held, "start": start, "end": end}}
+                "first_step": first_step, "regions": {"held": held, "start": start, "end": end, "prev": prev}}
 
     def load(self, pos: np.ndarray, stage: dict, last_next: dict, first_step: np.ndarray,
              saved: dict | None) -> None:
@@ -192,6 +196,7 @@ class InPlace:
             regions.held[slots] = False
             regions.length[slots] = 0
             regions.first_step[slots] = first_step
+            regions.prev[slots] = -1
             if saved is not None:
                 held = np.asarray(saved["held"], bool)
                 start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
@@ -201,6 +206,11 @@ class InPlace:
                     raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
                                      f"in a store of {shard.capacity} rows")
                 regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
+                prev = np.asarray(saved.get("prev", np.full(self.num_envs, -1)), np.int64)
+                if prev.shape != (self.num_envs,) or np.any((prev < -1) | (prev >= shard.table.episodes_added)):
+                    raise ValueError(f"writer state has pieces continued {prev!r}; expected {self.num_envs} serials "
+                                     f"of pieces added to this store (< {shard.table.episodes_added}) or -1")
+                regions.prev[slots] = np.where(held, prev, -1)
             for i in np.flatnonzero(pos).tolist():
                 n = int(pos[i])
                 slot = np.array([self.base + i])
@@ -216,9 +226,16 @@ class InPlace:
 
     # -- internals -------------------------------------------------------------------
 
-    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION) -> None:
+    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None) -> None:
         """Regions of at least ``min_rows`` rows for ``slots``, reserved at the ring's head
-        in blocks (one plan a block)."""
+        in blocks (one plan a block).
+
+        A block may take the region of an env in ``active`` (the envs this call writes
+        a step for) that still had room: that env lost its written steps with it, and
+        its step is about to be written, so it gets a new region here too (it must not
+        write into rows it no longer holds). Taking a region reserved in this same call
+        means the ring cannot hold them all at once: `CapacityError`.
+        """
         if not len(slots):
             return
         shard, engine = self.shard, self.engine
@@ -231,19 +248,18 @@ class InPlace:
         if MIN_REGION * len(slots) > capacity:
             raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
                                 f"{len(slots)} envs (each needs {MIN_REGION} rows at least); raise the capacity")
-        done = 0
-        while done < len(slots):
+        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
+        while len(pending):
             head = shard.write_pos
             if capacity - head < min_rows:
                 head = 0
             space = capacity - head
-            count = min(len(slots) - done, max(1, space // size))
+            count = min(len(pending), max(1, space // size))
             each = min(size, space) if count == 1 else size
             evicted, taken = span_plan(shard, head, count * each)
-            mine = np.intersect1d(taken, slots[:done])
-            if len(mine):
+            if np.isin(taken, reserved).any():
                 raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                    f"{len(slots)} envs at once; raise the capacity")
+                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
             if evicted:
                 spans = shard.evicted_spans(evicted) if engine.sampler.tracks_rows else None
                 table.pop_oldest(evicted)
@@ -251,13 +267,15 @@ class InPlace:
                     engine.sampler.on_evict(*spans)
             if len(taken):
                 regions.take(taken)
-            block = slots[done:done + count]
+            block, pending = pending[:count], pending[count:]
             regions.start[block] = head + each * np.arange(count, dtype=np.int64)
             regions.end[block] = regions.start[block] + each
             regions.held[block] = True
             shard.write_pos = head + count * each
             shard.ordered = False
-            done += count
+            reserved = np.concatenate([reserved, block])
+            if active is not None and len(taken):
+                pending = np.concatenate([pending, taken[np.isin(taken, active)]])
 
     def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
               continues: bool) -> None:
@@ -279,14 +297,17 @@ class InPlace:
                          terminated=bool(terminated[k]) if terminated is not None else False,
                          truncated=bool(truncated[k]) if truncated is not None else False,
                          ret=total_reward(reward[a:a + n]) if reward is not None else float("nan"),
-                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]))
+                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]),
+                         prev_piece=int(regions.prev[slot]))
             if sampler.tracks_rows:
                 sampler.on_add(a, n)
         engine.counts.inserts += int(length.sum())
-        if continues:
+        if continues:   # the next piece continues these: serials of the k-th added
             regions.first_step[slots] += length
+            regions.prev[slots] = table.episodes_added - len(slots) + np.arange(len(slots))
         else:
             regions.first_step[slots] = 0
+            regions.prev[slots] = -1
             regions.start[slots] = last + 1   # the env's next episode: right after, in the same region
         regions.length[slots] = 0
 

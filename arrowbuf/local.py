@@ -19,6 +19,7 @@ from arrowbuf.errors import ArrowbufError, refused_in_batch
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
+from arrowbuf.versions import VERSION, VERSION_FIELD, ensure_version_column
 
 
 class EngineSink:
@@ -46,6 +47,10 @@ class EngineSink:
         stage episodes and retry them)."""
         engine = self._engine
         return engine if engine.mode == "circular" and not engine.limited else None
+
+    def add_version_column(self) -> None:
+        """Give the store the ``policy_version`` column (0 in every row written before)."""
+        ensure_version_column(self._engine, self._engine.schema.extended({VERSION: VERSION_FIELD}))
 
     def write(self, episode: Episode) -> None:
         self._engine.add(episode, timeout=self.timeout)
@@ -131,10 +136,11 @@ class LocalBackend:
         return list(batch.split(batch_size // num_workers, dim=0))
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
-                    batches_per_request: int | None) -> Iterator[TensorDict]:
-        """Endless samples: in-process there is no round trip to hide, so no prefetch."""
+                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Endless samples (of ``policy_version >= min_version`` when given): in-process there
+        is no round trip to hide, so no prefetch."""
         while True:
-            yield self.engine.sample(batch_size, args, device)
+            yield self.engine.sample(batch_size, args, device, min_version=min_version)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None) -> Iterator[TensorDict]:
@@ -148,6 +154,9 @@ class LocalBackend:
             batch = self.engine.gather(indices, device, keys, views)
             if batch is not None and batch.batch_size[0]:
                 yield batch
+
+    def evict(self, min_version: int) -> int:
+        return self.engine.evict(min_version)
 
     def gather(self, index: np.ndarray, device: Any) -> TensorDict:
         """The live transitions of ``index`` (indices), in that order."""

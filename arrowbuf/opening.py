@@ -96,6 +96,9 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     if isinstance(store.sampler, EpisodeSampler) and num_shards > 1:
         raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                          "cannot agree on; use num_shards=1 or a SequenceSampler")
+    if type(store.sampler).__name__ == "FreshnessSampler" and num_shards > 1:
+        raise ValueError("FreshnessSampler weighs each step by its lag behind the newest version held, which "
+                         "shards do not share; use num_shards=1 (or min_version= for a hard staleness bound)")
     if isinstance(store.sampler, WithoutReplacementSampler) and num_shards > 1:
         raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
                          "different times; use num_shards=1, or iter_batches() for epochs across shards")

@@ -22,6 +22,7 @@ import numpy as np
 
 from arrowbuf._checks import check_int
 from arrowbuf._sumtree import SumTree
+from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.table import EpisodeTable
 
 
@@ -365,7 +366,9 @@ class SequenceSampler(Sampler):
     with equal probability. With ``strict=False`` any transition can start a
     window; steps past the episode end are padded (repeating the last step) and
     ``"mask"`` is False there. Either way a window never crosses an episode
-    boundary and never reads an evicted row.
+    boundary and never reads an evicted row. A non-strict window goes on across the
+    held pieces of an episode that a step writer cut (`arrowbuf.indexing.PieceChains`);
+    a strict one lies within one piece.
 
     Args:
         seq_len: steps per window (>= 1). An episode's *length* is its count of
@@ -424,6 +427,8 @@ class SequenceSampler(Sampler):
         else:
             # Open tails too: a window stops at the last written step, as at an episode's end.
             pos, step = table.locate(uniform_indices(rng, n, *table.sample_range()))
+            if table.pieces:   # across the held pieces of an episode (`PieceChains`)
+                return self._across_pieces(piece_chains(table), table, pos, step + table.ecol("first_step")[pos])
             last = table.ecol("length")[pos] - 1
             steps = step[:, None] + offsets
             mask = steps <= last[:, None]
@@ -431,6 +436,17 @@ class SequenceSampler(Sampler):
         indices = table.ecol("first_index")[pos][:, None] + steps
         rows = table.ecol("first_row")[pos][:, None] + steps
         return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
+
+    def _across_pieces(self, chains: PieceChains, table: EpisodeTable, pos: np.ndarray, step: np.ndarray) -> Selection:
+        """Non-strict windows from episode ``step`` of entries ``pos`` that go on into the
+        next pieces of their episode, up to its last held step (``mask`` False after)."""
+        _, at = chains.locate(pos, step + self.seq_len)
+        end = chains.first_step[at] + chains.length[at]   # past the chain's last held transition
+        steps = step[:, None] + np.arange(self.seq_len, dtype=np.int64)
+        mask = steps < end[:, None]
+        rows, where = chains.locate(pos[:, None], np.minimum(steps, (end - 1)[:, None]))
+        indices = table.ecol("first_index")[where] + (rows - chains.first_row[where])
+        return Selection(rows, indices, where, {"mask": mask})
 
     def config(self) -> dict:
         return {"seq_len": self.seq_len, "strict": self.strict}

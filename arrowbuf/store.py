@@ -32,13 +32,13 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.episode_batch import read_episodes
 from arrowbuf.episode_read import read_episode
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import CapacityError, describe
+from arrowbuf.errors import CapacityError, EmptyStoreError, describe
 from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend, reduce_store
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
-from arrowbuf.versions import attach_versions, epochs_fresh, evict_older, sample_fresh
+from arrowbuf.versions import attach_versions, check_fresh_iter, epochs_fresh, evict_older, sample_fresh
 
 
 class ExperienceStore:
@@ -312,16 +312,22 @@ class ExperienceStore:
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
                              "returns a short one at each epoch's end: use drop_last=True")
-        with self._writers.explain_empty():   # an empty store names the writers' open steps
+        try:   # not a context manager: entering and leaving one cost ~1 us of a W1 sample
             batch = self._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
                                          keys) if min_version is None else \
-                sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers, keys)
-        return trl.as_layout(batch, self.schema, layout)
+                sample_fresh(self, min_version, batch_size, args, device, pin_memory, timeout, num_workers,
+                             worker_nodes, keys)
+        except EmptyStoreError as err:   # an empty store names the writers' open steps
+            explained = self._writers.explain(err)
+            if explained is err:
+                raise
+            raise explained from None
+        return batch if layout == "arrowbuf" else trl.as_layout(batch, self.schema, layout)   # schema: 3 calls deep
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
-                    device: torch.device | str | None = None) -> Iterator[TensorDict]:
-        """Endless batches, as `sample` gives them (ValueError for a bad argument).
+                    device: torch.device | str | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` gives them (ValueError for a bad argument; ``min_version`` as in `sample`).
 
         On Ray, ``prefetch`` index requests stay in flight when the shards draw
         (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
@@ -333,7 +339,9 @@ class ExperienceStore:
         if batches_per_request is not None:
             batches_per_request = check_int("batches_per_request", batches_per_request, 1)
         args = check_sample_args(n_step, gamma, frame_stack, self.schema)
-        return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request)
+        min_version = check_fresh_iter(self, min_version)
+        return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request,
+                                         min_version)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,

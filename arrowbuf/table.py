@@ -34,10 +34,11 @@ _COLUMNS: dict[str, Any] = {
     "inserted_at": np.int64,  # ns since the epoch
     "first_index": np.int64,
     "first_step": np.int64,   # step of the first row within its episode: > 0 for a piece that continues one
+    "prev_piece": np.int64,   # serial (k-th added) of the piece this one continues, its steps just before; -1: none
 }
 
 #: Columns a state may lack (written before they existed), with their value then.
-_OPTIONAL = {"first_step": 0}
+_OPTIONAL = {"first_step": 0, "prev_piece": -1}
 
 
 #: Names in states written before "rank" became "index" (checkpoints of format 2
@@ -140,13 +141,14 @@ class EpisodeTable:
         return self._cols[name][self.head:self.tail + self._num_open]
 
     def publish_open(self, first_row: np.ndarray, length: np.ndarray, first_step: np.ndarray,
-                     env: np.ndarray) -> None:
+                     env: np.ndarray, prev_piece: np.ndarray | None = None) -> None:
         """Make the completed steps of open episodes sampleable: entries after the sealed
         ones, one per open tail with ``length`` >= 1 transitions at arena rows
         ``[first_row, first_row + length]`` (the last row is the observation after the
         last step). Their indices are provisional: ``next_index`` on, in the given order,
         renumbered by the next write (a sealed piece then takes its permanent indices).
-        ``env`` holds codes of `env_code`."""
+        ``env`` holds codes of `env_code`; ``prev_piece`` the serial of the sealed piece
+        each tail continues (-1: none)."""
         n = len(first_row)
         while self.tail + n > len(self._cols["episode_id"]):
             self._grow(self.tail + n)
@@ -161,6 +163,7 @@ class EpisodeTable:
         cols["terminated"][i:stop] = False
         cols["truncated"][i:stop] = False
         cols["first_step"][i:stop] = first_step
+        cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
         self._num_open = n
@@ -223,20 +226,23 @@ class EpisodeTable:
 
     def append(self, *, first_row: int, num_rows: int, length: int, has_final: bool,
                terminated: bool, truncated: bool, ret: float, env_id: str, metadata: Any = None,
-               inserted_at: int | None = None, first_step: int = 0) -> int:
-        """Add an episode (or a piece of one that starts at step ``first_step``) as the
-        newest; returns its id. ``inserted_at`` (ns) defaults to now. Open tails published
-        before are dropped: the writer publishes them again."""
+               inserted_at: int | None = None, first_step: int = 0, prev_piece: int = -1) -> int:
+        """Add an episode (or a piece of one that starts at step ``first_step``, continuing
+        the piece added as the ``prev_piece``-th, if any) as the newest; returns its id.
+        ``inserted_at`` (ns) defaults to now. Open tails published before are dropped:
+        the writer publishes them again."""
         self._num_open = self.open_total = self._open_longest = 0
-        if self.tail == len(self._cols["episode_id"]):
+        cols = self._cols   # one store per column (a dict of values to loop over costs 2x)
+        if self.tail == len(cols["episode_id"]):
             self._make_room()
+            cols = self._cols
         code = self._env_codes.get(env_id)
         if code is None:
             code = self._env_codes[env_id] = len(self.env_names)
             self.env_names.append(env_id)
-        episode_id = self.episode_id_of(self.episodes_added)
+        serial = self.episodes_added
+        episode_id = self.id_offset + serial * self.id_stride   # `episode_id_of`
         i = self.tail
-        cols = self._cols   # one store per column (a dict of values to loop over costs 2x)
         cols["episode_id"][i] = episode_id
         cols["env"][i] = code
         cols["first_row"][i] = first_row
@@ -248,18 +254,35 @@ class EpisodeTable:
         cols["return"][i] = ret
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         cols["first_step"][i] = first_step
+        cols["prev_piece"][i] = prev_piece
         if first_step:
             self.pieces = True
-        for name, (count, serial) in self._counters.items():
-            cols[f"first_{name}"][i] = serial[0]
-            serial[0] += count(length)
-        if self._index_episode is not None and length:
-            self._map_indices(self.next_index - length, length, self.episodes_added)
+        counters = self._counters
+        index = counters["index"][1]
+        first_index = index[0]
+        cols["first_index"][i] = first_index
+        index[0] = first_index + length
+        if len(counters) > 1:
+            for name, (count, running) in counters.items():
+                if name != "index":
+                    cols[f"first_{name}"][i] = running[0]
+                    running[0] += count(length)
+        if length and self._index_episode is not None:
+            size = len(self._index_episode)
+            start = first_index & self._index_mask
+            if start + length <= size:
+                self._index_episode[start:start + length] = serial & 0xFFFFFFFF
+            else:
+                self._map_indices(first_index, length, serial)
         self._metadata[i] = metadata
-        self._push_longest(self.episodes_added, length)
-        self.tail += 1
+        longest = self._longest
+        if not longest or longest[-1][1] > length:
+            longest.append((serial, length))
+        else:
+            self._push_longest(serial, length)
+        self.tail = i + 1
         self._lookup = None
-        self.episodes_added += 1
+        self.episodes_added = serial + 1
         return episode_id
 
     def _push_longest(self, serial: int, length: int) -> None:

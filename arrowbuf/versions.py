@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from arrowbuf._checks import check_int
-from arrowbuf._version_spans import VERSION, fresh_spans, newest
+from arrowbuf._version_spans import VERSION, Spans, fresh_spans, newest
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.fields import Field
 from arrowbuf.sample_args import SampleArgs
@@ -30,6 +30,7 @@ from arrowbuf.samplers import Selection, UniformSampler, uniform_indices
 if TYPE_CHECKING:
     from arrowbuf.schema import Schema
     from arrowbuf.shard import Episode, Shard
+    from arrowbuf.table import EpisodeTable
 
 
 
@@ -39,7 +40,11 @@ def newest_version(shard: Shard | None) -> int | None:
 
 
 def no_fresh_step(shard: Shard | None, min_version: int) -> EmptyStoreError:
-    newest = newest_version(shard)
+    return no_fresh(min_version, newest_version(shard))
+
+
+def no_fresh(min_version: int, newest: int | None) -> EmptyStoreError:
+    """The error of a draw of ``min_version`` where none qualifies, naming the ``newest`` version held."""
     held = "no transition" if newest is None else f"the newest version held is {newest}"
     return EmptyStoreError(f"cannot sample: no transition has policy_version >= {min_version} ({held}); "
                            "lower min_version or wait for fresher steps")
@@ -54,17 +59,24 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
             ``min_version``).
         EmptyStoreError: none qualifies (naming the newest version held).
     """
+    if type(sampler).__name__ == "FreshnessSampler":   # weighted by freshness above the bound
+        return sampler.sample(rng, n, shard.table, min_version)
     if type(sampler) is not UniformSampler:
-        raise ValueError(f"min_version needs a UniformSampler; this store uses {sampler!r}")
+        raise ValueError(f"min_version needs a UniformSampler or a FreshnessSampler; this store uses {sampler!r}")
     spans = fresh_spans(shard, min_version)
     if spans is None:
         raise no_fresh_step(shard, min_version)
+    return span_selection(rng, n, spans, shard.table)
+
+
+def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable) -> Selection:
+    """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes)."""
     k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
     pos = spans.pos.take(k)
     step = spans.step0.take(k) + offset
     rows = spans.row0.take(k) + offset
-    if shard.table.pieces:   # the step within the episode of a piece that continues one
-        step += shard.table.col("first_step").take(pos)
+    if table.pieces:   # the step within the episode of a piece that continues one
+        step += table.col("first_step").take(pos)
     return Selection(rows, spans.index0.take(k) + offset, pos, {}, step)
 
 
@@ -149,18 +161,6 @@ def ensure_version_column(engine: Any, schema: Schema) -> None:
             shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
 
 
-def local_engine(store: Any, what: str) -> Any:
-    """A local store's engine.
-
-    Raises:
-        ValueError: a Ray store (its shards and readers do not take versions yet).
-    """
-    if store.backend != "local":
-        raise ValueError(f"{what} needs backend='local' for now; a Ray store stores an int64 'policy_version' "
-                         "step field given in the data, but does not filter or evict by it yet")
-    return store.engine
-
-
 def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schema, version: Any,
                     per_episode: bool = False) -> tuple[Episode | list[Episode], Schema]:
     """``store``'s read episode (or list of them, with ``per_episode``) with its
@@ -171,6 +171,8 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
     Raises:
         ValueError: a bad version, or a Ray store whose schema was fixed without the column.
     """
+    if store.schema is None:   # a first write's policy_version field: the column every write path shares
+        schema = as_version_schema(schema)
     if version is None:
         return episodes, schema
     if store.backend != "local" and store.schema is not None and VERSION not in store.schema.fields:
@@ -189,16 +191,34 @@ def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schem
 
 
 def sample_fresh(store: Any, min_version: Any, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool,
-                 timeout: float | None, num_workers: int | None, keys: Any) -> Any:
-    """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (local stores).
+                 timeout: float | None, num_workers: int | None, worker_nodes: Any, keys: Any) -> Any:
+    """`ExperienceStore.sample` of steps of ``policy_version`` >= ``min_version`` (a Ray
+    store's readers draw them from their views: `arrowbuf.ray.fresh`).
 
     Raises:
-        ValueError: a bad ``min_version``, or a Ray store.
+        ValueError: a bad ``min_version``, or a sampler that does not take it.
     """
     min_version = check_int("min_version", min_version, 0)
-    batch = local_engine(store, "min_version").sample(batch_size, args, device, pin_memory, timeout, keys,
-                                                      min_version)
+    if store.backend != "local":
+        return store._backend.sample(batch_size, args, device, pin_memory, timeout, num_workers, worker_nodes,
+                                     keys, min_version)
+    batch = store.engine.sample(batch_size, args, device, pin_memory, timeout, keys, min_version)
     return batch if num_workers is None else list(batch.split(batch_size // num_workers, dim=0))
+
+
+def check_fresh_iter(store: Any, min_version: Any) -> int | None:
+    """``sample_iter``'s ``min_version`` checked (None stays None).
+
+    Raises:
+        ValueError: not an int >= 0, or a sampler that does not take it.
+    """
+    if min_version is None:
+        return None
+    min_version = check_int("min_version", min_version, 0)
+    if type(store.sampler).__name__ not in ("UniformSampler", "FreshnessSampler"):
+        raise ValueError(f"min_version needs a UniformSampler or a FreshnessSampler; this store uses "
+                         f"{store.sampler!r}")
+    return min_version
 
 
 def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, drop_last: bool, epochs: int,
@@ -206,11 +226,21 @@ def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, d
     """`ExperienceStore.iter_batches` over the steps of ``policy_version`` >= ``min_version``.
 
     Raises:
-        ValueError: a bad ``min_version``, or a Ray store.
+        ValueError: a bad ``min_version``.
         EmptyStoreError: no step qualifies (at the first epoch's start).
     """
     min_version = check_int("min_version", min_version, 0)
-    engine = local_engine(store, "min_version")
+    if store.backend != "local":
+        backend = store._backend
+        first = backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)
+
+        def ray_batches() -> Iterator[Any]:
+            yield from first
+            for _ in range(epochs - 1):
+                yield from backend.iter_batches(batch_size, shuffle, drop_last, device, keys, min_version)
+
+        return ray_batches()
+    engine = store.engine
     keys = engine.check_keys(keys)
     first = engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
 
@@ -225,13 +255,58 @@ def epochs_fresh(store: Any, min_version: Any, batch_size: int, shuffle: bool, d
 
 
 def evict_older(store: Any, min_version: Any) -> int:
-    """`ExperienceStore.evict`: free the oldest episodes older than ``min_version`` (`evict_stale`).
+    """`ExperienceStore.evict`: free the oldest episodes older than ``min_version`` (`evict_stale`;
+    on Ray, every shard its own, FIFO each).
 
     Raises:
-        ValueError: a bad ``min_version``, or a Ray store.
+        ValueError: a bad ``min_version``.
     """
     min_version = check_int("min_version", min_version, 0)
-    return local_engine(store, "evict(min_version=)").evict(min_version)
+    return store._backend.evict(min_version)
+
+
+def writer_fields(schema: Schema) -> dict[str, Field]:
+    """The fields a writer's steps carry: the input fields, and ``policy_version`` when the
+    store has it (a derived column, 0 where a write lacks it: a writer fills the 0s, so
+    that its steps' rows never keep what the arena held before)."""
+    fields = schema.input_fields
+    if VERSION in schema.fields and VERSION not in fields:
+        fields = {**fields, VERSION: schema.fields[VERSION]}
+    return fields
+
+
+def as_version_schema(schema: Schema) -> Schema:
+    """``schema`` with its ``policy_version`` field (inferred from a writer's first step) as
+    the derived column every write path shares (`VERSION_FIELD`)."""
+    field = schema.fields.get(VERSION)
+    if field is None or field.derived:
+        return schema
+    if field.dtype != "int64" or field.shape:
+        raise ValueError(f"policy_version must be int64 scalars per step, got {field}")
+    from arrowbuf.schema import Schema   # noqa: the module's Schema is a type-checking import
+
+    return Schema({n: f for n, f in schema.fields.items() if n != VERSION}).extended({VERSION: VERSION_FIELD})
+
+
+def step_versions(writer_versions: np.ndarray, extra: dict, schema: Schema | None, sink: Any) -> None:
+    """A writer step's ``policy_version`` in ``extra``: checked (`next_versions`, against each
+    env's ``writer_versions``) when given, else 0 for every env when the store has the column.
+    A local store without the column gains it (0 in every row written before).
+
+    Raises:
+        ValueError: bad or decreasing versions, or a Ray store whose schema lacks the column.
+    """
+    if VERSION in extra:
+        extra[VERSION] = next_versions(extra[VERSION], writer_versions)
+        if schema is not None and VERSION not in schema.fields:
+            add_column = getattr(sink, "add_version_column", None)
+            if add_column is None:
+                raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one "
+                                 "yet): give policy_version from the store's first write on, or declare the field "
+                                 "in its schema")
+            add_column()
+    elif schema is not None and VERSION in schema.fields:
+        extra[VERSION] = np.zeros(len(writer_versions), np.int64)
 
 
 def next_versions(value: Any, last: np.ndarray) -> np.ndarray:

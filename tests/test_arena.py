@@ -340,3 +340,31 @@ def test_a_cuda_arena_runs_writers_epochs_gae_and_prioritized_sampling_like_the_
     epochs = [[b.cpu() for b in store.iter_batches(7, epochs=2)] for store in stores]
     for a, b in zip(*epochs):
         assert_same_batches(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_isaaclab_sized_rollout_of_cuda_tensors_is_written_in_place_as_the_cpu_arena_writes_it():
+    """4,096 envs hand over CUDA tensors each step (IsaacLab); the cuda arena stores what the cpu arena does."""
+    envs, steps = 4_096, 24
+    generator = torch.Generator().manual_seed(0)
+    obs = torch.randn(steps + 1, envs, 8, generator=generator).to(torch.bfloat16)
+    action = torch.randn(steps, envs, 3, generator=generator)
+    reward = torch.randn(steps, envs, generator=generator)
+    done = torch.rand(steps, envs, generator=generator) < 0.05
+    stores = []
+    for device in ("cpu", "cuda"):
+        store = ab.ExperienceStore(2 * envs * steps, seed=5, storage_device=device)
+        writer = store.writer(num_envs=envs, autoreset_mode="disabled")
+        for t in range(steps):
+            writer.add(obs=obs[t].to(device), action=action[t].to(device), reward=reward[t].to(device),
+                       terminated=done[t].to(device), truncated=torch.zeros(envs, dtype=torch.bool, device=device),
+                       next_obs=obs[t + 1].to(device))
+        assert len(store) == envs * steps        # every completed step is sampleable before any flush
+        writer.flush()
+        stores.append(store)
+    cpu, cuda = stores
+    assert all(column.is_cuda for column in cuda.engine.shard.arena.values())
+    assert_same_contents(cpu, cuda)
+    assert_same_batches(cpu.sample(512), cuda.sample(512).cpu())
+    assert_same_batches(cpu.sample(256, device="cuda").cpu(), cuda.sample(256).cpu())

@@ -288,6 +288,44 @@ def test_sampling_a_dataset_larger_than_its_resident_limit_stays_under_it(tmp_pa
     assert unlimited["growth"] > 3 * bound, unlimited
 
 
+def test_sampling_small_rows_of_a_dataset_larger_than_its_resident_limit_stays_under_it(tmp_path):
+    """W1-sized rows (98 bytes): a gathered row's read of a column can make far more than its
+    page resident (the kernel maps the cached pages around a read fault of a file, 64 KiB by
+    default), so the bound must hold with that counted. Columns 7x the bound, batches of 16
+    (each one maps up to 5 MB); resident memory after each batch stays within the bound."""
+    T, episodes = 999, 300
+    rng = np.random.default_rng(0)
+    store = ab.ExperienceStore(capacity=episodes * (T + 1), seed=0)
+    step = {"obs": rng.standard_normal((T + 1, 17), np.float32), "action": rng.standard_normal((T, 6), np.float32),
+            "reward": rng.standard_normal(T, np.float32), "terminated": np.arange(T) == T - 1,
+            "truncated": np.zeros(T, bool)}
+    for _ in range(episodes):
+        store.add_episode(step)
+    export = store.to_parquet(tmp_path / "export")
+    ab.open_dataset(export)   # converted here, not in the child
+    bound = 4 << 20
+    env = {**os.environ, "PYTHONPATH": str(Path(ab.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", _RSS_SMALL_ROWS_CHILD, str(export), str(bound)],
+                         capture_output=True, text=True, env=env, check=True)
+    limited = json.loads(out.stdout.strip().splitlines()[-1])
+    assert limited["file"] > 7 * bound
+    assert limited["growth"] < 2 * bound, limited   # the limit, and one batch's pages at most
+
+
+_RSS_SMALL_ROWS_CHILD = textwrap.dedent("""
+    import json, sys, psutil, arrowbuf as ab
+    dataset = ab.open_dataset(sys.argv[1], seed=0, resident_limit=int(sys.argv[2]))
+    process = psutil.Process()
+    dataset.sample(16)
+    dataset.release()
+    baseline = peak = process.memory_info().rss
+    for _ in range(300):
+        dataset.sample(16)
+        peak = max(peak, process.memory_info().rss)
+    print(json.dumps({"growth": peak - baseline, "file": dataset.nbytes}))
+""")
+
+
 @pytest.mark.parametrize("restore_mtime", [False, True])
 def test_flipped_bytes_in_a_cache_raise_format_error_or_read_the_same_rows(tmp_path, restore_mtime):
     """Damage written later (a new mtime) is caught by the hashes by default; damage behind the

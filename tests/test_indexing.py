@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.indexing import frame_rows, n_step, run_lookup
+from arrowbuf.indexing import frame_rows, n_step, piece_chains, run_lookup
+from arrowbuf.table import EpisodeTable
 
 from support.episodes import LiveTable, add_tagged, check_batch_reads_its_rows, episode_schema
 
@@ -198,3 +199,25 @@ def test_a_run_lookup_declines_empty_runs_and_too_many_buckets():
     assert run_lookup(np.array([0, 1, 1000]), 2000, 100) is None    # one short run: 2,000 buckets of 1
     assert run_lookup(np.array([], np.int64), 0, 100) is None
     assert run_lookup(np.array([0, 1, 1000]), 2000, 4000) is not None
+
+
+def test_piece_chains_link_only_live_contiguous_pieces_of_one_env_added_before():
+    table = EpisodeTable()
+    first = dict(num_rows=4, length=3, has_final=True, terminated=False, truncated=False, ret=0.0)
+    table.append(first_row=0, env_id="a", first_step=0, **first)                  # serial 0
+    table.append(first_row=4, env_id="a", first_step=3, prev_piece=0, **first)    # 1: continues 0
+    table.append(first_row=8, env_id="b", first_step=6, prev_piece=1, **first)    # 2: another env
+    table.append(first_row=12, env_id="a", first_step=7, prev_piece=1, **first)   # 3: steps 6 missing
+    table.append(first_row=16, env_id="a", first_step=3, prev_piece=5, **first)   # 4: a serial not added yet
+    table.append(first_row=20, env_id="a", first_step=6, prev_piece=1, **first)   # 5: continues 1
+    chains = piece_chains(table)
+    assert chains.prev.tolist() == [-1, 0, -1, -1, -1, 1]
+    assert chains.next.tolist() == [1, 5, -1, -1, -1, -1]
+    # Steps 0..8 of env a's episode, from piece 1: rows across pieces 0, 1 and 5, clamped at both ends.
+    rows, pos = chains.locate(np.array([1]), np.arange(-1, 11))
+    assert rows.tolist() == [0, 0, 1, 2, 4, 5, 6, 20, 21, 22, 23, 23]
+    assert pos.tolist() == [0, 0, 0, 0, 1, 1, 1, 5, 5, 5, 5, 5]
+    table.pop_oldest(1)   # piece 0 evicted: piece 1 is the earliest held
+    chains = piece_chains(table)
+    assert chains.prev.tolist() == [-1, -1, -1, -1, 0]
+    assert chains.frames(np.array([0]), np.array([4]), 4).tolist() == [[4, 4, 4, 5]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
@@ -78,6 +78,17 @@ def pieces_of(store: ab.ExperienceStore) -> list[Piece]:
     return out
 
 
+def held_run(at: dict, tag: int, t: int) -> tuple[int, int]:
+    """The run of steps of episode ``tag`` held around step t (pieces read as one episode
+    across their boundaries): transitions ``lo .. hi - 1``, observations ``lo .. hi``."""
+    lo, hi = t, t
+    while (tag, lo - 1) in at:
+        lo -= 1
+    while (tag, hi) in at:
+        hi += 1
+    return lo, hi
+
+
 def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *, evicts: bool,
                 whole: list = ()) -> None:
     """The store against the played steps: pieces, counts, an epoch, samples, n-step
@@ -140,12 +151,13 @@ def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *,
     batch = store.sample(64, n_step=n, gamma=gamma)
     tag, step = decode(batch["obs"])
     for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
-        p = at[(a, t)]
-        k = min(n, p.first_step + p.length - t)   # stops at the piece's last written step
+        _, hi = held_run(at, a, t)
+        k = min(n, hi - t)   # across pieces; stops at the last held (an open tail's last written) step
         assert batch["n_steps"][i] == k
         assert float(batch["reward"][i]) == pytest.approx(float(sum(gamma ** j * tagged_reward(a, t + j) for j in range(k))))
         np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i]), tagged_obs(a, t + k))
-        assert bool(batch["terminated"][i]) == (t + k == p.first_step + p.length and p.terminated and p.has_final)
+        q = at[(a, t + k - 1)]   # the piece of the window's last step
+        assert bool(batch["terminated"][i]) == (t + k == q.first_step + q.length and q.terminated and q.has_final)
 
     frames = 3
     batch = store.sample(64, frame_stack=frames)
@@ -153,26 +165,35 @@ def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *,
     assert obs.shape == (64, frames, 2)
     tag, step = decode(obs[:, -1])
     for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
-        p = at[(a, t)]
-        expect = np.maximum(t - np.arange(frames - 1, -1, -1), p.first_step)   # written rows of the piece only
+        lo, _ = held_run(at, a, t)
+        expect = np.maximum(t - np.arange(frames - 1, -1, -1), lo)   # held rows of the episode, across pieces
         np.testing.assert_array_equal(obs[i], tagged_obs(a, expect))
         np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i]),
-                                      tagged_obs(a, np.maximum(t + 1 - np.arange(frames - 1, -1, -1), p.first_step)))
+                                      tagged_obs(a, np.maximum(t + 1 - np.arange(frames - 1, -1, -1), lo)))
 
 
 # -- property tests ---------------------------------------------------------------------------
 
 
+EPISODE_LENGTHS = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_size=1, max_size=3)
+OPS = st.lists(st.tuples(st.sampled_from([0, 1, "episode"]), st.integers(1, 9), st.booleans()), min_size=1, max_size=8)
+
+
 @settings(max_examples=40, deadline=None)
-@given(mode=st.sampled_from(MODES), capacity=st.one_of(st.integers(8, 80), st.just(100_000)), data=st.data())
-def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(mode, capacity, data):
+@given(mode=st.sampled_from(MODES), capacity=st.one_of(st.integers(8, 80), st.just(100_000)),
+       lengths=st.tuples(EPISODE_LENGTHS, EPISODE_LENGTHS), ops=OPS)
+# 4 envs in 28 rows: the head wrapped onto the open region of an env stepped in the same
+# call, which then wrote its step into rows another env's new region held.
+@example(mode="same_step", capacity=28, lengths=([[5], [1], [1]], [[1]]), ops=[(0, 5, False)])
+# Regions of 2 rows: a piece a step; n-step returns and frame stacks cross the pieces.
+@example(mode="next_step", capacity=8, lengths=([[2]], [[1]]), ops=[(0, 1, False), (0, 1, False)])
+@example(mode="disabled", capacity=12, lengths=([[11]], [[3, 5]]), ops=[(0, 6, False), (1, 4, False), (0, 4, True)])
+def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(mode, capacity, lengths, ops):
     store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA)
-    episode_lengths = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_size=1, max_size=3)
-    rollouts = [FakeVectorRollout(data.draw(episode_lengths), mode, first_tag=1000 * k) for k in range(2)]
+    rollouts = [FakeVectorRollout(lengths[k], mode, first_tag=1000 * k) for k in range(2)]
     writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
     whole = []   # whole episodes added between the writers' steps
-    ops = st.tuples(st.sampled_from([0, 1, "episode"]), st.integers(1, 9), st.booleans())
-    for which, count, flag in data.draw(st.lists(ops, min_size=1, max_size=8)):
+    for which, count, flag in ops:
         if which == "episode":
             if count + int(flag) <= capacity // 2:
                 whole.append(ExpectedEpisode(5000 + len(whole), count, flag, terminated=True))
@@ -203,7 +224,9 @@ def test_a_torch_arena_writer_stores_exactly_the_played_steps(capacity, lengths,
 @settings(max_examples=20, deadline=None)
 @given(capacity=st.integers(10, 60), seq_len=st.integers(1, 6), lengths=st.lists(
     st.lists(st.integers(1, 15), min_size=1, max_size=3), min_size=1, max_size=3), num_steps=st.integers(1, 60))
-def test_sequence_windows_stop_at_the_last_written_step(capacity, seq_len, lengths, num_steps):
+@example(capacity=10, seq_len=2, lengths=[[2]], num_steps=2)   # regions of 2 rows: a piece a step
+@example(capacity=12, seq_len=5, lengths=[[9]], num_steps=8)    # windows over 3 pieces
+def test_sequence_windows_cross_pieces_and_stop_at_the_last_held_step(capacity, seq_len, lengths, num_steps):
     store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA,
                                sampler=ab.SequenceSampler(seq_len, strict=False))
     rollout = FakeVectorRollout(lengths, "disabled")
@@ -215,10 +238,12 @@ def test_sequence_windows_stop_at_the_last_written_step(capacity, seq_len, lengt
     obs, mask = np.asarray(batch["obs"]), batch["mask"].numpy()
     tag, step = decode(obs[:, 0])
     for i, (a, t) in enumerate(zip(tag.tolist(), step.tolist())):
-        p = at[(a, t)]
-        valid = min(seq_len, p.first_step + p.length - t)
+        valid = min(seq_len, held_run(at, a, t)[1] - t)   # across pieces, to the last held step
         np.testing.assert_array_equal(mask[i], np.arange(seq_len) < valid)
         np.testing.assert_array_equal(obs[i, :valid], tagged_obs(a, t + np.arange(valid)))
+        np.testing.assert_array_equal(np.asarray(batch["next", "obs"][i, :valid]), tagged_obs(a, t + 1 + np.arange(valid)))
+        np.testing.assert_array_equal(batch["step"][i, :valid].numpy(), t + np.arange(valid))
+        np.testing.assert_array_equal(batch["action"][i, :valid].numpy(), tagged_action(a, t + np.arange(valid)))
 
 
 # -- continuing tasks, eviction of open regions, limits --------------------------------------
@@ -248,6 +273,38 @@ def test_a_continuing_task_streams_ten_capacities_through_a_small_ring_and_sampl
     pieces = pieces_of(store)
     assert all(p.tag == 0 and not p.terminated and not p.truncated for p in pieces)
     assert [p.first_step for p in pieces] == sorted(p.first_step for p in pieces)
+
+
+def test_eviction_takes_an_open_episodes_oldest_steps_first_a_whole_piece_at_a_time():
+    # Two envs step together, never ending (issue 25: what eviction does to an open episode).
+    store = ab.ExperienceStore(capacity=48, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[10 ** 9], [10 ** 9]], "disabled")
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    earliest = [0, 0]
+    evicted_some = False
+    for t in range(1, 6 * 48):
+        writer.add(**rollout.step_arrays())
+        pieces = pieces_of(store)
+        for env in range(2):
+            mine = sorted((p for p in pieces if p.tag == env), key=lambda p: p.first_step)
+            held = [s for p in mine for s in range(p.first_step, p.first_step + p.length)]
+            # The newest steps stay, the oldest go first: a suffix of the played steps,
+            # whose start only moves on, and only to where a piece began.
+            assert held == list(range(held[0], t)), f"env {env} at step {t}: held steps {held}"
+            assert held[0] >= earliest[env] and held[0] == mine[0].first_step
+            evicted_some |= held[0] > earliest[env]
+            earliest[env] = held[0]
+            assert mine[-1].open and mine[-1].first_step + mine[-1].length == t, "the open tail is never evicted"
+        assert len(store) >= min(2 * t, 48 // 2), "pieces of a quarter ring at most: half the ring stays sampleable"
+    assert evicted_some and min(earliest) > 48
+    # Reads start at the earliest held step: a frame stack there repeats its frame.
+    batch = store.sample(256, frame_stack=4)
+    tag, step = decode(np.asarray(batch["obs"])[:, -1])
+    at_earliest = np.flatnonzero(step == np.array(earliest)[tag])
+    assert len(at_earliest), "256 draws of a few dozen steps reach the earliest held ones"
+    for i in at_earliest:
+        np.testing.assert_array_equal(np.asarray(batch["obs"][i]), tagged_obs(tag[i], [step[i]] * 4))
+    check_store(store, [rollout], evicts=True)
 
 
 def test_a_writer_that_stalls_loses_its_open_region_to_the_head_and_continues_its_episode():

@@ -161,3 +161,39 @@ def test_a_payload_of_packed_fields_holds_the_rows_and_not_the_gathered_records(
     batch = pickle.loads(pickle.dumps(payload)).to_tensordict()
     for name in ("action", "flags", "count", "half", "reward", "terminated"):
         np.testing.assert_array_equal(batch[name].numpy(), shard.arena[name][rows], err_msg=name)
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_the_final_observation_row_reads_zero_in_every_packed_field_after_the_ring_reused_it(derived):
+    # Shard.write_episode zeroes that row's record with one store when every packed field
+    # is one row short, and field by field otherwise (a derived field left out: zeroed whole).
+    fields = {"obs": ab.Field("float32", (3,), observation=True), "action": ab.Field("float32", (6,)),
+              "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
+    if derived:
+        fields["advantage"] = ab.Field("float32", derived=True)
+    store = ab.ExperienceStore(12, schema=fields, seed=0)
+    assert len(store.engine.shard._pack_offsets) == (5 if derived else 4)   # obs is not packed
+    rng = np.random.default_rng(0)
+
+    def episode(steps):
+        data = {"obs": rng.standard_normal((steps + 1, 3), np.float32),
+                "action": rng.standard_normal((steps, 6), np.float32) + 5,
+                "reward": np.full(steps, 7, np.float32), "terminated": np.ones(steps, bool),
+                "truncated": np.ones(steps, bool)}
+        if derived:
+            data["advantage"] = np.full(steps, 3, np.float32)
+        return data
+
+    store.add_episode(episode(10))                     # rows 0-10: nonzero step fields at rows 0-9
+    second = episode(4)
+    if derived:   # written without it: the store zeroes the derived field, and the others one by one
+        del second["advantage"]
+    store.add_episode(second)                          # evicts it; rows 0-4, row 4 the final observation
+    table = store.to_arrow()
+    last = len(second["obs"]) - 1
+    for name in ("action", "reward", "terminated", "truncated"):
+        values = column_numpy(table.column(name))
+        np.testing.assert_array_equal(values[:last], second[name], err_msg=name)
+        assert not values[last].any(), name            # the final observation's row: zero
+    if derived:
+        assert not column_numpy(table.column("advantage")).any()

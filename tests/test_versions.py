@@ -172,7 +172,7 @@ def test_bad_versions_and_ray_stores_are_refused_and_leave_the_store_unchanged()
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_ray_store_stores_versions_but_refuses_min_version_and_evict_for_now():
+def test_a_ray_store_stores_versions_from_every_write_path():
     store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
     late = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1)
     try:
@@ -201,10 +201,7 @@ def test_a_ray_store_stores_versions_but_refuses_min_version_and_evict_for_now()
             assert fresh.to_arrow().column("policy_version").to_numpy().tolist()[:2] == [4, 5]
         finally:
             fresh.close()
-        with pytest.raises(ValueError, match="backend='local'"):
-            store.sample(4, min_version=1)
-        with pytest.raises(ValueError, match="backend='local'"):
-            store.evict(min_version=1)
+        assert set(store.sample(64, min_version=2)["policy_version"].tolist()) <= {2, 3}   # tests/test_versions_ray.py
         late.add_episode(_full(3))
         with pytest.raises(ValueError, match="first write"):
             late.add_episode(_full(3), policy_version=1)
@@ -247,3 +244,38 @@ def test_versions_out_of_order_inside_an_episode_are_drawn_step_by_step():
     listed = np.concatenate([b["index"].numpy() for b in store.iter_batches(3, shuffle=False, min_version=5)])
     assert listed.tolist() == expected
     assert store.evict(min_version=7) == 2 and store.sample(8, min_version=5)["index"].unique().tolist() == [10, 11, 12]
+
+
+def _writer_steps(writer, steps: int, version=None, action: int = 0) -> None:
+    obs = np.zeros((2, 2), np.float32)
+    for t in range(steps):
+        extra = {} if version is None else {"policy_version": version}
+        writer.add(obs=obs, action=np.full(2, action, np.int64), reward=np.ones(2, np.float32),
+                   terminated=np.full(2, t == steps - 1), truncated=np.zeros(2, bool), next_obs=obs, **extra)
+
+
+# Each write path, then another, with or without versions: (first, second) writes as
+# ("episode" | "writer", version or None).
+ORDERS = [(("episode", 1), ("writer", 2)), (("writer", 2), ("episode", 3)), (("writer", 2), ("episode", None)),
+          (("episode", 1), ("writer", None)), (("writer", None), ("episode", 1)), (("writer", None), ("writer", 4)),
+          (("episode", None), ("writer", 2))]
+
+
+@pytest.mark.parametrize("mode", ["circular", "fixed"])   # a writer writes in place, or stages episodes
+@pytest.mark.parametrize("first, second", ORDERS)
+def test_writers_and_add_episode_share_the_version_column_in_any_order(mode, first, second):
+    store = ab.ExperienceStore(capacity=1_000, seed=0, mode=mode)
+    store.add_episode({**_full(3), "action": np.full(3, 9, np.int64)}, policy_version=1)   # rows the ring held
+    store.clear()
+    for action, (path, version) in enumerate((first, second)):
+        if path == "episode":
+            store.add_episode({**_full(3), "action": np.full(3, action, np.int64)}, policy_version=version)
+        else:
+            _writer_steps(store.writer(num_envs=2, autoreset_mode="disabled"), 3, version, action)
+    store.flush()
+    batch = store.gather(np.arange(*store.live_ranges()[0]))
+    for action, (_, version) in enumerate((first, second)):   # a step without a version has version 0
+        assert batch["policy_version"][batch["action"] == action].unique().tolist() == [version or 0]
+    assert store.schema.fields["policy_version"].derived   # one column, whichever path made it
+    newest = max(v or 0 for _, v in (first, second))
+    assert store.sample(16, min_version=newest)["policy_version"].unique().tolist() == [newest]

@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from arrowbuf._version_spans import VERSION, episode_bounds
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ResourceError
 from arrowbuf.ray.options import ray_module
@@ -85,6 +86,8 @@ from arrowbuf.table import EpisodeTable
 MERGE = 1
 #: The episode-table columns a block carries (those of a table without sampler counters).
 CHUNK_COLUMNS = tuple(EpisodeTable().state_dict()["columns"])
+#: What a chunk adds when its block has a policy_version column (`arrowbuf._version_spans.episode_bounds`).
+VERSION_CHUNK = ("version_low", "version_high", "version_sorted")
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class BlockRing:
         self._written = -np.inf          # when the last write came (compaction waits for a pause)
         self._compacted = -1             # the version last compacted, and when
         self._compacted_at = -np.inf
-        self._lent: dict[int, tuple[Any, int | None, int]] = {}   # open serial -> (writer's object, part, bytes)
+        self._lent: dict[int, tuple] = {}   # open serial -> (writer's object, part, bytes, versions)
 
     @property
     def nbytes(self) -> int:
@@ -166,12 +169,13 @@ class BlockRing:
             self._open_since = time.monotonic() - self.seal_latency   # due at once
             self._open_bytes = self.block_bytes   # sealed in full blocks
 
-    def lend(self, serial: int, ref: Any, nbytes: int, part: int | None = None) -> None:
+    def lend(self, serial: int, ref: Any, nbytes: int, part: int | None = None, versions: Any = None) -> None:
         """The episode of ``serial``, just written, is to be sealed as its own block: the object
         ``ref`` (or its item ``part``, when its writer put several episodes at once) of ``nbytes``
-        bytes that its writer put in a block's layout (`block_columns`), without a copy.
+        bytes that its writer put in a block's layout (`block_columns`), without a copy;
+        ``versions``: its policy_version column (a view of that object), if it has one.
         Call under the engine's lock, in the hold that wrote it."""
-        self._lent[serial] = (ref, part, nbytes)
+        self._lent[serial] = (ref, part, nbytes, versions)
 
     def added(self, engine: ShardEngine, nbytes: int) -> None:
         """After a write of ``nbytes`` (under the engine's lock): drop evicted blocks, seal what is due."""
@@ -199,6 +203,13 @@ class BlockRing:
             self.seal(engine)
         else:
             self.version += 1
+
+    def evicted(self, engine: ShardEngine) -> None:
+        """The engine freed its oldest episodes (`ShardEngine.evict`): blocks left without
+        a live episode are dropped, and readers told (a new version: their next manifest
+        starts at the new first live episode)."""
+        self._drop_evicted(engine.table)
+        self.version += 1
 
     def clear(self) -> None:
         """The engine was cleared: every block is dropped."""
@@ -228,9 +239,9 @@ class BlockRing:
         for serial in sorted(k for k in lent if start <= k < stop):
             if run < serial:
                 self._seal_copies(engine, run, serial, first_live)
-            ref, part, nbytes = lent[serial]
+            ref, part, nbytes, versions = lent[serial]
             position = serial - first_live
-            episodes = _chunk(table, position, position + 1)
+            episodes = _chunk(table, position, position + 1, versions)
             # Its chunk (one episode) travels inline in the manifest: a put costs ~1 ms of the write.
             self.blocks.append(BlockInfo(ref, episodes, serial, 1, int(table.col("num_rows")[position]), nbytes,
                                          part, lent=True))
@@ -345,15 +356,20 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
         parts = [shard.host_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
         columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)   # ray.put copies once
     ray = ray_module()
-    return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b)), first_serial, b - a, int(num_rows.sum()),
+    return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b, columns.get(VERSION))), first_serial, b - a, int(num_rows.sum()),
                      sum(c.nbytes for c in columns.values()))
 
 
-def _chunk(table: EpisodeTable, a: int, b: int) -> dict[str, np.ndarray]:
-    """The episode-table chunk of positions [a, b): ``first_row`` counted inside their block."""
+def _chunk(table: EpisodeTable, a: int, b: int, versions: Any = None) -> dict[str, np.ndarray]:
+    """The episode-table chunk of positions [a, b): ``first_row`` counted inside their block;
+    with the block's ``versions`` column, each episode's least and greatest policy version
+    and whether they are non-decreasing (`VERSION_CHUNK`: readers draw fresh steps by them)."""
     episodes = {name: table.col(name)[a:b].copy() for name in CHUNK_COLUMNS}
     num_rows = episodes["num_rows"]
     episodes["first_row"] = np.cumsum(num_rows) - num_rows
+    if versions is not None:
+        bounds = episode_bounds(episodes["first_row"], episodes["length"], versions)
+        episodes.update(zip(VERSION_CHUNK, bounds))
     return episodes
 
 

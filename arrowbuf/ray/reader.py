@@ -49,7 +49,7 @@ import threading
 import time
 import types
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -59,6 +59,8 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
+from arrowbuf.ray.fresh import fresh_draw, join_versions, view_versions
+from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
@@ -67,6 +69,7 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
+from arrowbuf.versions import no_fresh
 
 _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
@@ -95,6 +98,10 @@ class ShardView:
     index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
     shards: np.ndarray | None = None      # shard of each episode (a view of several)
     keys: tuple = ()                      # `BlockInfo.key` of each block (the cache's)
+    # (least, greatest, non-decreasing) policy version of each episode, and the spans of
+    # fresh steps per bound drawn so far (`arrowbuf.ray.fresh`).
+    versions: tuple = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
+    spans: dict = field(default_factory=dict)
 
 
 def _locked(method: Callable) -> Callable:
@@ -283,9 +290,11 @@ class BlockReader:
         sizes = np.array([b.num_rows for b in blocks], np.int64)
         bases = np.cumsum(sizes) - sizes
         columns: dict[str, list] = {name: [empty] for name, empty in _TEMPLATE.items()}
+        chunks = []
         for block, base in zip(blocks, bases.tolist()):
             chunk = self._chunks[block.key]
             skip = max(0, manifest.first_live_serial - block.first_serial)
+            chunks.append((chunk, skip))
             for name in columns:
                 part = chunk[name][skip:]
                 columns[name].append(part + base if name == "first_row" else part)
@@ -294,7 +303,8 @@ class BlockReader:
         table, sampler, mass = self._table(columns, manifest.stop_serial, manifest.stop_index, manifest.draws_here,
                                            shard, n)
         self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
-                                      shard << INDEX_SHIFT, keys=tuple(b.key for b in blocks))
+                                      shard << INDEX_SHIFT, keys=tuple(b.key for b in blocks),
+                                      versions=view_versions(chunks))
         self.generation += 1
 
     def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
@@ -342,7 +352,7 @@ class BlockReader:
         table, sampler, mass = self._table(columns, len(columns["first_row"]), indices, True)
         joined = ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
                            sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners),
-                           tuple(key for v in views for key in v.keys))
+                           tuple(key for v in views for key in v.keys), join_versions(views))
         self._joined_view = (views, joined)
         return joined
 
@@ -433,9 +443,12 @@ class BlockReader:
         """The next batch of ``loop`` (drawn again after a lost block: `_retry_lost`)."""
         return loop.next()
 
-    def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict) -> Staged:
+    def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict,
+              min_version: int | None = None) -> Staged:
         """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
-        proportion to their mass (each batch an independent draw), staged with ``scratch``."""
+        proportion to their mass (each batch an independent draw), staged with ``scratch``;
+        of steps of version >= ``min_version`` only, when given (`arrowbuf.ray.fresh`: when
+        none qualifies, the shards are synced once before `EmptyStoreError`)."""
         views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
@@ -445,7 +458,17 @@ class BlockReader:
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
         count = batch_size * batches
-        selection = view.sampler.sample(self.rng, count, view.table)
+        if min_version is None:
+            selection = view.sampler.sample(self.rng, count, view.table)
+        else:
+            selection = fresh_draw(self.rng, count, view, min_version, self.cache)
+            if selection is None:   # fresher steps may be stored and not yet seen: look once
+                self.sync(shards)
+                views = [self.views[s] for s in shards if s in self.views and self.views[s].mass > 0]
+                view = self._joined([v.shard for v in views]) if views else None
+                selection = None if view is None else fresh_draw(self.rng, count, view, min_version, self.cache)
+                if selection is None:
+                    raise no_fresh(min_version, fresh_newest(views))
         shards_count = len(self._drawn)
         if view.shards is None:
             drawn = np.zeros((batches, shards_count), np.int64)
@@ -505,7 +528,8 @@ class SampleRequest:
     """What a store asks its reader for: batches of ``batch_size`` items with ``args``'s
     look-ups, fields ``keys`` (checked; None: all), on ``device``, drawn over ``shards``
     (None: every live one), ``batches`` batches drawn and staged at once (None: as many
-    as `STAGE_BYTES` hold, at most `MAX_STAGED`)."""
+    as `STAGE_BYTES` hold, at most `MAX_STAGED`), of steps of ``policy_version >=
+    min_version`` only when given (`arrowbuf.ray.fresh`)."""
 
     batch_size: int
     args: SampleArgs = PLAIN
@@ -513,6 +537,7 @@ class SampleRequest:
     device: torch.device | None = None
     shards: tuple[int, ...] | None = None
     batches: int | None = None
+    min_version: int | None = None
 
 
 class DrawLoop:
@@ -553,7 +578,8 @@ class DrawLoop:
             self.ready.clear()
             step = self.batches or 1   # the first draw of an unknown size is one batch
             self.staged = None
-            staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch)
+            staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch,
+                                  request.min_version)
             self.staged, self.generation, self.step, self.next_batch = staged, reader.generation, step, 0
             if self.batches is None:   # how many fit in STAGE_BYTES, and in GROUP_BYTES together
                 staged_bytes, out_bytes = reader._gatherer().sizes(staged, size)

@@ -41,6 +41,8 @@ from tensordict import TensorDict
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
 from arrowbuf.ray.draws import ShardDraws
+from arrowbuf.ray.fresh import check_fresh_sampler, fresh_indices
+from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gae import compute_gae
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
@@ -55,6 +57,7 @@ from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
+from arrowbuf.versions import no_fresh
 from arrowbuf.tensors import make_tensordict, pinned
 
 
@@ -252,6 +255,18 @@ class RayBackend:
                 ray.kill(handle)
             self.shards.closed = True
 
+    def evict(self, min_version: int) -> int:
+        """Free, on every shard, the oldest episodes whose steps are all older than ``min_version``
+        (`arrowbuf.versions.evict_stale`, FIFO per shard); how many. This process's next sample
+        reads the shards' new manifests first."""
+        count = 0
+        for shard, (freed, reading) in self.shards.broadcast("evict", min_version).items():
+            self._sizes.note(shard, reading)
+            count += freed
+            if freed:
+                self._reader.wrote(shard)
+        return count
+
     def clear(self) -> None:
         """Empty every shard; new envs are routed by the shards' new sizes (known envs keep their shard)."""
         for shard, reading in self.shards.broadcast("clear").items():
@@ -271,7 +286,7 @@ class RayBackend:
 
     def sample(self, batch_size: int, args: SampleArgs, device: torch.device | None, pin_memory: bool,
                timeout: float | None, num_workers: int | None, worker_nodes: Sequence[str] | None,
-               keys: Any = None) -> TensorDict | list[TensorDict]:
+               keys: Any = None, min_version: int | None = None) -> TensorDict | list[TensorDict]:
         """Sample across shards, split in proportion to their transitions (or priority mass).
 
         Uniform, sequence and episode draws happen here, from the shards' sealed
@@ -281,7 +296,8 @@ class RayBackend:
         reused buffer (writable tensors, as a local store's). A batch keeps its
         items' drawn order (a slice is a sample of the whole store); with
         ``num_workers`` each worker's batch is drawn on its own; with ``worker_nodes``, from the shards on its
-        node (all shards when its node has none).
+        node (all shards when its node has none). ``min_version``: steps of ``policy_version`` >= it
+        only, drawn here too (`arrowbuf.ray.fresh`).
 
         Raises:
             ResourceError: the batch cannot be allocated here (before any shard draws).
@@ -293,21 +309,25 @@ class RayBackend:
         keys = self._check_keys(keys)
         if keys is not None and not isinstance(keys, frozenset):   # no schema yet: EmptyStoreError
             keys = self._reader.check_keys(keys)
+        if min_version is not None:
+            check_fresh_sampler(self.sampler, self._reader.draws_here())
         self._updates.collect(block=False)   # an update left in flight that failed is raised here
         if num_workers is None:
-            return self._draw(batch_size, args, timeout, keys, device, pin_memory)
+            return self._draw(batch_size, args, timeout, keys, device, pin_memory, None, min_version)
         per_worker = batch_size // num_workers
         nodes = worker_nodes if worker_nodes is not None else [None] * num_workers
         return [self._draw(per_worker, args, timeout, keys, device, pin_memory,
-                           None if node is None else [s for s, n in enumerate(self.shards.nodes) if n == node])
+                           None if node is None else [s for s, n in enumerate(self.shards.nodes) if n == node],
+                           min_version)
                 for node in nodes]
 
     def _draw(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
-              pin_memory: bool, shards: Sequence[int] | None = None) -> TensorDict:
+              pin_memory: bool, shards: Sequence[int] | None = None, min_version: int | None = None) -> TensorDict:
         reader = self._reader
         on_cpu = device is None or device.type == "cpu"
         if reader.draws_here():
-            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards))
+            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards),
+                                    min_version=min_version)
             batch = reader.sample(request)   # out of the draws ahead of this request
         else:
             batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
@@ -315,25 +335,38 @@ class RayBackend:
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: torch.device | None, prefetch: int,
-                    batches_per_request: int | None) -> Iterator[TensorDict]:
+                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
         """Endless batches. Draws made here need no round trip: ``batches_per_request``
         batches (default: as many as `STAGE_BYTES` hold, at most `MAX_STAGED`) are drawn
         and staged at once; draws made by the shards keep ``prefetch`` index requests
-        in flight."""
+        in flight. ``min_version``: as in `sample` (drawn here)."""
+        if min_version is not None:
+            check_fresh_sampler(self.sampler, self._reader.draws_here())
         if self._reader.draws_here():
-            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request))
+            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
+                                                      min_version))
         return self._draws.prefetching(batch_size, prefetch, args, device)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
-                     keys: Any = None) -> Iterator[TensorDict]:
-        """Every live transition of every shard once, the shards' indices shuffled together,
-        gathered here from the blocks of every shard's manifest at the epoch's start
-        (the shards seal their open episodes first)."""
+                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
+        """Every live transition of every shard once (of ``policy_version >= min_version`` only,
+        when given), the shards' indices shuffled together, gathered here from the blocks of
+        every shard's manifest at the epoch's start (the shards seal their open episodes first).
+
+        Raises:
+            EmptyStoreError: no transition of ``min_version`` (naming the newest version held).
+        """
         keys = self._check_keys(keys)
         self._reader.sync()
         views = dict(self._reader.views)   # this epoch's snapshot: its blocks stay readable
-        index = np.concatenate([np.arange(*view.table.live_range(), dtype=np.int64) + (shard << INDEX_SHIFT)
-                                for shard, view in sorted(views.items())] or [np.zeros(0, np.int64)])
+        if min_version is None:
+            parts = [np.arange(*view.table.live_range(), dtype=np.int64) for _, view in sorted(views.items())]
+        else:
+            parts = [fresh_indices(view, min_version, self._reader.cache) for _, view in sorted(views.items())]
+            if not sum(len(p) for p in parts):
+                raise no_fresh(min_version, fresh_newest(list(views.values())))
+        index = np.concatenate([part + (shard << INDEX_SHIFT) for shard, part in zip(sorted(views), parts)]
+                               or [np.zeros(0, np.int64)])
         return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), views, keys, device)
 
     def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any) -> Iterator[TensorDict]:
@@ -430,8 +463,8 @@ class RayBackend:
     # -- views ----------------------------------------------------------------------
 
     def episodes(self, include_open: bool = False) -> pa.Table:
-        # Ray writers stage episodes and seal them before shipping: a shard has no open tails.
-        tables = list(self.shards.broadcast("episodes").values())
+        # Open episodes' shipped pieces are stored as pieces, marked open by their shard (`arrowbuf.ray.tails`).
+        tables = list(self.shards.broadcast("episodes", include_open).values())
         return pa.concat_tables(tables, promote_options="permissive") if tables else EpisodeTable().to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:

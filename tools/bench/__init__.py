@@ -24,13 +24,15 @@ docstring:
 - SEED (`workloads.seed`): RLightning's engines through ``arrowbuf.compat``
   vs the native writer on the same data.
 - MIX (`workloads.mixture`): a 25/75 mixture of a memory-mapped dataset and an
-  online store vs the store alone; ``open_dataset`` of a 10M-row dataset.
+  online store vs the store alone; ``open_dataset`` of a 10M-row dataset;
+  opt-in, ``--mix-dataset-gb N`` (`big_dataset`): an N GB dataset (larger than
+  RAM if you like) sampled against a small one in RAM, with peak RSS.
 
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and
 per-contender probes in child processes), `report` (terminal tables, Markdown,
 JSON), `plot` (the bar chart), `specs` and `contenders` (replay data and
-stores), `rollouts` and `rollout_contenders` (on-policy data and stores), `cli`.
+stores), `big_dataset` (MIX's big-dataset row), `rollouts` and `rollout_contenders` (on-policy data and stores), `cli`.
 
 Adding a workload: a module under ``workloads/`` with a ``run(spec, opts) ->
 WorkloadResult`` that times its contenders with `harness.compare`, registered
@@ -47,4 +49,5 @@ Examples:
     python tools/bench.py --markdown out/bench.json --docs   # ... written into docs/performance.md
     python tools/bench.py --plot out/bench.json       # tools/bench.png
     arrowbuf bench --quick --only ONPOLICY   # the same, from the installed CLI
+    python tools/bench.py --only MIX --mix-dataset-gb 40   # + sampling a 40 GB dataset (built once)
 """

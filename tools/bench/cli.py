@@ -20,6 +20,14 @@ from .report import into_page, load, markdown, render, save
 
 DEFAULT_PNG = Path(__file__).resolve().parents[1] / "bench.png"   # tools/bench.png
 DEFAULT_DOCS = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / ".bench-data"   # git-ignored
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GB > 0, got {text!r}")
+    return value
 
 
 def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
@@ -45,6 +53,12 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
     parser.add_argument("--seed-repo", metavar="PATH", default=None,
                         help="RLightning checkout SEED drives as the real seed (default: $ARROWBUF_SEED_REPO, else "
                              ".rlightning/RLightning from tools/seed_checkout.py)")
+    parser.add_argument("--mix-dataset-gb", type=_positive, default=None, metavar="N",
+                        help="MIX also samples an IPC dataset of about N GB (larger than RAM if you like), built once "
+                             "in --mix-dataset-dir and reused (about 2N GB on disk with its cache): batches/s and "
+                             "peak RSS against a small dataset in RAM (default: off)")
+    parser.add_argument("--mix-dataset-dir", metavar="PATH", default=str(DEFAULT_DATA),
+                        help=f"where --mix-dataset-gb builds and keeps its datasets (default {DEFAULT_DATA})")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--markdown", nargs="?", const="", metavar="JSON",
                         help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
@@ -123,7 +137,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         parser.error(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
     opts = Options(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
                    min_time=args.min_time or (0.06 if args.quick else 0.3), slices=max(1, args.slices),
-                   memory=not args.no_memory, profile=args.profile, device=args.device)
+                   memory=not args.no_memory, profile=args.profile, device=args.device,
+                   mix_dataset_gb=args.mix_dataset_gb, mix_dataset_dir=args.mix_dataset_dir)
     results, meta = run(names, opts)
     render(results, meta)
     if args.json:

@@ -36,6 +36,8 @@ class Options:
     memory: bool
     profile: bool
     device: str | None = None   # torch device of the torch-arena contenders (None: cuda if available, else cpu)
+    mix_dataset_gb: float | None = None   # MIX: also sample a dataset of this many GB (`big_dataset`)
+    mix_dataset_dir: str | None = None    # where that dataset is built once and kept
 
     def torch_device(self) -> str:
         """The torch device the torch-arena (``storage_device``) contenders use."""

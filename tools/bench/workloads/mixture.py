@@ -7,14 +7,18 @@
   alone vs the store alone.
 - versions: W1 ``sample(256, min_version=v)`` with 3/4 of the steps at version >= v
   (a version per episode, rising) vs a plain ``sample(256)`` of the same store
-  (target fresh/plain >= 0.8).
+  (target fresh/plain >= 0.8). The same on a Ray store of 2 shards (a local Ray
+  started for it; readers draw both from the shards' blocks; information only).
 - open: ``open_dataset`` of a converted W1 dataset of ``open_rows`` rows (10M full,
   far fewer in quick mode), in a fresh process: seconds and RSS growth (targets
   < 1 s and < 200 MB), its one-time conversion timed apart (info).
 
-Not measured here: sampling a dataset larger than the machine's RAM (the test
-``test_sampling_a_dataset_larger_than_its_resident_limit_stays_under_it`` bounds
-resident memory against a limit instead).
+- big dataset (opt-in, ``--mix-dataset-gb N``; `bench.big_dataset`): ``sample(256)`` of
+  an N GB dataset (possibly larger than RAM) in fresh processes, against a small dataset
+  of the same shape in RAM: batches/s and peak RSS. Off by default: it writes about 2N GB
+  (once, into ``--mix-dataset-dir``). The test
+  ``test_sampling_a_dataset_larger_than_its_resident_limit_stays_under_it`` bounds
+  resident memory against an rlimit instead.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import big_dataset
 from ..contenders import Arrowbuf
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, over, \
     profile_calls, register, start_workload
@@ -78,6 +83,27 @@ def _filled(ab, spec: ReplaySpec, seed: int, versions: bool = False):
     return store
 
 
+def _ray_versioned(ab, spec: ReplaySpec, seed: int):
+    """`_filled`'s versioned store on Ray (2 shards, a local Ray started here), filled by
+    ``add_episodes`` in chunks (a round trip each)."""
+    import logging
+
+    import numpy as np
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    store = ab.ExperienceStore(spec.capacity, backend="ray", num_shards=2, seed=seed)
+    episodes = make_episodes(spec, seed=seed)
+    count = spec.capacity // (spec.episode_len + 1)
+    for first in range(0, count, 256):
+        chunk = [episodes[i % len(episodes)] for i in range(first, min(first + 256, count))]
+        store.add_episodes({k: np.stack([e[k] for e in chunk]) for k in chunk[0]},
+                           policy_version=np.arange(first, first + len(chunk)))
+    store.flush()
+    return store, count
+
+
 def run_mix(spec: MixSpec, opts: Options) -> WorkloadResult:
     t0 = start_workload(Arrowbuf)
     import arrowbuf as ab
@@ -104,24 +130,48 @@ def run_mix(spec: MixSpec, opts: Options) -> WorkloadResult:
         for fn in fresh.values():
             for _ in range(50):
                 fn()
-        sample, versions = compare("MIX", [
+        on_ray, ray_count = _ray_versioned(ab, spec.online, 3)
+        ray_bound = ray_count // 4
+        ray_fresh = {"ray fresh": lambda: on_ray.sample(batch, min_version=ray_bound),
+                     "ray plain": lambda: on_ray.sample(batch)}
+        for fn in ray_fresh.values():
+            for _ in range(50):
+                fn()
+        sample, versions, ray_versions = compare("MIX", [
             Race("sample", "batches/s", fns,
                  {"mixture/online": ("mixture", "online"), "dataset/online": ("dataset", "online")},
                  target="mixture/online >= 0.8", goal=at_least("mixture/online", 0.8)),
             Race("sample(min_version), 3/4 qualify", "batches/s", fresh, {"fresh/plain": ("fresh", "plain")},
-                 target="fresh/plain >= 0.8", goal=at_least("fresh/plain", 0.8))],
+                 target="fresh/plain >= 0.8", goal=at_least("fresh/plain", 0.8)),
+            Race("Ray sample(min_version), 3/4 qualify", "batches/s", ray_fresh,
+                 {"ray fresh/plain": ("ray fresh", "ray plain")}, target="info: 2 shards, drawn by the reader")],
             opts.rounds, opts.min_time, opts.slices)
         if opts.profile:
             notes.append(profile_calls("mixture sample", fns["mixture"], 3000))
         del mixture, dataset, online, versioned, fresh, fns
-        metrics = [sample, versions, _open_metric(ab, spec, root, notes)]
+        metrics = [sample, versions, ray_versions, _open_metric(ab, spec, root, notes)]
+        if opts.mix_dataset_gb:
+            metrics.append(big_dataset.measure(spec.online, opts.mix_dataset_gb, Path(opts.mix_dataset_dir),
+                                               opts, notes))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        _stop_ray()
     flag_noisy("MIX", metrics, notes)
     notes.append(load_note(load_start))
-    return WorkloadResult("MIX", spec.short(), spec.describe(), ["mixture", "online", "dataset", "fresh", "plain"],
+    big = opts.mix_dataset_gb is not None
+    return WorkloadResult("MIX", spec.short(), spec.describe(),
+                          ["mixture", "online", "dataset", "fresh", "plain", "ray fresh", "ray plain",
+                           *(["big", "small"] if big else [])],
                           metrics, notes, time.perf_counter() - t0,
-                          ratio_columns=["mixture/online", "dataset/online", "fresh/plain"])
+                          ratio_columns=["mixture/online", "dataset/online", "fresh/plain", "ray fresh/plain",
+                                         *(["big/small"] if big else [])])
+
+
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:

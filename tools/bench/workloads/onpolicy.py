@@ -57,10 +57,16 @@ class OnPolicySpec:
 
 def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
     """Time each shape's whole-rollout sample and epochs, one shape at a time."""
-    t0 = start_workload(Arrowbuf, TorchRL)
+    # A bare GPU image (tools/gpu_check.py) may lack TorchRL: its columns are then empty, not an error.
+    try:
+        TorchRL.preload()
+        has_torchrl = True
+    except ImportError:
+        has_torchrl = False
+    t0 = start_workload(Arrowbuf, *([TorchRL] if has_torchrl else []))
     import arrowbuf as ab
     load_start = os.getloadavg()[0]
-    notes: list[str] = []
+    notes: list[str] = [] if has_torchrl else ["  torchrl: not installed (its columns are empty)"]
     seed, why_absent = real_seed.load()
     notes.append(f"  rlightning: RLightning's ReplayBuffer from {seed.repo}" if seed is not None
                  else f"  rlightning: {why_absent} (its columns are empty)")
@@ -71,7 +77,7 @@ def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
             notes.append(f"  arrowbuf_keys: ExperienceStore.{method} takes no keys= yet: no {method} column")
     metrics: list[Metric] = []
     for shape in spec.shapes:
-        metrics += onpolicy_shape(shape, spec, opts, keys, notes, seed)
+        metrics += onpolicy_shape(shape, spec, opts, keys, notes, seed, has_torchrl)
         gc.collect()
     judged = "arrowbuf_keys" if all(keys.values()) else "arrowbuf"
     for metric in metrics:
@@ -104,14 +110,14 @@ def run_onpolicy(spec: OnPolicySpec, opts: Options) -> WorkloadResult:
 
 
 def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys: dict[str, bool],
-                   notes: list[str], seed: object = None) -> list[Metric]:
+                   notes: list[str], seed: object = None, has_torchrl: bool = True) -> list[Metric]:
     """Build the contenders over one rollout, time them, and drop them."""
     rollout = make_rollout(shape)
     contenders: dict[str, RolloutContender] = {
         "ideal": IdealRollout(shape, rollout, spec.minibatches),
         **({"rlightning": RealSeedRollout(shape, rollout, spec.minibatches, seed)} if seed is not None else {}),
         "seed": SeedRollout(shape, rollout, spec.minibatches),
-        "torchrl": TorchRLRollout(shape, rollout, spec.minibatches),
+        **({"torchrl": TorchRLRollout(shape, rollout, spec.minibatches)} if has_torchrl else {}),
         "arrowbuf": ArrowbufRollout(shape, rollout, spec.minibatches),
     }
     torch_device = opts.torch_device()
@@ -133,14 +139,14 @@ def onpolicy_shape(shape: RolloutShape, spec: OnPolicySpec, opts: Options, keys:
         on_arenas["arrowbuf_keys"] = samplers["arrowbuf_keys"]
     for fn in [*samplers.values(), *epochs.values(), *on_arenas.values()]:   # warm-up (first touch, lazy imports)
         fn()
-    peers = ("ideal", "rlightning", "seed", "torchrl") if "rlightning" in contenders else ("ideal", "seed", "torchrl")
+    peers = tuple(p for p in ("ideal", "rlightning", "seed", "torchrl") if p in contenders)
     ratios = {**over("arrowbuf", *peers), **over("arrowbuf_keys", *peers)}
     rss = rss_bytes()
     metrics = compare(f"ONPOLICY {shape.name}", [
-        Race(f"{shape.name} rollout sample", "ms", samplers, {k: v for k, v in ratios.items() if v[0] in samplers},
+        Race(f"{shape.name} rollout sample", "ms", samplers, {k: v for k, v in ratios.items() if set(v) <= set(samplers)},
              per_call=True, scale=1e3),
         Race(f"{shape.name} {spec.epochs}x{spec.minibatches} epochs", "ms", epochs,
-             {k: v for k, v in ratios.items() if v[0] in epochs}, per_call=True, scale=1e3),
+             {k: v for k, v in ratios.items() if set(v) <= set(epochs)}, per_call=True, scale=1e3),
         Race(f"{shape.name} rollout sample, torch arena ({torch_device})", "ms", on_arenas,
              {k: tuple(k.split("/")) for k in TORCH_RATIOS if set(k.split("/")) <= set(on_arenas)},
              per_call=True, scale=1e3),
