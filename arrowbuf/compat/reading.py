@@ -166,17 +166,25 @@ class Reader:
         if not len(where):
             return empty_batch(self.store.schema, device)
         shards, index, mask = self.locate(where, space)
+        # Episodes are gathered time-major, [T, n] columns handed over as [n, T] views: the trainer's
+        # permute to [T, episodes] (RSL-RL's update_dataset) then flattens them without a copy.
+        axis = 0 if mask is None else 1
         parts, order = [], []
         for shard in np.unique(shards):
             chosen = np.flatnonzero(shards == shard)
-            part = self.store.gather(index[chosen].reshape(-1), device=device)
-            parts.append(part.reshape(index[chosen].shape) if mask is not None else part)
+            rows = index[chosen]
+            if mask is None:
+                parts.append(self.store.gather(rows, device=device))
+            else:
+                parts.append(self.store.gather(rows.T.reshape(-1), device=device).reshape(rows.shape[::-1]))
             order.append(chosen)
-        batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
         if len(parts) > 1:
-            batch = batch[torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))]
+            back = torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))
+            batch = batch[back] if mask is None else batch[:, back]
         if mask is not None:
-            mask = torch.from_numpy(mask)
+            batch = batch.permute(1, 0)
+            mask = torch.from_numpy(np.ascontiguousarray(mask.T)).permute(1, 0)
             batch["mask"] = mask.to(batch.device) if batch.device is not None else mask
         return to_seed_keys(batch)
 
