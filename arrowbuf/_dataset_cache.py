@@ -7,7 +7,11 @@ directory holds::
                       final observation when it has one: the arena's layout), as ONE
                       record batch of plain columns, so that each column is one
                       contiguous buffer that numpy views in place (flags stored as
-                      uint8, bfloat16 as its uint16 bits, shaped fields as fixed-size lists)
+                      uint8, bfloat16 as its uint16 bits, a shaped field as fixed-size binary
+                      of its row's bytes: Arrow's IPC writer refuses an array of 2**31 or
+                      more values, which a list column's values reach at 126M rows of
+                      obs[17] or 14k rows of a 224x224x3 image; rows of bytes reach it only
+                      at 2**31 rows. Version 1 caches, of fixed-size lists, are still read)
     episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
     _dataset.json     manifest, written last: format, schema, counts, the source it was
                       converted from (each file's size and mtime, hashes of its small
@@ -48,7 +52,7 @@ from arrowbuf.fields import Field
 from arrowbuf.schema import Schema
 
 FORMAT = "arrowbuf.dataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: shaped fields as fixed-size binary (version 1's fixed-size lists are still read)
 MANIFEST = "_dataset.json"
 ROWS = "rows.arrow"
 EPISODES = "episodes.arrow"
@@ -100,17 +104,30 @@ def fingerprint(source_path: Path, files: list[Path], hashed: list[Path]) -> dic
     return entries
 
 
-def _arrow_field(name: str, spec: Field) -> pa.Field:
-    value = pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
-    size = int(np.prod(spec.shape, dtype=np.int64))
-    arrow_type = pa.list_(value, size) if spec.shape else value
+def _arrow_field(name: str, spec: Field, version: int) -> pa.Field:
+    value = _value_type(spec)
+    if not spec.shape:
+        arrow_type = value
+    elif version == 1:
+        arrow_type = pa.list_(value, int(np.prod(spec.shape, dtype=np.int64)))
+    else:
+        arrow_type = pa.binary(_row_bytes(spec))
     return pa.field(name, arrow_type, nullable=False,
                     metadata={_DTYPE: spec.dtype.encode(), _SHAPE: json.dumps(list(spec.shape)).encode()})
 
 
-def rows_schema(schema: Schema) -> pa.Schema:
-    """The Arrow schema of ``rows.arrow`` (one plain column per field)."""
-    return pa.schema([_arrow_field(name, spec) for name, spec in schema.fields.items()],
+def _value_type(spec: Field) -> pa.DataType:
+    return pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
+
+
+def _row_bytes(spec: Field) -> int:
+    itemsize = 1 if spec.dtype == "bool" else np.dtype(spec.numpy_dtype).itemsize
+    return itemsize * int(np.prod(spec.shape, dtype=np.int64))
+
+
+def rows_schema(schema: Schema, version: int = FORMAT_VERSION) -> pa.Schema:
+    """The Arrow schema of ``rows.arrow`` of cache format ``version`` (one plain column per field)."""
+    return pa.schema([_arrow_field(name, spec, version) for name, spec in schema.fields.items()],
                      metadata={b"arrowbuf.schema": schema.to_json().encode()})
 
 
@@ -157,8 +174,9 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
                 handle.close()
         if written != total:
             raise FormatError(f"{source.path}: {written} rows, but its episodes hold {total}")
-        arrays = [_mapped_array(raws[name], schema.fields[name], total) for name in names]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=rows_schema(schema))
+        version = FORMAT_VERSION   # read at the call: a test writes a version 1 cache through it
+        arrays = [_mapped_array(raws[name], schema.fields[name], total, version) for name in names]
+        batch = pa.RecordBatch.from_arrays(arrays, schema=rows_schema(schema, version))
         with pa.OSFile(str(sink.staging / ROWS), "wb") as out, pa.ipc.new_file(out, batch.schema) as writer:
             writer.write_batch(batch)
         del arrays, batch
@@ -184,7 +202,7 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
             files[name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                            "sha256": file_digest(sink.staging / name)}
         write_manifest(sink.staging / MANIFEST, {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "schema": json.loads(schema.to_json()),
+            "format": FORMAT, "format_version": version, "schema": json.loads(schema.to_json()),
             "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
             "source": {"kind": source.kind, "path": str(source.path.resolve()), "info": source.info,
                        "files": fingerprint(source.path, source.files, source.hashed)},
@@ -192,21 +210,21 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
         })
 
 
-def _mapped_array(raw: Path, spec: Field, rows: int) -> pa.Array:
+def _mapped_array(raw: Path, spec: Field, rows: int, version: int) -> pa.Array:
     """The column of ``rows`` rows held in raw file ``raw``, as an Arrow array over its
     memory-mapped bytes (the IPC writer then copies it into ``rows.arrow``)."""
-    nbytes = rows * spec.row_bytes
+    nbytes = rows * _row_bytes(spec)
     if nbytes:
         with open(raw, "rb") as f:
             buffer = pa.py_buffer(mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ))
     else:
         buffer = pa.py_buffer(b"")
-    value = pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
-    size = int(np.prod(spec.shape, dtype=np.int64))
-    values = pa.Array.from_buffers(value, rows * size, [None, buffer])
     if not spec.shape:
-        return values
-    return pa.FixedSizeListArray.from_arrays(values, size)
+        return pa.Array.from_buffers(_value_type(spec), rows, [None, buffer])
+    if version == 1:
+        size = int(np.prod(spec.shape, dtype=np.int64))
+        return pa.FixedSizeListArray.from_arrays(pa.Array.from_buffers(_value_type(spec), rows * size, [None, buffer]), size)
+    return pa.Array.from_buffers(pa.binary(_row_bytes(spec)), rows, [None, buffer])
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -315,19 +333,20 @@ class MappedRows:
         directory: the cache directory (checked by `check_cache_files`).
         schema: the fields it must hold.
         num_rows: rows it must hold.
+        version: the cache's format version (its manifest's).
 
     Raises:
         FormatError: not one record batch of the expected columns and rows.
     """
 
-    def __init__(self, directory: Path, schema: Schema, num_rows: int) -> None:
+    def __init__(self, directory: Path, schema: Schema, num_rows: int, version: int = FORMAT_VERSION) -> None:
         path = directory / ROWS
         try:
             self._file = pa.memory_map(str(path))
             reader = pa.ipc.open_file(self._file)
             if reader.num_record_batches != 1:
                 raise FormatError(f"{path}: {reader.num_record_batches} record batches; a dataset cache has one")
-            if not reader.schema.equals(rows_schema(schema)):
+            if not reader.schema.equals(rows_schema(schema, version)):
                 raise FormatError(f"{path}: its columns differ from the cache manifest's schema {schema}")
             batch = reader.get_batch(0)
             batch.validate()   # buffer sizes against the row count: no read past the file
@@ -338,8 +357,13 @@ class MappedRows:
                 column = batch.column(name)
                 if column.null_count or column.offset:
                     raise FormatError(f"{path}: column {name!r} has nulls or an offset")
-                values = column.values if spec.shape else column
-                array = primitive_numpy(values, np.dtype(np.uint8 if spec.dtype == "bool" else spec.numpy_dtype), name)
+                dtype = np.dtype(np.uint8 if spec.dtype == "bool" else spec.numpy_dtype)
+                if spec.shape and version == 1:
+                    array = primitive_numpy(column.values, dtype, name)
+                elif spec.shape:   # fixed-size binary: its data buffer holds the rows' values
+                    array = primitive_numpy(column, np.dtype((np.void, _row_bytes(spec))), name).view(dtype)
+                else:
+                    array = primitive_numpy(column, dtype, name)
                 if spec.dtype == "bool":
                     array = array.view(np.bool_)
                 self.columns[name] = array.reshape(num_rows, *spec.shape)

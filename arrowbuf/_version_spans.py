@@ -47,6 +47,12 @@ class Spans:
     index0: np.ndarray   # transition index of each span's first step
     row0: np.ndarray     # arena row of each span's first step
     episode_id: np.ndarray
+    #: Index of the first qualifying transition when they are one run of consecutive
+    #: indices (one writer whose versions rise: every step from some point on), else -1.
+    #: A draw then needs no span look-up: ``first + u`` is the index, located as a plain
+    #: sample locates it. ``searchsorted`` of random draws mispredicts a branch at every
+    #: level (14 us for 256 draws over 750 spans, against 2 us for a repeated batch).
+    first: int = -1
 
     def draw(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(span of each draw, offset in it) of draws ``u`` in ``[0, total)``."""
@@ -190,5 +196,7 @@ def spans_of(table: Any, low: np.ndarray, high: np.ndarray, ordered: np.ndarray,
     if not len(pos_) or not count_.sum():
         return None
     end = np.cumsum(count_)
-    return Spans(int(end[-1]), end, end - count_, pos_, step0_, table.col("first_index").take(pos_) + step0_,
-                 table.col("first_row").take(pos_) + step0_, table.col("episode_id").take(pos_))
+    index0 = table.col("first_index").take(pos_) + step0_
+    one_run = bool(np.array_equal(index0[1:], index0[:-1] + count_[:-1]))
+    return Spans(int(end[-1]), end, end - count_, pos_, step0_, index0, table.col("first_row").take(pos_) + step0_,
+                 table.col("episode_id").take(pos_), int(index0[0]) if one_run else -1)

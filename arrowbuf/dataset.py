@@ -134,7 +134,7 @@ class Dataset:
                          source=manifest["source"].get("path"))
         self.sampler = sampler
         self.seed = seed
-        self._rows = MappedRows(directory, schema, manifest["num_rows"])
+        self._rows = MappedRows(directory, schema, manifest["num_rows"], manifest["format_version"])
         self._engine = ShardEngine(max(manifest["num_rows"], 1), sampler=sampler, rate_limiter=RateLimiter(),
                                    seed=seed)
         table = _episode_table(episodes)

@@ -67,8 +67,11 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
     and gather them into ``outs``, views laid out as ``plain`` (`Gather.plain_layout`) says."""
     layout, at_index, at_episode, at_step = plain
     table = shard.table
-    if spans is None:   # every sampleable transition: sealed episodes, then open tails
-        index = _UNIFORM.draw(rng, batch_size, table, outs[at_index])   # the draw `UniformSampler.sample` makes
+    if spans is None or spans.first >= 0:
+        if spans is None:   # every sampleable transition: sealed episodes, then open tails
+            index = _UNIFORM.draw(rng, batch_size, table, outs[at_index])   # the draw `UniformSampler.sample` makes
+        else:   # fresh steps that are one run of indices: the same draw as the spans' below
+            index = uniform_indices(rng, batch_size, spans.first, spans.first + spans.total, outs[at_index])
         pos, step = table.locate(index)
         table.ecol("episode_id").take(pos, 0, outs[at_episode], "clip")
         outs[at_step][...] = step
@@ -76,7 +79,7 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
             outs[at_step][...] += table.ecol("first_step").take(pos)
         rows = table.ecol("first_row").take(pos)
         rows += step
-    else:   # steps of sealed episodes of policy_version >= v
+    else:   # steps of sealed episodes of policy_version >= v, in several runs
         k, offset = spans.draw(uniform_indices(rng, batch_size, 0, spans.total))
         spans.index0.take(k, 0, outs[at_index], "clip")
         outs[at_index] += offset

@@ -25,7 +25,7 @@ from arrowbuf._version_spans import VERSION, Spans, fresh_spans, newest
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.fields import Field
 from arrowbuf.sample_args import SampleArgs
-from arrowbuf.samplers import Selection, UniformSampler, uniform_indices
+from arrowbuf.samplers import Selection, UniformSampler, select_indices, uniform_indices
 
 if TYPE_CHECKING:
     from arrowbuf.schema import Schema
@@ -71,6 +71,8 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
 
 def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable) -> Selection:
     """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes)."""
+    if spans.first >= 0:   # one run of indices (`Spans.first`): the draw below, located as a plain sample's
+        return select_indices(table, uniform_indices(rng, n, spans.first, spans.first + spans.total))
     k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
     pos = spans.pos.take(k)
     step = spans.step0.take(k) + offset

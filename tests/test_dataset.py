@@ -75,6 +75,28 @@ def test_sequence_windows_of_a_dataset_stay_in_their_episodes(tmp_path):
         assert bool((batch["episode_id"] == batch["episode_id"][:, :1]).all())
 
 
+def test_shaped_fields_are_cached_as_rows_of_bytes_and_a_version_1_cache_still_reads(tmp_path, monkeypatch):
+    # Arrow's IPC writer refuses an array of 2**31 values or more: a fixed-size list column's
+    # values reach that at 126M rows of obs[17] (a 28 GB W1 dataset failed to convert that
+    # way), rows of bytes only at 2**31 rows. Version 1 caches (lists) must still open.
+    from arrowbuf import _dataset_cache as cache
+
+    store = _store(seed=4)
+    export = store.to_parquet(tmp_path / "export")
+    dataset = ab.open_dataset(export, seed=4)
+    schema = pa.ipc.open_file(pa.memory_map(str(export / ".arrowbuf-cache" / cache.ROWS))).schema
+    assert schema.field("obs").type == pa.binary(12)                     # 3 float32 per row
+    assert json.loads((export / ".arrowbuf-cache" / cache.MANIFEST).read_text())["format_version"] == 2
+    monkeypatch.setattr(cache, "FORMAT_VERSION", 1)
+    old = ab.open_dataset(export, cache_dir=tmp_path / "v1", seed=4)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "v1" / cache.MANIFEST).read_text())["format_version"] == 1
+    old = ab.open_dataset(export, cache_dir=tmp_path / "v1", seed=4)   # read by this version
+    index = np.arange(len(store))
+    _same(old.gather(index), store.gather(index))
+    _same(dataset.gather(index), store.gather(index))
+
+
 def test_an_arrow_ipc_directory_opens_like_the_store(tmp_path):
     store = _store(seed=3)
     directory = tmp_path / "ipc"

@@ -70,3 +70,33 @@ def test_samples_that_need_the_generic_path_do_not_take_the_direct_one(direct_ca
     limited.add_episode(make_episode(0, 5))
     limited.sample(4)
     assert direct_calls == []
+
+
+@pytest.mark.parametrize("versions, bound, one_run", [
+    ([0, 1, 2, 3, 4], 2, True),          # rising versions: the fresh steps are one run of indices
+    ([3, 0, 4, 1, 5], 3, False),         # fresh episodes between stale ones: several runs
+    ([0, [0, 1, 1, 2, 2, 2, 3], 3, 1, 4], 2, False),   # a bump inside an episode, then a stale one
+])
+def test_fresh_samples_are_the_same_batches_on_both_paths_whether_the_fresh_steps_are_one_run_or_not(
+        direct_calls, versions, bound, one_run):
+    from arrowbuf.versions import fresh_spans
+
+    pair = []
+    for track_reuse in (False, True):   # the second store takes the generic path (`twin_stores`)
+        store = ab.ExperienceStore(200, seed=3, track_reuse=track_reuse)
+        for tag, version in enumerate(versions):
+            episode = make_episode(tag, 7, True)
+            store.add_episode({**episode, "policy_version": np.broadcast_to(np.asarray(version), (7,)).copy()})
+        pair.append(store)
+    direct, generic = pair
+    assert (fresh_spans(direct.engine.direct()[0], bound).first >= 0) == one_run
+    drawn = []
+    for batch_size in (1, 9, 64):
+        batch = direct.sample(batch_size, min_version=bound)
+        assert_same_batches(batch, generic.sample(batch_size, min_version=bound))
+        assert bool((batch["policy_version"] >= bound).all())
+        drawn.append(batch["index"].numpy())
+    assert direct_calls == [1, 9, 64]
+    expected = np.flatnonzero(np.concatenate(
+        [np.broadcast_to(np.asarray(v), (7,)) for v in versions]) >= bound)   # one index per step, from 0
+    assert set(np.concatenate(drawn).tolist()) <= set(expected.tolist())
