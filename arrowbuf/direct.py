@@ -90,3 +90,28 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
         rows = spans.row0.take(k)
         rows += offset
     take_fields(layout, outs, (rows, rows, None))
+
+
+def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, ...]:
+    """(index, episode_id, step, row) of ``batch_size`` transitions drawn as `fill_plain_uniform`
+    draws them (the same generator calls: ``k`` batches drawn at once are the draws of ``k``
+    calls in turn), for `fill_drawn` to gather a slice at a time."""
+    table = shard.table
+    index = _UNIFORM.draw(rng, batch_size, table)
+    pos, offset = table.locate(index)
+    rows = table.ecol("first_row").take(pos) + offset
+    step = offset + table.ecol("first_step").take(pos) if table.pieces else offset
+    return index, table.ecol("episode_id").take(pos), step, rows
+
+
+def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ...], start: int, stop: int) -> None:
+    """Gather the transitions ``start:stop`` of `draw_ahead`'s ``drawn`` into ``outs`` (as
+    `fill_plain_uniform` lays them out)."""
+    layout, at_index, at_episode, at_step = plain
+    index, episode_id, step, rows = drawn
+    outs[at_index][...] = index[start:stop]
+    outs[at_episode][...] = episode_id[start:stop]
+    outs[at_step][...] = step[start:stop]
+    rows = rows[start:stop]
+    take_fields(layout, outs, (rows, rows, None))
+

@@ -124,6 +124,26 @@ def test_the_pooled_path_gives_each_sources_own_draws_and_never_overwrites_a_kep
     assert torch.equal(batch["policy_version"] == 7, batch["episode_id"] == 3)
 
 
+def test_a_datasets_share_drawn_ahead_is_the_draws_of_its_own_samples_in_turn(tmp_path):
+    from arrowbuf import _mixed
+
+    export = _store(3, 4).to_parquet(tmp_path / "demos")
+    demos, twin = ab.open_dataset(export, seed=2), ab.open_dataset(export, seed=2)
+    online, online_twin = _store(4, 6), _store(4, 6)
+    mixture = ab.Mixture({"online": online, "demos": demos}, weights={"online": 0.5, "demos": 0.5})
+    for n in range(2 * _mixed.AHEAD + 3):   # past two refills of the drawn-ahead share
+        batch = mixture.sample(14)
+        expected = [online_twin.sample(7), twin.sample(7)]
+        for key in expected[0].keys(include_nested=True, leaves_only=True):
+            assert torch.equal(batch[key], torch.cat([expected[0][key], expected[1][key]])), (n, key)
+        if n == 5:   # a write to the online store between batches: its share draws from it at once
+            for store in (online, online_twin):
+                store.add_episode({"obs": np.full((4, 2), 9, np.float32), "action": np.zeros(3, np.int64),
+                                   "reward": np.zeros(3, np.float32), "terminated": np.arange(3) == 2,
+                                   "truncated": np.zeros(3, bool)})
+    assert mixture._plans[14].parts[1].ahead == _mixed.AHEAD and mixture._plans[14].parts[0].ahead == 1
+
+
 def test_priorities_of_a_prioritized_source_are_updated_through_the_mixture(tmp_path):
     demos = ab.open_dataset(_store(5, 4).to_parquet(tmp_path / "demos"), seed=0)
     online = _store(6, 6, sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0))
