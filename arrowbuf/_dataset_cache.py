@@ -18,9 +18,10 @@ directory holds::
                       metadata files) and each cache file's size, mtime and SHA-256
 
 A source (Parquet export, Arrow IPC directory, LeRobot dataset: `arrowbuf._dataset_sources`)
-is converted once by `write_cache`: its rows stream into one raw file per column (memory
-stays bounded whatever the dataset's size), then those files, memory-mapped, become
-the columns of the single record batch. `MappedRows` maps a checked cache with
+is converted once by `write_cache`: ``rows.arrow`` is laid out first with every value
+zero (`_lay_out_rows`: the row count is known from the episodes), then the source's rows
+stream into their places in it (memory stays bounded whatever the dataset's size, and
+the disk holds one copy of the rows beside the source). `MappedRows` maps a checked cache with
 ``pyarrow.memory_map``; nothing is read until sampled, and `MappedRows.release` drops
 the pages sampling touched from this process's resident set (they stay in the page
 cache), which keeps resident memory bounded on datasets larger than memory.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,6 @@ FORMAT_VERSION = 2      # 2: shaped fields as fixed-size binary (version 1's fix
 MANIFEST = "_dataset.json"
 ROWS = "rows.arrow"
 EPISODES = "episodes.arrow"
-_RAW = ".raw-"
 _DTYPE = b"arrowbuf.dtype"
 _SHAPE = b"arrowbuf.shape"
 
@@ -147,41 +148,35 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     names = list(schema.fields)
     directory.parent.mkdir(parents=True, exist_ok=True)
     with DirectorySink(directory) as sink:
-        raws = {name: sink.staging / f"{_RAW}{i}" for i, name in enumerate(names)}
-        handles = {name: open(path, "wb") for name, path in raws.items()}
+        version = FORMAT_VERSION   # read at the call: a test writes a version 1 cache through it
+        where = _lay_out_rows(sink.staging / ROWS, schema, total, version)
         written = 0
-        try:
-            with progress_bar(progress, total, f"convert {source.path.name}") as bar:
-                for columns in source.rows():
-                    count = None
-                    for name in names:
-                        spec = schema.fields[name]
-                        array = np.ascontiguousarray(columns[name], dtype=spec.numpy_dtype)
-                        if array.shape[1:] != spec.shape:
-                            raise FormatError(f"{source.path}: field {name!r} has rows of shape {array.shape[1:]}, "
-                                              f"expected {spec.shape}")
-                        if count is None:
-                            count = len(array)
-                        elif len(array) != count:
-                            raise FormatError(f"{source.path}: columns of unequal lengths in one batch of rows")
-                        handles[name].write(memoryview(array.reshape(-1)).cast("B"))
+        with open(sink.staging / ROWS, "r+b") as out, \
+                progress_bar(progress, total, f"convert {source.path.name}") as bar:
+            for columns in source.rows():
+                arrays, count = [], None
+                for name in names:
+                    spec = schema.fields[name]
+                    array = np.ascontiguousarray(columns[name], dtype=spec.numpy_dtype)
+                    if array.shape[1:] != spec.shape:
+                        raise FormatError(f"{source.path}: field {name!r} has rows of shape {array.shape[1:]}, "
+                                          f"expected {spec.shape}")
+                    if count is None:
+                        count = len(array)
+                    elif len(array) != count:
+                        raise FormatError(f"{source.path}: columns of unequal lengths in one batch of rows")
+                    arrays.append(array)
+                if written + (count or 0) > total:
                     written += count or 0
-                    if written > total:
-                        break
-                    bar.update(count or 0)
-        finally:
-            for handle in handles.values():
-                handle.close()
+                    break
+                for name, array in zip(names, arrays):   # each column's rows at their place in its buffer
+                    if array.size:
+                        os.pwrite(out.fileno(), memoryview(array.reshape(-1)).cast("B"),
+                                  where[name] + written * _row_bytes(schema.fields[name]))
+                written += count or 0
+                bar.update(count or 0)
         if written != total:
             raise FormatError(f"{source.path}: {written} rows, but its episodes hold {total}")
-        version = FORMAT_VERSION   # read at the call: a test writes a version 1 cache through it
-        arrays = [_mapped_array(raws[name], schema.fields[name], total, version) for name in names]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=rows_schema(schema, version))
-        with pa.OSFile(str(sink.staging / ROWS), "wb") as out, pa.ipc.new_file(out, batch.schema) as writer:
-            writer.write_batch(batch)
-        del arrays, batch
-        for path in raws.values():
-            path.unlink()
         first_row = np.concatenate([[0], np.cumsum(num_rows)[:-1]]).astype(np.int64) if len(num_rows) else num_rows
         # With observation fields, an episode has T + 1 rows and T transitions with its final
         # observation, T rows and T - 1 transitions without (its last step has no next one).
@@ -210,15 +205,44 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
         })
 
 
-def _mapped_array(raw: Path, spec: Field, rows: int, version: int) -> pa.Array:
-    """The column of ``rows`` rows held in raw file ``raw``, as an Arrow array over its
-    memory-mapped bytes (the IPC writer then copies it into ``rows.arrow``)."""
-    nbytes = rows * _row_bytes(spec)
-    if nbytes:
-        with open(raw, "rb") as f:
-            buffer = pa.py_buffer(mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ))
-    else:
-        buffer = pa.py_buffer(b"")
+def _lay_out_rows(path: Path, schema: Schema, rows: int, version: int) -> dict[str, int]:
+    """Write ``rows.arrow`` at ``path`` with every column's values zero, and return where
+    each column's values start in the file, for the conversion to write them in place.
+
+    The zeros come from a sparse file (read without disk reads; the IPC writer writes them
+    out), so the conversion never holds a second copy of the rows on disk: it needs the
+    cache's size beside its source, not twice that (raw column files copied into the IPC
+    file took 3x a 28 GB dataset, source included, and ran out of disk).
+    """
+    nbytes = max([rows * _row_bytes(spec) for spec in schema.fields.values()] + [0])
+    holes = path.with_name(path.name + ".zeros")
+    with open(holes, "wb") as f:
+        f.truncate(nbytes)
+    try:
+        with open(holes, "rb") as f:
+            zeros = pa.py_buffer(mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ)) if nbytes else pa.py_buffer(b"")
+        arrays = [_column_array(zeros, spec, rows, version) for spec in schema.fields.values()]
+        batch = pa.RecordBatch.from_arrays(arrays, schema=rows_schema(schema, version))
+        with pa.OSFile(str(path), "wb") as out, pa.ipc.new_file(out, batch.schema) as writer:
+            writer.write_batch(batch)
+        del arrays, batch, zeros
+    finally:
+        holes.unlink()
+    with pa.memory_map(str(path)) as mapped:
+        whole = mapped.read_buffer()
+        batch = pa.ipc.open_file(pa.BufferReader(whole)).get_batch(0)
+        where = {}
+        for name, spec in schema.fields.items():
+            column = batch.column(name)
+            values = column.values if spec.shape and version == 1 else column
+            where[name] = values.buffers()[1].address - whole.address if rows else 0
+        del batch, whole
+    return where
+
+
+def _column_array(buffer: pa.Buffer, spec: Field, rows: int, version: int) -> pa.Array:
+    """The column of ``rows`` rows of ``spec`` over the first bytes of ``buffer``."""
+    buffer = buffer.slice(0, rows * _row_bytes(spec))
     if not spec.shape:
         return pa.Array.from_buffers(_value_type(spec), rows, [None, buffer])
     if version == 1:
