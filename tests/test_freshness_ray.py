@@ -113,8 +113,12 @@ def test_draws_need_no_call_to_the_shards(store, monkeypatch):
     calls = []
     shards = store._backend.shards
     call = shards.call
-    monkeypatch.setattr(shards, "call", lambda shard, method, *a, **k: (calls.append(method), call(shard, method, *a,
-                                                                                                   **k))[1])
+
+    def counted(shard: int, method: str, *args, **kwargs):
+        calls.append(method)
+        return call(shard, method, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "call", counted)
     for _ in range(50):
         store.sample(64)
     assert set(calls) <= {"manifest"}   # the reader's polls, at most one per shard and seal_latency
@@ -188,3 +192,19 @@ def test_shards_that_draw_alone_are_refused_with_several_and_taken_with_one():
         assert one.sample(32)["policy_version"].unique().tolist() == [1]   # drawn by its shard
     finally:
         one.close()
+
+
+def test_a_draw_from_some_shards_counts_lags_from_the_newest_version_of_every_shard(store):
+    from arrowbuf.ray.reader import SampleRequest   # a worker's draw from its node's shards
+
+    _mixes(store)
+    store.sample(8)   # views of every shard are in hand
+    reader = store._backend._reader
+    drawn = reader.sample(SampleRequest(512, shards=(0,)))
+    assert drawn["policy_version"].unique().tolist() == [2]   # 0 and 1 lag the newest (5, of shard 2) by 4+
+    assert set((drawn["episode_id"] % SHARDS).tolist()) == {0}
+    store.clear()
+    _write(store, 0, [0] * 10, 1)
+    _write(store, 2, [4] * 10, 2)
+    with pytest.raises(EmptyStoreError, match="newest version held \\(4\\) by at most max_lag=3"):
+        reader.sample(SampleRequest(16, shards=(0,)))

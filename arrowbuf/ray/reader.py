@@ -410,11 +410,6 @@ class BlockReader:
             self.sync(stale)
         return [self.views[s] for s in shards if s in self.views]
 
-    def _held(self) -> list[ShardView]:
-        """The views of every live shard this reader holds (a freshness draw's lags count from their newest)."""
-        live = set(self.shards.live())
-        return [view for shard, view in self.views.items() if shard in live]
-
     def _live(self, shards: tuple[int, ...] | None) -> list[int]:
         """The live shards among ``shards`` (all live ones when None, or when none of them is)."""
         live = self.shards.live()
@@ -458,8 +453,11 @@ class BlockReader:
         """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
         proportion to their mass (each batch an independent draw), staged with ``scratch``;
         of steps of version >= ``min_version`` only, when given, and weighted by freshness
-        for a `FreshnessSampler` (`arrowbuf.ray.fresh`: when none may be drawn, every shard
-        is synced once before `EmptyStoreError`)."""
+        for a `FreshnessSampler` (`arrowbuf.ray.fresh`: when none may be drawn, the shards
+        are synced once before `EmptyStoreError`; every shard for a `FreshnessSampler`)."""
+        weighted = isinstance(self.sampler, FreshnessSampler)
+        # Lags count from the newest version of every shard, not only of these: their views first.
+        newest = fresh_newest(self._views_of(self.shards.live())) if weighted else None
         views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
@@ -469,15 +467,15 @@ class BlockReader:
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
         count = batch_size * batches
-        if min_version is None and not isinstance(view.sampler, FreshnessSampler):
+        if min_version is None and not weighted:
             selection = view.sampler.sample(self.rng, count, view.table)
-        else:   # lags count from the newest version of every shard, not only of these
-            selection = fresh_draw(self.rng, count, view, min_version, self.cache, fresh_newest(self._held()))
+        else:
+            selection = fresh_draw(self.rng, count, view, min_version, self.cache, newest)
             if selection is None:   # fresher steps may be stored and not yet seen: look once
-                self.sync()
+                self.sync(None if weighted else shards)
                 views = [self.views[s] for s in shards if s in self.views and self.views[s].mass > 0]
                 view = self._joined([v.shard for v in views]) if views else None
-                newest = fresh_newest(self._held())
+                newest = fresh_newest(list(self.views.values()) if weighted else views)
                 selection = None if view is None else fresh_draw(self.rng, count, view, min_version, self.cache,
                                                                  newest)
                 if selection is None:
