@@ -1,25 +1,25 @@
 """`FreshnessSampler`: draws weighted toward steps of recent policy versions.
 
-A step's *lag* is the newest ``policy_version`` the shard holds minus its own. The
-sampler draws a step with probability proportional to ``0.5 ** (lag / half_life)``
-(TorchRL's `StalenessAwareSampler` weights by freshness too), and never one whose lag
-exceeds ``max_lag`` when that is given (a hard staleness window). Steps of one version
-are equally likely.
+A step's *lag* is the newest ``policy_version`` the store holds (on a Ray store: across
+all its shards) minus its own. The sampler draws a step with probability proportional
+to ``0.5 ** (lag / half_life)`` (TorchRL's `StalenessAwareSampler` weights by freshness
+too), and never one whose lag exceeds ``max_lag`` when that is given (a hard staleness
+window). Steps of one version are equally likely.
 
 The draw needs no per-step weights: the live steps are kept as *runs* of one version
 (a whole episode when its least and greatest versions agree, else the runs of its steps,
-read once), built from the per-episode version bounds `arrowbuf._version_spans`
-keeps, and rebuilt when episodes are added or evicted. A draw picks a run by its
-weight (its steps times its version's weight) and a step inside it uniformly: O(batch
-log runs). ``min_version`` (a store's ``sample(..., min_version=v)``) drops the runs
-below ``v`` first.
+read once), built from per-episode version bounds (`runs_of`: a local shard's, kept by
+`arrowbuf._version_spans`, or a Ray reader's view's, `arrowbuf.ray.fresh`), and rebuilt
+when episodes are added or evicted. A draw picks a run by its weight (its steps times
+its version's weight) and a step inside it uniformly: O(batch log runs) (`select`).
+``min_version`` (a store's ``sample(..., min_version=v)``) drops the runs below ``v`` first.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -48,27 +48,38 @@ def version_runs(shard: Any) -> Runs:
     if runs is not None:
         return runs
     table = shard.table
-    length, first_row = table.col("length"), table.col("first_row")
+    column, first_row, length = _column(shard), table.col("first_row"), table.col("length")
+
+    def values_of(p: int) -> np.ndarray:
+        return np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
+
+    runs = runs_of(table, bounds.low, bounds.high, values_of)
+    bounds.spans["runs"] = runs   # type: ignore[index]
+    return runs
+
+
+def runs_of(table: EpisodeTable, low: np.ndarray, high: np.ndarray, values_of: Callable[[int], np.ndarray]) -> Runs:
+    """The runs of one version of ``table``'s live episodes, given each one's least and
+    greatest version and ``values_of(p)``, the versions of episode ``p``'s steps (read only
+    for an episode whose version changed mid-way). A local shard's and a Ray reader's view alike."""
+    length = table.col("length")
     some = length > 0
-    flat = np.flatnonzero(some & (bounds.low == bounds.high))
-    pos, step0, count, version = [flat], [np.zeros(len(flat), np.int64)], [length[flat]], [bounds.low[flat]]
-    column = _column(shard)
-    for p in np.flatnonzero(some & (bounds.low != bounds.high)).tolist():
-        values = np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
+    flat = np.flatnonzero(some & (low == high))
+    pos, step0, count, version = [flat], [np.zeros(len(flat), np.int64)], [length[flat]], [low[flat]]
+    for p in np.flatnonzero(some & (low != high)).tolist():
+        values = values_of(p)
         starts = np.concatenate([[0], np.flatnonzero(np.diff(values)) + 1])
         stops = np.concatenate([starts[1:], [len(values)]])
         pos.append(np.full(len(starts), p))
         step0.append(starts)
         count.append(stops - starts)
         version.append(values[starts])
-    runs = Runs(*(np.concatenate(part).astype(np.int64) for part in (pos, step0, count, version)))
-    bounds.spans["runs"] = runs   # type: ignore[index]
-    return runs
+    return Runs(*(np.concatenate(part).astype(np.int64) for part in (pos, step0, count, version)))
 
 
 class FreshnessSampler(Sampler):
     """Draws weighted toward fresh steps: ``P(step) ~ 0.5 ** (lag / half_life)``, where lag
-    is the newest policy version held minus the step's (see the module docstring).
+    is the newest policy version held (by any shard) minus the step's (see the module docstring).
 
     Args:
         half_life: versions of lag that halve a step's weight (> 0; ``inf``: uniform).
@@ -116,13 +127,25 @@ class FreshnessSampler(Sampler):
         runs = version_runs(self.bound_shard)
         if not len(runs.count):
             raise EmptyStoreError("cannot sample: the store holds no sealed transition")
-        newest = int(runs.version.max())
+        selection = self.select(rng, n, runs, table, min_version)
+        if selection is None:   # only a min_version past every step
+            raise no_fresh(min_version, int(runs.version.max()))
+        return selection
+
+    def select(self, rng: np.random.Generator, n: int, runs: Runs, table: EpisodeTable,
+               min_version: int | None = None, newest: int | None = None) -> Selection | None:
+        """``n`` steps of ``runs`` (of ``table``'s live episodes) drawn by freshness, the lag
+        counted from ``newest`` (None: the newest of ``runs``; a Ray reader drawing from some
+        shards passes the newest of all); None when no step may be drawn."""
+        if not len(runs.count):
+            return None
+        newest = int(runs.version.max()) if newest is None else newest
         weight = runs.count * self.weights(newest - runs.version)
         if min_version is not None:
             weight = np.where(runs.version >= min_version, weight, 0.0)
         total = np.cumsum(weight)
-        if not total[-1] > 0:   # only a min_version past every step
-            raise no_fresh(min_version, newest)
+        if not total[-1] > 0:
+            return None
         # The run of each draw (a draw rounded up to the total: the last run with weight).
         last = int(np.flatnonzero(weight > 0)[-1])
         k = np.minimum(total.searchsorted(rng.random(n) * total[-1], "right"), last)

@@ -21,7 +21,7 @@ from arrowbuf.backend import Backend
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import describe
 from arrowbuf.local import LocalBackend
-from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.rate_limiters import RateLimiter, limits
 from arrowbuf.samplers import EpisodeSampler, Sampler, UniformSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES
@@ -96,9 +96,7 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     if isinstance(store.sampler, EpisodeSampler) and num_shards > 1:
         raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                          "cannot agree on; use num_shards=1 or a SequenceSampler")
-    if type(store.sampler).__name__ == "FreshnessSampler" and num_shards > 1:
-        raise ValueError("FreshnessSampler weighs each step by its lag behind the newest version held, which "
-                         "shards do not share; use num_shards=1 (or min_version= for a hard staleness bound)")
+    check_fresh_shards(store.sampler, num_shards, store.rate_limiter, store.track_reuse)
     if isinstance(store.sampler, WithoutReplacementSampler) and num_shards > 1:
         raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
                          "different times; use num_shards=1, or iter_batches() for epochs across shards")
@@ -107,6 +105,22 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
                           track_reuse=store.track_reuse, options=ray_options, durable=directory)
     return RayBackend(shards, capacity=store.capacity, sampler=store.sampler, seed=store.seed, schema=schema,
                       schema_fixed=schema is not None)
+
+
+def check_fresh_shards(sampler: Sampler, num_shards: int, rate_limiter: RateLimiter, track_reuse: bool) -> None:
+    """A `FreshnessSampler` over several shards is drawn by readers, from every shard's
+    versions at once (`arrowbuf.ray.fresh`): a shard drawing alone would count lags from
+    its own newest version.
+
+    Raises:
+        ValueError: several shards, a FreshnessSampler and a rate limiter or ``track_reuse``
+            (which make each shard draw its share).
+    """
+    if type(sampler).__name__ == "FreshnessSampler" and num_shards > 1 and (limits(rate_limiter) or track_reuse):
+        made = f"rate_limiter={type(rate_limiter).__name__}" if limits(rate_limiter) else "track_reuse=True"
+        raise ValueError(f"FreshnessSampler on num_shards={num_shards} weighs steps by their lag behind the newest "
+                         f"version of every shard, so the sampling process draws them; {made} makes each shard "
+                         "draw its share alone: drop it, or use num_shards=1")
 
 
 def attach_backend(name: Any, seed: int | None, ray_options: Any) -> Opened:
@@ -186,6 +200,7 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
     sampler = type(first.sampler)(**first.sampler.config())
     limiter = type(first.rate_limiter)(**first.rate_limiter.config())
     capacity, mode, seed = int(manifest["capacity"]), manifest["mode"], manifest["seed"]
+    check_fresh_shards(sampler, num_shards, limiter, first.track_reuse)
     shards = start_shards(name or RayBackend.new_name(), capacity, num_shards, seed=seed, sampler=sampler,
                           rate_limiter=limiter, schema=first.schema, mode=mode, track_reuse=first.track_reuse,
                           options=options, load_from=[str(d) for d in dirs] if num_shards == len(dirs) else None)

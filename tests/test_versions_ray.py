@@ -185,8 +185,6 @@ def test_ray_stores_refuse_min_version_where_shards_draw_and_leave_the_store_unc
                     call()
         assert len(plain) == 2 and plain.evict(min_version=1) == 0 and plain.evict(min_version=3) == 1
         assert len(plain) == 0
-        with pytest.raises(ValueError, match="num_shards=1"):
-            ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, sampler=ab.FreshnessSampler())
     finally:
         per.close()
 

@@ -27,6 +27,7 @@ from arrowbuf._version_spans import VERSION
 from arrowbuf.durable import DurableShard
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, SchemaError, refused_in_batch
+from arrowbuf.freshness import FreshnessSampler
 from arrowbuf.rate_limiters import RateLimiter, limits
 from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_store, lent_episode
 from arrowbuf.ray.lent import UnfilledRows
@@ -41,7 +42,8 @@ from arrowbuf.tensors import Payload
 
 Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episodes, shard clock)
 LOCK_WAIT = 5.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
-READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler)   # stateless: readers draw them
+#: Stateless samplers: readers draw them (a FreshnessSampler from its views' version bounds).
+READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler, FreshnessSampler)
 
 
 class ShardServer:

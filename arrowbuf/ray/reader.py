@@ -8,7 +8,7 @@ copy of the store's sampler bound to that table. Block rows are placed at
 *virtual* rows (each block after the previous one), so the sampler's rows say
 which block an item comes from.
 
-- Uniform, sequence and episode sampling draw here, from the views, and gather
+- Uniform, sequence, episode and freshness sampling draw here, from the views, and gather
   from the blocks: no actor call per batch. The store hands the reader a
   `SampleRequest`; a `DrawLoop` draws several batches of it at once, stages them
   (`arrowbuf.ray.staging`), gathers them a group at a time into one pooled slot
@@ -59,7 +59,8 @@ from tensordict import TensorDict
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.cache import BlockCache
-from arrowbuf.ray.fresh import fresh_draw, join_versions, view_versions
+from arrowbuf.freshness import FreshnessSampler
+from arrowbuf.ray.fresh import fresh_draw, join_versions, nothing_fresh, view_versions
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
@@ -69,7 +70,6 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
-from arrowbuf.versions import no_fresh
 
 _TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
@@ -102,6 +102,11 @@ class ShardView:
     # fresh steps per bound drawn so far (`arrowbuf.ray.fresh`).
     versions: tuple = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
     spans: dict = field(default_factory=dict)
+    newest: int = field(init=False)   # the newest version of its live steps (-1: none), read once
+
+    def __post_init__(self) -> None:
+        high = self.versions[1]
+        self.newest = int(high.max()) if len(high) else -1
 
 
 def _locked(method: Callable) -> Callable:
@@ -447,8 +452,12 @@ class BlockReader:
               min_version: int | None = None) -> Staged:
         """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
         proportion to their mass (each batch an independent draw), staged with ``scratch``;
-        of steps of version >= ``min_version`` only, when given (`arrowbuf.ray.fresh`: when
-        none qualifies, the shards are synced once before `EmptyStoreError`)."""
+        of steps of version >= ``min_version`` only, when given, and weighted by freshness
+        for a `FreshnessSampler` (`arrowbuf.ray.fresh`: when none may be drawn, the shards
+        are synced once before `EmptyStoreError`; every shard for a `FreshnessSampler`)."""
+        weighted = isinstance(self.sampler, FreshnessSampler)
+        # Lags count from the newest version of every shard, not only of these: their views first.
+        newest = fresh_newest(self._views_of(self.shards.live())) if weighted else None
         views = self._views_of(shards)
         if sum(v.mass for v in views) <= 0:   # nothing sealed yet may only mean: not sealed yet
             self.sync(shards)
@@ -458,17 +467,19 @@ class BlockReader:
                                       "0 transitions")
         view = self._joined([v.shard for v in views if v.mass > 0])
         count = batch_size * batches
-        if min_version is None:
+        if min_version is None and not weighted:
             selection = view.sampler.sample(self.rng, count, view.table)
         else:
-            selection = fresh_draw(self.rng, count, view, min_version, self.cache)
+            selection = fresh_draw(self.rng, count, view, min_version, self.cache, newest)
             if selection is None:   # fresher steps may be stored and not yet seen: look once
-                self.sync(shards)
+                self.sync(None if weighted else shards)
                 views = [self.views[s] for s in shards if s in self.views and self.views[s].mass > 0]
                 view = self._joined([v.shard for v in views]) if views else None
-                selection = None if view is None else fresh_draw(self.rng, count, view, min_version, self.cache)
+                newest = fresh_newest(list(self.views.values()) if weighted else views)
+                selection = None if view is None else fresh_draw(self.rng, count, view, min_version, self.cache,
+                                                                 newest)
                 if selection is None:
-                    raise no_fresh(min_version, fresh_newest(views))
+                    raise nothing_fresh(self.sampler, min_version, newest)
         shards_count = len(self._drawn)
         if view.shards is None:
             drawn = np.zeros((batches, shards_count), np.int64)
