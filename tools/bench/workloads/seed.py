@@ -262,7 +262,8 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
     flag_noisy("SEED", metrics, notes)
     notes.append("  x/seed and compat/native are speed-ups (> 1: faster than the seed / than native); a "
                  "rollout = the engine's ingest + sample + the trainer's PPO minibatches (seed_engines); native "
-                 "sample includes store.clear(), as the RolloutBuffer's sample clears it")
+                 "rollouts take the same minibatches from store.iter_batches(size, epochs, drop_last=True), then "
+                 "store.clear(), as the RolloutBuffer's sample clears it")
     notes.append(load_note(load_start))
     seed_label = "RLightning DataBuffer (real seed)" if seed is not None else "real seed (absent)"
     return WorkloadResult("SEED", spec.short(), spec.describe(), ["seed", "compat", "native", "batched", "single"],
