@@ -97,6 +97,20 @@ def test_shaped_fields_are_cached_as_rows_of_bytes_and_a_version_1_cache_still_r
     _same(dataset.gather(index), store.gather(index))
 
 
+def test_bfloat16_and_shaped_bool_fields_round_trip_through_the_cache(tmp_path):
+    store = ab.ExperienceStore(capacity=200, seed=0)
+    rng = np.random.default_rng(0)
+    for T in (4, 7):
+        store.add_episode({"obs": torch.from_numpy(rng.standard_normal((T + 1, 2, 3)).astype(np.float32)).bfloat16(),
+                           "contact": rng.random((T, 4)) < 0.5, "action": rng.integers(0, 3, T),
+                           "terminated": np.arange(T) == T - 1})
+    dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"))
+    index = np.arange(len(store))
+    mine, theirs = dataset.gather(index), store.gather(index)
+    assert mine["obs"].dtype == torch.bfloat16 and mine["contact"].dtype == torch.bool and mine["contact"].shape == (11, 4)
+    _same(mine, theirs)
+
+
 def test_an_arrow_ipc_directory_opens_like_the_store(tmp_path):
     store = _store(seed=3)
     directory = tmp_path / "ipc"
