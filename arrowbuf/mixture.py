@@ -177,7 +177,8 @@ class Mixture:
             EmptyStoreError: a source with a non-zero share holds nothing.
         """
         if not kwargs and self._direct:
-            plan = self._plans.get(batch_size)
+            # Only an int finds a plan: True hashes as 1 (and 1.0 too), which the check refuses.
+            plan = self._plans.get(batch_size) if type(batch_size) is int else None
             batch = plan.sample(self._pool) if plan is not None else None
             if batch is None:
                 batch = self._sample_direct(check_int("batch_size", batch_size, 1))

@@ -173,6 +173,10 @@ def test_bad_weights_and_sources_are_refused_and_change_nothing():
         ab.Mixture({"a": object()}, weights={"a": 1})
     with pytest.raises(ValueError, match="batch_size"):
         mixture.sample(0)
+    mixture.sample(1)   # a pooled plan for batch size 1 now exists: True and 1.0 hash as 1 and must not find it
+    for bad in (True, 1.0, np.float64(1)):
+        with pytest.raises(ValueError, match="batch_size"):
+            mixture.sample(bad)
     other = ab.ExperienceStore(capacity=100)
     other.add_episode({"obs": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.int8),
                        "terminated": np.array([False, False, True])})
