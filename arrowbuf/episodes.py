@@ -3,14 +3,16 @@
 On a local store `StepWriter` writes each step straight into the arena rows it
 keeps (`arrowbuf.inplace`: one copy per byte, completed steps sampleable at once,
 episodes of any length as pieces). Elsewhere (a Ray store's sink, or a store whose
-rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N
-vectorized environments in per-field arrays of shape [N, T_max, ...] (one
-fancy-indexed assignment per field and step, no Python loop over environments)
-and seals each episode as it ends, into the store.
+rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N envs in
+per-field arrays [N, T_max, ...] (one fancy-indexed assignment per field and step)
+and seals each episode as it ends; a Ray writer also ships open episodes' completed
+steps as pieces on its delivery timer (`arrowbuf.open_pieces`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -22,6 +24,7 @@ from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, stage
 from arrowbuf.errors import CapacityError, RateLimited, SchemaError
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.inplace import InPlace
+from arrowbuf.open_pieces import attach, cut, cut_rows
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 from arrowbuf.versions import as_version_schema, step_versions, writer_fields
@@ -129,10 +132,20 @@ class StepWriter:
         self._inplace = InPlace(engine, self.env_ids) if engine is not None else None
         if self._inplace is not None:
             self._inplace.bind()   # now, if the store has its schema: regions are shared among all writers
+        # A Ray sink ships completed steps of open episodes as pieces (`arrowbuf.open_pieces`).
+        self._first_step = np.zeros(num_envs, np.int64)   # step of each env's first staged row in its episode
+        self._lock = threading.Lock()   # `add` and `flush` against the sink's timer (`cut_due`)
+        self._ships = attach(self)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_ships")}
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._first_step = self.__dict__.get("_first_step", np.zeros(self.num_envs, np.int64)).copy()
+        self._ships = attach(self)
         self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
         self._versions = self.__dict__.get("_versions", np.zeros(self.num_envs, np.int64)).copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
@@ -199,8 +212,15 @@ class StepWriter:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
         if self._inplace is not None:
             return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
+        with self._lock:
+            return self._add_staged(schema, obs_cols, next_cols, step_cols, final, done, skip)
 
+    def _add_staged(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
+                    done: np.ndarray, skip: np.ndarray) -> int:
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        limit = cut_rows(self._sink.capacity) if self._ships is not None else None
+        if limit is not None and int(self._pos.max(initial=0)) >= limit:   # a piece of a quarter of a shard
+            cut(self, np.flatnonzero(active & ~self._refused & (self._pos >= limit)))
         outgrown = self._outgrown(active)
         refused = self._refuse(outgrown) if len(outgrown) else None
         recorded = active & ~self._refused
@@ -217,6 +237,8 @@ class StepWriter:
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
+        if self._ships is not None:
+            self._ships.staged()
         too_long = self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
@@ -261,13 +283,20 @@ class StepWriter:
             sealed = self._inplace.flush()
             self.episodes_written += sealed
             return sealed
-        self._push_pending()
-        open_envs = np.flatnonzero(self._pos > 0)
-        for name, last in self._last_next.items():
-            self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
-        too_long = self._seal(open_envs, has_final=True)
-        self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
-        self._push_pending()
+        with self._lock:
+            self._push_pending()
+            open_envs = np.flatnonzero(self._pos > 0)
+            for name, last in self._last_next.items():
+                self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
+            too_long = self._seal(open_envs, has_final=True)
+            shipped = np.flatnonzero(self._first_step > 0)   # open pieces shipped, no step since: closed
+            if len(shipped):
+                self._sink.close_open([self.env_ids[i] for i in shipped.tolist()])
+                self._first_step[shipped] = 0
+            if self._ships is not None:
+                self._ships.since = None
+            self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
+            self._push_pending()
         self._sink.flush()
         if too_long is not None:
             raise too_long
@@ -539,7 +568,8 @@ class StepWriter:
             columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
                        for name, f in writer_fields(schema).items()}
             self._pos[i] = 0
-            episode = Episode(columns, steps, has_final, self.env_ids[i])
+            episode = Episode(columns, steps, has_final, self.env_ids[i], first_step=int(self._first_step[i]))
+            self._first_step[i] = 0
             if self._pending:
                 self._pending.append(_copied(episode))
                 continue
@@ -571,5 +601,4 @@ def _flags(flags: Any, num_envs: int) -> Any:
 
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return Episode({n: owned_copy(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
-                   episode.env_id, episode.metadata, owned=True)
+    return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)

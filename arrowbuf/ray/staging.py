@@ -293,6 +293,8 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
              "episode_id": table.col("episode_id").take(pos),
              "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+    if table.pieces:   # the step within its episode of a piece that continues one (`arrowbuf.open_pieces`)
+        extra["step"] += table.col("first_step").take(pos).astype(np.int32)
     base = view.bases.take(block) if block is not None else int(view.bases[0])
     if rows.ndim == 2 and block is not None:
         base = base[:, None]
