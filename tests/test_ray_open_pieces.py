@@ -70,6 +70,49 @@ def test_open_steps_become_sampleable_without_flush_or_episode_end():
         store.close()
 
 
+def check_episode_ids(store: ab.ExperienceStore, batch) -> None:
+    """Every sampled row's episode id names the stored piece of its env that holds its step."""
+    table = store.episodes(include_open=True).to_pydict()
+    pieces = {i: (env, f, n) for i, env, f, n in zip(table["episode_id"], table["env_id"], table["first_step"],
+                                                     table["length"])}
+    obs = batch["obs"].numpy()
+    for episode_id, env, t in zip(batch["episode_id"].tolist(), obs[:, 0].astype(int).tolist(),
+                                  obs[:, 1].astype(int).tolist()):
+        piece_env, first, length = pieces[episode_id]
+        assert piece_env == f"env-{env}" and first <= t < first + length, (episode_id, env, t, pieces[episode_id])
+
+
+def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int) -> None:
+    """Steps 0 .. steps - 1, each shipped by the delivery timer before the next: one piece per
+    step and env, so every piece after the first continues its episode (first_step > 0)."""
+    for t in range(steps):
+        step(writer, t)
+        wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
+
+
+@pytest.mark.parametrize("sampler", [ab.UniformSampler(), ab.PrioritizedSampler()], ids=["uniform", "prioritized"])
+def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler):
+    # A reader drawing itself (uniform) once added a piece's first_step to a step that
+    # already held it: step 2 t instead of t; a shard's draw (prioritized) read it once.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0, sampler=sampler)
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        step_one_piece_at_a_time(writer, 8)
+        wait_for(lambda: len(store) == 16, "the 16 shipped steps")
+        assert max(store.episodes(include_open=True).column("first_step").to_pylist()) > 0
+        for args in ({}, {"n_step": 3, "gamma": 1.0}):
+            batch = store.sample(128, **args)
+            obs = batch["obs"].numpy()
+            assert (batch["step"].numpy() == obs[:, 1]).all()
+            assert (batch["action"].numpy() == 10 * obs[:, 1] + obs[:, 0]).all()
+            check_episode_ids(store, batch)
+        check_rows(store.sample(128), 2)   # and the next observation of each: played step t + 1
+        assert store.num_episodes == 0
+        writer.close()
+    finally:
+        store.close()
+
+
 def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes():
     store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
     try:
