@@ -2,12 +2,13 @@
 before their episode ends.
 
 A `arrowbuf.episodes.StepWriter` over a sink that takes open pieces (a Ray store's
-`arrowbuf.ray.sink.RaySink`: ``attach_open``) cuts the completed steps of each open
-episode into a *piece* on the sink's delivery timer, once the oldest of them has waited
-``delivery_latency`` (`OpenShipping.due`), and when an env's staged steps reach a quarter
-of a shard (`cut_rows`: no episode is too long for the store, as locally). A piece is an
+`arrowbuf.ray.sink.RaySink`: ``attach_open``) has an `OpenShipping`, which cuts the
+completed steps of each open episode into a *piece* on the sink's delivery timer, once the
+oldest of them has waited ``delivery_latency`` (`OpenShipping.cut_due`), and when an env's
+staged steps reach a quarter of a shard (`cut_rows`: no episode is too long for the store,
+as locally). The writer hands its pieces over (`StepWriter.take_open_pieces`): each an
 `arrowbuf.shard.Episode` with ``first_step`` (the step of its first row in the episode)
-and ``open=True``: its steps, and the observation after its last step (the next one's
+and ``open=True``, its steps and the observation after its last step (the next one's
 first row, sent again with the next piece: one duplicated observation row a piece, as a
 local region's). The env's staging then starts over at row 0, so a writer stages at most
 the steps of one delivery interval (or a quarter of a shard) per env, not an episode.
@@ -21,11 +22,9 @@ apart in its counts (`arrowbuf.ray.tails`).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
-import numpy as np
-
-from arrowbuf.arena import owned_copy
 from arrowbuf.shard import Episode
 
 
@@ -36,54 +35,57 @@ def cut_rows(capacity: int | None) -> int | None:
 
 
 class OpenShipping:
-    """A writer's clock for its open steps (when the oldest unshipped one was staged)."""
+    """Ships a writer's open steps to its sink as pieces, and keeps their clock (when the
+    oldest unshipped one was staged). The sink's timer holds it weakly (`cut_due`); it
+    holds the writer weakly: the writer owns it.
 
-    def __init__(self, wake: Any) -> None:
+    Args:
+        writer: the `arrowbuf.episodes.StepWriter` whose staging it cuts.
+        sink: the writer's sink (one with ``attach_open``, ``wake`` and ``write``).
+    """
+
+    def __init__(self, writer: Any, sink: Any) -> None:
+        self._writer = weakref.ref(writer)
+        self._sink = sink
         self.since: float | None = None
-        self.wake = wake   # starts the sink's delivery timer
+        sink.attach_open(self)
+
+    @classmethod
+    def attach(cls, writer: Any, sink: Any) -> OpenShipping | None:
+        """The shipping of ``writer``'s open steps, registered with ``sink``; None when the
+        sink takes no open pieces (a local store's: its writers write in place)."""
+        return cls(writer, sink) if hasattr(sink, "attach_open") else None
 
     def staged(self) -> None:
         """A step was staged: start the clock (and the sink's timer) if it is not running."""
         if self.since is None:
             self.since = time.monotonic()
-            self.wake()
+            self._sink.wake()
 
-    def due(self, latency: float) -> bool:
-        return self.since is not None and time.monotonic() - self.since >= latency
+    def reset(self) -> None:
+        """Nothing is staged any more (the writer cut every open episode)."""
+        self.since = None
 
+    def cut_full(self, writer: Any) -> int:
+        """Ship the open episodes of ``writer`` whose staged steps reached `cut_rows`; the
+        pieces written. The caller holds ``writer.lock``."""
+        limit = cut_rows(self._sink.capacity)
+        return 0 if limit is None else self._write(writer.take_open_pieces(limit))
 
-def attach(writer: Any) -> OpenShipping | None:
-    """The clock of a staged ``writer`` whose sink takes open pieces (registered with it), else None."""
-    if writer._inplace is not None or not hasattr(writer._sink, "attach_open"):
-        return None
-    writer._sink.attach_open(writer)
-    return OpenShipping(writer._sink.wake)
-
-
-def cut_due(writer: Any, latency: float) -> int:
-    """The sink's timer: ship the completed steps of every open episode of ``writer`` as
-    pieces once the oldest has waited ``latency`` seconds; the pieces written."""
-    with writer._lock:
-        if writer._pending or writer._ships is None or not writer._ships.due(latency):
+    def cut_due(self, latency: float) -> int:
+        """The sink's timer: ship the completed steps of every open episode as pieces once
+        the oldest has waited ``latency`` seconds; the pieces written. Not while the writer
+        keeps episodes the store refused (they go first, with the writer's next call)."""
+        writer = self._writer()
+        if writer is None:
             return 0
-        writer._ships.since = None
-        return cut(writer, np.flatnonzero((writer._pos > 0) & ~writer._refused))
+        with writer.lock:   # the pieces reach the sink before the writer's next step or end
+            if writer.pending or self.since is None or time.monotonic() - self.since < latency:
+                return 0
+            self.since = None
+            return self._write(writer.take_open_pieces())
 
-
-def cut(writer: Any, envs: np.ndarray) -> int:
-    """Ship the staged steps of ``envs`` (each with at least one) as open pieces to the
-    writer's sink, and start their staging over; returns the pieces written.
-    The caller holds the writer's lock."""
-    schema = writer._sink.schema
-    stage, pos, first = writer._stage, writer._pos, writer._first_step
-    for i in envs.tolist():
-        steps = int(pos[i])
-        for name, last in writer._last_next.items():   # the observation after the last step
-            stage[name][i, steps] = last[i]
-        columns = {name: owned_copy(stage[name][i, :steps + (1 if f.observation else 0)])
-                   for name, f in schema.input_fields.items()}
-        writer._sink.write(Episode(columns, steps, True, writer.env_ids[i], owned=True,
-                                   first_step=int(first[i]), open=True))
-        first[i] += steps
-        pos[i] = 0
-    return len(envs)
+    def _write(self, pieces: list[Episode]) -> int:
+        for piece in pieces:
+            self._sink.write(piece)
+        return len(pieces)

@@ -10,6 +10,9 @@ import pytest
 import ray
 
 import arrowbuf as ab
+from arrowbuf.ray.options import NAMESPACE
+
+from support.actors import kill_and_wait
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -218,6 +221,45 @@ def test_sampling_with_nothing_sampleable_raises_and_never_waits():
         assert len(store) == 2
         check_rows(store.sample(8), 2)
         writer.close()
+    finally:
+        store.close()
+
+
+def test_a_dead_shard_met_by_the_timer_shipping_open_steps_is_raised_by_the_writers_next_step():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    try:
+        step(writer, 0)
+        wait_for(lambda: len(store) == 2, "the first open steps")
+        kill_and_wait(ray.get_actor(f"{store.name}:0", namespace=NAMESPACE))
+        # No episode ends and nothing flushes: only the timer's pieces reach the dead shard.
+        with pytest.raises(ab.ShardError, match="episodes are lost"):
+            t = 1
+            deadline = time.monotonic() + PATIENCE
+            while time.monotonic() < deadline:
+                step(writer, t)
+                t += 1
+                time.sleep(0.02)
+    finally:
+        store.close()
+
+
+def test_an_error_of_the_timers_cut_is_raised_by_the_writers_next_call_not_dropped():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    try:
+        def broken(min_steps: int = 1) -> list:
+            raise RuntimeError("staging broke")
+
+        writer.take_open_pieces = broken   # the timer's cut fails in its thread
+        with pytest.raises(RuntimeError, match="staging broke"):
+            t = 0
+            deadline = time.monotonic() + PATIENCE
+            while time.monotonic() < deadline:
+                step(writer, t)
+                t += 1
+                time.sleep(0.02)
+        assert len(store) == 0
     finally:
         store.close()
 

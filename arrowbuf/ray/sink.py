@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from arrowbuf.errors import ShardError
-from arrowbuf.open_pieces import cut_due
 from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
@@ -103,12 +102,12 @@ class RaySink:
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._lends: bool | None = None   # this process started the shards (`_outgoing`): asked once
-        self._open_writer: weakref.ref | None = None      # the writer whose open steps the timer ships
+        self._open: weakref.ref | None = None             # its writer's `OpenShipping`: the timer ships open steps
         self._closes: dict[int, list[str]] = {}           # shard -> envs whose open pieces' episode ended
 
     def __getstate__(self) -> dict:
         local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer",
-                 "_lends", "_open_writer", "_closes")
+                 "_lends", "_open", "_closes")
         return {k: v for k, v in self.__dict__.items() if k not in local}
 
     def __setstate__(self, state: dict) -> None:
@@ -153,9 +152,10 @@ class RaySink:
                 self._oldest = time.monotonic()
             self._start_timer()
 
-    def attach_open(self, writer: Any) -> None:
-        """Ship ``writer``'s completed open steps as pieces on the delivery timer (`arrowbuf.open_pieces`)."""
-        self._open_writer = weakref.ref(writer)
+    def attach_open(self, shipping: Any) -> None:
+        """Ship a writer's completed open steps as pieces on the delivery timer, through its
+        ``shipping`` (an `arrowbuf.open_pieces.OpenShipping`, held weakly: its writer owns it)."""
+        self._open = weakref.ref(shipping)
 
     def wake(self) -> None:
         """Start the delivery timer if it is not running (a writer staged open steps)."""
@@ -287,11 +287,11 @@ class RaySink:
         """The timer's work: ship the writer's open steps and send episodes that waited
         ``delivery_latency``, collect answers."""
         latency = self._shards.options.delivery_latency
-        writer = self._open_writer() if self._open_writer is not None and self._error is None else None
+        shipping = self._open() if self._open is not None and self._error is None else None
         shipped = 0
-        if writer is not None:   # the writer's lock, then this sink's (the order of its `add`)
+        if shipping is not None:   # the writer's lock, then this sink's (the order of its `add`)
             try:
-                shipped = cut_due(writer, latency)
+                shipped = shipping.cut_due(latency)
             except Exception as err:   # kept for the writer's next call, never dropped
                 with self._lock:
                     self._error = err
