@@ -116,6 +116,29 @@ def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_epis
         store.close()
 
 
+def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
+    # policy_version is a derived column (`arrowbuf.versions.writer_fields`): a piece must carry
+    # it as a sealed episode does, or sampling by version never sees the open steps.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        for t in range(6):
+            n = writer.num_envs
+            writer.add(obs=np.stack([played_obs(e, t) for e in range(n)]), action=10 * t + np.arange(n),
+                       reward=np.full(n, t, np.float32), terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
+                       next_obs=np.stack([played_obs(e, t + 1) for e in range(n)]), policy_version=t)
+            wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
+        wait_for(lambda: len(store) == 12, "the 12 shipped steps")
+        batch = store.sample(64)
+        assert (batch["policy_version"].numpy() == batch["obs"][:, 1].numpy()).all()
+        fresh = store.sample(64, min_version=4)
+        assert set(fresh["step"].tolist()) == {4, 5} and (fresh["policy_version"].numpy() == fresh["step"].numpy()).all()
+        assert store.num_episodes == 0
+        writer.close()
+    finally:
+        store.close()
+
+
 def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes():
     store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
     try:
