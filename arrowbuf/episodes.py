@@ -347,7 +347,8 @@ class StepWriter:
         """The open episodes, refused (pending) episodes and counters: JSON values
         and numpy arrays (copies). The sink is not part of it.
 
-        Not thread-safe against a concurrent `add`: take it between steps.
+        Not thread-safe against a concurrent `add`: take it between steps (a Ray
+        writer's delivery timer may run meanwhile).
         """
         if self._inplace is not None:
             schema = self._sink.schema
@@ -358,16 +359,21 @@ class StepWriter:
                     "episodes_written": self.episodes_written, "skip": self._skip.copy(),
                     "refused": self._refused.copy(), "check_resets": self.reset_check is not None, "pending": [],
                     **state}
+        with self.lock:   # a Ray writer's timer may be cutting pieces
+            return self._staged_state()
+
+    def _staged_state(self) -> dict[str, Any]:
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(), "check_resets": self.reset_check is not None,
+            "first_step": self._first_step.copy(),   # where the staged steps start: after a Ray writer's pieces
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
             "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
-                         "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
-                        for e in self._pending],
+                         "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata,
+                         "first_step": e.first_step} for e in self._pending],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -399,6 +405,7 @@ class StepWriter:
                                          int(episode["num_steps"]), bool(episode["has_final"]), episode["env_id"],
                                          episode["metadata"], owned=True))
             return
+        self._first_step = np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64)
         self._stage, self._last_next = {}, {}
         if state["stage"]:
             schema = self._sink.schema
@@ -411,8 +418,8 @@ class StepWriter:
             for name, last in state["last_next"].items():
                 self._last_next[name][...] = staged(last, schema.fields[name], self.device)
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
-                                 bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
-                         for e in state["pending"]]
+                                 bool(e["has_final"]), e["env_id"], e["metadata"], owned=True,
+                                 first_step=int(e.get("first_step", 0))) for e in state["pending"]]
 
     # -- internals -----------------------------------------------------------------
 

@@ -139,6 +139,28 @@ def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
         store.close()
 
 
+def test_a_writer_restored_from_a_state_continues_its_open_episodes_at_the_step_they_reached():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        first = store.writer(num_envs=2, autoreset_mode="disabled")
+        step_one_piece_at_a_time(first, 3)
+        step(first, 3)   # staged, maybe not shipped yet: the state holds it or its piece went
+        state = first.state_dict()
+        later = store.writer(num_envs=2, autoreset_mode="disabled")
+        later.load_state_dict(state)
+        for t in range(4, 7):
+            step(later, t)
+        later.flush()
+        # 14 steps; 16 when the first writer's timer also shipped step 3 after the state was taken.
+        wait_for(lambda: len(store) in (14, 16), "the 14 steps")
+        batch = store.sample(256)
+        check_rows(batch, 2)   # step t is step t, on either side of the restore
+        assert sorted(set(batch["step"].tolist())) == list(range(7))
+        later.close()
+    finally:
+        store.close()
+
+
 def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes():
     store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
     try:
