@@ -190,6 +190,11 @@ class Record:
 
     def episodes(self) -> Iterator[tuple[int, Episode]]:
         """(logged id, episode) of each episode, columns as zero-copy views of the record."""
+        first_steps = self.meta.get("first_steps")   # pieces that continue an episode; absent: none does
+        if first_steps is not None and len(first_steps) != sum(batch.num_rows for batch in self.batches):
+            raise FormatError(f"{self.where}: a malformed log record (first_steps has {len(first_steps)} entries "
+                              f"for {sum(batch.num_rows for batch in self.batches)} episodes)")
+        serial = 0
         for batch in self.batches:
             rows = {name: batch.column(name).to_pylist() for name in SYSTEM_COLUMNS.names}
             fields = {}
@@ -214,7 +219,9 @@ class Record:
                     columns[name] = data
                 metadata = json.loads(rows["metadata"][k]) if rows["metadata"][k] is not None else None
                 yield episode_id, Episode(columns, steps, has_final, rows["env_id"][k], metadata, owned=True,
-                                          inserted_at=rows["inserted_at"][k])
+                                          inserted_at=rows["inserted_at"][k],
+                                          first_step=first_steps[serial] if first_steps is not None else 0)
+                serial += 1
 
 
 def _is_int(value: Any) -> bool:
@@ -250,6 +257,9 @@ def _meta_problem(meta: Any) -> str | None:
         if batch is not None and not (isinstance(batch, list) and len(batch) == 2 and isinstance(batch[0], str)
                                       and _is_int(batch[1])):
             return f"batch {batch!r:.80}, expected null or [writer, number]"
+        first_steps = meta.get("first_steps", [])
+        if not (isinstance(first_steps, list) and all(_is_int(v) and v >= 0 for v in first_steps)):
+            return f"first_steps {first_steps!r:.80}, expected a list of ints >= 0"
     else:
         return f"kind {kind!r:.80}, expected 'start', 'clear' or 'episodes'"
     return None

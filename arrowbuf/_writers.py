@@ -117,8 +117,8 @@ class WriterRegistry:
         return EmptyStoreError(
             f"{err}. This process's writers hold {sum(held.values())} steps of open episodes "
             f"({', '.join(f'{n!r}: {k}' for n, k in held.items())}), which are stored when their episodes "
-            "end: call writer.flush() to cut and store them now (e.g. at the end of a rollout), or sample "
-            "once an episode has ended")
+            "end (a Ray writer's also on its delivery timer): call writer.flush() to cut and store them now "
+            "(e.g. at the end of a rollout), or sample once an episode has ended")
 
     def flush(self) -> None:
         """Send what the writers' sinks queued and wait for it (no-op for a local store's)."""

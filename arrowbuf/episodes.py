@@ -3,28 +3,31 @@
 On a local store `StepWriter` writes each step straight into the arena rows it
 keeps (`arrowbuf.inplace`: one copy per byte, completed steps sampleable at once,
 episodes of any length as pieces). Elsewhere (a Ray store's sink, or a store whose
-rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N
-vectorized environments in per-field arrays of shape [N, T_max, ...] (one
-fancy-indexed assignment per field and step, no Python loop over environments)
-and seals each episode as it ends, into the store.
+rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N envs in
+per-field arrays [N, T_max, ...] (one fancy-indexed assignment per field and step)
+and seals each episode as it ends; a Ray writer also ships open episodes' completed
+steps as pieces on its delivery timer (`arrowbuf.open_pieces`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from arrowbuf._checks import check_int
-from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged, step_tensor
-from arrowbuf.errors import CapacityError, RateLimited, SchemaError
-from arrowbuf.fields import as_array, check_column
+from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged
+from arrowbuf.errors import CapacityError, RateLimited
 from arrowbuf.inplace import InPlace
-from arrowbuf.schema import Schema, flatten
+from arrowbuf.open_pieces import OpenShipping
+from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.versions import as_version_schema, step_versions, writer_fields
+from arrowbuf.step_reading import StepReader
+from arrowbuf.versions import step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
@@ -111,7 +114,7 @@ class StepWriter:
         self.device = device   # where steps are staged: None (numpy) or a torch device
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
-        self._exact: tuple[Schema, tuple | None] | None = None   # (schema, `_exact_specs` of it): the fast path's
+        self._reader = StepReader(self.num_envs, device, autoreset_mode)   # a step's arrays, as checked columns
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
         self._skip = np.zeros(num_envs, bool)         # next_step mode: the coming step is a reset
         # An episode that outgrew the capacity was refused: the rest of it is skipped,
@@ -129,10 +132,20 @@ class StepWriter:
         self._inplace = InPlace(engine, self.env_ids) if engine is not None else None
         if self._inplace is not None:
             self._inplace.bind()   # now, if the store has its schema: regions are shared among all writers
+        # A Ray sink ships completed steps of open episodes as pieces (`arrowbuf.open_pieces`).
+        self._first_step = np.zeros(num_envs, np.int64)   # step of each env's first staged row in its episode
+        self.lock = threading.Lock()   # `add` and `flush` against the sink's timer (`OpenShipping.cut_due`)
+        self._ships = OpenShipping.attach(self, sink) if self._inplace is None else None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_ships")}
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
+        self.lock = threading.Lock()
+        self._first_step = self.__dict__.get("_first_step", np.zeros(self.num_envs, np.int64)).copy()
+        self._ships = OpenShipping.attach(self, self._sink) if self._inplace is None else None
         self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
         self._versions = self.__dict__.get("_versions", np.zeros(self.num_envs, np.int64)).copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
@@ -183,24 +196,26 @@ class StepWriter:
         step_versions(self._versions, extra, self._sink.schema, self._sink)   # 0 where the store has versions
         self._push_pending()
         step = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extra}
-        exact = self._exact_step(obs, next_obs, step)
-        if exact is not None:
-            schema, obs_cols, next_cols, step_cols = exact
-        else:
-            schema, obs_cols, next_cols, step_cols = self._read_step(obs, next_obs, step)
+        schema, obs_cols, next_cols, step_cols = self._reader.read(self._sink.schema, obs, next_obs, step)
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = _flags(step_cols["terminated"][0], self.num_envs) | _flags(step_cols["truncated"][0], self.num_envs)
         if isinstance(done, torch.Tensor):
             done = done.cpu().numpy()   # N flags to the host: which episodes end
-        final = self._final_obs(final_obs, next_cols, done, schema)
+        final = self._reader.final_obs(final_obs, next_cols, done, schema)
         skip = self._skip if self.reset_check is None else self.reset_check.reset_steps(   # next_step: reset steps
             self._skip, obs_cols, self._last_next, step_cols, final_obs, self.env_ids)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
         if self._inplace is not None:
             return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
+        with self.lock:
+            return self._add_staged(schema, obs_cols, next_cols, step_cols, final, done, skip)
 
+    def _add_staged(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
+                    done: np.ndarray, skip: np.ndarray) -> int:
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
+        if self._ships is not None:   # pieces of at most a quarter of a shard
+            self._ships.cut_full(self)
         outgrown = self._outgrown(active)
         refused = self._refuse(outgrown) if len(outgrown) else None
         recorded = active & ~self._refused
@@ -217,6 +232,8 @@ class StepWriter:
         for name, (array, _) in next_cols.items():
             self._last_next[name][...] = array
         self._pos[envs] += 1
+        if self._ships is not None:
+            self._ships.staged()
         too_long = self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
             self._skip = done & active
@@ -261,13 +278,20 @@ class StepWriter:
             sealed = self._inplace.flush()
             self.episodes_written += sealed
             return sealed
-        self._push_pending()
-        open_envs = np.flatnonzero(self._pos > 0)
-        for name, last in self._last_next.items():
-            self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
-        too_long = self._seal(open_envs, has_final=True)
-        self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
-        self._push_pending()
+        with self.lock:
+            self._push_pending()
+            open_envs = np.flatnonzero(self._pos > 0)
+            for name, last in self._last_next.items():
+                self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
+            too_long = self._seal(open_envs, has_final=True)
+            shipped = np.flatnonzero(self._first_step > 0)   # open pieces shipped, no step since: closed
+            if len(shipped):
+                self._sink.close_open([self.env_ids[i] for i in shipped.tolist()])
+                self._first_step[shipped] = 0
+            if self._ships is not None:
+                self._ships.reset()
+            self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
+            self._push_pending()
         self._sink.flush()
         if too_long is not None:
             raise too_long
@@ -294,13 +318,37 @@ class StepWriter:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    def take_open_pieces(self, min_steps: int = 1) -> list[Episode]:
+        """The staged steps of each open episode with at least ``min_steps`` of them (and not
+        refused) as pieces (`arrowbuf.open_pieces`): owned copies, with the observation after
+        the last step, ``first_step`` and ``open=True``. Their envs' staging starts over at row
+        0 and their next piece starts where this one ends.
+
+        The caller holds `lock` until the pieces are written to the sink, so that an
+        episode's pieces reach it in order.
+        """
+        if int(self._pos.max(initial=0)) < min_steps:   # most steps: nothing to cut, in ~1 us
+            return []
+        pieces = []
+        for i in np.flatnonzero((self._pos >= min_steps) & ~self._refused).tolist():
+            steps = int(self._pos[i])
+            for name, last in self._last_next.items():   # the observation after the last step
+                self._stage[name][i, steps] = last[i]
+            columns = {name: owned_copy(column) for name, column in self._columns(i, final=True).items()}
+            pieces.append(Episode(columns, steps, True, self.env_ids[i], owned=True,
+                                  first_step=int(self._first_step[i]), open=True))
+            self._first_step[i] += steps
+            self._pos[i] = 0
+        return pieces
+
     # -- state ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The open episodes, refused (pending) episodes and counters: JSON values
         and numpy arrays (copies). The sink is not part of it.
 
-        Not thread-safe against a concurrent `add`: take it between steps.
+        Not thread-safe against a concurrent `add`: take it between steps (a Ray
+        writer's delivery timer may run meanwhile).
         """
         if self._inplace is not None:
             schema = self._sink.schema
@@ -311,16 +359,21 @@ class StepWriter:
                     "episodes_written": self.episodes_written, "skip": self._skip.copy(),
                     "refused": self._refused.copy(), "check_resets": self.reset_check is not None, "pending": [],
                     **state}
+        with self.lock:   # a Ray writer's timer may be cutting pieces
+            return self._staged_state()
+
+    def _staged_state(self) -> dict[str, Any]:
         steps = int(self._pos.max(initial=0))
         return {
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(), "check_resets": self.reset_check is not None,
+            "first_step": self._first_step.copy(),   # where the staged steps start: after a Ray writer's pieces
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
             "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
-                         "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata}
-                        for e in self._pending],
+                         "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata,
+                         "first_step": e.first_step} for e in self._pending],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -352,6 +405,7 @@ class StepWriter:
                                          int(episode["num_steps"]), bool(episode["has_final"]), episode["env_id"],
                                          episode["metadata"], owned=True))
             return
+        self._first_step = np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64)
         self._stage, self._last_next = {}, {}
         if state["stage"]:
             schema = self._sink.schema
@@ -364,130 +418,10 @@ class StepWriter:
             for name, last in state["last_next"].items():
                 self._last_next[name][...] = staged(last, schema.fields[name], self.device)
         self._pending = [Episode({n: np.array(a) for n, a in e["columns"].items()}, int(e["num_steps"]),
-                                 bool(e["has_final"]), e["env_id"], e["metadata"], owned=True)
-                         for e in state["pending"]]
+                                 bool(e["has_final"]), e["env_id"], e["metadata"], owned=True,
+                                 first_step=int(e.get("first_step", 0))) for e in state["pending"]]
 
     # -- internals -----------------------------------------------------------------
-
-    def _read_step(self, obs: Any, next_obs: Any, step: dict[str, Any]) -> tuple[Schema, dict, dict, dict]:
-        """The general path of `add`: the step's columns read and checked against the
-        schema (inferred from them before the first step). Returns (schema, obs, next_obs,
-        step columns), each column (array, dtype name).
-
-        Raises:
-            SchemaError: naming the field, the value received and what was expected.
-        """
-        obs_cols = self._columns({"obs": obs}, "obs")
-        next_cols = self._columns({"obs": next_obs}, "next_obs")
-        step_cols = self._columns(step, "step")
-        schema = self._schema_for(obs_cols, step_cols)
-        fields = writer_fields(schema)
-        expected = {n: self.num_envs for n in fields}
-        given = {n: a.shape[0] if a.ndim else None for n, (a, _) in {**obs_cols, **step_cols}.items()}
-        if given != expected:
-            missing = sorted(set(fields) - set(given))
-            unknown = sorted(set(given) - set(schema.fields))
-            wrong = {n: v for n, v in given.items() if n in expected and v != self.num_envs}
-            raise SchemaError(f"writer step does not match the schema: missing {missing}, unknown {unknown}, "
-                              f"leading dims {wrong} (expected {self.num_envs} envs)")
-        for cols in (obs_cols, step_cols):
-            for name, (array, dtype) in cols.items():
-                check_column(schema.fields[name], name, array, dtype)
-        self._check_fields(next_cols, obs_cols, "next_obs", schema, leading=1)
-        return schema, obs_cols, next_cols, step_cols
-
-    def _exact_step(self, obs: Any, next_obs: Any, step: dict[str, Any]) -> tuple[Schema, dict, dict, dict] | None:
-        """The fast path of `add`, as `Schema.read_exact` is a write's: the step's columns
-        when ``obs`` and ``next_obs`` are numpy arrays and ``step`` holds exactly the other
-        fields, each of its field's exact dtype and shape [num_envs, ...]; None for anything
-        else (no schema yet, a Dict observation, a dtype that casts, a tensor, a bad
-        value...), and `_read_step` then reads it and names any error. What it accepts,
-        `_read_step` accepts unchanged: it only skips the checks' per-step cost (~25 us
-        of a W2 step's ~50)."""
-        schema = self._sink.schema
-        if schema is None:
-            return None
-        if self._exact is None or self._exact[0] is not schema:
-            self._exact = (schema, self._exact_specs(schema))
-        specs = self._exact[1]
-        if specs is None or len(step) + 1 != len(specs):
-            return None
-        (_, obs_dtype, obs_shape, obs_name), *step_specs = specs
-        if type(obs) is not np.ndarray or obs.dtype != obs_dtype or obs.shape != obs_shape \
-                or type(next_obs) is not np.ndarray or next_obs.dtype != obs_dtype or next_obs.shape != obs_shape:
-            return None
-        step_cols = {}
-        for name, dtype, shape, dtype_name in step_specs:
-            array = step.get(name)
-            if type(array) is not np.ndarray or array.dtype != dtype or array.shape != shape:
-                return None
-            step_cols[name] = (array, dtype_name)
-        return schema, {"obs": (obs, obs_name)}, {"obs": (next_obs, obs_name)}, step_cols
-
-    def _exact_specs(self, schema: Schema) -> tuple[tuple[str, np.dtype, tuple[int, ...], str], ...] | None:
-        """(name, numpy dtype, step shape [num_envs, ...], dtype name) of the observation
-        ``obs``, then of each step field; None when the fast path cannot apply (staging on a
-        device, observations other than one ``obs`` array, nested names, bfloat16)."""
-        fields = writer_fields(schema)
-        if self.device is not None or schema.observation_names != ("obs",) \
-                or any("." in name or f.dtype == "bfloat16" for name, f in fields.items()):
-            return None
-        specs = [(name, f.numpy_dtype, (self.num_envs, *f.shape), f.dtype) for name, f in fields.items()]
-        return tuple(sorted(specs, key=lambda spec: spec[0] != "obs"))
-
-    def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
-        try:
-            if self.device is not None:
-                return {name: step_tensor(value, name) for name, value in flatten(data).items()}
-            return {name: as_array(value, name) for name, value in flatten(data).items()}
-        except SchemaError as err:
-            raise SchemaError(f"{what}: {err}") from None
-
-    def _schema_for(self, obs_cols: dict, step_cols: dict) -> Schema:
-        schema = self._sink.schema
-        if schema is None:
-            columns = {**obs_cols, **step_cols}
-            schema = as_version_schema(Schema.infer(columns, observation_names=list(obs_cols)))
-        elif set(schema.observation_names) != set(obs_cols):
-            raise SchemaError(f"obs has fields {sorted(obs_cols)}; the store's observation fields are "
-                              f"{sorted(schema.observation_names)}")
-        return schema
-
-    def _final_obs(self, final_obs: Any, next_cols: dict, done: np.ndarray, schema: Schema) -> dict[str, np.ndarray]:
-        if self.autoreset_mode != "same_step" or not done.any():
-            return {n: a for n, (a, _) in next_cols.items()}
-        if final_obs is None:
-            raise ValueError("autoreset_mode='same_step' needs final_obs (info['final_obs']) on steps where an "
-                             "episode ends")
-        if isinstance(final_obs, np.ndarray) and final_obs.dtype == object:
-            # gymnasium's info["final_obs"]: one observation per env, None where none ended.
-            if final_obs.shape != (self.num_envs,):
-                raise SchemaError(f"final_obs: object array of shape {final_obs.shape}; expected ({self.num_envs},), "
-                                  "one entry per env")
-            template = {n: owned_copy(a) for n, (a, _) in next_cols.items()}
-            for i in np.flatnonzero(done):
-                entry = self._columns({"obs": final_obs[i]}, f"final_obs[{i}]")
-                self._check_fields(entry, template, f"final_obs[{i}]", schema, leading=0)
-                for name in template:
-                    template[name][i] = entry[name][0]
-            return template
-        cols = self._columns({"obs": final_obs}, "final_obs")
-        self._check_fields(cols, next_cols, "final_obs", schema, leading=1)
-        return {n: a for n, (a, _) in cols.items()}
-
-    def _check_fields(self, cols: dict[str, tuple[np.ndarray, str]], expected: Mapping[str, Any], what: str,
-                      schema: Schema, leading: int) -> None:
-        """``cols`` hold exactly the observation fields, each of the schema's dtype
-        and shape (after ``leading`` dims of ``num_envs``)."""
-        if set(cols) != set(expected):
-            raise SchemaError(f"{what} has fields {sorted(cols)}; expected the observation fields {sorted(expected)}")
-        for name, (array, dtype) in cols.items():
-            try:
-                check_column(schema.fields[name], name, array, dtype, leading)
-            except SchemaError as err:
-                raise SchemaError(f"{what}: {err}") from None
-            if leading and array.shape[0] != self.num_envs:
-                raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
 
     def _outgrown(self, active: np.ndarray) -> np.ndarray:
         """Envs whose open episode this step would make too long for the store: its
@@ -532,14 +466,13 @@ class StepWriter:
 
     def _seal(self, envs: np.ndarray, has_final: bool) -> CapacityError | None:
         """Seal the open episodes of ``envs``; returns the error of one that can never fit."""
-        schema = self._sink.schema
         too_long = None
         for i in envs:
             steps = int(self._pos[i])
-            columns = {name: self._stage[name][i, :steps + (1 if f.observation and has_final else 0)]
-                       for name, f in writer_fields(schema).items()}
+            columns = self._columns(i, has_final)
             self._pos[i] = 0
-            episode = Episode(columns, steps, has_final, self.env_ids[i])
+            episode = Episode(columns, steps, has_final, self.env_ids[i], first_step=int(self._first_step[i]))
+            self._first_step[i] = 0
             if self._pending:
                 self._pending.append(_copied(episode))
                 continue
@@ -554,6 +487,13 @@ class StepWriter:
             except RateLimited:
                 self._pending.append(_copied(episode))
         return too_long
+
+    def _columns(self, env: int, final: bool) -> dict[str, np.ndarray]:
+        """Views of the staged rows of ``env``'s open episode, by field: its steps, and the
+        observation after them when ``final`` (sealed or cut, an episode's rows are these)."""
+        steps = int(self._pos[env])
+        return {name: self._stage[name][env, :steps + (1 if f.observation and final else 0)]
+                for name, f in writer_fields(self._sink.schema).items()}
 
     def _push_pending(self) -> None:
         while self._pending:
@@ -571,5 +511,4 @@ def _flags(flags: Any, num_envs: int) -> Any:
 
 def _copied(episode: Episode) -> Episode:
     # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return Episode({n: owned_copy(a) for n, a in episode.columns.items()}, episode.num_steps, episode.has_final,
-                   episode.env_id, episode.metadata, owned=True)
+    return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)

@@ -35,7 +35,7 @@ class Selection:
     indices: np.ndarray                  # transition indices, same shape ("index")
     pos: np.ndarray                      # live position of each one's episode, same shape
     extra: dict[str, np.ndarray] = field(default_factory=dict)
-    step: np.ndarray | None = None       # step within the episode, when the sampler knows it
+    step: np.ndarray | None = None       # step within the episode (a piece's first_step added), when known
 
 
 def select_indices(table: EpisodeTable, indices: np.ndarray, extra: dict | None = None) -> Selection:

@@ -58,6 +58,7 @@ class Episode:
     owned: bool = False   # columns are private copies, not views of a writer's staging rows
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
     first_step: int = 0   # the step of its first row in its episode: > 0 for a piece that continues one
+    open: bool = False    # a piece whose episode goes on (a Ray writer's shipped open steps: `arrowbuf.ray.tails`)
 
     @property
     def num_rows(self) -> int:

@@ -151,7 +151,7 @@ def run_writer(writer, steps: range) -> None:
 
 def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeypatch, tmp_path):
     import arrowbuf.arena
-    import arrowbuf.episodes
+    import arrowbuf.step_reading
 
     def refuse(value, *args):
         raise AssertionError(f"a tensor step went through numpy: {type(value)}")
@@ -162,7 +162,7 @@ def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeyp
     writer.flush()
     store = ab.ExperienceStore(200, seed=1, storage_device="cpu")
     writer = store.writer(num_envs=3, autoreset_mode="disabled", name="runner")
-    monkeypatch.setattr(arrowbuf.episodes, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.step_reading, "as_array", refuse)   # where a writer reads a step
     monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
     write_rows = TorchShard.write_rows
 

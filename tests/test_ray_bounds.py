@@ -16,19 +16,21 @@ def step(num_envs: int, t: int, done: np.ndarray) -> dict:
             "terminated": done, "truncated": np.zeros(num_envs, bool), "next_obs": obs + 1}
 
 
-def test_a_ray_writer_refuses_an_episode_at_the_step_it_outgrows_a_shard_and_keeps_the_other_env():
+def test_a_ray_writers_episode_longer_than_a_shard_is_stored_in_pieces_not_refused():
     store = ab.ExperienceStore(20, backend="ray", num_shards=2, seed=0)   # 10 rows a shard
     try:
         writer = store.writer(num_envs=2, autoreset_mode="disabled", env_ids=["long", "short"])
-        for t in range(8):    # 8 steps + the final observation: 9 rows, fits a shard
+        for t in range(30):   # 'long' never ends: 30 steps, 3x a shard; 'short' ends every 4th step
             writer.add(**step(2, t, np.array([False, t % 4 == 3])))
-        writer.add(**step(2, 8, np.zeros(2, bool)))   # 9 steps: 10 rows, the most a shard holds
-        with pytest.raises(ab.CapacityError, match=r"'long' \(env 0\) at step 10.*capacity of 10 rows"):
-            writer.add(**step(2, 9, np.zeros(2, bool)))
+        assert int(writer.open_steps.max()) <= 2   # cut at a quarter of a shard (`arrowbuf.open_pieces`)
         writer.flush()
-        table = store.episodes()
-        assert set(table.column("env_id").to_pylist()) == {"short"}
+        table = store.episodes().to_pydict()
+        long = [k for k, env in enumerate(table["env_id"]) if env == "long"]
+        assert long and all(table["length"][k] <= 2 for k in long)   # pieces of at most a quarter shard
+        first = [table["first_step"][k] for k in long]
+        assert first == sorted(first) and first[-1] + table["length"][long[-1]] == 30   # the newest, up to step 29
         assert writer.open_steps.tolist() == [0, 0]
+        assert len(store) <= 20
     finally:
         store.close()
 

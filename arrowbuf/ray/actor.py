@@ -34,6 +34,7 @@ from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
+from arrowbuf.ray.tails import OpenPieces
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import EpisodeSampler, SequenceSampler, UniformSampler
 from arrowbuf.schema import Schema
@@ -108,6 +109,7 @@ class ShardServer:
         # and one could place an episode between another's fill and its read.
         self.unfilled = UnfilledRows()
         self._fills_later = not limits(rate_limiter)
+        self.open_pieces = OpenPieces()   # stored pieces of episodes still open (`arrowbuf.ray.tails`)
 
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
@@ -136,12 +138,15 @@ class ShardServer:
         return schema.to_json() if schema is not None else None
 
     def size(self) -> Reading:
-        """(sampling mass, transitions, episodes, this shard's clock), read together."""
+        """(sampling mass, transitions, episodes, this shard's clock), read together; the
+        pieces of open episodes count as transitions, not as episodes."""
         with self.engine.lock:
-            return (*self.engine.size(), time.monotonic())
+            mass, transitions, episodes = self.engine.size()
+            return mass, transitions, episodes - self.open_pieces.count(self.engine.table), time.monotonic()
 
     def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
-                     batch: tuple[str, int] | None = None, lent: list | None = None) -> tuple[list[int], Reading]:
+                     batch: tuple[str, int] | None = None, lent: list | None = None,
+                     closes: list[str] | None = None) -> tuple[list[int], Reading]:
         """Store ``episodes`` in order; their ids and the shard's size after them.
 
         ``batch`` = (writer id, batch number) names a writer's write: a durable
@@ -160,6 +165,17 @@ class ShardServer:
             CapacityError, RateLimited, ...: the first refused episode's error,
                 saying how many of the batch were refused (the others are stored).
         """
+        writer = batch[0] if batch is not None else None
+        if closes:   # after this request's episodes: its writer's episodes of these envs ended
+            try:
+                return self._add_episodes(episodes, schema_json, timeout, batch, lent)
+            finally:
+                with self.engine.lock:
+                    self.open_pieces.close(writer, closes)
+        return self._add_episodes(episodes, schema_json, timeout, batch, lent)
+
+    def _add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None,
+                      batch: tuple[str, int] | None, lent: list | None) -> tuple[list[int], Reading]:
         if self.durable is not None and self.durable.seen(batch):   # a retry: answered as the first time
             return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
@@ -195,6 +211,8 @@ class ShardServer:
                                          columns.get(VERSION))
                     if later:
                         self.unfilled.add(ids[-1], episode)
+                    self.open_pieces.stored(batch[0] if batch is not None else None, episode,
+                                            engine.table.episodes_added - 1)
                 added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
@@ -290,8 +308,10 @@ class ShardServer:
                 self.blocks.republish(self._arena())
         return count, self.schema_json()
 
-    def episodes(self) -> pa.Table:
-        return self.engine.episodes()
+    def episodes(self, include_open: bool = False) -> pa.Table:
+        """The sealed episodes; with ``include_open``, the stored pieces of open ones too (``open``)."""
+        with self.engine.lock:
+            return self.open_pieces.listed(self.engine.table, self.engine.episodes(), include_open)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         return self._arena().episode(episode_id)
@@ -315,12 +335,16 @@ class ShardServer:
             self.engine.clear()
             self.blocks.clear()
             self.unfilled.clear()
+            self.open_pieces.clear()
         if self.durable is not None:   # a restart must not bring the episodes back
             self.durable.cleared(self.engine)
         return self.size()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "shard": self.shard, "node_id": self.ping()}
+        stats = self.engine.stats()
+        with self.engine.lock:   # open episodes' pieces count as transitions only, as in `size`
+            stats["episodes"] -= self.open_pieces.count(self.engine.table)
+        return {**stats, "shard": self.shard, "node_id": self.ping()}
 
     def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
         """Write this shard's rows as Parquet parts into ``steps_dir`` (a shared directory)."""

@@ -67,7 +67,7 @@ from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, stage
 from arrowbuf.sample_args import PLAIN, SampleArgs
-from arrowbuf.samplers import Sampler, Selection
+from arrowbuf.samplers import Sampler, Selection, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.table import EpisodeTable
 
@@ -505,8 +505,7 @@ class BlockReader:
         """The selection of indices in ``view``, or None if it lacks one of them."""
         if not len(view.table) or not view.table.is_live(indices).all():
             return None
-        pos, step = view.table.locate(indices)
-        return view, Selection(view.table.col("first_row").take(pos) + step, indices, pos, extra, step)
+        return view, select_indices(view.table, indices, extra)   # steps within the episode, as a shard's
 
     @_locked
     @_retry_lost

@@ -463,8 +463,8 @@ class RayBackend:
     # -- views ----------------------------------------------------------------------
 
     def episodes(self, include_open: bool = False) -> pa.Table:
-        # Ray writers stage episodes and seal them before shipping: a shard has no open tails.
-        tables = list(self.shards.broadcast("episodes").values())
+        # Open episodes' shipped pieces are stored as pieces, marked open by their shard (`arrowbuf.ray.tails`).
+        tables = list(self.shards.broadcast("episodes", include_open).values())
         return pa.concat_tables(tables, promote_options="permissive") if tables else EpisodeTable().to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:

@@ -102,10 +102,12 @@ class RaySink:
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._lends: bool | None = None   # this process started the shards (`_outgoing`): asked once
+        self._open: weakref.ref | None = None             # its writer's `OpenShipping`: the timer ships open steps
+        self._closes: dict[int, list[str]] = {}           # shard -> envs whose open pieces' episode ended
 
     def __getstate__(self) -> dict:
         local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer",
-                 "_lends")
+                 "_lends", "_open", "_closes")
         return {k: v for k, v in self.__dict__.items() if k not in local}
 
     def __setstate__(self, state: dict) -> None:
@@ -149,6 +151,23 @@ class RaySink:
             if self._oldest is None:
                 self._oldest = time.monotonic()
             self._start_timer()
+
+    def attach_open(self, shipping: Any) -> None:
+        """Ship a writer's completed open steps as pieces on the delivery timer, through its
+        ``shipping`` (an `arrowbuf.open_pieces.OpenShipping`, held weakly: its writer owns it)."""
+        self._open = weakref.ref(shipping)
+
+    def wake(self) -> None:
+        """Start the delivery timer if it is not running (a writer staged open steps)."""
+        with self._lock:
+            self._start_timer()
+
+    def close_open(self, env_ids: list[str]) -> None:
+        """The episodes of ``env_ids`` ended with their last shipped piece: tell their shards
+        with the next request (`arrowbuf.ray.tails`)."""
+        with self._lock:
+            for env_id in env_ids:
+                self._closes.setdefault(self._route(env_id), []).append(env_id)
 
     def commit(self) -> None:
         """End of a writer call: send what is ready (big episodes, or enough small ones)."""
@@ -265,15 +284,25 @@ class RaySink:
     # -- delivery ----------------------------------------------------------------------
 
     def tick(self) -> None:
-        """The timer's work: send episodes that waited ``delivery_latency``, collect answers."""
+        """The timer's work: ship the writer's open steps and send episodes that waited
+        ``delivery_latency``, collect answers."""
+        latency = self._shards.options.delivery_latency
+        shipping = self._open() if self._open is not None and self._error is None else None
+        shipped = 0
+        if shipping is not None:   # the writer's lock, then this sink's (the order of its `add`)
+            try:
+                shipped = shipping.cut_due(latency)
+            except Exception as err:   # kept for the writer's next call, never dropped
+                with self._lock:
+                    self._error = err
+                return
         with self._lock:
             if self._error is not None:
                 return
             try:
                 self._reap(block=False)
-                due = self._oldest is not None and \
-                    time.monotonic() - self._oldest >= self._shards.options.delivery_latency
-                if due:
+                due = self._oldest is not None and time.monotonic() - self._oldest >= latency
+                if due or shipped:
                     self._send(True, wait=False)
             except Exception as err:   # kept for the writer's next call, never dropped
                 self._error = err
@@ -325,10 +354,10 @@ class RaySink:
         """
         options = self._shards.options
         schema_json = self._schema.to_json() if self._schema is not None else None
-        for shard in list(self._batches):
-            episodes = self._batches[shard]
+        for shard in list({**self._batches, **self._closes}):
+            episodes = self._batches.get(shard, [])
             ready = episodes if everything else [e for e in episodes if not e.owned]
-            if not ready:
+            if not ready and not (everything and shard in self._closes):
                 continue
             queue = self._in_flight.setdefault(shard, deque())
             while len(queue) >= options.max_in_flight:
@@ -341,13 +370,15 @@ class RaySink:
                 self._requeue_dead(shard)
                 continue
             sent, lent = self._outgoing(ready)
-            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent)
+            closes = self._closes.pop(shard, None) if everything else None
+            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent,
+                                    closes)
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:
                 self._batches[shard] = kept
             else:
-                del self._batches[shard]
+                self._batches.pop(shard, None)
             self._waiting_bytes -= sum(_nbytes(e) for e in ready if e.owned)
         if not self._batches:
             self._oldest, self._waiting_bytes = None, 0
@@ -402,7 +433,8 @@ class RaySink:
             raise ShardError(f"shard {shard} of store {self._shards.name!r} is dead: {self.queued} episodes of "
                              "this writer are queued and not stored (RayOptions(allow_partial=True) sends "
                              "them to the other shards)")
-        for episode in self._batches.pop(shard):
+        self._closes.pop(shard, None)   # its open pieces are lost with it
+        for episode in self._batches.pop(shard, []):
             self._batches.setdefault(self._route(episode.env_id), []).append(episode)
 
     def _reap(self, block: bool) -> None:

@@ -290,9 +290,12 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
     rows, pos, step = selection.rows, selection.pos, selection.step
     first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
     base = view.index_base
+    if step is None:   # a sampler's ``step`` is already within the episode (`Selection`); rows are not
+        step = rows - first
+        if table.pieces:   # the step within its episode of a piece that continues one (`arrowbuf.open_pieces`)
+            step = step + table.col("first_step").take(pos)
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
-             "episode_id": table.col("episode_id").take(pos),
-             "step": (rows - first if step is None else step).astype(np.int32), **selection.extra}
+             "episode_id": table.col("episode_id").take(pos), "step": step.astype(np.int32), **selection.extra}
     base = view.bases.take(block) if block is not None else int(view.bases[0])
     if rows.ndim == 2 and block is not None:
         base = base[:, None]

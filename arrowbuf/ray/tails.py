@@ -1,0 +1,75 @@
+"""`OpenPieces`: a shard's pieces of episodes that are still open (a Ray writer's shipped steps).
+
+A Ray writer ships the completed steps of each open episode as a piece on its
+delivery timer (`arrowbuf.open_pieces`). Its shard stores a piece as it stores
+any episode (a row of the episode table with its ``first_step``; sealed into a
+block, so readers see its steps within ``seal_latency``), and notes here which
+stored pieces belong to an episode that goes on, by (writer, env): the episode's
+last piece (``open=False``) or a close (`RaySink.close_open`) ends them.
+
+They count as transitions (``len(store)``) but not as episodes: ``num_episodes``
+and ``episodes()`` leave them out, ``episodes(include_open=True)`` lists them with
+``open=True``, as a local store lists its writers' open tails. Eviction drops them
+as any piece (first in, first out); a restarted shard forgets which were open.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf.shard import Episode
+from arrowbuf.table import EpisodeTable
+
+Key = tuple[str | None, str]   # (writer id, env id)
+
+
+class OpenPieces:
+    """Serials (0, 1, ... per shard, as `EpisodeTable.episodes_added` counts) of the
+    stored pieces of open episodes, by (writer, env)."""
+
+    def __init__(self) -> None:
+        self.serials: dict[Key, list[int]] = {}
+
+    def stored(self, writer: str | None, episode: Episode, serial: int) -> None:
+        """``episode`` was stored as entry ``serial``: an open piece is noted, a last piece
+        ends its episode's."""
+        key = (writer, episode.env_id)
+        if episode.open:
+            self.serials.setdefault(key, []).append(serial)
+        else:
+            self.serials.pop(key, None)
+
+    def close(self, writer: str | None, env_ids: list[str]) -> None:
+        """The episodes of ``env_ids`` ended with their last stored piece."""
+        for env_id in env_ids:
+            self.serials.pop((writer, env_id), None)
+
+    def clear(self) -> None:
+        self.serials.clear()
+
+    def live(self, table: EpisodeTable) -> np.ndarray:
+        """Serials of the live open pieces (evicted ones are forgotten)."""
+        head = table.episodes_added - len(table)
+        for key in list(self.serials):
+            kept = [s for s in self.serials[key] if s >= head]
+            if kept:
+                self.serials[key] = kept
+            else:   # evicted whole: the writer's later pieces note it again
+                del self.serials[key]
+        return np.fromiter((s for serials in self.serials.values() for s in serials), np.int64)
+
+    def count(self, table: EpisodeTable) -> int:
+        return len(self.live(table)) if self.serials else 0
+
+    def listed(self, table: EpisodeTable, episodes: pa.Table, include_open: bool) -> pa.Table:
+        """``episodes`` (the table's `to_arrow`, live entries oldest first) without the open
+        pieces, or with them marked (an ``open`` column) when ``include_open``."""
+        head = table.episodes_added - len(table)
+        is_open = np.isin(np.arange(head, head + episodes.num_rows), self.live(table)) if self.serials \
+            else np.zeros(episodes.num_rows, bool)
+        if include_open:
+            if "first_step" not in episodes.column_names:
+                episodes = episodes.append_column("first_step", pa.array(np.zeros(episodes.num_rows, np.int64)))
+            return episodes.append_column("open", pa.array(is_open))
+        return episodes.filter(pa.array(~is_open)) if is_open.any() else episodes

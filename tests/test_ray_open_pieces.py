@@ -1,0 +1,332 @@
+"""Ray writers ship the completed steps of open episodes as pieces on their delivery timer
+(`arrowbuf.open_pieces`, `arrowbuf.ray.tails`): sampleable without an episode end or flush."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import arrowbuf as ab
+from arrowbuf.ray.options import NAMESPACE
+
+from support.actors import kill_and_wait
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+PATIENCE = 60.0   # seconds a poll waits for the delivery timer: a bound on a hang, not a timing claim
+
+
+def played_obs(env: int, t: int) -> np.ndarray:
+    """Observation t of env ``env``'s episode: it encodes both, so a sampled row names its step."""
+    return np.array([env, t, 0.5 * t], np.float32)
+
+
+def step(writer: ab.StepWriter, t: int, done: np.ndarray | None = None) -> int:
+    """Step t of every env (autoreset 'disabled'): obs t, action 10 t + env, reward t, next obs t + 1."""
+    n = writer.num_envs
+    envs = np.arange(n)
+    done = np.zeros(n, bool) if done is None else done
+    return writer.add(obs=np.stack([played_obs(e, t) for e in envs]), action=10 * t + envs,
+                      reward=np.full(n, t, np.float32), terminated=done, truncated=np.zeros(n, bool),
+                      next_obs=np.stack([played_obs(e, t + 1) for e in envs]))
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {PATIENCE} s"
+        time.sleep(0.02)
+
+
+def check_rows(batch, envs: int) -> None:
+    """Every sampled row is a played step: obs t of its env, its action, reward and next obs t + 1."""
+    obs, nxt = batch["obs"].numpy(), batch["next", "obs"].numpy()
+    env, t = obs[:, 0].astype(np.int64), obs[:, 1].astype(np.int64)
+    assert ((env >= 0) & (env < envs)).all()
+    assert (batch["step"].numpy() == t).all()
+    assert (batch["action"].numpy() == 10 * t + env).all()
+    assert (batch["reward"].numpy() == t).all()
+    assert np.array_equal(nxt, np.stack([played_obs(e, k + 1) for e, k in zip(env, t)]))
+
+
+def test_open_steps_become_sampleable_without_flush_or_episode_end():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        writer = store.writer(num_envs=3, autoreset_mode="disabled")
+        for t in range(20):
+            step(writer, t)
+        wait_for(lambda: len(store) == 60, "the 60 completed open steps reaching the shards")
+        assert store.num_episodes == 0                       # nothing sealed
+        assert store.episodes().num_rows == 0
+        table = store.episodes(include_open=True)
+        assert table.num_rows >= 3 and all(table.column("open").to_pylist())
+        assert sum(table.column("length").to_pylist()) == 60
+        batch = store.sample(256)
+        check_rows(batch, 3)
+        assert not batch["terminated"].any()
+        assert sorted(set(batch["step"].tolist())) == list(range(20))   # 256 draws of 60 rows: every step
+        writer.close()
+    finally:
+        store.close()
+
+
+def check_episode_ids(store: ab.ExperienceStore, batch) -> None:
+    """Every sampled row's episode id names the stored piece of its env that holds its step."""
+    table = store.episodes(include_open=True).to_pydict()
+    pieces = {i: (env, f, n) for i, env, f, n in zip(table["episode_id"], table["env_id"], table["first_step"],
+                                                     table["length"])}
+    obs = batch["obs"].numpy()
+    for episode_id, env, t in zip(batch["episode_id"].tolist(), obs[:, 0].astype(int).tolist(),
+                                  obs[:, 1].astype(int).tolist()):
+        piece_env, first, length = pieces[episode_id]
+        assert piece_env == f"env-{env}" and first <= t < first + length, (episode_id, env, t, pieces[episode_id])
+
+
+def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int) -> None:
+    """Steps 0 .. steps - 1, each shipped by the delivery timer before the next: one piece per
+    step and env, so every piece after the first continues its episode (first_step > 0)."""
+    for t in range(steps):
+        step(writer, t)
+        wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
+
+
+@pytest.mark.parametrize("sampler", [ab.UniformSampler(), ab.PrioritizedSampler()], ids=["uniform", "prioritized"])
+def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler):
+    # A reader drawing itself (uniform) once added a piece's first_step to a step that
+    # already held it: step 2 t instead of t; a shard's draw (prioritized) read it once.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0, sampler=sampler)
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        step_one_piece_at_a_time(writer, 8)
+        wait_for(lambda: len(store) == 16, "the 16 shipped steps")
+        assert max(store.episodes(include_open=True).column("first_step").to_pylist()) > 0
+        for args in ({}, {"n_step": 3, "gamma": 1.0}):
+            batch = store.sample(128, **args)
+            obs = batch["obs"].numpy()
+            assert (batch["step"].numpy() == obs[:, 1]).all()
+            assert (batch["action"].numpy() == 10 * obs[:, 1] + obs[:, 0]).all()
+            check_episode_ids(store, batch)
+        check_rows(store.sample(128), 2)   # and the next observation of each: played step t + 1
+        assert store.num_episodes == 0
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
+    # policy_version is a derived column (`arrowbuf.versions.writer_fields`): a piece must carry
+    # it as a sealed episode does, or sampling by version never sees the open steps.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        for t in range(6):
+            n = writer.num_envs
+            writer.add(obs=np.stack([played_obs(e, t) for e in range(n)]), action=10 * t + np.arange(n),
+                       reward=np.full(n, t, np.float32), terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
+                       next_obs=np.stack([played_obs(e, t + 1) for e in range(n)]), policy_version=t)
+            wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
+        wait_for(lambda: len(store) == 12, "the 12 shipped steps")
+        batch = store.sample(64)
+        assert (batch["policy_version"].numpy() == batch["obs"][:, 1].numpy()).all()
+        fresh = store.sample(64, min_version=4)
+        assert set(fresh["step"].tolist()) == {4, 5} and (fresh["policy_version"].numpy() == fresh["step"].numpy()).all()
+        assert store.num_episodes == 0
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_a_writer_restored_from_a_state_continues_its_open_episodes_at_the_step_they_reached():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        first = store.writer(num_envs=2, autoreset_mode="disabled")
+        step_one_piece_at_a_time(first, 3)
+        step(first, 3)   # staged, maybe not shipped yet: the state holds it or its piece went
+        state = first.state_dict()
+        later = store.writer(num_envs=2, autoreset_mode="disabled")
+        later.load_state_dict(state)
+        for t in range(4, 7):
+            step(later, t)
+        later.flush()
+        # 14 steps; 16 when the first writer's timer also shipped step 3 after the state was taken.
+        wait_for(lambda: len(store) in (14, 16), "the 14 steps")
+        batch = store.sample(256)
+        check_rows(batch, 2)   # step t is step t, on either side of the restore
+        assert sorted(set(batch["step"].tolist())) == list(range(7))
+        later.close()
+    finally:
+        store.close()
+
+
+def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        for t in range(4):
+            step(writer, t)
+        wait_for(lambda: len(store) == 8, "the open steps")
+        assert store.num_episodes == 0
+        step(writer, 4, done=np.array([True, False]))        # env 0's episode ends; env 1's goes on
+        wait_for(lambda: len(store) == 10, "env 0's last piece and env 1's open step")
+        table = store.episodes(include_open=True).to_pydict()
+        rows = {e: [k for k, env in enumerate(table["env_id"]) if env == e] for e in ("env-0", "env-1")}
+        for env, is_open in (("env-0", False), ("env-1", True)):
+            pieces = sorted(rows[env], key=lambda k: table["first_step"][k])
+            assert [table["open"][k] for k in pieces] == [is_open] * len(pieces)
+            starts = [table["first_step"][k] for k in pieces]
+            lengths = [table["length"][k] for k in pieces]
+            assert starts == [0, *np.cumsum(lengths)[:-1].tolist()] and sum(lengths) == 5   # a chain of pieces
+            assert [table["terminated"][k] for k in pieces][-1] is (not is_open)
+        # Sealed entries count as episodes (an episode shipped open is its pieces, as a local
+        # store's pieces are); open pieces only as transitions.
+        assert store.num_episodes == len(rows["env-0"]) == store.episodes().num_rows
+        assert "open" not in store.episodes().column_names
+        assert writer.open_steps.sum() == 0                   # every step shipped: flush sends a close
+        writer.flush()                                        # cuts env 1's episode: no open piece left
+        assert store.num_episodes == len(table["env_id"])
+        assert not any(store.episodes(include_open=True).column("open").to_pylist())
+        assert len(store) == 10
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_flush_after_a_shipped_piece_with_no_new_step_closes_the_episode():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        writer = store.writer(num_envs=1, autoreset_mode="disabled")
+        step(writer, 0)
+        wait_for(lambda: len(store) == 1, "the open step")
+        wait_for(lambda: writer.open_steps.sum() == 0, "the writer's piece leaving its staging")
+        writer.flush()   # nothing staged since the piece: the shard is told the episode ended
+        assert store.num_episodes == 1 and len(store) == 1
+        assert store.episodes(include_open=True).column("open").to_pylist() == [False]
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_a_continuing_task_streams_ten_times_the_capacity_through_a_ray_ring():
+    capacity = 64
+    store = ab.ExperienceStore(capacity, backend="ray", num_shards=1, seed=0)
+    try:
+        writer = store.writer(num_envs=1, autoreset_mode="disabled")
+        step(writer, 0)
+        wait_for(lambda: len(store) >= 1, "the first completed step")   # sampleable from its first step
+        check_rows(store.sample(4), 1)
+        sampled = 0
+        for t in range(1, 10 * capacity):
+            step(writer, t)
+            if t % 16 == 0:
+                batch = store.sample(32)
+                check_rows(batch, 1)
+                sampled += len(batch["step"])   # never blocked, never short
+                assert len(store) <= capacity
+
+        def newest_end() -> int:
+            table = store.episodes(include_open=True).to_pydict()
+            return max(f + n for f, n in zip(table["first_step"], table["length"]))
+
+        wait_for(lambda: newest_end() == 10 * capacity, "the stream's last step")
+        table = store.episodes(include_open=True)
+        first = table.column("first_step").to_pylist()
+        assert first == sorted(first) and first[0] > 5 * capacity        # the oldest pieces were evicted
+        assert all(table.column("open").to_pylist()) and store.num_episodes == 0
+        assert sampled == 32 * (10 * capacity // 16 - 1)
+        batch = store.sample(64, n_step=5, gamma=1.0)                    # n-step stops at a piece's end
+        check_n_step(batch)
+        writer.close()
+    finally:
+        store.close()
+
+
+def check_n_step(batch) -> None:
+    """An n-step return read from played steps: rewards t .. t + k - 1, bootstrapped from obs t + k."""
+    t = batch["obs"][:, 1].numpy().astype(np.int64)
+    k = batch["n_steps"].numpy().astype(np.int64)
+    assert ((k >= 1) & (k <= 5)).all()
+    assert np.allclose(batch["reward"].numpy(), k * t + k * (k - 1) / 2)
+    assert (batch["next", "obs"][:, 1].numpy() == t + k).all()
+
+
+def test_sampling_with_nothing_sampleable_raises_and_never_waits():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=ab.RayOptions(delivery_latency=3_600.0))
+    try:
+        with pytest.raises(ab.EmptyStoreError):
+            store.sample(4)                        # an empty store
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        step(writer, 0)                            # staged; the timer ships it only after an hour
+        with pytest.raises(ab.EmptyStoreError, match="writer.flush"):
+            store.sample(4)
+        writer.flush()
+        assert len(store) == 2
+        check_rows(store.sample(8), 2)
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_a_dead_shard_met_by_the_timer_shipping_open_steps_is_raised_by_the_writers_next_step():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    try:
+        step(writer, 0)
+        wait_for(lambda: len(store) == 2, "the first open steps")
+        kill_and_wait(ray.get_actor(f"{store.name}:0", namespace=NAMESPACE))
+        # No episode ends and nothing flushes: only the timer's pieces reach the dead shard.
+        with pytest.raises(ab.ShardError, match="episodes are lost"):
+            t = 1
+            deadline = time.monotonic() + PATIENCE
+            while time.monotonic() < deadline:
+                step(writer, t)
+                t += 1
+                time.sleep(0.02)
+    finally:
+        store.close()
+
+
+def test_an_error_of_the_timers_cut_is_raised_by_the_writers_next_call_not_dropped():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    try:
+        def broken(min_steps: int = 1) -> list:
+            raise RuntimeError("staging broke")
+
+        writer.take_open_pieces = broken   # the timer's cut fails in its thread
+        with pytest.raises(RuntimeError, match="staging broke"):
+            t = 0
+            deadline = time.monotonic() + PATIENCE
+            while time.monotonic() < deadline:
+                step(writer, t)
+                t += 1
+                time.sleep(0.02)
+        assert len(store) == 0
+    finally:
+        store.close()
+
+
+@ray.remote
+def stream_in_a_task(writer: ab.StepWriter, steps: int) -> int:
+    """A writer in another process: its open steps travel on its own timer (no flush)."""
+    obs = np.zeros((1, 3), np.float32)
+    for t in range(steps):
+        writer.add(obs=obs + t, action=np.array([t]), reward=np.ones(1, np.float32),
+                   terminated=np.zeros(1, bool), truncated=np.zeros(1, bool), next_obs=obs + t + 1)
+    deadline = time.monotonic() + PATIENCE
+    while writer.open_steps.sum() and time.monotonic() < deadline:   # shipped by the timer
+        time.sleep(0.02)
+    return int(writer.open_steps.sum())
+
+
+def test_a_writer_in_a_task_ships_its_open_steps():
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+    try:
+        assert ray.get(stream_in_a_task.remote(store.writer(num_envs=1, autoreset_mode="disabled"), 7)) == 0
+        wait_for(lambda: len(store) == 7, "the task's open steps")
+        assert store.num_episodes == 0
+    finally:
+        store.close()
