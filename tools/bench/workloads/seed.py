@@ -27,6 +27,9 @@ policies hand them over) goes both ways:
   ``sample(5120)``, which clears the buffer. Native: writer + flush, then
   ``store.sample(5120)`` and ``clear``. Metrics: ingest env-steps/s and the
   sample's time; target compat within 1.25x of native on both (ratio >= 0.8).
+  Native ingest against one copy of the same bytes into a warm buffer (`CopyFloor`;
+  target native/copy >= 0.8), and the first rollout into a new store, construction
+  included, against that store's second (reported: fresh arena pages).
 
 Each call ingests one whole rollout into an empty buffer and times only the
 part its metric counts (the clear or the ingest before a sample is not timed).
@@ -42,7 +45,7 @@ from typing import Any, Mapping
 
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, profile_calls, \
     register, start_workload
-from ..results import Metric, WorkloadResult
+from ..results import Metric, Series, WorkloadResult
 from .. import real_seed
 from ..rollouts import RolloutShape, episodes, ingest_native, make_rollout, vla, wbc
 from ..seed_engines import race_rollouts
@@ -141,6 +144,50 @@ class NativeRollout:
 
     def transitions(self) -> int:
         return len(self.store)
+
+
+class CopyFloor:
+    """The floor of an ingest: the rollout's stored bytes (every field; observations once, T + 1
+    rows) copied into a warm buffer of the same layout, one ``copy_`` per field: what a write path
+    that copies each byte once cannot beat."""
+
+    def __init__(self, shape: RolloutShape, rollout: Mapping[str, Any]) -> None:
+        import torch
+        self.source = {name: rollout[name] for name in shape.fields}
+        self.target = {name: torch.empty_like(t) for name, t in self.source.items()}
+        self.ingest()   # warm: every page of the target touched once
+
+    def ingest(self) -> float:
+        start = time.perf_counter()
+        for name, t in self.source.items():
+            self.target[name].copy_(t)
+        return time.perf_counter() - start
+
+    def clear(self) -> None:
+        pass
+
+
+def first_rollouts(shape: RolloutShape, rollout: Mapping[str, Any], count: int) -> Metric:
+    """Seconds of a new store's construction and its first native ingest (fresh arena pages),
+    ``count`` times, against the same ingest into that store once warm (its second rollout)."""
+    import arrowbuf as ab
+
+    first, warm = Series(), Series()
+    for _ in range(count):
+        start = time.perf_counter()
+        store = ab.ExperienceStore(2 * shape.envs * (shape.steps + 1), seed=0)
+        ingest_native(store, shape, rollout, autoreset_mode="next_step")
+        first.values.append(time.perf_counter() - start)
+        store.clear()
+        start = time.perf_counter()
+        ingest_native(store, shape, rollout, autoreset_mode="next_step")
+        warm.values.append(time.perf_counter() - start)
+        del store
+        gc.collect()
+    return Metric(f"{shape.name} first rollout into a fresh store (construction included)", "s",
+                  {"native": first, "native warm": warm},
+                  {"first/warm": Series([f / w for f, w in zip(first.values, warm.values)])},
+                  target="info: reported (a fresh arena's page faults bound it)")
 
 
 class EpisodeAdds:
@@ -245,6 +292,7 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
             "native": NativeRollout(shape, rollout, "next_step")}
     for contender in pair.values():   # warm-up
         sample_after_ingest(contender)
+    floor = {"native": pair["native"], "copy": CopyFloor(shape, rollout)}
     log(f"  SEED: VLA {shape.transitions:,} env steps a rollout")
     metrics += compare("SEED VLA", [
         Race("VLA ingest", "env-steps/s", {c: (lambda k=k: ingest_then_clear(k)) for c, k in pair.items()}, RATIO,
@@ -253,12 +301,18 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
         Race(f"VLA sample({shape.transitions})", "ms", {c: (lambda k=k: sample_after_ingest(k))
                                                          for c, k in pair.items()}, RATIO,
              target="compat/native >= 0.8", goal=at_least("compat/native", 0.8), per_call=True, scale=1e3,
+             self_timed=True),
+        Race("VLA native ingest vs one copy of its bytes", "env-steps/s",
+             {c: (lambda k=k: ingest_then_clear(k)) for c, k in floor.items()}, {"native/copy": ("native", "copy")},
+             target="native/copy >= 0.8", goal=at_least("native/copy", 0.8), units=shape.transitions,
              self_timed=True)], *timing)
+    metrics.append(first_rollouts(shape, rollout, max(2, min(opts.rounds, 5))))
     if opts.profile:
         notes.append(profile_calls("VLA compat ingest (then clear)", lambda: ingest_then_clear(pair["compat"]), 1, 20))
         notes.append(profile_calls(f"VLA compat ingest + sample({shape.transitions})",
                                    lambda: sample_after_ingest(pair["compat"]), 1, 20))
     pair.clear()
+    floor.clear()
     flag_noisy("SEED", metrics, notes)
     notes.append("  x/seed and compat/native are speed-ups (> 1: faster than the seed / than native); a "
                  "rollout = the engine's ingest + sample + the trainer's PPO minibatches (seed_engines); native "
@@ -266,12 +320,15 @@ def run_seed(spec: SeedSpec, opts: Options) -> WorkloadResult:
                  "store.clear(), as the RolloutBuffer's sample clears it")
     notes.append(load_note(load_start))
     seed_label = "RLightning DataBuffer (real seed)" if seed is not None else "real seed (absent)"
-    return WorkloadResult("SEED", spec.short(), spec.describe(), ["seed", "compat", "native", "batched", "single"],
+    return WorkloadResult("SEED", spec.short(), spec.describe(),
+                          ["seed", "compat", "native", "native warm", "copy", "batched", "single"],
                           metrics, notes, time.perf_counter() - t0,
                           labels={"seed": seed_label, "compat": "arrowbuf.compat DataBuffer",
-                                  "native": "arrowbuf writer", "batched": "store.add_episodes",
+                                  "native": "arrowbuf writer", "native warm": "arrowbuf writer, warm store",
+                                  "copy": "one copy into a warm buffer", "batched": "store.add_episodes",
                                   "single": "store.add_episode x E"},
-                          ratio_columns=["compat/seed", "native/seed", "compat/native", "batched/single"])
+                          ratio_columns=["compat/seed", "native/seed", "compat/native", "native/copy", "first/warm",
+                                         "batched/single"])
 
 
 register(Workload(
