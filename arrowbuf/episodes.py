@@ -374,6 +374,8 @@ class StepWriter:
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
                          "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata,
                          "first_step": e.first_step} for e in self._pending],
+            # A Ray sink's owner of the pieces shipped so far: a restored writer ends them.
+            **({"shipping": self._sink.open_state()} if self._ships is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -406,6 +408,8 @@ class StepWriter:
                                          episode["metadata"], owned=True))
             return
         self._first_step = np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64)
+        if self._ships is not None and state.get("shipping") is not None:   # older states lack it
+            self._sink.load_open_state(state["shipping"])
         self._stage, self._last_next = {}, {}
         if state["stage"]:
             schema = self._sink.schema

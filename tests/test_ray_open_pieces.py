@@ -85,10 +85,10 @@ def check_episode_ids(store: ab.ExperienceStore, batch) -> None:
         assert piece_env == f"env-{env}" and first <= t < first + length, (episode_id, env, t, pieces[episode_id])
 
 
-def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int) -> None:
-    """Steps 0 .. steps - 1, each shipped by the delivery timer before the next: one piece per
+def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int, start: int = 0) -> None:
+    """Steps start .. steps - 1, each shipped by the delivery timer before the next: one piece per
     step and env, so every piece after the first continues its episode (first_step > 0)."""
-    for t in range(steps):
+    for t in range(start, steps):
         step(writer, t)
         wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
 
@@ -330,3 +330,92 @@ def test_a_writer_in_a_task_ships_its_open_steps():
         assert store.num_episodes == 0
     finally:
         store.close()
+
+
+def check_one_chain_per_env(store: ab.ExperienceStore, envs: int, steps: int) -> None:
+    """Every env's episode ended: it is listed once, as its pieces, steps 0 .. steps - 1 each
+    held by one piece, and no piece is left open."""
+    table = store.episodes(include_open=True).to_pydict()
+    assert not any(table["open"]), table
+    assert store.num_episodes == store.episodes().num_rows == len(table["env_id"])
+    for env in range(envs):
+        pieces = sorted((f, n, term) for e, f, n, term in zip(table["env_id"], table["first_step"], table["length"],
+                                                               table["terminated"]) if e == f"env-{env}")
+        starts, lengths = [f for f, _, _ in pieces], [n for _, n, _ in pieces]
+        assert starts == [0, *np.cumsum(lengths)[:-1].tolist()] and sum(lengths) == steps, (env, pieces)
+        assert [term for _, _, term in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert len(store) == envs * steps
+
+
+def test_a_restored_writer_ends_the_open_episode_its_state_was_taken_in():
+    # The shard notes a piece open by (writer, env): a restored writer was a new writer, so
+    # its state's earlier pieces stayed open (steps but no episode) until evicted.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        first = store.writer(num_envs=2, autoreset_mode="disabled")
+        step_one_piece_at_a_time(first, 3)   # steps 0 .. 2 stored as open pieces; nothing staged
+        wait_for(lambda: len(store) == 6, "the 6 shipped steps")
+        state = first.state_dict()
+        later = store.writer(num_envs=2, autoreset_mode="disabled")
+        later.load_state_dict(state)
+        step_one_piece_at_a_time(later, 6, start=3)
+        step(later, 6, done=np.ones(2, bool))
+        later.flush()
+        check_one_chain_per_env(store, 2, 7)
+        check_rows(store.sample(256), 2)
+        later.close()
+    finally:
+        store.close()
+
+
+def test_a_restored_writer_ships_its_open_episode_to_the_shard_of_its_earlier_pieces():
+    # A restored writer's sink routed its envs anew (to the least loaded shard): the episode's
+    # end went to a shard that never held its earlier pieces, which stayed open there.
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    try:
+        first = store.writer(num_envs=1, autoreset_mode="disabled")
+        step_one_piece_at_a_time(first, 3)   # env-0's pieces on shard 0 (both empty: the first)
+        wait_for(lambda: len(store) == 3, "the 3 shipped steps")
+        state = first.state_dict()
+        # Another env's episode of 20 steps on shard 0: a new route for env-0 is shard 1.
+        store.add_episode({"obs": np.stack([played_obs(1, t) for t in range(21)]), "action": 10 * np.arange(20) + 1,
+                           "reward": np.arange(20, dtype=np.float32), "terminated": np.arange(20) == 19,
+                           "truncated": np.zeros(20, bool)}, env_id="filler", shard=0)
+        later = store.writer(num_envs=1, autoreset_mode="disabled")
+        later.load_state_dict(state)
+        step_one_piece_at_a_time(later, 6, start=3)
+        step(later, 6, done=np.ones(1, bool))
+        later.flush()
+        table = store.episodes(include_open=True).to_pydict()
+        assert set(s for s, e in zip(table["shard"], table["env_id"]) if e == "env-0") == {0}, table
+        filler = table["env_id"].index("filler")
+        for name in table:
+            del table[name][filler]
+        assert not any(table["open"]) and store.num_episodes == len(table["env_id"]) + 1
+        assert sorted(zip(table["first_step"], table["length"])) == [(t, 1) for t in range(7)]
+        assert len(store) == 27
+        later.close()
+    finally:
+        store.close()
+
+
+def test_a_local_writer_restored_from_a_state_ends_its_open_episode_once():
+    # A local writer keeps its open steps in place (no pieces): the restored writer copies
+    # them, and the first one's copy goes with it (while both live, each holds its own).
+    store = ab.ExperienceStore(1_000, seed=0)
+    first = store.writer(num_envs=2, autoreset_mode="disabled")
+    for t in range(3):
+        step(first, t)
+    state = first.state_dict()
+    later = store.writer(num_envs=2, autoreset_mode="disabled")
+    later.load_state_dict(state)
+    del first
+    for t in range(3, 6):
+        step(later, t)
+    step(later, 6, done=np.ones(2, bool))
+    later.flush()
+    table = store.episodes(include_open=True).to_pydict()
+    assert sorted(table["env_id"]) == ["env-0", "env-1"] and table["length"] == [7, 7], table
+    assert store.num_episodes == 2 and len(store) == 14
+    check_rows(store.sample(256), 2)
+    assert sorted(set(store.sample(256)["step"].tolist())) == list(range(7))

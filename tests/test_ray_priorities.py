@@ -9,6 +9,8 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.ray.options import INDEX_SHIFT
 
+from support.actors import kill_and_wait
+
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
@@ -65,9 +67,9 @@ def test_updates_left_in_flight_are_bounded_per_shard():
 
 
 def kill_shard(store: ab.ExperienceStore, shard: int) -> None:
-    import ray
-
-    ray.kill(store._backend.shards.handles[shard], no_restart=True)
+    """Kill ``shard`` and wait until it is gone: ray.kill returns before, and an update sent
+    meanwhile could still be applied (then close raised nothing). The store is not told."""
+    kill_and_wait(store._backend.shards.handles[shard])
 
 
 def test_the_error_of_an_update_left_in_flight_is_raised_by_the_next_call_once():

@@ -146,7 +146,7 @@ class ShardServer:
 
     def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
                      batch: tuple[str, int] | None = None, lent: list | None = None,
-                     closes: list[str] | None = None) -> tuple[list[int], Reading]:
+                     closes: list[str] | None = None, owner: str | None = None) -> tuple[list[int], Reading]:
         """Store ``episodes`` in order; their ids and the shard's size after them.
 
         ``batch`` = (writer id, batch number) names a writer's write: a durable
@@ -158,24 +158,29 @@ class ShardServer:
         writer put for several episodes at once; put by a writer that lives as long as this shard: the rows are
         read from it without a copy, and it becomes the episode's block; they
         are copied into the arena only when this shard reads its arena
-        (`arrowbuf.ray.lent`).
+        (`arrowbuf.ray.lent`). ``closes``: envs whose open episode ended with
+        its last stored piece; ``owner``: whose open pieces these are (default:
+        the writer id; a restored writer continues the pieces of the one its
+        state was taken from, `RaySink.load_open_state`).
 
         Raises:
             SchemaError: this shard stores another schema.
             CapacityError, RateLimited, ...: the first refused episode's error,
                 saying how many of the batch were refused (the others are stored).
         """
-        writer = batch[0] if batch is not None else None
+        if owner is None:
+            owner = batch[0] if batch is not None else None
         if closes:   # after this request's episodes: its writer's episodes of these envs ended
             try:
-                return self._add_episodes(episodes, schema_json, timeout, batch, lent)
+                return self._add_episodes(episodes, schema_json, timeout, batch, lent, owner)
             finally:
                 with self.engine.lock:
-                    self.open_pieces.close(writer, closes)
-        return self._add_episodes(episodes, schema_json, timeout, batch, lent)
+                    self.open_pieces.close(owner, closes)
+        return self._add_episodes(episodes, schema_json, timeout, batch, lent, owner)
 
     def _add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None,
-                      batch: tuple[str, int] | None, lent: list | None) -> tuple[list[int], Reading]:
+                      batch: tuple[str, int] | None, lent: list | None, owner: str | None
+                      ) -> tuple[list[int], Reading]:
         if self.durable is not None and self.durable.seen(batch):   # a retry: answered as the first time
             return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
@@ -211,8 +216,7 @@ class ShardServer:
                                          columns.get(VERSION))
                     if later:
                         self.unfilled.add(ids[-1], episode)
-                    self.open_pieces.stored(batch[0] if batch is not None else None, episode,
-                                            engine.table.episodes_added - 1)
+                    self.open_pieces.stored(owner, episode, engine.table.episodes_added - 1)
                 added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)

@@ -117,8 +117,29 @@ class RaySink:
         self._new_writer()   # each unpickled copy writes on its own
 
     def _new_writer(self) -> None:
-        """A fresh writer id and batch count: (id, number) names each write for durable shards."""
+        """A fresh writer id and batch count: (id, number) names each write for durable shards;
+        and a fresh owner of the open pieces it ships (`open_state`)."""
         self._writer, self._batch_number = uuid.uuid4().hex, 0
+        self._owner = self._writer
+
+    def open_state(self) -> dict[str, Any]:
+        """What a writer's state keeps of its sink: the owner its shards note its open pieces
+        under (`arrowbuf.ray.tails`, by owner and env), and the shard of each env, where
+        those pieces are."""
+        with self._lock:
+            return {"owner": self._owner, "routes": {key: int(shard) for key, shard in self._routes.items()}}
+
+    def load_open_state(self, state: dict[str, Any]) -> None:
+        """Continue the open episodes of the writer whose `open_state` this is: its pieces,
+        on the same shards, under the same owner, so that the episode's last piece (or a
+        close) ends them. Only the owner is taken over, not the writer id that names
+        write requests: a durable shard must not take this sink's writes for the earlier
+        writer's retries."""
+        with self._lock:
+            self._owner = state["owner"]
+            for key, shard in state["routes"].items():
+                if int(shard) < self._shards.num_shards:   # a checkpoint may load over fewer shards
+                    self._routes[key] = int(shard)
 
     # -- the EpisodeSink protocol ---------------------------------------------------
 
@@ -372,7 +393,7 @@ class RaySink:
             sent, lent = self._outgoing(ready)
             closes = self._closes.pop(shard, None) if everything else None
             ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent,
-                                    closes)
+                                    closes, self._owner)
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:

@@ -4,8 +4,10 @@ A Ray writer ships the completed steps of each open episode as a piece on its
 delivery timer (`arrowbuf.open_pieces`). Its shard stores a piece as it stores
 any episode (a row of the episode table with its ``first_step``; sealed into a
 block, so readers see its steps within ``seal_latency``), and notes here which
-stored pieces belong to an episode that goes on, by (writer, env): the episode's
-last piece (``open=False``) or a close (`RaySink.close_open`) ends them.
+stored pieces belong to an episode that goes on, by (owner, env): the owner is
+the id of the writer that shipped them, or of the writer whose state a restored
+writer continues (`RaySink.load_open_state`); the episode's last piece
+(``open=False``) or a close (`RaySink.close_open`) ends them.
 
 They count as transitions (``len(store)``) but not as episodes: ``num_episodes``
 and ``episodes()`` leave them out, ``episodes(include_open=True)`` lists them with
@@ -21,12 +23,12 @@ import pyarrow as pa
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 
-Key = tuple[str | None, str]   # (writer id, env id)
+Key = tuple[str | None, str]   # (owner: writer id, env id)
 
 
 class OpenPieces:
     """Serials (0, 1, ... per shard, as `EpisodeTable.episodes_added` counts) of the
-    stored pieces of open episodes, by (writer, env)."""
+    stored pieces of open episodes, by (owner, env)."""
 
     def __init__(self) -> None:
         self.serials: dict[Key, list[int]] = {}
