@@ -46,3 +46,18 @@ def ray_session():
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fake_train_workers(ray_session):
+    """Two RLightning-like train worker actors (`support.compat_envs.fake_train_worker`), shared by the
+    compat tests: each call of theirs replaces the batch the worker holds, so no test sees another's,
+    and the session starts their processes once."""
+    import ray
+
+    from support.compat_envs import fake_train_worker
+
+    workers = [ray.remote(num_cpus=0)(fake_train_worker()).remote() for _ in range(2)]
+    yield workers
+    for worker in workers:
+        ray.kill(worker)

@@ -29,8 +29,9 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
+    """A quick run at the smoke sizes (where a workload has them) and 10 ms turns: only its report is checked."""
     path = tmp_path_factory.mktemp(name) / "run.json"
-    run = bench("--quick", "--only", name, "--rounds", "2", "--json", str(path))
+    run = bench("--quick", "--only", name, "--rounds", "2", "--smoke", "--min-time", "0.01", "--json", str(path))
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads(path.read_text())
 
@@ -274,6 +275,7 @@ def test_the_mix_big_dataset_option_builds_in_chunks_resumes_and_samples_within_
         parser.parse_args(["--mix-dataset-gb", "0"])
     spec = w1(10_010)
     monkeypatch.setattr(big_dataset, "CHUNK_EPISODES", 10)   # a tiny dataset in several chunks
+    monkeypatch.setattr(big_dataset, "SMALL_ROWS", 10_010)   # the in-RAM dataset it is timed against, small too
     where, episodes = big_dataset.layout(tmp_path, spec, 0.0025)
     assert episodes == 26   # 2.5 MB of 1,001-row episodes of 98-byte rows
     assert big_dataset.build(where, spec, episodes)["chunks_written"] == 3

@@ -17,8 +17,7 @@ from test_compat_hooks import torch_stack_postprocess
 
 from arrowbuf.compat import BatchedData, DataBuffer
 
-from support.compat_envs import (VecWorker, fake_train_worker, policy, rsl_rollout, sync_rollout, transitions, truth,
-                                 update_dataset)
+from support.compat_envs import VecWorker, policy, rsl_rollout, sync_rollout, transitions, truth, update_dataset
 
 
 CLUSTER = {"remote_storage": True, "buffer_worker_num": 2, "train_worker_num": 2}
@@ -61,20 +60,10 @@ def placement(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def ray_train_workers():
-    import ray
-
-    workers = [ray.remote(num_cpus=0)(fake_train_worker()).remote() for _ in range(2)]
-    yield workers
-    for worker in workers:
-        ray.kill(worker)
-
-
 @pytest.fixture
 def train_workers(placement, request):
     """Two train worker actors on Ray (batches are refs there), None locally."""
-    return request.getfixturevalue("ray_train_workers") if placement == "ray" else None
+    return request.getfixturevalue("fake_train_workers") if placement == "ray" else None
 
 
 def test_sync_ppo_rollouts_reach_both_train_workers_exactly_once(placement, train_workers):

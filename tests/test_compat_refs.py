@@ -17,19 +17,15 @@ from test_compat import add_tagged_episodes, assert_tagged_transitions
 import arrowbuf as ab
 from arrowbuf.compat import ReplayBuffer, RolloutBuffer, resolve
 
-from support.compat_envs import fake_train_worker
-
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-@pytest.fixture(scope="module")
-def train_workers():
-    workers = [ray.remote(num_cpus=0)(fake_train_worker()).remote() for _ in range(2)]
-    yield workers
-    for worker in workers:
-        ray.kill(worker)
+@pytest.fixture
+def train_workers(fake_train_workers):
+    """The session's two train worker actors (conftest), standing in for RLightning's train policies."""
+    return fake_train_workers
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_check_on_the_cpu_runs_the_arena_tests_and_the_torch_arena_bench_rows(tmp_path):
-    done = gpu_check("--device", "cpu", "--quick", "--out", str(tmp_path))
+    done = gpu_check("--device", "cpu", "--quick", "--min-time", "0.01", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     tests, = [line for line in lines if line.startswith("tests (tests/test_arena.py): ")]

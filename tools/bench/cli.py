@@ -38,6 +38,9 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
     parser.add_argument("--only", metavar="W1,W2", help="comma-separated workloads to run (default: all): "
                         + ",".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (smoke test)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tests only: --quick at the smallest sizes that run every step (numbers not worth "
+                             "reading)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7, quick 3)")
     parser.add_argument("--min-time", type=float, default=None,
@@ -74,9 +77,9 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
 
 def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
     """Run the named workloads; returns their results and the run's metadata."""
-    meta = {"argv": sys.argv[1:], "quick": opts.quick, "rounds": opts.rounds, "min_time": opts.min_time,
-            "slices": opts.slices, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    meta = {"argv": sys.argv[1:], "quick": opts.quick, "smoke": opts.smoke, "rounds": opts.rounds,
+            "min_time": opts.min_time, "slices": opts.slices, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     for mod in ("numpy", "torch", "pyarrow", "tensordict", "torchrl", "arrowbuf"):
         try:
             meta[mod] = __import__(mod).__version__
@@ -85,9 +88,9 @@ def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
     start = time.perf_counter()
     results = []
     for n in names:
-        log(f"running {n} ({'quick' if opts.quick else 'full'})")
+        log(f"running {n} ({'smoke' if opts.smoke else 'quick' if opts.quick else 'full'})")
         w = WORKLOADS[n]
-        results.append(w.run(w.spec(opts.quick), opts))
+        results.append(w.run(w.spec(opts.quick, opts.smoke), opts))
     meta["seconds"] = time.perf_counter() - start
     meta["loadavg_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return results, meta
@@ -114,7 +117,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     if args._probe:
         wname, contender = args._probe.split(":")
         workload = WORKLOADS[wname]
-        print(json.dumps(workload.probe(workload.spec(args.quick), contender)))
+        print(json.dumps(workload.probe(workload.spec(args.quick, args.smoke), contender)))
         return 0
     if args.list:
         for w in WORKLOADS.values():
@@ -135,10 +138,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
-    opts = Options(quick=args.quick, rounds=args.rounds or (3 if args.quick else 7),
-                   min_time=args.min_time or (0.06 if args.quick else 0.3), slices=max(1, args.slices),
+    quick = args.quick or args.smoke
+    opts = Options(quick=quick, rounds=args.rounds or (3 if quick else 7),
+                   min_time=args.min_time or (0.06 if quick else 0.3), slices=max(1, args.slices),
                    memory=not args.no_memory, profile=args.profile, device=args.device,
-                   mix_dataset_gb=args.mix_dataset_gb, mix_dataset_dir=args.mix_dataset_dir)
+                   mix_dataset_gb=args.mix_dataset_gb, mix_dataset_dir=args.mix_dataset_dir, smoke=args.smoke)
     results, meta = run(names, opts)
     render(results, meta)
     if args.json:

@@ -38,6 +38,7 @@ class Options:
     device: str | None = None   # torch device of the torch-arena contenders (None: cuda if available, else cpu)
     mix_dataset_gb: float | None = None   # MIX: also sample a dataset of this many GB (`big_dataset`)
     mix_dataset_dir: str | None = None    # where that dataset is built once and kept
+    smoke: bool = False    # the smoke specs (tests): every code path at the smallest sizes, nothing worth reading
 
     def torch_device(self) -> str:
         """The torch device the torch-arena (``storage_device``) contenders use."""
@@ -49,7 +50,12 @@ class Options:
 
 @dataclass(frozen=True)
 class Workload:
-    """A registered benchmark: ``run(spec, opts)`` with the full or the quick spec."""
+    """A registered benchmark: ``run(spec, opts)`` with the full, the quick or the smoke spec.
+
+    ``smoke`` (default: the quick spec) is for the tests, which check that a run completes
+    and reports, never what it measures: sizes where the fills and the memory probes'
+    child processes take seconds, not the quick spec's tens of seconds on a loaded CI box.
+    """
 
     name: str
     help: str
@@ -58,9 +64,12 @@ class Workload:
     run: Callable[[Any, Options], WorkloadResult]
     # Hidden child-process entry for per-contender memory probes (None: no probe).
     probe: Callable[[Any, str], dict] | None = None
+    smoke: Any = None
 
-    def spec(self, quick: bool) -> Any:
-        return self.quick if quick else self.full
+    def spec(self, quick: bool, smoke: bool = False) -> Any:
+        if smoke and self.smoke is not None:
+            return self.smoke
+        return self.quick if quick or smoke else self.full
 
 
 WORKLOADS: dict[str, Workload] = {}

@@ -47,9 +47,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_probe(workload: str, contender: str, quick: bool) -> dict[str, Any]:
-    """The probe's JSON answer, from a child process."""
-    cmd = [sys.executable, str(ENTRY), "--_probe", f"{workload}:{contender}"] + (["--quick"] if quick else [])
+def run_probe(workload: str, contender: str, quick: bool, smoke: bool = False) -> dict[str, Any]:
+    """The probe's JSON answer, from a child process (of the same spec as the run's)."""
+    cmd = ([sys.executable, str(ENTRY), "--_probe", f"{workload}:{contender}"] + (["--quick"] if quick else [])
+           + (["--smoke"] if smoke else []))
     log(f"  {workload}: memory probe {contender} (fresh process)")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -66,7 +67,7 @@ def memory_metric(workload: str, contenders: Sequence[tuple[str, bool]], opts: O
         if not probed:
             values[name] = None
             continue
-        probe = run_probe(workload, name, opts.quick)
+        probe = run_probe(workload, name, opts.quick, opts.smoke)
         detail[name] = probe
         values[name] = probe["peak_delta"] / probe["raw_bytes"]
     ratio = values["arrowbuf"]

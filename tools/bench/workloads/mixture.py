@@ -215,4 +215,5 @@ def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:
 
 register(Workload("MIX", "offline dataset + online store mixture (W1, 25/75, batch 256); open_dataset of 10M rows",
                   full=MixSpec(w1(1_000_000), open_rows=10_000_000),
-                  quick=MixSpec(w1(100_000), open_rows=200_000), run=run_mix))
+                  quick=MixSpec(w1(100_000), open_rows=200_000), smoke=MixSpec(w1(20_020), open_rows=200_000),
+                  run=run_mix))

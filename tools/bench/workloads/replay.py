@@ -128,6 +128,8 @@ def _replay(name: str) -> Callable[[ReplaySpec, Options], WorkloadResult]:
 
 
 register(Workload("W1", "state replay: obs f32[17], act f32[6]; 1M rows, T=1000, batch 256",
-                  full=w1(1_000_000), quick=w1(100_000), run=_replay("W1"), probe=probe_replay))
+                  full=w1(1_000_000), quick=w1(100_000), smoke=w1(10_010), run=_replay("W1"),
+                  probe=probe_replay))
 register(Workload("W2", "pixel replay: obs u8[84,84,3], act i64; 100k rows, T=500, batch 32",
-                  full=w2(100_000), quick=w2(10_000), run=_replay("W2"), probe=probe_replay))
+                  full=w2(100_000), quick=w2(10_000), smoke=w2(2_004), run=_replay("W2"),
+                  probe=probe_replay))
