@@ -15,21 +15,13 @@ import arrowbuf as ab
 from arrowbuf import RayOptions
 from arrowbuf.errors import EmptyStoreError
 
+from support.episodes import versioned_episode as _episode
+
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 SHARDS = 3
 HALF_LIFE, MAX_LAG = 1.0, 3
 OPTIONS = RayOptions(block_bytes=8_000, seal_latency=0.05)   # long episodes are lent as blocks of their own
-
-
-def _episode(versions, key: int = 0) -> dict:
-    """An episode whose steps carry ``versions``; obs[t] = (key, t) says which row it is."""
-    versions = np.asarray(versions, np.int64)
-    T = len(versions)
-    t = np.arange(T + 1)
-    return {"obs": np.stack([np.full(T + 1, key), t], axis=1).astype(np.float32),
-            "action": np.full(T, key, np.int64), "reward": np.ones(T, np.float32),
-            "terminated": np.arange(T) == T - 1, "truncated": np.zeros(T, bool), "policy_version": versions}
 
 
 def _write(store: ab.ExperienceStore, shard: int, versions, key: int) -> None:

@@ -24,14 +24,15 @@ def played_obs(env: int, t: int) -> np.ndarray:
     return np.array([env, t, 0.5 * t], np.float32)
 
 
-def step(writer: ab.StepWriter, t: int, done: np.ndarray | None = None) -> int:
-    """Step t of every env (autoreset 'disabled'): obs t, action 10 t + env, reward t, next obs t + 1."""
+def step(writer: ab.StepWriter, t: int, done: np.ndarray | None = None, **extra) -> int:
+    """Step t of every env (autoreset 'disabled'): obs t, action 10 t + env, reward t, next obs t + 1
+    (``extra``: more fields of the step, e.g. ``policy_version``)."""
     n = writer.num_envs
     envs = np.arange(n)
     done = np.zeros(n, bool) if done is None else done
     return writer.add(obs=np.stack([played_obs(e, t) for e in envs]), action=10 * t + envs,
                       reward=np.full(n, t, np.float32), terminated=done, truncated=np.zeros(n, bool),
-                      next_obs=np.stack([played_obs(e, t + 1) for e in envs]))
+                      next_obs=np.stack([played_obs(e, t + 1) for e in envs]), **extra)
 
 
 def wait_for(condition, what: str) -> None:
@@ -123,10 +124,7 @@ def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
     try:
         writer = store.writer(num_envs=2, autoreset_mode="disabled")
         for t in range(6):
-            n = writer.num_envs
-            writer.add(obs=np.stack([played_obs(e, t) for e in range(n)]), action=10 * t + np.arange(n),
-                       reward=np.full(n, t, np.float32), terminated=np.zeros(n, bool), truncated=np.zeros(n, bool),
-                       next_obs=np.stack([played_obs(e, t + 1) for e in range(n)]), policy_version=t)
+            step(writer, t, policy_version=t)
             wait_for(lambda: writer.open_steps.sum() == 0, f"step {t} leaving the writer's staging")
         wait_for(lambda: len(store) == 12, "the 12 shipped steps")
         batch = store.sample(64)

@@ -9,14 +9,7 @@ from scipy.stats import chisquare
 import arrowbuf as ab
 from arrowbuf.errors import EmptyStoreError
 
-
-def _episode(versions, key: int = 0) -> dict:
-    versions = np.asarray(versions, np.int64)
-    T = len(versions)
-    t = np.arange(T + 1)
-    return {"obs": np.stack([np.full(T + 1, key), t], axis=1).astype(np.float32),
-            "action": np.full(T, key, np.int64), "reward": np.ones(T, np.float32),
-            "terminated": np.arange(T) == T - 1, "policy_version": versions}
+from support.episodes import versioned_episode as _episode
 
 
 def _drawn(store: ab.ExperienceStore, draws: int = 40, **kwargs) -> np.ndarray:

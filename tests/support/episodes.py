@@ -56,6 +56,16 @@ def episode_schema(reward_dtype: str = "float64") -> ab.Schema:
 EPISODE_SCHEMA = episode_schema()
 
 
+def versioned_episode(versions: Any, key: int = 0) -> dict[str, np.ndarray]:
+    """An episode whose steps carry ``versions`` (``policy_version``); obs[t] = (key, t) says which row it is."""
+    versions = np.asarray(versions, np.int64)
+    T = len(versions)
+    t = np.arange(T + 1)
+    return {"obs": np.stack([np.full(T + 1, key), t], axis=1).astype(np.float32),
+            "action": np.full(T, key, np.int64), "reward": np.ones(T, np.float32),
+            "terminated": np.arange(T) == T - 1, "truncated": np.zeros(T, bool), "policy_version": versions}
+
+
 def make_episode(tag: int, steps: int, has_final: bool = True, terminated: bool = True,
                  truncated: bool = False, reward_dtype: str = "float64") -> dict[str, np.ndarray]:
     """A flat episode dict of numpy arrays encoding ``tag`` and the step in its values."""
