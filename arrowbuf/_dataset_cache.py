@@ -112,18 +112,13 @@ def _arrow_field(name: str, spec: Field, version: int) -> pa.Field:
     elif version == 1:
         arrow_type = pa.list_(value, int(np.prod(spec.shape, dtype=np.int64)))
     else:
-        arrow_type = pa.binary(_row_bytes(spec))
+        arrow_type = pa.binary(spec.row_bytes)
     return pa.field(name, arrow_type, nullable=False,
                     metadata={_DTYPE: spec.dtype.encode(), _SHAPE: json.dumps(list(spec.shape)).encode()})
 
 
 def _value_type(spec: Field) -> pa.DataType:
     return pa.uint8() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
-
-
-def _row_bytes(spec: Field) -> int:
-    itemsize = 1 if spec.dtype == "bool" else np.dtype(spec.numpy_dtype).itemsize
-    return itemsize * int(np.prod(spec.shape, dtype=np.int64))
 
 
 def rows_schema(schema: Schema, version: int = FORMAT_VERSION) -> pa.Schema:
@@ -172,7 +167,7 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
                 for name, array in zip(names, arrays):   # each column's rows at their place in its buffer
                     if array.size:
                         os.pwrite(out.fileno(), memoryview(array.reshape(-1)).cast("B"),
-                                  where[name] + written * _row_bytes(schema.fields[name]))
+                                  where[name] + written * schema.fields[name].row_bytes)
                 written += count or 0
                 bar.update(count or 0)
         if written != total:
@@ -214,7 +209,7 @@ def _lay_out_rows(path: Path, schema: Schema, rows: int, version: int) -> dict[s
     cache's size beside its source, not twice that (raw column files copied into the IPC
     file took 3x a 28 GB dataset, source included, and ran out of disk).
     """
-    nbytes = max([rows * _row_bytes(spec) for spec in schema.fields.values()] + [0])
+    nbytes = max([rows * spec.row_bytes for spec in schema.fields.values()] + [0])
     holes = path.with_name(path.name + ".zeros")
     with open(holes, "wb") as f:
         f.truncate(nbytes)
@@ -242,13 +237,13 @@ def _lay_out_rows(path: Path, schema: Schema, rows: int, version: int) -> dict[s
 
 def _column_array(buffer: pa.Buffer, spec: Field, rows: int, version: int) -> pa.Array:
     """The column of ``rows`` rows of ``spec`` over the first bytes of ``buffer``."""
-    buffer = buffer.slice(0, rows * _row_bytes(spec))
+    buffer = buffer.slice(0, rows * spec.row_bytes)
     if not spec.shape:
         return pa.Array.from_buffers(_value_type(spec), rows, [None, buffer])
     if version == 1:
         size = int(np.prod(spec.shape, dtype=np.int64))
         return pa.FixedSizeListArray.from_arrays(pa.Array.from_buffers(_value_type(spec), rows * size, [None, buffer]), size)
-    return pa.Array.from_buffers(pa.binary(_row_bytes(spec)), rows, [None, buffer])
+    return pa.Array.from_buffers(pa.binary(spec.row_bytes), rows, [None, buffer])
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -385,7 +380,7 @@ class MappedRows:
                 if spec.shape and version == 1:
                     array = primitive_numpy(column.values, dtype, name)
                 elif spec.shape:   # fixed-size binary: its data buffer holds the rows' values
-                    array = primitive_numpy(column, np.dtype((np.void, _row_bytes(spec))), name).view(dtype)
+                    array = primitive_numpy(column, np.dtype((np.void, spec.row_bytes)), name).view(dtype)
                 else:
                     array = primitive_numpy(column, dtype, name)
                 if spec.dtype == "bool":

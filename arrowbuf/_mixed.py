@@ -151,4 +151,3 @@ class MixedPlan:
                 account(count)
         outs[self.source_at][...] = self.source
         return batch
-

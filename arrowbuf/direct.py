@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
-from arrowbuf.samplers import UniformSampler, uniform_indices
+from arrowbuf.samplers import UniformSampler, select_indices, uniform_indices
 from arrowbuf.tensors import take_fields
 from arrowbuf.versions import fresh_spans, no_fresh_step
 
@@ -97,11 +97,8 @@ def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple
     draws them (the same generator calls: ``k`` batches drawn at once are the draws of ``k``
     calls in turn), for `fill_drawn` to gather a slice at a time."""
     table = shard.table
-    index = _UNIFORM.draw(rng, batch_size, table)
-    pos, offset = table.locate(index)
-    rows = table.ecol("first_row").take(pos) + offset
-    step = offset + table.ecol("first_step").take(pos) if table.pieces else offset
-    return index, table.ecol("episode_id").take(pos), step, rows
+    chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table))
+    return chosen.indices, table.ecol("episode_id").take(chosen.pos), chosen.step, chosen.rows
 
 
 def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ...], start: int, stop: int) -> None:
@@ -114,4 +111,3 @@ def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ..
     outs[at_step][...] = step[start:stop]
     rows = rows[start:stop]
     take_fields(layout, outs, (rows, rows, None))
-
