@@ -220,7 +220,8 @@ def export_array(field: Field, stored: pa.Array) -> pa.Array:
     bfloat16, whose float32 values are a new array twice its size."""
     if field.dtype == "bfloat16":
         bits = (stored.flatten() if field.shape else stored).to_numpy(zero_copy_only=False)
-        widened = pa.array((bits.astype(np.uint32) << 16).view(np.float32), pa.float32())
+        words = bits.astype(np.uint32)
+        widened = pa.array(np.left_shift(words, 16, out=words).view(np.float32), pa.float32())
         stored = pa.FixedSizeListArray.from_arrays(widened, int(np.prod(field.shape))) if field.shape else widened
     if not field.shape:
         return stored
