@@ -383,3 +383,19 @@ def test_add_of_one_transition_and_sample_without_a_size_name_arrowbufs_verbs():
     assert len(store) == 20 and store.num_episodes == int(td["next", "done"].sum()) + (not td["next", "done"][-1])
     with pytest.raises(TypeError, match=re.escape("store.sample(batch_size, layout='torchrl')")):
         store.sample()
+
+
+def test_add_episodes_takes_the_observation_fields_a_name_would_not_reveal():
+    episodes = {"obs": np.zeros((2, 4, 3), np.float32), "step_count": np.tile(np.arange(4), (2, 1)),
+                "action": np.zeros((2, 3), np.int64), "terminated": np.zeros((2, 3), bool)}
+    store = ab.ExperienceStore(100, seed=0)
+    with pytest.raises(SchemaError, match="'step_count' has 4 rows"):
+        store.add_episodes(episodes)
+    for bad, message in ((["obs", "steps"], r"names \['steps'\], not fields"), ("obs", "must be a list")):
+        with pytest.raises(SchemaError, match=message):
+            store.add_episodes(episodes, observations=bad)
+    assert len(store) == 0 and store.schema is None
+    store.add_episodes(episodes, observations=["obs", "step_count"])
+    assert store.schema.observation_names == ("obs", "step_count")
+    batch = store.sample(16)
+    assert torch.equal(batch["next", "step_count"], batch["step_count"] + 1)
