@@ -69,17 +69,20 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
     return span_selection(rng, n, spans, shard.table)
 
 
-def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable) -> Selection:
-    """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes)."""
+def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable,
+                   out: np.ndarray | None = None) -> Selection:
+    """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes),
+    their indices written into ``out`` (int64 ``[n]``) when given: the one draw of ``min_version``
+    (a local store's `fresh_selection`, its plain path `arrowbuf.direct`, a Ray reader's views)."""
     if spans.first >= 0:   # one run of indices (`Spans.first`): the draw below, located as a plain sample's
-        return select_indices(table, uniform_indices(rng, n, spans.first, spans.first + spans.total))
+        return select_indices(table, uniform_indices(rng, n, spans.first, spans.first + spans.total, out))
     k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
     pos = spans.pos.take(k)
     step = spans.step0.take(k) + offset
     rows = spans.row0.take(k) + offset
     if table.pieces:   # the step within the episode of a piece that continues one
         step += table.col("first_step").take(pos)
-    return Selection(rows, spans.index0.take(k) + offset, pos, {}, step)
+    return Selection(rows, np.add(spans.index0.take(k), offset, out=out), pos, {}, step)
 
 
 def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:
