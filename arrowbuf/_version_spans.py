@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from arrowbuf.shard import Shard
 
 VERSION = "policy_version"
-#: Bounds whose spans a shard keeps at once.
+#: Bounds whose spans a shard (or a Ray reader's view) keeps at once.
 MAX_BOUNDS = 4
 
 
@@ -168,12 +168,19 @@ def newest(shard: Shard) -> int | None:
 def fresh_spans(shard: Shard, min_version: int) -> Spans | None:
     """The spans of transitions of version >= ``min_version``; None when none qualifies."""
     bounds = shard_bounds(shard)
-    if min_version in bounds.spans:
-        return bounds.spans[min_version]
-    spans = spans_of(shard.table, bounds.low, bounds.high, bounds.sorted, min_version, episode_versions(shard))
-    if len(bounds.spans) >= MAX_BOUNDS:
-        bounds.spans.clear()
-    bounds.spans[min_version] = spans
+    return kept_spans(bounds.spans, min_version, lambda: spans_of(
+        shard.table, bounds.low, bounds.high, bounds.sorted, min_version, episode_versions(shard)))
+
+
+def kept_spans(kept: dict, min_version: int, build: Callable[[], Spans | None]) -> Spans | None:
+    """The spans of ``min_version`` kept in ``kept`` (a shard's `EpisodeBounds.spans`, or a Ray
+    reader's view's), built by ``build()`` the first time; past `MAX_BOUNDS` bounds, all are dropped."""
+    if min_version in kept:
+        return kept[min_version]
+    spans = build()
+    if len(kept) >= MAX_BOUNDS:
+        kept.clear()
+    kept[min_version] = spans
     return spans
 
 
