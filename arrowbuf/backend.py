@@ -7,9 +7,9 @@ protocol: `arrowbuf.local.LocalBackend` (one `ShardEngine` in this process) and
 `tests/test_layers.py` checks that both have every member below with these
 parameter names, and `tests/test_contract.py` that they behave alike.
 
-Arguments arrive checked. ``args`` is ``(n_step, gamma, frame_stack)``; indices
-are ints (``shard << 48 | local index`` on Ray); ``device`` is a `torch.device`
-or None.
+Arguments arrive checked. ``args`` is a `SampleArgs` (a sample's n-step and
+frame-stack look-ups, one frozen value); indices are int64 transition indices
+(``shard << 48 | local index`` on Ray); ``device`` is a `torch.device` or None.
 """
 
 from __future__ import annotations

@@ -1,14 +1,22 @@
 """`ShardEngine`: one shard with its sampler, generator, limiter counters and lock.
 
-The engine is the unit that both backends run: the embedded store holds one, and
-every Ray shard actor holds one. It composes the parts and calls them in order;
-no part calls back into its owner:
+The engine is the unit every store serves from: the embedded store holds one,
+every Ray shard actor holds one, and so does a dataset (`arrowbuf.dataset`). It
+composes the parts and calls them in order; no part calls back into its owner:
 
-- a write checks that the episode fits, waits for the rate limiter, copies the
-  episode into the `Shard`, then tells the sampler which rows it evicted and
-  which it added (`Sampler.on_evict`, `Sampler.on_add`);
-- a sample waits for the rate limiter, asks the sampler for a `Selection`, adds
-  the n-step / frame-stack look-ups (`arrowbuf.indexing`) and gathers the rows
+- `add` (whole episodes, and the pieces a staged writer delivers) checks that
+  the episode fits, waits for the rate limiter, places the episode in the
+  `Shard` (and copies its rows, unless the caller fills them later: a Ray
+  shard's lent rows), then tells the sampler which rows it evicted and which it
+  added (`Sampler.on_evict`, `Sampler.on_add`). A step writer of an embedded
+  circular store without a limiter that can refuse bypasses it: it writes in
+  place into the shard's regions under the engine's lock, and tells the sampler
+  and the insert count itself (`arrowbuf.inplace`);
+- a sample waits for the rate limiter; a plain uniform one of a host arena onto
+  the CPU (no limiter, n-step, frame stack or reuse tracking) is drawn and gathered straight
+  into a pooled batch (`arrowbuf.direct`); any other asks the sampler for a
+  `Selection` (of ``min_version``: `arrowbuf.versions`), adds the n-step /
+  frame-stack look-ups (`arrowbuf.indexing`) and gathers the rows
   (`arrowbuf.tensors.Gather`).
 
 Limiters are configuration (`arrowbuf.rate_limiters`): the engine keeps the

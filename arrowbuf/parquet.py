@@ -62,6 +62,7 @@ from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
                                check_hash_entry, check_size, file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
                                take_rows, tensor_schema, write_manifest)
+from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import export_array, export_type
 from arrowbuf.schema import Schema
@@ -97,8 +98,6 @@ def group_rows(row_bytes: int) -> int:
 
 def file_metadata(store_info: Mapping[str, Any]) -> dict[str, str]:
     """The key-value metadata of every file of an export."""
-    from arrowbuf import __version__
-
     return {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT, "arrowbuf.row_convention": ROW_CONVENTION,
             "arrowbuf.format_version": str(FORMAT_VERSION), "arrowbuf.store": json.dumps(dict(store_info))}
 
@@ -267,8 +266,6 @@ def store_info(store: Any) -> dict[str, Any]:
 def finish_export(directory: Path, schema: Schema, info: Mapping[str, Any], episodes: pa.Table,
                   entries: Sequence[Mapping[str, Any]]) -> None:
     """Write the episode table, then the manifest (it lists every file with its hash)."""
-    from arrowbuf import __version__
-
     episodes = episodes.replace_schema_metadata(file_metadata(info))
     pq.write_table(episodes, directory / EPISODES, compression="zstd", write_page_checksum=True)
     write_manifest(directory / MANIFEST, {

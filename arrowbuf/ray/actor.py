@@ -1,18 +1,29 @@
-"""`ShardServer`: the body of one shard actor, a `ShardEngine` and nothing more.
+"""`ShardServer`: the body of one shard actor, a `ShardEngine` and what a shard keeps around it.
 
 `arrowbuf.ray.start` starts one actor per shard (``ray.remote(ShardServer)``;
 threaded, with the concurrency groups of `arrowbuf.ray.handles`, when the store
-has a rate limiter). Every method calls the
-engine's public API; answers that change or reveal the shard's size carry a
-reading of it (mass, transitions, episodes, the shard's clock) for the caller's
-`SizeCache`. Data leaves as numpy / Arrow buffers (`Payload`), which the caller
-reads from Ray's object store without a copy.
+has a rate limiter). Around its engine (recovered from a `DurableShard`'s directory
+when the store is durable, which logs every write before the answer) a shard keeps:
+
+- a `BlockRing` (`arrowbuf.ray.blocks`): its rows sealed into immutable blocks of
+  the object store, whose manifest readers poll and gather from without an actor
+  call per batch;
+- `UnfilledRows` (`arrowbuf.ray.lent`): lent episodes placed without their rows,
+  copied into the arena before any method reads it (`_arena`);
+- `OpenPieces` (`arrowbuf.ray.tails`): its stored pieces of episodes still open,
+  counted as transitions, not episodes.
+
+Every method calls the engine's public API and these parts'; answers that change or
+reveal the shard's size carry a reading of it (mass, transitions, episodes, the
+shard's clock) for the caller's `SizeCache`. Rows read by index leave as a `Payload`
+(or a `ShippedBatch` left in the object store for a train worker), which the caller
+reads from Ray's object store without a copy; samples drawn here (PER, rate limiters,
+reuse tracking) leave as indices, which the caller's reader gathers from the blocks.
 
 Rate limiters apply per shard: each shard judges its own inserts and samples
 (as Reverb does for a table served by several servers), and a call that must
 wait for the limiter waits here, in its concurrency group's thread.
 """
-
 from __future__ import annotations
 
 import time

@@ -2,8 +2,8 @@
 
 The backend holds the handles of one named actor per shard (`ShardServer`,
 each running a `ShardEngine`; started or found by `arrowbuf.ray.start`) and
-the sizes they last reported.
-It offers the backend interface of `arrowbuf.local.LocalBackend`:
+the sizes they last reported. It implements the `arrowbuf.backend.Backend`
+protocol, as `arrowbuf.local.LocalBackend` does:
 
 - writes: `add` sends one episode and waits for its shard's answer, which
   carries its id (a round trip); writers (`sink`) are the asynchronous, batched
