@@ -393,3 +393,19 @@ def test_a_writer_state_with_open_steps_but_no_last_observation_is_refused(tmp_p
     edit_checkpoint(tmp_path / "ckpt", lambda state: state["writers"]["runner"]["last_next"].clear())
     with pytest.raises(ab.FormatError, match=r"writers.runner.last_next is .*; expected the observation after"):
         ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
+def test_a_ray_shards_saved_open_pieces_must_name_its_live_pieces():
+    from arrowbuf.ray.tails import OpenPieces
+
+    store = wrapped_store("w1")   # evicted its oldest episodes: serials start past 0
+    table = store.engine.table
+    head, added = table.episodes_added - len(table), table.episodes_added
+    pieces = OpenPieces()
+    pieces.load([["writer-a", "env-0", [added - 2, added - 1]], [None, "env-1", [head]]], table, "ckpt")
+    assert pieces.state(table) == [["writer-a", "env-0", [added - 2, added - 1]], [None, "env-1", [head]]]
+    for bad in ([["writer-a", "env-0", [added]]], [["writer-a", "env-0", [head - 1]]], [["w", "env-0", []]],
+                [["w", 3, [head]]], {"w": [head]}, [["w", "env-0", [True]]]):
+        with pytest.raises(ab.FormatError, match=r"ckpt: store.open_pieces has .*; expected \[writer id, env id, "
+                                                 rf"serials of live pieces in \[{head}, {added}\)\]"):
+            OpenPieces().load(bad, table, "ckpt")
