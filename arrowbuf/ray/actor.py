@@ -45,7 +45,7 @@ from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
-from arrowbuf.ray.tails import OpenPieces
+from arrowbuf.ray.tails import OPEN_PIECES, OpenPieces
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import EpisodeSampler, SequenceSampler, UniformSampler
 from arrowbuf.schema import Schema
@@ -85,11 +85,15 @@ class ShardServer:
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
                  blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None) -> None:
+        saved: dict = {}   # the checkpoint's info, when the engine is loaded from one
+
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
 
-                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
+                loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards)
+                saved.update(loaded.info, manifest=str(loaded.manifest))
+                return loaded.engine
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
                                track_reuse=track_reuse, shard=shard, num_shards=num_shards)
 
@@ -121,6 +125,8 @@ class ShardServer:
         self.unfilled = UnfilledRows()
         self._fills_later = not limits(rate_limiter)
         self.open_pieces = OpenPieces()   # stored pieces of episodes still open (`arrowbuf.ray.tails`)
+        if saved.get(OPEN_PIECES) is not None:   # a checkpoint's, checked against its episode table
+            self.open_pieces.load(saved[OPEN_PIECES], engine.table, saved["manifest"])
 
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
@@ -370,14 +376,18 @@ class ShardServer:
         return export_shard(self._arena().shard, self.engine.lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
-    def save(self, path: str, base: str | None = None) -> str:
-        """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
+    def save(self, path: str, base: str | None = None, writers: dict | None = None) -> str:
+        """Checkpoint this shard into ``path``, incrementally from its save in ``base``, with
+        its open pieces and ``writers`` (writer states by name: the saving process's)."""
         from arrowbuf.checkpoint import save_engine
 
         engine = self._arena()
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
-        save_engine(engine, path, info, progress=False, base=base)
+        with engine.lock:
+            pieces = self.open_pieces.state(engine.table)
+        save_engine(engine, path, {**info, OPEN_PIECES: pieces}, lambda: dict(writers or {}), progress=False,
+                    base=base)
         if self.durable is not None:   # its own checkpoint, then the log is compacted
             self.durable.checkpoint(engine, info)
         return path

@@ -30,6 +30,7 @@ after `flush` is exact.
 from __future__ import annotations
 
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -50,7 +51,7 @@ from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
-from arrowbuf.ray.sink import RaySink
+from arrowbuf.ray.sink import DroppedWriters, RaySink
 from arrowbuf.ray.start import find_shards, release_durable, start_shards
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
@@ -89,6 +90,8 @@ class RayBackend:
         self._sizes = SizeCache(shards)
         self._sizes.refresh()
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
+        self._writer_sinks: weakref.WeakSet[RaySink] = weakref.WeakSet()   # this process's writers' (`save`)
+        self._dropped = DroppedWriters()   # deliveries of writers dropped without flush or close
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
@@ -215,7 +218,9 @@ class RayBackend:
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
-        return RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards)
+        sink = RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards, self._dropped)
+        self._writer_sinks.add(sink)
+        return sink
 
     def import_episodes(self, episodes: Iterable[Episode]) -> int:
         """Store checked episodes of an import (spread over the shards); how many."""
@@ -232,6 +237,7 @@ class RayBackend:
         refresh the sizes and this process's manifests (``len`` is exact after it, and
         every episode stored so far is sampled here; priority updates left in flight are answered)."""
         self._sink.flush()
+        self._dropped.wait()
         self._updates.collect(block=True)
         self._sizes.refresh()
         self._reader.sync()
@@ -245,6 +251,7 @@ class RayBackend:
             return
         try:
             self._sink.close()
+            self._dropped.wait()
             self._updates.collect(block=True)   # their errors are raised, the actors ended all the same
         finally:
             self._reader.reset()   # this process's references to the blocks
@@ -494,10 +501,14 @@ class RayBackend:
 
     def save(self, path: str | Path, info: Mapping[str, Any], writer_states: Callable[[], dict],
              progress: bool | None) -> Path:
-        """Every shard saves its own generation directory (`save_ray_store`); writers' open
-        episodes are not kept."""
+        """Every shard saves its own generation directory (`save_ray_store`), with its open
+        pieces; this process's writers ship their staged steps first (`RaySink.ship_open`),
+        and shard 0's checkpoint keeps their states (``writer_states()``): where their open
+        episodes go on."""
+        for sink in list(self._writer_sinks):
+            sink.ship_open()
         self.flush()
-        return save_ray_store(self.shards, Path(path), dict(info))
+        return save_ray_store(self.shards, Path(path), dict(info), writer_states())
 
     def to_ray_dataset(self) -> Any:
         return to_ray_dataset(self.shards)

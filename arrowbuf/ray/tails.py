@@ -12,18 +12,24 @@ writer continues (`RaySink.load_open_state`); the episode's last piece
 They count as transitions (``len(store)``) but not as episodes: ``num_episodes``
 and ``episodes()`` leave them out, ``episodes(include_open=True)`` lists them with
 ``open=True``, as a local store lists its writers' open tails. Eviction drops them
-as any piece (first in, first out); a restarted shard forgets which were open.
+as any piece (first in, first out). A shard's checkpoint keeps which are open
+(`state`, `load`); a durable shard restarted from its log forgets it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._checks import is_int
+from arrowbuf.errors import FormatError, describe
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 
 Key = tuple[str | None, str]   # (owner: writer id, env id)
+OPEN_PIECES = "open_pieces"    # the key of `OpenPieces.state` in a shard checkpoint's info
 
 
 class OpenPieces:
@@ -49,6 +55,28 @@ class OpenPieces:
 
     def clear(self) -> None:
         self.serials.clear()
+
+    def state(self, table: EpisodeTable) -> list[list[Any]]:
+        """The live open pieces as JSON: [owner, env id, serials] per open episode."""
+        self.live(table)
+        return [[owner, env, list(serials)] for (owner, env), serials in self.serials.items()]
+
+    def load(self, state: Any, table: EpisodeTable, where: str) -> None:
+        """Restore a `state` taken with ``table`` (a checkpoint's, named ``where``).
+
+        Raises:
+            FormatError: not [owner, env id, serials] entries naming live entries of ``table``.
+        """
+        head, added = table.episodes_added - len(table), table.episodes_added
+        entries = state if isinstance(state, list) else [None]
+        for entry in entries:
+            ok = (isinstance(entry, list) and len(entry) == 3 and (entry[0] is None or isinstance(entry[0], str))
+                  and isinstance(entry[1], str) and isinstance(entry[2], list) and entry[2]
+                  and all(is_int(s, head) and s < added for s in entry[2]))
+            if not ok:
+                raise FormatError(f"{where}: store.{OPEN_PIECES} has {describe(entry)}; expected [writer id, env id, "
+                                  f"serials of live pieces in [{head}, {added})] per open episode")
+        self.serials = {(owner, env): [int(s) for s in serials] for owner, env, serials in state}
 
     def live(self, table: EpisodeTable) -> np.ndarray:
         """Serials of the live open pieces (evicted ones are forgotten)."""
