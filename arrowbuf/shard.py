@@ -500,7 +500,7 @@ class Shard:
             if table.pieces:   # the step within the episode of a piece that continues one
                 step = step + table.ecol("first_step").take(pos)
         extra = {"index": selection.indices + index_base if index_base else selection.indices,
-                 "episode_id": table.ecol("episode_id").take(pos),
+                 "episode_id": table.ecol("episode").take(pos),
                  "step": step.astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
         # Pieces of one episode read as one episode where their rows are held (`PieceChains`).
@@ -570,6 +570,8 @@ class Shard:
 
     def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
         columns = self.columns(first, stop)
+        # What users read: the id of the played episode, not of the piece (`arrowbuf.played`).
+        columns["episode_id"] = np.repeat(self.table.col("episode")[first:stop], self.table.col("num_rows")[first:stop])
         arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in self.specs.items()]
         schema = self.schema.to_arrow()
         return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))
