@@ -73,6 +73,8 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
         else:   # fresh steps that are one run of indices: the same draw as the spans' below
             index = uniform_indices(rng, batch_size, spans.first, spans.first + spans.total, outs[at_index])
         pos, step = table.locate(index)
+        if table.open_total:   # open steps' indices as tokens that keep naming their step
+            outs[at_index][...] = table.public_indices(index, pos)
         table.ecol("episode").take(pos, 0, outs[at_episode], "clip")
         outs[at_step][...] = step
         if table.pieces:   # pieces of episodes: steps count from the episode's first
@@ -98,7 +100,8 @@ def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple
     calls in turn), for `fill_drawn` to gather a slice at a time."""
     table = shard.table
     chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table))
-    return chosen.indices, table.ecol("episode").take(chosen.pos), chosen.step, chosen.rows
+    return (table.public_indices(chosen.indices, chosen.pos), table.ecol("episode").take(chosen.pos), chosen.step,
+            chosen.rows)
 
 
 def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ...], start: int, stop: int) -> None:

@@ -337,8 +337,8 @@ class ShardEngine:
               min_version: int | None = None) -> list[np.ndarray]:
         """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = (np.arange(*self.table.sample_range(), dtype=np.int64) if min_version is None
-                       or self._shard is None else fresh_indices(self._shard, min_version))
+            indices = (self.table.public_indices(np.arange(*self.table.sample_range(), dtype=np.int64))
+                       if min_version is None or self._shard is None else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def evict(self, min_version: int) -> int:
@@ -358,6 +358,7 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
+            indices = shard.table.resolve(indices)   # kept indices of open steps: where those steps are now
             selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
@@ -388,7 +389,8 @@ class ShardEngine:
         with self.lock:
             if self._shard is None:
                 return 0
-            return self.sampler.update(self._shard.table, indices, priorities)
+            # A kept index of an open step reaches that step (once sealed) or nothing.
+            return self.sampler.update(self._shard.table, self._shard.table.resolve(indices), priorities)
 
     # -- derived columns ----------------------------------------------------------------
 

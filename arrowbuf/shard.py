@@ -59,6 +59,7 @@ class Episode:
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
     first_step: int = 0   # the step of its first row in its episode: > 0 for a piece that continues one
     open: bool = False    # a piece whose episode goes on (a Ray writer's shipped open steps: `arrowbuf.ray.tails`)
+    prev_piece: int = -1  # serial of the stored piece this one continues (its shard's: `arrowbuf.ray.tails`); -1: none
 
     @property
     def num_rows(self) -> int:
@@ -382,7 +383,8 @@ class Shard:
         episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
                                        has_final=episode.has_final, terminated=terminated, truncated=truncated,
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at, first_step=episode.first_step)
+                                       inserted_at=episode.inserted_at, first_step=episode.first_step,
+                                       prev_piece=episode.prev_piece)
         self.write_pos = stop
         if self.regions.count:
             self.publish_open()
@@ -499,7 +501,9 @@ class Shard:
             step = rows - first
             if table.pieces:   # the step within the episode of a piece that continues one
                 step = step + table.ecol("first_step").take(pos)
-        extra = {"index": selection.indices + index_base if index_base else selection.indices,
+        # Open steps' indices as tokens that keep naming their step (`arrowbuf.open_indices`).
+        indices = table.public_indices(selection.indices, pos) if table.open_total else selection.indices
+        extra = {"index": indices + index_base if index_base else indices,
                  "episode_id": table.ecol("episode").take(pos),
                  "step": step.astype(np.int32), **selection.extra}
         obs_rows = next_rows = None

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.indexing import RunLookup, run_lookup
+from arrowbuf.open_indices import TOKEN, TailIndices, split, tokens
 from arrowbuf.played import Played, episodes_arrow, group_played
 
 _COLUMNS: dict[str, Any] = {
@@ -37,10 +38,11 @@ _COLUMNS: dict[str, Any] = {
     "first_step": np.int64,   # step of the first row within its episode: > 0 for a piece that continues one
     "prev_piece": np.int64,   # serial (k-th added) of the piece this one continues, its steps just before; -1: none
     "episode": np.int64,      # the played episode's id (users' ``episode_id``): the id of its first piece
+    "tail": np.int64,         # uid of the open tail this entry is or was (`arrowbuf.open_indices`); -1: none
 }
 
 #: Columns a state may lack (written before they existed), with their value then.
-_OPTIONAL = {"first_step": 0, "prev_piece": -1}
+_OPTIONAL = {"first_step": 0, "prev_piece": -1, "tail": -1}
 #: Continuing pieces remembered per env after they leave the table, so that the piece which
 #: continues one still finds its episode's id (a writer's continuing piece is among its env's newest).
 _TIPS_PER_ENV = 64
@@ -111,6 +113,7 @@ class EpisodeTable:
         # env code -> {serial: episode id} of the newest pieces that an episode may go on from
         # (not terminated or truncated): the id a continuing piece takes once its previous one left.
         self._tips: dict[int, dict[int, int]] = {}
+        self._tails = TailIndices()   # open steps' indices that keep naming their step
         self._played_count: tuple[Any, int] | None = None   # `num_played`'s last answer, by the state it read
 
     def __len__(self) -> int:
@@ -174,6 +177,7 @@ class EpisodeTable:
         cols["first_step"][i:stop] = first_step
         cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
         cols["episode"][i:stop] = self._episodes_of(cols["env"][i:stop], cols["prev_piece"][i:stop])
+        cols["tail"][i:stop] = self._tails.publish(cols["first_row"][i:stop], cols["first_step"][i:stop])
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
         self._num_open = n
@@ -266,6 +270,7 @@ class EpisodeTable:
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         cols["first_step"][i] = first_step
         cols["prev_piece"][i] = prev_piece
+        cols["tail"][i] = self._tails.seal(first_row, first_step, serial) if self._tails.any else -1
         episode = self._episode_of(code, prev_piece) if prev_piece >= 0 else -1
         cols["episode"][i] = episode_id if episode < 0 else episode
         if first_step or episode >= 0:
@@ -343,6 +348,7 @@ class EpisodeTable:
     def pop_oldest(self, count: int) -> None:
         """Drop the ``count`` oldest episodes."""
         self.head += count
+        self._tails.forget_before(self.episodes_added - len(self))
         self._lookup = self._played_count = None
         first_serial = self.episodes_added - len(self)
         while self._longest and self._longest[0][0] < first_serial:
@@ -353,6 +359,7 @@ class EpisodeTable:
         self.head = self.tail = 0
         self._num_open = self.open_total = self._open_longest = 0
         self.pieces = False
+        self._tails.clear()
         self._longest.clear()
         self._lookup = self._played_count = None
 
@@ -430,6 +437,10 @@ class EpisodeTable:
         self.pieces = bool(np.any(self._cols["first_step"][:n]) or
                            np.any(self._cols["episode"][:n] != self._cols["episode_id"][:n]))
         self._tips = {}
+        self._tails = TailIndices()
+        tails = self._cols["tail"][:n]
+        self._tails.sealed = {int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0}
+        self._tails.next_uid = int(tails.max()) + 1 if n else 0
         self._longest.clear()
         self._lookup = self._played_count = None
         for k, length in enumerate(self._cols["length"][:n].tolist()):
@@ -494,6 +505,36 @@ class EpisodeTable:
         first = self.ecol("first_index")
         pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first.take(pos)
+
+    def public_indices(self, indices: np.ndarray, pos: np.ndarray | None = None) -> np.ndarray:
+        """``indices`` as users get them: a provisional one (an open tail's) as a token that
+        keeps naming its step (`arrowbuf.open_indices`); ``pos``: their `locate` positions."""
+        if not self._num_open:
+            return indices
+        provisional = indices >= self.next_index
+        if not provisional.any():
+            return indices
+        out = np.array(indices, np.int64, copy=True)
+        p = self._locate_open(indices[provisional])[0] if pos is None else np.broadcast_to(pos, indices.shape)[provisional]
+        out[provisional] = tokens(indices[provisional], self.ecol("first_index").take(p), self.ecol("tail").take(p))
+        return out
+
+    def resolve(self, indices: np.ndarray) -> np.ndarray:
+        """Users' ``indices`` (tokens included) as this table's indices of the same steps
+        now; -1 for a step no longer held (or a number never handed out)."""
+        out = np.where(indices < self.next_index, indices, -1)
+        token = np.flatnonzero(indices >= TOKEN)
+        if not len(token):
+            return out
+        uid, offset = split(indices[token])
+        base = self.episodes_added - len(self)
+        tails = {int(u): len(self) + k for k, u in enumerate(self.ecol("tail")[len(self):].tolist())}
+        for k, u, off in zip(token.tolist(), uid.tolist(), offset.tolist()):
+            serial = self._tails.sealed.get(u)
+            pos = serial - base if serial is not None and serial >= base else tails.get(u, -1)
+            if pos >= 0 and off < self.ecol("length")[pos]:
+                out[k] = self.ecol("first_index")[pos] + off
+        return out
 
     def rows_of(self, indices: np.ndarray) -> np.ndarray:
         """Arena rows of live transition indices."""
