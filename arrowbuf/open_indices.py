@@ -13,8 +13,9 @@ no longer held. So `gather` returns the kept step or drops it, and `update_prior
 never reaches another step.
 
 A tail is known again from one write to the next by its first row and first step (its
-region does not move while it is open); a piece that seals takes the uid of the tail
-with its first row and first step.
+region does not move while it is open); a piece sealed since the last publish takes the
+uid of the tail with its first row and first step (matched in one vector step at the
+next publish, or when a token is resolved: not one look-up per seal).
 """
 
 from __future__ import annotations
@@ -63,15 +64,14 @@ class TailIndices:
         self._published_uids = uids
         return uids
 
-    def seal(self, first_row: int, first_step: int, serial: int) -> int:
-        """The uid of a piece sealed as entry ``serial`` from the tail at ``first_row`` (-1: none)."""
-        at, same = self._find(np.array([first_row]), np.array([first_step]))
-        if not same[0]:
-            return -1
-        uid = int(self._uids[at[0]])
-        self._steps[at[0]] = -1   # sealed once: a later piece at these rows is another
-        self.sealed[uid] = serial
-        return uid
+    def seal(self, first_row: np.ndarray, first_step: np.ndarray, serials: np.ndarray) -> np.ndarray:
+        """The uids of pieces sealed (entries ``serials``) from the tails of the last publish
+        at their ``first_row`` and ``first_step`` (-1: none, a piece that was no tail)."""
+        at, same = self._find(first_row, first_step)
+        uids = np.where(same, self._uids.take(at, mode="clip") if len(self._uids) else -1, -1)
+        for uid, serial in zip(uids[same].tolist(), serials[same].tolist()):
+            self.sealed[uid] = serial
+        return uids
 
     def _find(self, first_row: np.ndarray, first_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not len(self._rows):

@@ -114,6 +114,7 @@ class EpisodeTable:
         # (not terminated or truncated): the id a continuing piece takes once its previous one left.
         self._tips: dict[int, dict[int, int]] = {}
         self._tails = TailIndices()   # open steps' indices that keep naming their step
+        self._unmatched = 0           # serial of the first piece not yet matched to a tail (`_match_sealed`)
         self._played_count: tuple[Any, int] | None = None   # `num_played`'s last answer, by the state it read
 
     def __len__(self) -> int:
@@ -177,6 +178,7 @@ class EpisodeTable:
         cols["first_step"][i:stop] = first_step
         cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
         cols["episode"][i:stop] = self._episodes_of(cols["env"][i:stop], cols["prev_piece"][i:stop])
+        self._match_sealed()
         cols["tail"][i:stop] = self._tails.publish(cols["first_row"][i:stop], cols["first_step"][i:stop])
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
@@ -270,14 +272,14 @@ class EpisodeTable:
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         cols["first_step"][i] = first_step
         cols["prev_piece"][i] = prev_piece
-        cols["tail"][i] = self._tails.seal(first_row, first_step, serial) if self._tails.any else -1
+        cols["tail"][i] = -1   # or the uid of the tail it was: `_match_sealed`
         episode = self._episode_of(code, prev_piece) if prev_piece >= 0 else -1
-        cols["episode"][i] = episode_id if episode < 0 else episode
+        root = episode_id if episode < 0 else episode
+        cols["episode"][i] = root
         if first_step or episode >= 0:
             self.pieces = True
-            self._note_tip(code, prev_piece, serial, int(cols["episode"][i]), terminated or truncated)
-        elif not (terminated or truncated):
-            self._note_tip(code, -1, serial, episode_id, False)
+        if prev_piece >= 0 or not (terminated or truncated):
+            self._note_tip(code, prev_piece, serial, root, bool(terminated or truncated))
         counters = self._counters
         index = counters["index"][1]
         first_index = index[0]
@@ -441,6 +443,7 @@ class EpisodeTable:
         tails = self._cols["tail"][:n]
         self._tails.sealed = {int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0}
         self._tails.next_uid = int(tails.max()) + 1 if n else 0
+        self._unmatched = self.episodes_added
         self._longest.clear()
         self._lookup = self._played_count = None
         for k, length in enumerate(self._cols["length"][:n].tolist()):
@@ -519,6 +522,15 @@ class EpisodeTable:
         out[provisional] = tokens(indices[provisional], self.ecol("first_index").take(p), self.ecol("tail").take(p))
         return out
 
+    def _match_sealed(self) -> None:
+        """Give the pieces sealed since the last publish the uids of the tails they were."""
+        first = max(self._unmatched, self.episodes_added - len(self))
+        if first < self.episodes_added and self._tails.any:
+            a, b = self.head + first - (self.episodes_added - len(self)), self.tail
+            self._cols["tail"][a:b] = self._tails.seal(self._cols["first_row"][a:b], self._cols["first_step"][a:b],
+                                                       np.arange(first, self.episodes_added))
+        self._unmatched = self.episodes_added
+
     def resolve(self, indices: np.ndarray) -> np.ndarray:
         """Users' ``indices`` (tokens included) as this table's indices of the same steps
         now; -1 for a step no longer held (or a number never handed out)."""
@@ -526,6 +538,7 @@ class EpisodeTable:
         token = np.flatnonzero(indices >= TOKEN)
         if not len(token):
             return out
+        self._match_sealed()
         uid, offset = split(indices[token])
         base = self.episodes_added - len(self)
         tails = {int(u): len(self) + k for k, u in enumerate(self.ecol("tail")[len(self):].tolist())}
