@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from arrowbuf.indexing import RunLookup, run_lookup
 from arrowbuf.open_indices import TOKEN, TailIndices, split, tokens
-from arrowbuf.played import Played, episodes_arrow, group_played
+from arrowbuf.played import episodes_arrow, group_played
 
 _COLUMNS: dict[str, Any] = {
     "episode_id": np.int64,
@@ -566,18 +566,14 @@ class EpisodeTable:
         return self._metadata[self.head:self.tail]
 
     def num_played(self, open_pieces: np.ndarray | None = None) -> int:
-        """Played episodes with a stored step whose end is stored too (`played`; the episodes()
-        rows): a piece of an episode that goes on does not count it yet."""
+        """Played episodes with a stored step whose end is stored too (the rows of `to_arrow`):
+        a piece of an episode that goes on does not count it yet (`arrowbuf.played`)."""
         if not self.pieces and open_pieces is None:
             return len(self)
         key = None if open_pieces is None else open_pieces.tobytes()
         if self._played_count is None or self._played_count[0] != key:
-            self._played_count = (key, int(np.count_nonzero(~self.played(open_pieces).open)))
+            self._played_count = (key, int(np.count_nonzero(~group_played(self, open_pieces).open)))
         return self._played_count[1]
-
-    def played(self, open_pieces: np.ndarray | None = None) -> Played:
-        """The live entries grouped by played episode (`arrowbuf.played.group_played`)."""
-        return group_played(self, open_pieces)
 
     def to_arrow(self, include_open: bool = False, open_pieces: np.ndarray | None = None) -> pa.Table:
         """The live episodes as an Arrow table (a snapshot), one row per played episode
