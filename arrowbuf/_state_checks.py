@@ -155,6 +155,12 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
         raise _bad(where, "first_index", indices, "consecutive indices, ending at the index counter")
     if np.any((env < 0) | (env >= len(env_names))):
         raise _bad(where, "env", env, f"codes into the {len(env_names)} env names")
+    if "episode" in columns:   # the played episode of each piece: an id given no later than its own
+        episode = _array(where, "episode", columns["episode"], "i", n)
+        if np.any((episode > ids) | (episode < offset) | ((episode - offset) % stride != 0)):
+            raise _bad(where, "episode", episode, f"ids from {offset} in steps of {stride}, each <= its own episode_id")
+    if "tail" in columns and np.any(_array(where, "tail", columns["tail"], "i", n) < -1):
+        raise _bad(where, "tail", columns["tail"], "open-tail uids >= 0, or -1")
 
 
 def _sampler(where: str, state: Mapping[str, Any], shard: Mapping[str, Any] | None) -> None:

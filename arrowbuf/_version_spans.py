@@ -214,4 +214,4 @@ def spans_of(table: Any, low: np.ndarray, high: np.ndarray, ordered: np.ndarray,
     index0 = table.col("first_index").take(pos_) + step0_
     one_run = bool(np.array_equal(index0[1:], index0[:-1] + count_[:-1]))
     return Spans(int(end[-1]), end, end - count_, pos_, step0_, index0, table.col("first_row").take(pos_) + step0_,
-                 table.col("episode_id").take(pos_), int(index0[0]) if one_run else -1)
+                 table.col("episode").take(pos_), int(index0[0]) if one_run else -1)

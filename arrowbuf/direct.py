@@ -71,7 +71,9 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
         chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table, outs[at_index]))
     else:   # steps of policy_version >= v: the draw `fresh_selection` makes
         chosen = span_selection(rng, batch_size, spans, table, outs[at_index])
-    table.ecol("episode_id").take(chosen.pos, 0, outs[at_episode], "clip")
+    if table.open_total:   # open steps' indices as tokens that keep naming their step
+        outs[at_index][...] = table.public_indices(chosen.indices, chosen.pos)
+    table.ecol("episode").take(chosen.pos, 0, outs[at_episode], "clip")
     outs[at_step][...] = chosen.step
     take_fields(layout, outs, (chosen.rows, chosen.rows, None))
 
@@ -82,7 +84,8 @@ def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple
     calls in turn), for `fill_drawn` to gather a slice at a time."""
     table = shard.table
     chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table))
-    return chosen.indices, table.ecol("episode_id").take(chosen.pos), chosen.step, chosen.rows
+    return (table.public_indices(chosen.indices, chosen.pos), table.ecol("episode").take(chosen.pos), chosen.step,
+            chosen.rows)
 
 
 def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ...], start: int, stop: int) -> None:

@@ -137,14 +137,15 @@ class ShardEngine:
 
     @property
     def num_episodes(self) -> int:
-        return len(self._shard.table) if self._shard is not None else 0
+        """Played episodes whose end is stored (`EpisodeTable.num_played`): pieces are not episodes."""
+        return self._shard.table.num_played() if self._shard is not None else 0
 
     def size(self) -> tuple[float, int, int]:
         """(sampling mass, transitions, episodes), as one consistent reading."""
         with self.lock:
             if self._shard is None:
                 return 0.0, 0, 0
-            return self.sampler.mass(self._shard.table), len(self._shard), len(self._shard.table)
+            return self.sampler.mass(self._shard.table), len(self._shard), self._shard.table.num_played()
 
     def set_schema(self, schema: Schema) -> None:
         """Make the shard for ``schema`` now (no-op once there is one)."""
@@ -344,8 +345,8 @@ class ShardEngine:
               min_version: int | None = None) -> list[np.ndarray]:
         """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = (np.arange(*self.table.sample_range(), dtype=np.int64) if min_version is None
-                       or self._shard is None else fresh_indices(self._shard, min_version))
+            indices = (self.table.public_indices(np.arange(*self.table.sample_range(), dtype=np.int64))
+                       if min_version is None or self._shard is None else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def evict(self, min_version: int) -> int:
@@ -365,6 +366,7 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
+            indices = shard.table.resolve(indices)   # kept indices of open steps: where those steps are now
             selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
@@ -395,7 +397,8 @@ class ShardEngine:
         with self.lock:
             if self._shard is None:
                 return 0
-            return self.sampler.update(self._shard.table, indices, priorities)
+            # A kept index of an open step reaches that step (once sealed) or nothing.
+            return self.sampler.update(self._shard.table, self._shard.table.resolve(indices), priorities)
 
     # -- derived columns ----------------------------------------------------------------
 
@@ -422,10 +425,12 @@ class ShardEngine:
 
     # -- views ----------------------------------------------------------------------
 
-    def episodes(self, include_open: bool = False) -> pa.Table:
-        """The episode table (one row per live episode, oldest first; then the open tails)."""
+    def episodes(self, include_open: bool = False, open_pieces: Callable[[EpisodeTable], np.ndarray] | None = None
+                 ) -> pa.Table:
+        """The episode table: one row per played episode, oldest first (`EpisodeTable.to_arrow`);
+        ``open_pieces(table)``: the mask of stored pieces whose episode goes on (a Ray shard's)."""
         with self.lock:
-            return self.table.to_arrow(include_open)
+            return self.table.to_arrow(include_open, open_pieces(self.table) if open_pieces else None)
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""
@@ -440,11 +445,18 @@ class ShardEngine:
         """
         with self.lock:
             table = self.table
-            if self._shard is not None:
+            if self._shard is not None and table.pieces:   # its held pieces, read as one
+                held = np.flatnonzero(table.col("episode") == episode_id)
+                if len(held) == 1:
+                    return self._shard.episode_view(int(held[0]))
+                if len(held):   # a piece's last row repeats the next one's first observation
+                    views = [self._shard.episode_view(int(k)) for k in held.tolist()]
+                    return pa.concat_batches([v.slice(0, v.num_rows - 1) for v in views[:-1]] + views[-1:])
+            elif self._shard is not None:
                 position = table.position_of(episode_id)
                 if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
                     return self._shard.episode_view(int(position))
-            ids = table.col("episode_id")
+            ids = table.col("episode")
             live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
             raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
 

@@ -65,6 +65,8 @@ from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, chec
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import export_array, export_type
+from arrowbuf.indexing import piece_chains
+from arrowbuf.played import Played, episodes_arrow, group_played
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
@@ -202,13 +204,22 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     ``lock`` guards the shard; it is held only to take the snapshot (see
     `arrowbuf._persist.snapshot_and_write`). A sharded store calls this once per shard.
     """
-    def take(copy: bool) -> tuple[EpisodeRows, pa.Table]:
-        episodes = shard.table.to_arrow()
-        return (take_rows(shard, 0, len(shard.table), schema, copy),
-                episodes.take(np.arange(episodes.num_rows)))    # a copy: the table's columns change
+    def take(copy: bool) -> tuple[EpisodeRows, pa.Table, int]:
+        table = shard.table
+        oldest = int(table.col("episode_id")[0]) if len(table) else -1
+        rows = take_rows(shard, 0, len(table), schema, copy)
+        if table.pieces:   # pieces are storage: one episode, its rows once, as a whole one
+            played = group_played(table, sealed_only=True)
+            return merged_rows(table, played, rows), episodes_arrow(table, True, played=played).drop(["open"]), oldest
+        episodes = table.to_arrow()
+        return rows, episodes.take(np.arange(episodes.num_rows)), oldest   # a copy: the table's columns change
 
-    def write(snapshot: tuple[EpisodeRows, pa.Table]) -> list[dict[str, Any]]:
-        rows, episodes = snapshot
+    def still_live(snapshot: tuple[EpisodeRows, pa.Table, int]) -> bool:   # eviction is FIFO: the oldest decides
+        live = shard.table.col("episode_id")
+        return snapshot[2] < 0 or (bool(len(live)) and snapshot[2] >= int(live[0]))
+
+    def write(snapshot: tuple[EpisodeRows, pa.Table, int]) -> list[dict[str, Any]]:
+        rows, episodes, _ = snapshot
         has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
         with progress_bar(progress, rows.rows, label) as bar:
             return write_steps(rows, steps_dir, shard_index, schema, has_final,
@@ -219,8 +230,28 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
         for entry in entries:
             (steps_dir.parent / entry["path"]).unlink()
 
-    (_, episodes), entries = snapshot_and_write(lock, take, lambda s: s[0].still_live(shard), write, discard)
+    (_, episodes, _), entries = snapshot_and_write(lock, take, still_live, write, discard)
     return episodes, entries
+
+
+def merged_rows(table: Any, played: Played, rows: EpisodeRows) -> EpisodeRows:
+    """``rows`` (of every sealed entry of ``table``, in its order) as one run per played episode
+    (``played``, sealed entries): its pieces in step order, each piece's last row dropped where
+    the next piece's first row repeats it; ``episode_id`` the played episode's."""
+    num, order = rows.num_rows, np.lexsort((np.arange(len(played.group)), played.group))
+    chains = piece_chains(table)
+    starts = np.cumsum(num) - num
+    after = chains.next[:len(num)]
+    joined = (after >= 0) & (after < len(num))   # continued by a sealed piece: its last row comes again
+    keep = num - joined
+    kept = np.repeat(starts[order] - (np.cumsum(keep[order]) - keep[order]), keep[order]) + np.arange(int(keep.sum()))
+    merged = pa.Table.from_batches(rows.batches).take(pa.array(kept))
+    per_episode = np.bincount(played.group, weights=keep, minlength=len(played.episode)).astype(np.int64)
+    ids = np.repeat(played.episode, per_episode)
+    merged = merged.set_column(merged.schema.get_field_index("episode_id"), merged.schema.field("episode_id"),
+                               pa.array(ids, pa.int64()))
+    return EpisodeRows(played.episode.copy(), table.col("first_row")[played.first].copy(), per_episode,
+                       merged.combine_chunks().to_batches())
 
 
 def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,

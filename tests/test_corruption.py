@@ -155,6 +155,9 @@ EDITS = {
     "limiter counter": (_set(("rate_limiter", "samples"), -5), "rate_limiter.samples is -5"),
     "episode ids": (_set(("shard", "table", "episodes_added"), 3), "episodes_added"),
     "capacity": (_set(("store", "capacity"), 0), "store.capacity is 0"),
+    "played episode after the piece": (_set(("shard", "table", "columns", "episode"),
+                                            lambda s: s["shard"]["table"]["columns"]["episode_id"] + 1),
+                                       "each <= its own episode_id"),
 }
 
 

@@ -158,8 +158,14 @@ class ShardServer:
         """(sampling mass, transitions, episodes, this shard's clock), read together; the
         pieces of open episodes count as transitions, not as episodes."""
         with self.engine.lock:
-            mass, transitions, episodes = self.engine.size()
-            return mass, transitions, episodes - self.open_pieces.count(self.engine.table), time.monotonic()
+            mass, transitions, _ = self.engine.size()
+            return mass, transitions, self._played(), time.monotonic()
+
+    def _played(self) -> int:
+        """Played episodes whose end is stored (under the engine's lock): pieces, and the
+        episodes that go on, are not counted (`arrowbuf.ray.tails`)."""
+        table = self.engine.table
+        return table.num_played(self.open_pieces.mask(table))
 
     def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
                      batch: tuple[str, int] | None = None, lent: list | None = None,
@@ -225,6 +231,7 @@ class ShardServer:
                     lends = lent_rows is not None and block_fits(
                         lent_rows[2], episode.num_rows, engine.schema if engine.schema is not None else schema)
                     later = lends and self._fills_later
+                    episode.prev_piece = self.open_pieces.previous(owner, episode)
                     ids.append(engine.add(episode, schema, timeout, rows=not later))
                     if lends:
                         ref, part, columns = lent_rows
@@ -330,9 +337,9 @@ class ShardServer:
         return count, self.schema_json()
 
     def episodes(self, include_open: bool = False) -> pa.Table:
-        """The sealed episodes; with ``include_open``, the stored pieces of open ones too (``open``)."""
+        """One row per played episode whose end is stored; with ``include_open``, the open ones too (``open``)."""
         with self.engine.lock:
-            return self.open_pieces.listed(self.engine.table, self.engine.episodes(), include_open)
+            return self.engine.episodes(include_open, self.open_pieces.mask)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         return self._arena().episode(episode_id)
@@ -364,7 +371,7 @@ class ShardServer:
     def stats(self) -> dict:
         stats = self.engine.stats()
         with self.engine.lock:   # open episodes' pieces count as transitions only, as in `size`
-            stats["episodes"] -= self.open_pieces.count(self.engine.table)
+            stats["episodes"] = self._played()
         return {**stats, "shard": self.shard, "node_id": self.ping()}
 
     def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
