@@ -13,9 +13,9 @@ Modules, lowest first (each imports only those before it):
 - `shipping`: batches for train workers kept in the object store (refs, `resolve`);
 - `staging`: `Staged`, a draw's items planned block by block, in drawn order;
 - `gather`: `BlockGather`, staged items of many blocks into one pooled TensorDict per batch;
-- `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
-- `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader, and
-  their prefetching;
+- `views`: `ShardView`, a shard's blocks and episode table as a reader sees them;
+- `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn (or asked of the
+  shards: PER, rate limiters) and gathered, one `DrawLoop` per request;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.

@@ -67,9 +67,14 @@ class ShardHandles:
         group = GROUPS.get(method) if self.threaded else None
         return (remote.options(concurrency_group=group) if group else remote).remote(*args)
 
+    def call_each(self, method: str, calls: list[Mapping[int, tuple]]) -> list[dict[int, Any]]:
+        """`call` ``method`` with each ``{shard: args}`` of ``calls``, in order: their ObjectRefs."""
+        return [{shard: self.call(shard, method, *args) for shard, args in each.items()} for each in calls]
+
     def get(self, refs: Mapping[int, Any]) -> dict[int, Any]:
         """Results of ``{shard: ref}``; a dead shard raises `ShardError` (or is skipped if allowed)."""
-        ray = ray_module()
+        import ray   # refs exist only where Ray runs: no install hint (ray_module) on this per-call path
+
         results = {}
         pending = list(refs.items())
         try:
@@ -160,6 +165,11 @@ class SizeCache:
                 return
             self.masses[shard], self.transitions[shard], self.episodes[shard] = mass, transitions, episodes
             self._stamps[shard] = stamp
+
+    def note_all(self, readings: Mapping[int, tuple[float, int, int, float]]) -> None:
+        """`note` each ``{shard: reading}``."""
+        for shard, reading in readings.items():
+            self.note(shard, reading)
 
     def refresh(self) -> None:
         """Ask every live shard now and wait for the answers."""
