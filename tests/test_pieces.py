@@ -125,7 +125,7 @@ def test_the_parquet_export_holds_one_row_per_played_episode(tmp_path):
                         episodes.column("return").to_pylist(), episodes.column("first_step").to_pylist()))
     assert [(i, n, f) for i, n, _, f in per_id] == [(i, n, f) for i, n, _, f in expect]
     np.testing.assert_allclose([r for *_, r, _ in per_id], [r for *_, r, _ in expect], rtol=1e-5, atol=1e-4)
-    obs = steps.column("obs").combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    obs = steps.column("obs").combine_chunks().to_numpy_ndarray().reshape(-1, 2)
     for episode_id in episodes.column("episode_id").to_pylist()[:5]:   # rows of an episode: its steps, once
         mine = (steps.column("episode_id").to_numpy() == episode_id)
         assert len(set(obs[mine, 0].tolist())) == 1 and np.array_equal(np.diff(obs[mine, 1]), np.ones(mine.sum() - 1))

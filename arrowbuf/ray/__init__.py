@@ -18,9 +18,9 @@ that this list names every module here, in such an order):
   drawn by a reader from its views;
 - `staging`: `Staged`, a draw's items planned block by block, in drawn order;
 - `gather`: `BlockGather`, staged items of many blocks into one pooled TensorDict per batch;
-- `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn and gathered;
-- `draws`: `ShardDraws`, samples the shards draw themselves (PER, rate limiters), gathered by the reader, and
-  their prefetching;
+- `views`: `ShardView`, a shard's blocks and episode table as a reader sees them;
+- `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn (or asked of the
+  shards: PER, rate limiters) and gathered, one `DrawLoop` per request;
 - `priorities`: `PriorityUpdates`, priority updates waited for or left in flight, their errors kept;
 - `gae`: `compute_gae` across shards, the value function called by the caller;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).

@@ -39,6 +39,7 @@ from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_j
                                write_manifest)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, ShardError
+from arrowbuf.ray.handles import unwrapped
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
@@ -123,8 +124,8 @@ def _wait_all(refs: dict[int, Any], name: str, failure: BaseException | None = N
         except ray.exceptions.RayActorError as err:
             failure = failure or ShardError(f"shard {shard} of store {name!r} died during the save: {err}; the "
                                             "previous checkpoint is kept")
-        except Exception as err:   # the shard's own error (a RayTaskError of its type), raised once all are done
-            failure = failure or err
+        except Exception as err:   # the shard's own error (`unwrapped`), raised once all are done
+            failure = failure or unwrapped(err)
     if failure is not None:
         raise failure
 

@@ -41,7 +41,6 @@ from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
-from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.fresh import check_fresh_sampler, fresh_indices
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gae import compute_gae
@@ -95,7 +94,6 @@ class RayBackend:
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
-        self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
         self._updates = PriorityUpdates(shards, self._sizes)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
@@ -330,14 +328,10 @@ class RayBackend:
 
     def _draw(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
               pin_memory: bool, shards: Sequence[int] | None = None, min_version: int | None = None) -> TensorDict:
-        reader = self._reader
         on_cpu = device is None or device.type == "cpu"
-        if reader.draws_here():
-            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards),
-                                    min_version=min_version)
-            batch = reader.sample(request)   # out of the draws ahead of this request
-        else:
-            batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
+        request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards),
+                                min_version=min_version, timeout=None if self._reader.draws_here() else timeout)
+        batch = self._reader.sample(request)   # out of the draws ahead of this request (none where shards draw)
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
@@ -349,10 +343,8 @@ class RayBackend:
         in flight. ``min_version``: as in `sample` (drawn here)."""
         if min_version is not None:
             check_fresh_sampler(self.sampler, self._reader.draws_here())
-        if self._reader.draws_here():
-            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
-                                                      min_version))
-        return self._draws.prefetching(batch_size, prefetch, args, device)
+        return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
+                                                  min_version, prefetch))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
