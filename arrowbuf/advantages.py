@@ -29,17 +29,19 @@ On a store (``compute_gae`` writes the ``"advantage"`` and ``"value_target"`` co
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf.errors import describe
 from arrowbuf.fields import Field
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import make_tensordict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # Columns `write_advantages` adds (TorchRL's names).
 DERIVED = ("advantage", "value_target")

@@ -21,6 +21,19 @@ Modules, lowest first (each imports only those before it):
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.
 """
 
-from arrowbuf.ray.shipping import resolve
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from arrowbuf.ray.shipping import resolve
 
 __all__ = ["resolve"]
+
+
+def __getattr__(name: str):
+    # `resolve` loads on first use: importing a module of this package (`RayOptions`
+    # from `options`) imports this package first, and need not import shipping's torch.
+    if name != "resolve":
+        raise AttributeError(f"module 'arrowbuf.ray' has no attribute {name!r}")
+    from arrowbuf.ray.shipping import resolve
+
+    return resolve
