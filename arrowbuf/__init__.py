@@ -82,14 +82,20 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'arrowbuf' has no attribute {name!r}")
     import importlib
+    import os
 
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value   # the next lookup finds it without this function
-    return value
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value   # the next lookup finds it without this function
+        return value
+    # `arrowbuf.schema` after a bare `import arrowbuf`, as when every module loaded with it
+    here = os.path.dirname(__file__)
+    if name.isidentifier() and not name.startswith("__") and (
+            os.path.isfile(os.path.join(here, name + ".py")) or os.path.isdir(os.path.join(here, name))):
+        return importlib.import_module(f"arrowbuf.{name}")
+    raise AttributeError(f"module 'arrowbuf' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -246,6 +246,7 @@ def test_importing_the_package_or_the_shard_actor_leaves_out_what_they_do_not_us
     # (the CLI's parser) imports neither torch nor tensordict until a name is used.
     code = ("import sys, arrowbuf; assert not {'torch', 'tensordict'} & set(sys.modules), 'arrowbuf imported torch'; "
             "assert arrowbuf.Schema.__name__ == 'Schema' and 'Schema' in dir(arrowbuf); "
+            "assert arrowbuf.schema.Schema is arrowbuf.Schema and arrowbuf.ray.options.RayOptions is arrowbuf.RayOptions; "
             "import arrowbuf.ray.actor; assert 'tensordict' not in sys.modules, 'the actor imported tensordict'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
