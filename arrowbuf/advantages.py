@@ -30,11 +30,10 @@ On a store (``compute_gae`` writes the ``"advantage"`` and ``"value_target"`` co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf.errors import describe
@@ -42,6 +41,9 @@ from arrowbuf.fields import Field
 from arrowbuf.indexing import piece_chains
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import make_tensordict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # Columns `write_advantages` adds (TorchRL's names).
 DERIVED = ("advantage", "value_target")

@@ -15,16 +15,18 @@ frame-stack look-ups, one frozen value); indices are int64 transition indices
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class Backend(Protocol):

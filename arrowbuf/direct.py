@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.samplers import UniformSampler, select_indices
@@ -32,6 +31,8 @@ from arrowbuf.tensors import take_fields
 from arrowbuf.versions import fresh_spans, no_fresh_step, span_selection
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     import numpy as np
 
     from arrowbuf.shard import Shard

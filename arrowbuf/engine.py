@@ -30,11 +30,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
@@ -50,6 +49,9 @@ from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class ShardEngine:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 import torch
-from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
@@ -37,6 +36,8 @@ from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     from arrowbuf.samplers import Selection
 
 MODES = ("circular", "fixed")

@@ -335,3 +335,15 @@ def test_each_backend_implements_every_member_of_the_protocol(backend):
             if isinstance(inspect.getattr_static(backend, name), (classmethod, staticmethod)) or got != expected:
                 mismatched.append(f"{name}{tuple(got)} != {tuple(expected)}")
     assert (missing, mismatched) == ([], [])
+
+
+def test_importing_the_package_or_the_shard_actor_leaves_out_what_they_do_not_use():
+    # Every Ray shard actor is a new process that imports `arrowbuf.ray.actor`: tensordict
+    # (which imports torch._dynamo) would add ~1.5 CPU s to each; `import arrowbuf` alone
+    # (the CLI's parser) imports neither torch nor tensordict until a name is used.
+    code = ("import sys, arrowbuf; assert not {'torch', 'tensordict'} & set(sys.modules), 'arrowbuf imported torch'; "
+            "assert arrowbuf.Schema.__name__ == 'Schema' and 'Schema' in dir(arrowbuf); "
+            "assert arrowbuf.schema.Schema is arrowbuf.Schema and arrowbuf.ray.options.RayOptions is arrowbuf.RayOptions; "
+            "import arrowbuf.ray.actor; assert 'tensordict' not in sys.modules, 'the actor imported tensordict'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

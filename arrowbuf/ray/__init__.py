@@ -27,6 +27,27 @@ that this list names every module here, in such an order):
 
 Nothing here imports `arrowbuf.store`, and importing this package does not import Ray.
 """
-from arrowbuf.ray.shipping import resolve
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from arrowbuf.ray.shipping import resolve
 
 __all__ = ["resolve"]
+
+
+def __getattr__(name: str):
+    # `resolve` loads on first use: importing a module of this package (`RayOptions`
+    # from `options`) imports this package first, and need not import shipping's torch.
+    import importlib
+    import os
+
+    if name == "resolve":
+        from arrowbuf.ray.shipping import resolve
+
+        return resolve
+    # `arrowbuf.ray.options` after a bare `import arrowbuf.ray`
+    if name.isidentifier() and not name.startswith("__") and os.path.isfile(
+            os.path.join(os.path.dirname(__file__), name + ".py")):
+        return importlib.import_module(f"arrowbuf.ray.{name}")
+    raise AttributeError(f"module 'arrowbuf.ray' has no attribute {name!r}")
