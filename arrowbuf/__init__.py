@@ -7,8 +7,9 @@ and returned as TensorDicts whose tensors are views of one gathered buffer.
 from arrowbuf.autoreset import AutoresetModeError
 from arrowbuf.dataset import Dataset, open_dataset
 from arrowbuf.episodes import StepWriter
-from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
-                             ResourceError, SchemaError, ShardError)
+from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError,
+                             ObservationMismatchError, RateLimited, ResourceError, SchemaError, ShardError,
+                             WriterClosedError)
 from arrowbuf.fields import Field
 from arrowbuf.freshness import FreshnessSampler
 from arrowbuf.mixture import Mixture
@@ -35,6 +36,7 @@ __all__ = [
     "InUseError",
     "MinSize",
     "Mixture",
+    "ObservationMismatchError",
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
@@ -49,6 +51,7 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "WriterClosedError",
     "open_dataset",
     "read_parquet",
     "__version__",
