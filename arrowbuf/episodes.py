@@ -28,7 +28,7 @@ from arrowbuf.inplace import InPlace
 from arrowbuf.open_pieces import OpenShipping
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.step_reading import StepReader, check_obs_chain, same_memory
+from arrowbuf.step_reading import StepReader, check_obs_chain, passed_on
 from arrowbuf.versions import commit_versions, read_schema, step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
@@ -535,7 +535,7 @@ class StepWriter:
 
     def _check_chain(self, obs_cols: dict, schema: Schema, recorded: np.ndarray) -> None:
         """Refuse a mid-episode ``obs`` other than the env's last ``next_obs`` (`check_obs_chain`)."""
-        if self._given_next is not None and same_memory(obs_cols, self._given_next):   # the usual loop
+        if self._given_next is not None and passed_on(obs_cols, self._given_next):   # the usual loop
             return
         if self._inplace is not None:
             envs, steps, previous = self._inplace.last_observations(recorded)
