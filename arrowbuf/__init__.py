@@ -16,7 +16,8 @@ _LAZY = {
     "arrowbuf.dataset": ["Dataset", "open_dataset"],
     "arrowbuf.episodes": ["StepWriter"],
     "arrowbuf.errors": ["ArrowbufError", "CapacityError", "EmptyStoreError", "FormatError", "InUseError",
-                        "RateLimited", "ResourceError", "SchemaError", "ShardError"],
+                        "ObservationMismatchError", "RateLimited", "ResourceError", "SchemaError", "ShardError",
+                        "WriterClosedError"],
     "arrowbuf.fields": ["Field"],
     "arrowbuf.freshness": ["FreshnessSampler"],
     "arrowbuf.mixture": ["Mixture"],
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
     from arrowbuf.autoreset import AutoresetModeError
     from arrowbuf.dataset import Dataset, open_dataset
     from arrowbuf.episodes import StepWriter
-    from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError, RateLimited,
-                                 ResourceError, SchemaError, ShardError)
+    from arrowbuf.errors import (ArrowbufError, CapacityError, EmptyStoreError, FormatError, InUseError,
+                                 ObservationMismatchError, RateLimited, ResourceError, SchemaError, ShardError,
+                                 WriterClosedError)
     from arrowbuf.fields import Field
     from arrowbuf.freshness import FreshnessSampler
     from arrowbuf.mixture import Mixture
@@ -61,6 +63,7 @@ __all__ = [
     "InUseError",
     "MinSize",
     "Mixture",
+    "ObservationMismatchError",
     "PrioritizedSampler",
     "RateLimited",
     "RateLimiter",
@@ -75,6 +78,7 @@ __all__ = [
     "StepWriter",
     "UniformSampler",
     "WithoutReplacementSampler",
+    "WriterClosedError",
     "open_dataset",
     "read_parquet",
     "__version__",

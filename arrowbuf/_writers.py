@@ -13,7 +13,7 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from arrowbuf._checks import check_int, check_name
-from arrowbuf.autoreset import ResetCheck, writer_settings
+from arrowbuf.autoreset import EnvEnds, ResetCheck, writer_settings
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import EmptyStoreError
 
@@ -26,12 +26,13 @@ class WriterRegistry:
         self._sinks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._restored: dict[str, StepWriter] = {}
         self._serial = itertools.count()
+        self.ends = EnvEnds()   # episode ends that next-step writers left for the next writer of their envs
 
     def new_name(self) -> str:
         """A name no live writer has: ``writer-<k>``."""
         while True:
             name = f"writer-{next(self._serial)}"
-            if name not in self._live:
+            if not self._is_open(name):
                 return name
 
     def add(self, name: str, writer: StepWriter, sink: Any) -> None:
@@ -40,11 +41,15 @@ class WriterRegistry:
         Raises:
             ValueError: a live writer already has this name.
         """
-        if name in self._live:
+        if self._is_open(name):
             raise ValueError(f"a writer named {name!r} is already open; writer names are unique per store "
                              f"(open: {sorted(self._live)})")
         self._live[name] = writer
         self._sinks[name] = sink
+
+    def _is_open(self, name: str) -> bool:
+        writer = self._live.get(name)
+        return writer is not None and not writer.closed
 
     def hold(self, name: str) -> None:
         """Keep the (restored) writer ``name`` alive until `claim` hands it over."""
@@ -74,8 +79,8 @@ class WriterRegistry:
         return [sink for _, sink in sorted(self._sinks.items())]
 
     def live(self) -> dict[str, StepWriter]:
-        """Every writer still referenced (or restored and not yet claimed), by name, in name order."""
-        return dict(sorted(self._live.items()))
+        """Every writer still referenced and not closed (or restored and not yet claimed), by name, in name order."""
+        return {name: writer for name, writer in sorted(self._live.items()) if not writer.closed}
 
     def open(self, make_sink: Callable[[float | None, Sequence[str] | None], Any], num_envs: int | None,
              autoreset_mode: Any, env_ids: Sequence[str] | None, timeout: float | None, name: str | None,
@@ -92,9 +97,10 @@ class WriterRegistry:
             sink.timeout = timeout
             return writer
         sink = make_sink(timeout, env_ids)
+        name = name or self.new_name()
         writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device,
-                            reset_check=ResetCheck() if check_resets else None)
-        self.add(name or self.new_name(), writer, sink)
+                            reset_check=ResetCheck() if check_resets else None, name=name, ends=self.ends)
+        self.add(name, writer, sink)
         return writer
 
     def restore(self, states: Mapping[str, Any], make_sink: Callable[..., Any], device: Any) -> None:

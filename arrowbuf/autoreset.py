@@ -24,6 +24,11 @@ as a reset step (the one hook, in `arrowbuf.StepWriter.add`):
 
 So a writer never drops a step silently: it drops only steps that look exactly
 like gymnasium's next-step reset steps.
+
+A writer that ends (closed, or dropped) leaves its next-step envs' episode ends in
+the store's `EnvEnds`, by env id: a new writer per rollout takes them at its first
+step and drops gymnasium's reset step of an env whose episode ended on the previous
+rollout's last step, as one writer across rollouts (with ``flush()``) drops it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
+from arrowbuf.arena import host_copy, owned_copy
 from arrowbuf.errors import ArrowbufError
 
 #: gymnasium's ``AutoresetMode`` values -> the writer's mode names.
@@ -140,6 +147,64 @@ class ResetCheck:
         return resets
 
 
+class EnvEnds:
+    """The episode ends that next-step writers of one store left, by env id.
+
+    An env whose last step ended its episode (in ``"next_step"`` mode) steps next into
+    gymnasium's reset step, which is no transition. A writer that ends before it
+    (closed, or dropped: a new writer per rollout) leaves here the env's final
+    observation (its last ``next_obs``); a writer of the same env id takes it at its
+    first step (`inherited_resets`). Entries are host or device copies, one row each.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[str, Any]] = {}
+
+    def leave(self, env_ids: list[str], ended: np.ndarray, last_next: dict) -> None:
+        """A writer of ``env_ids`` ends; the envs ``ended`` ([N] bool) ended their episode
+        at their last step, with final observations in ``last_next`` (name -> [N, ...])."""
+        for i, env_id in enumerate(env_ids):
+            self._rows.pop(env_id, None)
+            if ended[i] and last_next:
+                self._rows[env_id] = {name: owned_copy(array[i:i + 1]) for name, array in last_next.items()}
+
+    def take(self, env_ids: list[str]) -> dict[int, dict[str, Any]]:
+        """The ends left for ``env_ids``, by env index (each name -> a [1, ...] row); taken."""
+        return {i: self._rows.pop(env_id) for i, env_id in enumerate(env_ids) if env_id in self._rows}
+
+
+def with_ended_rows(saved: dict, skip: np.ndarray, last_next: dict) -> dict:
+    """A writer state's ``last_next`` (``saved``: rows after each open piece, or {}) with the final
+    observations of the envs ``skip`` holds ended, which the reset check compares their next step
+    with (host copies, [N, ...] arrays)."""
+    ended = np.flatnonzero(skip)
+    if not len(ended) or not last_next:
+        return saved
+    saved = saved or {name: np.zeros(array.shape, host_copy(array[:1]).dtype) for name, array in last_next.items()}
+    for name, kept in last_next.items():
+        saved[name][ended] = host_copy(kept[ended])
+    return saved
+
+
+def inherited_resets(inherited: np.ndarray, obs: dict, last_next: dict, step: dict) -> np.ndarray:
+    """Of the envs ``inherited`` (their episode ended at a previous writer's last step),
+    those whose step is gymnasium's reset step: it starts from that final observation
+    and carries no reward and no done flag. Others are transitions (the user reset the
+    env before this writer's first step, or the env is another one of the same id)."""
+    envs = np.flatnonzero(inherited)
+    resets = np.zeros_like(inherited)
+    if not len(envs):
+        return resets
+    same = np.ones(len(envs), bool)
+    for name, (column, _) in obs.items():
+        same &= _rows_equal(column, last_next[name], envs) if name in last_next else False
+    for name, (column, _) in step.items():
+        if name.split(".")[0] in ZERO_ON_RESET:
+            same &= ~_nonzero(column, envs)
+    resets[envs[same]] = True
+    return resets
+
+
 def _mode_name(mode: Any, what: str) -> str | None:
     """A writer mode name from a name, a gymnasium ``AutoresetMode`` (or its value), or None."""
     if mode is None:
@@ -158,10 +223,20 @@ def _rows_equal(column: Any, last: Any, envs: np.ndarray) -> np.ndarray:
     a, b = column[envs], last[envs]
     # Compared in the staged dtype: a float64 obs equals its float32 copy only once cast.
     a = a.astype(b.dtype, copy=False) if isinstance(a, np.ndarray) else a.to(b.dtype)
-    differs = (a != b).reshape(len(envs), -1)
-    if not isinstance(differs, np.ndarray):   # torch, on the staging device: N flags to the host
-        return ~differs.any(1).cpu().numpy()
-    return ~differs.any(axis=1)
+    return same_rows(a, b)
+
+
+def same_rows(a: Any, b: Any) -> np.ndarray:
+    """Per row (leading dim): the rows of ``a`` and ``b`` (arrays or tensors of one dtype) are
+    equal, NaN equal to NaN (a NaN in an observation must not make it differ from its copy)."""
+    differs = a != b
+    if isinstance(differs, np.ndarray):
+        if differs.any() and a.dtype.kind in "fc":
+            differs &= ~(np.isnan(a) & np.isnan(b))
+        return ~differs.reshape(len(a), -1).any(axis=1)
+    if a.is_floating_point() or a.is_complex():   # torch, on the staging device: N flags to the host
+        differs &= ~(torch.isnan(a) & torch.isnan(b))
+    return ~differs.reshape(len(a), -1).any(1).cpu().numpy()
 
 
 def _nonzero(column: Any, envs: np.ndarray) -> np.ndarray:

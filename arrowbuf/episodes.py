@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -22,13 +23,14 @@ import torch
 
 from arrowbuf._checks import check_int
 from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged
-from arrowbuf.errors import CapacityError, RateLimited
+from arrowbuf.autoreset import inherited_resets, with_ended_rows
+from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
 from arrowbuf.inplace import InPlace
 from arrowbuf.open_pieces import OpenShipping
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.step_reading import StepReader
-from arrowbuf.versions import step_versions, writer_fields
+from arrowbuf.step_reading import StepReader, check_obs_chain, passed_on
+from arrowbuf.versions import commit_versions, read_schema, step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 logger = logging.getLogger(__name__)
@@ -88,6 +90,10 @@ class StepWriter:
     With a ``device`` (a store's ``storage_device``) steps stay on it: tensors there
     never cross to the host (only the done flags do).
 
+    After `close` (or its ``with`` block) a writer refuses every write with
+    `WriterClosedError`. A writer dropped without `close` keeps every step it wrote:
+    its open episodes are cut as `flush` cuts them when it is collected.
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=1000, seed=0)
@@ -102,7 +108,8 @@ class StepWriter:
 
     def __init__(self, sink: "EpisodeSink", num_envs: int, autoreset_mode: str = "next_step",
                  env_ids: Sequence[str] | None = None, device: torch.device | None = None,
-                 in_place: bool = True, reset_check: Any = None) -> None:
+                 in_place: bool = True, reset_check: Any = None, name: str | None = None,
+                 ends: Any = None) -> None:
         num_envs = check_int("num_envs", num_envs, 1)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
@@ -113,6 +120,8 @@ class StepWriter:
         self.autoreset_mode = autoreset_mode
         self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
         self._sink = sink
+        self.name = name or "writer"   # the store's name for it (`arrowbuf._writers`), in errors
+        self.closed = False            # after `close`: every write is refused
         self.device = device   # where steps are staged: None (numpy) or a torch device
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
@@ -128,6 +137,12 @@ class StepWriter:
         self.episodes_written = 0
         self.reset_check = reset_check   # an `arrowbuf.autoreset.ResetCheck` of a mode not given, or None
         self._versions = np.zeros(num_envs, np.int64)   # each env's last policy_version (`arrowbuf.versions`)
+        # Episode ends of next-step envs left by the writers before, taken at the first step; this writer's
+        # own, left when it is closed or collected (`arrowbuf.autoreset.EnvEnds`; `_skip`, `_last_next` in place).
+        self._ends = ends if autoreset_mode == "next_step" else None
+        self._inherited = np.zeros(num_envs, bool)
+        self._leave: Any = None
+        self._given_next: Any = None   # the last step's next_obs columns as given, and where they lie (`_check_chain`)
         # A local store's engine: steps are written in place (`arrowbuf.inplace`);
         # ``in_place=False`` stages them as a Ray store's writer does.
         engine = getattr(sink, "inplace_engine", None) if in_place else None
@@ -140,11 +155,13 @@ class StepWriter:
         self._ships = OpenShipping.attach(self, sink) if self._inplace is None else None
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_ships")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_ships", "_ends", "_leave", "_given_next")}
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled from Ray's object store, arrays are read-only views: own them.
         self.__dict__.update(state)
+        self._ends = self._leave = self._given_next = None   # a copy in a task or an actor leaves no ends
+        self._inherited = self.__dict__.get("_inherited", np.zeros(self.num_envs, bool)).copy()
         self.lock = threading.Lock()
         self._first_step = self.__dict__.get("_first_step", np.zeros(self.num_envs, np.int64)).copy()
         self._ships = OpenShipping.attach(self, self._sink) if self._inplace is None else None
@@ -188,6 +205,12 @@ class StepWriter:
             RateLimited, CapacityError: the store still refuses episodes sealed
                 earlier; nothing is recorded, retry the step later. (Episodes this
                 step seals that the store refuses are kept and pushed first next time.)
+            ObservationMismatchError: an env's ``obs`` differs from its last
+                ``next_obs`` mid-episode (observation t + 1 is stored once, as the
+                ``next_obs`` of step t); nothing is recorded.
+            ValueError: a bad, decreasing or out-of-range ``policy_version``; nothing
+                is recorded.
+            WriterClosedError: the writer is closed; nothing is recorded.
             CapacityError: an env's open episode outgrew the store's capacity at
                 this step (its steps and final observation need more rows than a
                 shard holds), or an episode this step ended is longer than the
@@ -195,10 +218,16 @@ class StepWriter:
                 skipped until it ends (or `flush` cuts it); the other envs' steps
                 are recorded.
         """
-        step_versions(self._versions, extra, self._sink.schema, self._sink)   # 0 where the store has versions
+        self._check_open("add")
+        versions = step_versions(self._versions, extra, self._sink.schema, self._sink)   # checked, not yet recorded
         self._push_pending()
         step = {"action": action, "reward": reward, "terminated": terminated, "truncated": truncated, **extra}
-        schema, obs_cols, next_cols, step_cols = self._reader.read(self._sink.schema, obs, next_obs, step)
+        schema, obs_cols, next_cols, step_cols = self._reader.read(read_schema(self._sink.schema, versions), obs,
+                                                                   next_obs, step)
+        if self._ends is not None:   # the first step: the ends of the writers before (once); this one's at its end
+            self._inherit(schema, self._ends.take(self.env_ids))
+            self._leave = weakref.finalize(self, self._ends.leave, self.env_ids, self._skip, self._last_next)
+            self._ends = None
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = _flags(step_cols["terminated"][0], self.num_envs) | _flags(step_cols["truncated"][0], self.num_envs)
         if isinstance(done, torch.Tensor):
@@ -206,8 +235,15 @@ class StepWriter:
         final = self._reader.final_obs(final_obs, next_cols, done, schema)
         skip = self._skip if self.reset_check is None else self.reset_check.reset_steps(   # next_step: reset steps
             self._skip, obs_cols, self._last_next, step_cols, final_obs, self.env_ids)
+        if self.reset_check is None and self._inherited.any():   # checked writers checked them above
+            skip = (skip & ~self._inherited) | inherited_resets(self._inherited, obs_cols, self._last_next, step_cols)
+        self._check_chain(obs_cols, schema, ~skip)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
+        commit_versions(self._versions, versions, self._sink)
+        schema = self._sink.schema
+        self._inherited[:] = False
+        self._given_next = next_cols   # held, so that its memory is not reused before the next step
         if self._inplace is not None:
             return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
         with self.lock:
@@ -240,7 +276,7 @@ class StepWriter:
             self._ships.staged()
         too_long = self._seal(ended, has_final=True)
         if self.autoreset_mode == "next_step":
-            self._skip = done & active
+            self._skip[...] = done & active
         self._refused &= ~(done & active)   # a refused episode's end: the env's next one is recorded
         self._sink.commit()
         if refused is not None:
@@ -255,15 +291,13 @@ class StepWriter:
         ended = self._inplace.add(schema, obs_cols, next_cols, step_cols,
                                   final if self.autoreset_mode == "same_step" and done.any() else None, done, active)
         if self.autoreset_mode == "next_step":
-            self._skip = done & active
-            if self.reset_check is not None and self._skip.any():
-                # The reset check compares an ended env's next step with its last next_obs; in place,
-                # no other copy of it is kept, so keep the ended envs' (one row each, at episode ends only).
+            self._skip[...] = done & active
+            if self._skip.any():
+                # The reset check (and `EnvEnds`) compares an ended env's next step with its last next_obs;
+                # in place no other copy of it is kept: keep the ended envs' (a row each, at episode ends only).
                 envs = np.flatnonzero(self._skip)
+                self._ensure_last_next(schema)
                 for name, (array, _) in next_cols.items():
-                    if name not in self._last_next:
-                        self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
-                                                            schema.fields[name], self.device)
                     self._last_next[name][envs] = like_stage(array[envs], self._last_next[name])
         self.episodes_written += ended
         return ended
@@ -277,7 +311,9 @@ class StepWriter:
         Raises:
             RateLimited, CapacityError: the store refuses an episode; it is kept
                 and pushed again by the next `add` or `flush`.
+            WriterClosedError: the writer is closed.
         """
+        self._check_open("flush")
         if self._inplace is not None:
             sealed = self._inplace.flush()
             self.episodes_written += sealed
@@ -326,15 +362,22 @@ class StepWriter:
         """`flush` (cut every open episode), wait until the store holds them, and stop
         the sink's delivery thread (Ray). ``with store.writer(...) as w:`` calls it.
 
+        Closing a closed writer does nothing; any other use of it raises `WriterClosedError`.
+
         Raises:
             What `flush` raises; a Ray writer also raises `ShardError` naming the
             episodes that no shard stored.
         """
+        if self.closed:
+            return
         try:
             self.flush()
         finally:
+            self.closed = True
             if self._inplace is not None:
                 self._inplace.release()
+            if self._leave is not None:
+                self._leave()   # this writer's episode ends, for the next writer of its envs
             self._sink.close()
 
     def __enter__(self) -> "StepWriter":
@@ -380,6 +423,7 @@ class StepWriter:
             state = self._inplace.state(schema) if schema is not None else \
                 {"pos": np.zeros(self.num_envs, np.int64), "stage": {}, "last_next": {},
                  "first_step": np.zeros(self.num_envs, np.int64)}
+            state["last_next"] = with_ended_rows(state["last_next"], self._skip, self._last_next)   # reset checks'
             return {"num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
                     "episodes_written": self.episodes_written, "skip": self._skip.copy(),
                     "refused": self._refused.copy(), "check_resets": self.reset_check is not None, "pending": [],
@@ -414,10 +458,11 @@ class StepWriter:
         if int(state["num_envs"]) != self.num_envs or state["autoreset_mode"] != self.autoreset_mode:
             raise ValueError(f"writer state of {state['num_envs']} envs in mode {state['autoreset_mode']!r} cannot "
                              f"be loaded into a writer of {self.num_envs} envs in mode {self.autoreset_mode!r}")
-        self.env_ids = list(state["env_ids"])
+        self._check_open("load_state_dict")
+        self.env_ids[:] = list(state["env_ids"])
         self.episodes_written = int(state["episodes_written"])
         self._pos = np.array(state["pos"], np.int64)
-        self._skip = np.array(state["skip"], bool)
+        self._skip[...] = np.array(state["skip"], bool)
         self._refused = np.array(state.get("refused", np.zeros(self.num_envs, bool)), bool)   # older states lack it
         if self._inplace is not None:
             if state["stage"] and self._sink.schema is None:
@@ -426,6 +471,12 @@ class StepWriter:
                 self._inplace.load(self._pos, state["stage"], state["last_next"],
                                    np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64),
                                    state.get("regions"))
+                ended = np.flatnonzero(self._skip & (self._pos == 0))
+                if len(ended) and state["last_next"]:   # what the reset check compares the next step with
+                    self._ensure_last_next(self._sink.schema)
+                    for name, rows in state["last_next"].items():
+                        self._last_next[name][ended] = staged(np.asarray(rows)[ended], self._sink.schema.fields[name],
+                                                              self.device)
             self._pos[:] = 0
             for episode in state["pending"]:   # a staged writer's refused episodes: stored now
                 self._sink.write(Episode({n: np.array(a) for n, a in episode["columns"].items()},
@@ -435,7 +486,8 @@ class StepWriter:
         self._first_step = np.array(state.get("first_step", np.zeros(self.num_envs, np.int64)), np.int64)
         if self._ships is not None and state.get("shipping") is not None:   # older states lack it
             self._sink.load_open_state(state["shipping"])
-        self._stage, self._last_next = {}, {}
+        self._stage = {}
+        self._last_next.clear()
         if state["stage"]:
             schema = self._sink.schema
             if schema is None:
@@ -482,9 +534,7 @@ class StepWriter:
         if not self._stage:
             for name, f in writer_fields(schema).items():
                 self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device)
-            for name in schema.observation_names:
-                self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
-                                                    schema.fields[name], self.device)
+            self._ensure_last_next(schema)
         capacity = next(iter(self._stage.values())).shape[1]
         if steps > capacity:
             new_capacity = max(steps, 2 * capacity)
@@ -492,6 +542,38 @@ class StepWriter:
                 grown = stage_zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name], self.device)
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
+
+    def _ensure_last_next(self, schema: Schema) -> None:
+        """`_last_next` holds a zeroed [N, ...] array of each observation field it lacks."""
+        for name in schema.observation_names:
+            if name not in self._last_next:
+                self._last_next[name] = stage_zeros((self.num_envs, *schema.fields[name].shape),
+                                                    schema.fields[name], self.device)
+
+    def _inherit(self, schema: Schema, ends: dict[int, dict[str, Any]]) -> None:
+        """Take the episode ends previous writers left for this writer's envs (`EnvEnds`)."""
+        self._ensure_last_next(schema)
+        for i, rows in ends.items():   # rows of every observation field: writers of one store share them
+            for name, row in rows.items():
+                self._last_next[name][i] = like_stage(row, self._last_next[name])[0]
+            self._skip[i] = self._inherited[i] = True
+
+    def _check_chain(self, obs_cols: dict, schema: Schema, recorded: np.ndarray) -> None:
+        """Refuse a mid-episode ``obs`` other than the env's last ``next_obs`` (`check_obs_chain`)."""
+        if self._given_next is not None and passed_on(obs_cols, self._given_next):   # the usual loop
+            return
+        if self._inplace is not None:
+            envs, steps, previous = self._inplace.last_observations(recorded)
+        else:
+            envs = np.flatnonzero(recorded & ~self._refused & ((self._pos > 0) | (self._first_step > 0)))
+            steps, previous = self._first_step[envs] + self._pos[envs], {n: a[envs] for n, a in self._last_next.items()}
+        check_obs_chain(obs_cols, previous, envs, steps, self.env_ids, schema)
+
+    def _check_open(self, verb: str) -> None:
+        if self.closed:
+            raise WriterClosedError(f"writer {self.name!r} is closed: {verb}() after close() (or after its `with` "
+                                    "block) would write into rows the store has given to other writers, so nothing "
+                                    "is written. Open a new writer with store.writer(...)")
 
     def _seal(self, envs: np.ndarray, has_final: bool) -> CapacityError | None:
         """Seal the open episodes of ``envs``; returns the error of one that can never fit."""

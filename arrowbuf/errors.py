@@ -46,6 +46,23 @@ class ShardError(ArrowbufError):
     """A shard of a distributed store failed or is unreachable."""
 
 
+class WriterClosedError(ArrowbufError, RuntimeError):
+    """A step writer used after `close` (or after its ``with`` block): nothing is written.
+
+    A closed local writer's rows belong to the writers opened after it, so a stale
+    reference must never write again; open a new writer with ``store.writer(...)``.
+    """
+
+
+class ObservationMismatchError(ArrowbufError, ValueError):
+    """A writer step whose ``obs`` differs from the env's last ``next_obs`` mid-episode.
+
+    A writer stores each observation once: observation t + 1 is the ``next_obs`` of
+    step t. A different ``obs`` would replace one of the two, so the step is refused
+    (nothing of it is recorded); the message names the env, the step and the fix.
+    """
+
+
 class InUseError(ArrowbufError, ValueError):
     """A name or durable directory is held by another running store.
 

@@ -22,6 +22,8 @@ sequence and episode samplers see a piece once it is sealed.
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from typing import Any
 
@@ -33,6 +35,8 @@ from arrowbuf.regions import MIN_REGION, region_rows, span_plan
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
+
+_log = logging.getLogger(__name__)
 
 
 class InPlace:
@@ -60,17 +64,31 @@ class InPlace:
         codes = np.array([shard.table.env_code(e) for e in self.env_ids], np.int32)
         self.base = shard.regions.allocate(codes)
         self.shard = shard
-        # A writer dropped without `close` gives its slots back when it is collected.
-        self._finalizer = weakref.finalize(self, _release, shard, self.base, self.num_envs, self.engine.lock)
+        # A writer dropped without `close` seals its open pieces (as `flush` does) and gives its
+        # slots back when it is collected: it keeps every step it wrote.
+        self._finalizer = weakref.finalize(self, _release, self.engine, shard, self.base, self.env_ids)
 
     def release(self) -> None:
-        """Give the slots back: open tails not sealed are dropped (once)."""
+        """Seal the open pieces, as `flush` does, and give the slots back (once)."""
         if self.shard is not None:
             self._finalizer()
 
     @property
     def slots(self) -> slice:
         return slice(self.base, self.base + self.num_envs)
+
+    def last_observations(self, envs: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Of ``envs`` ([N] bool), those whose open piece has a step; the step each is at in its
+        episode; and the observation row after their last step (host copies, by field)."""
+        if self.shard is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), {}
+        with self.engine.lock:
+            regions, shard = self.shard.regions, self.shard
+            slots = self.base + np.flatnonzero(envs)
+            slots = slots[regions.held[slots] & (regions.length[slots] > 0)]
+            rows = regions.start[slots] + regions.length[slots]
+            last = {name: np.array(shard.reader(name)[rows]) for name in shard.schema.observation_names}
+            return slots - self.base, regions.first_step[slots] + regions.length[slots], last
 
     @property
     def lengths(self) -> np.ndarray:
@@ -93,6 +111,7 @@ class InPlace:
                 `MIN_REGION` rows at once; nothing is written.
         """
         self.bind()
+        _release_deferred()
         engine, shard = self.engine, self.shard
         with engine.lock:   # noqa: the shard exists: the writer set the schema before
             regions = shard.regions
@@ -136,6 +155,7 @@ class InPlace:
         env's next step starts a new episode. Returns the number sealed."""
         if self.shard is None:
             return 0
+        _release_deferred()
         with self.engine.lock:
             regions = self.shard.regions
             slots = self.base + np.flatnonzero(regions.held[self.slots] & (regions.length[self.slots] > 0))
@@ -312,10 +332,46 @@ class InPlace:
         regions.length[slots] = 0
 
 
-def _release(shard: Any, base: int, n: int, lock: Any) -> None:
-    with lock:
-        shard.regions.release(base, n)
-        shard.publish_open()
+#: Releases of writers collected while their thread held the engine's lock (GC may run a
+#: finalizer inside any call): done at the next in-place write or flush, outside any call.
+_DEFERRED: list[tuple[Any, Any, int, list[str]]] = []
+
+
+def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
+    """A writer's end (`InPlace.release`, or its finalizer): seal its open pieces as `InPlace.flush`
+    does and give its slots back. Never raises (it may run from the garbage collector)."""
+    try:
+        if _held_here(engine.lock):   # inside one of this thread's store calls: not now, not here
+            _DEFERRED.append((engine, shard, base, env_ids))
+            return
+        with engine.lock:
+            if engine.shard is shard:   # else the store made a new shard since (`clear` keeps it): nothing held
+                closing = InPlace(engine, env_ids)
+                closing.shard, closing.base = shard, base
+                regions = shard.regions
+                slots = base + np.flatnonzero(regions.held[closing.slots] & (regions.length[closing.slots] > 0))
+                if len(slots):
+                    closing._seal(slots, None, None, continues=False)
+                regions.release(base, len(env_ids))
+                shard.publish_open()
+    except Exception:   # noqa: BLE001 - a finalizer must not raise; the store stays as it was
+        _log.exception("arrowbuf: sealing the open episodes of a released writer failed")
+
+
+def _held_here(lock: Any) -> bool:
+    """This thread holds ``lock`` (a `threading.RLock`): its repr names the owning thread (the public
+    way to ask; ``RLock._is_owned`` is private)."""
+    return f" owner={threading.get_ident()} " in repr(lock)
+
+
+def _release_deferred() -> None:
+    """Do the releases `_release` deferred (call outside the engine's lock)."""
+    for _ in range(len(_DEFERRED)):   # those deferred again (a lock still held) wait for the next call
+        try:
+            args = _DEFERRED.pop(0)
+        except IndexError:   # another thread took the last one
+            return
+        _release(*args)
 
 
 def _host_flags(flags: Any, num_envs: int) -> np.ndarray:

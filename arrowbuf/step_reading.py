@@ -5,6 +5,10 @@
 inferring the schema before the first step and naming the field, the value and what
 was expected when one does not match. Exact numpy steps take a fast path that skips
 the checks' per-step cost; staging and sealing them is the writer's.
+
+`check_obs_chain` refuses a mid-episode ``obs`` that differs from the env's last
+``next_obs``: a writer stores each observation once (observation t + 1 is the
+``next_obs`` of step t), so one of the two would be replaced.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from arrowbuf.arena import owned_copy, step_tensor
-from arrowbuf.errors import SchemaError
-from arrowbuf.fields import as_array, check_column
+from arrowbuf.arena import host_copy, owned_copy, step_tensor
+from arrowbuf.autoreset import same_rows
+from arrowbuf.errors import ObservationMismatchError, SchemaError
+from arrowbuf.fields import Field, as_array, check_column
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.versions import as_version_schema, writer_fields
 
@@ -160,3 +165,82 @@ class StepReader:
                 raise SchemaError(f"{what}: {err}") from None
             if leading and array.shape[0] != self.num_envs:
                 raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
+
+
+def check_obs_chain(obs_cols: dict, previous: dict, envs: np.ndarray, steps: np.ndarray, env_ids: list[str],
+                    schema: Schema) -> None:
+    """Refuse a step of the mid-episode ``envs`` whose ``obs`` differs from their last ``next_obs``.
+
+    Args:
+        obs_cols: the step's observation columns, name -> (array, dtype name), [N, ...].
+        previous: each observation field's last ``next_obs`` of ``envs`` (rows as stored or staged).
+        envs: the envs whose episode goes on at this step (it has a step before).
+        steps: the step each of ``envs`` is at in its episode.
+
+    Raises:
+        ObservationMismatchError: naming the first such env, its step and the fix; NaN
+            equals NaN.
+    """
+    if not len(envs):
+        return
+    same = np.ones(len(envs), bool)
+    for name, (column, dtype) in obs_cols.items():
+        if name in previous:
+            same &= same_rows(_as_stored(column[envs], dtype, schema.fields[name]), host_copy(previous[name]))
+    if same.all():
+        return
+    k = int(np.flatnonzero(~same)[0])
+    i, t = int(envs[k]), int(steps[k])
+    raise ObservationMismatchError(
+        f"env {env_ids[i]!r} (env {i}), step {t} of its episode: obs differs from the next_obs given at step {t - 1}. "
+        "A writer stores each observation once (observation t + 1 is the next_obs of step t), so one of them would "
+        "be replaced: the step is refused and nothing of it is recorded. Pass the next_obs a step returned as the "
+        "next step's obs (normalise each observation once, as gymnasium's NormalizeObservation and TorchRL's "
+        "VecNorm do, or store raw observations and normalise them when you sample); if the env was reset, end its "
+        "episode first (terminated/truncated, or writer.flush())")
+
+
+def passed_on(cols: dict, given: dict) -> bool:
+    """A step's obs columns ``cols`` are the last step's next_obs columns ``given``, as the usual
+    loop passes them on: the same memory (`same_memory`), else equal values (NaN equal to NaN).
+    Cheap checks, before the exact one against the stored rows (`check_obs_chain`)."""
+    if same_memory(cols, given):
+        return True
+    for name, (a, _) in cols.items():
+        b = given[name][0] if name in given else None
+        if b is None or type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype \
+                or (isinstance(a, torch.Tensor) and a.device != b.device) or not same_rows(a, b).all():
+            return False
+    return True
+
+
+def same_memory(cols: dict, given: dict) -> bool:
+    """Each column of ``cols`` is the one of ``given`` (a step's obs and the last step's next_obs),
+    or lies in the same memory (address, shape, strides, dtype, device). It then holds what the
+    writer stored from it (an env that rewrites one buffer in place included: the writer stored
+    its values at that step)."""
+    for name, (a, _) in cols.items():
+        b = given[name][0] if name in given else None
+        if a is b:
+            continue
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                    and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+                    and a.device == b.device):
+                return False
+        elif b is None or a.shape != b.shape or a.strides != b.strides or a.dtype != b.dtype \
+                or a.__array_interface__["data"][0] != b.__array_interface__["data"][0]:
+            return False
+    return True
+
+
+def _as_stored(values: Any, dtype: str, spec: Field) -> np.ndarray:
+    """A step's observation rows as the store holds them: host numpy of the field's dtype
+    (bfloat16 as its uint16 bits)."""
+    if isinstance(values, torch.Tensor):
+        return host_copy(values.to(spec.torch_dtype))
+    if dtype == spec.dtype:
+        return values
+    if spec.dtype == "bfloat16":
+        return host_copy(torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16))
+    return values.astype(spec.numpy_dtype, copy=False)

@@ -140,14 +140,22 @@ def check_versions(versions: Any, count: int, what: str) -> np.ndarray:
     """``versions`` (an int, or one per ``what``) as ``count`` int64 values >= 0.
 
     Raises:
-        ValueError: not ints >= 0, or not one per ``what``.
+        ValueError: not ints >= 0, past int64 (out of range), or not one per ``what``.
     """
     array = np.asarray(versions.cpu() if hasattr(versions, "cpu") else versions)
+    values = list(versions) if isinstance(versions, (list, tuple)) else array.ravel().tolist() \
+        if array.dtype == object or np.issubdtype(array.dtype, np.unsignedinteger) else ()
+    if any(isinstance(v, int) and not isinstance(v, bool) and v > _MAX for v in values):   # numpy: uint64 or objects
+        raise ValueError(f"policy_version out of range: got {versions!r}; versions are int64, from 0 to "
+                         f"{_MAX:,} (2**63 - 1)")
     if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or (array.size and array.min() < 0) \
             or array.ndim > 1 or (array.ndim == 1 and len(array) != count):
         raise ValueError(f"policy_version must be an int >= 0 or {count} of them (one per {what}), "
                          f"got {versions!r}")
     return np.broadcast_to(array.astype(np.int64), (count,))
+
+
+_MAX = int(np.iinfo(np.int64).max)
 
 
 #: The column of versions: derived, so writes without it store version 0.
@@ -289,33 +297,53 @@ def as_version_schema(schema: Schema) -> Schema:
     return Schema({n: f for n, f in schema.fields.items() if n != VERSION}).extended({VERSION: VERSION_FIELD})
 
 
-def step_versions(writer_versions: np.ndarray, extra: dict, schema: Schema | None, sink: Any) -> None:
+def step_versions(writer_versions: np.ndarray, extra: dict, schema: Schema | None, sink: Any) -> np.ndarray | None:
     """A writer step's ``policy_version`` in ``extra``: checked (`next_versions`, against each
     env's ``writer_versions``) when given, else 0 for every env when the store has the column.
-    A local store without the column gains it (0 in every row written before).
+    Nothing is recorded yet: the step may still be refused. Once it is known to be good,
+    `commit_versions` records the returned versions (None when none were given) and gives a
+    local store without the column the column (0 in every row written before).
 
     Raises:
-        ValueError: bad or decreasing versions, or a Ray store whose schema lacks the column.
+        ValueError: bad, out-of-range or decreasing versions, or a Ray store whose schema lacks
+            the column.
     """
     if VERSION in extra:
         extra[VERSION] = next_versions(extra[VERSION], writer_versions)
-        if schema is not None and VERSION not in schema.fields:
-            add_column = getattr(sink, "add_version_column", None)
-            if add_column is None:
-                raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one "
-                                 "yet): give policy_version from the store's first write on, or declare the field "
-                                 "in its schema")
-            add_column()
-    elif schema is not None and VERSION in schema.fields:
+        if schema is not None and VERSION not in schema.fields and getattr(sink, "add_version_column", None) is None:
+            raise ValueError("this Ray store's schema has no policy_version column (its shards cannot add one "
+                             "yet): give policy_version from the store's first write on, or declare the field "
+                             "in its schema")
+        return extra[VERSION]
+    if schema is not None and VERSION in schema.fields:
         extra[VERSION] = np.zeros(len(writer_versions), np.int64)
+    return None
+
+
+def read_schema(schema: Schema | None, versions: np.ndarray | None) -> Schema | None:
+    """The schema a writer step is read against: the store's, with the version column when the
+    step gives versions that the store lacks (`commit_versions` adds it once the step is good)."""
+    if versions is None or schema is None or VERSION in schema.fields:
+        return schema
+    return schema.extended({VERSION: VERSION_FIELD})
+
+
+def commit_versions(writer_versions: np.ndarray, versions: np.ndarray | None, sink: Any) -> None:
+    """Record a good step's ``versions`` (from `step_versions`) as each env's last, and give the
+    store the column if it lacks it."""
+    if versions is None:
+        return
+    if VERSION not in sink.schema.fields:
+        sink.add_version_column()
+    writer_versions[...] = versions
 
 
 def next_versions(value: Any, last: np.ndarray) -> np.ndarray:
     """A writer step's versions (one int for every env, or one per env), checked to be no lower
-    than each env's ``last`` (updated in place).
+    than each env's ``last`` (not updated: `commit_versions` records them).
 
     Raises:
-        ValueError: not ints >= 0, or lower than an env's previous version.
+        ValueError: not ints >= 0, out of range, or lower than an env's previous version.
     """
     versions = np.ascontiguousarray(check_versions(value, len(last), "env"))
     older = np.flatnonzero(versions < last)
@@ -323,5 +351,4 @@ def next_versions(value: Any, last: np.ndarray) -> np.ndarray:
         env = int(older[0])
         raise ValueError(f"policy_version of env {env} went back from {int(last[env])} to {int(versions[env])}; "
                          "versions are non-decreasing in each writer's order")
-    last[...] = versions
     return versions

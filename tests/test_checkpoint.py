@@ -94,8 +94,10 @@ def test_rate_limiter_counters_and_settings_are_restored(tmp_path):
 
 
 def _step(rng: np.random.Generator, num_envs: int, done_every: int, t: int) -> dict:
-    obs = rng.standard_normal((num_envs, 17)).astype(np.float32)
-    done = (np.arange(num_envs) + t) % done_every == 0
+    env = np.arange(num_envs)
+    episode = (env + t - 1) // done_every   # each env's episode: its observations go on from step to step
+    obs = np.broadcast_to((t + 1000 * episode + 0.25 * env)[:, None], (num_envs, 17)).astype(np.float32)
+    done = (env + t) % done_every == 0
     return {"obs": obs, "action": rng.standard_normal((num_envs, 6)).astype(np.float32),
             "reward": rng.standard_normal(num_envs).astype(np.float32), "terminated": done,
             "truncated": np.zeros(num_envs, bool), "next_obs": obs + 1}

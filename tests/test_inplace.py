@@ -368,7 +368,9 @@ def test_obs_is_read_at_a_pieces_first_step_only_and_next_obs_stored_once():
     step = {"action": np.zeros(1, np.int64), "reward": np.zeros(1), "terminated": np.zeros(1, bool),
             "truncated": np.zeros(1, bool)}
     writer.add(obs=tagged_obs(7, [0]), next_obs=tagged_obs(7, [1]), **step)
-    writer.add(obs=np.full((1, 2), -5.0), next_obs=tagged_obs(7, [2]), **step)   # obs 1 is next_obs 0's
+    with pytest.raises(ab.ObservationMismatchError, match="step 1"):   # obs 1 is next_obs 0's: never replaced
+        writer.add(obs=np.full((1, 2), -5.0), next_obs=tagged_obs(7, [2]), **step)
+    writer.add(obs=tagged_obs(7, [1]), next_obs=tagged_obs(7, [2]), **step)
     batch = store.sample(32)
     assert sorted(set(decode(batch["obs"])[1].tolist())) == [0, 1]
     assert (np.asarray(batch["obs"]) != -5).all()

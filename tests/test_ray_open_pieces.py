@@ -397,7 +397,8 @@ def test_a_restored_writer_ships_its_open_episode_to_the_shard_of_its_earlier_pi
 
 def test_a_local_writer_restored_from_a_state_ends_its_open_episode_once():
     # A local writer keeps its open steps in place (no pieces): the restored writer copies
-    # them, and the first one's copy goes with it (while both live, each holds its own).
+    # them, and each holds its own. A writer dropped keeps what it wrote (cut, as flush() cuts),
+    # so the first one's copy stays as two cut episodes of 3 steps.
     store = ab.ExperienceStore(1_000, seed=0)
     first = store.writer(num_envs=2, autoreset_mode="disabled")
     for t in range(3):
@@ -411,7 +412,8 @@ def test_a_local_writer_restored_from_a_state_ends_its_open_episode_once():
     step(later, 6, done=np.ones(2, bool))
     later.flush()
     table = store.episodes(include_open=True).to_pydict()
-    assert sorted(table["env_id"]) == ["env-0", "env-1"] and table["length"] == [7, 7], table
-    assert store.num_episodes == 2 and len(store) == 14
+    assert sorted(zip(table["env_id"], table["length"], table["terminated"])) == [
+        ("env-0", 3, False), ("env-0", 7, True), ("env-1", 3, False), ("env-1", 7, True)], table
+    assert store.num_episodes == 4 and len(store) == 20
     check_rows(store.sample(256), 2)
     assert sorted(set(store.sample(256)["step"].tolist())) == list(range(7))

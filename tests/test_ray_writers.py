@@ -75,11 +75,12 @@ def test_a_dead_shard_is_reported_to_its_writer_with_the_number_of_episodes_lost
         finish(writer, 1.0)   # three episodes queued for the dead shard
         # The timer sends them and collects the failure; the next call reports it.
         deadline = time.monotonic() + 60   # generous: the condition, not the time, is what is checked
+        obs = np.zeros((3, 3), np.float32)
         with pytest.raises(ab.ShardError, match="episodes are lost") as lost:
             while time.monotonic() < deadline:
-                writer.add(obs=np.zeros((3, 3), np.float32), action=np.zeros(3, np.int64),
-                           reward=np.ones(3, np.float32), terminated=np.zeros(3, bool),
-                           truncated=np.zeros(3, bool), next_obs=np.ones((3, 3), np.float32))
+                writer.add(obs=obs, action=np.zeros(3, np.int64), reward=np.ones(3, np.float32),
+                           terminated=np.zeros(3, bool), truncated=np.zeros(3, bool), next_obs=obs + 1)
+                obs = obs + 1   # each step starts from the last one's next_obs
                 time.sleep(0.05)
         # The three ended episodes, with the pieces of the open ones if the timer shipped them alongside.
         assert int(re.search(r"(\d+) episodes are lost", str(lost.value)).group(1)) in (3, 6)
