@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -42,7 +43,7 @@ from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError
 from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.schema import Schema
-from arrowbuf.shard import Shard
+from arrowbuf.shard import Episode, Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
 
 if TYPE_CHECKING:
@@ -106,6 +107,11 @@ def like_stage(values: Any, stage: Any) -> Any:
 def owned_copy(array: Any) -> Any:
     """A private copy of a numpy array or a tensor (on its device)."""
     return array.clone() if isinstance(array, torch.Tensor) else array.copy()
+
+
+def owned_episode(episode: Episode) -> Episode:
+    """``episode`` owning copies of its columns (a writer's staging rows are reused by the env's next episode)."""
+    return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)
 
 
 def host_copy(array: Any) -> np.ndarray:

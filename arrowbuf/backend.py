@@ -29,6 +29,32 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 
+class EpisodeSink(Protocol):
+    """Where a `StepWriter` sends sealed episodes: a local store, or Ray shards."""
+
+    @property
+    def schema(self) -> Schema | None: ...
+
+    @property
+    def capacity(self) -> int | None:
+        """Rows one episode may take at most (a shard's capacity); None when unknown."""
+
+    def set_schema(self, schema: Schema) -> None:
+        """Adopt ``schema`` if none is set yet."""
+
+    def write(self, episode: Episode) -> None:
+        """Store one sealed episode (or queue it); raise what the store refuses."""
+
+    def commit(self) -> None:
+        """End of a writer call: send what was written during it."""
+
+    def flush(self) -> None:
+        """Wait until everything written is stored; raise any error from it."""
+
+    def close(self) -> None:
+        """`flush`, then release what delivers the writes (a Ray sink's timer thread)."""
+
+
 class Backend(Protocol):
     """The members `ExperienceStore` calls (see the module docstring)."""
 
@@ -72,7 +98,7 @@ class Backend(Protocol):
         """Route the `add` episodes of ``env_id`` to ``shard`` unless it already has one."""
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> Any:
-        """A new `StepWriter`'s sink (`arrowbuf.episodes.EpisodeSink`)."""
+        """A new `StepWriter`'s sink (`EpisodeSink`)."""
 
     def import_episodes(self, episodes: Iterable[Episode]) -> int:
         """Store the checked episodes of an import, never refused by the rate limiter; how many."""

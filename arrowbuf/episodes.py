@@ -11,18 +11,17 @@ steps as pieces on its delivery timer (`arrowbuf.open_pieces`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from arrowbuf._checks import check_int
-from arrowbuf.arena import host_copy, like_stage, owned_copy, stage_zeros, staged
+from arrowbuf.arena import host_copy, like_stage, owned_copy, owned_episode, stage_zeros, staged
 from arrowbuf.autoreset import inherited_resets, with_ended_rows
 from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
 from arrowbuf.inplace import InPlace
@@ -35,31 +34,8 @@ from arrowbuf.versions import commit_versions, read_schema, step_versions, write
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
 logger = logging.getLogger(__name__)
 
-
-class EpisodeSink(Protocol):
-    """Where a `StepWriter` sends sealed episodes: a local store, or Ray shards."""
-
-    @property
-    def schema(self) -> Schema | None: ...
-
-    @property
-    def capacity(self) -> int | None:
-        """Rows one episode may take at most (a shard's capacity); None when unknown."""
-
-    def set_schema(self, schema: Schema) -> None:
-        """Adopt ``schema`` if none is set yet."""
-
-    def write(self, episode: Episode) -> None:
-        """Store one sealed episode (or queue it); raise what the store refuses."""
-
-    def commit(self) -> None:
-        """End of a writer call: send what was written during it."""
-
-    def flush(self) -> None:
-        """Wait until everything written is stored; raise any error from it."""
-
-    def close(self) -> None:
-        """`flush`, then release what delivers the writes (a Ray sink's timer thread)."""
+if TYPE_CHECKING:
+    from arrowbuf.backend import EpisodeSink
 
 
 class StepWriter:
@@ -585,7 +561,7 @@ class StepWriter:
             episode = Episode(columns, steps, has_final, self.env_ids[i], first_step=int(self._first_step[i]))
             self._first_step[i] = 0
             if self._pending:
-                self._pending.append(_copied(episode))
+                self._pending.append(owned_episode(episode))
                 continue
             try:
                 self._sink.write(episode)
@@ -594,9 +570,9 @@ class StepWriter:
                 if not err.retryable:
                     too_long = err
                     continue
-                self._pending.append(_copied(episode))
+                self._pending.append(owned_episode(episode))
             except RateLimited:
-                self._pending.append(_copied(episode))
+                self._pending.append(owned_episode(episode))
         return too_long
 
     def _columns(self, env: int, final: bool) -> dict[str, np.ndarray]:
@@ -618,8 +594,3 @@ def _flags(flags: Any, num_envs: int) -> Any:
     if type(flags) is np.ndarray and flags.dtype == bool and flags.ndim == 1:
         return flags
     return flags.reshape(num_envs, -1).any(axis=1)
-
-
-def _copied(episode: Episode) -> Episode:
-    # Staging rows are reused by the env's next episode: a kept episode owns its data.
-    return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)

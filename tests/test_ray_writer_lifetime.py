@@ -48,9 +48,9 @@ def test_a_closed_ray_writer_refuses_add_and_stores_nothing():
         writer = store.writer(2, autoreset_mode="disabled")
         step(writer, 0, 0, done=np.ones(2, bool))
         writer.close()
-        with pytest.raises(ab.ArrowbufError, match="was closed .*store.writer"):
+        with pytest.raises(ab.WriterClosedError, match="is closed.*store.writer"):
             step(writer, 0, 1, done=np.ones(2, bool))
-        with pytest.raises(ab.ArrowbufError, match="was closed"):
+        with pytest.raises(ab.WriterClosedError, match="is closed"):
             step(writer, 0, 2)
         del writer
         gc.collect()

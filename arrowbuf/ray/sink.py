@@ -192,7 +192,7 @@ class RaySink:
                 if int(shard) < self._shards.num_shards:   # a checkpoint may load over fewer shards
                     self._routes[key] = int(shard)
 
-    # -- the EpisodeSink protocol ---------------------------------------------------
+    # -- the EpisodeSink protocol (arrowbuf.backend) ------------------------------------
 
     @property
     def schema(self) -> Schema | None:

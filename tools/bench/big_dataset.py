@@ -43,6 +43,7 @@ EPISODES = "episodes.arrow"
 _SAMPLE_CHILD = """
 import json, resource, sys, time, psutil
 import arrowbuf as ab
+import arrowbuf.dataset, arrowbuf.store, tensordict, torch   # loaded before `before`: `import arrowbuf` is lazy
 
 def peak_rss():
     # VmHWM: this process's own peak; ru_maxrss keeps the parent's across fork and exec.
