@@ -7,6 +7,7 @@ import difflib
 import json
 import re
 import warnings
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -26,10 +27,12 @@ with warnings.catch_warnings():   # torchrl 0.14 warns of its own deprecated cla
     from torchrl.modules import MLP, EGreedyModule, QValueActor
     from torchrl.objectives import DQNLoss
 
-def collected(num_envs: int, frames: int, batches: int, seed: int = 0) -> list[TensorDict]:
-    """What a real TorchRL collector yields on CartPole, random policy ([T] for one env)."""
+def collected(num_envs: int, frames: int, batches: int, seed: int = 0,
+              make_env: Callable[[], Any] | None = None) -> list[TensorDict]:
+    """What a real TorchRL collector yields on CartPole (or ``make_env()``'s envs), random policy ([T] for one env)."""
     torch.manual_seed(seed)
-    env = GymEnv("CartPole-v1") if num_envs == 1 else SerialEnv(num_envs, lambda: GymEnv("CartPole-v1"))
+    make_env = make_env or (lambda: GymEnv("CartPole-v1"))
+    env = make_env() if num_envs == 1 else SerialEnv(num_envs, make_env)
     env.set_seed(seed)
     collector = Collector(env, None, frames_per_batch=frames, total_frames=frames * batches)
     try:
@@ -301,14 +304,7 @@ def counted_env() -> TransformedEnv:
 
 def collected_counted(num_envs: int, frames: int, batches: int, seed: int = 0) -> list[TensorDict]:
     """What a real collector yields on counted CartPole envs (random policy)."""
-    torch.manual_seed(seed)
-    env = counted_env() if num_envs == 1 else SerialEnv(num_envs, counted_env)
-    env.set_seed(seed)
-    collector = Collector(env, None, frames_per_batch=frames, total_frames=frames * batches)
-    try:
-        return [td.clone() for td in collector]
-    finally:
-        collector.shutdown()
+    return collected(num_envs, frames, batches, seed, make_env=counted_env)
 
 
 def by_observation(batch: TensorDict) -> dict[bytes, TensorDict]:
