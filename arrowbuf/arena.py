@@ -41,6 +41,7 @@ from arrowbuf._bounds import check_arena
 from arrowbuf._checks import tensor_to_numpy
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError
+from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
@@ -129,16 +130,16 @@ def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> 
 
 
 def make_shard(schema: Schema, capacity: int, mode: str, shard: int, num_shards: int,
-               device: torch.device | None) -> Shard:
+               device: torch.device | None, whole_pieces: bool = False) -> Shard:
     """A numpy `Shard`, or a `TorchShard` on ``device``, once it is known to fit in memory.
 
     Raises:
         ResourceError: the arena does not fit in the memory where it would live.
     """
     if device is not None:
-        return TorchShard(schema, capacity, mode, shard, num_shards, device=device)
+        return TorchShard(schema, capacity, mode, shard, num_shards, device=device, whole_pieces=whole_pieces)
     check_arena(schema, capacity)
-    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards)
+    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards, whole_pieces=whole_pieces)
 
 
 class TorchShard(Shard):
@@ -155,13 +156,18 @@ class TorchShard(Shard):
     host_columns = False
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
-                 num_shards: int = 1, *, device: torch.device) -> None:
+                 num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
         if device.type == "cuda":
-            check_device_memory(schema, capacity, device)
+            check_device_memory(schema, arena_rows(capacity, lazy=False), device)
         else:
             check_arena(schema, capacity)
         self.device = device
-        super().__init__(schema, capacity, mode, shard, num_shards)
+        super().__init__(schema, capacity, mode, shard, num_shards, whole_pieces)
+
+    @property
+    def lazy_rows(self) -> bool:
+        """A CPU tensor's pages are faulted in by the first write (numpy allocates it); a CUDA one's are not."""
+        return self.device.type != "cuda"
 
     def new_column(self, spec: Field, zero: bool) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -170,7 +176,7 @@ class TorchShard(Shard):
             # measured 30-32 ms from a numpy-allocated column, 40-48 ms from torch.empty's.
             return host_tensor(super().new_column(spec, zero), spec)
         make = torch.zeros if zero else torch.empty
-        return make((self.capacity, *spec.shape), dtype=spec.torch_dtype, device=self.device)
+        return make((self.rows, *spec.shape), dtype=spec.torch_dtype, device=self.device)
 
     def new_packed(self, fields: Any) -> tuple[None, dict]:
         """None: a device arena keeps every field as its own tensor (``index_select`` per

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from arrowbuf.errors import CapacityError
-from arrowbuf.regions import MIN_REGION, region_rows, span_plan
+from arrowbuf.regions import MIN_REGION
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
@@ -89,8 +89,8 @@ class InPlace:
             The number of episodes sealed.
 
         Raises:
-            CapacityError: the store's capacity cannot give every env a region of
-                `MIN_REGION` rows at once; nothing is written.
+            CapacityError: the store's arena cannot give every env a region of
+                `MIN_REGION` rows at once.
         """
         self.bind()
         engine, shard = self.engine, self.shard
@@ -98,6 +98,7 @@ class InPlace:
             regions = shard.regions
             slots = self.base + np.flatnonzero(recorded)
             everyone = len(slots) == self.num_envs
+            shard.placement.admit(len(slots))   # the oldest transitions past the capacity go first
             # Regions without room for this step (its row and the next observation's):
             # seal the piece written so far, and continue the episode in a new region.
             full = slots[regions.held[slots] & (regions.start[slots] + regions.length[slots] + 1
@@ -106,7 +107,7 @@ class InPlace:
             if len(boundary):
                 self._seal(boundary, None, None, continues=True)
             regions.held[full] = False
-            self._reserve(slots[~regions.held[slots]], active=slots)
+            shard.placement.reserve_regions(slots[~regions.held[slots]], active=slots, transitions=len(slots))
             cur = regions.start[slots] + regions.length[slots]
             fresh = regions.length[slots] == 0
             for name, (array, _) in obs_cols.items():
@@ -215,7 +216,7 @@ class InPlace:
                 n = int(pos[i])
                 slot = np.array([self.base + i])
                 if not regions.held[slot[0]]:
-                    self._reserve(slot, n + 2)
+                    shard.placement.reserve_regions(slot, n + 2)
                 a = int(regions.start[slot[0]])
                 for name, rows in stage.items():
                     shard.write_rows(name, a, rows[i, :n])
@@ -225,57 +226,6 @@ class InPlace:
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------
-
-    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None) -> None:
-        """Regions of at least ``min_rows`` rows for ``slots``, reserved at the ring's head
-        in blocks (one plan a block).
-
-        A block may take the region of an env in ``active`` (the envs this call writes
-        a step for) that still had room: that env lost its written steps with it, and
-        its step is about to be written, so it gets a new region here too (it must not
-        write into rows it no longer holds). Taking a region reserved in this same call
-        means the ring cannot hold them all at once: `CapacityError`.
-        """
-        if not len(slots):
-            return
-        shard, engine = self.shard, self.engine
-        regions, table, capacity = shard.regions, shard.table, shard.capacity
-        used = int(table.col("num_rows").sum()) + int((regions.end - regions.start)[regions.held].sum())
-        size = max(region_rows(capacity, used, max(len(slots), regions.count), regions.count), min_rows)
-        if min_rows > capacity:
-            raise CapacityError(f"an open episode of {min_rows - 1} rows does not fit in the store's capacity "
-                                f"of {capacity:,} rows")
-        if MIN_REGION * len(slots) > capacity:
-            raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                f"{len(slots)} envs (each needs {MIN_REGION} rows at least); raise the capacity")
-        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
-        while len(pending):
-            head = shard.write_pos
-            if capacity - head < min_rows:
-                head = 0
-            space = capacity - head
-            count = min(len(pending), max(1, space // size))
-            each = min(size, space) if count == 1 else size
-            evicted, taken = span_plan(shard, head, count * each)
-            if np.isin(taken, reserved).any():
-                raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
-            if evicted:
-                spans = shard.evicted_spans(evicted) if engine.sampler.tracks_rows else None
-                table.pop_oldest(evicted)
-                if spans is not None:
-                    engine.sampler.on_evict(*spans)
-            if len(taken):
-                regions.take(taken)
-            block, pending = pending[:count], pending[count:]
-            regions.start[block] = head + each * np.arange(count, dtype=np.int64)
-            regions.end[block] = regions.start[block] + each
-            regions.held[block] = True
-            shard.write_pos = head + count * each
-            shard.ordered = False
-            reserved = np.concatenate([reserved, block])
-            if active is not None and len(taken):
-                pending = np.concatenate([pending, taken[np.isin(taken, active)]])
 
     def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
               continues: bool) -> None:

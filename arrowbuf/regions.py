@@ -1,7 +1,7 @@
 """Open regions: where the step writers of a local store write steps in place.
 
 Each env of a step writer owns at most one *region*: a contiguous run of arena rows
-reserved at the ring's head (`plan_span`). Its episode's rows are written straight
+reserved at the ring's head (`arrowbuf.placement.Ring.reserve_regions`). Its episode's rows are written straight
 into it, one step at a time (`arrowbuf.inplace`): step t's fields into the row of
 observation t, and the step's next observation into the following row, which is
 observation t + 1. The steps written so far form the env's *open tail*; the
@@ -16,19 +16,19 @@ env and ``first_step`` (the step their first row has in the episode), and each r
 the piece it continues (the table's ``prev_piece``; none after a gap): samples read the
 pieces still held as one episode (`arrowbuf.indexing.PieceChains`).
 
-Eviction stays FIFO over sealed pieces: a reservation evicts every live piece its
-rows overlap, and every piece sealed before those (pieces seal out of ring order,
-so this can evict a few pieces ahead of the head early). A reservation that
-overlaps another env's open region *takes* it: that region's written steps are
-dropped (they are the oldest rows of the ring there) and its env continues its
-episode in a new region from its next step.
+Regions and the final observations of pieces take rows that are not transitions:
+the arena keeps rows for them beyond the capacity, and a reservation whose rows are
+still live grows the ring instead of evicting (`arrowbuf.placement`). Eviction takes
+the oldest transitions, as few as the capacity needs: the front of the oldest piece,
+and only past every sealed one the fronts of open tails (`OpenRegions.trim_oldest`).
+Only a ring that has grown to the arena's rows takes an open region its reservation
+overlaps: that region's written steps are dropped and its env continues its episode
+in a new region from its next step.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import numpy as np
 
 #: Largest region (rows) a writer reserves for one env at a time.
@@ -104,6 +104,40 @@ class OpenRegions:
         self.length[slots] = 0
         self.held[slots] = False
 
+    def hold(self, slots: np.ndarray, start: int, each: int) -> None:
+        """Regions of ``each`` rows from row ``start`` for ``slots``, back to back (their open pieces
+        start empty there)."""
+        self.start[slots] = start + each * np.arange(len(slots), dtype=np.int64)
+        self.end[slots] = self.start[slots] + each
+        self.held[slots] = True
+
+    def trim_oldest(self, count: int) -> None:
+        """Cut ``count`` transitions off the fronts of the open tails, the longest first (their
+        fronts are the oldest steps): each cut tail continues after a gap."""
+        slots = np.flatnonzero(self.held & (self.length > 0))
+        lengths = self.length[slots]
+        order = np.argsort(-lengths, kind="stable")
+        # Lower the longest tails to a common level: the fewest levels that free ``count``.
+        cut = np.zeros(len(slots), np.int64)
+        left = min(count, int(lengths.sum()))
+        sorted_lengths = lengths[order]
+        while left > 0:
+            top = sorted_lengths - cut[order]
+            level = int(top.max())
+            at_top = np.flatnonzero(top == level)
+            lower = int(top[top < level].max(initial=0))
+            take = min(left, len(at_top) * (level - lower))
+            each, extra = divmod(take, len(at_top))
+            step = np.full(len(at_top), each, np.int64)
+            step[:extra] += 1
+            cut[order[at_top]] += step
+            left -= take
+        slots, cut = slots[cut > 0], cut[cut > 0]
+        self.start[slots] += cut
+        self.length[slots] -= cut
+        self.first_step[slots] += cut
+        self.prev[slots] = -1
+
     def clear(self) -> None:
         """Take every region (`ExperienceStore.clear`): open episodes continue in new ones."""
         self.take(np.flatnonzero(self.held))
@@ -137,23 +171,3 @@ def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> in
     share = capacity // (generations * envs)
     free = min(capacity // max(wanting, 1), capacity // 4) if used == 0 else 0
     return int(min(MAX_REGION, max(MIN_REGION, share, free)))
-
-
-def span_plan(shard: Any, start: int, rows: int) -> tuple[int, np.ndarray]:
-    """(live pieces to evict, oldest first, open regions to take) for rows ``[start, start + rows)``
-    of ``shard`` (a `arrowbuf.shard.Shard`):
-    every piece with a row there and every piece sealed before it; every region there."""
-    table = shard.table
-    n = len(table)
-    evicted = 0
-    if n:
-        span = np.arange(start, start + rows, dtype=np.int64)
-        pos = shard.positions_of_rows(span)
-        live = pos < n
-        if live.any():
-            pos, span = pos[live], span[live]
-            first = table.col("first_row").take(pos)
-            mine = (first <= span) & (span < first + table.col("num_rows").take(pos))
-            if mine.any():
-                evicted = int(pos[mine].max()) + 1
-    return evicted, shard.regions.overlapping(start, start + rows)

@@ -302,6 +302,22 @@ class EpisodeTable:
         while self._longest and self._longest[0][0] < first_serial:
             self._longest.popleft()
 
+    def trim_oldest(self, count: int) -> None:
+        """Drop the first ``count`` transitions (fewer than its length) of the oldest live
+        piece: its rows, indices and first step move on by ``count`` (its return is its
+        episode's, as played); indices stay one contiguous range."""
+        cols, i = self._cols, self.head
+        length = int(cols["length"][i])
+        for name, (units, _) in self._counters.items():
+            if name != "index":   # a sampler's units (windows) in what is left of the piece
+                cols[f"first_{name}"][i] += units(length) - units(length - count)
+        for name in ("first_row", "first_step", "first_index"):
+            cols[name][i] += count
+        cols["num_rows"][i] -= count
+        cols["length"][i] -= count
+        self.pieces = True
+        self._lookup = None
+
     def clear(self) -> None:
         """Drop every episode; ids and indices keep counting, so old indices stay stale."""
         self.head = self.tail = 0

@@ -1,0 +1,400 @@
+"""Where a shard's new rows go, and which of its oldest steps make room: pure plans over
+the shard's state, applied by the `Shard` (the one owner of its ring and its table).
+
+A store's ``capacity`` counts *transitions*, the unit users size by (``num_envs x T``).
+The arena keeps more rows than that (`arena_rows`): an episode's final observation and
+an open region's repeated first row take a row without being a transition. Two rules
+place every write (an episode, or a writer's region):
+
+- **count**: a write of n transitions first evicts the oldest transitions past
+  ``capacity - n`` (`oldest_transitions`): whole pieces from the table's head, then the
+  front of the next one; a Ray shard, whose sealed blocks hold whole episodes, evicts
+  whole pieces only. The open tails of writers go last (their steps are the newest).
+- **rows**: the new rows go at the ring's head if those rows hold nothing live;
+  otherwise the ring *grows* (`Plan.ring`): the rows past it were never written, so
+  they cost no memory until then (numpy and torch-on-CPU columns are faulted in by
+  the first write). Only a ring that reached the arena's rows evicts by rows (every
+  piece it overlaps and all before, the old FIFO), which a write of non-zero-length
+  pieces never needs: ``2 x capacity`` rows hold ``capacity`` one-step episodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from arrowbuf.errors import CapacityError
+from arrowbuf.regions import MIN_REGION, OpenRegions, region_rows
+
+#: Rows beyond twice the capacity: regions that writers hold open (their unused rows)
+#: and holes between pieces; see `arena_rows`.
+HEADROOM = 0.5
+
+
+def arena_rows(capacity: int, lazy: bool = True) -> int:
+    """Rows of the arena of a shard of ``capacity`` transitions.
+
+    ``lazy`` (columns whose pages are faulted in by the first write: numpy, torch on the
+    CPU): ``2.5 x capacity`` + 64, of which a ring uses what its episodes need (one more
+    row per piece, at most one per transition). A CUDA arena is allocated at once: it
+    keeps an eighth more rows, and a ring of shorter pieces evicts early (`Plan`).
+    """
+    if lazy:
+        return 2 * capacity + int(HEADROOM * capacity) + 64
+    return capacity + capacity // 8 + 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A write's place and what it evicts first, in the order the shard applies them.
+
+    Attributes:
+        start: first row of the new rows.
+        pieces: oldest live pieces evicted whole.
+        trim: transitions then cut off the front of the oldest piece left.
+        open_trim: transitions cut off the writers' open tails (sealed ones were too few).
+        ring: the ring's rows after the write (more than before: it grew).
+        taken: open regions overlapped (a ring that cannot grow); their written steps go.
+        jumped: a detour: the rows went past the ring's old end (the ring grew) because the
+            rows at the head are still live; the head stays, for the next write to try again.
+    """
+
+    start: int
+    pieces: int
+    trim: int
+    open_trim: int
+    ring: int
+    taken: np.ndarray
+    jumped: bool = False
+
+    @property
+    def evicts(self) -> bool:
+        return bool(self.pieces or self.trim or self.open_trim or len(self.taken))
+
+
+NONE_TAKEN = np.zeros(0, np.int64)
+
+
+class Ring:
+    """Where a shard's rows go: its ring (head, length, order), the writers' open regions,
+    and the one eviction routine (`evict_oldest`). Only the ring writes these.
+
+    Args:
+        table: the shard's episode table (the ring evicts from it; the shard appends).
+        capacity: transitions held.
+        rows: rows of the arena (`arena_rows`); the ring starts at ``capacity`` rows (or
+            ``rows`` when fewer) and grows as its pieces need.
+        mode: "circular" evicts the oldest; "fixed" refuses with `CapacityError`.
+        locate: the shard's `positions_of_rows` (which piece holds an arena row).
+        whole_pieces: evict whole pieces only (a Ray shard's sealed blocks hold whole episodes).
+        write_pos: the row after the newest piece.
+    """
+
+    def __init__(self, table: Any, capacity: int, rows: int, mode: str, locate: Callable[[np.ndarray], np.ndarray],
+                 whole_pieces: bool = False, write_pos: int = 0) -> None:
+        self.table = table
+        self.capacity = capacity
+        self.rows = rows
+        self.mode = mode
+        self.positions_of_rows = locate
+        self.whole_pieces = whole_pieces
+        self.ring = min(capacity, rows)
+        self.write_pos = write_pos
+        # Whether the live pieces lie in the ring in table order, one arc from the oldest
+        # to the head (then a write is placed in O(evicted): `_plan_ordered`).
+        self.ordered = True
+        self.regions = OpenRegions()
+        self.listener: Any = None   # the sampler told of evicted rows (`listen`)
+
+    def __len__(self) -> int:
+        """Transitions held: sealed, and open tails'."""
+        return self.table.num_transitions
+
+    def listen(self, sampler: Any) -> None:
+        """Tell ``sampler`` (one that tracks rows, or None) of every row evicted from now on."""
+        self.listener = sampler
+
+    def plan(self, rows: int, transitions: int) -> Plan:
+        """Where ``rows`` new rows holding ``transitions`` go, and what they evict first
+        (`arrowbuf.placement`); nothing changes.
+
+        Raises:
+            CapacityError: a full ``mode="fixed"`` store (``capacity`` transitions held,
+                or rows it cannot place without evicting).
+        """
+        excess = len(self) + transitions - self.capacity
+        popped, trim, left = oldest_transitions(self.table.col("length"), excess, self.whole_pieces)
+        if excess > 0 and self.mode == "fixed":
+            raise CapacityError(
+                f"store is full: {len(self):,} transitions held of its capacity={self.capacity:,}, and "
+                f"mode='fixed' refuses to evict; the {transitions} transition(s) were not written. Sample or "
+                "clear() the store, raise the capacity, or use mode='circular'", retryable=True)
+        start, ring, pieces, taken, jumped = plan_rows(self, rows, popped, trim)
+        if pieces > popped and self.mode == "fixed":
+            raise CapacityError(
+                f"store is full: its {self.rows:,} rows hold {len(self):,} transitions in "
+                f"{len(self.table):,} pieces, and mode='fixed' refuses to evict; the {transitions} transition(s) "
+                "were not written", retryable=True)
+        return Plan(start, pieces, trim if pieces == popped else 0, left, ring, taken, jumped)
+
+    def apply(self, plan: Plan, rows: int) -> None:
+        """Evict what ``plan`` says, then take its ``rows`` rows: the head moves past them."""
+        if plan.pieces or plan.trim:
+            self.evict_oldest(plan.pieces, plan.trim)
+        if plan.open_trim:
+            self.regions.trim_oldest(plan.open_trim)
+        if len(plan.taken):
+            self.regions.take(plan.taken)
+        self.ring = plan.ring
+        if plan.jumped:   # a detour past the ring's end: the head waits for the oldest rows to go
+            self.ordered = False
+        else:
+            self.write_pos = plan.start + rows
+
+    def admit(self, transitions: int) -> None:
+        """Room for ``transitions`` more (a writer's step): the oldest past the capacity go.
+
+        Raises:
+            CapacityError: a full ``mode="fixed"`` store; nothing changed.
+        """
+        if len(self) + transitions > self.capacity:
+            plan = self.plan(0, transitions)
+            if plan.pieces or plan.trim:
+                self.evict_oldest(plan.pieces, plan.trim)
+            if plan.open_trim:
+                self.regions.trim_oldest(plan.open_trim)
+
+    def evict_oldest(self, pieces: int, trim: int = 0) -> None:
+        """The one eviction routine: drop the ``pieces`` oldest live pieces, then ``trim``
+        transitions off the front of the oldest left (its first step moves on); the
+        listening sampler is told of the rows freed."""
+        table = self.table
+        listener = self.listener
+        if listener is not None:
+            first, rows = table.col("first_row")[:pieces].copy(), table.col("num_rows")[:pieces].copy()
+            if trim:
+                first = np.append(first, table.col("first_row")[pieces])
+                rows = np.append(rows, trim)
+        table.pop_oldest(pieces)
+        if trim:
+            table.trim_oldest(trim)
+        if listener is not None:
+            listener.on_evict(first, rows)
+
+    def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first row, rows) of the ``count`` oldest episodes."""
+        return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
+
+    def reserve_regions(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None,
+                        transitions: int = 0) -> None:
+        """Regions of at least ``min_rows`` rows for writer ``slots`` (`arrowbuf.regions`),
+        reserved at the ring's head in blocks (one `plan` a block), for a step of ``transitions``.
+
+        A block may take the region of an env in ``active`` (the envs this call writes
+        a step for; only when the ring cannot grow): that env lost its written steps with
+        it, and its step is about to be written, so it gets a new region here too.
+
+        Raises:
+            CapacityError: the arena cannot hold every env's region at once.
+        """
+        if not len(slots):
+            return
+        regions, ring = self.regions, self.ring
+        used = int(self.table.col("num_rows").sum()) + int((regions.end - regions.start)[regions.held].sum())
+        size = max(region_rows(ring, used, max(len(slots), regions.count), regions.count), min_rows)
+        if min_rows > self.rows or MIN_REGION * len(slots) > self.rows:
+            raise CapacityError(f"a store of capacity {self.capacity:,} cannot hold the open episodes of "
+                                f"{len(slots)} envs ({min_rows - 1} steps); raise the capacity")
+        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
+        while len(pending):
+            head = self.write_pos if self.ring - self.write_pos >= min_rows else 0
+            # As many regions as the free rows at the head take (the rest go on, or past the
+            # ring's end while the oldest rows there are live).
+            count = min(len(pending), max(1, free_rows(self, head, len(pending) * size) // size))
+            each = size
+            plan = self.plan(count * each, transitions)
+            if np.isin(plan.taken, reserved).any():
+                raise CapacityError(f"a store of capacity {self.capacity:,} cannot hold the open episodes of "
+                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
+            self.apply(plan, count * each)
+            block, pending = pending[:count], pending[count:]
+            regions.hold(block, plan.start, each)
+            self.ordered = False
+            reserved = np.concatenate([reserved, block])
+            if active is not None and len(plan.taken):
+                pending = np.concatenate([pending, plan.taken[np.isin(plan.taken, active)]])
+
+
+    def clear(self) -> None:
+        """Nothing is held: the head goes back to row 0; the ring keeps the rows it grew
+        to (their pages are faulted in already)."""
+        self.regions.clear()
+        self.write_pos = 0
+        self.ordered = True
+
+    def state(self) -> dict[str, Any]:
+        return {"write_pos": self.write_pos, "ordered": self.ordered, "ring": self.ring}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore `state` (the table is loaded: the ring covers its pieces).
+
+        Raises:
+            ValueError: a write position or ring outside the arena.
+        """
+        ring = int(state.get("ring", self.ring))
+        if not 0 <= int(state["write_pos"]) <= max(ring, self.capacity) <= self.rows:
+            raise ValueError(f"shard state has write_pos {state['write_pos']} and ring {ring} outside "
+                             f"0 <= write_pos <= ring <= {self.rows} (the arena's rows)")
+        self.write_pos = int(state["write_pos"])
+        ends = self.table.col("first_row") + self.table.col("num_rows")
+        self.ring = max(ring, self.write_pos, int(ends.max(initial=0)))
+        self.ordered = bool(state.get("ordered", True))
+
+
+def oldest_transitions(lengths: np.ndarray, count: int, whole: bool) -> tuple[int, int, int]:
+    """(pieces evicted whole, transitions trimmed off the next piece, transitions left over)
+    to evict the ``count`` oldest transitions of pieces of ``lengths`` (oldest first).
+    ``whole``: a piece goes whole or not at all (the last one may take more than ``count``)."""
+    popped, n = 0, len(lengths)
+    while count > 0 and popped < n:
+        length = int(lengths[popped])
+        if length <= count or whole:
+            count -= length
+            popped += 1
+        else:
+            return popped, count, 0
+    return popped, 0, max(count, 0)
+
+
+def _busy(shard: Any, a: int, b: int, popped: int = 0, trim: int = 0) -> np.ndarray:
+    """Whether each of rows ``[a, b)`` holds something live: a piece once the ``popped``
+    oldest are gone and ``trim`` rows cut off the next, or an open region."""
+    span = np.arange(a, b, dtype=np.int64)
+    busy = np.zeros(b - a, bool)
+    table = shard.table
+    n = len(table)
+    if n > popped:
+        pos = shard.positions_of_rows(span)
+        live = (pos < n) & (pos >= popped)
+        p = pos[live]
+        first = table.col("first_row").take(p)
+        stop = first + table.col("num_rows").take(p)
+        first = np.where(p == popped, first + trim, first)
+        busy[live] = (first <= span[live]) & (span[live] < stop)
+    regions = shard.regions
+    for slot in regions.overlapping(a, b).tolist():
+        busy[max(int(regions.start[slot]), a) - a:int(regions.end[slot]) - a] = True
+    return busy
+
+
+def free_rows(shard: Any, a: int, limit: int, popped: int = 0, trim: int = 0) -> int:
+    """How many rows from row ``a`` on (at most ``limit``, within the ring) hold nothing live."""
+    b = min(a + limit, shard.ring)
+    if b <= a:
+        return 0
+    hit = np.flatnonzero(_busy(shard, a, b, popped, trim))
+    return int(hit[0]) if len(hit) else b - a
+
+
+def live_blockers(shard: Any, a: int, b: int, popped: int, trim: int) -> int:
+    """1 + the highest live position (at or past ``popped``) of a piece with a row in
+    ``[a, b)`` once the ``popped`` oldest are gone and ``trim`` rows cut off the next; 0: none."""
+    table = shard.table
+    n = len(table)
+    if popped >= n or b <= a:
+        return 0
+    span = np.arange(a, b, dtype=np.int64)
+    pos = shard.positions_of_rows(span)
+    live = (pos < n) & (pos >= popped)
+    if not live.any():
+        return 0
+    pos, span = pos[live], span[live]
+    first = table.col("first_row").take(pos)
+    first = np.where(pos == popped, first + trim, first)
+    mine = (first <= span) & (span < table.col("first_row").take(pos) + table.col("num_rows").take(pos))
+    return int(pos[mine].max()) + 1 if mine.any() else 0
+
+
+def plan_rows(shard: Any, rows: int, popped: int, trim: int) -> tuple[int, int, int, np.ndarray, bool]:
+    """(start, ring, pieces evicted, regions taken, jumped) for ``rows`` new rows of ``shard``
+    once its ``popped`` oldest pieces are gone and ``trim`` rows cut off the next."""
+    ring, head = shard.ring, shard.write_pos
+    regions = shard.regions
+    if shard.ordered and not regions.count:
+        return _plan_ordered(shard, rows, popped, trim)
+    start = head if head + rows <= ring else 0
+    blocked = live_blockers(shard, start, start + rows, popped, trim)
+    taken = regions.overlapping(start, start + rows)
+    if not blocked and not len(taken):
+        return start, ring, popped, NONE_TAKEN, False
+    if head + rows > ring and head + rows <= shard.rows and not live_blockers(shard, head, ring, popped, trim) \
+            and not len(regions.overlapping(head, ring)):
+        return head, head + rows, popped, NONE_TAKEN, False   # grow in place: nothing lives past the head
+    if ring + rows <= shard.rows:
+        return ring, ring + rows, popped, NONE_TAKEN, True    # past the ring's end: rows never written
+    return start, ring, max(popped, blocked), taken, False     # the arena is full: the old FIFO
+
+
+def _plan_ordered(shard: Any, rows: int, popped: int, trim: int) -> tuple[int, int, int, np.ndarray, bool]:
+    """`plan_rows` while the live pieces lie in the ring in table order (one arc from the
+    oldest to the head) and no writer holds a region: O(1) but for the pieces evicted."""
+    ring, head, table = shard.ring, shard.write_pos, shard.table
+    n = len(table)
+    if popped >= n:   # nothing stays
+        if head + rows <= ring:
+            return head, ring, popped, NONE_TAKEN, False
+        return (0, ring, popped, NONE_TAKEN, False) if rows <= ring else (0, rows, popped, NONE_TAKEN, False)
+    first = table.col("first_row")
+    oldest = int(first[popped]) + trim
+    if oldest < head:   # the live arc does not wrap: free rows after the head and before the oldest
+        if head + rows <= ring:
+            return head, ring, popped, NONE_TAKEN, False
+        if rows <= oldest:
+            return 0, ring, popped, NONE_TAKEN, False
+        if head + rows <= shard.rows:
+            return head, head + rows, popped, NONE_TAKEN, False
+    elif head + rows <= oldest:   # it wraps: free rows between the head and the oldest
+        return head, ring, popped, NONE_TAKEN, False
+    if ring + rows <= shard.rows:
+        return ring, ring + rows, popped, NONE_TAKEN, True
+    # The arena is full: evict by rows (the old FIFO over the arc).
+    start, evicted = plan_write(_trimmed(first, popped, trim), head, ring, rows)
+    return start, ring, popped + evicted, NONE_TAKEN, False
+
+
+def _trimmed(first: np.ndarray, popped: int, trim: int) -> np.ndarray:
+    """First rows of the pieces left once ``popped`` are gone and ``trim`` rows cut off the next."""
+    left = first[popped:].copy()
+    left[:1] += trim
+    return left
+
+
+def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int) -> tuple[int, int]:
+    """Where the next episode of ``rows`` rows goes in a ring of ``capacity`` rows whose live
+    episodes lie in table order, and how many oldest episodes it evicts (by rows).
+
+    Args:
+        first_rows: first arena row of each live episode, oldest first.
+        write_pos: the row after the newest episode.
+        capacity: rows in the ring.
+        rows: rows of the new episode (at most ``capacity``).
+
+    Returns:
+        (start, evicted): the new episode occupies ``[start, start + rows)``; the
+        ``evicted`` oldest episodes must go first.
+    """
+    n = len(first_rows)
+    evicted = 0
+    if write_pos + rows <= capacity:
+        start = write_pos
+    else:
+        # Skip to row 0. Episodes still in the tail are from the previous lap, hence
+        # the oldest ones: FIFO order evicts them before anything at the front.
+        start = 0
+        while evicted < n and first_rows[evicted] >= write_pos:
+            evicted += 1
+    while evicted < n and start <= first_rows[evicted] < start + rows:
+        evicted += 1
+    return start, evicted
