@@ -104,10 +104,11 @@ class InPlace:
             full = slots[regions.held[slots] & (regions.start[slots] + regions.length[slots] + 1
                                                 >= regions.end[slots])]
             boundary = full[regions.length[full] > 0]
+            used_to = regions.start[full] + np.where(regions.length[full] > 0, regions.length[full] + 1, 0)
             if len(boundary):
                 self._seal(boundary, None, None, continues=True)
-            regions.held[full] = False
-            shard.placement.reserve_regions(slots[~regions.held[slots]], active=slots, transitions=len(slots))
+            shard.placement.drop_regions(full, used_to)
+            shard.placement.reserve_regions(slots[~regions.held[slots]], transitions=len(slots))
             cur = regions.start[slots] + regions.length[slots]
             fresh = regions.length[slots] == 0
             for name, (array, _) in obs_cols.items():
@@ -212,6 +213,7 @@ class InPlace:
                     raise ValueError(f"writer state has pieces continued {prev!r}; expected {self.num_envs} serials "
                                      f"of pieces added to this store (< {shard.table.episodes_added}) or -1")
                 regions.prev[slots] = np.where(held, prev, -1)
+                shard.placement.adopt_regions()
             for i in np.flatnonzero(pos).tolist():
                 n = int(pos[i])
                 slot = np.array([self.base + i])
@@ -264,7 +266,7 @@ class InPlace:
 
 def _release(shard: Any, base: int, n: int, lock: Any) -> None:
     with lock:
-        shard.regions.release(base, n)
+        shard.placement.release(base, n)
         shard.publish_open()
 
 

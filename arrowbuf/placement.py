@@ -77,6 +77,53 @@ class Plan:
 NONE_TAKEN = np.zeros(0, np.int64)
 
 
+class FreeRows:
+    """The free runs of a ring's rows, as ``[start, stop)`` spans in the order they were
+    freed (the oldest rows first), merged with their neighbours when they touch."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, int] = {}   # start -> stop
+        self.ends: dict[int, int] = {}    # stop -> start
+
+    def reset(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        self.spans, self.ends = {}, {}
+        for a, b in zip(starts.tolist(), stops.tolist()):
+            self.free(a, b)
+
+    def free(self, a: int, b: int) -> None:
+        """Rows ``[a, b)`` hold nothing any more."""
+        if b <= a:
+            return
+        stop = self.spans.pop(b, None)
+        if stop is not None:
+            del self.ends[stop]
+            b = stop
+        start = self.ends.pop(a, None)
+        if start is not None:
+            del self.spans[start]
+            a = start
+        self.spans[a] = b
+        self.ends[b] = a
+
+    def find(self, rows: int) -> int | None:
+        """The first row of the first span (oldest freed first) of at least ``rows`` rows."""
+        for a, b in self.spans.items():
+            if b - a >= rows:
+                return a
+        return None
+
+    def largest(self) -> int:
+        return max((b - a for a, b in self.spans.items()), default=0)
+
+    def take(self, a: int, rows: int) -> None:
+        """Rows ``[a, a + rows)`` of the span starting at ``a`` are used."""
+        b = self.spans.pop(a)
+        del self.ends[b]
+        if b > a + rows:
+            self.spans[a + rows] = b
+            self.ends[b] = a + rows
+
+
 class Ring:
     """Where a shard's rows go: its ring (head, length, order), the writers' open regions,
     and the one eviction routine (`evict_oldest`). Only the ring writes these.
@@ -105,6 +152,9 @@ class Ring:
         # Whether the live pieces lie in the ring in table order, one arc from the oldest
         # to the head (then a write is placed in O(evicted): `_plan_ordered`).
         self.ordered = True
+        # Once not `ordered` (writers' regions, or a detour past the ring's end), rows are
+        # taken from the free runs that evictions leave, wherever they lie in the ring.
+        self.free = FreeRows()
         self.regions = OpenRegions()
         self.listener: Any = None   # the sampler told of evicted rows (`listen`)
 
@@ -131,6 +181,8 @@ class Ring:
                 f"store is full: {len(self):,} transitions held of its capacity={self.capacity:,}, and "
                 f"mode='fixed' refuses to evict; the {transitions} transition(s) were not written. Sample or "
                 "clear() the store, raise the capacity, or use mode='circular'", retryable=True)
+        if not self.ordered:   # rows from the free runs once the count's evictions freed theirs (`apply`)
+            return Plan(-1, popped, trim, left, self.ring, NONE_TAKEN)
         start, ring, pieces, taken, jumped = plan_rows(self, rows, popped, trim)
         if pieces > popped and self.mode == "fixed":
             raise CapacityError(
@@ -139,19 +191,92 @@ class Ring:
                 "were not written", retryable=True)
         return Plan(start, pieces, trim if pieces == popped else 0, left, ring, taken, jumped)
 
-    def apply(self, plan: Plan, rows: int) -> None:
-        """Evict what ``plan`` says, then take its ``rows`` rows: the head moves past them."""
-        if plan.pieces or plan.trim:
-            self.evict_oldest(plan.pieces, plan.trim)
-        if plan.open_trim:
-            self.regions.trim_oldest(plan.open_trim)
+    def apply(self, plan: Plan, rows: int) -> int:
+        """Evict what ``plan`` says, then take ``rows`` rows; their first row.
+
+        Raises:
+            CapacityError: a ``mode="fixed"`` store with no free run of ``rows`` rows left,
+                or open regions that leave none (nothing is placed).
+        """
+        self._evict(plan.pieces, plan.trim, plan.open_trim)
         if len(plan.taken):
             self.regions.take(plan.taken)
-        self.ring = plan.ring
-        if plan.jumped:   # a detour past the ring's end: the head waits for the oldest rows to go
-            self.ordered = False
-        else:
+        if self.ordered:
+            self.ring = plan.ring
             self.write_pos = plan.start + rows
+            if plan.jumped:   # a detour past the ring's end: from now on, the free runs
+                self._unorder()
+                self.free.take(plan.start, rows)
+            return plan.start
+        start = self.free.find(rows)
+        if start is None and self.ring < self.rows:   # grow: rows past the ring were never written
+            grown = min(self.rows, max(self.ring + rows, self.ring + self.ring // 64))
+            self.free.free(self.ring, grown)
+            self.ring = grown
+            start = self.free.find(rows)
+        while start is None and len(self.table) and self.mode == "circular":
+            self._evict(1, 0, 0)   # the arena is full: the oldest go early, until rows are free
+            start = self.free.find(rows)
+        if start is None:
+            raise CapacityError(f"a store of capacity {self.capacity:,} ({self.rows:,} rows) has no {rows} free "
+                                f"rows left beside its open regions and {len(self)} transitions; raise the capacity",
+                                retryable=self.mode == "fixed")
+        self.free.take(start, rows)
+        self.write_pos = start + rows
+        return start
+
+    def _evict(self, pieces: int, trim: int, open_trim: int) -> None:
+        if pieces or trim:
+            self.evict_oldest(pieces, trim)
+        if open_trim:
+            for a, b in zip(*self.regions.trim_oldest(open_trim)):
+                if not self.ordered:
+                    self.free.free(int(a), int(b))
+
+    def _unorder(self) -> None:
+        """Take rows from the free runs from now on: the runs between the live pieces and
+        the writers' regions."""
+        self.ordered = False
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute the free runs from the live pieces and the writers' held regions (a
+        restored writer's regions, a loaded state)."""
+        table, regions = self.table, self.regions
+        held = np.flatnonzero(regions.held)
+        starts = np.concatenate([table.col("first_row"), regions.start[held]])
+        stops = np.concatenate([table.col("first_row") + table.col("num_rows"), regions.end[held]])
+        order = np.argsort(starts, kind="stable")
+        starts, stops = starts[order], stops[order]
+        reach = np.maximum.accumulate(stops) if len(stops) else stops
+        gaps_a = np.concatenate([[0], reach]).astype(np.int64)
+        gaps_b = np.concatenate([starts, [self.ring]]).astype(np.int64)
+        keep = gaps_b > gaps_a
+        self.free.reset(gaps_a[keep], gaps_b[keep])
+
+    def drop_regions(self, slots: np.ndarray, used_to: np.ndarray) -> None:
+        """The regions of ``slots`` are full: their rows from ``used_to`` on are free."""
+        regions = self.regions
+        if not self.ordered:
+            for a, b in zip(used_to.tolist(), regions.end[slots].tolist()):
+                self.free.free(a, b)
+        regions.held[slots] = False
+
+    def adopt_regions(self) -> None:
+        """Regions were restored where a saved writer held them: free runs exclude them."""
+        if self.ordered:
+            self._unorder()
+        else:
+            self.rebuild()
+
+    def release(self, base: int, n: int) -> None:
+        """The writer of region slots ``[base, base + n)`` is gone: their rows are free."""
+        regions = self.regions
+        held = base + np.flatnonzero(regions.held[base:base + n])
+        if not self.ordered:
+            for a, b in zip(regions.start[held].tolist(), regions.end[held].tolist()):
+                self.free.free(a, b)
+        regions.release(base, n)
 
     def admit(self, transitions: int) -> None:
         """Room for ``transitions`` more (a writer's step): the oldest past the capacity go.
@@ -161,40 +286,33 @@ class Ring:
         """
         if len(self) + transitions > self.capacity:
             plan = self.plan(0, transitions)
-            if plan.pieces or plan.trim:
-                self.evict_oldest(plan.pieces, plan.trim)
-            if plan.open_trim:
-                self.regions.trim_oldest(plan.open_trim)
+            self._evict(plan.pieces, plan.trim, plan.open_trim)
 
     def evict_oldest(self, pieces: int, trim: int = 0) -> None:
         """The one eviction routine: drop the ``pieces`` oldest live pieces, then ``trim``
         transitions off the front of the oldest left (its first step moves on); the
         listening sampler is told of the rows freed."""
         table = self.table
-        listener = self.listener
-        if listener is not None:
-            first, rows = table.col("first_row")[:pieces].copy(), table.col("num_rows")[:pieces].copy()
-            if trim:
-                first = np.append(first, table.col("first_row")[pieces])
-                rows = np.append(rows, trim)
+        first, rows = table.col("first_row")[:pieces].copy(), table.col("num_rows")[:pieces].copy()
+        if trim:
+            first = np.append(first, table.col("first_row")[pieces])
+            rows = np.append(rows, trim)
         table.pop_oldest(pieces)
         if trim:
             table.trim_oldest(trim)
-        if listener is not None:
-            listener.on_evict(first, rows)
+        if not self.ordered:
+            for a, n in zip(first.tolist(), rows.tolist()):
+                self.free.free(a, a + n)
+        if self.listener is not None:
+            self.listener.on_evict(first, rows)
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(first row, rows) of the ``count`` oldest episodes."""
         return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
 
-    def reserve_regions(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None,
-                        transitions: int = 0) -> None:
+    def reserve_regions(self, slots: np.ndarray, min_rows: int = MIN_REGION, transitions: int = 0) -> None:
         """Regions of at least ``min_rows`` rows for writer ``slots`` (`arrowbuf.regions`),
         reserved at the ring's head in blocks (one `plan` a block), for a step of ``transitions``.
-
-        A block may take the region of an env in ``active`` (the envs this call writes
-        a step for; only when the ring cannot grow): that env lost its written steps with
-        it, and its step is about to be written, so it gets a new region here too.
 
         Raises:
             CapacityError: the arena cannot hold every env's region at once.
@@ -207,25 +325,15 @@ class Ring:
         if min_rows > self.rows or MIN_REGION * len(slots) > self.rows:
             raise CapacityError(f"a store of capacity {self.capacity:,} cannot hold the open episodes of "
                                 f"{len(slots)} envs ({min_rows - 1} steps); raise the capacity")
-        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
+        if self.ordered:
+            self._unorder()
+        pending = np.asarray(slots, np.int64)
         while len(pending):
-            head = self.write_pos if self.ring - self.write_pos >= min_rows else 0
-            # As many regions as the free rows at the head take (the rest go on, or past the
-            # ring's end while the oldest rows there are live).
-            count = min(len(pending), max(1, free_rows(self, head, len(pending) * size) // size))
-            each = size
-            plan = self.plan(count * each, transitions)
-            if np.isin(plan.taken, reserved).any():
-                raise CapacityError(f"a store of capacity {self.capacity:,} cannot hold the open episodes of "
-                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
-            self.apply(plan, count * each)
+            # As many regions as the largest free run takes (at least one: `apply` grows the ring).
+            count = min(len(pending), max(1, self.free.largest() // size))
+            start = self.apply(self.plan(count * size, transitions), count * size)
             block, pending = pending[:count], pending[count:]
-            regions.hold(block, plan.start, each)
-            self.ordered = False
-            reserved = np.concatenate([reserved, block])
-            if active is not None and len(plan.taken):
-                pending = np.concatenate([pending, plan.taken[np.isin(plan.taken, active)]])
-
+            regions.hold(block, start, size)
 
     def clear(self) -> None:
         """Nothing is held: the head goes back to row 0; the ring keeps the rows it grew
@@ -233,6 +341,7 @@ class Ring:
         self.regions.clear()
         self.write_pos = 0
         self.ordered = True
+        self.free.reset(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def state(self) -> dict[str, Any]:
         return {"write_pos": self.write_pos, "ordered": self.ordered, "ring": self.ring}
@@ -251,6 +360,8 @@ class Ring:
         ends = self.table.col("first_row") + self.table.col("num_rows")
         self.ring = max(ring, self.write_pos, int(ends.max(initial=0)))
         self.ordered = bool(state.get("ordered", True))
+        if not self.ordered:
+            self.rebuild()
 
 
 def oldest_transitions(lengths: np.ndarray, count: int, whole: bool) -> tuple[int, int, int]:

@@ -111,9 +111,10 @@ class OpenRegions:
         self.end[slots] = self.start[slots] + each
         self.held[slots] = True
 
-    def trim_oldest(self, count: int) -> None:
+    def trim_oldest(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Cut ``count`` transitions off the fronts of the open tails, the longest first (their
-        fronts are the oldest steps): each cut tail continues after a gap."""
+        fronts are the oldest steps): each cut tail continues after a gap. Returns the rows
+        freed, as (starts, stops)."""
         slots = np.flatnonzero(self.held & (self.length > 0))
         lengths = self.length[slots]
         order = np.argsort(-lengths, kind="stable")
@@ -133,10 +134,12 @@ class OpenRegions:
             cut[order[at_top]] += step
             left -= take
         slots, cut = slots[cut > 0], cut[cut > 0]
+        freed = self.start[slots].copy()
         self.start[slots] += cut
         self.length[slots] -= cut
         self.first_step[slots] += cut
         self.prev[slots] = -1
+        return freed, self.start[slots].copy()
 
     def clear(self) -> None:
         """Take every region (`ExperienceStore.clear`): open episodes continue in new ones."""
