@@ -203,7 +203,7 @@ class ShardEngine:
             sampler = self.sampler
             episode_id = shard.add(episode, plan, rows)
             if sampler.tracks_rows:
-                sampler.on_add(plan.start, transitions)
+                sampler.on_add(int(shard.table.col("first_row")[-1]), transitions)
             self.counts.inserts += transitions
             if self._limited:
                 self._changed.notify_all()

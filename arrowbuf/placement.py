@@ -135,17 +135,20 @@ class Ring:
             ``rows`` when fewer) and grows as its pieces need.
         mode: "circular" evicts the oldest; "fixed" refuses with `CapacityError`.
         locate: the shard's `positions_of_rows` (which piece holds an arena row).
+        rewards: the sum of the rewards in arena rows ``[a, b)`` (a trimmed piece's return drops them).
         whole_pieces: evict whole pieces only (a Ray shard's sealed blocks hold whole episodes).
         write_pos: the row after the newest piece.
     """
 
     def __init__(self, table: Any, capacity: int, rows: int, mode: str, locate: Callable[[np.ndarray], np.ndarray],
-                 whole_pieces: bool = False, write_pos: int = 0) -> None:
+                 rewards: Callable[[int, int], float] | None = None, whole_pieces: bool = False,
+                 write_pos: int = 0) -> None:
         self.table = table
         self.capacity = capacity
         self.rows = rows
         self.mode = mode
         self.positions_of_rows = locate
+        self.rewards = rewards
         self.whole_pieces = whole_pieces
         self.ring = min(capacity, rows)
         self.write_pos = write_pos
@@ -284,6 +287,10 @@ class Ring:
         Raises:
             CapacityError: a full ``mode="fixed"`` store; nothing changed.
         """
+        if transitions > self.capacity:
+            raise CapacityError(f"a step of {transitions} envs is {transitions} transitions, more than the store's "
+                                f"capacity={self.capacity:,}; raise the capacity (it counts transitions) or use "
+                                "fewer envs per writer")
         if len(self) + transitions > self.capacity:
             plan = self.plan(0, transitions)
             self._evict(plan.pieces, plan.trim, plan.open_trim)
@@ -299,7 +306,8 @@ class Ring:
             rows = np.append(rows, trim)
         table.pop_oldest(pieces)
         if trim:
-            table.trim_oldest(trim)
+            a = int(first[-1])
+            table.trim_oldest(trim, self.rewards(a, a + trim) if self.rewards is not None else 0.0)
         if not self.ordered:
             for a, n in zip(first.tolist(), rows.tolist()):
                 self.free.free(a, a + n)

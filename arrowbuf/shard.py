@@ -139,7 +139,8 @@ class Shard:
         self.rows = arena_rows(capacity, self.lazy_rows)
         self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
-        self.placement = Ring(self.table, capacity, self.rows, mode, self.positions_of_rows, whole_pieces)
+        self.placement = Ring(self.table, capacity, self.rows, mode, self.positions_of_rows, self.reward_sum,
+                              whole_pieces)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # User fields only: the system columns (episode_id, step, is_first, is_last)
         # follow from the episode table, and storing them would cost 14 bytes a row.
@@ -350,8 +351,7 @@ class Shard:
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
         ret = total_reward(columns["reward"]) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
-        self.placement.apply(plan, episode.num_rows)
-        start = plan.start
+        start = self.placement.apply(plan, episode.num_rows)
         if rows:
             self.write_episode(start, episode)
         stop = start + episode.num_rows
@@ -364,6 +364,10 @@ class Shard:
         if self.regions.count:
             self.publish_open()
         return episode_id
+
+    def reward_sum(self, start: int, stop: int) -> float:
+        """The sum of the rewards in rows ``[start, stop)`` (NaN without a reward field)."""
+        return total_reward(self.arena["reward"][start:stop]) if "reward" in self.arena else float("nan")
 
     def own_rows(self, start: int, stop: int) -> None:
         """Rows ``[start, stop)`` belong to the episode (piece) the table appends next:
@@ -429,8 +433,9 @@ class Shard:
         if self._row_episode is not None:   # rebuild the row -> episode map for the loaded table
             self._row_episode = None
             self.index_rows()
-        if state.get("reuse") is not None:
-            self.reuse = np.array(state["reuse"], np.uint32)
+        if state.get("reuse") is not None:   # (a state of a version whose arena had `capacity` rows: fewer)
+            self.reuse = np.zeros(self.rows, np.uint32)
+            self.reuse[:len(state["reuse"])] = state["reuse"]
 
     # -- reuse ------------------------------------------------------------------------
 

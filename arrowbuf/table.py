@@ -302,11 +302,12 @@ class EpisodeTable:
         while self._longest and self._longest[0][0] < first_serial:
             self._longest.popleft()
 
-    def trim_oldest(self, count: int) -> None:
+    def trim_oldest(self, count: int, dropped_return: float = 0.0) -> None:
         """Drop the first ``count`` transitions (fewer than its length) of the oldest live
-        piece: its rows, indices and first step move on by ``count`` (its return is its
-        episode's, as played); indices stay one contiguous range."""
+        piece, whose rewards summed to ``dropped_return``: its rows, indices and first step
+        move on by ``count``; indices stay one contiguous range."""
         cols, i = self._cols, self.head
+        cols["return"][i] -= dropped_return
         length = int(cols["length"][i])
         for name, (units, _) in self._counters.items():
             if name != "index":   # a sampler's units (windows) in what is left of the piece
