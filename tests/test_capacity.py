@@ -148,3 +148,27 @@ def test_fixed_mode_refuses_at_capacity_transitions_and_leaves_the_store_unchang
     store.clear()
     store.add_episode(episode(10))
     assert len(store) == 10
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_a_ray_store_of_num_envs_x_t_holds_every_transition_of_each_rollout(ray_session, num_shards):
+    num_envs, steps = 4, 150
+    store = ab.ExperienceStore(capacity=num_envs * steps, backend="ray", num_shards=num_shards, seed=0)
+    rng = np.random.default_rng(5)
+    try:
+        for k in range(3):   # a new writer per rollout, no clear(): each rollout replaces the one before
+            writer = store.writer(num_envs, autoreset_mode="disabled")
+            assert rollout(writer, num_envs, steps, 0.03, rng, tag=k) == num_envs * steps
+            writer.flush()
+            writer.close()
+            store.flush()
+            assert len(store) == num_envs * steps
+            assert (store.sample(256)["obs"][:, 0] == k).all(), "only the last rollout is held, all of it"
+        store.clear()
+        writer = store.writer(num_envs, autoreset_mode="disabled")
+        assert rollout(writer, num_envs, steps, 0.03, rng, tag=9) == num_envs * steps
+        writer.flush()
+        store.flush()
+        assert len(store) == num_envs * steps
+    finally:
+        store.close()

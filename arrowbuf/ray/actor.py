@@ -78,9 +78,12 @@ class ShardServer:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
 
-                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards).engine
+                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
+                                   whole_pieces=True).engine
+            # Whole pieces: a sealed block holds whole episodes (`arrowbuf.ray.blocks`), so a
+            # piece is evicted whole, never its front.
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
-                               track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+                               track_reuse=track_reuse, shard=shard, num_shards=num_shards, whole_pieces=True)
 
         if durable is not None:   # created private (`arrowbuf._dirlock`); one the user made is left as it is
             private_directory(Path(durable).parent, tighten=False)
