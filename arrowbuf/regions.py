@@ -159,15 +159,12 @@ def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> in
       its rows, at most a quarter of the ring: a rollout of T steps by N envs then fits
       in N x (T + 1) rows, one piece an episode (the on-policy case: fill, sample, clear);
     - else a generation (one region per writer env) of 1/k of the ring, with
-      k = sqrt(2 x capacity / envs) in [4, 64]. Regions reserved together fill
-      together, so pieces seal in ring order give or take a generation, and the head's
-      FIFO eviction (which takes every piece sealed before those it overwrites) runs
-      about two generations ahead of the written rows; each region also repeats one
-      observation row. k balances the two losses, 2/k and k x envs / capacity: a ring
-      streamed past its capacity keeps ~90% of its rows sampleable for 8 envs in 6,000
-      rows, ~75% for 64 envs in 6,000 (tests/test_ring_occupancy.py). (An even share of
-      the free rows after each eviction made generations as large as the ring: 8
-      envs streaming kept 38-78% of it.)
+      k = sqrt(2 x capacity / envs) in [4, 64]. Regions reserved together fill together,
+      so pieces seal in ring order give or take a generation, and the rows they free
+      merge into runs a region fits in (`arrowbuf.placement.FreeRows`); each region also
+      repeats one observation row. k balances the two costs, 2/k and k x envs / capacity
+      (ring rows beyond the capacity: 1.05-1.15 x for 1-64 envs streaming,
+      tests/test_capacity.py).
     """
     envs = max(writers_envs, 1)
     generations = min(64, max(4, round(math.sqrt(2 * capacity / envs))))
