@@ -56,7 +56,6 @@ class Plan:
         trim: transitions then cut off the front of the oldest piece left.
         open_trim: transitions cut off the writers' open tails (sealed ones were too few).
         ring: the ring's rows after the write (more than before: it grew).
-        taken: open regions overlapped (a ring that cannot grow); their written steps go.
         jumped: a detour: the rows went past the ring's old end (the ring grew) because the
             rows at the head are still live; the head stays, for the next write to try again.
     """
@@ -66,15 +65,7 @@ class Plan:
     trim: int
     open_trim: int
     ring: int
-    taken: np.ndarray
     jumped: bool = False
-
-    @property
-    def evicts(self) -> bool:
-        return bool(self.pieces or self.trim or self.open_trim or len(self.taken))
-
-
-NONE_TAKEN = np.zeros(0, np.int64)
 
 
 class FreeRows:
@@ -153,7 +144,7 @@ class Ring:
         self.ring = min(capacity, rows)
         self.write_pos = write_pos
         # Whether the live pieces lie in the ring in table order, one arc from the oldest
-        # to the head (then a write is placed in O(evicted): `_plan_ordered`).
+        # to the head (then a write is placed in O(evicted): `plan_rows`).
         self.ordered = True
         # Once not `ordered` (writers' regions, or a detour past the ring's end), rows are
         # taken from the free runs that evictions leave, wherever they lie in the ring.
@@ -185,14 +176,14 @@ class Ring:
                 f"mode='fixed' refuses to evict; the {transitions} transition(s) were not written. Sample or "
                 "clear() the store, raise the capacity, or use mode='circular'", retryable=True)
         if not self.ordered:   # rows from the free runs once the count's evictions freed theirs (`apply`)
-            return Plan(-1, popped, trim, left, self.ring, NONE_TAKEN)
-        start, ring, pieces, taken, jumped = plan_rows(self, rows, popped, trim)
+            return Plan(-1, popped, trim, left, self.ring)
+        start, ring, pieces, jumped = plan_rows(self, rows, popped, trim)
         if pieces > popped and self.mode == "fixed":
             raise CapacityError(
                 f"store is full: its {self.rows:,} rows hold {len(self):,} transitions in "
                 f"{len(self.table):,} pieces, and mode='fixed' refuses to evict; the {transitions} transition(s) "
                 "were not written", retryable=True)
-        return Plan(start, pieces, trim if pieces == popped else 0, left, ring, taken, jumped)
+        return Plan(start, pieces, trim if pieces == popped else 0, left, ring, jumped)
 
     def apply(self, plan: Plan, rows: int) -> int:
         """Evict what ``plan`` says, then take ``rows`` rows; their first row.
@@ -202,8 +193,6 @@ class Ring:
                 or open regions that leave none (nothing is placed).
         """
         self._evict(plan.pieces, plan.trim, plan.open_trim)
-        if len(plan.taken):
-            self.regions.take(plan.taken)
         if self.ordered:
             self.ring = plan.ring
             self.write_pos = plan.start + rows
@@ -314,10 +303,6 @@ class Ring:
         if self.listener is not None:
             self.listener.on_evict(first, rows)
 
-    def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first row, rows) of the ``count`` oldest episodes."""
-        return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
-
     def reserve_regions(self, slots: np.ndarray, min_rows: int = MIN_REGION, transitions: int = 0) -> None:
         """Regions of at least ``min_rows`` rows for writer ``slots`` (`arrowbuf.regions`),
         reserved at the ring's head in blocks (one `plan` a block), for a step of ``transitions``.
@@ -387,100 +372,33 @@ def oldest_transitions(lengths: np.ndarray, count: int, whole: bool) -> tuple[in
     return popped, 0, max(count, 0)
 
 
-def _busy(shard: Any, a: int, b: int, popped: int = 0, trim: int = 0) -> np.ndarray:
-    """Whether each of rows ``[a, b)`` holds something live: a piece once the ``popped``
-    oldest are gone and ``trim`` rows cut off the next, or an open region."""
-    span = np.arange(a, b, dtype=np.int64)
-    busy = np.zeros(b - a, bool)
-    table = shard.table
-    n = len(table)
-    if n > popped:
-        pos = shard.positions_of_rows(span)
-        live = (pos < n) & (pos >= popped)
-        p = pos[live]
-        first = table.col("first_row").take(p)
-        stop = first + table.col("num_rows").take(p)
-        first = np.where(p == popped, first + trim, first)
-        busy[live] = (first <= span[live]) & (span[live] < stop)
-    regions = shard.regions
-    for slot in regions.overlapping(a, b).tolist():
-        busy[max(int(regions.start[slot]), a) - a:int(regions.end[slot]) - a] = True
-    return busy
-
-
-def free_rows(shard: Any, a: int, limit: int, popped: int = 0, trim: int = 0) -> int:
-    """How many rows from row ``a`` on (at most ``limit``, within the ring) hold nothing live."""
-    b = min(a + limit, shard.ring)
-    if b <= a:
-        return 0
-    hit = np.flatnonzero(_busy(shard, a, b, popped, trim))
-    return int(hit[0]) if len(hit) else b - a
-
-
-def live_blockers(shard: Any, a: int, b: int, popped: int, trim: int) -> int:
-    """1 + the highest live position (at or past ``popped``) of a piece with a row in
-    ``[a, b)`` once the ``popped`` oldest are gone and ``trim`` rows cut off the next; 0: none."""
-    table = shard.table
-    n = len(table)
-    if popped >= n or b <= a:
-        return 0
-    span = np.arange(a, b, dtype=np.int64)
-    pos = shard.positions_of_rows(span)
-    live = (pos < n) & (pos >= popped)
-    if not live.any():
-        return 0
-    pos, span = pos[live], span[live]
-    first = table.col("first_row").take(pos)
-    first = np.where(pos == popped, first + trim, first)
-    mine = (first <= span) & (span < table.col("first_row").take(pos) + table.col("num_rows").take(pos))
-    return int(pos[mine].max()) + 1 if mine.any() else 0
-
-
-def plan_rows(shard: Any, rows: int, popped: int, trim: int) -> tuple[int, int, int, np.ndarray, bool]:
-    """(start, ring, pieces evicted, regions taken, jumped) for ``rows`` new rows of ``shard``
-    once its ``popped`` oldest pieces are gone and ``trim`` rows cut off the next."""
-    ring, head = shard.ring, shard.write_pos
-    regions = shard.regions
-    if shard.ordered and not regions.count:
-        return _plan_ordered(shard, rows, popped, trim)
-    start = head if head + rows <= ring else 0
-    blocked = live_blockers(shard, start, start + rows, popped, trim)
-    taken = regions.overlapping(start, start + rows)
-    if not blocked and not len(taken):
-        return start, ring, popped, NONE_TAKEN, False
-    if head + rows > ring and head + rows <= shard.rows and not live_blockers(shard, head, ring, popped, trim) \
-            and not len(regions.overlapping(head, ring)):
-        return head, head + rows, popped, NONE_TAKEN, False   # grow in place: nothing lives past the head
-    if ring + rows <= shard.rows:
-        return ring, ring + rows, popped, NONE_TAKEN, True    # past the ring's end: rows never written
-    return start, ring, max(popped, blocked), taken, False     # the arena is full: the old FIFO
-
-
-def _plan_ordered(shard: Any, rows: int, popped: int, trim: int) -> tuple[int, int, int, np.ndarray, bool]:
-    """`plan_rows` while the live pieces lie in the ring in table order (one arc from the
-    oldest to the head) and no writer holds a region: O(1) but for the pieces evicted."""
+def plan_rows(shard: Any, rows: int, popped: int, trim: int) -> tuple[int, int, int, bool]:
+    """(start, ring, pieces evicted, jumped) for ``rows`` new rows of ``shard``
+    while its live pieces lie in the ring in table order (one arc from the oldest to the
+    head) and no writer holds a region, once its ``popped`` oldest pieces are gone and
+    ``trim`` rows cut off the next: O(1) but for the pieces evicted."""
     ring, head, table = shard.ring, shard.write_pos, shard.table
     n = len(table)
     if popped >= n:   # nothing stays
         if head + rows <= ring:
-            return head, ring, popped, NONE_TAKEN, False
-        return (0, ring, popped, NONE_TAKEN, False) if rows <= ring else (0, rows, popped, NONE_TAKEN, False)
+            return head, ring, popped, False
+        return (0, ring, popped, False) if rows <= ring else (0, rows, popped, False)
     first = table.col("first_row")
     oldest = int(first[popped]) + trim
     if oldest < head:   # the live arc does not wrap: free rows after the head and before the oldest
         if head + rows <= ring:
-            return head, ring, popped, NONE_TAKEN, False
+            return head, ring, popped, False
         if rows <= oldest:
-            return 0, ring, popped, NONE_TAKEN, False
+            return 0, ring, popped, False
         if head + rows <= shard.rows:
-            return head, head + rows, popped, NONE_TAKEN, False
+            return head, head + rows, popped, False
     elif head + rows <= oldest:   # it wraps: free rows between the head and the oldest
-        return head, ring, popped, NONE_TAKEN, False
+        return head, ring, popped, False
     if ring + rows <= shard.rows:
-        return ring, ring + rows, popped, NONE_TAKEN, True
+        return ring, ring + rows, popped, True
     # The arena is full: evict by rows (the old FIFO over the arc).
     start, evicted = plan_write(_trimmed(first, popped, trim), head, ring, rows)
-    return start, ring, popped + evicted, NONE_TAKEN, False
+    return start, ring, popped + evicted, False
 
 
 def _trimmed(first: np.ndarray, popped: int, trim: int) -> np.ndarray:
