@@ -374,6 +374,11 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                 pos, step = pos[live], step[live]
                 if table.pieces:   # steps count from the episode's start; rows from the piece's
                     step = step - table.col("first_step")[pos]
+                    # Rows before a piece's first (its oldest steps were evicted since an earlier
+                    # save wrote this file: `EpisodeTable.trim_oldest`) are not loaded.
+                    kept = step >= 0
+                    live[live] = kept
+                    pos, step = pos[kept], step[kept]
                 if np.any((step < 0) | (step >= num[pos])):
                     raise FormatError(f"{file}: rows with steps outside their episode")
                 target = first[pos] + step

@@ -106,6 +106,14 @@ class FreeRows:
     def largest(self) -> int:
         return max((b - a for a, b in self.spans.items()), default=0)
 
+    def take_within(self, a: int, rows: int) -> None:
+        """Rows ``[a, a + rows)``, inside one free span, are used (its rows before and after stay free)."""
+        start = next(s for s, e in self.spans.items() if s <= a and a + rows <= e)
+        stop = self.spans.pop(start)
+        del self.ends[stop]
+        self.free(start, a)
+        self.free(a + rows, stop)
+
     def take(self, a: int, rows: int) -> None:
         """Rows ``[a, a + rows)`` of the span starting at ``a`` are used."""
         b = self.spans.pop(a)
@@ -198,7 +206,7 @@ class Ring:
             self.write_pos = plan.start + rows
             if plan.jumped:   # a detour past the ring's end: from now on, the free runs
                 self._unorder()
-                self.free.take(plan.start, rows)
+                self.free.take_within(plan.start, rows)
             return plan.start
         start = self.free.find(rows)
         if start is None and self.ring < self.rows:   # grow: rows past the ring were never written
