@@ -223,7 +223,7 @@ def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) ->
     """The `SampleArgs` of a sample, checked against the store's schema; gamma is 1.0 when unused.
 
     Raises:
-        ValueError: a bad value, or n_step > 1 without a scalar ``reward`` field.
+        ValueError: a bad value, or n_step > 1 without a scalar ``reward`` field (shape () or (1,)).
     """
     if n_step == 1 and frame_stack == 1 and type(n_step) is int and type(frame_stack) is int:   # the common case
         if gamma != 0.99:
@@ -235,8 +235,9 @@ def check_sample_args(n_step: Any, gamma: Any, frame_stack: Any, schema: Any) ->
     if n_step > 1 and (schema is None or "reward" not in schema.fields):
         raise ValueError("n_step > 1 needs a 'reward' field; the schema has "
                          f"{list(schema.fields) if schema else 'no fields yet'}")
-    if n_step > 1 and schema.fields["reward"].shape != ():
-        raise ValueError(f"n_step > 1 needs a scalar 'reward' field; it has shape {schema.fields['reward'].shape}")
+    if n_step > 1 and schema.fields["reward"].shape not in ((), (1,)):
+        raise ValueError(f"n_step > 1 needs a scalar 'reward' field (shape () or TorchRL's (1,)); it has shape "
+                         f"{schema.fields['reward'].shape}")
     return SampleArgs(n_step, gamma, frame_stack)
 
 

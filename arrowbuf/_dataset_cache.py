@@ -15,7 +15,8 @@ directory holds::
     episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
     _dataset.json     manifest, written last: format, schema, counts, the source it was
                       converted from (each file's size and mtime, hashes of its small
-                      metadata files) and each cache file's size, mtime and SHA-256
+                      metadata files) and each cache file's size, mtime, ctime, inode
+                      and SHA-256
 
 A source (Parquet export, Arrow IPC directory, LeRobot dataset: `arrowbuf._dataset_sources`)
 is converted once by `write_cache`: ``rows.arrow`` is laid out first with every value
@@ -27,10 +28,14 @@ the pages sampling touched from this process's resident set (they stay in the pa
 cache), which keeps resident memory bounded on datasets larger than memory.
 
 Checks: every open compares each cache file's size with the manifest and parses the
-IPC footer and batch layout (cheap); the SHA-256 of the cache files is checked too
-when a file's mtime differs from the one recorded (a file written after the
-conversion) or with ``verify=True``. A mismatch raises `FormatError`: a damaged
-cache is never sampled.
+IPC footer and batch layout (cheap); the SHA-256 of a cache file is checked too when
+its stat differs from the one recorded (`_STAT`: mtime, and the inode and its change
+time, which no user call sets back: a write whose mtime was restored with ``os.utime``,
+or a copy that keeps it, ``cp -p`` or ``rsync -t``, changes them), or with
+``verify=True``. A file found intact has its new stat recorded (when the directory is
+writable), so a copied cache is hashed once, not at every open. A mismatch raises
+`FormatError`. Damage that no write through the file system made (bit rot, a bad
+disk) keeps the stat: only ``verify=True`` catches it.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._filesink import DirectorySink
-from arrowbuf._persist import check_format, file_digest, progress_bar, read_json, write_manifest
+from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar, read_json, write_manifest
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
 from arrowbuf.schema import Schema
@@ -59,6 +64,10 @@ MANIFEST = "_dataset.json"
 ROWS = "rows.arrow"
 EPISODES = "episodes.arrow"
 _DTYPE = b"arrowbuf.dtype"
+#: What a cache file's recorded stat holds (manifest key: ``os.stat_result`` field). Any
+#: write changes the change time (ctime), which no user call can set (``os.utime`` sets
+#: only atime and mtime); a copy is a new inode.
+_STAT = {"bytes": "st_size", "mtime_ns": "st_mtime_ns", "ctime_ns": "st_ctime_ns", "inode": "st_ino"}
 _SHAPE = b"arrowbuf.shape"
 
 #: Columns of the episode table in the cache (numpy dtypes); env_id and metadata are strings.
@@ -189,8 +198,7 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
         files = {}
         for name in (ROWS, EPISODES):
             stat = (sink.staging / name).stat()
-            files[name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                           "sha256": file_digest(sink.staging / name)}
+            files[name] = {**_stat_entry(stat), "sha256": file_digest(sink.staging / name)}
         write_manifest(sink.staging / MANIFEST, {
             "format": FORMAT, "format_version": version, "schema": json.loads(schema.to_json()),
             "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
@@ -279,12 +287,19 @@ def source_changed(manifest: Mapping[str, Any], current: Mapping[str, Any]) -> l
     return [name for name in names if recorded.get(name) != current.get(name)]
 
 
+def _stat_entry(stat: os.stat_result) -> dict[str, int]:
+    return {key: int(getattr(stat, field)) for key, field in _STAT.items()}
+
+
 def check_cache_files(directory: Path, manifest: Mapping[str, Any], verify: bool) -> None:
-    """Sizes always; SHA-256 when ``verify`` or a file's mtime differs from the recorded one.
+    """Sizes always; SHA-256 when ``verify`` or a file's stat differs from the recorded one
+    (`_STAT`; caches written before ctime and inode were recorded are hashed once). The
+    stat of a file found intact is recorded (`_record_stats`).
 
     Raises:
         FormatError: naming the file and what differs.
     """
+    restat = {}
     for name in (ROWS, EPISODES):
         entry, path = manifest["files"][name], directory / name
         try:
@@ -294,9 +309,32 @@ def check_cache_files(directory: Path, manifest: Mapping[str, Any], verify: bool
         if stat.st_size != entry["bytes"]:
             raise FormatError(f"{path}: {stat.st_size} bytes, the cache's manifest says {entry['bytes']} "
                               "(truncated or overwritten)")
-        if (verify or stat.st_mtime_ns != entry["mtime_ns"]) and file_digest(path) != entry["sha256"]:
+        changed = any(entry.get(key) != value for key, value in _stat_entry(stat).items())
+        if (verify or changed) and file_digest(path) != entry["sha256"]:
             raise FormatError(f"{path}: its content differs from the cache's recorded SHA-256; the cache is "
                               "damaged (delete it, or open the source with rebuild=True, to convert again)")
+        if changed:
+            restat[name] = stat   # taken before the hash: a write during it changes the stat again
+    if restat:
+        _record_stats(directory, manifest, restat)
+
+
+def _record_stats(directory: Path, manifest: Mapping[str, Any], stats: Mapping[str, os.stat_result]) -> None:
+    """Record the stats of cache files just found intact in the manifest (replaced at once),
+    so that the next open needs no hash; a directory this process cannot write keeps the
+    old manifest (and every open hashes those files)."""
+    files = {**manifest["files"], **{name: {**manifest["files"][name], **_stat_entry(stat)}
+                                     for name, stat in stats.items()}}
+    path = directory / MANIFEST
+    staged = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    try:
+        write_manifest(staged, {**{k: v for k, v in manifest.items() if k != CHECKSUM}, "files": files})
+        os.replace(staged, path)
+    except OSError:
+        try:
+            staged.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def read_episodes(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ them: a ``torch.cat`` per key, a ``"source"`` tensor and a new TensorDict, which
 cost more than the draws. When every source is a local store or a dataset whose
 plain uniform sample takes `arrowbuf.direct`'s path, and the call has no
 arguments, a `MixedPlan` lays out one slot for the whole batch (each key's rows
-of every source back to back, then ``"source"``) and each source draws and
+of every source back to back, then ``"source"``: `arrowbuf.layout.stacked_slot`) and each source draws and
 gathers its rows into its share of it (`arrowbuf.direct.fill_plain_uniform`), with
 its own generator in the same order as its own ``sample`` would. The plan is kept
 per batch size and counts, and rebuilt when a source's shard or gather changes.
@@ -23,16 +23,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-import torch
 from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf._pool import SlotPool, SlotSpec
 from arrowbuf.dataset import Dataset
 from arrowbuf.direct import draw_ahead, fill_drawn, fill_plain_uniform
+from arrowbuf.layout import stacked_slot
 from arrowbuf.samplers import UniformSampler
 from arrowbuf.store import ExperienceStore
-from arrowbuf.tensors import ALIGN
 
 _UNIFORM = UniformSampler()
 #: Plans a mixture keeps (batch sizes x count splits, as an annealed schedule makes).
@@ -49,10 +48,6 @@ def direct_source(source: Any) -> tuple[Any, Callable[[int], None] | None] | Non
     if isinstance(source, ExperienceStore) and source.backend == "local":
         return source.engine, None
     return None
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 class _Part:
@@ -92,41 +87,14 @@ class MixedPlan:
             ahead = max(1, min(AHEAD, AHEAD_ROWS // count)) if account is not None else 1
             parts.append(_Part(engine, account, count, direct[0], plain, ahead))
             layouts.append(plain[0].slot)
-        fields = [{key: (dtype, shape[1:], size // shape[0] if shape[0] else 0) for key, dtype, _, size, shape in spec.leaves}
-                  for spec in layouts]
-        if any(f != fields[0] for f in fields) or any(row == 0 for _, _, row in fields[0].values()):
+        stacked = stacked_slot(layouts, [part.count for part in parts], (("source",), np.dtype(np.int64)))
+        if stacked is None:
             return None
-        total_rows = sum(part.count for part in parts)
-        offsets, leaves, total = {}, [], 0
-        for key, dtype, _, _, shape in layouts[0].leaves:
-            row = fields[0][key][2]
-            offsets[key] = total
-            leaves.append((key, dtype, total, total_rows * row, (total_rows, *shape[1:])))
-            total += _aligned(total_rows * row)
-        leaves.append((("source",), torch.int64, total, total_rows * 8, (total_rows,)))
-        source_offset = total
-        total += _aligned(total_rows * 8)
-        outs: list[tuple] = []
-        first = 0
-        for part, spec in zip(parts, layouts):
-            scratch = _aligned(max(offset + size for _, _, offset, size, _ in spec.leaves))
-            base = total
-            total += _aligned(max(spec.nbytes - scratch, 0))
-            part.start = len(outs)
-            for dtype, shape, offset, *strides in spec.outs:
-                for key, _, leaf_offset, size, _ in spec.leaves:
-                    if leaf_offset <= offset < leaf_offset + size:
-                        moved = offsets[key] + first * fields[0][key][2] + offset - leaf_offset
-                        break
-                else:
-                    moved = base + offset - scratch
-                outs.append((dtype, shape, moved, *strides))
-            part.stop = len(outs)
-            first += part.count
-        outs.append((np.dtype(np.int64), (total_rows,), source_offset))
+        spec, ranges = stacked
+        for part, (start, stop) in zip(parts, ranges):
+            part.start, part.stop = start, stop
         source = np.repeat(np.array([k for k, *_ in sources], np.int64), [part.count for part in parts])
-        spec = SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size([total_rows]))
-        return cls(parts, spec, len(outs) - 1, source)
+        return cls(parts, spec, len(spec.outs) - 1, source)
 
     def sample(self, pool: SlotPool) -> TensorDict | None:
         """A batch; None when a source's shard changed since the plan was built (the sources

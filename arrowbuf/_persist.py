@@ -4,7 +4,10 @@
 are ``FixedSizeList`` columns (the storage of Arrow's ``fixed_shape_tensor``, the
 shape flattened), booleans are Arrow ``boolean``, bfloat16 is ``uint16``. Each
 field's metadata keeps its role, dtype name and shape, and the schema metadata the
-whole arrowbuf schema as JSON, so arrowbuf restores the tensor types.
+whole arrowbuf schema as JSON, so arrowbuf restores the tensor types. Checkpoints
+keep these columns; a Parquet export (format 4) writes them in the encoding of
+`arrowbuf.fields.export_type` (bfloat16 widened to float32, fixed shapes as
+``arrow.fixed_shape_tensor``), and `batch_columns` reads both.
 
 **Snapshots.** Files are written without the store's lock, from zero-copy views of
 the arena. Rows are only overwritten after their episode is evicted, and eviction
@@ -34,7 +37,7 @@ import pyarrow as pa
 
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError, SchemaError
-from arrowbuf.fields import Field, arrow_to_numpy, numpy_to_arrow
+from arrowbuf.fields import Field, arrow_to_numpy, narrow_bfloat16, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
 from arrowbuf.shard import position_runs
 
@@ -144,13 +147,19 @@ def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str) -> dict[str, np.ndarray]:
-    """numpy arrays of a plain (or tensor-typed) batch, one per spec, rows first.
+    """numpy arrays of a plain (or tensor-typed, or exported) batch, one per spec, rows first;
+    bfloat16 as its uint16 bits (an export's float32 values narrowed, `narrow_bfloat16`).
 
     Raises:
-        FormatError: a column with nulls.
+        FormatError: a column with nulls, or float32 values of a bfloat16 field that are
+            not bfloat16 values.
     """
     try:
-        return {name: arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
+        columns = {name: arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
+        for name, spec in specs.items():
+            if spec.dtype == "bfloat16" and columns[name].dtype == np.float32:
+                columns[name] = narrow_bfloat16(columns[name], name)
+        return columns
     except SchemaError as err:
         raise FormatError(f"{where}: {err}") from None
 

@@ -45,11 +45,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from operator import is_
 from sys import getrefcount
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 #: Slots kept per layout. A training loop holds one batch while drawing the next
 #: (two slots); prefetching queues and kept batches need a few more. Past this, a
@@ -143,10 +145,25 @@ def make_td(source: dict, batch_size: torch.Size, device: torch.device | None = 
     """A TensorDict of a nested dict of tensors already shaped for ``batch_size``."""
     # TensorDict's per-key validation (~13 us a batch, as much as the whole gather)
     # is skipped: the tensors were built with the right shapes.
-    new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+    td_class = tensordict_class()
+    new_unsafe = getattr(td_class, "_new_unsafe", None)
     if new_unsafe is not None:
         return new_unsafe(source, batch_size=batch_size, device=device)
-    return TensorDict(source, batch_size=batch_size, device=device)
+    return td_class(source, batch_size=batch_size, device=device)
+
+
+_td_class: Any = None
+
+
+def tensordict_class() -> type[TensorDict]:
+    """`tensordict.TensorDict`, imported on first use: a process that never builds one (a
+    Ray shard actor) does not pay for importing tensordict (~1.5 CPU s, torch._dynamo)."""
+    global _td_class
+    if _td_class is None:
+        from tensordict import TensorDict
+
+        _td_class = TensorDict
+    return _td_class
 
 
 def nest(flat: dict[tuple[str, ...], torch.Tensor]) -> dict:
@@ -227,7 +244,7 @@ class Slot:
             values = list(children.values())
             self._containers.append((children, list(children), values, dict(vars(container)), container))
             self._objects += values
-            pending += [value for value in values if isinstance(value, TensorDict)]
+            pending += [value for value in values if isinstance(value, tensordict_class())]
 
     def _refcounts(self) -> list[int]:
         """Python references to each value, then C++ users of each tensor."""

@@ -157,6 +157,12 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
         raise _bad(where, "first_index", indices, "consecutive indices, ending at the index counter")
     if np.any((env < 0) | (env >= len(env_names))):
         raise _bad(where, "env", env, f"codes into the {len(env_names)} env names")
+    if "episode" in columns:   # the played episode of each piece: an id given no later than its own
+        episode = _array(where, "episode", columns["episode"], "i", n)
+        if np.any((episode > ids) | (episode < offset) | ((episode - offset) % stride != 0)):
+            raise _bad(where, "episode", episode, f"ids from {offset} in steps of {stride}, each <= its own episode_id")
+    if "tail" in columns and np.any(_array(where, "tail", columns["tail"], "i", n) < -1):
+        raise _bad(where, "tail", columns["tail"], "open-tail uids >= 0, or -1")
 
 
 def _sampler(where: str, state: Mapping[str, Any], shard: Mapping[str, Any] | None) -> None:
@@ -210,10 +216,29 @@ def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
     env_ids = state["env_ids"]
     if not isinstance(env_ids, list) or len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids):
         raise _bad(where, f"{field}.env_ids", env_ids, f"a list of {num_envs} strings")
-    for part in ("stage", "last_next"):
+    for part, ndim in (("stage", 2), ("last_next", 1)):
         arrays = state[part]
-        if not isinstance(arrays, dict) or not all(isinstance(a, np.ndarray) and a.ndim >= 1 and len(a) == num_envs
+        if not isinstance(arrays, dict) or not all(isinstance(a, np.ndarray) and a.ndim >= ndim and len(a) == num_envs
                                                    for a in arrays.values()):
-            raise _bad(where, f"{field}.{part}", arrays, f"arrays with a row per env ({num_envs})")
+            raise _bad(where, f"{field}.{part}", arrays, f"arrays with a row per env ({num_envs})"
+                       + (" and a column per staged step" if part == "stage" else ""))
+    _open_steps(where, field, pos, state["stage"], state["last_next"])
     if not isinstance(state["pending"], list):
         raise _bad(where, f"{field}.pending", state["pending"], "a list of episodes")
+
+
+def _open_steps(where: str, field: str, pos: np.ndarray, stage: Mapping[str, np.ndarray],
+                last_next: Mapping[str, np.ndarray]) -> None:
+    """A writer's open steps are rows it staged: ``pos`` (steps per env) within every staged
+    field's rows, and the observation after them kept (a step's next observation is read
+    from it); else a load would make arena rows that were never written sampleable."""
+    steps = int(pos.max(initial=0))
+    if not steps:
+        return
+    staged = min((a.shape[1] for a in stage.values()), default=0)
+    if steps > staged:
+        raise _bad(where, f"{field}.pos", pos, f"step counts of at most the {staged} staged rows of each env "
+                   f"({field}.stage)")
+    if not last_next or not set(last_next) <= set(stage):
+        raise _bad(where, f"{field}.last_next", last_next, f"the observation after the open steps, for observation "
+                   f"fields of {field}.stage ({sorted(stage)})")

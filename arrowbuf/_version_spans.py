@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from arrowbuf.shard import Shard
 
 VERSION = "policy_version"
-#: Bounds whose spans a shard keeps at once.
+#: Bounds whose spans a shard (or a Ray reader's view) keeps at once.
 MAX_BOUNDS = 4
 
 
@@ -65,8 +65,10 @@ class Spans:
         return np.repeat(self.index0 - self.start, counts) + np.arange(self.total, dtype=np.int64)
 
 
-class _Bounds:
-    """Per-episode (least, greatest, non-decreasing) versions of one shard, by serial."""
+class EpisodeBounds:
+    """Per-episode (least, greatest, non-decreasing) versions of one shard, by serial, and
+    what is derived from them (``spans``: the `Spans` per bound, a `FreshnessSampler`'s
+    runs under ``"runs"``), dropped when the table changes."""
 
     def __init__(self) -> None:
         self.base: object = None           # the table's column array they were read against
@@ -75,21 +77,34 @@ class _Bounds:
         self.high = np.zeros(0, np.int64)
         self.sorted = np.zeros(0, bool)
         self.token: tuple = ()
-        self.spans: dict[int, Spans | None] = {}
+        self.spans: dict[Any, Any] = {}
 
 
-_BOUNDS: "weakref.WeakKeyDictionary[Shard, _Bounds]" = weakref.WeakKeyDictionary()
+_BOUNDS: "weakref.WeakKeyDictionary[Shard, EpisodeBounds]" = weakref.WeakKeyDictionary()
 
 
-def _column(shard: Shard) -> np.ndarray | None:
+def version_column(shard: Shard) -> np.ndarray | None:
+    """The shard's column of versions (None: it has none, every version is 0)."""
     return shard.reader(VERSION) if VERSION in shard.schema.fields else None
 
 
-def _refresh(shard: Shard) -> _Bounds:
+def episode_versions(shard: Shard) -> Callable[[int], np.ndarray]:
+    """``values_of(p)``: the versions of the transitions of ``shard``'s live episode at position ``p``."""
+    table = shard.table
+    column, first_row, length = version_column(shard), table.col("first_row"), table.col("length")
+
+    def values_of(p: int) -> np.ndarray:
+        # By an index array: a torch arena's reader takes those (`Shard.reader`), not slices.
+        return np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
+
+    return values_of
+
+
+def shard_bounds(shard: Shard) -> EpisodeBounds:
     """The shard's bounds, brought up to its live episodes."""
     bounds = _BOUNDS.get(shard)
     if bounds is None:
-        bounds = _BOUNDS[shard] = _Bounds()
+        bounds = _BOUNDS[shard] = EpisodeBounds()
     table = shard.table
     base = table.col("first_row").base
     # A version column added later (`Shard.extend`) holds 0 in earlier rows: what its absence means.
@@ -117,7 +132,7 @@ def _refresh(shard: Shard) -> _Bounds:
 def _episode_bounds(shard: Shard, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(least, greatest, non-decreasing) version of the transitions of live episodes ``start..stop``."""
     table = shard.table
-    return episode_bounds(table.col("first_row")[start:stop], table.col("length")[start:stop], _column(shard))
+    return episode_bounds(table.col("first_row")[start:stop], table.col("length")[start:stop], version_column(shard))
 
 
 def episode_bounds(first_row: np.ndarray, length: np.ndarray, column: Any
@@ -146,26 +161,26 @@ def episode_bounds(first_row: np.ndarray, length: np.ndarray, column: Any
 
 def newest(shard: Shard) -> int | None:
     """The newest version among the live transitions; None when there are none."""
-    high = _refresh(shard).high
+    high = shard_bounds(shard).high
     return int(high.max()) if len(high) and high.max() >= 0 else None
 
 
 def fresh_spans(shard: Shard, min_version: int) -> Spans | None:
     """The spans of transitions of version >= ``min_version``; None when none qualifies."""
-    bounds = _refresh(shard)
-    if min_version in bounds.spans:
-        return bounds.spans[min_version]
-    table = shard.table
-    column, first_row, length = _column(shard), table.col("first_row"), table.col("length")
+    bounds = shard_bounds(shard)
+    return kept_spans(bounds.spans, min_version, lambda: spans_of(
+        shard.table, bounds.low, bounds.high, bounds.sorted, min_version, episode_versions(shard)))
 
-    def values_of(p: int) -> np.ndarray:
-        # By an index array: a torch arena's reader takes those (`Shard.reader`), not slices.
-        return np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
 
-    spans = spans_of(table, bounds.low, bounds.high, bounds.sorted, min_version, values_of)
-    if len(bounds.spans) >= MAX_BOUNDS:
-        bounds.spans.clear()
-    bounds.spans[min_version] = spans
+def kept_spans(kept: dict, min_version: int, build: Callable[[], Spans | None]) -> Spans | None:
+    """The spans of ``min_version`` kept in ``kept`` (a shard's `EpisodeBounds.spans`, or a Ray
+    reader's view's), built by ``build()`` the first time; past `MAX_BOUNDS` bounds, all are dropped."""
+    if min_version in kept:
+        return kept[min_version]
+    spans = build()
+    if len(kept) >= MAX_BOUNDS:
+        kept.clear()
+    kept[min_version] = spans
     return spans
 
 
@@ -199,4 +214,4 @@ def spans_of(table: Any, low: np.ndarray, high: np.ndarray, ordered: np.ndarray,
     index0 = table.col("first_index").take(pos_) + step0_
     one_run = bool(np.array_equal(index0[1:], index0[:-1] + count_[:-1]))
     return Spans(int(end[-1]), end, end - count_, pos_, step0_, index0, table.col("first_row").take(pos_) + step0_,
-                 table.col("episode_id").take(pos_), int(index0[0]) if one_run else -1)
+                 table.col("episode").take(pos_), int(index0[0]) if one_run else -1)

@@ -29,17 +29,21 @@ On a store (``compute_gae`` writes the ``"advantage"`` and ``"value_target"`` co
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
 from arrowbuf.errors import describe
 from arrowbuf.fields import Field
+from arrowbuf.indexing import piece_chains
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import make_tensordict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # Columns `write_advantages` adds (TorchRL's names).
 DERIVED = ("advantage", "value_target")
@@ -212,11 +216,57 @@ def check_gae_fields(shard: Shard, value_key: str) -> None:
 
 
 def cut_episodes(shard: Shard) -> tuple[np.ndarray, np.ndarray]:
-    """(episode ids, arena rows of the final observations) of the live episodes cut after a
-    final observation (truncated, or cut by a writer's flush): those that bootstrap from it."""
+    """(keys, arena rows of the final observations) of the live episodes cut after a final
+    observation (truncated, or cut by a writer's flush): those that bootstrap from it. A key
+    is the id of the episode's last held piece (of an open tail: -2 - its position there)."""
     table = shard.table
+    if table.pieces:
+        segments = Segments.of(table)
+        cut = segments.last[segments.cut]
+        return segments.key(table, cut), table.ecol("first_row")[cut] + table.ecol("length")[cut]
     cut = _cut(table)
     return table.col("episode_id")[cut].astype(np.int64), table.col("first_row")[cut] + table.col("length")[cut]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The live transitions of a table whose episodes may be cut into pieces, as GAE runs
+    over them: one segment per played episode's held chain of pieces (`arrowbuf.indexing.PieceChains`),
+    its transition rows in step order, the open tails' included (an episode that goes on
+    bootstraps at its last written step, as one cut by a flush)."""
+
+    rows: np.ndarray       # transition rows, segment after segment
+    lengths: np.ndarray    # transitions of each segment
+    last: np.ndarray       # each segment's last entry (`EpisodeTable.ecol` position)
+    cut: np.ndarray        # whether it ends cut after a final observation (it bootstraps from its value)
+    sealed: np.ndarray     # per row: a sealed entry's (written; an open tail's are not)
+
+    @classmethod
+    def of(cls, table: Any) -> "Segments":
+        chains = piece_chains(table)
+        n = len(chains.first_row)
+        head = np.flatnonzero(chains.prev < 0)
+        chain, rank = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        cur, ids, r = head, np.arange(len(head)), 0
+        while len(cur):   # one round per piece of the longest chain
+            chain[cur], rank[cur] = ids, r
+            ahead = chains.next[cur]
+            cur, ids, r = ahead[ahead >= 0], ids[ahead >= 0], r + 1
+        order = np.lexsort((rank, chain))
+        length = chains.length[order].astype(np.int64)
+        ends = np.cumsum(length)
+        rows = np.repeat(chains.first_row[order] - (ends - length), length) + np.arange(int(ends[-1]) if n else 0)
+        lengths = np.bincount(chain, weights=chains.length, minlength=len(head)).astype(np.int64)
+        last = np.zeros(len(head), np.int64)
+        np.maximum.at(last, chain, np.arange(n))   # a chain's pieces were added in step order
+        is_open = last >= len(table)
+        cut = is_open | (table.ecol("has_final")[last].astype(bool) & ~table.ecol("terminated")[last].astype(bool))
+        sealed = np.repeat(order < len(table), length)
+        return cls(rows, lengths, last, cut & (lengths > 0), sealed)
+
+    def key(self, table: Any, entries: np.ndarray) -> np.ndarray:
+        """`cut_episodes`' keys of ``entries``."""
+        return np.where(entries < len(table), table.ecol("episode_id")[entries], -2 - entries).astype(np.int64)
 
 
 def _cut(table: Any) -> np.ndarray:
@@ -308,6 +358,8 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     """
     check_gae_fields(shard, value_key)
     table = shard.table
+    if table.pieces:
+        return _write_across_pieces(shard, gamma, lam, value_key, bootstrap_value, final_values)
     first, length = table.col("first_row").astype(np.int64), table.col("length").astype(np.int64)
     has_final = table.col("has_final").astype(bool)
     # After the last transition: nothing (terminated), the last stored step's value
@@ -344,6 +396,35 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     for name, column in zip(DERIVED, (advantage, target)):
         write(name, column.astype(np.float32))
     return total
+
+
+def _write_across_pieces(shard: Shard, gamma: float, lam: float, value_key: str,
+                         bootstrap_value: Callable[[TensorDict], Any] | None,
+                         final_values: tuple[np.ndarray, np.ndarray] | None) -> int:
+    """`write_advantages` of a shard whose episodes may be cut into pieces: GAE runs over each
+    played episode's held pieces as one (`Segments`), and is written to the sealed ones."""
+    table = shard.table
+    segments = Segments.of(table)
+    first, length = table.ecol("first_row")[segments.last], table.ecol("length")[segments.last]
+    has_final = table.ecol("has_final")[segments.last].astype(bool)
+    last_value = np.where(has_final, 0.0, _numbers_at(shard, value_key, np.minimum(first + length,
+                                                                                   shard.capacity - 1)))
+    cut = np.flatnonzero(segments.cut)
+    if len(cut):
+        if final_values is None:
+            final = final_observations(shard, first[cut] + length[cut], views=True)
+            last_value[cut] = bootstrap_values(bootstrap_value, final)
+        else:
+            last_value[cut] = _values_of(segments.key(table, segments.last[cut]), *final_values)
+    rows = segments.rows
+    advantage, target = gae(_numbers_at(shard, "reward", rows), _numbers_at(shard, value_key, rows),
+                            last_value, segments.lengths, gamma, lam)
+    if "advantage" not in shard.schema.fields:
+        shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
+    written = rows[segments.sealed]
+    for name, column in zip(DERIVED, (advantage, target)):
+        shard.put_rows(name, written, column[segments.sealed].astype(np.float32))
+    return len(written)
 
 
 def _values_of(episode_ids: np.ndarray, known_ids: np.ndarray, known_values: np.ndarray) -> np.ndarray:

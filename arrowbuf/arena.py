@@ -31,11 +31,10 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_arena
 from arrowbuf._checks import tensor_to_numpy
@@ -46,6 +45,9 @@ from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 def readable_tensor(array: np.ndarray) -> torch.Tensor:

@@ -7,24 +7,26 @@ protocol: `arrowbuf.local.LocalBackend` (one `ShardEngine` in this process) and
 `tests/test_layers.py` checks that both have every member below with these
 parameter names, and `tests/test_contract.py` that they behave alike.
 
-Arguments arrive checked. ``args`` is ``(n_step, gamma, frame_stack)``; indices
-are ints (``shard << 48 | local index`` on Ray); ``device`` is a `torch.device`
-or None.
+Arguments arrive checked. ``args`` is a `SampleArgs` (a sample's n-step and
+frame-stack look-ups, one frozen value); indices are int64 transition indices
+(``shard << 48 | local index`` on Ray); ``device`` is a `torch.device` or None.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class Backend(Protocol):

@@ -348,7 +348,8 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
             (a source file's size, mtime or hash), convert again (True) or raise
             `FormatError` (False; a missing cache is converted either way).
         verify: check the cache files' SHA-256 on every open (by default only when a
-            cache file's mtime changed since it was written; sizes and layout always).
+            cache file's stat, mtime, inode or ctime, changed since it was recorded;
+            sizes and layout always).
         resident_limit: bytes of mapped pages sampling may keep resident before they are
             dropped (`Dataset`); None never drops them (the kernel reclaims them under
             memory pressure).

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
-from arrowbuf.samplers import UniformSampler, select_indices, uniform_indices
+from arrowbuf.samplers import UniformSampler, select_indices
 from arrowbuf.tensors import take_fields
-from arrowbuf.versions import fresh_spans, no_fresh_step
+from arrowbuf.versions import fresh_spans, no_fresh_step, span_selection
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     import numpy as np
 
     from arrowbuf.shard import Shard
@@ -67,29 +68,15 @@ def fill_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int, 
     and gather them into ``outs``, views laid out as ``plain`` (`Gather.plain_layout`) says."""
     layout, at_index, at_episode, at_step = plain
     table = shard.table
-    if spans is None or spans.first >= 0:
-        if spans is None:   # every sampleable transition: sealed episodes, then open tails
-            index = _UNIFORM.draw(rng, batch_size, table, outs[at_index])   # the draw `UniformSampler.sample` makes
-        else:   # fresh steps that are one run of indices: the same draw as the spans' below
-            index = uniform_indices(rng, batch_size, spans.first, spans.first + spans.total, outs[at_index])
-        pos, step = table.locate(index)
-        table.ecol("episode_id").take(pos, 0, outs[at_episode], "clip")
-        outs[at_step][...] = step
-        if table.pieces:   # pieces of episodes: steps count from the episode's first
-            outs[at_step][...] += table.ecol("first_step").take(pos)
-        rows = table.ecol("first_row").take(pos)
-        rows += step
-    else:   # steps of sealed episodes of policy_version >= v, in several runs
-        k, offset = spans.draw(uniform_indices(rng, batch_size, 0, spans.total))
-        spans.index0.take(k, 0, outs[at_index], "clip")
-        outs[at_index] += offset
-        spans.episode_id.take(k, 0, outs[at_episode], "clip")
-        outs[at_step][...] = spans.step0.take(k) + offset
-        if table.pieces:
-            outs[at_step][...] += table.col("first_step").take(spans.pos.take(k))
-        rows = spans.row0.take(k)
-        rows += offset
-    take_fields(layout, outs, (rows, rows, None))
+    if spans is None:   # every sampleable transition (sealed episodes, then open tails): `UniformSampler.sample`'s draw
+        chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table, outs[at_index]))
+    else:   # steps of policy_version >= v: the draw `fresh_selection` makes
+        chosen = span_selection(rng, batch_size, spans, table, outs[at_index])
+    if table.open_total:   # open steps' indices as tokens that keep naming their step
+        outs[at_index][...] = table.public_indices(chosen.indices, chosen.pos)
+    table.ecol("episode").take(chosen.pos, 0, outs[at_episode], "clip")
+    outs[at_step][...] = chosen.step
+    take_fields(layout, outs, (chosen.rows, chosen.rows, None))
 
 
 def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, ...]:
@@ -98,7 +85,8 @@ def draw_ahead(shard: Shard, rng: np.random.Generator, batch_size: int) -> tuple
     calls in turn), for `fill_drawn` to gather a slice at a time."""
     table = shard.table
     chosen = select_indices(table, _UNIFORM.draw(rng, batch_size, table))
-    return chosen.indices, table.ecol("episode_id").take(chosen.pos), chosen.step, chosen.rows
+    return (table.public_indices(chosen.indices, chosen.pos), table.ecol("episode").take(chosen.pos), chosen.step,
+            chosen.rows)
 
 
 def fill_drawn(plain: tuple, outs: list[np.ndarray], drawn: tuple[np.ndarray, ...], start: int, stop: int) -> None:

@@ -1,14 +1,23 @@
 """`ShardEngine`: one shard with its sampler, generator, limiter counters and lock.
 
-The engine is the unit that both backends run: the embedded store holds one, and
-every Ray shard actor holds one. It composes the parts and calls them in order;
-no part calls back into its owner:
+The engine is the unit every store serves from: the embedded store holds one,
+every Ray shard actor holds one, and so does a dataset (`arrowbuf.dataset`). It
+composes the parts and calls them in order; no part calls back into its owner:
 
-- a write checks that the episode fits, waits for the rate limiter, copies the
-  episode into the `Shard` (whose placement tells the sampler of the rows it
-  evicts: `Sampler.on_evict`), then tells the sampler which it added (`Sampler.on_add`);
-- a sample waits for the rate limiter, asks the sampler for a `Selection`, adds
-  the n-step / frame-stack look-ups (`arrowbuf.indexing`) and gathers the rows
+- `add` (whole episodes, and the pieces a staged writer delivers) checks that
+  the episode fits, waits for the rate limiter, places the episode in the
+  `Shard` (whose placement tells the sampler of the rows it evicts:
+  `Sampler.on_evict`) and copies its rows, unless the caller fills them later (a
+  Ray shard's lent rows), then tells the sampler which rows it added
+  (`Sampler.on_add`). A step writer of an embedded circular store without a
+  limiter that can refuse bypasses it: it writes in place into the shard's
+  regions under the engine's lock, and tells the sampler and the insert count
+  itself (`arrowbuf.inplace`);
+- a sample waits for the rate limiter; a plain uniform one of a host arena onto
+  the CPU (no limiter, n-step, frame stack or reuse tracking) is drawn and gathered straight
+  into a pooled batch (`arrowbuf.direct`); any other asks the sampler for a
+  `Selection` (of ``min_version``: `arrowbuf.versions`), adds the n-step /
+  frame-stack look-ups (`arrowbuf.indexing`) and gathers the rows
   (`arrowbuf.tensors.Gather`).
 
 Limiters are configuration (`arrowbuf.rate_limiters`): the engine keeps the
@@ -22,11 +31,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
@@ -42,6 +50,9 @@ from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class ShardEngine:
@@ -133,14 +144,15 @@ class ShardEngine:
 
     @property
     def num_episodes(self) -> int:
-        return len(self._shard.table) if self._shard is not None else 0
+        """Played episodes whose end is stored (`EpisodeTable.num_played`): pieces are not episodes."""
+        return self._shard.table.num_played() if self._shard is not None else 0
 
     def size(self) -> tuple[float, int, int]:
         """(sampling mass, transitions, episodes), as one consistent reading."""
         with self.lock:
             if self._shard is None:
                 return 0.0, 0, 0
-            return self.sampler.mass(self._shard.table), len(self._shard), len(self._shard.table)
+            return self.sampler.mass(self._shard.table), len(self._shard), self._shard.table.num_played()
 
     def set_schema(self, schema: Schema) -> None:
         """Make the shard for ``schema`` now (no-op once there is one)."""
@@ -339,8 +351,8 @@ class ShardEngine:
               min_version: int | None = None) -> list[np.ndarray]:
         """Every live index (of version >= ``min_version``) once, in batches (shuffled, drawn now)."""
         with self.lock:
-            indices = (np.arange(*self.table.sample_range(), dtype=np.int64) if min_version is None
-                       or self._shard is None else fresh_indices(self._shard, min_version))
+            indices = (self.table.public_indices(np.arange(*self.table.sample_range(), dtype=np.int64))
+                       if min_version is None or self._shard is None else fresh_indices(self._shard, min_version))
             return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
 
     def evict(self, min_version: int) -> int:
@@ -360,6 +372,7 @@ class ShardEngine:
             shard = self._shard
             if shard is None:
                 return None
+            indices = shard.table.resolve(indices)   # kept indices of open steps: where those steps are now
             selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
             batch = self._gather(selection, PLAIN, device, False, keys, views)
             if shard.reuse is not None:
@@ -390,7 +403,8 @@ class ShardEngine:
         with self.lock:
             if self._shard is None:
                 return 0
-            return self.sampler.update(self._shard.table, indices, priorities)
+            # A kept index of an open step reaches that step (once sealed) or nothing.
+            return self.sampler.update(self._shard.table, self._shard.table.resolve(indices), priorities)
 
     # -- derived columns ----------------------------------------------------------------
 
@@ -417,10 +431,12 @@ class ShardEngine:
 
     # -- views ----------------------------------------------------------------------
 
-    def episodes(self, include_open: bool = False) -> pa.Table:
-        """The episode table (one row per live episode, oldest first; then the open tails)."""
+    def episodes(self, include_open: bool = False, open_pieces: Callable[[EpisodeTable], np.ndarray] | None = None
+                 ) -> pa.Table:
+        """The episode table: one row per played episode, oldest first (`EpisodeTable.to_arrow`);
+        ``open_pieces(table)``: the mask of stored pieces whose episode goes on (a Ray shard's)."""
         with self.lock:
-            return self.table.to_arrow(include_open)
+            return self.table.to_arrow(include_open, open_pieces(self.table) if open_pieces else None)
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""
@@ -435,11 +451,18 @@ class ShardEngine:
         """
         with self.lock:
             table = self.table
-            if self._shard is not None:
+            if self._shard is not None and table.pieces:   # its held pieces, read as one
+                held = np.flatnonzero(table.col("episode") == episode_id)
+                if len(held) == 1:
+                    return self._shard.episode_view(int(held[0]))
+                if len(held):   # a piece's last row repeats the next one's first observation
+                    views = [self._shard.episode_view(int(k)) for k in held.tolist()]
+                    return pa.concat_batches([v.slice(0, v.num_rows - 1) for v in views[:-1]] + views[-1:])
+            elif self._shard is not None:
                 position = table.position_of(episode_id)
                 if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
                     return self._shard.episode_view(int(position))
-            ids = table.col("episode_id")
+            ids = table.col("episode")
             live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
             raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
 

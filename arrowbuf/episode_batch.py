@@ -36,7 +36,8 @@ from arrowbuf.shard import Episode
 
 
 def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids: Any = None,
-                  metadata: Any = None, keep_tensors: bool = False) -> tuple[list[Episode], Schema]:
+                  metadata: Any = None, keep_tensors: bool = False,
+                  observations: Any = None) -> tuple[list[Episode], Schema]:
     """Check a batch of E episodes against ``schema`` (inferred from the first when None).
 
     Args:
@@ -50,6 +51,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
         metadata: None, or E JSON-serializable mappings (or None each).
         keep_tensors: torch tensors stay tensors on their device (a torch arena's
             store: `arrowbuf.arena`), and the episodes are views of them.
+        observations: the observation fields' names, when ``schema`` is None and is
+            inferred (`Schema.infer`'s ``observation_names``); None: by their names.
 
     Returns:
         The E episodes, in order, and the schema they satisfy.
@@ -69,7 +72,7 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     count = _episode_count(columns)
     first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()}
     if schema is None:
-        schema = Schema.infer(first)
+        schema = Schema.infer(first, _observation_names(observations, columns))
     num_steps, has_final = schema.check(first)   # dtypes and shapes are the batch's: one check checks all
     steps = _lengths(lengths, count, num_steps)
     ids = _env_ids(env_ids, count)
@@ -121,3 +124,19 @@ def _metadata(metadata: Any, count: int) -> list[dict | None]:
     if isinstance(metadata, Mapping) or not isinstance(metadata, Sequence) or len(metadata) != count:
         raise ValueError(f"metadata must be None or {count} mappings (one per episode), got {describe(metadata)}")
     return [check_metadata(m) for m in metadata]
+
+
+def _observation_names(observations: Any, columns: Mapping[str, Any]) -> list[str] | None:
+    """``observations`` checked: None, or names of fields among ``columns`` (dotted).
+
+    Raises:
+        SchemaError: a str, or a name that is no field of the episodes.
+    """
+    if observations is None:
+        return None
+    if not isinstance(observations, (list, tuple)) or not all(isinstance(n, str) for n in observations):
+        raise SchemaError(f"observations must be a list of field names, got {observations!r}")
+    unknown = [n for n in observations if n not in columns]
+    if unknown:
+        raise SchemaError(f"observations names {unknown}, not fields of the episodes; their fields are {list(columns)}")
+    return list(observations)

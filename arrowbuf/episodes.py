@@ -12,6 +12,7 @@ steps as pieces on its delivery timer (`arrowbuf.open_pieces`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from arrowbuf.step_reading import StepReader
 from arrowbuf.versions import step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
+logger = logging.getLogger(__name__)
 
 
 class EpisodeSink(Protocol):
@@ -213,6 +215,8 @@ class StepWriter:
 
     def _add_staged(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
                     done: np.ndarray, skip: np.ndarray) -> int:
+        if self._ships is not None:   # a Ray writer: a closed one refuses, before anything is staged
+            self._sink.check_open()
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         if self._ships is not None:   # pieces of at most a quarter of a shard
             self._ships.cut_full(self)
@@ -279,23 +283,44 @@ class StepWriter:
             self.episodes_written += sealed
             return sealed
         with self.lock:
-            self._push_pending()
-            open_envs = np.flatnonzero(self._pos > 0)
-            for name, last in self._last_next.items():
-                self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
-            too_long = self._seal(open_envs, has_final=True)
-            shipped = np.flatnonzero(self._first_step > 0)   # open pieces shipped, no step since: closed
-            if len(shipped):
-                self._sink.close_open([self.env_ids[i] for i in shipped.tolist()])
-                self._first_step[shipped] = 0
-            if self._ships is not None:
-                self._ships.reset()
-            self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
-            self._push_pending()
+            cut, too_long = self._cut_open()
         self._sink.flush()
         if too_long is not None:
             raise too_long
-        return len(open_envs)
+        return cut
+
+    def _cut_open(self) -> tuple[int, CapacityError | None]:
+        """`flush`'s cut, under `lock`: seal every open episode into the sink (and close those
+        shipped with no step since); how many, and the error of one that can never fit."""
+        self._push_pending()
+        open_envs = np.flatnonzero(self._pos > 0)
+        for name, last in self._last_next.items():
+            self._stage[name][open_envs, self._pos[open_envs]] = last[open_envs]
+        too_long = self._seal(open_envs, has_final=True)
+        shipped = np.flatnonzero(self._first_step > 0)   # open pieces shipped, no step since: closed
+        if len(shipped):
+            self._sink.close_open([self.env_ids[i] for i in shipped.tolist()])
+            self._first_step[shipped] = 0
+        if self._ships is not None:
+            self._ships.reset()
+        self._refused[:] = False   # cut here: what comes next is a new episode, refused or not before
+        self._push_pending()
+        return len(open_envs), too_long
+
+    def __del__(self) -> None:
+        # A Ray writer dropped without flush() or close() keeps every step it wrote: its open
+        # episodes are cut as flush() cuts them, and its sink delivers them on a thread of its
+        # own (`RaySink.dropped`: a finalizer never waits for a shard; failures are logged and
+        # raised by the store's next flush). A local writer's open pieces are its regions'.
+        if self.__dict__.get("_ships") is None or self._sink.closed:
+            return
+        try:
+            with self.lock:
+                self._cut_open()
+            self._sink.dropped()
+        except Exception:   # a finalizer cannot raise: say what became of the steps
+            logger.exception("an arrowbuf writer (%d envs) was dropped without flush() or close(), and cutting its "
+                             "%d open steps for the store failed; they are lost", self.num_envs, int(self._pos.sum()))
 
     def close(self) -> None:
         """`flush` (cut every open episode), wait until the store holds them, and stop

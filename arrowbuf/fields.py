@@ -8,6 +8,9 @@ float fields), and stored as Arrow arrays over the same memory (`numpy_to_arrow`
 
 Arrow mapping: scalars are plain primitives, fixed shapes use the
 ``fixed_shape_tensor`` extension type, bfloat16 is stored as uint16 bits.
+Parquet exports encode a column for readers that know no bfloat16 (`export_type`,
+`export_array`): bfloat16 widened to float32 (exact, and narrowed back bit for bit
+by `narrow_bfloat16`), fixed shapes as the canonical ``arrow.fixed_shape_tensor``.
 
 Example:
     >>> from arrowbuf.fields import Field
@@ -201,6 +204,46 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
         return values
     storage = pa.FixedSizeListArray.from_arrays(values, int(np.prod(field.shape)))
     return pa.ExtensionArray.from_storage(field.arrow_type(), storage)
+
+
+def export_type(field: Field) -> pa.DataType:
+    """The Arrow type of ``field`` in a Parquet export: its `Field.arrow_type`, with
+    bfloat16 widened to float32 (every bf16 value is a float32: its top 16 bits)."""
+    if field.dtype != "bfloat16":
+        return field.arrow_type()
+    return pa.fixed_shape_tensor(pa.float32(), list(field.shape)) if field.shape else pa.float32()
+
+
+def export_array(field: Field, stored: pa.Array) -> pa.Array:
+    """Rows of ``field`` as stored (scalars, or a ``fixed_size_list`` of the flattened
+    shape; bfloat16 as uint16 bits) in the `export_type` encoding. Zero-copy but for
+    bfloat16, whose float32 values are a new array twice its size."""
+    if field.dtype == "bfloat16":
+        bits = (stored.flatten() if field.shape else stored).to_numpy(zero_copy_only=False)
+        words = bits.astype(np.uint32)
+        widened = pa.array(np.left_shift(words, 16, out=words).view(np.float32), pa.float32())
+        stored = pa.FixedSizeListArray.from_arrays(widened, int(np.prod(field.shape))) if field.shape else widened
+    if not field.shape:
+        return stored
+    return pa.ExtensionArray.from_storage(export_type(field), stored)
+
+
+def narrow_bfloat16(values: np.ndarray, name: str) -> np.ndarray:
+    """The uint16 bits of float32 ``values`` that are bfloat16 values (an export's
+    widened column): bit-exact, NaN payloads included.
+
+    Raises:
+        SchemaError: naming the field and the first value that has no exact bfloat16
+            (its low 16 bits are set: the column was not written from bfloat16).
+    """
+    words = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    inexact = np.flatnonzero(words.reshape(-1) & 0xFFFF)
+    if inexact.size:
+        value = float(values.reshape(-1)[inexact[0]])
+        raise SchemaError(f"field {name!r} is bfloat16, but its float32 value {value!r} (element {int(inexact[0])}) "
+                          "has no exact bfloat16; an export stores bfloat16 fields as float32 values that are "
+                          "bfloat16 exactly")
+    return (words >> 16).astype(np.uint16)
 
 
 def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading: int = 1) -> None:

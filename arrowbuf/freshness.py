@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from arrowbuf._version_spans import _column, _refresh
+from arrowbuf._version_spans import episode_versions, shard_bounds
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.table import EpisodeTable
@@ -43,18 +43,10 @@ class Runs:
 
 def version_runs(shard: Any) -> Runs:
     """The runs of one version of ``shard``'s live sealed steps (kept until the table changes)."""
-    bounds = _refresh(shard)
+    bounds = shard_bounds(shard)
     runs = bounds.spans.get("runs")   # dropped with the spans when the table changes
-    if runs is not None:
-        return runs
-    table = shard.table
-    column, first_row, length = _column(shard), table.col("first_row"), table.col("length")
-
-    def values_of(p: int) -> np.ndarray:
-        return np.asarray(column[np.arange(first_row[p], first_row[p] + length[p])]).reshape(-1)
-
-    runs = runs_of(table, bounds.low, bounds.high, values_of)
-    bounds.spans["runs"] = runs   # type: ignore[index]
+    if runs is None:
+        runs = bounds.spans["runs"] = runs_of(shard.table, bounds.low, bounds.high, episode_versions(shard))
     return runs
 
 

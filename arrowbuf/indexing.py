@@ -45,10 +45,13 @@ def n_step(rows: np.ndarray, last_row: np.ndarray, reward: np.ndarray, n: int, g
 
 def _discounted(window: np.ndarray, steps: np.ndarray, reward: np.ndarray, gamma: float,
                 next_rows: np.ndarray, last_rows: np.ndarray) -> NStep:
-    """The `NStep` of reward rows ``window`` [..., n] of which the first ``steps`` count."""
+    """The `NStep` of reward rows ``window`` [..., n] of which the first ``steps`` count;
+    a reward of per-step shape S (TorchRL's ``[1]``) sums to [..., *S]."""
     offsets = np.arange(window.shape[-1], dtype=np.int64)
     weights = np.where(offsets < steps[..., None], gamma ** offsets, 0.0)
-    total = (reward[window].astype(np.float64) * weights).sum(axis=-1)
+    rewards = reward[window].astype(np.float64)
+    weights = weights.reshape(weights.shape + (1,) * (rewards.ndim - weights.ndim))
+    total = (rewards * weights).sum(axis=window.ndim - 1)
     dtype = reward.dtype if np.issubdtype(reward.dtype, np.floating) else np.float32
     return NStep(next_rows, total.astype(dtype), (gamma ** steps).astype(dtype), steps, last_rows)
 

@@ -1,7 +1,8 @@
 """`Layout`: where each field and extra of one batch goes in its pooled slot (the one planner).
 
 Both gathers plan their batches here: `arrowbuf.tensors.Gather` (an arena's rows)
-and `arrowbuf.ray.gather.BlockGather` (a Ray reader's staged block rows). A
+and `arrowbuf.ray.gather.BlockGather` (a Ray reader's staged block rows); a mixture's
+batch stacks its sources' layouts into one slot (`stacked_slot`). A
 layout depends on the batch's row shapes by role (step, observation, next
 observation), the selected keys and the extras' names, dtypes and shapes; it is
 planned once (`plan_layout`) and found again per batch (`Layouts.find`).
@@ -27,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -131,6 +132,63 @@ def plan_layout(fields: Iterable[FieldPlan], shapes: tuple, keys: frozenset | No
                     tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0),
                     tuple(records), tuple(unpack), frozenset(packed), any(role == 2 for _, role in plan))
     return layout if finish is None else dataclasses.replace(layout, fill=finish(layout))
+
+
+def stacked_slot(slots: Sequence[SlotSpec], counts: Sequence[int], extra: tuple[tuple[str, ...], np.dtype]
+                 ) -> tuple[SlotSpec, list[tuple[int, int]]] | None:
+    """One slot for several batches of the same fields stacked along the batch axis (a
+    `arrowbuf.mixture.Mixture`'s batch, each source filling its share).
+
+    Batch ``k`` has ``counts[k]`` rows laid out as ``slots[k]`` (a `Layout`'s slot). The
+    stacked slot holds, each aligned to `ALIGN` bytes: every leaf with the rows of every
+    batch back to back, then the ``extra`` leaf (its key and dtype, one value per row: which
+    source a row came from), then each batch's scratch past its leaves (the regions of its
+    packed records). Each batch's outs are moved to where its rows and scratch now lie.
+
+    Returns:
+        The slot, its outs batch 0's, batch 1's, ... then the extra leaf's, and the
+        ``(start, stop)`` of each batch's outs in it; None when the batches' leaves differ
+        (keys, dtypes, row shapes) or a leaf has rows of no bytes.
+    """
+    fields = [{key: (dtype, shape[1:], size // shape[0] if shape[0] else 0) for key, dtype, _, size, shape in spec.leaves}
+              for spec in slots]
+    if any(f != fields[0] for f in fields) or any(row == 0 for _, _, row in fields[0].values()):
+        return None
+    total_rows = sum(counts)
+    offsets, leaves, total = {}, [], 0
+    for key, dtype, _, _, shape in slots[0].leaves:
+        row = fields[0][key][2]
+        offsets[key] = total
+        leaves.append((key, dtype, total, total_rows * row, (total_rows, *shape[1:])))
+        total += _aligned(total_rows * row)
+    extra_key, extra_dtype = extra
+    leaves.append((extra_key, torch_dtype_of(extra_dtype), total, total_rows * extra_dtype.itemsize, (total_rows,)))
+    extra_offset = total
+    total += _aligned(total_rows * extra_dtype.itemsize)
+    outs: list[tuple] = []
+    ranges = []
+    first = 0
+    for spec, count in zip(slots, counts):
+        scratch = _aligned(max(offset + size for _, _, offset, size, _ in spec.leaves))
+        base = total
+        total += _aligned(max(spec.nbytes - scratch, 0))
+        start = len(outs)
+        for dtype, shape, offset, *strides in spec.outs:
+            for key, _, leaf_offset, size, _ in spec.leaves:
+                if leaf_offset <= offset < leaf_offset + size:
+                    moved = offsets[key] + first * fields[0][key][2] + offset - leaf_offset
+                    break
+            else:
+                moved = base + offset - scratch
+            outs.append((dtype, shape, moved, *strides))
+        ranges.append((start, len(outs)))
+        first += count
+    outs.append((extra_dtype, (total_rows,), extra_offset))
+    return SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size([total_rows])), ranges
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _rows(shapes: tuple, role: int) -> tuple[int, ...]:

@@ -8,11 +8,10 @@ same ones over shard actors. Arguments arrive checked by the facade.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDict
 
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, refused_in_batch
@@ -20,6 +19,9 @@ from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.versions import VERSION, VERSION_FIELD, ensure_version_column
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class EngineSink:

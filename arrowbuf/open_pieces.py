@@ -16,7 +16,8 @@ the steps of one delivery interval (or a quarter of a shard) per env, not an epi
 The episode's last piece (its end, or `flush`) goes as before, with its ``first_step``
 and ``open=False``; a `flush` that finds an env with no step since its last piece tells
 the sink to close that episode (`RaySink.close_open`). The shard keeps the open pieces
-apart in its counts (`arrowbuf.ray.tails`).
+apart in its counts (`arrowbuf.ray.tails`). A checkpoint ships every staged step first
+(`ship_all`), so its shards hold all of them and its writer states only where they go on.
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ class OpenShipping:
             return 0
         with writer.lock:   # the pieces reach the sink before the writer's next step or end
             if writer.pending or self.since is None or time.monotonic() - self.since < latency:
+                return 0
+            self.since = None
+            return self._write(writer.take_open_pieces())
+
+    def ship_all(self) -> int:
+        """Ship the completed steps of every open episode now, whatever their age (a checkpoint
+        is taken next: its shards then hold every step); the pieces written."""
+        writer = self._writer()
+        if writer is None:
+            return 0
+        with writer.lock:
+            if writer.pending:   # kept episodes go first, with the writer's next call
                 return 0
             self.since = None
             return self._write(writer.take_open_pieces())

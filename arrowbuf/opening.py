@@ -196,7 +196,8 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
 
     manifest, dirs = checkpoint_dirs(path)
     num_shards = len(dirs) if num_shards is None else num_shards
-    first = load_engine(dirs[0], progress=False).engine
+    loaded = load_engine(dirs[0], progress=False)   # shard 0 keeps the writers' states
+    first = loaded.engine
     sampler = type(first.sampler)(**first.sampler.config())
     limiter = type(first.rate_limiter)(**first.rate_limiter.config())
     capacity, mode, seed = int(manifest["capacity"]), manifest["mode"], manifest["seed"]
@@ -211,4 +212,5 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
         reshard = ray.remote(reshard_task)
         ray.get([reshard.remote(str(d), backend.sink(None, None)) for d in dirs])
         backend.flush()
-    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, time.time())
+    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, time.time(), loaded.writers,
+                  loaded.typed_errors)

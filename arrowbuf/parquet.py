@@ -8,9 +8,14 @@ Layout of ``store.to_parquet("out/")``::
       episodes.parquet                 the episode table (``store.episodes()``)
       _arrowbuf.json                   manifest, written last: files, sizes, schema, store
 
-Step columns are plain (see `arrowbuf._persist`): DuckDB, Polars and pandas read
-them without arrowbuf (fixed-shape fields as fixed-size lists, flattened, the shape
-in the field metadata). Rows follow RLDS (`ROW_CONVENTION`, also in every file's
+Step columns open in any Arrow or Parquet reader (DuckDB, Polars, pandas) without
+arrowbuf: bfloat16 fields are widened to float32 (exactly: every bfloat16 is a
+float32), fixed-shape fields use Arrow's canonical ``arrow.fixed_shape_tensor``
+extension type (its storage a fixed-size list of the flattened values), and each
+field's metadata keeps its role, arrowbuf dtype and shape, from which `from_parquet`
+restores bfloat16 bit for bit (format 4, `arrowbuf.fields.export_type`; exports of
+formats 1-3 hold the plain columns of `arrowbuf._persist`, uint16 bits for bfloat16,
+and load as before). Rows follow RLDS (`ROW_CONVENTION`, also in every file's
 metadata): one per step, and an episode stored with its final observation has one
 row more, holding it, with zeros in its step fields; a ``final_observation`` bool
 column marks those rows, as Ray Data does (format 3; exports of format 2 lack it
@@ -57,12 +62,18 @@ from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
                                check_hash_entry, check_size, file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
                                take_rows, tensor_schema, write_manifest)
+from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError
+from arrowbuf.fields import export_array, export_type
+from arrowbuf.indexing import piece_chains
+from arrowbuf.played import Played, episodes_arrow, group_played
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
 FORMAT = "arrowbuf.parquet"
-FORMAT_VERSION = 3      # 2: page checksums, content hashes of every file and of the manifest; 3: final_observation
+# 2: page checksums, content hashes of every file and of the manifest; 3: final_observation;
+# 4: bfloat16 widened to float32, fixed shapes as arrow.fixed_shape_tensor (`step_schema`)
+FORMAT_VERSION = 4
 #: The export-only column marking each episode's final-observation row (Ray Data's name).
 FINAL_OBSERVATION = "final_observation"
 #: What a step file's rows are, in words (every file's metadata, ``arrowbuf.row_convention``).
@@ -89,8 +100,6 @@ def group_rows(row_bytes: int) -> int:
 
 def file_metadata(store_info: Mapping[str, Any]) -> dict[str, str]:
     """The key-value metadata of every file of an export."""
-    from arrowbuf import __version__
-
     return {"arrowbuf.version": __version__, "arrowbuf.format": FORMAT, "arrowbuf.row_convention": ROW_CONVENTION,
             "arrowbuf.format_version": str(FORMAT_VERSION), "arrowbuf.store": json.dumps(dict(store_info))}
 
@@ -102,6 +111,35 @@ def export_schema(plain: pa.Schema) -> pa.Schema:
     """The columns of a step file: the plain columns and ``final_observation``."""
     role = {b"arrowbuf.role": b"export", b"arrowbuf.doc": b"this row holds its episode's final observation"}
     return plain.append(pa.field(FINAL_OBSERVATION, pa.bool_(), nullable=False, metadata=role))
+
+
+def step_schema(schema: Schema, version: int, metadata: Mapping[str, str] | None = None) -> pa.Schema:
+    """The columns of a step file of format ``version``: the plain columns
+    (`arrowbuf._persist.plain_schema`), in the export encoding from format 4
+    (`encoded`), with ``final_observation`` from format 3."""
+    columns = plain_schema(schema, metadata)
+    if version >= 4:
+        columns = encoded(columns, schema)
+    return export_schema(columns) if version >= 3 else columns
+
+
+def encoded(plain: pa.Schema, schema: Schema) -> pa.Schema:
+    """``plain`` with the user fields typed as exports write them (`arrowbuf.fields.export_type`),
+    field and schema metadata kept."""
+    return pa.schema([f.with_type(export_type(schema.fields[f.name])) if f.name in schema.fields else f for f in plain],
+                     metadata=plain.metadata)
+
+
+def encode_columns(table: pa.Table, schema: Schema) -> pa.Table:
+    """The plain columns of ``table`` in the export encoding (`arrowbuf.fields.export_array`)."""
+    for i, field in enumerate(table.schema):
+        spec = schema.fields.get(field.name)
+        if spec is None or (not spec.shape and spec.dtype != "bfloat16"):
+            continue
+        kind = export_type(spec)
+        chunks = [export_array(spec, chunk) for chunk in table.column(i).chunks]
+        table = table.set_column(i, field.with_type(kind), pa.chunked_array(chunks, kind))
+    return table
 
 
 def final_observations(num_rows: np.ndarray, has_final: np.ndarray) -> np.ndarray:
@@ -128,7 +166,9 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
         first and last episode id, bytes.
     """
     table = pa.Table.from_batches(rows.batches, schema=schema)
-    schema = export_schema(schema)
+    fields = schema_of(schema, str(steps_dir))
+    encode = FORMAT_VERSION >= 4     # read at the call: a test writes an export of format 3 through it
+    schema = export_schema(encoded(schema, fields) if encode else schema)
     table = table.append_column(schema.field(FINAL_OBSERVATION),
                                 pa.array(final_observations(rows.num_rows, np.asarray(has_final, bool))))
     limit = rows_per_file or max(rows.rows, 1)
@@ -145,7 +185,7 @@ def write_steps(rows: EpisodeRows, steps_dir: Path, shard: int, schema: pa.Schem
         with pq.ParquetWriter(path, schema, compression=compression, write_page_checksum=True) as writer:
             for offset in range(0, max(part.num_rows, 1), group):
                 piece = part.slice(offset, group)
-                writer.write_table(piece, row_group_size=group)
+                writer.write_table(encode_columns(piece, fields) if encode else piece, row_group_size=group)
                 if bar is not None:
                     bar.update(piece.num_rows)
         ids = rows.ids[first_episode:stop]
@@ -164,13 +204,22 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     ``lock`` guards the shard; it is held only to take the snapshot (see
     `arrowbuf._persist.snapshot_and_write`). A sharded store calls this once per shard.
     """
-    def take(copy: bool) -> tuple[EpisodeRows, pa.Table]:
-        episodes = shard.table.to_arrow()
-        return (take_rows(shard, 0, len(shard.table), schema, copy),
-                episodes.take(np.arange(episodes.num_rows)))    # a copy: the table's columns change
+    def take(copy: bool) -> tuple[EpisodeRows, pa.Table, int]:
+        table = shard.table
+        oldest = int(table.col("episode_id")[0]) if len(table) else -1
+        rows = take_rows(shard, 0, len(table), schema, copy)
+        if table.pieces:   # pieces are storage: one episode, its rows once, as a whole one
+            played = group_played(table, sealed_only=True)
+            return merged_rows(table, played, rows), episodes_arrow(table, True, played=played).drop(["open"]), oldest
+        episodes = table.to_arrow()
+        return rows, episodes.take(np.arange(episodes.num_rows)), oldest   # a copy: the table's columns change
 
-    def write(snapshot: tuple[EpisodeRows, pa.Table]) -> list[dict[str, Any]]:
-        rows, episodes = snapshot
+    def still_live(snapshot: tuple[EpisodeRows, pa.Table, int]) -> bool:   # eviction is FIFO: the oldest decides
+        live = shard.table.col("episode_id")
+        return snapshot[2] < 0 or (bool(len(live)) and snapshot[2] >= int(live[0]))
+
+    def write(snapshot: tuple[EpisodeRows, pa.Table, int]) -> list[dict[str, Any]]:
+        rows, episodes, _ = snapshot
         has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
         with progress_bar(progress, rows.rows, label) as bar:
             return write_steps(rows, steps_dir, shard_index, schema, has_final,
@@ -181,8 +230,28 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
         for entry in entries:
             (steps_dir.parent / entry["path"]).unlink()
 
-    (_, episodes), entries = snapshot_and_write(lock, take, lambda s: s[0].still_live(shard), write, discard)
+    (_, episodes, _), entries = snapshot_and_write(lock, take, still_live, write, discard)
     return episodes, entries
+
+
+def merged_rows(table: Any, played: Played, rows: EpisodeRows) -> EpisodeRows:
+    """``rows`` (of every sealed entry of ``table``, in its order) as one run per played episode
+    (``played``, sealed entries): its pieces in step order, each piece's last row dropped where
+    the next piece's first row repeats it; ``episode_id`` the played episode's."""
+    num, order = rows.num_rows, np.lexsort((np.arange(len(played.group)), played.group))
+    chains = piece_chains(table)
+    starts = np.cumsum(num) - num
+    after = chains.next[:len(num)]
+    joined = (after >= 0) & (after < len(num))   # continued by a sealed piece: its last row comes again
+    keep = num - joined
+    kept = np.repeat(starts[order] - (np.cumsum(keep[order]) - keep[order]), keep[order]) + np.arange(int(keep.sum()))
+    merged = pa.Table.from_batches(rows.batches).take(pa.array(kept))
+    per_episode = np.bincount(played.group, weights=keep, minlength=len(played.episode)).astype(np.int64)
+    ids = np.repeat(played.episode, per_episode)
+    merged = merged.set_column(merged.schema.get_field_index("episode_id"), merged.schema.field("episode_id"),
+                               pa.array(ids, pa.int64()))
+    return EpisodeRows(played.episode.copy(), table.col("first_row")[played.first].copy(), per_episode,
+                       merged.combine_chunks().to_batches())
 
 
 def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,
@@ -228,8 +297,6 @@ def store_info(store: Any) -> dict[str, Any]:
 def finish_export(directory: Path, schema: Schema, info: Mapping[str, Any], episodes: pa.Table,
                   entries: Sequence[Mapping[str, Any]]) -> None:
     """Write the episode table, then the manifest (it lists every file with its hash)."""
-    from arrowbuf import __version__
-
     episodes = episodes.replace_schema_metadata(file_metadata(info))
     pq.write_table(episodes, directory / EPISODES, compression="zstd", write_page_checksum=True)
     write_manifest(directory / MANIFEST, {
@@ -289,9 +356,7 @@ def open_export(path: str | Path) -> Export:
         _check_entry(manifest["store"], _STORE_ENTRY, manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
-    expected = plain_schema(schema)
-    if manifest["format_version"] >= 3:
-        expected = export_schema(expected)
+    expected = step_schema(schema, manifest["format_version"])
     for entry in files:
         file = path / entry["path"]
         num_rows, arrow_schema = _footer(file)
@@ -360,7 +425,8 @@ def read_parquet(path: str | Path) -> ds.Dataset:
     """The step rows of an export as a lazy `pyarrow.dataset.Dataset`, tensor types restored.
 
     Fixed-shape fields come back as ``fixed_shape_tensor`` columns (as in
-    `ExperienceStore.to_arrow`), with role, dtype and shape in the field
+    `ExperienceStore.to_arrow`), bfloat16 fields as the float32 values an export
+    holds (exports of formats 1-3: their uint16 bits), with role, dtype and shape in the field
     metadata and the arrowbuf schema in the schema metadata; a ``final_observation``
     column marks final-observation rows (`ROW_CONVENTION`; not in exports of format
     2). Every step file's content hash is checked first (one pass over the bytes, as
@@ -378,10 +444,14 @@ def read_parquet(path: str | Path) -> ds.Dataset:
     hashed = export.manifest["format_version"] >= 2
     for entry in export.files:
         check_file(export.path / entry["path"], entry, hashed)
-    meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
-    schema = tensor_schema(export.schema, meta)
-    if export.manifest["format_version"] >= 3:
-        schema = export_schema(schema)
+    version = export.manifest["format_version"]
+    if version >= 4:
+        schema = step_schema(export.schema, version, file_metadata(export.store))
+    else:
+        meta = {k.encode(): v.encode() for k, v in file_metadata(export.store).items()}
+        schema = tensor_schema(export.schema, meta)
+        if version >= 3:
+            schema = export_schema(schema)
     checked = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
         page_checksum_verification=True))
     return ds.dataset([str(export.path / e["path"]) for e in export.files], schema=schema, format=checked)

@@ -13,8 +13,9 @@ is flushed, or when the region is full: the episode then continues in a new
 region, whose first row repeats the last observation of the full one (one
 duplicated observation row per region). Pieces of one episode are linked by their
 env and ``first_step`` (the step their first row has in the episode), and each records
-the piece it continues (the table's ``prev_piece``; none after a gap): samples read the
-pieces still held as one episode (`arrowbuf.indexing.PieceChains`).
+the piece it continues (the table's ``prev_piece``; after a gap, the piece before it, so
+the episode keeps its id): samples read the pieces still held, where their steps meet, as
+one episode (`arrowbuf.indexing.PieceChains`).
 
 Regions and the final observations of pieces take rows that are not transitions:
 the arena keeps rows for them beyond the capacity, and a reservation whose rows are
@@ -99,7 +100,7 @@ class OpenRegions:
     def take(self, slots: np.ndarray) -> None:
         """Take the regions of ``slots``: their written steps are dropped, and each env's
         episode continues, from its next step, in a new region."""
-        self.prev[slots] = np.where(self.length[slots] > 0, -1, self.prev[slots])   # written steps dropped: a gap
+        # Written steps dropped: a gap (`piece_chains` links no gap); ``prev`` stays, for the episode's id.
         self.first_step[slots] += self.length[slots]
         self.length[slots] = 0
         self.held[slots] = False

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 import torch
-from tensordict import TensorDict
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
@@ -38,6 +37,8 @@ from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     from arrowbuf.samplers import Selection
 
 MODES = ("circular", "fixed")
@@ -60,6 +61,7 @@ class Episode:
     inserted_at: int | None = None   # ns since the epoch; None = when added (imports keep the original)
     first_step: int = 0   # the step of its first row in its episode: > 0 for a piece that continues one
     open: bool = False    # a piece whose episode goes on (a Ray writer's shipped open steps: `arrowbuf.ray.tails`)
+    prev_piece: int = -1  # serial of the stored piece this one continues (its shard's: `arrowbuf.ray.tails`); -1: none
 
     @property
     def num_rows(self) -> int:
@@ -360,7 +362,8 @@ class Shard:
         episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
                                        has_final=episode.has_final, terminated=terminated, truncated=truncated,
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at, first_step=episode.first_step)
+                                       inserted_at=episode.inserted_at, first_step=episode.first_step,
+                                       prev_piece=episode.prev_piece)
         if self.regions.count:
             self.publish_open()
         return episode_id
@@ -476,8 +479,10 @@ class Shard:
             step = rows - first
             if table.pieces:   # the step within the episode of a piece that continues one
                 step = step + table.ecol("first_step").take(pos)
-        extra = {"index": selection.indices + index_base if index_base else selection.indices,
-                 "episode_id": table.ecol("episode_id").take(pos),
+        # Open steps' indices as tokens that keep naming their step (`arrowbuf.open_indices`).
+        indices = table.public_indices(selection.indices, pos) if table.open_total else selection.indices
+        extra = {"index": indices + index_base if index_base else indices,
+                 "episode_id": table.ecol("episode").take(pos),
                  "step": step.astype(np.int32), **selection.extra}
         obs_rows = next_rows = None
         # Pieces of one episode read as one episode where their rows are held (`PieceChains`).
@@ -547,6 +552,8 @@ class Shard:
 
     def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
         columns = self.columns(first, stop)
+        # What users read: the id of the played episode, not of the piece (`arrowbuf.played`).
+        columns["episode_id"] = np.repeat(self.table.col("episode")[first:stop], self.table.col("num_rows")[first:stop])
         arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in self.specs.items()]
         schema = self.schema.to_arrow()
         return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))

@@ -211,20 +211,23 @@ class ExperienceStore:
         return self._backend.add_many([checked], schema, timeout, shard)[0]
 
     def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
-                     timeout: float | None = None, shard: int | None = None, policy_version: Any = None) -> list[int]:
+                     timeout: float | None = None, shard: int | None = None, policy_version: Any = None,
+                     observations: Sequence[str] | None = None) -> list[int]:
         """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
 
         ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...];
         ``lengths``: None, or E ints in [1, T] (episode e is its first ``lengths[e]`` steps);
         ``env_ids``: one for all or one per episode; ``metadata``: one mapping (or None) per episode;
-        ``policy_version``: one int or one per episode; ``timeout`` (per episode) and ``shard`` as in
-        `add_episode`, which says what it raises. Nothing is stored when a check refuses the batch;
+        ``policy_version``: one int or one per episode; ``observations``: the observation fields' names
+        when this first write infers the schema (default: the T + 1 fields named like observations);
+        ``timeout`` (per episode) and ``shard`` as in `add_episode`, which says what it raises. Nothing is stored when a check refuses the batch;
         episodes refused by a full fixed store or the limiter are counted in the error.
         """
         timeout = check_timeout(timeout)
         shard = check_shard(shard, self.num_shards)
         checked, schema = attach_versions(self, *read_episodes(episodes, self.schema, lengths, env_ids, metadata,
-                                                               keep_tensors=self.storage_device is not None),
+                                                               keep_tensors=self.storage_device is not None,
+                                                               observations=observations),
                                           policy_version, per_episode=True)
         longest = max(e.num_rows - int(e.has_final) for e in checked)
         if longest > self.capacity // self.num_shards:
@@ -278,7 +281,7 @@ class ExperienceStore:
 
     # -- sampling -----------------------------------------------------------------------
 
-    def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
+    def sample(self, batch_size: int | None = None, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
                worker_nodes: Sequence[str] | None = None, keys: list | None = None,
@@ -299,8 +302,11 @@ class ExperienceStore:
         Returns a TensorDict [batch_size] (or [batch_size, L]): the fields at t, ``("next",
         obs)``, ``"index"``, ``"episode_id"``, ``"step"``, the sampler's ``"weight"`` /
         ``"mask"``; its memory is reused only once nothing refers to it. Raises ValueError
-        (a bad argument), EmptyStoreError, RateLimited (after ``timeout``).
+        (a bad argument), TypeError (no ``batch_size``: a store has no default one, as a
+        TorchRL ReplayBuffer has), EmptyStoreError, RateLimited (after ``timeout``).
         """
+        if batch_size is None:
+            raise trl.no_batch_size()
         batch_size = check_int("batch_size", batch_size, 1)
         # The schema matters only for n_step > 1 (and is 4 calls deep): not read otherwise.
         args = check_sample_args(n_step, gamma, frame_stack, self.schema if n_step != 1 else None)
@@ -521,6 +527,6 @@ class ExperienceStore:
     def __reduce__(self) -> tuple:   # a Ray store arrives attached in Ray tasks and actors
         return reduce_store(self, self._backend)
     # TorchRL's replay-buffer verbs (`arrowbuf.torchrl_layout`; each refusal names arrowbuf's own verb)
-    extend, update_priority, dumps, loads = trl.extend, trl.update_priority, trl.dumps, trl.loads
+    add, extend, update_priority, dumps, loads = trl.add, trl.extend, trl.update_priority, trl.dumps, trl.loads
     __getitem__, __iter__, state_dict, load_state_dict = trl.getitem, trl.iterate, trl.state_dict, trl.load_state_dict
     update_tensordict_priority = trl.update_tensordict_priority

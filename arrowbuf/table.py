@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.indexing import RunLookup, run_lookup
+from arrowbuf.open_indices import TOKEN, TailIndices, split, tokens
+from arrowbuf.played import episodes_arrow, group_played
 
 _COLUMNS: dict[str, Any] = {
     "episode_id": np.int64,
@@ -35,10 +37,15 @@ _COLUMNS: dict[str, Any] = {
     "first_index": np.int64,
     "first_step": np.int64,   # step of the first row within its episode: > 0 for a piece that continues one
     "prev_piece": np.int64,   # serial (k-th added) of the piece this one continues, its steps just before; -1: none
+    "episode": np.int64,      # the played episode's id (users' ``episode_id``): the id of its first piece
+    "tail": np.int64,         # uid of the open tail this entry is or was (`arrowbuf.open_indices`); -1: none
 }
 
 #: Columns a state may lack (written before they existed), with their value then.
-_OPTIONAL = {"first_step": 0, "prev_piece": -1}
+_OPTIONAL = {"first_step": 0, "prev_piece": -1, "tail": -1}
+#: Continuing pieces remembered per env after they leave the table, so that the piece which
+#: continues one still finds its episode's id (a writer's continuing piece is among its env's newest).
+_TIPS_PER_ENV = 64
 
 
 #: Names in states written before "rank" became "index" (checkpoints of format 2
@@ -103,6 +110,12 @@ class EpisodeTable:
         self.open_total = 0       # their transitions
         self._open_longest = 0
         self.pieces = False       # whether a live or open entry continues an episode (first_step > 0)
+        # env code -> {serial: episode id} of the newest pieces that an episode may go on from
+        # (not terminated or truncated): the id a continuing piece takes once its previous one left.
+        self._tips: dict[int, dict[int, int]] = {}
+        self._tails = TailIndices()   # open steps' indices that keep naming their step
+        self._unmatched = 0           # serial of the first piece not yet matched to a tail (`_match_sealed`)
+        self._played_count: tuple[Any, int] | None = None   # `num_played`'s last answer, by the state it read
 
     def __len__(self) -> int:
         return self.tail - self.head
@@ -164,9 +177,13 @@ class EpisodeTable:
         cols["truncated"][i:stop] = False
         cols["first_step"][i:stop] = first_step
         cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
+        cols["episode"][i:stop] = self._episodes_of(cols["env"][i:stop], cols["prev_piece"][i:stop])
+        self._match_sealed()
+        cols["tail"][i:stop] = self._tails.publish(cols["first_row"][i:stop], cols["first_step"][i:stop])
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
         self._num_open = n
+        self._played_count = None
         self.open_total = int(ends[-1]) if n else 0
         self._open_longest = int(length.max()) if n else 0
         self.pieces = self.pieces or bool(n and first_step.any())
@@ -255,8 +272,14 @@ class EpisodeTable:
         cols["inserted_at"][i] = time.time_ns() if inserted_at is None else inserted_at
         cols["first_step"][i] = first_step
         cols["prev_piece"][i] = prev_piece
-        if first_step:
+        cols["tail"][i] = -1   # or the uid of the tail it was: `_match_sealed`
+        episode = self._episode_of(code, prev_piece) if prev_piece >= 0 else -1
+        root = episode_id if episode < 0 else episode
+        cols["episode"][i] = root
+        if first_step or episode >= 0:
             self.pieces = True
+        if prev_piece >= 0 or not (terminated or truncated):
+            self._note_tip(code, prev_piece, serial, root, bool(terminated or truncated))
         counters = self._counters
         index = counters["index"][1]
         first_index = index[0]
@@ -281,9 +304,39 @@ class EpisodeTable:
         else:
             self._push_longest(serial, length)
         self.tail = i + 1
-        self._lookup = None
+        self._lookup = self._played_count = None
         self.episodes_added = serial + 1
         return episode_id
+
+    def _episode_of(self, code: int, prev_piece: int) -> int:
+        """The episode id of a piece that continues the ``prev_piece``-th one (of env ``code``):
+        that piece's, live or remembered; -1 when unknown (no previous piece, or forgotten)."""
+        if prev_piece < 0:
+            return -1
+        pos = prev_piece - (self.episodes_added - len(self))
+        if 0 <= pos < len(self):
+            return int(self._cols["episode"][self.head + pos])
+        return self._tips.get(code, {}).get(prev_piece, -1)
+
+    def _episodes_of(self, codes: np.ndarray, prev_piece: np.ndarray) -> np.ndarray:
+        """`_episode_of` of many pieces (vectorized over the live ones)."""
+        pos = prev_piece - (self.episodes_added - len(self))
+        live = (prev_piece >= 0) & (pos >= 0) & (pos < len(self))
+        episode = np.where(live, self._cols["episode"][self.head:self.tail].take(np.where(live, pos, 0), mode="clip")
+                           if len(self) else -1, -1)
+        for k in np.flatnonzero((prev_piece >= 0) & ~live).tolist():
+            episode[k] = self._episode_of(int(codes[k]), int(prev_piece[k]))
+        return episode
+
+    def _note_tip(self, code: int, prev_piece: int, serial: int, episode: int, ended: bool) -> None:
+        """The piece ``serial`` of env ``code`` may be continued (unless ``ended``); the one it
+        continues no longer will be."""
+        tips = self._tips.setdefault(code, {})
+        tips.pop(prev_piece, None)
+        if not ended:
+            tips[serial] = episode
+            if len(tips) > _TIPS_PER_ENV:
+                del tips[next(iter(tips))]
 
     def _push_longest(self, serial: int, length: int) -> None:
         while self._longest and self._longest[-1][1] <= length:
@@ -297,7 +350,8 @@ class EpisodeTable:
     def pop_oldest(self, count: int) -> None:
         """Drop the ``count`` oldest episodes."""
         self.head += count
-        self._lookup = None
+        self._tails.forget_before(self.episodes_added - len(self))
+        self._lookup = self._played_count = None
         first_serial = self.episodes_added - len(self)
         while self._longest and self._longest[0][0] < first_serial:
             self._longest.popleft()
@@ -324,8 +378,9 @@ class EpisodeTable:
         self.head = self.tail = 0
         self._num_open = self.open_total = self._open_longest = 0
         self.pieces = False
+        self._tails.clear()
         self._longest.clear()
-        self._lookup = None
+        self._lookup = self._played_count = None
 
     def resume(self, episodes_added: int, next_index: int) -> None:
         """Continue the numbering of another table: the next episode is the
@@ -370,6 +425,8 @@ class EpisodeTable:
         n = len(columns.get("episode_id", ()))
         columns = {**{name: np.full(n, value, self._cols[name].dtype) for name, value in _OPTIONAL.items()},
                    **columns}
+        if "episode" not in columns and "episode_id" in columns:   # written before: each piece its own episode
+            columns["episode"] = np.asarray(columns["episode_id"], np.int64).copy()
         missing = sorted(set(self._cols) - set(columns))
         if missing:
             raise ValueError(f"episode table state lacks column(s) {missing}")
@@ -396,9 +453,16 @@ class EpisodeTable:
             serial[0] = int(state["counters"][name])
         self.head, self.tail = 0, n
         self._num_open = self.open_total = self._open_longest = 0
-        self.pieces = bool(np.any(self._cols["first_step"][:n]))
+        self.pieces = bool(np.any(self._cols["first_step"][:n]) or
+                           np.any(self._cols["episode"][:n] != self._cols["episode_id"][:n]))
+        self._tips = {}
+        self._tails = TailIndices()
+        tails = self._cols["tail"][:n]
+        self._tails.sealed = {int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0}
+        self._tails.next_uid = int(tails.max()) + 1 if n else 0
+        self._unmatched = self.episodes_added
         self._longest.clear()
-        self._lookup = None
+        self._lookup = self._played_count = None
         for k, length in enumerate(self._cols["length"][:n].tolist()):
             self._push_longest(self.episodes_added - n + k, length)
         if self._index_episode is not None:   # rebuild the index -> episode map of the live episodes
@@ -462,6 +526,46 @@ class EpisodeTable:
         pos = np.searchsorted(first, units, side="right") - 1
         return pos, units - first.take(pos)
 
+    def public_indices(self, indices: np.ndarray, pos: np.ndarray | None = None) -> np.ndarray:
+        """``indices`` as users get them: a provisional one (an open tail's) as a token that
+        keeps naming its step (`arrowbuf.open_indices`); ``pos``: their `locate` positions."""
+        if not self._num_open:
+            return indices
+        provisional = indices >= self.next_index
+        if not provisional.any():
+            return indices
+        out = np.array(indices, np.int64, copy=True)
+        p = self._locate_open(indices[provisional])[0] if pos is None else np.broadcast_to(pos, indices.shape)[provisional]
+        out[provisional] = tokens(indices[provisional], self.ecol("first_index").take(p), self.ecol("tail").take(p))
+        return out
+
+    def _match_sealed(self) -> None:
+        """Give the pieces sealed since the last publish the uids of the tails they were."""
+        first = max(self._unmatched, self.episodes_added - len(self))
+        if first < self.episodes_added and self._tails.any:
+            a, b = self.head + first - (self.episodes_added - len(self)), self.tail
+            self._cols["tail"][a:b] = self._tails.seal(self._cols["first_row"][a:b], self._cols["first_step"][a:b],
+                                                       np.arange(first, self.episodes_added))
+        self._unmatched = self.episodes_added
+
+    def resolve(self, indices: np.ndarray) -> np.ndarray:
+        """Users' ``indices`` (tokens included) as this table's indices of the same steps
+        now; -1 for a step no longer held (or a number never handed out)."""
+        out = np.where(indices < self.next_index, indices, -1)
+        token = np.flatnonzero(indices >= TOKEN)
+        if not len(token):
+            return out
+        self._match_sealed()
+        uid, offset = split(indices[token])
+        base = self.episodes_added - len(self)
+        tails = {int(u): len(self) + k for k, u in enumerate(self.ecol("tail")[len(self):].tolist())}
+        for k, u, off in zip(token.tolist(), uid.tolist(), offset.tolist()):
+            serial = self._tails.sealed.get(u)
+            pos = serial - base if serial is not None and serial >= base else tails.get(u, -1)
+            if pos >= 0 and off < self.ecol("length")[pos]:
+                out[k] = self.ecol("first_index")[pos] + off
+        return out
+
     def rows_of(self, indices: np.ndarray) -> np.ndarray:
         """Arena rows of live transition indices."""
         pos, offset = self.locate(indices)
@@ -478,41 +582,20 @@ class EpisodeTable:
     def metadata(self) -> list[Any]:
         return self._metadata[self.head:self.tail]
 
-    def to_arrow(self, include_open: bool = False) -> pa.Table:
-        """The live episodes as an Arrow table (a snapshot); with ``include_open``, the
-        open tails follow (episode_id -1, ``open`` True, return NaN, provisional first_index)."""
-        col = self.ecol if include_open else self.col
-        n = len(self) + (self._num_open if include_open else 0)
-        env = pa.DictionaryArray.from_arrays(pa.array(col("env")), pa.array(self.env_names, pa.string()))
-        meta = self.metadata() + ([None] * self._num_open if include_open else [])
-        ret = col("return").copy()
-        ret[len(self):] = np.nan
-        inserted = col("inserted_at").copy()
-        inserted[len(self):] = time.time_ns()
-        columns = {
-            "episode_id": col("episode_id"),
-            "env_id": env.dictionary_decode() if n else pa.array([], pa.string()),
-            "shard": np.full(n, self.shard, np.int32),
-            "first_row": col("first_row"),
-            "num_rows": col("num_rows"),
-            "length": col("length"),
-            "has_final": col("has_final"),
-            "terminated": col("terminated"),
-            "truncated": col("truncated"),
-            "return": ret,
-            "inserted_at": pa.array(inserted, pa.timestamp("ns")),
-            "first_index": col("first_index"),
-        }
-        if include_open or self.pieces:   # pieces of episodes (`arrowbuf.regions`): the step each starts at
-            columns["first_step"] = col("first_step")
-        if include_open:
-            columns["open"] = np.arange(n) >= len(self)
-        # Copies (one value per episode): a table handed out must not change when
-        # `clear` and new writes reuse these slots.
-        table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(v.copy()) for k, v in columns.items()})
-        if any(m is not None for m in meta):
-            table = table.append_column("metadata", pa.array(meta, pa.string()))
-        return table
+    def num_played(self, open_pieces: np.ndarray | None = None) -> int:
+        """Played episodes with a stored step whose end is stored too (the rows of `to_arrow`):
+        a piece of an episode that goes on does not count it yet (`arrowbuf.played`)."""
+        if not self.pieces and open_pieces is None:
+            return len(self)
+        key = None if open_pieces is None else open_pieces.tobytes()
+        if self._played_count is None or self._played_count[0] != key:
+            self._played_count = (key, int(np.count_nonzero(~group_played(self, open_pieces).open)))
+        return self._played_count[1]
+
+    def to_arrow(self, include_open: bool = False, open_pieces: np.ndarray | None = None) -> pa.Table:
+        """The live episodes as an Arrow table (a snapshot), one row per played episode
+        (`arrowbuf.played.episodes_arrow`)."""
+        return episodes_arrow(self, include_open, open_pieces)
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` entries from ``head`` (open tails published after the sealed ones)."""

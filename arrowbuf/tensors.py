@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 def pinned(pin_memory: bool, device: torch.device | None) -> bool:

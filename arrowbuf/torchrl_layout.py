@@ -23,21 +23,26 @@ across the cut (the transition keeps its true next observation and flags);
 n-step returns and sequence windows stop at it, as TorchRL's ``MultiStep``
 stops at a batch's end. Nothing is held back between calls.
 
-Keys: those under both the root and ``"next"`` that name observations
-(`arrowbuf.schema.looks_like_observation`, or the store's observation fields)
-are stored once, as observation fields (T+1 rows); the other ``"next"`` keys
+Keys: those under both the root and ``"next"`` (the observation, and whatever
+else the env carries from step to step: ``step_count``, ``episode_reward``, a
+recurrent state) are stored once, as observation fields (T+1 rows: step t's
+value at the root, its ``"next"`` value on row t+1, the episode's last one as its
+final row), so a sample gives both back, ``("next", "step_count")`` included;
+a store whose schema exists keeps its own observation fields (a key it stores as
+a step field is stored from the root only). The other ``"next"`` keys
 (``reward``, ``terminated``, ``truncated``, ...) are step fields of step t;
 ``("next", "done")`` is not stored (it is ``terminated | truncated``); the root
 flags (``done`` / ``terminated`` / ``truncated`` at t, the previous step's) and
-the ``"collector"`` entries are not stored. A key under both that does not name
-an observation (``step_count``) is stored from the root only.
+the ``"collector"`` entries are not stored.
 
 `to_torchrl` turns a sampled batch into what TorchRL's losses read:
 ``"observation"`` (renamed from arrowbuf's ``"obs"`` when the store has no
 ``"observation"`` field), ``("next", "observation")``, ``("next", "reward")``,
 ``("next", "done" / "terminated" / "truncated")`` with TorchRL's trailing
-dimension of 1, and ``"priority_weight"`` (the prioritized sampler's weights,
-where TorchRL's losses look for them).
+dimension of 1, ``"priority_weight"`` (the prioritized sampler's weights,
+where TorchRL's losses look for them), and, for n-step samples,
+``"steps_to_next_obs"`` (the steps summed, as TorchRL's ``MultiStep`` writes them:
+its value estimators discount the bootstrap by gamma to that power).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from arrowbuf.errors import SchemaError, describe
-from arrowbuf.schema import FLAG_NAMES, Schema, looks_like_observation
+from arrowbuf.schema import FLAG_NAMES, Schema
 
 LAYOUTS = ("arrowbuf", "torchrl")
 # Root keys a collector writes that are not step data: the flags at t repeat the
@@ -63,7 +68,8 @@ _NEXT_STEP_FIELDS = ("reward", "terminated", "truncated")
 _PAD_FACTOR = 2
 
 
-def episodes_of_collector_batch(td: Any, schema: Schema | None) -> list[tuple[dict, np.ndarray, list, list]]:
+def episodes_of_collector_batch(td: Any, schema: Schema | None
+                                ) -> tuple[list[tuple[dict, np.ndarray, list, list]], list[str]]:
     """The episodes of a TorchRL collector batch, as `ExperienceStore.add_episodes` arguments.
 
     Args:
@@ -72,7 +78,8 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None) -> list[tuple[di
 
     Returns:
         Groups of episodes, each (columns [E, L(+1), ...], lengths, env_ids, metadata),
-        whose episodes are in the batch's order (env by env, oldest first) within a group.
+        whose episodes are in the batch's order (env by env, oldest first) within a group;
+        and the observation fields' names (dotted), for a store that infers its schema.
 
     Raises:
         ValueError: ``td`` is not such a TensorDict.
@@ -84,7 +91,7 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None) -> list[tuple[di
                          f"('next', 'done'), ...), got {_describe_td(td)}; whole episodes as arrays go to "
                          "add_episodes, steps to writer()")
     if td.numel() == 0:
-        return []
+        return [], []
     rows, steps = (1, td.batch_size[0]) if td.batch_dims == 1 else tuple(td.batch_size)
     flat = td.reshape(-1)
     nxt = flat.get("next")
@@ -102,7 +109,7 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None) -> list[tuple[di
     if ("collector", "mask") in flat.keys(include_nested=True):
         keep = keep[flat.get(("collector", "mask")).reshape(-1).bool().cpu()]
     if len(keep) == 0:
-        return []
+        return [], []
     traj = flat.get(("collector", "traj_ids"), None)
     traj = traj.reshape(-1).cpu()[keep] if traj is not None else None
     cut = done.cpu()[keep].clone()
@@ -127,7 +134,7 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None) -> list[tuple[di
     next_obs = {key: nxt.get(key) for key in observations}
     return [_group(columns, next_obs, keep, starts[g], lengths[g],
                    [env_ids[i] for i in g.tolist()], [metadata[i] for i in g.tolist()])
-            for g in _groups(lengths)]
+            for g in _groups(lengths)], [_dotted(key) for key in observations]
 
 
 def to_torchrl(batch: TensorDict, schema: Schema | None) -> TensorDict:
@@ -157,6 +164,8 @@ def to_torchrl(batch: TensorDict, schema: Schema | None) -> TensorDict:
     if flags:
         done = flags[0] | flags[1] if len(flags) == 2 else flags[0].clone()
         batch.set(("next", "done"), done)
+    if "n_steps" in keys:   # n-step targets: TorchRL's value estimators discount by gamma ** steps_to_next_obs
+        batch.set("steps_to_next_obs", batch.get("n_steps").unsqueeze(-1))
     if "weight" in keys:
         batch.set("priority_weight", batch.get("weight"))
     return batch
@@ -223,9 +232,32 @@ def extend(store: Any, td: Any, *, timeout: float | None = None) -> list[int]:
         SchemaError, CapacityError, RateLimited: as `ExperienceStore.add_episodes`.
     """
     ids: list[int] = []
-    for columns, lengths, env_ids, metadata in episodes_of_collector_batch(td, store.schema):
-        ids += store.add_episodes(columns, lengths=lengths, env_ids=env_ids, metadata=metadata, timeout=timeout)
+    groups, observations = episodes_of_collector_batch(td, store.schema)
+    for columns, lengths, env_ids, metadata in groups:
+        ids += store.add_episodes(columns, lengths=lengths, env_ids=env_ids, metadata=metadata, timeout=timeout,
+                                  observations=observations)
     return ids
+
+
+def add(store: Any, td: Any) -> None:
+    """Refused (TypeError), naming `extend` and `ExperienceStore.writer`.
+
+    TorchRL's ``rb.add(td)`` stores one transition in one slot. Here a transition
+    stored alone would be an episode of one step, holding its next observation in
+    a row of its own: a store filled that way would keep half its capacity in
+    transitions, and n-step returns would stop at every step. Batches of steps
+    (`extend`) and step writers keep an episode's steps together.
+    """
+    raise _refused("add(td) of one transition", "extend it with the collector batch the transition belongs to "
+                   "(store.extend(td) takes [T] or [num_envs, T]), or write steps one at a time with "
+                   "w = store.writer(num_envs); w.add(obs=..., action=..., reward=..., terminated=..., "
+                   "truncated=..., next_obs=...), which keeps an episode's steps together")
+
+
+def no_batch_size() -> TypeError:
+    """The error of ``store.sample()`` without a batch size, naming ``sample(batch_size, ...)``."""
+    return _refused("default batch size (sample() with no size)", "give it per call: store.sample(batch_size, "
+                    "layout='torchrl') for TorchRL's keys, or store.sample_iter(batch_size) for endless batches")
 
 
 def update_priority(store: Any, index: Any, priority: Any) -> int | None:
@@ -302,15 +334,15 @@ def _root_key(key: Any) -> bool:
 
 
 def _observation_keys(root_keys: set, next_keys: set, schema: Schema | None) -> list:
-    """Keys stored once as observation fields: under both the root and "next", and
-    named as observations (or the store's observation fields)."""
+    """Keys stored once as observation fields: under both the root and "next" (TorchRL
+    moves each "next" value to the root of the following step), or, once the store has
+    a schema, those of them it stores as observation fields."""
     declared = set(schema.observation_names) if schema is not None else None
-    found = []
-    for key in sorted(root_keys & next_keys, key=str):
-        name = ".".join(key) if isinstance(key, tuple) else key
-        if (name in declared) if declared is not None else looks_like_observation(name):
-            found.append(key)
-    return found
+    return [key for key in sorted(root_keys & next_keys, key=str) if declared is None or _dotted(key) in declared]
+
+
+def _dotted(key: Any) -> str:
+    return ".".join(key) if isinstance(key, tuple) else key
 
 
 def _flag(value: torch.Tensor, name: str) -> torch.Tensor:

@@ -1,18 +1,31 @@
-"""Policy versions: which policy chose each step, and draws of fresh steps only.
+"""Policy versions: which policy chose each step, draws of fresh steps, eviction of stale ones.
 
 Asynchronous trainers collect with one policy version while they train another; a
 step's ``"policy_version"`` (int64, a step field like any other: sampled, exported,
-checkpointed) says which policy chose its action. A step without one has version 0.
+checkpointed) says which policy chose its action. A step without one has version 0
+(the column is derived, `VERSION_FIELD`).
 
-- `fresh_selection`: a uniform draw of transitions whose version is at least
-  ``min_version``, without rejection: a draw over the qualifying transitions kept as
-  spans of episode steps (`arrowbuf._version_spans`), O(batch) once they are known.
-- `stale_episodes`: how many of the oldest episodes hold only steps older than a
-  version, which `ShardEngine.evict` then frees. Eviction stays FIFO: it stops at the
-  first episode with a step of that version or newer, so it never leaves a hole in
-  the ring (older episodes behind a fresher one stay until the ring overwrites them).
+- Writes: `attach_versions` gives read episodes their column (`with_version`: an
+  int, one per step, or one per episode), and a writer's steps get theirs checked
+  non-decreasing per env (`step_versions`, `next_versions`). A local store gains
+  the column at its first versioned write (0 in every row written before); a Ray
+  store needs it from its first write on.
+- Draws: `fresh_selection` draws transitions of version >= ``min_version``,
+  uniformly over the qualifying ones kept as spans of episode steps
+  (`arrowbuf._version_spans`: no rejection, O(batch) once they are known), or
+  weighted by a `arrowbuf.freshness.FreshnessSampler` above the bound.
+  `span_selection` is the one uniform draw over spans: a local store's generic
+  and plain paths (`arrowbuf.direct`) and a Ray reader's views
+  (`arrowbuf.ray.fresh`) all draw through it. `fresh_indices` lists the
+  qualifying transitions for epochs; `sample_fresh`, `check_fresh_iter` and
+  `epochs_fresh` take the store's ``min_version`` keywords to its backend.
+- Eviction: `stale_episodes` counts the oldest episodes that hold only steps
+  older than a version, which `evict_stale` frees (`ShardEngine.evict`; the
+  store's `evict` through `evict_older`). Eviction stays FIFO: it stops at the
+  first episode with a step of that version or newer, so it never leaves a hole
+  in the ring (older episodes behind a fresher one stay until the ring
+  overwrites them).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -69,17 +82,20 @@ def fresh_selection(rng: np.random.Generator, n: int, shard: Shard, min_version:
     return span_selection(rng, n, spans, shard.table)
 
 
-def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable) -> Selection:
-    """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes)."""
+def span_selection(rng: np.random.Generator, n: int, spans: Spans, table: EpisodeTable,
+                   out: np.ndarray | None = None) -> Selection:
+    """``n`` transitions drawn uniformly among those of ``spans`` (of ``table``'s live episodes),
+    their indices written into ``out`` (int64 ``[n]``) when given: the one draw of ``min_version``
+    (a local store's `fresh_selection`, its plain path `arrowbuf.direct`, a Ray reader's views)."""
     if spans.first >= 0:   # one run of indices (`Spans.first`): the draw below, located as a plain sample's
-        return select_indices(table, uniform_indices(rng, n, spans.first, spans.first + spans.total))
+        return select_indices(table, uniform_indices(rng, n, spans.first, spans.first + spans.total, out))
     k, offset = spans.draw(uniform_indices(rng, n, 0, spans.total))
     pos = spans.pos.take(k)
     step = spans.step0.take(k) + offset
     rows = spans.row0.take(k) + offset
     if table.pieces:   # the step within the episode of a piece that continues one
         step += table.col("first_step").take(pos)
-    return Selection(rows, spans.index0.take(k) + offset, pos, {}, step)
+    return Selection(rows, np.add(spans.index0.take(k), offset, out=out), pos, {}, step)
 
 
 def fresh_indices(shard: Shard, min_version: int) -> np.ndarray:

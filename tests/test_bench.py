@@ -194,10 +194,11 @@ def test_a_saved_run_is_written_into_the_tables_of_docs_performance_md_and_nowhe
     assert page.read_text() == written   # a second write of the same run changes nothing
 
 
-def test_the_default_docs_page_is_docs_performance_md_and_docs_needs_markdown():
+def test_the_default_docs_page_is_docs_performance_md_and_docs_without_markdown_runs_nothing():
     run = bench("--help")
     assert run.returncode == 0 and str(ROOT / "docs" / "performance.md") in " ".join(run.stdout.split())
-    run = bench("--docs")
+    assert str(ROOT / "README.md") in " ".join(run.stdout.split())
+    run = bench("--docs", "--only", "W1")   # --docs alone rewrites the README's section: it runs nothing
     assert run.returncode == 2 and "pass --markdown too" in run.stderr
     head, _, tail = around_the_tables((ROOT / "docs" / "performance.md").read_text())
     assert BEGIN not in tail and END not in head   # one pair of markers, in order
@@ -301,3 +302,88 @@ def test_the_mix_big_dataset_option_builds_in_chunks_resumes_and_samples_within_
     assert metric.detail["build"]["big"]["chunks_reused"] == 3   # the dataset built above, reused
     assert metric.met, metric.detail   # peak RSS over the child's imports within resident_limit + 200 MB
     assert any("big dataset:" in note for note in notes)
+
+
+# -- the README's performance section (tools/bench/summary.py) ------------------------------------------
+
+README_BEGIN, README_END = "<!-- bench summary: begin", "<!-- bench summary: end"
+
+
+def bench_module(name: str):
+    """A module of the benchmark package ``tools/bench`` (imported as ``bench.<name>``)."""
+    import importlib
+
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    return importlib.import_module(f"bench.{name}")
+
+
+def test_the_readmes_performance_section_is_what_docs_renders_from_the_performance_pages_tables():
+    # Issue 36: the README quoted a run of 2026-12-03 and a "Not met yet" list later runs changed.
+    report, summary = bench_module("report"), bench_module("summary")
+    tables = summary.read_tables(report.between((ROOT / "docs" / "performance.md").read_text()))
+    readme = (ROOT / "README.md").read_text()
+    written = report.between(readme, (README_BEGIN, README_END))
+    assert written == summary.summary(tables) + "\n", "README.md's performance section is stale: run " \
+        "`python tools/bench.py --docs`"
+    assert f"run on {tables.date}," in written and tables.date == "2026-12-05"
+    missed = [f"{w} {m}" for w, rows in tables.cells.items() for m, row in rows.items() if row["met"] == "NO"]
+    listed = written.split("**Not met yet**", 1)[1]
+    assert len(missed) == 9 and all(f"  - {name}: " in listed for name in missed)
+    assert listed.count("\n  - ") == len(missed)
+
+
+def test_docs_alone_rewrites_the_readmes_section_from_the_pages_tables_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    real = (ROOT / "README.md").read_text()
+    head, rest = real.split(README_BEGIN, 1)
+    marker, rest = rest.split("\n", 1)
+    readme.write_text(head + README_BEGIN + marker + "\nstale numbers\n" + rest[rest.index(README_END):])
+    run = bench("--docs", str(ROOT / "docs" / "performance.md"), "--readme", str(readme))
+    assert run.returncode == 0, run.stderr
+    assert readme.read_text() == real
+    page = tmp_path / "performance.md"
+    page.write_text("no markers\n")
+    run = bench("--docs", str(page), "--readme", str(readme))
+    assert run.returncode == 2 and "bench tables: begin" in run.stderr and readme.read_text() == real
+
+
+def test_a_run_records_its_date_and_a_partial_run_leaves_the_readme_as_it_is(onpolicy, tmp_path):
+    saved = onpolicy[1]
+    assert len(saved["meta"]["date"]) == 10 and saved["meta"]["date"][:2] == "20"
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    page, readme = tmp_path / "performance.md", tmp_path / "README.md"
+    page.write_text((ROOT / "docs" / "performance.md").read_text())
+    readme.write_text((ROOT / "README.md").read_text())
+    run = bench("--markdown", str(path), "--docs", str(page), "--readme", str(readme))
+    assert run.returncode == 0, run.stderr
+    assert f"Run on {saved['meta']['date']}. Ratios:" in page.read_text()
+    assert readme.read_text() == (ROOT / "README.md").read_text()   # an ONPOLICY run is not a full one
+    assert "left the performance section" in run.stderr and "lack W1" in run.stderr
+
+
+def test_the_tables_read_back_are_the_cells_a_saved_run_renders(onpolicy, seed, tmp_path):
+    report, summary = bench_module("report"), bench_module("summary")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"meta": onpolicy[1]["meta"], "workloads": onpolicy[1]["workloads"]
+                                + seed[1]["workloads"]}))
+    results, meta = report.load(str(path))
+    tables = summary.read_tables(report.markdown(results, meta))
+    assert list(tables.cells) == ["ONPOLICY", "SEED"] and tables.date == meta["date"]
+    for res in results:
+        header = ["metric", *(res.label(c) for c in res.contenders), *res.ratio_columns, "target", "met"]
+        assert [list(row.values()) for row in tables.cells[res.name].values()] == list(report._cells(res, False))
+        assert all(list(row) == header for row in tables.cells[res.name].values())
+
+
+def test_the_not_met_list_names_each_missed_bound_with_its_ratio_and_the_count_of_targets():
+    summary = bench_module("summary")
+    text = ("**W9**: a workload\n\n| metric | a/b | c/d | target | met |\n|:--|--:|--:|:--|:-:|\n"
+            "| add rows/s | 0.40 [0.30-0.50] | 5.00 | a/b >= 0.5, c/d >= 3 | NO |\n"
+            "| sample batches/s | 1.20 | - | a/b >= 1.0 | yes |\n| size | 1.0 | - | completes | NO |\n"
+            "| info row | 2.0 | - | info |  |\n\nRun on 2026-12-05. Ratios: median over 3 rounds, 2 CPUs\n")
+    tables = summary.read_tables(text)
+    assert (tables.date, tables.cpus, tables.rounds) == ("2026-12-05", "2", "3")
+    assert summary.not_met(tables) == (["W9 add rows/s: a/b 0.40 [0.30-0.50] (target >= 0.5)",
+                                        "W9 size: target completes"], 3)

@@ -155,6 +155,9 @@ EDITS = {
     "limiter counter": (_set(("rate_limiter", "samples"), -5), "rate_limiter.samples is -5"),
     "episode ids": (_set(("shard", "table", "episodes_added"), 3), "episodes_added"),
     "capacity": (_set(("store", "capacity"), 0), "store.capacity is 0"),
+    "played episode after the piece": (_set(("shard", "table", "columns", "episode"),
+                                            lambda s: s["shard"]["table"]["columns"]["episode_id"] + 1),
+                                       "each <= its own episode_id"),
 }
 
 
@@ -359,3 +362,53 @@ def test_a_second_ray_save_is_a_new_generation_that_writes_only_the_new_episodes
         store.close()
         if loaded is not None:
             loaded.close()
+
+
+def _open_writer_store() -> tuple[ab.ExperienceStore, ab.StepWriter]:
+    """A local store and its writer named "runner", holding 2 envs' open episodes of 3 steps."""
+    store = ab.ExperienceStore(100, seed=0)
+    writer = store.writer(2, autoreset_mode="disabled", name="runner")
+    for t in range(3):
+        obs = np.full((2, 3), t, np.float32)
+        writer.add(obs=obs, action=np.full(2, t, np.int64), reward=np.ones(2, np.float32),
+                   terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=obs + 1)
+    return store, writer   # the store holds its writers weakly: save sees only those kept
+
+
+def test_a_writer_state_claiming_more_open_steps_than_it_staged_is_refused_naming_pos(tmp_path):
+    # It loaded: len 9 instead of 6, and the 3 extra steps were arena rows never written.
+    store, _writer = _open_writer_store()
+    assert len(store) == 6
+    store.save(tmp_path / "ckpt")
+
+    def more_steps(state: dict) -> None:
+        state["writers"]["runner"]["pos"] = state["writers"]["runner"]["pos"] + np.array([3, 0])
+
+    edit_checkpoint(tmp_path / "ckpt", more_steps)
+    with pytest.raises(ab.FormatError, match=r"manifest.json: writers.runner.pos is .*6.*; expected step counts "
+                                             r"of at most the 3 staged rows"):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
+def test_a_writer_state_with_open_steps_but_no_last_observation_is_refused(tmp_path):
+    store, _writer = _open_writer_store()
+    store.save(tmp_path / "ckpt")
+    edit_checkpoint(tmp_path / "ckpt", lambda state: state["writers"]["runner"]["last_next"].clear())
+    with pytest.raises(ab.FormatError, match=r"writers.runner.last_next is .*; expected the observation after"):
+        ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
+def test_a_ray_shards_saved_open_pieces_must_name_its_live_pieces():
+    from arrowbuf.ray.tails import OpenPieces
+
+    store = wrapped_store("w1")   # evicted its oldest episodes: serials start past 0
+    table = store.engine.table
+    head, added = table.episodes_added - len(table), table.episodes_added
+    pieces = OpenPieces()
+    pieces.load([["writer-a", "env-0", [added - 2, added - 1]], [None, "env-1", [head]]], table, "ckpt")
+    assert pieces.state(table) == [["writer-a", "env-0", [added - 2, added - 1]], [None, "env-1", [head]]]
+    for bad in ([["writer-a", "env-0", [added]]], [["writer-a", "env-0", [head - 1]]], [["w", "env-0", []]],
+                [["w", 3, [head]]], {"w": [head]}, [["w", "env-0", [True]]]):
+        with pytest.raises(ab.FormatError, match=r"ckpt: store.open_pieces has .*; expected \[writer id, env id, "
+                                                 rf"serials of live pieces in \[{head}, {added}\)\]"):
+            OpenPieces().load(bad, table, "ckpt")

@@ -393,6 +393,62 @@ def test_flipped_bytes_in_a_cache_raise_format_error_or_read_the_same_rows(tmp_p
     assert outcomes["rejected"] >= 40, outcomes
 
 
+def _damage(path: Path, rng: np.random.Generator, keep: str) -> None:
+    """Flip one bit of ``path`` and hide it as ``keep`` does: "utime" restores the mtime (and
+    atime), "cp -p" copies the damaged file over the cache file keeping its times (as rsync -t)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+    if keep == "utime":
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    else:
+        damaged = path.with_name("damaged")
+        damaged.write_bytes(bytes(data))
+        os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        subprocess.run(["cp", "-p", str(damaged), str(path)], check=True)
+        damaged.unlink()
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_size == stat.st_size
+
+
+@pytest.mark.parametrize("keep", ["utime", "cp -p"])
+def test_damage_that_keeps_the_mtime_is_caught_without_verify_and_never_sampled(tmp_path, keep, monkeypatch):
+    # Hashes were checked only when the mtime changed: 18 of 64 such damages loaded wrong values.
+    from arrowbuf import _dataset_cache
+
+    export = _store(seed=0, episodes=30).to_parquet(tmp_path / "export")   # rows.arrow is mostly values
+    pristine = ab.open_dataset(export).to_arrow()
+    cache = export / ".arrowbuf-cache"
+    originals = {name: (cache / name).read_bytes() for name in ("rows.arrow", "episodes.arrow")}
+    times = {name: (cache / name).stat() for name in originals}   # as the manifest records them
+    rng = np.random.default_rng(1)
+    errors, wrong = [], []
+    for trial in range(16):
+        name = list(originals)[trial % 2]
+        _damage(cache / name, rng, keep)
+        try:
+            dataset = ab.open_dataset(export, rebuild=False)
+        except FormatError as err:
+            errors.append(str(err))
+        else:
+            if not dataset.to_arrow().equals(pristine):
+                wrong.append((trial, name))
+            dataset.close()
+        (cache / name).write_bytes(originals[name])
+        os.utime(cache / name, ns=(times[name].st_atime_ns, times[name].st_mtime_ns))
+    assert wrong == []
+    assert len(errors) == 16 and all("differs from the cache's recorded SHA-256" in e for e in errors), errors
+    # Intact again: hashed once (new ctime), its stat recorded; the next open hashes nothing.
+    hashed = []
+    real = _dataset_cache.file_digest
+    monkeypatch.setattr(_dataset_cache, "file_digest", lambda path: hashed.append(path) or real(path))
+    assert ab.open_dataset(export, rebuild=False).to_arrow().equals(pristine)
+    assert sorted(p.name for p in hashed if p.parent == cache) == ["episodes.arrow", "rows.arrow"]
+    hashed.clear()
+    assert ab.open_dataset(export, rebuild=False).to_arrow().equals(pristine)
+    assert [p for p in hashed if p.parent == cache] == []   # the export's own manifest is hashed, it is small
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_the_export_of_a_sharded_ray_store_opens_with_every_episode_whole(tmp_path):
     store = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=2, seed=0)

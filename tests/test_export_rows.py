@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 import arrowbuf as ab
@@ -50,11 +51,16 @@ def test_final_observation_marks_exactly_the_rows_holding_an_episodes_final_obse
 
 
 def as_format_2(path: Path) -> None:
-    """Rewrite an export as arrowbuf wrote format 2: step files without final_observation."""
+    """Rewrite an export as arrowbuf wrote format 2: step files without final_observation, their
+    shaped fields plain fixed-size lists (not format 4's fixed_shape_tensor; no bfloat16 here)."""
     manifest = json.loads((path / parquet.MANIFEST).read_text())
     for entry in manifest["steps"]:
         file = path / entry["path"]
         table = pq.read_table(file)
+        for i, field in enumerate(table.schema):
+            if isinstance(field.type, pa.FixedShapeTensorType):
+                table = table.set_column(i, field.with_type(field.type.storage_type),
+                                         pa.chunked_array([c.storage for c in table.column(i).chunks]))
         table = table.drop_columns(["final_observation"]).replace_schema_metadata(table.schema.metadata)
         pq.write_table(table, file, compression="zstd", write_page_checksum=True)
         entry.update(_persist.file_entry(file))

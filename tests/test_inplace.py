@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.episodes import StepWriter
+from arrowbuf.played import entries_arrow
 
+from support.compare import column_numpy
 from support.envs import FakeVectorRollout
 from support.episodes import EPISODE_SCHEMA, ExpectedEpisode, decode, tagged_action, tagged_obs, tagged_reward
 
@@ -67,7 +70,7 @@ def played(rollouts: list[FakeVectorRollout], whole: list = ()) -> tuple[set[tup
 
 
 def pieces_of(store: ab.ExperienceStore) -> list[Piece]:
-    table = store.episodes(include_open=True).to_pylist()
+    table = entries_arrow(store.engine.table, include_open=True).to_pylist()   # the stored pieces
     obs = store.engine.shard.reader("obs")
     out = []
     for row in table:
@@ -115,7 +118,9 @@ def check_store(store: ab.ExperienceStore, rollouts: list[FakeVectorRollout], *,
             if p.has_final:
                 assert shard.reader("action")[np.array([p.first_row + p.length])][0] == 0, "the final row holds zeros"
     assert len(store) == len(at) == sum(p.length for p in pieces)
-    assert store.num_episodes == sum(not p.open for p in pieces) == store.episodes().num_rows
+    # Pieces are storage: an episode counts once, when its end is stored.
+    going_on = {p.tag for p in pieces if p.open}
+    assert store.num_episodes == len({p.tag for p in pieces} - going_on) == store.episodes().num_rows
     if not evicts:
         assert set(at) == steps, "a played step is missing"
     # Open tails are the freshest steps: every step of each env's open piece is there.
@@ -268,7 +273,10 @@ def test_a_continuing_task_streams_ten_capacities_through_a_small_ring_and_sampl
         np.testing.assert_array_equal(batch["reward"].numpy(), tagged_reward(0, step))
         epoch = sorted(s for b in store.iter_batches(64, shuffle=False) for s in b["step"].tolist())
         assert epoch == list(range(t - len(store), t)), "the newest steps, each once, the latest included"
-    assert writer.open_steps[0] > 0 and store.num_episodes >= 1
+    # One played episode, still going on: its pieces are storage, it is listed once, as open.
+    listed = store.episodes(include_open=True)
+    assert writer.open_steps[0] > 0 and store.num_episodes == 0
+    assert listed.column("open").to_pylist() == [True] and listed.column("length").to_pylist() == [len(store)]
     check_store(store, [rollout], evicts=True)
     pieces = pieces_of(store)
     assert all(p.tag == 0 and not p.terminated and not p.truncated for p in pieces)
@@ -419,14 +427,23 @@ def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_pat
     writer = store.writer(num_envs=2, autoreset_mode="disabled")
     for _ in range(45):
         writer.add(**rollout.step_arrays())
-    open_steps = int(store.episodes(include_open=True).filter(
-        store.episodes(include_open=True).column("open")).column("length").to_numpy().sum())
+    pieces = entries_arrow(store.engine.table, include_open=True)
+    open_steps = int(pieces.filter(pieces.column("open")).column("length").to_numpy().sum())
     assert open_steps > 0 and store.num_episodes > 0
     store.to_parquet(tmp_path / "out")
     loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
-    sealed = store.episodes()
-    assert len(loaded) == len(store) - open_steps == sum(sealed.column("length").to_pylist())
-    assert loaded.episodes().column("first_step").to_pylist() == sealed.column("first_step").to_pylist()
+    listed = store.episodes(include_open=True)
+    stored = listed.filter(pc.greater_equal(listed.column("episode_id"), 0))   # episodes with a sealed piece
+    assert len(loaded) == len(store) - open_steps
+    # One row per played episode, its sealed pieces read as one (an open one: up to its open tail);
+    # ids are renumbered on import (they are not consecutive: an id is an episode's first piece's).
+    exported = loaded.episodes()
+    assert exported.num_rows == stored.num_rows
+    assert exported.column("first_step").to_pylist() == stored.column("first_step").to_pylist()
+    for episode_id in exported.column("episode_id").to_pylist():
+        rows = loaded.episode(episode_id)
+        tag, step = decode(np.asarray(column_numpy(rows.column("obs"))))
+        assert len(set(tag.tolist())) == 1 and np.array_equal(step, step[0] + np.arange(len(step)))
     batch = loaded.sample(64)
     tag, step = decode(batch["obs"])
     np.testing.assert_array_equal(batch["step"].numpy(), step)

@@ -84,20 +84,24 @@ def test_duckdb_sums_of_rewards_per_episode_equal_the_episode_returns(tmp_path):
     np.testing.assert_array_equal(expected[with_final], episodes["length"].to_numpy()[with_final])
 
 
-def test_plain_readers_see_fixed_size_list_columns_with_the_shape_in_the_metadata(tmp_path):
+def test_plain_readers_see_fixed_shape_tensor_columns_with_the_shape_in_their_type(tmp_path):
     store = wrapped_store("pixels", capacity=60, episodes=12)
     store.to_parquet(tmp_path / "out")
     files = sorted((tmp_path / "out" / "steps").glob("*.parquet"))
 
     frame = pl.read_parquet(files)
-    assert frame.schema["obs"] == pl.Array(pl.UInt8, 16 * 16 * 3)
+    obs = frame.schema["obs"]   # Polars keeps the canonical extension type, its shape in the type's metadata
+    assert obs.ext_name() == "arrow.fixed_shape_tensor" and obs.ext_storage() == pl.Array(pl.UInt8, 16 * 16 * 3)
+    assert json.loads(obs.ext_metadata())["shape"] == [16, 16, 3]
     assert frame.schema["is_last"] == pl.Boolean
     assert frame.height == store.to_arrow().num_rows
 
     schema = pq.read_schema(files[0])
     field = schema.field("obs")
-    assert pa.types.is_fixed_size_list(field.type) and field.type.list_size == 768
+    assert field.type == pa.fixed_shape_tensor(pa.uint8(), [16, 16, 3])
     assert json.loads(field.metadata[b"arrowbuf.shape"]) == [16, 16, 3]
+    np.testing.assert_array_equal(pq.read_table(files[0]).column("obs").chunk(0).to_numpy_ndarray()[0],
+                                  column_numpy(store.to_arrow().column("obs"))[0])
     assert field.metadata[b"arrowbuf.role"] == b"observation"
     assert pa.types.is_boolean(schema.field("terminated").type)
     meta = schema.metadata
@@ -119,8 +123,15 @@ def test_read_parquet_gives_a_dataset_with_tensor_types_restored(tmp_path):
     assert table.schema.field("obs.pixels").type == pa.fixed_shape_tensor(pa.uint8(), [8, 8, 3])
     assert table.schema.field("obs.state").metadata[b"arrowbuf.role"] == b"observation"
     assert table.schema.field("obs.state").metadata[b"arrowbuf.dtype"] == b"bfloat16"
+    # bfloat16 is exported as its float32 values (the arena holds the bits): equal, bit for bit.
+    assert table.schema.field("obs.state").type == pa.fixed_shape_tensor(pa.float32(), [5])
+    bf16 = [n for n in store.schema.fields if store.schema.fields[n].dtype == "bfloat16"]
+    assert bf16 == ["obs.state", "action"]
+    for name in bf16:
+        bits = column_numpy(store.to_arrow().column(name))
+        assert (column_numpy(table.column(name)).view(np.uint32) == bits.astype(np.uint32) << 16).all()
     # The export adds its final_observation column (tests/test_export_rows.py); the rest is the arena's.
-    assert_same_rows(table.drop_columns(["final_observation"]), store.to_arrow())
+    assert_same_rows(table.drop_columns(["final_observation", *bf16]), store.to_arrow().drop_columns(bf16))
     first = dataset.to_table(filter=pc.field("episode_id") == store.episodes()["episode_id"][0])
     assert first.num_rows == store.episodes()["num_rows"][0].as_py()
 

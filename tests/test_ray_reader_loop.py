@@ -1,15 +1,16 @@
 """The Ray reader owns its draw-stage-gather loop (issue 24): the store hands it a request,
-a traced batch crosses few module boundaries and never comes back into the router, and a
-plain ``sample`` is handed out of the same loop's draws ahead."""
+a traced batch crosses few module boundaries (`support.hops`) and never comes back into the
+router, and a plain ``sample`` is handed out of the same loop's draws ahead. Draws the shards
+make (PER, rate limiters) run the same loop (issue 36)."""
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 import pytest
 
 import arrowbuf as ab
+
+from support.hops import crossings
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -21,28 +22,8 @@ def back_into_router(seen: list[tuple[str, str, str]]) -> list[tuple[str, str, s
     return [c for c in seen if c[1] == ROUTER and c[0].startswith("arrowbuf.ray.")]
 
 
-def crossings(call) -> list[tuple[str, str, str]]:
-    """(caller module, callee module, function) of every Python-level call from one
-    arrowbuf module into another while ``call()`` runs (``sys.setprofile``)."""
-    seen = []
-
-    def profile(frame, event, arg):
-        if event != "call" or frame.f_back is None:
-            return
-        callee, caller = frame.f_globals.get("__name__", ""), frame.f_back.f_globals.get("__name__", "")
-        if callee != caller and callee.startswith("arrowbuf") and caller.startswith("arrowbuf"):
-            seen.append((caller, callee, frame.f_code.co_name))
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return seen
-
-
-def filled_store(num_shards: int = 2) -> ab.ExperienceStore:
-    store = ab.ExperienceStore(4000, backend="ray", num_shards=num_shards, seed=0)
+def filled_store(num_shards: int = 2, **options) -> ab.ExperienceStore:
+    store = ab.ExperienceStore(4000, backend="ray", num_shards=num_shards, seed=0, **options)
     rng = np.random.default_rng(0)
     for e in range(12):
         steps = 40 + e
@@ -71,6 +52,28 @@ def test_the_first_batch_of_a_ray_sample_iter_stays_in_the_reader_and_its_parts(
         store.sample(24)
         plain = crossings(lambda: store.sample(24))
         assert back_into_router(plain) == [], plain
+    finally:
+        store.close()
+
+
+def test_the_first_batch_of_a_prioritized_sample_iter_runs_the_readers_loop_in_few_hops():
+    # The shards draw (PER): 2 shards, 4 index requests in flight. Its loop lived apart
+    # (ray/draws.py), passing back and forth between it, the reader and the handles:
+    # 55 hops for this batch, against 14 for a uniform one.
+    store = filled_store(sampler=ab.PrioritizedSampler(alpha=0.6, beta=0.4))
+    try:
+        next(store.sample_iter(24))   # this batch shape's layout is planned once
+        store.flush()                 # and the views are current: no manifest comes with the answers
+        iterator = store.sample_iter(24)
+        warm = crossings(lambda: next(iterator))
+        assert len(warm) <= 25, warm
+        assert {callee for _, callee, _ in warm} <= {
+            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.staging",
+            "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool"}, warm
+        # The prefetched requests go out in one call, not one per request and shard.
+        assert [c[2] for c in warm if c[1] == "arrowbuf.ray.handles"] == ["live", "call_each", "get", "note_all"], warm
+        batch = next(iterator)
+        assert batch["weight"].max() == 1 and len(batch) == 24
     finally:
         store.close()
 

@@ -22,7 +22,7 @@ with warnings.catch_warnings():   # torchrl 0.14 warns of its own deprecated cla
     warnings.simplefilter("ignore", DeprecationWarning)
     from tensordict.nn import TensorDictSequential
     from torchrl.collectors import Collector
-    from torchrl.envs import GymEnv, SerialEnv
+    from torchrl.envs import Compose, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
     from torchrl.modules import MLP, EGreedyModule, QValueActor
     from torchrl.objectives import DQNLoss
 
@@ -292,3 +292,110 @@ def test_torchrl_verbs_work_or_name_arrowbufs(tmp_path):
     with pytest.raises(ValueError, match="PrioritizedSampler"):
         store.update_priority(batch["index"], torch.ones(5))
 
+
+
+def counted_env() -> TransformedEnv:
+    """CartPole with TorchRL's usual counters: ("next", "step_count") and ("next", "episode_reward")."""
+    return TransformedEnv(GymEnv("CartPole-v1"), Compose(StepCounter(), RewardSum()))
+
+
+def collected_counted(num_envs: int, frames: int, batches: int, seed: int = 0) -> list[TensorDict]:
+    """What a real collector yields on counted CartPole envs (random policy)."""
+    torch.manual_seed(seed)
+    env = counted_env() if num_envs == 1 else SerialEnv(num_envs, counted_env)
+    env.set_seed(seed)
+    collector = Collector(env, None, frames_per_batch=frames, total_frames=frames * batches)
+    try:
+        return [td.clone() for td in collector]
+    finally:
+        collector.shutdown()
+
+
+def by_observation(batch: TensorDict) -> dict[bytes, TensorDict]:
+    """The transitions of a [B] TensorDict by their observation's bytes (CartPole's are unique)."""
+    return {batch["observation"][i].numpy().tobytes(): batch[i] for i in range(batch.shape[0])}
+
+
+def test_n_step_samples_of_a_real_collector_sum_its_one_shaped_rewards_within_each_stored_episode():
+    data = collected_counted(num_envs=1, frames=50, batches=3, seed=1)
+    assert data[0]["next", "reward"].shape == (50, 1) and data[0]["next", "terminated"].shape == (50, 1)
+    store = ab.ExperienceStore(10_000, seed=0)
+    for td in data:
+        store.extend(td)
+    n, gamma = 3, 0.9
+    expected = {}
+    for td in data:   # an episode ends at a done flag or the batch's end (extend cuts it there)
+        done = td["next", "done"][:, 0]
+        for t in range(len(td)):
+            end = t
+            while not done[end] and end < len(td) - 1:
+                end += 1
+            k = min(n, end - t + 1)
+            rewards = td["next", "reward"][t:t + k, 0]
+            expected[td["observation"][t].numpy().tobytes()] = (
+                float(sum(gamma ** i * float(r) for i, r in enumerate(rewards))), k, td["next"][t + k - 1])
+    batch = store.sample(64, n_step=n, gamma=gamma, layout="torchrl")
+    assert batch["next", "reward"].shape == (64, 1) and batch["steps_to_next_obs"].shape == (64, 1)
+    assert batch["steps_to_next_obs"].max() == n
+    for key, row in by_observation(batch).items():
+        reward, k, last = expected[key]
+        assert float(row["next", "reward"][0]) == pytest.approx(reward, rel=1e-6)
+        assert int(row["steps_to_next_obs"][0]) == k
+        for name in ("observation", "terminated", "truncated", "step_count", "episode_reward"):
+            assert torch.equal(row["next", name], last[name]), name
+    plain = store.sample(16, n_step=n, gamma=gamma)
+    assert plain["reward"].shape == (16, 1) and plain["terminated"].shape == (16, 1)
+    # TorchRL's DQN loss takes the n-step batch as it is.
+    actor = QValueActor(MLP(out_features=2, num_cells=[8]), in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
+    loss = DQNLoss(actor, action_space="one-hot", delay_value=False)
+    assert torch.isfinite(loss(batch)["loss"])
+
+
+def test_torchrl_batches_carry_every_next_key_the_collector_gave():
+    data = collected_counted(num_envs=2, frames=40, batches=2, seed=2)
+    next_keys = set(data[0]["next"].keys(include_nested=True, leaves_only=True))
+    assert {"step_count", "episode_reward"} <= next_keys
+    played = {}
+    for td in data:
+        played.update(by_observation(td.reshape(-1)))
+    store = ab.ExperienceStore(10_000, seed=0)
+    for td in data:
+        store.extend(td)
+    seen = 0
+    for batch in store.iter_batches(32, shuffle=False, layout="torchrl"):
+        assert next_keys <= set(batch["next"].keys(include_nested=True, leaves_only=True))
+        for key, row in by_observation(batch).items():
+            for name in next_keys:
+                assert torch.equal(row["next", name], played[key]["next", name]), name
+            assert torch.equal(row["step_count"], played[key]["step_count"])
+            seen += 1
+    assert seen == len(store) == 80
+    sampled = store.sample(8, layout="torchrl")
+    assert torch.equal(sampled["next", "step_count"], sampled["step_count"] + 1)
+
+
+def test_add_of_one_transition_and_sample_without_a_size_name_arrowbufs_verbs():
+    td = collected_counted(num_envs=1, frames=20, batches=1)[0]
+    store = ab.ExperienceStore(100, seed=0)
+    store.extend(td)
+    with pytest.raises(TypeError, match=r"add\(td\) of one transition.*store\.extend\(td\).*store\.writer"):
+        store.add(td[0])
+    assert len(store) == 20 and store.num_episodes == int(td["next", "done"].sum()) + (not td["next", "done"][-1])
+    with pytest.raises(TypeError, match=re.escape("store.sample(batch_size, layout='torchrl')")):
+        store.sample()
+
+
+def test_add_episodes_takes_the_observation_fields_a_name_would_not_reveal():
+    episodes = {"obs": np.zeros((2, 4, 3), np.float32), "step_count": np.tile(np.arange(4), (2, 1)),
+                "action": np.zeros((2, 3), np.int64), "terminated": np.zeros((2, 3), bool)}
+    store = ab.ExperienceStore(100, seed=0)
+    with pytest.raises(SchemaError, match="'step_count' has 4 rows"):
+        store.add_episodes(episodes)
+    for bad, message in ((["obs", "steps"], r"names \['steps'\], not fields"), ("obs", "must be a list")):
+        with pytest.raises(SchemaError, match=message):
+            store.add_episodes(episodes, observations=bad)
+    assert len(store) == 0 and store.schema is None
+    store.add_episodes(episodes, observations=["obs", "step_count"])
+    assert store.schema.observation_names == ("obs", "step_count")
+    batch = store.sample(16)
+    assert torch.equal(batch["next", "step_count"], batch["step_count"] + 1)

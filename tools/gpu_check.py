@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     failed = False
 
-    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    # one process: `-o addopts=` drops the suite's `-n 2` (pytest-xdist may be missing on a GPU image)
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts="]
     # only the files that hold cuda tests: the others import Ray, gymnasium, TorchRL, which a bare GPU image lacks
     marked = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
                     if "pytest.mark.cuda" in path.read_text())

@@ -1,18 +1,29 @@
-"""`ShardServer`: the body of one shard actor, a `ShardEngine` and nothing more.
+"""`ShardServer`: the body of one shard actor, a `ShardEngine` and what a shard keeps around it.
 
 `arrowbuf.ray.start` starts one actor per shard (``ray.remote(ShardServer)``;
 threaded, with the concurrency groups of `arrowbuf.ray.handles`, when the store
-has a rate limiter). Every method calls the
-engine's public API; answers that change or reveal the shard's size carry a
-reading of it (mass, transitions, episodes, the shard's clock) for the caller's
-`SizeCache`. Data leaves as numpy / Arrow buffers (`Payload`), which the caller
-reads from Ray's object store without a copy.
+has a rate limiter). Around its engine (recovered from a `DurableShard`'s directory
+when the store is durable, which logs every write before the answer) a shard keeps:
+
+- a `BlockRing` (`arrowbuf.ray.blocks`): its rows sealed into immutable blocks of
+  the object store, whose manifest readers poll and gather from without an actor
+  call per batch;
+- `UnfilledRows` (`arrowbuf.ray.lent`): lent episodes placed without their rows,
+  copied into the arena before any method reads it (`_arena`);
+- `OpenPieces` (`arrowbuf.ray.tails`): its stored pieces of episodes still open,
+  counted as transitions, not episodes.
+
+Every method calls the engine's public API and these parts'; answers that change or
+reveal the shard's size carry a reading of it (mass, transitions, episodes, the
+shard's clock) for the caller's `SizeCache`. Rows read by index leave as a `Payload`
+(or a `ShippedBatch` left in the object store for a train worker), which the caller
+reads from Ray's object store without a copy; samples drawn here (PER, rate limiters,
+reuse tracking) leave as indices, which the caller's reader gathers from the blocks.
 
 Rate limiters apply per shard: each shard judges its own inserts and samples
 (as Reverb does for a table served by several servers), and a call that must
 wait for the limiter waits here, in its concurrency group's thread.
 """
-
 from __future__ import annotations
 
 import time
@@ -34,7 +45,7 @@ from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
 from arrowbuf.ray.shipping import ShippedBatch
-from arrowbuf.ray.tails import OpenPieces
+from arrowbuf.ray.tails import OPEN_PIECES, OpenPieces
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import EpisodeSampler, SequenceSampler, UniformSampler
 from arrowbuf.schema import Schema
@@ -74,12 +85,16 @@ class ShardServer:
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
                  blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None) -> None:
+        saved: dict = {}   # the checkpoint's info, when the engine is loaded from one
+
         def make_engine() -> ShardEngine:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
 
-                return load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
-                                   whole_pieces=True).engine
+                loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
+                                     whole_pieces=True)
+                saved.update(loaded.info, manifest=str(loaded.manifest))
+                return loaded.engine
             # Whole pieces: a sealed block holds whole episodes (`arrowbuf.ray.blocks`), so a
             # piece is evicted whole, never its front.
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
@@ -113,6 +128,8 @@ class ShardServer:
         self.unfilled = UnfilledRows()
         self._fills_later = not limits(rate_limiter)
         self.open_pieces = OpenPieces()   # stored pieces of episodes still open (`arrowbuf.ray.tails`)
+        if saved.get(OPEN_PIECES) is not None:   # a checkpoint's, checked against its episode table
+            self.open_pieces.load(saved[OPEN_PIECES], engine.table, saved["manifest"])
 
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
@@ -144,8 +161,14 @@ class ShardServer:
         """(sampling mass, transitions, episodes, this shard's clock), read together; the
         pieces of open episodes count as transitions, not as episodes."""
         with self.engine.lock:
-            mass, transitions, episodes = self.engine.size()
-            return mass, transitions, episodes - self.open_pieces.count(self.engine.table), time.monotonic()
+            mass, transitions, _ = self.engine.size()
+            return mass, transitions, self._played(), time.monotonic()
+
+    def _played(self) -> int:
+        """Played episodes whose end is stored (under the engine's lock): pieces, and the
+        episodes that go on, are not counted (`arrowbuf.ray.tails`)."""
+        table = self.engine.table
+        return table.num_played(self.open_pieces.mask(table))
 
     def add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None = None,
                      batch: tuple[str, int] | None = None, lent: list | None = None,
@@ -211,6 +234,7 @@ class ShardServer:
                     lends = lent_rows is not None and block_fits(
                         lent_rows[2], episode.num_rows, engine.schema if engine.schema is not None else schema)
                     later = lends and self._fills_later
+                    episode.prev_piece = self.open_pieces.previous(owner, episode)
                     ids.append(engine.add(episode, schema, timeout, rows=not later))
                     if lends:
                         ref, part, columns = lent_rows
@@ -316,9 +340,9 @@ class ShardServer:
         return count, self.schema_json()
 
     def episodes(self, include_open: bool = False) -> pa.Table:
-        """The sealed episodes; with ``include_open``, the stored pieces of open ones too (``open``)."""
+        """One row per played episode whose end is stored; with ``include_open``, the open ones too (``open``)."""
         with self.engine.lock:
-            return self.open_pieces.listed(self.engine.table, self.engine.episodes(), include_open)
+            return self.engine.episodes(include_open, self.open_pieces.mask)
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         return self._arena().episode(episode_id)
@@ -350,7 +374,7 @@ class ShardServer:
     def stats(self) -> dict:
         stats = self.engine.stats()
         with self.engine.lock:   # open episodes' pieces count as transitions only, as in `size`
-            stats["episodes"] -= self.open_pieces.count(self.engine.table)
+            stats["episodes"] = self._played()
         return {**stats, "shard": self.shard, "node_id": self.ping()}
 
     def export_steps(self, steps_dir: str, schema: pa.Schema, options: dict) -> tuple[pa.Table, list]:
@@ -362,14 +386,18 @@ class ShardServer:
         return export_shard(self._arena().shard, self.engine.lock, Path(steps_dir), schema,
                             shard_index=self.shard, progress=False, **options)
 
-    def save(self, path: str, base: str | None = None) -> str:
-        """Checkpoint this shard into ``path``, incrementally from its save in ``base``."""
+    def save(self, path: str, base: str | None = None, writers: dict | None = None) -> str:
+        """Checkpoint this shard into ``path``, incrementally from its save in ``base``, with
+        its open pieces and ``writers`` (writer states by name: the saving process's)."""
         from arrowbuf.checkpoint import save_engine
 
         engine = self._arena()
         info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
-        save_engine(engine, path, info, progress=False, base=base)
+        with engine.lock:
+            pieces = self.open_pieces.state(engine.table)
+        save_engine(engine, path, {**info, OPEN_PIECES: pieces}, lambda: dict(writers or {}), progress=False,
+                    base=base)
         if self.durable is not None:   # its own checkpoint, then the log is compacted
             self.durable.checkpoint(engine, info)
         return path

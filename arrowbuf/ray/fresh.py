@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from arrowbuf._version_spans import VERSION, Spans, spans_of
+from arrowbuf._version_spans import VERSION, Spans, kept_spans, spans_of
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.freshness import FreshnessSampler, Runs, runs_of
 from arrowbuf.ray.blocks import VERSION_CHUNK
@@ -37,9 +37,6 @@ from arrowbuf.versions import no_fresh, span_selection
 
 if TYPE_CHECKING:
     from arrowbuf.ray.cache import BlockCache
-
-#: Bounds whose spans a view keeps at once.
-MAX_BOUNDS = 4
 
 
 def view_versions(parts: list[tuple[dict, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,15 +81,9 @@ def _values_of(view: Any, cache: BlockCache) -> Callable[[int], np.ndarray]:
 
 def view_spans(view: Any, min_version: int, cache: BlockCache) -> Spans | None:
     """The spans of ``view``'s transitions of version >= ``min_version`` (None: none qualifies)."""
-    if min_version in view.spans:
-        return view.spans[min_version]
     low, high, ordered = view.versions
-    spans = spans_of(view.table, low, high, ordered, min_version, _values_of(view, cache)) \
-        if len(view.table) else None
-    if len(view.spans) >= MAX_BOUNDS:
-        view.spans.clear()
-    view.spans[min_version] = spans
-    return spans
+    return kept_spans(view.spans, min_version, lambda: spans_of(
+        view.table, low, high, ordered, min_version, _values_of(view, cache)) if len(view.table) else None)
 
 
 def view_runs(view: Any, cache: BlockCache) -> Runs:

@@ -1,10 +1,11 @@
 """The handles of a Ray store's shard actors, and the sizes the shards last reported.
 
 `ShardHandles` sends calls (each in its concurrency group, see `actor`), turns a
-dead actor into `ShardError` (or skips it with ``allow_partial``) and pickles
-into any process. `SizeCache` keeps each shard's last reported size: writes'
-acknowledgements and samples carry one, and a background request refreshes it,
-so that `len(store)` never waits on a shard.
+dead actor into `ShardError` (or skips it with ``allow_partial``), hands an error a
+shard raised to the caller as it was raised (`unwrapped`: the arrowbuf error, its
+message first, not Ray's wrapper) and pickles into any process. `SizeCache` keeps
+each shard's last reported size: writes' acknowledgements and samples carry one,
+and a background request refreshes it, so that `len(store)` never waits on a shard.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ from arrowbuf.ray.options import RayOptions, ray_module
 GROUPS = {"add_episodes": "write", "select": "sample"}
 CONCURRENCY_GROUPS = {"write": 1, "sample": 1}
 DEFAULT_CONCURRENCY = 4
+
+
+def unwrapped(err: BaseException) -> BaseException:
+    """The error a shard actor (or a task) raised, out of Ray's ``RayTaskError`` ``err``: the
+    same type with its own message (``str``), where Ray's wrapper says the remote traceback
+    first (13 lines for a rate limiter's `RateLimited`); that traceback is kept as its
+    ``__cause__``. Any other error is returned as it is."""
+    import ray   # only called where Ray runs
+
+    cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else None
+    if not isinstance(cause, Exception):
+        return err
+    cause.__cause__ = err
+    return cause
 
 
 @dataclass
@@ -67,9 +82,14 @@ class ShardHandles:
         group = GROUPS.get(method) if self.threaded else None
         return (remote.options(concurrency_group=group) if group else remote).remote(*args)
 
+    def call_each(self, method: str, calls: list[Mapping[int, tuple]]) -> list[dict[int, Any]]:
+        """`call` ``method`` with each ``{shard: args}`` of ``calls``, in order: their ObjectRefs."""
+        return [{shard: self.call(shard, method, *args) for shard, args in each.items()} for each in calls]
+
     def get(self, refs: Mapping[int, Any]) -> dict[int, Any]:
         """Results of ``{shard: ref}``; a dead shard raises `ShardError` (or is skipped if allowed)."""
-        ray = ray_module()
+        import ray   # refs exist only where Ray runs: no install hint (ray_module) on this per-call path
+
         results = {}
         pending = list(refs.items())
         try:
@@ -81,6 +101,8 @@ class ShardHandles:
                     self.dead.add(shard)
                     if not self.options.allow_partial:
                         raise ShardError(f"shard {shard} of store {self.name!r} is dead: {err}") from None
+                except ray.exceptions.RayTaskError as err:
+                    raise unwrapped(err) from err
         finally:
             # The first error is raised; the other shards' answers are taken too, else Ray
             # prints each error it holds as an "Unhandled error" once its ref is dropped.
@@ -160,6 +182,11 @@ class SizeCache:
                 return
             self.masses[shard], self.transitions[shard], self.episodes[shard] = mass, transitions, episodes
             self._stamps[shard] = stamp
+
+    def note_all(self, readings: Mapping[int, tuple[float, int, int, float]]) -> None:
+        """`note` each ``{shard: reading}``."""
+        for shard, reading in readings.items():
+            self.note(shard, reading)
 
     def refresh(self) -> None:
         """Ask every live shard now and wait for the answers."""

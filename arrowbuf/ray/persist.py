@@ -8,7 +8,10 @@ Layout of a Ray checkpoint::
 
     ckpt/
       ray_checkpoint.json     names the committed generation (replaced last, checksummed)
-      gen-<id>/shard-<k>/     one local checkpoint per shard (`arrowbuf.checkpoint`)
+      gen-<id>/shard-<k>/     one local checkpoint per shard (`arrowbuf.checkpoint`), with
+                              which of its pieces belong to open episodes; shard 0's also
+                              holds the saving process's writer states (checked as a local
+                              checkpoint's)
 
 A save stages a new generation, and replacing the manifest commits it at once:
 a save that fails on any shard leaves the previous generation named, complete.
@@ -36,6 +39,7 @@ from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_j
                                write_manifest)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, ShardError
+from arrowbuf.ray.handles import unwrapped
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.shard import Episode
@@ -71,10 +75,11 @@ def plain_rows(engine: ShardEngine) -> pa.Table:
     return table.append_column(FINAL, pa.array(final))
 
 
-def save_ray_store(shards: "ShardHandles", path: Path, info: dict) -> Path:
+def save_ray_store(shards: "ShardHandles", path: Path, info: dict, writers: dict | None = None) -> Path:
     """Every shard saves into a new generation ``path/gen-<id>/shard-<k>`` in parallel;
     replacing the manifest (with the store's ``info``: capacity, mode, seed) commits
-    the generation, and older generations are deleted.
+    the generation, and older generations are deleted. Shard 0 keeps ``writers``
+    (writer states by name) in its checkpoint.
 
     The generation is staged by a `ManifestSink`: if any shard fails, the staged
     generation is deleted and the manifest still names the previous one, complete.
@@ -94,7 +99,8 @@ def save_ray_store(shards: "ShardHandles", path: Path, info: dict) -> Path:
         for s in range(shards.num_shards):
             try:
                 refs[s] = shards.call(s, "save", str(shard_dir(staged, s)),
-                                      str(shard_dir(previous, s)) if previous is not None else None)
+                                      str(shard_dir(previous, s)) if previous is not None else None,
+                                      (writers or {}) if s == 0 else {})
             except ShardError as err:   # a shard known dead: wait for the others before the abort
                 failure = err
                 break
@@ -118,8 +124,8 @@ def _wait_all(refs: dict[int, Any], name: str, failure: BaseException | None = N
         except ray.exceptions.RayActorError as err:
             failure = failure or ShardError(f"shard {shard} of store {name!r} died during the save: {err}; the "
                                             "previous checkpoint is kept")
-        except Exception as err:   # the shard's own error (a RayTaskError of its type), raised once all are done
-            failure = failure or err
+        except Exception as err:   # the shard's own error (`unwrapped`), raised once all are done
+            failure = failure or unwrapped(err)
     if failure is not None:
         raise failure
 

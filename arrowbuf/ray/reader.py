@@ -1,12 +1,8 @@
 """`BlockReader`: a process's view of a Ray store's sealed blocks, sampled and gathered here.
 
 Each shard publishes a manifest (`arrowbuf.ray.blocks`): its blocks, oldest
-first, and its first live episode. The reader keeps, per shard, a `ShardView`:
-the manifest, an `EpisodeTable` rebuilt from the blocks' episode chunks (with the
-shard's own indices, so a batch's ``"index"`` is the one the shard knows), and a
-copy of the store's sampler bound to that table. Block rows are placed at
-*virtual* rows (each block after the previous one), so the sampler's rows say
-which block an item comes from.
+first, and its first live episode. The reader keeps a `ShardView` of each
+(`arrowbuf.ray.views`: its blocks and episode table, with the shard's own indices).
 
 - Uniform, sequence, episode and freshness sampling draw here, from the views, and gather
   from the blocks: no actor call per batch. The store hands the reader a
@@ -17,8 +13,9 @@ which block an item comes from.
   its request (`BlockReader.sample`). The draws are counted when a batch is handed
   out, and the counts reach the shards with the next manifest poll.
 - Prioritized sampling, rate-limited stores, without-replacement epochs and
-  ``track_reuse`` draw in the shard (`select`: indices only, a small call), and
-  are gathered here.
+  ``track_reuse`` draw in the shards (`select`: indices only, a small call), a
+  batch split across them by the mass they last reported; the same `DrawLoop`
+  keeps ``prefetch`` such requests in flight, and stages and gathers the answers here.
 
 Freshness: one manifest request per shard is kept in flight; a sample collects
 it when it has come back (``ray.wait``, never blocking) and sends the next once
@@ -47,9 +44,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import types
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -57,56 +53,23 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError, ShardError
-from arrowbuf.ray.blocks import BlockInfo, Manifest
+from arrowbuf.ray.blocks import Manifest
 from arrowbuf.ray.cache import BlockCache
 from arrowbuf.freshness import FreshnessSampler
-from arrowbuf.ray.fresh import fresh_draw, join_versions, nothing_fresh, view_versions
+from arrowbuf.ray.fresh import fresh_draw, nothing_fresh
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
-from arrowbuf.ray.options import INDEX_SHIFT, ray_module
+from arrowbuf.ray.options import ray_module
 from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, stage
+from arrowbuf.ray.views import ShardView, joined_view, shard_view
 from arrowbuf.sample_args import PLAIN, SampleArgs
-from arrowbuf.samplers import Sampler, Selection, select_indices
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, select_indices
 from arrowbuf.schema import Schema
-from arrowbuf.table import EpisodeTable
 
-_TEMPLATE = EpisodeTable().state_dict()["columns"]   # zero-length columns of every chunk column
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
 PLAIN_LOOPS = 4
 LOST_RETRIES = 3   # fresh manifests read after meeting lost blocks, before giving up
-
-
-@dataclass
-class ShardView:
-    """Shards as this reader sees them: their blocks and a table of their live sealed episodes.
-
-    A view of one shard keeps the shard's own indices; a view of several (`BlockReader`
-    draws from one over all the shards it samples: one draw, one gather plan) numbers
-    their transitions one after the other, and ``index_base`` per episode turns
-    those numbers back into the shards' indices.
-    """
-
-    shard: int                 # -1 for a view of several shards
-    manifest: Manifest | None  # of the one shard
-    blocks: tuple[BlockInfo, ...]
-    bases: np.ndarray          # virtual first row of each block
-    table: EpisodeTable
-    sampler: Sampler | None    # a copy bound to `table`, when readers draw
-    mass: float
-    columns: dict[str, np.ndarray]        # what `table` was built from
-    index_base: int | np.ndarray          # added to the table's indices: one value, or one per episode
-    shards: np.ndarray | None = None      # shard of each episode (a view of several)
-    keys: tuple = ()                      # `BlockInfo.key` of each block (the cache's)
-    # (least, greatest, non-decreasing) policy version of each episode, and the spans of
-    # fresh steps per bound drawn so far (`arrowbuf.ray.fresh`).
-    versions: tuple = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
-    spans: dict = field(default_factory=dict)
-    newest: int = field(init=False)   # the newest version of its live steps (-1: none), read once
-
-    def __post_init__(self) -> None:
-        high = self.versions[1]
-        self.newest = int(high.max()) if len(high) else -1
 
 
 def _locked(method: Callable) -> Callable:
@@ -136,6 +99,12 @@ def _retry_lost(method: Callable) -> Callable:
                 args, kwargs = self._forget_lost(err, method.__name__, args, kwargs)
         raise AssertionError("unreachable")
     return run
+
+
+def _scaled(selection: Selection, scale: float) -> Selection:
+    """A prioritized selection whose weights are multiplied by ``scale``."""
+    extra = {**selection.extra, "weight": selection.extra["weight"] * scale}
+    return Selection(selection.rows, selection.indices, selection.pos, extra, selection.step)
 
 
 class BlockReader:
@@ -292,40 +261,8 @@ class BlockReader:
         fetched = iter(ray_module().get([b.episodes for b in missing if not isinstance(b.episodes, dict)]))
         for block in missing:
             self._chunks[block.key] = block.episodes if isinstance(block.episodes, dict) else next(fetched)
-        sizes = np.array([b.num_rows for b in blocks], np.int64)
-        bases = np.cumsum(sizes) - sizes
-        columns: dict[str, list] = {name: [empty] for name, empty in _TEMPLATE.items()}
-        chunks = []
-        for block, base in zip(blocks, bases.tolist()):
-            chunk = self._chunks[block.key]
-            skip = max(0, manifest.first_live_serial - block.first_serial)
-            chunks.append((chunk, skip))
-            for name in columns:
-                part = chunk[name][skip:]
-                columns[name].append(part + base if name == "first_row" else part)
-        columns = {name: np.concatenate(parts) for name, parts in columns.items()}
-        n = self.shards.num_shards
-        table, sampler, mass = self._table(columns, manifest.stop_serial, manifest.stop_index, manifest.draws_here,
-                                           shard, n)
-        self.views[shard] = ShardView(shard, manifest, blocks, bases, table, sampler, mass, columns,
-                                      shard << INDEX_SHIFT, keys=tuple(b.key for b in blocks),
-                                      versions=view_versions(chunks))
+        self.views[shard] = shard_view(shard, manifest, self._chunks, self.sampler, self.shards.num_shards)
         self.generation += 1
-
-    def _table(self, columns: dict, episodes_added: int, stop_index: int, draws_here: bool, shard: int = 0,
-               num_shards: int = 1) -> tuple[EpisodeTable, Sampler | None, float]:
-        """A table of ``columns`` and, when readers draw, a copy of the sampler bound to it (and its mass)."""
-        table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards)
-        table.load_state_dict({"shard": shard, "id_offset": shard, "id_stride": num_shards,
-                               "episodes_added": episodes_added, "env_names": [],
-                               "counters": {"index": stop_index}, "columns": columns, "metadata": []})
-        table.build_lookup()   # never changed, sampled until the next manifest
-        sampler, mass = None, 0.0
-        if draws_here:   # a copy that draws from this view (stateless samplers only)
-            sampler = type(self.sampler)(**self.sampler.config())
-            sampler.bind(types.SimpleNamespace(table=table))
-            mass = sampler.mass(table) if len(table) else 0.0
-        return table, sampler, mass
 
     def _joined(self, shards: list[int]) -> ShardView:
         """One view of the views of ``shards``: their transitions numbered one after the
@@ -336,28 +273,7 @@ class BlockReader:
         if self._joined_view is not None and len(self._joined_view[0]) == len(views) \
                 and all(a is b for a, b in zip(self._joined_view[0], views)):
             return self._joined_view[1]
-        columns: dict[str, list] = {name: [] for name in _TEMPLATE}
-        bases, index_base, owners, rows, indices = [], [], [], 0, 0
-        for view in views:
-            first, stop = view.table.live_range()
-            for name in columns:
-                part = view.columns[name]
-                if name == "first_row":
-                    part = part + rows
-                elif name == "first_index":
-                    part = part - first + indices
-                columns[name].append(part)
-            count = len(view.columns["first_row"])
-            index_base.append(np.full(count, (view.shard << INDEX_SHIFT) + first - indices, np.int64))
-            owners.append(np.full(count, view.shard, np.int64))
-            bases.append(view.bases + rows)
-            rows += int(sum(b.num_rows for b in view.blocks))
-            indices += stop - first
-        columns = {name: np.concatenate(parts) for name, parts in columns.items()}
-        table, sampler, mass = self._table(columns, len(columns["first_row"]), indices, True)
-        joined = ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
-                           sampler, mass, columns, np.concatenate(index_base), np.concatenate(owners),
-                           tuple(key for v in views for key in v.keys), join_versions(views))
+        joined = joined_view(views, self.sampler)
         self._joined_view = (views, joined)
         return joined
 
@@ -426,13 +342,14 @@ class BlockReader:
         again: a sample sees what one drawn on the spot would. The loops of the last
         `PLAIN_LOOPS` requests are kept; a new request's first draw is one batch.
         """
-        self._poll()
         loop = self._loops.pop(request, None)
         if loop is None:
             loop = DrawLoop(self, request)
             if len(self._loops) >= PLAIN_LOOPS:
                 del self._loops[next(iter(self._loops))]
         self._loops[request] = loop   # the most recent last
+        if not loop.by_shards:   # the shards' answers carry the manifests their draws need
+            self._poll()
         return loop.next()
 
     def batches(self, request: SampleRequest) -> Iterator[TensorDict]:
@@ -494,6 +411,80 @@ class BlockReader:
         staged.drawn = drawn
         return staged
 
+    def _drawn_by_shards(self, request: SampleRequest, pending: deque, scratch: dict) -> Staged:
+        """One batch of ``request`` drawn by the shards, staged with ``scratch``: the oldest of
+        the index requests in flight in ``pending``, which keeps ``request.prefetch`` more."""
+        pending.extend(self._ask_shards(request, request.prefetch + 1 - len(pending)))
+        parts, _ = self._collect(pending.popleft(), request)
+        staged = stage(parts, self.cache, request.args, self._mixed(parts), scratch)
+        if isinstance(self.sampler, PrioritizedSampler) and "weight" in staged.extra:
+            staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
+        return staged
+
+    def _ask_shards(self, request: SampleRequest, count: int, batch_size: int | None = None) -> list[tuple]:
+        """``count`` requests of ``batch_size`` items (default: the request's), each split across the live
+        shards (of ``request.shards``) by the mass they last reported, sent: (refs, population, items) of each."""
+        live = self.shards.live()
+        if (self.sizes.masses[live] <= 0).any():
+            # A shard seen empty gets no draws, hence no answers that would update its
+            # size: ask again, so a shard that filled since is not skipped forever.
+            self.sizes.refresh()
+            live = self.shards.live()
+        if request.shards is not None:
+            live = [s for s in live if s in request.shards] or live
+        masses = self.sizes.masses[live]
+        if masses.sum() <= 0:
+            raise EmptyStoreError(f"cannot sample: the {self.shards.num_shards} shards of {self.shards.name!r} hold "
+                                  "0 transitions")
+        population = None
+        if isinstance(self.sampler, PrioritizedSampler):   # of these shards, for the weights (w = (N p / M)^-beta)
+            population = (int(self.sizes.transitions[live].sum()), float(masses.sum()))
+        items = request.batch_size if batch_size is None else batch_size
+        splits = [self.rng.multinomial(items, masses / masses.sum()).tolist() for _ in range(count)]
+        calls = [{shard: (int(n), request.args, population, request.timeout, *self._known(shard))
+                  for shard, n in zip(live, split) if n} for split in splits]
+        return [(refs, population, items) for refs in self.shards.call_each("select", calls)]
+
+    def _collect(self, asked: tuple, request: SampleRequest) -> tuple[list, tuple | None]:
+        """The parts (view, selection) of the answers to ``asked`` and its population.
+
+        Items of a shard that died answering (allow_partial), or whose rows this reader
+        cannot find any more (evicted meanwhile), are drawn again from the survivors;
+        prioritized weights of the first answers are rescaled to the redraw's population.
+        """
+        refs, population, items = asked
+        answers = self.shards.get(refs)
+        self.sizes.note_all({shard: answer[3] for shard, answer in answers.items()})
+        parts = []
+        for shard in refs:
+            if shard not in answers:
+                continue
+            indices, extra, manifest, _ = answers[shard]
+            if manifest is not None:
+                self._apply({shard: (manifest, None)}, {shard: None})
+            part = self.select(shard, indices, extra)
+            if part is not None:
+                parts.append(part)
+        missing = items - sum(len(selection.rows) for _, selection in parts)
+        if missing:
+            if not self.shards.live():
+                raise ShardError(f"no shard of {self.shards.name!r} is alive")
+            more, population_new = self._collect(self._ask_shards(request, 1, missing)[0], request)
+            if population is not None and population_new is not None:
+                (n_old, m_old), (n_new, m_new) = population, population_new
+                scale = ((n_old / m_old) / (n_new / m_new)) ** self.sampler.beta
+                parts = [(view, _scaled(selection, scale)) for view, selection in parts]
+            parts += more
+        return parts, population
+
+    def _mixed(self, parts: list) -> list[np.ndarray] | None:
+        """Batch positions that shuffle the parts several shards drew (None for one part):
+        any slice of the batch is then a sample of every shard, as a local batch is."""
+        if len(parts) < 2:
+            return None
+        sizes = [len(selection.rows) for _, selection in parts]
+        return np.split(self.rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])
+
     @_locked
     def select(self, shard: int, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
         """The selection of ``shard``'s indices (drawn by the shard), or None if this view lacks one."""
@@ -503,7 +494,7 @@ class BlockReader:
     @staticmethod
     def select_in(view: ShardView, indices: np.ndarray, extra: dict) -> tuple[ShardView, Selection] | None:
         """The selection of indices in ``view``, or None if it lacks one of them."""
-        if not len(view.table) or not view.table.is_live(indices).all():
+        if not view.table.is_live(indices).all() or not (len(indices) or len(view.table)):   # an empty table: none live
             return None
         return view, select_indices(view.table, indices, extra)   # steps within the episode, as a shard's
 
@@ -539,7 +530,8 @@ class SampleRequest:
     look-ups, fields ``keys`` (checked; None: all), on ``device``, drawn over ``shards``
     (None: every live one), ``batches`` batches drawn and staged at once (None: as many
     as `STAGE_BYTES` hold, at most `MAX_STAGED`), of steps of ``policy_version >=
-    min_version`` only when given (`arrowbuf.ray.fresh`)."""
+    min_version`` only when given (`arrowbuf.ray.fresh`). Where the shards draw, ``prefetch``
+    index requests stay in flight, and a draw waits at most ``timeout`` for a rate limiter."""
 
     batch_size: int
     args: SampleArgs = PLAIN
@@ -548,6 +540,8 @@ class SampleRequest:
     shards: tuple[int, ...] | None = None
     batches: int | None = None
     min_version: int | None = None
+    prefetch: int = 0
+    timeout: float | None = None
 
 
 class DrawLoop:
@@ -555,7 +549,9 @@ class DrawLoop:
     gathered ``group`` at a time into one pooled slot (`BlockGather.batches`), handed
     out one by one; drawn again once the reader's views change (or this process
     writes). A batch counts as the shards' samples when it is handed out, not when it
-    is drawn. Called under the reader's lock.
+    is drawn. Where the shards draw (`by_shards`), each batch is one index request
+    answered by them, ``request.prefetch`` more kept in flight, staged and gathered
+    alike (the shards count it when they draw). Called under the reader's lock.
     """
 
     def __init__(self, reader: BlockReader, request: SampleRequest) -> None:
@@ -569,6 +565,10 @@ class DrawLoop:
         self.step = 0                    # batches in `staged`
         self.next_batch = 0              # the next of them to hand out
         self.ready: deque = deque()      # gathered, not yet handed out
+        self.by_shards = not reader.draws_here()
+        self.pending: deque = deque()    # index requests to the shards in flight (`by_shards`)
+        if self.by_shards:
+            self.batches = 1
 
     def next(self) -> TensorDict:
         reader, request, size = self.reader, self.request, self.request.batch_size
@@ -588,8 +588,11 @@ class DrawLoop:
             self.ready.clear()
             step = self.batches or 1   # the first draw of an unknown size is one batch
             self.staged = None
-            staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch,
-                                  request.min_version)
+            if self.by_shards:
+                staged = reader._drawn_by_shards(request, self.pending, self.scratch)
+            else:
+                staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch,
+                                      request.min_version)
             self.staged, self.generation, self.step, self.next_batch = staged, reader.generation, step, 0
             if self.batches is None:   # how many fit in STAGE_BYTES, and in GROUP_BYTES together
                 staged_bytes, out_bytes = reader._gatherer().sizes(staged, size)

@@ -2,8 +2,8 @@
 
 The backend holds the handles of one named actor per shard (`ShardServer`,
 each running a `ShardEngine`; started or found by `arrowbuf.ray.start`) and
-the sizes they last reported.
-It offers the backend interface of `arrowbuf.local.LocalBackend`:
+the sizes they last reported. It implements the `arrowbuf.backend.Backend`
+protocol, as `arrowbuf.local.LocalBackend` does:
 
 - writes: `add` sends one episode and waits for its shard's answer, which
   carries its id (a round trip); writers (`sink`) are the asynchronous, batched
@@ -30,6 +30,7 @@ after `flush` is exact.
 from __future__ import annotations
 
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -40,7 +41,6 @@ from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
-from arrowbuf.ray.draws import ShardDraws
 from arrowbuf.ray.fresh import check_fresh_sampler, fresh_indices
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gae import compute_gae
@@ -50,7 +50,7 @@ from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
-from arrowbuf.ray.sink import RaySink
+from arrowbuf.ray.sink import DroppedWriters, RaySink
 from arrowbuf.ray.start import find_shards, release_durable, start_shards
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
@@ -89,10 +89,11 @@ class RayBackend:
         self._sizes = SizeCache(shards)
         self._sizes.refresh()
         self._sink = RaySink(shards, self._sizes, schema)   # add_episode's route (and imports)
+        self._writer_sinks: weakref.WeakSet[RaySink] = weakref.WeakSet()   # this process's writers' (`save`)
+        self._dropped = DroppedWriters()   # deliveries of writers dropped without flush or close
         # This process's view of the shards' sealed blocks: draws and gathers here.
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
-        self._draws = ShardDraws(shards, self._sizes, sampler, self._rng, self._reader)   # PER, limiters
         self._updates = PriorityUpdates(shards, self._sizes)
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
@@ -215,7 +216,9 @@ class RayBackend:
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
-        return RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards)
+        sink = RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards, self._dropped)
+        self._writer_sinks.add(sink)
+        return sink
 
     def import_episodes(self, episodes: Iterable[Episode]) -> int:
         """Store checked episodes of an import (spread over the shards); how many."""
@@ -232,6 +235,7 @@ class RayBackend:
         refresh the sizes and this process's manifests (``len`` is exact after it, and
         every episode stored so far is sampled here; priority updates left in flight are answered)."""
         self._sink.flush()
+        self._dropped.wait()
         self._updates.collect(block=True)
         self._sizes.refresh()
         self._reader.sync()
@@ -245,6 +249,7 @@ class RayBackend:
             return
         try:
             self._sink.close()
+            self._dropped.wait()
             self._updates.collect(block=True)   # their errors are raised, the actors ended all the same
         finally:
             self._reader.reset()   # this process's references to the blocks
@@ -323,14 +328,10 @@ class RayBackend:
 
     def _draw(self, batch_size: int, args: SampleArgs, timeout: float | None, keys: Any, device: Any,
               pin_memory: bool, shards: Sequence[int] | None = None, min_version: int | None = None) -> TensorDict:
-        reader = self._reader
         on_cpu = device is None or device.type == "cpu"
-        if reader.draws_here():
-            request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards),
-                                    min_version=min_version)
-            batch = reader.sample(request)   # out of the draws ahead of this request
-        else:
-            batch = self._draws.batch(batch_size, args, timeout, keys, device, shards)
+        request = SampleRequest(batch_size, args, keys, device, None if shards is None else tuple(shards),
+                                min_version=min_version, timeout=None if self._reader.draws_here() else timeout)
+        batch = self._reader.sample(request)   # out of the draws ahead of this request (none where shards draw)
         # Gathered into a reused buffer; pinned memory is asked for by copying it there.
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
@@ -342,10 +343,8 @@ class RayBackend:
         in flight. ``min_version``: as in `sample` (drawn here)."""
         if min_version is not None:
             check_fresh_sampler(self.sampler, self._reader.draws_here())
-        if self._reader.draws_here():
-            return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
-                                                      min_version))
-        return self._draws.prefetching(batch_size, prefetch, args, device)
+        return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
+                                                  min_version, prefetch))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
@@ -494,10 +493,14 @@ class RayBackend:
 
     def save(self, path: str | Path, info: Mapping[str, Any], writer_states: Callable[[], dict],
              progress: bool | None) -> Path:
-        """Every shard saves its own generation directory (`save_ray_store`); writers' open
-        episodes are not kept."""
+        """Every shard saves its own generation directory (`save_ray_store`), with its open
+        pieces; this process's writers ship their staged steps first (`RaySink.ship_open`),
+        and shard 0's checkpoint keeps their states (``writer_states()``): where their open
+        episodes go on."""
+        for sink in list(self._writer_sinks):
+            sink.ship_open()
         self.flush()
-        return save_ray_store(self.shards, Path(path), dict(info))
+        return save_ray_store(self.shards, Path(path), dict(info), writer_states())
 
     def to_ray_dataset(self) -> Any:
         return to_ray_dataset(self.shards)

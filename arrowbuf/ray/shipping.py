@@ -20,15 +20,17 @@ writing in place.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf.ray.handles import ShardHandles
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, ray_module
 from arrowbuf.tensors import Payload, make_tensordict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # How a batch is finished: (batch shape, extra fields, next keys flat: ("next", k) -> "next_k").
 Finish = tuple[tuple[int, ...], dict, bool]
@@ -170,6 +172,8 @@ def resolve(batch: Any) -> TensorDict:
     Raises:
         TypeError: neither an ObjectRef nor a TensorDict.
     """
+    from tensordict import TensorDict   # here, not at the top: shard actors import this module
+
     if isinstance(batch, TensorDict):
         return batch
     ray = ray_module()

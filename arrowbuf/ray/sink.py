@@ -17,6 +17,13 @@ episodes were lost, and how many still wait.
 A sink pickles into Ray tasks and actors; the copy starts with nothing queued
 or in flight: the errors of this process's requests surface here.
 
+A closed sink (its writer's `close`) refuses every later write (`check_open`). A
+writer dropped without `flush` or `close` cuts its open episodes into its sink,
+which delivers them on a thread of its own (`dropped`): a finalizer never waits
+for a shard. What that delivery fails to store is logged as an error, and raised
+by the next `flush`, `save` or `close` of the store that made the writer
+(`DroppedWriters`).
+
 In the process that started the shards, an episode of an eighth of a block or
 more is put once and lent to its shard, which seals that object as its block
 (`_outgoing`, `arrowbuf.ray.blocks`); elsewhere episodes travel as arguments.
@@ -35,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from arrowbuf.errors import ShardError
+from arrowbuf.errors import ArrowbufError, ShardError
 from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
@@ -66,6 +73,45 @@ def _deliver(sink_ref: weakref.ref, stop: threading.Event, period: float) -> Non
         del sink   # hold the sink only while ticking: it may be garbage collected
 
 
+class DroppedWriters:
+    """Deliveries of the sinks of writers dropped without `flush` or `close`, each on its own
+    daemon thread (`RaySink.dropped`): their router waits for them (`wait`) and raises the
+    first error one met (which was logged when it happened)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def start(self, sink: "RaySink") -> None:
+        thread = threading.Thread(target=self._deliver, args=(sink,), name="arrowbuf-dropped-writer", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _deliver(self, sink: "RaySink") -> None:
+        queued = sink.queued
+        try:
+            sink.close()
+        except Exception as err:   # logged now, raised by the store's next flush: never dropped
+            logger.error("an arrowbuf writer of store %r was dropped without flush() or close(), and storing its "
+                         "%d open or queued episodes failed: %s", sink.store_name, queued, err)
+            with self._lock:
+                self._errors.append(err)
+
+    def wait(self) -> None:
+        """Wait until every dropped writer's steps are delivered; raise the first error met."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+
 class RaySink:
     """Sends a writer's sealed episodes to the shards (see the module docstring).
 
@@ -76,11 +122,14 @@ class RaySink:
         timeout: seconds a shard waits for its rate limiter to take an episode.
         capacity: rows of the smallest shard: the longest episode any shard takes
             (a writer refuses an episode at the step it outgrows it).
+        dropped: where the delivery of a dropped writer's sink reports (its router's).
     """
 
     def __init__(self, shards: ShardHandles, sizes: SizeCache, schema: Schema | None,
-                 timeout: float | None = None, capacity: int | None = None) -> None:
+                 timeout: float | None = None, capacity: int | None = None,
+                 dropped: DroppedWriters | None = None) -> None:
         self.capacity = capacity
+        self.closed = False   # by `close`: its writer was closed, and later writes are refused
         self._shards = shards
         self._sizes = sizes
         self._loads = sizes.transitions.astype(np.float64)   # rows routed to each shard, for routing
@@ -89,6 +138,7 @@ class RaySink:
         self._routes: dict[str, int] = {}
         self._node: str | None = None
         self._start_local()
+        self._dropped = dropped
         self._new_writer()
 
     def _start_local(self) -> None:
@@ -104,10 +154,11 @@ class RaySink:
         self._lends: bool | None = None   # this process started the shards (`_outgoing`): asked once
         self._open: weakref.ref | None = None             # its writer's `OpenShipping`: the timer ships open steps
         self._closes: dict[int, list[str]] = {}           # shard -> envs whose open pieces' episode ended
+        self._dropped: DroppedWriters | None = None       # its router's: set in the process that made it
 
     def __getstate__(self) -> dict:
         local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer",
-                 "_lends", "_open", "_closes")
+                 "_lends", "_open", "_closes", "_dropped")
         return {k: v for k, v in self.__dict__.items() if k not in local}
 
     def __setstate__(self, state: dict) -> None:
@@ -155,12 +206,24 @@ class RaySink:
         """Drop the schema (after the first write was refused everywhere)."""
         self._schema = None
 
+    @property
+    def store_name(self) -> str:
+        return self._shards.name
+
+    def check_open(self) -> None:
+        """Raises `ArrowbufError` when the sink is closed: its writer's ``close`` ended it."""
+        if self.closed:
+            raise ArrowbufError(f"this writer of store {self._shards.name!r} was closed (close(), or the end of its "
+                                "with block): it stores nothing more; open a new one with store.writer(...)")
+
     def write(self, episode: Episode, route_key: str | None = None) -> None:
         """Queue an episode for the shard of ``route_key`` (default: its env_id).
 
-        It never raises: a writer seals several episodes per call, and each must be
-        queued; errors (earlier ones included) are raised by `commit` and `flush`.
+        Its errors (earlier ones included) are raised by `commit` and `flush`: a
+        writer seals several episodes per call, and each must be queued. Only a
+        closed sink refuses at once (`check_open`).
         """
+        self.check_open()
         with self._lock:
             shard = self._route(episode.env_id if route_key is None else route_key)
             size = _nbytes(episode)
@@ -212,11 +275,31 @@ class RaySink:
                     raise earlier
 
     def close(self) -> None:
-        """`flush`, then stop the timer thread (a later write starts it again)."""
+        """`flush`, then stop the timer thread; later writes are refused (`check_open`)."""
         try:
             self.flush()
         finally:
+            self.closed = True
             self._stop_timer()
+
+    def ship_open(self) -> None:
+        """Send its writer's staged steps as pieces now (as the timer would), and everything
+        queued; wait until the shards stored them (a checkpoint is taken next)."""
+        shipping = self._open() if self._open is not None else None
+        if shipping is not None:
+            shipping.ship_all()
+        self.flush()
+
+    def dropped(self) -> None:
+        """Its writer was dropped without `flush` or `close` (and cut its open episodes into
+        this sink): deliver what is queued on a thread of its own (`DroppedWriters`), since a
+        finalizer must not wait for shards. Nothing to do for a closed store."""
+        if self.closed or self._shards.closed or not (self._batches or self._closes or self.unacknowledged):
+            return
+        if self._dropped is not None:
+            self._dropped.start(self)
+            return
+        DroppedWriters().start(self)   # a copy in another process: logged only
 
     def write_now(self, episode: Episode, route_key: str, timeout: float | None) -> int:
         """Send one episode alone and wait for its shard's answer: its id (`add_episode`).

@@ -295,7 +295,7 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
         if table.pieces:   # the step within its episode of a piece that continues one (`arrowbuf.open_pieces`)
             step = step + table.col("first_step").take(pos)
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
-             "episode_id": table.col("episode_id").take(pos), "step": step.astype(np.int32), **selection.extra}
+             "episode_id": table.col("episode").take(pos), "step": step.astype(np.int32), **selection.extra}
     base = view.bases.take(block) if block is not None else int(view.bases[0])
     if rows.ndim == 2 and block is not None:
         base = base[:, None]

@@ -31,7 +31,7 @@ docstring:
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and
 per-contender probes in child processes), `report` (terminal tables, Markdown,
-JSON), `plot` (the bar chart), `specs` and `contenders` (replay data and
+JSON), `summary` (the README's performance section, from a run's Markdown tables), `plot` (the bar chart), `specs` and `contenders` (replay data and
 stores), `big_dataset` (MIX's big-dataset row), `rollouts` and `rollout_contenders` (on-policy data and stores), `cli`.
 
 Adding a workload: a module under ``workloads/`` with a ``run(spec, opts) ->
@@ -46,7 +46,9 @@ Examples:
     python tools/bench.py --only W1 --json out/bench.json
     python tools/bench.py --only W1 --profile   # cProfile arrowbuf's add and sample
     python tools/bench.py --markdown out/bench.json   # the Markdown tables of a saved run
-    python tools/bench.py --markdown out/bench.json --docs   # ... written into docs/performance.md
+    python tools/bench.py --markdown out/bench.json --docs   # ... written into docs/performance.md, and README.md's
+                                                             # performance section from them
+    python tools/bench.py --docs             # README.md's performance section from docs/performance.md's tables
     python tools/bench.py --plot out/bench.json       # tools/bench.png
     arrowbuf bench --quick --only ONPOLICY   # the same, from the installed CLI
     python tools/bench.py --only MIX --mix-dataset-gb 40   # + sampling a 40 GB dataset (built once)

@@ -1,6 +1,8 @@
 """The command line: run workloads (``--only``, ``--quick``, ``--rounds``, ``--profile``,
 ``--json``), or render a saved run (``--markdown``, ``--plot``); ``--docs`` writes the Markdown
-tables into docs/performance.md (between its markers) instead of printing them."""
+tables into docs/performance.md (between its markers) instead of printing them, and the
+README's performance section from them (`summary`); ``--docs`` alone rewrites that section
+from the tables the page holds."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ from typing import Sequence
 from . import __doc__ as OVERVIEW
 from . import real_seed, workloads  # noqa: F401  registers the workloads
 from .harness import WORKLOADS, Options, log
-from .report import into_page, load, markdown, render, save
+from .report import between, into_page, load, markdown, render, save
+from .summary import BEGIN as README_BEGIN
+from .summary import END as README_END
+from .summary import read_tables, summary
 
 DEFAULT_PNG = Path(__file__).resolve().parents[1] / "bench.png"   # tools/bench.png
 DEFAULT_DOCS = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+DEFAULT_README = Path(__file__).resolve().parents[2] / "README.md"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / ".bench-data"   # git-ignored
 
 
@@ -67,7 +73,11 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
                         help="print the results as Markdown tables (of this run, or of a saved JSON run, then exit)")
     parser.add_argument("--docs", nargs="?", const=str(DEFAULT_DOCS), metavar="PAGE",
                         help=f"with --markdown: write the tables into PAGE (default {DEFAULT_DOCS}) between its "
-                             "'bench tables' markers instead of printing them")
+                             "'bench tables' markers instead of printing them, then the README's performance "
+                             "section from them (a full run's: its headline ratios, the targets not met, its date); "
+                             "alone: rewrite that section from the tables PAGE holds")
+    parser.add_argument("--readme", metavar="PATH", default=str(DEFAULT_README),
+                        help=f"the README whose 'bench summary' section --docs writes (default {DEFAULT_README})")
     parser.add_argument("--plot", metavar="JSON", help="draw the ratios of a saved JSON run as a bar chart and exit")
     parser.add_argument("--png", metavar="PATH", default=str(DEFAULT_PNG),
                         help=f"where --plot writes the chart (default {DEFAULT_PNG})")
@@ -77,7 +87,7 @@ def build_parser(prog: str = "bench.py") -> argparse.ArgumentParser:
 
 def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
     """Run the named workloads; returns their results and the run's metadata."""
-    meta = {"argv": sys.argv[1:], "quick": opts.quick, "smoke": opts.smoke, "rounds": opts.rounds,
+    meta = {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d", time.gmtime()), "quick": opts.quick, "smoke": opts.smoke, "rounds": opts.rounds,
             "min_time": opts.min_time, "slices": opts.slices, "python": platform.python_version(),
             "cpus": os.cpu_count(), "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     for mod in ("numpy", "torch", "pyarrow", "tensordict", "torchrl", "arrowbuf"):
@@ -96,8 +106,10 @@ def run(names: Sequence[str], opts: Options) -> tuple[list, dict]:
     return results, meta
 
 
-def publish(tables: str, page: str | None, parser: argparse.ArgumentParser) -> None:
-    """Print the Markdown tables, or write them into ``page`` between its markers."""
+def publish(tables: str, page: str | None, readme: str, parser: argparse.ArgumentParser) -> None:
+    """Print the Markdown tables, or write them into ``page`` between its markers and the
+    README's performance section from them (left as it is, with a note, for a run that is not
+    a full one)."""
     if page is None:
         print(tables, end="")
         return
@@ -107,6 +119,30 @@ def publish(tables: str, page: str | None, parser: argparse.ArgumentParser) -> N
     except (OSError, ValueError) as err:
         parser.error(f"--docs {page}: {err}")
     log(f"wrote the tables into {page}")
+    try:
+        section = summary(read_tables(tables))
+    except ValueError as err:
+        log(f"left the performance section of {readme} as it is: {err}")
+        return
+    write_readme(section, readme, parser)
+
+
+def publish_readme(page: str, readme: str, parser: argparse.ArgumentParser) -> None:
+    """Write the README's performance section from the tables ``page`` holds."""
+    try:
+        section = summary(read_tables(between(Path(page).read_text())))
+    except (OSError, ValueError) as err:
+        parser.error(f"--docs {page}: {err}")
+    write_readme(section, readme, parser)
+
+
+def write_readme(section: str, readme: str, parser: argparse.ArgumentParser) -> None:
+    path = Path(readme)
+    try:
+        path.write_text(into_page(path.read_text(), section, (README_BEGIN, README_END)))
+    except (OSError, ValueError) as err:
+        parser.error(f"--readme {readme}: {err}")
+    log(f"wrote the performance section of {readme}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
@@ -123,10 +159,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         for w in WORKLOADS.values():
             print(f"{w.name}: {w.help}\n    full: {w.full.describe()}\n    quick: {w.quick.describe()}")
         return 0
-    if args.docs is not None and args.markdown is None:
-        parser.error("--docs writes the tables of --markdown: pass --markdown too")
+    if args.docs is not None and args.markdown is None:   # the README's section from the page's tables
+        if args.only or args.quick or args.smoke or args.json:
+            parser.error("--docs without --markdown rewrites the README's performance section from the page's "
+                         "tables, it runs nothing: to write a run's tables, pass --markdown too")
+        publish_readme(args.docs, args.readme, parser)
+        return 0
     if args.markdown:
-        publish(markdown(*load(args.markdown)), args.docs, parser)
+        publish(markdown(*load(args.markdown)), args.docs, args.readme, parser)
     if args.plot:
         from .plot import plot
 
@@ -149,5 +189,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "bench.py") -> int:
         save(args.json, results, meta)
         log(f"wrote {args.json}")
     if args.markdown is not None:   # after the save: a page it cannot write loses no run
-        publish(markdown(results, meta), args.docs, parser)
+        publish(markdown(results, meta), args.docs, args.readme, parser)
     return 0

@@ -3,7 +3,8 @@
 JSON is the exchange format: `save` writes a run, `load` reads one back, and
 `markdown` and `bench.plot` work from it, so a saved run can be re-rendered.
 `into_page` puts the Markdown tables into a page between its `BEGIN` and `END`
-markers (docs/performance.md), leaving the rest of the page as it is.
+markers (docs/performance.md), leaving the rest of the page as it is; `between` reads
+them back (`summary` renders the README's section from them).
 """
 
 from __future__ import annotations
@@ -145,24 +146,43 @@ def markdown(results: Sequence[WorkloadResult], meta: dict) -> str:
         lines.append("")
     versions = ", ".join(f"{k} {meta[k]}" for k in ("python", "numpy", "torch", "pyarrow", "tensordict", "torchrl",
                                                      "arrowbuf") if k in meta)
-    lines.append(f"Ratios: median over {meta.get('rounds')} rounds of interleaved timings [min-max over rounds], "
+    lines.append((f"Run on {meta['date']}. " if meta.get("date") else "") + f"Ratios: median over {meta.get('rounds')} rounds of interleaved timings [min-max over rounds], "
                  f"> 1 means arrowbuf is faster. {meta.get('cpus')} CPUs, load average {meta.get('loadavg_start')} "
                  f"-> {meta.get('loadavg_end')}; {versions}. Command: `python tools/bench.py "
                  f"{' '.join(meta.get('argv', []))}`.")
     return "\n".join(lines) + "\n"
 
 
-def into_page(page: str, tables: str) -> str:
-    """``page`` with the text between its tables markers (their lines excluded) replaced by ``tables``.
+def into_page(page: str, tables: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """``page`` with the text between its ``markers`` lines (the tables', by default; the lines
+    excluded) replaced by ``tables``.
 
     Raises:
         ValueError: the page lacks a marker, has either twice, or has them in the wrong order.
     """
     lines = page.splitlines(keepends=True)
-    begins = [i for i, line in enumerate(lines) if line.startswith(BEGIN)]
-    ends = [i for i, line in enumerate(lines) if line.startswith(END)]
+    begin, end = _marked(lines, markers)
+    return "".join(lines[:begin + 1]) + tables.rstrip("\n") + "\n\n" + "".join(lines[end:])
+
+
+def between(page: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """The text between ``page``'s ``markers`` lines, as `into_page` wrote it.
+
+    Raises:
+        ValueError: as `into_page`.
+    """
+    lines = page.splitlines(keepends=True)
+    begin, end = _marked(lines, markers)
+    return "".join(lines[begin + 1:end])
+
+
+def _marked(lines: list[str], markers: tuple[str, str]) -> tuple[int, int]:
+    """The lines of the one pair of ``markers``, in order."""
+    begin, end = markers
+    begins = [i for i, line in enumerate(lines) if line.startswith(begin)]
+    ends = [i for i, line in enumerate(lines) if line.startswith(end)]
     if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
-        raise ValueError(f"expected one line starting {BEGIN!r} and, after it, one starting {END!r}; found "
+        raise ValueError(f"expected one line starting {begin!r} and, after it, one starting {end!r}; found "
                          f"{len(begins)} and {len(ends)}" + (" in the wrong order" if begins and ends and
                                                               begins[0] > ends[0] else ""))
-    return "".join(lines[:begins[0] + 1]) + tables.rstrip("\n") + "\n\n" + "".join(lines[ends[0]:])
+    return begins[0], ends[0]

@@ -1,0 +1,150 @@
+"""Played episodes, as users see them: an episode table's entries (whole episodes, pieces
+of episodes a step writer cut, open tails) grouped by the episode they belong to.
+
+Pieces are storage: a long or open episode may be held in several entries of the
+episode table (`arrowbuf.regions`, `arrowbuf.open_pieces`), linked by env and
+``first_step``. Each entry's ``episode`` column holds the id of its played episode (the
+id of the episode's first piece), so one played episode shows one ``episode_id``;
+`group_played` groups the entries by it, and `episodes_arrow` writes one row per played
+episode: its length and return summed over its held pieces, the flags of its latest
+piece, and ``first_step``, the step of its earliest held row (> 0 once its start was
+evicted).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Played:
+    """A table's entries grouped by played episode (`group_played`), groups oldest first.
+
+    ``episode``: each group's id (-1: open tails of an episode with no stored piece yet);
+    ``first`` / ``last``: its earliest and latest entry (positions in `EpisodeTable.ecol`);
+    ``group``: the group of each entry; ``open``: whether the episode goes on.
+    """
+
+    episode: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    group: np.ndarray
+    open: np.ndarray
+
+
+def group_played(table: Any, open_pieces: np.ndarray | None = None, sealed_only: bool = False) -> Played:
+    """The live entries of an `arrowbuf.table.EpisodeTable` (sealed, then the open tails)
+    grouped by played episode. ``open_pieces``: a mask over the sealed entries of pieces whose
+    episode goes on (a Ray shard's stored open pieces, `arrowbuf.ray.tails`); an open tail's
+    episode goes on too. ``sealed_only``: the sealed entries alone (what an export holds)."""
+    sealed = len(table)
+    n_all = sealed + (0 if sealed_only else table.num_open)
+    episode = table.ecol("episode")[:n_all].copy()
+    is_open = np.arange(n_all) >= sealed
+    if open_pieces is not None:
+        is_open[:sealed] |= open_pieces
+    unknown = np.flatnonzero(episode < 0)   # open tails of episodes with no stored piece: one each
+    episode[unknown] = -2 - np.arange(len(unknown))
+    keys, first, inverse = np.unique(episode, return_index=True, return_inverse=True)
+    last = np.zeros(len(keys), np.int64)
+    np.maximum.at(last, inverse, np.arange(n_all))
+    order = np.argsort(first, kind="stable")   # oldest first: by the earliest held piece
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    group_open = np.bincount(inverse, weights=is_open, minlength=len(keys)) > 0
+    return Played(np.where(keys < 0, -1, keys)[order], first[order], last[order], rank[inverse],
+                  group_open[order])
+
+
+def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarray | None = None,
+                   played: Played | None = None) -> pa.Table:
+    """`EpisodeTable.to_arrow`: one row per played episode whose end is stored; with
+    ``include_open``, the episodes that go on too (``open`` True; return NaN while an open
+    tail holds steps; episode_id -1 before their first piece is stored). ``played``: the
+    grouping to list (`group_played`'s, by default)."""
+    if played is None and not table.pieces and open_pieces is None:
+        return entries_arrow(table, include_open)
+    played = played or group_played(table, open_pieces)
+    keep = np.ones(len(played.episode), bool) if include_open else ~played.open
+    first, last = played.first[keep], played.last[keep]
+    in_tail = np.arange(len(played.group)) >= len(table)
+    col = lambda name: table.ecol(name)[:len(in_tail)]   # noqa: E731
+    length = np.bincount(played.group, weights=col("length"), minlength=len(keep)).astype(np.int64)[keep]
+    ret = col("return").astype(np.float64)
+    ret[in_tail] = np.nan   # an open tail's reward sum is not kept
+    total = np.bincount(played.group, weights=ret, minlength=len(keep))[keep]
+    has_final = col("has_final")[last]
+    inserted = col("inserted_at")[last].copy()
+    inserted[in_tail[last]] = time.time_ns()
+    columns = {
+        "episode_id": played.episode[keep],
+        "env_id": _env_ids(table, col("env")[first]),
+        "shard": np.full(len(first), table.shard, np.int32),
+        "first_row": col("first_row")[first],
+        "num_rows": length + has_final,
+        "length": length,
+        "has_final": has_final,
+        "terminated": col("terminated")[last],
+        "truncated": col("truncated")[last],
+        "return": total,
+        "inserted_at": pa.array(inserted, pa.timestamp("ns")),
+        "first_index": col("first_index")[first],
+        "first_step": col("first_step")[first],
+    }
+    if include_open:
+        columns["open"] = played.open[keep]
+    meta = table.metadata() + [None] * (len(in_tail) - len(table))
+    return _table(columns, [meta[k] for k in first.tolist()])
+
+
+def entries_arrow(table: Any, include_open: bool = False) -> pa.Table:
+    """The table's entries as they are stored, one row each (a whole episode, or a piece:
+    ``episode_id`` is then the piece's own id), oldest first: `episodes_arrow` of a table
+    whose entries are whole episodes. With ``include_open``, the open tails follow
+    (episode_id -1, ``open`` True, return NaN, provisional first_index)."""
+    col = table.ecol if include_open else table.col
+    sealed = len(table)
+    n = sealed + (table.num_open if include_open else 0)
+    ret = col("return").copy()
+    ret[sealed:] = np.nan
+    inserted = col("inserted_at").copy()
+    inserted[sealed:] = time.time_ns()
+    columns = {
+        "episode_id": col("episode_id"),
+        "env_id": _env_ids(table, col("env")),
+        "shard": np.full(n, table.shard, np.int32),
+        "first_row": col("first_row"),
+        "num_rows": col("num_rows"),
+        "length": col("length"),
+        "has_final": col("has_final"),
+        "terminated": col("terminated"),
+        "truncated": col("truncated"),
+        "return": ret,
+        "inserted_at": pa.array(inserted, pa.timestamp("ns")),
+        "first_index": col("first_index"),
+    }
+    if include_open or table.pieces:
+        columns["first_step"] = col("first_step")
+    if include_open:
+        columns["open"] = np.arange(n) >= sealed
+    return _table(columns, table.metadata() + ([None] * table.num_open if include_open else []))
+
+
+def _env_ids(table: Any, codes: np.ndarray) -> pa.Array:
+    if not len(codes):
+        return pa.array([], pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(table.env_names, pa.string())).dictionary_decode()
+
+
+def _table(columns: dict[str, Any], meta: list[Any]) -> pa.Table:
+    # Copies (one value per episode): a table handed out must not change when `clear` and
+    # new writes reuse these slots.
+    table = pa.table({k: v if isinstance(v, pa.Array) else pa.array(np.array(v, copy=True)) for k, v in columns.items()})
+    if any(m is not None for m in meta):
+        table = table.append_column("metadata", pa.array(meta, pa.string()))
+    return table
