@@ -84,12 +84,27 @@ from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.shard import Shard
-from arrowbuf.table import upgrade_state
 
 FORMAT = "arrowbuf.checkpoint"
 FORMAT_VERSION = 2      # 2: content hashes of every file, and of the manifest
 MANIFEST = CHECKPOINT_MANIFEST
 _BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
+
+#: Names in states written before "rank" became "index" (checkpoints of format 2
+#: from earlier versions): `upgrade_state` reads them under today's names.
+_RENAMED_COUNTERS = {"rank": "index"}
+
+
+def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A table `state_dict` with the names of earlier versions renamed (in place; returned)."""
+    for old, new in _RENAMED_COUNTERS.items():
+        if old in state.get("counters", {}) and new not in state["counters"]:
+            state["counters"][new] = state["counters"].pop(old)
+        columns = state.get("columns", {})
+        if f"first_{old}" in columns and f"first_{new}" not in columns:
+            columns[f"first_{new}"] = columns.pop(f"first_{old}")
+    return state
+
 
 SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
                                     SequenceSampler, EpisodeSampler, FreshnessSampler)}

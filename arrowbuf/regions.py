@@ -138,8 +138,7 @@ class OpenRegions:
         freed = self.start[slots].copy()
         self.start[slots] += cut
         self.length[slots] -= cut
-        self.first_step[slots] += cut
-        self.prev[slots] = -1
+        self.first_step[slots] += cut   # a gap (`piece_chains` links none); ``prev`` stays, for the episode's id
         return freed, self.start[slots].copy()
 
     def clear(self) -> None:
