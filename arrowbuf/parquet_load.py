@@ -115,6 +115,8 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
                 else [None] * len(ids))
     shard = engine.shard
     _resume_numbering(shard, episodes, export.store)
+    if "first_step" in export.episodes.column_names:   # its entries were pieces: so are this store's
+        shard.table.mark_pieces()
     schema = export.schema
     specs = {**schema.fields, **SYSTEM_SPECS}
     group = group_rows(schema.row_bytes)

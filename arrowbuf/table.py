@@ -341,14 +341,11 @@ class EpisodeTable:
             self._longest.popleft()
 
     def trim_oldest(self, count: int, dropped_return: float = 0.0) -> None:
-        """Drop the first ``count`` transitions (fewer than its length) of the oldest live
-        piece, whose rewards summed to ``dropped_return``: its rows, indices and first step
-        move on by ``count``; indices stay one contiguous range. Its tokens name nothing now."""
+        """Drop the oldest piece's first ``count`` (< length) transitions, rewards ``dropped_return``."""
         cols, i = self._cols, self.head
-        self._match_sealed()
+        self._match_sealed()   # its tokens would name later steps now: they name nothing
         self._tails.forget(int(cols["tail"][i]))
-        cols["tail"][i], cols["return"][i] = -1, cols["return"][i] - dropped_return
-        length = int(cols["length"][i])
+        cols["tail"][i], cols["return"][i], length = -1, cols["return"][i] - dropped_return, int(cols["length"][i])
         for name, (units, _) in self._counters.items():
             if name != "index":   # a sampler's units (windows) in what is left of the piece
                 cols[f"first_{name}"][i] += units(length) - units(length - count)
@@ -365,6 +362,9 @@ class EpisodeTable:
         self._tails.clear()
         self._longest.clear()
         self._lookup = self._played_count = None
+
+    def mark_pieces(self) -> None:   # an import of a store whose entries were pieces: `to_arrow` lists first_step
+        self.pieces = True
 
     def resume(self, episodes_added: int, next_index: int) -> None:
         """Continue the numbering of another table: the next episode is the
