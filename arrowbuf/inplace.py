@@ -204,9 +204,9 @@ class InPlace:
                 start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
                 room = np.where(pos > 0, end - 1, end)   # an open piece's rows start..start + pos lie inside
                 if any(a.shape != (self.num_envs,) for a in (held, start, end)) or np.any(
-                        held & ((start < 0) | (end > shard.capacity) | (start + pos > room))):
+                        held & ((start < 0) | (end > shard.rows) | (start + pos > room))):
                     raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
-                                     f"in a store of {shard.capacity} rows")
+                                     f"in a store of {shard.rows} rows")
                 regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
                 prev = np.asarray(saved.get("prev", np.full(self.num_envs, -1)), np.int64)
                 if prev.shape != (self.num_envs,) or np.any((prev < -1) | (prev >= shard.table.episodes_added)):

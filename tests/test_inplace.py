@@ -482,3 +482,19 @@ def test_a_new_writer_per_rollout_reuses_the_regions_and_slots_of_the_writers_be
         store.clear()
     assert len(rows) == 4, "every rollout wrote the same (warm) rows"
     assert store.engine.shard.regions.size == 4, "released slots are reused"
+
+
+def test_a_writer_state_with_regions_past_the_capacity_rows_loads():
+    # Capacity counts transitions: the ring's rows reach past it (final observations, regions'
+    # repeated rows), so a saved writer's regions may lie there; its state loads back.
+    store = ab.ExperienceStore(capacity=8, seed=0)
+    writer = store.writer(2, autoreset_mode="disabled")
+    for t in range(40):
+        done = np.array([t % 3 == 2, t % 5 == 4])
+        writer.add(obs=np.full((2, 2), t, float), action=np.zeros(2), reward=np.ones(2, np.float32),
+                   terminated=done, truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1, float))
+    state = writer.state_dict()
+    assert (state["regions"]["end"][state["regions"]["held"]] > store.capacity).any(), "a region past row 8"
+    restored = store.writer(2, autoreset_mode="disabled")
+    restored.load_state_dict(state)
+    assert restored.open_steps.tolist() == writer.open_steps.tolist()
