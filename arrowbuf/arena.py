@@ -124,11 +124,18 @@ def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> 
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    needed = capacity * schema.field_bytes
+    rows = arena_rows(capacity, lazy=False)   # a CUDA arena is allocated at once: all its rows
+    needed = rows * schema.field_bytes
     if needed > free:
-        raise ResourceError(f"storage_device={str(device)!r}: capacity={capacity:,} rows of {schema.field_bytes:,} "
-                            f"bytes need {needed / 2**30:,.2f} GiB, but the device has {free / 2**30:,.2f} GiB "
-                            f"free; use capacity <= {free // max(schema.field_bytes, 1):,}")
+        fit = free // max(schema.field_bytes, 1)   # rows that fit; the largest capacity whose arena does
+        most = max(0, (fit - 64) * 8 // 9)
+        while arena_rows(most + 1, lazy=False) <= fit:
+            most += 1
+        while most and arena_rows(most, lazy=False) > fit:
+            most -= 1
+        raise ResourceError(f"storage_device={str(device)!r}: capacity={capacity:,} transitions take {rows:,} rows "
+                            f"of {schema.field_bytes:,} bytes, which need {needed / 2**30:,.2f} GiB, but the device "
+                            f"has {free / 2**30:,.2f} GiB free; use capacity <= {most:,}")
 
 
 def make_shard(schema: Schema, capacity: int, mode: str, shard: int, num_shards: int,
@@ -160,7 +167,7 @@ class TorchShard(Shard):
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
         if device.type == "cuda":
-            check_device_memory(schema, arena_rows(capacity, lazy=False), device)
+            check_device_memory(schema, capacity, device)
         else:
             check_arena(schema, capacity)
         self.device = device
