@@ -65,8 +65,7 @@ from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, chec
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import export_array, export_type
-from arrowbuf.indexing import piece_chains
-from arrowbuf.played import Played, episodes_arrow, group_played
+from arrowbuf.played import Played, episodes_arrow, group_played, played_rows
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Shard
 
@@ -235,21 +234,9 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
 
 
 def merged_rows(table: Any, played: Played, rows: EpisodeRows) -> EpisodeRows:
-    """``rows`` (of every sealed entry of ``table``, in its order) as one run per played episode
-    (``played``, sealed entries): its pieces in step order, each piece's last row dropped where
-    the next piece's first row repeats it; ``episode_id`` the played episode's."""
-    num, order = rows.num_rows, np.lexsort((np.arange(len(played.group)), played.group))
-    chains = piece_chains(table)
-    starts = np.cumsum(num) - num
-    after = chains.next[:len(num)]
-    joined = (after >= 0) & (after < len(num))   # continued by a sealed piece: its last row comes again
-    keep = num - joined
-    kept = np.repeat(starts[order] - (np.cumsum(keep[order]) - keep[order]), keep[order]) + np.arange(int(keep.sum()))
-    merged = pa.Table.from_batches(rows.batches).take(pa.array(kept))
-    per_episode = np.bincount(played.group, weights=keep, minlength=len(played.episode)).astype(np.int64)
-    ids = np.repeat(played.episode, per_episode)
-    merged = merged.set_column(merged.schema.get_field_index("episode_id"), merged.schema.field("episode_id"),
-                               pa.array(ids, pa.int64()))
+    """``rows`` (of every sealed entry of ``table``, in its order) as one run per played
+    episode (`arrowbuf.played.played_rows`)."""
+    merged, per_episode = played_rows(table, played, pa.Table.from_batches(rows.batches), rows.num_rows)
     return EpisodeRows(played.episode.copy(), table.col("first_row")[played.first].copy(), per_episode,
                        merged.combine_chunks().to_batches())
 

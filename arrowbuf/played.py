@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf.indexing import piece_chains
+
 
 @dataclass(frozen=True)
 class Played:
@@ -148,3 +150,22 @@ def _table(columns: dict[str, Any], meta: list[Any]) -> pa.Table:
     if any(m is not None for m in meta):
         table = table.append_column("metadata", pa.array(meta, pa.string()))
     return table
+
+
+def played_rows(table: Any, played: Played, rows: pa.Table, num_rows: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+    """``rows`` (``num_rows`` of each sealed entry of ``table``, in its order) as one run per
+    played episode (``played``, sealed entries; `group_played`): its pieces in step order, each
+    piece's last row dropped where the next piece's first row repeats it, ``episode_id`` the
+    played episode's. Returns (rows, rows per played episode): what users read
+    (`ExperienceStore.to_arrow`, exports) never shows where a writer cut an episode."""
+    order = np.lexsort((np.arange(len(played.group)), played.group))
+    starts = np.cumsum(num_rows) - num_rows
+    after = piece_chains(table).next[:len(num_rows)]
+    joined = (after >= 0) & (after < len(num_rows))   # continued by a sealed piece: its last row comes again
+    keep = num_rows - joined
+    kept = np.repeat(starts[order] - (np.cumsum(keep[order]) - keep[order]), keep[order]) + np.arange(int(keep.sum()))
+    merged = rows.take(pa.array(kept))
+    per_episode = np.bincount(played.group, weights=keep, minlength=len(played.episode)).astype(np.int64)
+    index = merged.schema.get_field_index("episode_id")
+    ids = pa.array(np.repeat(played.episode, per_episode), merged.schema.field(index).type)
+    return merged.set_column(index, merged.schema.field(index), ids), per_episode

@@ -29,6 +29,7 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
+from arrowbuf.played import group_played, played_rows
 from arrowbuf.regions import OpenRegions, span_plan
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
@@ -587,7 +588,12 @@ class Shard:
         return self._batch(position, position + 1, {b"arrowbuf.has_final": b"1" if has_final else b"0"})
 
     def to_arrow(self) -> pa.Table:
-        """Every live row, oldest episode first: one chunk per contiguous run (data columns zero-copy)."""
-        runs = position_runs(self.table.col("first_row"), self.table.col("num_rows"))
-        batches = [self._batch(a, b) for a, b in runs]
-        return pa.Table.from_batches(batches, schema=self.schema.to_arrow())
+        """Every live row, oldest episode first: one chunk per contiguous run (data columns
+        zero-copy). A played episode held in pieces reads as one run of its rows, in step order,
+        each row once (`arrowbuf.played.played_rows`; a copy of those rows)."""
+        table = self.table
+        runs = position_runs(table.col("first_row"), table.col("num_rows"))
+        rows = pa.Table.from_batches([self._batch(a, b) for a, b in runs], schema=self.schema.to_arrow())
+        if not table.pieces:
+            return rows
+        return played_rows(table, group_played(table, sealed_only=True), rows, table.col("num_rows").copy())[0]

@@ -449,7 +449,8 @@ class ExperienceStore:
         return self._backend.episode(check_episode_id(episode_id))
 
     def to_arrow(self) -> pa.Table:
-        """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
+        """Every stored row, oldest episode first, as zero-copy chunks of the arena; a played
+        episode a writer cut into pieces reads as one run of its rows, each step once (copied)."""
         return self._backend.to_arrow()
 
     def stats(self) -> dict:

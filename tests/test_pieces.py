@@ -75,6 +75,23 @@ def held(store: ab.ExperienceStore) -> dict[str, np.ndarray]:
     return {name: np.concatenate(parts) for name, parts in columns.items()}
 
 
+def check_to_arrow(store: ab.ExperienceStore) -> None:
+    """`to_arrow` shows each played episode as one run of its held rows: consecutive steps,
+    each once, one ``is_last`` row at its end (no piece boundary shows)."""
+    rows = store.to_arrow()
+    ids, step = rows.column("episode_id").to_numpy(), rows.column("step").to_numpy()
+    last = rows.column("is_last").to_numpy()
+    t = rows.column("obs").combine_chunks().to_numpy_ndarray()[:, -1]
+    episodes = store.episodes().to_pylist()
+    assert sum(e["length"] + e["has_final"] for e in episodes) == rows.num_rows
+    for episode in episodes:
+        mine = np.flatnonzero(ids == episode["episode_id"])
+        assert len(mine) == episode["length"] + episode["has_final"]
+        assert np.array_equal(step[mine], episode["first_step"] + np.arange(len(mine))), "each step once, in order"
+        assert np.array_equal(t[mine], step[mine]), "each row is its own step's"
+        assert np.flatnonzero(last[mine]).tolist() == [len(mine) - 1], "one is_last, at the episode's end"
+
+
 def split_store(capacity: int, lengths: list[list[int]], steps: int, seed: int,
                 **options) -> tuple[ab.ExperienceStore, Played]:
     store = ab.ExperienceStore(capacity=capacity, seed=seed, **options)
@@ -110,6 +127,7 @@ def test_a_played_episode_split_into_pieces_has_one_id_one_row_and_counts_once(c
         assert row["terminated"] == played.steps[key][-1][2]
     one = store.episode(episodes[-1]["episode_id"])   # its held pieces, read as one
     assert np.array_equal(one.column("step").to_numpy(), episodes[-1]["first_step"] + np.arange(one.num_rows))
+    check_to_arrow(store)
 
 
 def test_the_parquet_export_holds_one_row_per_played_episode(tmp_path):
@@ -230,6 +248,7 @@ def test_compute_gae_on_ray_runs_across_the_pieces_a_writer_shipped():
             ids[key].add(episode_id)
         assert max(len(v) for v in ids.values()) == 1, "one episode_id per played episode"
         assert store.num_episodes == len(ids) == store.episodes().num_rows
+        check_to_arrow(store)
         store.compute_gae(GAMMA, LAM, bootstrap_value=lambda obs: np.full(obs.batch_size[0], CUT_VALUE))
         assert check_gae(store, played) < 1e-5
         writer.close()
