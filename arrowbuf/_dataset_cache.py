@@ -153,9 +153,9 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     directory.parent.mkdir(parents=True, exist_ok=True)
     with DirectorySink(directory) as sink:
         version = FORMAT_VERSION   # read at the call: a test writes a version 1 cache through it
-        where = _lay_out_rows(sink.staging / ROWS, schema, total, version)
+        where = _lay_out_rows(sink.pending / ROWS, schema, total, version)
         written = 0
-        with open(sink.staging / ROWS, "r+b") as out, \
+        with open(sink.pending / ROWS, "r+b") as out, \
                 progress_bar(progress, total, f"convert {source.path.name}") as bar:
             for columns in source.rows():
                 arrays, count = [], None
@@ -193,13 +193,13 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
                              for k in EPISODE_COLUMNS},
                           "env_id": pa.array(list(episodes["env_id"]), pa.string()),
                           "metadata": pa.array(list(episodes["metadata"]), pa.string())})
-        with pa.OSFile(str(sink.staging / EPISODES), "wb") as out, pa.ipc.new_file(out, arrow.schema) as writer:
+        with pa.OSFile(str(sink.pending / EPISODES), "wb") as out, pa.ipc.new_file(out, arrow.schema) as writer:
             writer.write_table(arrow)
         files = {}
         for name in (ROWS, EPISODES):
-            stat = (sink.staging / name).stat()
-            files[name] = {**_stat_entry(stat), "sha256": file_digest(sink.staging / name)}
-        write_manifest(sink.staging / MANIFEST, {
+            stat = (sink.pending / name).stat()
+            files[name] = {**_stat_entry(stat), "sha256": file_digest(sink.pending / name)}
+        write_manifest(sink.pending / MANIFEST, {
             "format": FORMAT, "format_version": version, "schema": json.loads(schema.to_json()),
             "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
             "source": {"kind": source.kind, "path": str(source.path.resolve()), "info": source.info,
@@ -326,13 +326,13 @@ def _record_stats(directory: Path, manifest: Mapping[str, Any], stats: Mapping[s
     files = {**manifest["files"], **{name: {**manifest["files"][name], **_stat_entry(stat)}
                                      for name, stat in stats.items()}}
     path = directory / MANIFEST
-    staged = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    pending = directory / f".{MANIFEST}.tmp-{os.getpid()}"
     try:
-        write_manifest(staged, {**{k: v for k, v in manifest.items() if k != CHECKSUM}, "files": files})
-        os.replace(staged, path)
+        write_manifest(pending, {**{k: v for k, v in manifest.items() if k != CHECKSUM}, "files": files})
+        os.replace(pending, path)
     except OSError:
         try:
-            staged.unlink(missing_ok=True)
+            pending.unlink(missing_ok=True)
         except OSError:
             pass
 

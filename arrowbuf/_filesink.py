@@ -3,30 +3,30 @@
 Parquet exports, checkpoints and Ray checkpoints all write through a `FileSink`
 (the model is Ray Data's datasinks):
 
-- **start** makes a fresh hidden staging directory on the target's file system;
-- **write** is the caller's: it puts its files into ``sink.staging``;
-- **commit** flushes every staged file and directory to disk (fsync), then
+- **start** makes a fresh hidden pending directory on the target's file system;
+- **write** is the caller's: it puts its files into ``sink.pending``;
+- **commit** flushes every pending file and directory to disk (fsync), then
   publishes them with renames, the last of which makes the whole write visible at
   once, and flushes the directory that holds it;
-- **abort** deletes the staging directory: the target is as it was.
+- **abort** deletes the pending directory: the target is as it was.
 
 Used as a context manager, a sink starts on entry and commits when the block ends
 normally, or aborts when it raises. Two ways to publish:
 
-- `DirectorySink`: the staging directory becomes the target directory (exports).
+- `DirectorySink`: the pending directory becomes the target directory (exports).
   A target that exists is swapped out in one atomic exchange (Linux
   ``renameat2(RENAME_EXCHANGE)``) and deleted after; where the exchange is not
   available it is renamed aside first (``.<name>.old-<id>``), so a crash between the
   two renames leaves the old copy complete there (`aside_copies` finds it).
-- `ManifestSink`: staged files join the target directory under names no manifest
-  lists yet, then the staged manifest replaces the target's (checkpoints, and the
+- `ManifestSink`: pending files join the target directory under names no manifest
+  lists yet, then the pending manifest replaces the target's (checkpoints, and the
   generations of Ray checkpoints). Readers follow the manifest only.
 
 Example:
     >>> import tempfile, pathlib
     >>> target = pathlib.Path(tempfile.mkdtemp()) / "out"
     >>> with DirectorySink(target) as sink:
-    ...     _ = (sink.staging / "data.txt").write_text("complete")
+    ...     _ = (sink.pending / "data.txt").write_text("complete")
     >>> (target / "data.txt").read_text()
     'complete'
 """
@@ -83,30 +83,30 @@ class FileSink:
 
     Args:
         target: the directory the write is for.
-        staging: where the files are written before the commit (fresh, hidden).
+        pending: where the files are written before the commit (fresh, hidden).
     """
 
-    def __init__(self, target: Path, staging: Path) -> None:
+    def __init__(self, target: Path, pending: Path) -> None:
         self.target = target
-        self.staging = staging
+        self.pending = pending
         self.committed = False
 
     def start(self) -> None:
-        """Create the staging directory (and the target's parents)."""
-        self.staging.mkdir(parents=True)
+        """Create the pending directory (and the target's parents)."""
+        self.pending.mkdir(parents=True)
 
     def commit(self) -> None:
         """Flush the staged files to disk and publish them (`publish`)."""
-        fsync_tree(self.staging)
+        fsync_tree(self.pending)
         self.publish()
         self.committed = True
 
     def abort(self) -> None:
-        """Delete whatever was staged; the target stays as it was."""
-        remove(self.staging)
+        """Delete whatever was written; the target stays as it was."""
+        remove(self.pending)
 
     def publish(self) -> None:
-        """Make the staged files visible at ``target`` (the last step atomic)."""
+        """Make the pending files visible at ``target`` (the last step atomic)."""
         raise NotImplementedError
 
     def __enter__(self) -> "FileSink":
@@ -126,7 +126,7 @@ class FileSink:
 
 
 class DirectorySink(FileSink):
-    """A directory written whole: the staging directory becomes ``target``.
+    """A directory written whole: the pending directory becomes ``target``.
 
     Args:
         target: the directory to create or replace (the caller decides whether an
@@ -142,33 +142,33 @@ class DirectorySink(FileSink):
 
     def publish(self) -> None:
         if not self.target.exists():
-            self.staging.rename(self.target)
-        elif _exchange(self.staging, self.target):
-            pass    # the staging path now holds the old directory
+            self.pending.rename(self.target)
+        elif _exchange(self.pending, self.target):
+            pass    # the pending path now holds the old directory
         else:
             aside = self.target.with_name(f".{self.target.name}.old-{uuid.uuid4().hex[:12]}")
             self.target.rename(aside)
             try:
-                self.staging.rename(self.target)
+                self.pending.rename(self.target)
             except BaseException:
                 aside.rename(self.target)
                 raise
-            self.staging = aside
+            self.pending = aside
         fsync(self.target.parent)
-        remove(self.staging)
+        remove(self.pending)
 
 
 class ManifestSink(FileSink):
     """New files added to ``target``, committed by replacing its manifest.
 
-    The staged files must have names the current manifest does not list; they are
-    moved into ``target`` first, then the staged manifest replaces the old one in
+    The pending files must have names the current manifest does not list; they are
+    moved into ``target`` first, then the pending manifest replaces the old one in
     one rename. A crash before that rename leaves the old manifest, whose files
     are all still there.
 
     Args:
         target: the directory (created if needed).
-        manifest: the manifest's file name; the caller writes it into ``staging``.
+        manifest: the manifest's file name; the caller writes it into ``pending``.
     """
 
     def __init__(self, target: Path, manifest: str) -> None:
@@ -176,16 +176,16 @@ class ManifestSink(FileSink):
         self.manifest = manifest
 
     def publish(self) -> None:
-        staged_manifest = self.staging / self.manifest
-        if not staged_manifest.exists():
-            raise FileNotFoundError(f"{staged_manifest}: the manifest was not written; nothing is committed")
-        for entry in sorted(self.staging.iterdir()):
+        pending_manifest = self.pending / self.manifest
+        if not pending_manifest.exists():
+            raise FileNotFoundError(f"{pending_manifest}: the manifest was not written; nothing is committed")
+        for entry in sorted(self.pending.iterdir()):
             if entry.name != self.manifest:
                 os.replace(entry, self.target / entry.name)
         fsync(self.target)
-        os.replace(staged_manifest, self.target / self.manifest)
+        os.replace(pending_manifest, self.target / self.manifest)
         fsync(self.target)
-        self.staging.rmdir()
+        self.pending.rmdir()
 
 
 def link_or_copy(source: Path, destination: Path) -> None:

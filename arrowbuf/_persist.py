@@ -285,7 +285,7 @@ def write_manifest(path: Path, value: Mapping[str, Any]) -> None:
     """Write a manifest with a checksum of its own content (`read_manifest` checks it).
 
     The file is written in place: manifests are written into a `FileSink`'s
-    staging directory, whose commit flushes and publishes them.
+    pending directory, whose commit flushes and publishes them.
     """
     sealed = {**value, CHECKSUM: hashlib.sha256(_canonical(value)).hexdigest()}
     path.write_text(json.dumps(sealed, indent=1))
@@ -462,7 +462,7 @@ def ipc_schema(file: Path) -> pa.Schema:
 
 
 def write_ipc(file: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> None:
-    """Write record batches as an Arrow IPC file (into a sink's staging directory)."""
+    """Write record batches as an Arrow IPC file (into a sink's pending directory)."""
     with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for batch in batches:
             writer.write_batch(batch)

@@ -40,7 +40,7 @@ between the steps of writers driven by other threads. One save at a time per
 directory.
 
 **Crashes.** A save is one `arrowbuf._filesink.ManifestSink`: new files are
-staged and flushed, moved in under fresh names, and the manifest is replaced
+written aside and flushed, moved in under fresh names, and the manifest is replaced
 last, so a crash during a save leaves the previous checkpoint loadable (or, on
 the first save, no manifest, which `load` refuses). The next save removes what a
 crashed one left.
@@ -158,25 +158,25 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
         def write(snapshot: _Snapshot) -> dict[str, Any] | None:
             if snapshot.rows is None or not len(snapshot.rows.ids):
                 return None
-            return _write_rows(sink.staging, snapshot.rows, snapshot.schema, token, progress)
+            return _write_rows(sink.pending, snapshot.rows, snapshot.schema, token, progress)
 
         def discard(entry: dict[str, Any] | None) -> None:
             if entry is not None:
-                (sink.staging / entry["path"]).unlink()
+                (sink.pending / entry["path"]).unlink()
 
         snapshot, entry = snapshot_and_write(engine.lock, take, _Snapshot.valid, write, discard)
         kept = [e for e in (previous["row_files"] if previous else [])
                 if snapshot.oldest_live is not None and e["last_episode_id"] >= snapshot.oldest_live]
         for e in kept:
             if not (path / e["path"]).exists():
-                link_or_copy(base / e["path"], sink.staging / e["path"])
+                link_or_copy(base / e["path"], sink.pending / e["path"])
         row_files = kept + ([entry] if entry is not None else [])
         tree, arrays = split_arrays(snapshot.state)
-        state_file = sink.staging / f"state-{token}.arrow"
+        state_file = sink.pending / f"state-{token}.arrow"
         table = arrays_table(arrays)
         write_ipc(state_file, table.schema, table.to_batches())
         last = entry["last_episode_id"] if entry is not None else (previous["last_episode_id"] if previous else -1)
-        write_manifest(sink.staging / MANIFEST, {
+        write_manifest(sink.pending / MANIFEST, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "arrowbuf_version": __version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": token,
             "last_episode_id": last, "row_files": row_files,

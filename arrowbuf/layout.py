@@ -1,7 +1,7 @@
 """`Layout`: where each field and extra of one batch goes in its pooled slot (the one planner).
 
 Both gathers plan their batches here: `arrowbuf.tensors.Gather` (an arena's rows)
-and `arrowbuf.ray.gather.BlockGather` (a Ray reader's staged block rows); a mixture's
+and `arrowbuf.ray.gather.BlockGather` (a Ray reader's ordered block rows); a mixture's
 batch stacks its sources' layouts into one slot (`stacked_slot`). A
 layout depends on the batch's row shapes by role (step, observation, next
 observation), the selected keys and the extras' names, dtypes and shapes; it is
@@ -19,7 +19,7 @@ The slot holds, in order and each aligned to `ALIGN` bytes:
   its region, then copies every packed field out of them (`Layout.unpack`).
 
 What a gatherer does with a layout's fields (bound takes of arena columns,
-block-by-block reads of a staging) is its own: it builds that once per layout
+block-by-block reads of a ordering) is its own: it builds that once per layout
 (`plan_layout`'s ``finish``) and keeps it in `Layout.fill`.
 """
 

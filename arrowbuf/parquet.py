@@ -266,10 +266,10 @@ def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]],
     info = store_info(store)
     schema = plain_schema(store_schema, file_metadata(info))
     with DirectorySink(path) as sink:
-        (sink.staging / STEPS).mkdir()
-        episodes, entries = export_steps(sink.staging / STEPS, schema, compression=compression,
+        (sink.pending / STEPS).mkdir()
+        episodes, entries = export_steps(sink.pending / STEPS, schema, compression=compression,
                                          rows_per_file=rows_per_file, progress=progress, label=f"export {path.name}")
-        finish_export(sink.staging, store_schema, info, episodes, entries)
+        finish_export(sink.pending, store_schema, info, episodes, entries)
     return path
 
 

@@ -338,7 +338,7 @@ class ExperienceStore:
         On Ray, ``prefetch`` index requests stay in flight when the shards draw
         (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
         drawn and gathered together when this process draws (default: as fit in
-        ``arrowbuf.ray.staging.STAGE_BYTES``, at most 16; see `arrowbuf.ray.reader`).
+        ``arrowbuf.ray.block_reads.READ_BYTES``, at most 16; see `arrowbuf.ray.reader`).
         """
         batch_size = check_int("batch_size", batch_size, 1)
         prefetch = check_int("prefetch", prefetch, 1)

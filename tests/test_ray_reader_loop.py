@@ -1,4 +1,4 @@
-"""The Ray reader owns its draw-stage-gather loop (issue 24): the store hands it a request,
+"""The Ray reader owns its draw-order-gather loop (issue 24): the store hands it a request,
 a traced batch crosses few module boundaries (`support.hops`) and never comes back into the
 router, and a plain ``sample`` is handed out of the same loop's draws ahead. Draws the shards
 make (PER, rate limiters) run the same loop (issue 36)."""
@@ -40,13 +40,13 @@ def test_the_first_batch_of_a_ray_sample_iter_stays_in_the_reader_and_its_parts(
         # A fresh batch shape: its layout is planned in this batch, still never through the router.
         cold = crossings(lambda: next(store.sample_iter(24)))
         assert back_into_router(cold) == [], cold
-        # The first batch of an iterator once the layouts are known: draw, stage, gather.
+        # The first batch of an iterator once the layouts are known: draw, order, gather.
         iterator = store.sample_iter(24)
         warm = crossings(lambda: next(iterator))
         assert [c for c in warm if c[1] == ROUTER] == [], warm
         assert len(warm) <= 15, warm
         assert {callee for _, callee, _ in warm} <= {
-            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.staging",
+            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.block_reads",
             "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool", "arrowbuf.ray.reader"}, warm
         # A plain sample takes the same loop.
         store.sample(24)
@@ -68,7 +68,7 @@ def test_the_first_batch_of_a_prioritized_sample_iter_runs_the_readers_loop_in_f
         warm = crossings(lambda: next(iterator))
         assert len(warm) <= 25, warm
         assert {callee for _, callee, _ in warm} <= {
-            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.staging",
+            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.block_reads",
             "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool"}, warm
         # The prefetched requests go out in one call, not one per request and shard.
         assert [c[2] for c in warm if c[1] == "arrowbuf.ray.handles"] == ["live", "call_each", "get", "note_all"], warm
@@ -84,7 +84,7 @@ def test_plain_samples_are_handed_out_of_draws_ahead_and_counted_when_handed_out
         draws = []
         for _ in range(40):
             draws += [c for c in crossings(lambda: store.sample(16)) if c[1:] == ("arrowbuf.samplers", "sample")]
-        # The first draw of a request is one batch, the next ones several (`STAGE_BYTES`).
+        # The first draw of a request is one batch, the next ones several (`READ_BYTES`).
         assert 2 <= len(draws) <= 5, len(draws)
         assert store.stats()["samples"] == 40 * 16   # handed out, not drawn ahead
         # Requests of other keys or sizes get their own loops, each batch its own keys.

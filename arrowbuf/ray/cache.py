@@ -3,7 +3,7 @@
 What a cached block holds is its columns (zero-copy views of the object store on
 its node, or this process's copies with ``RayOptions.copy_blocks``) and what the
 reader derives from them and keeps with them: the packed records of its small step
-fields (`arrowbuf.ray.staging.Staged.block_records`, about as many bytes as those
+fields (`arrowbuf.ray.block_reads.BlockReads.block_records`, about as many bytes as those
 fields), counted when they are built (`BlockCache.grew`), so the bound
 ``RayOptions.reader_cache_bytes`` holds for both.
 """

@@ -1,31 +1,31 @@
-"""`BlockGather`: staged items of several sealed blocks -> one pooled buffer -> a TensorDict.
+"""`BlockGather`: ordered items of several sealed blocks -> one pooled buffer -> a TensorDict.
 
-A reader stages the items of one or several batches (`arrowbuf.ray.staging.Staged`):
+A reader orders the items of one or several batches (`arrowbuf.ray.block_reads.BlockReads`):
 their blocks, their block-local rows in block order, and where each batch
 position lies in that order. For each batch, `BlockGather` fills one pooled
 output (a `SlotPool` slot, as a local store's samples: a batch is reused only
 once nothing refers to it any more, and steady sampling neither faults fresh
-memory nor rebuilds a TensorDict), and the staging reads its items into it
-(`Staged.fill`) as the batch's layout says:
+memory nor rebuilds a TensorDict), and the ordering reads its items into it
+(`BlockReads.fill`) as the batch's layout says:
 
 - where the batch's order is the block order (one block, or an unshuffled epoch
   chunk), each field is taken straight from its blocks into the output: the
   gather is the only copy between the object store and the trainer's tensors;
 - otherwise each field is read block by block into a scratch array (once for all
-  the staged batches) and taken from it into the output in the drawn order: a
+  the ordered batches) and taken from it into the output in the drawn order: a
   take per touched block and one per batch, where scattering each block's items
   to their places costs a take and a scatter per block and batch;
-- except fields of large rows of plain items (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`:
+- except fields of large rows of plain items (`arrowbuf.ray.block_reads.ROWWISE_BYTES`:
   pixels), copied from their blocks straight into the output row by row: each of
   their bytes is copied once, as in the embedded store;
 - and small per-step fields (action, reward, flags: `arrowbuf.packing`), read
   together as one record a row: each block's records are packed once, on first
-  use (`Staged.records_of`), the staged items' records read block by block, and
+  use (`BlockReads.records_of`), the ordered items' records read block by block, and
   each batch takes its records into its slot and copies every field out of them.
   A random read of small rows costs a cache miss per row and column; packed, one
   per row for all of them, as in the embedded store's arena.
 
-`BlockGather.batches` gathers several staged batches (`sample_iter`'s draw) at
+`BlockGather.batches` gathers several ordered batches (`sample_iter`'s draw) at
 once into one slot of as many parts (`arrowbuf._pool.SlotSpec.parts`): one claim,
 and the steps above once, for all of them; each part is a TensorDict of its own.
 
@@ -49,7 +49,7 @@ from tensordict import TensorDict
 from arrowbuf._pool import SlotPool
 from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
 from arrowbuf.packing import pack_layout
-from arrowbuf.ray.staging import DIRECT_ROW_BYTES, Staged
+from arrowbuf.ray.block_reads import ROWWISE_BYTES, BlockReads
 from arrowbuf.schema import Schema
 
 
@@ -73,12 +73,12 @@ class BlockGather:
 
     Args:
         schema: the store's schema (the blocks' columns are its fields).
-        direct_row_bytes: bytes of a row from which a field of plain items is copied
-            from the blocks straight into the output (`arrowbuf.ray.staging.DIRECT_ROW_BYTES`).
+        rowwise_bytes: bytes of a row from which a field of plain items is copied
+            from the blocks straight into the output (`arrowbuf.ray.block_reads.ROWWISE_BYTES`).
     """
 
-    def __init__(self, schema: Schema, direct_row_bytes: int = DIRECT_ROW_BYTES) -> None:
-        self.direct_row_bytes = direct_row_bytes
+    def __init__(self, schema: Schema, rowwise_bytes: int = ROWWISE_BYTES) -> None:
+        self.rowwise_bytes = rowwise_bytes
         self.fields = schema.fields
         self.entries = []   # every gathered field (`arrowbuf.layout.FieldPlan`), its source the field's name
         for name, f in schema.fields.items():
@@ -96,83 +96,83 @@ class BlockGather:
         """``keys`` checked as `arrowbuf.layout.check_keys` does (None: every field)."""
         return check_keys(keys, [entry.key for entry in self.entries])
 
-    def __call__(self, staged: Staged, start: int, stop: int, keys: frozenset | None,
+    def __call__(self, ordered: BlockReads, start: int, stop: int, keys: frozenset | None,
                  device: torch.device | None = None) -> TensorDict:
-        """The batch of staged items ``[start, stop)`` (in batch order): every selected
+        """The batch of ordered items ``[start, stop)`` (in batch order): every selected
         field, then the extras.
 
         Args:
-            staged: the items, block by block (`arrowbuf.ray.staging`).
+            ordered: the items, block by block (`arrowbuf.ray.block_reads`).
             start, stop: the batch's range of batch positions.
             keys: `check_keys` of the fields to gather.
             device: where the batch goes (gathered on the CPU, then moved in one copy).
         """
-        layout = self._layout_of(staged, stop - start, keys)
+        layout = self._layout_of(ordered, stop - start, keys)
         outs, batch = self._pool.claim(layout, layout.slot)
-        staged.fill(layout, outs, start, stop)
+        ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return batch.to(device, non_blocking=True)
         return batch
 
-    def batches(self, staged: Staged, start: int, stop: int, batch_size: int, keys: frozenset | None,
+    def batches(self, ordered: BlockReads, start: int, stop: int, batch_size: int, keys: frozenset | None,
                 device: torch.device | None = None) -> tuple[TensorDict, ...]:
-        """The batches of ``batch_size`` staged items in ``[start, stop)`` (a multiple of
+        """The batches of ``batch_size`` ordered items in ``[start, stop)`` (a multiple of
         it), gathered together into one pooled slot of that many parts (`SlotSpec.parts`):
         one take per field (and one claim) for all of them. The slot is reused only
         once none of them is referred to: a batch kept keeps the others' memory too."""
         parts = (stop - start) // batch_size
         if parts == 1:
-            return (self(staged, start, stop, keys, device),)
-        whole = self._layout_of(staged, stop - start, keys)
+            return (self(ordered, start, stop, keys, device),)
+        whole = self._layout_of(ordered, stop - start, keys)
         layout = self._parted.get((whole, parts))
         if layout is None:
             slot = dataclasses.replace(whole.slot, parts=parts)
             layout = self._parted[(whole, parts)] = dataclasses.replace(whole, slot=slot)
         outs, batches = self._pool.claim(layout, layout.slot)
-        staged.fill(layout, outs, start, stop)
+        ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             return tuple(batch.to(device, non_blocking=True) for batch in batches)
         return batches
 
-    def sizes(self, staged: Staged, count: int) -> tuple[int, int]:
-        """(bytes a batch of ``count`` staged items puts through the scratch arrays (its
+    def sizes(self, ordered: BlockReads, count: int) -> tuple[int, int]:
+        """(bytes a batch of ``count`` ordered items puts through the scratch arrays (its
         fields other than the large rows copied straight from the blocks), bytes of its
         pooled buffer), of every field."""
-        layout = self._layout_of(staged, count, None)
+        layout = self._layout_of(ordered, count, None)
         return layout.fill[1], layout.slot.nbytes
 
-    def _layout_of(self, staged: Staged, count: int, keys: frozenset | None) -> Layout:
-        known = staged.layouts.get((self, count, keys))
-        if known is not None:   # the staging's later batches: same extras, same layout
+    def _layout_of(self, ordered: BlockReads, count: int, keys: frozenset | None) -> Layout:
+        known = ordered.layouts.get((self, count, keys))
+        if known is not None:   # the ordering's later batches: same extras, same layout
             return known
         # Row shapes by role of a batch of ``count`` items: (step, obs, next), a frame axis on the last two.
-        step, frames = (count, *staged.item), (staged.frames,) if staged.frames > 1 else ()
+        step, frames = (count, *ordered.item), (ordered.frames,) if ordered.frames > 1 else ()
         shapes = (step, (*step, *frames), (*step, *frames))
-        staged.layouts[(self, count, keys)] = layout = self._layouts.find(shapes, keys, staged.extra)
+        ordered.layouts[(self, count, keys)] = layout = self._layouts.find(shapes, keys, ordered.extra)
         return layout
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
         def pack(chosen: list[FieldPlan]) -> dict[int, tuple]:
             # Small step fields of this layout, packed into records (`arrowbuf.packing`; observations are not).
             record_bytes, offsets = pack_layout({f.source: self.fields[f.source] for f in chosen if f.role == 0})
-            group = (record_bytes, tuple(offsets.items()))   # `Staged.records_of`'s key
+            group = (record_bytes, tuple(offsets.items()))   # `BlockReads.records_of`'s key
             return {i: (group, record_bytes, offsets[f.source]) for i, f in enumerate(chosen)
                     if f.role == 0 and f.source in offsets}
 
         def hows(layout: Layout) -> tuple[tuple[str, ...], int]:
-            # How each field is read: "packed" in records, "direct" row by row from the blocks
+            # How each field is read: "packed" in records, "rowwise" row by row from the blocks
             # (large rows of plain items: one row per item, a 1-D batch of rows), "take"
             # through the scratch; and the bytes read through the scratch (out of block order).
-            how, staged = [], sum(int(np.prod(layout.slot.outs[region][1], dtype=np.int64))
+            how, ordered = [], sum(int(np.prod(layout.slot.outs[region][1], dtype=np.int64))
                                   for _, _, region in layout.records)
             for i, ((source, role), (_, _, _, size, shape)) in enumerate(zip(layout.plan, layout.slot.leaves)):
                 if i in layout.packed:
                     how.append("packed")
-                elif role >= 0 and len(shapes[role]) == 1 and size >= self.direct_row_bytes * max(shape[0], 1):
-                    how.append("direct")
+                elif role >= 0 and len(shapes[role]) == 1 and size >= self.rowwise_bytes * max(shape[0], 1):
+                    how.append("rowwise")
                 else:
                     how.append("take")
-                    staged += size if role >= 0 else 0
-            return tuple(how), staged
+                    ordered += size if role >= 0 else 0
+            return tuple(how), ordered
 
         return plan_layout(self.entries, shapes, keys, every_extra, pack, hows)

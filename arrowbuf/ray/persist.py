@@ -13,7 +13,7 @@ Layout of a Ray checkpoint::
                               holds the saving process's writer states (checked as a local
                               checkpoint's)
 
-A save stages a new generation, and replacing the manifest commits it at once:
+A save writes a new generation aside, and replacing the manifest commits it at once:
 a save that fails on any shard leaves the previous generation named, complete.
 
 `arrowbuf.opening` starts shards from a checkpoint; this module holds what the
@@ -81,7 +81,7 @@ def save_ray_store(shards: "ShardHandles", path: Path, info: dict, writers: dict
     the generation, and older generations are deleted. Shard 0 keeps ``writers``
     (writer states by name) in its checkpoint.
 
-    The generation is staged by a `ManifestSink`: if any shard fails, the staged
+    The generation is written into a `ManifestSink`: if any shard fails, the pending
     generation is deleted and the manifest still names the previous one, complete.
     Each shard links the row files it still needs from its previous generation
     and writes only the episodes added since.
@@ -93,19 +93,19 @@ def save_ray_store(shards: "ShardHandles", path: Path, info: dict, writers: dict
     generation = f"gen-{uuid.uuid4().hex[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     with ManifestSink(path, RAY_MANIFEST) as sink:
-        staged = sink.staging / generation
+        pending = sink.pending / generation
         refs: dict[int, Any] = {}
         failure = None
         for s in range(shards.num_shards):
             try:
-                refs[s] = shards.call(s, "save", str(shard_dir(staged, s)),
+                refs[s] = shards.call(s, "save", str(shard_dir(pending, s)),
                                       str(shard_dir(previous, s)) if previous is not None else None,
                                       (writers or {}) if s == 0 else {})
             except ShardError as err:   # a shard known dead: wait for the others before the abort
                 failure = err
                 break
         _wait_all(refs, shards.name, failure)
-        write_manifest(sink.staging / RAY_MANIFEST, {
+        write_manifest(sink.pending / RAY_MANIFEST, {
             "format": RAY_FORMAT, "format_version": RAY_FORMAT_VERSION, "generation": generation,
             "num_shards": shards.num_shards, **info})
     for old in [*path.glob("gen-*"), *path.glob("shard-*"), *path.glob(f"{STAGING_PREFIX}*")]:

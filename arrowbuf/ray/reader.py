@@ -6,8 +6,8 @@ first, and its first live episode. The reader keeps a `ShardView` of each
 
 - Uniform, sequence, episode and freshness sampling draw here, from the views, and gather
   from the blocks: no actor call per batch. The store hands the reader a
-  `SampleRequest`; a `DrawLoop` draws several batches of it at once, stages them
-  (`arrowbuf.ray.staging`), gathers them a group at a time into one pooled slot
+  `SampleRequest`; a `DrawLoop` draws several batches of it at once, orders them
+  (`arrowbuf.ray.block_reads`), gathers them a group at a time into one pooled slot
   (`arrowbuf.ray.gather`) and hands them out one by one: `sample_iter` runs one
   loop (`BlockReader.batches`), and a plain ``sample`` is handed out of the loop of
   its request (`BlockReader.sample`). The draws are counted when a batch is handed
@@ -15,7 +15,7 @@ first, and its first live episode. The reader keeps a `ShardView` of each
 - Prioritized sampling, rate-limited stores, without-replacement epochs and
   ``track_reuse`` draw in the shards (`select`: indices only, a small call), a
   batch split across them by the mass they last reported; the same `DrawLoop`
-  keeps ``prefetch`` such requests in flight, and stages and gathers the answers here.
+  keeps ``prefetch`` such requests in flight, and orders and gathers the answers here.
 
 Freshness: one manifest request per shard is kept in flight; a sample collects
 it when it has come back (``ray.wait``, never blocking) and sends the next once
@@ -53,6 +53,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError, ShardError
+from arrowbuf.ray.block_reads import MAX_READ_BATCHES, READ_BYTES, BlockReads, order_reads
 from arrowbuf.ray.blocks import Manifest
 from arrowbuf.ray.cache import BlockCache
 from arrowbuf.freshness import FreshnessSampler
@@ -61,7 +62,6 @@ from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gather import GROUP_BYTES, BlockGather
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
-from arrowbuf.ray.staging import MAX_STAGED, STAGE_BYTES, Staged, stage
 from arrowbuf.ray.views import ShardView, joined_view, shard_view
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, select_indices
@@ -138,7 +138,7 @@ class BlockReader:
         self._polled = -np.inf
         self._gather: tuple[Schema, BlockGather] | None = None   # and the schema it gathers
         self._joined_view: tuple | None = None   # (the views it joins, the joined view)
-        self._scratch: dict = {}   # staged field arrays of `gather` (used under the lock)
+        self._scratch: dict = {}   # ordered field arrays of `gather` (used under the lock)
         self._loops: dict[SampleRequest, DrawLoop] = {}   # plain samples' draws ahead, oldest request first
         # Counts changes of the views and writes of this process: batches drawn ahead
         # (`DrawLoop`) are dropped when it moved since their draw.
@@ -353,7 +353,7 @@ class BlockReader:
         return loop.next()
 
     def batches(self, request: SampleRequest) -> Iterator[TensorDict]:
-        """Endless batches of ``request`` (a store's `sample_iter`), drawn and staged
+        """Endless batches of ``request`` (a store's `sample_iter`), drawn and ordered
         ``request.batches`` at a time (`DrawLoop`)."""
         loop = DrawLoop(self, request)
         while True:
@@ -366,9 +366,9 @@ class BlockReader:
         return loop.next()
 
     def _draw(self, batch_size: int, batches: int, args: SampleArgs, shards: list[int], scratch: dict,
-              min_version: int | None = None) -> Staged:
+              min_version: int | None = None) -> BlockReads:
         """``batches`` batches of ``batch_size`` items drawn at once over ``shards`` in
-        proportion to their mass (each batch an independent draw), staged with ``scratch``;
+        proportion to their mass (each batch an independent draw), ordered with ``scratch``;
         of steps of version >= ``min_version`` only, when given, and weighted by freshness
         for a `FreshnessSampler` (`arrowbuf.ray.fresh`: when none may be drawn, the shards
         are synced once before `EmptyStoreError`; every shard for a `FreshnessSampler`)."""
@@ -407,19 +407,19 @@ class BlockReader:
             if batches > 1:
                 cells += np.arange(count) // batch_size * shards_count
             drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
-        staged = stage([(view, selection)], self.cache, args, None, scratch)
-        staged.drawn = drawn
-        return staged
+        ordered = order_reads([(view, selection)], self.cache, args, None, scratch)
+        ordered.drawn = drawn
+        return ordered
 
-    def _drawn_by_shards(self, request: SampleRequest, pending: deque, scratch: dict) -> Staged:
-        """One batch of ``request`` drawn by the shards, staged with ``scratch``: the oldest of
+    def _drawn_by_shards(self, request: SampleRequest, pending: deque, scratch: dict) -> BlockReads:
+        """One batch of ``request`` drawn by the shards, ordered with ``scratch``: the oldest of
         the index requests in flight in ``pending``, which keeps ``request.prefetch`` more."""
         pending.extend(self._ask_shards(request, request.prefetch + 1 - len(pending)))
         parts, _ = self._collect(pending.popleft(), request)
-        staged = stage(parts, self.cache, request.args, self._mixed(parts), scratch)
-        if isinstance(self.sampler, PrioritizedSampler) and "weight" in staged.extra:
-            staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
-        return staged
+        ordered = order_reads(parts, self.cache, request.args, self._mixed(parts), scratch)
+        if isinstance(self.sampler, PrioritizedSampler) and "weight" in ordered.extra:
+            ordered.extra["weight"] = ordered.extra["weight"] / ordered.extra["weight"].max()
+        return ordered
 
     def _ask_shards(self, request: SampleRequest, count: int, batch_size: int | None = None) -> list[tuple]:
         """``count`` requests of ``batch_size`` items (default: the request's), each split across the live
@@ -511,10 +511,10 @@ class BlockReader:
         """
         gather = self._gatherer()
         keys = gather.check_keys(keys)
-        staged = stage(parts, self.cache, args, places, self._scratch)
-        if normalize_weights and "weight" in staged.extra:
-            staged.extra["weight"] = staged.extra["weight"] / staged.extra["weight"].max()
-        return gather(staged, 0, staged.size, keys, device)
+        ordered = order_reads(parts, self.cache, args, places, self._scratch)
+        if normalize_weights and "weight" in ordered.extra:
+            ordered.extra["weight"] = ordered.extra["weight"] / ordered.extra["weight"].max()
+        return gather(ordered, 0, ordered.size, keys, device)
 
     @_locked   # `poll` and `_install` change the views
     def stats(self) -> dict:
@@ -528,8 +528,8 @@ class BlockReader:
 class SampleRequest:
     """What a store asks its reader for: batches of ``batch_size`` items with ``args``'s
     look-ups, fields ``keys`` (checked; None: all), on ``device``, drawn over ``shards``
-    (None: every live one), ``batches`` batches drawn and staged at once (None: as many
-    as `STAGE_BYTES` hold, at most `MAX_STAGED`), of steps of ``policy_version >=
+    (None: every live one), ``batches`` batches drawn and ordered at once (None: as many
+    as `READ_BYTES` hold, at most `MAX_READ_BATCHES`), of steps of ``policy_version >=
     min_version`` only when given (`arrowbuf.ray.fresh`). Where the shards draw, ``prefetch``
     index requests stay in flight, and a draw waits at most ``timeout`` for a rate limiter."""
 
@@ -545,12 +545,12 @@ class SampleRequest:
 
 
 class DrawLoop:
-    """The draw-stage-gather loop of one request: batches drawn and staged together,
+    """The draw-order-gather loop of one request: batches drawn and ordered together,
     gathered ``group`` at a time into one pooled slot (`BlockGather.batches`), handed
     out one by one; drawn again once the reader's views change (or this process
     writes). A batch counts as the shards' samples when it is handed out, not when it
     is drawn. Where the shards draw (`by_shards`), each batch is one index request
-    answered by them, ``request.prefetch`` more kept in flight, staged and gathered
+    answered by them, ``request.prefetch`` more kept in flight, ordered and gathered
     alike (the shards count it when they draw). Called under the reader's lock.
     """
 
@@ -559,10 +559,10 @@ class DrawLoop:
         self.request = request
         self.batches = request.batches   # per draw; found from the first draw's sizes when None
         self.group = 1                   # batches gathered together (`GROUP_BYTES`)
-        self.scratch: dict = {}          # this loop's staged field arrays, reused draw after draw
-        self.staged: Staged | None = None
-        self.generation = -1             # the reader's, at the draw of `staged`
-        self.step = 0                    # batches in `staged`
+        self.scratch: dict = {}          # this loop's ordered field arrays, reused draw after draw
+        self.ordered: BlockReads | None = None
+        self.generation = -1             # the reader's, at the draw of `ordered`
+        self.step = 0                    # batches in `ordered`
         self.next_batch = 0              # the next of them to hand out
         self.ready: deque = deque()      # gathered, not yet handed out
         self.by_shards = not reader.draws_here()
@@ -573,28 +573,28 @@ class DrawLoop:
     def next(self) -> TensorDict:
         reader, request, size = self.reader, self.request, self.request.batch_size
         while True:
-            current = self.staged is not None and reader.generation == self.generation
+            current = self.ordered is not None and reader.generation == self.generation
             if current and self.ready:
                 batch = self.ready.popleft()
-                if self.staged.drawn is not None:
-                    reader._drawn += self.staged.drawn[self.next_batch]
+                if self.ordered.drawn is not None:
+                    reader._drawn += self.ordered.drawn[self.next_batch]
                 self.next_batch += 1
                 return batch
             if current and self.next_batch < self.step:
                 stop = min(self.next_batch + self.group, self.step)
-                self.ready.extend(reader._gatherer().batches(self.staged, self.next_batch * size, stop * size, size,
+                self.ready.extend(reader._gatherer().batches(self.ordered, self.next_batch * size, stop * size, size,
                                                              request.keys, request.device))
                 continue
             self.ready.clear()
             step = self.batches or 1   # the first draw of an unknown size is one batch
-            self.staged = None
+            self.ordered = None
             if self.by_shards:
-                staged = reader._drawn_by_shards(request, self.pending, self.scratch)
+                ordered = reader._drawn_by_shards(request, self.pending, self.scratch)
             else:
-                staged = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch,
+                ordered = reader._draw(size, step, request.args, reader._live(request.shards), self.scratch,
                                       request.min_version)
-            self.staged, self.generation, self.step, self.next_batch = staged, reader.generation, step, 0
-            if self.batches is None:   # how many fit in STAGE_BYTES, and in GROUP_BYTES together
-                staged_bytes, out_bytes = reader._gatherer().sizes(staged, size)
-                self.batches = max(1, min(MAX_STAGED, STAGE_BYTES // max(staged_bytes, 1)))
+            self.ordered, self.generation, self.step, self.next_batch = ordered, reader.generation, step, 0
+            if self.batches is None:   # how many fit in READ_BYTES, and in GROUP_BYTES together
+                ordered_bytes, out_bytes = reader._gatherer().sizes(ordered, size)
+                self.batches = max(1, min(MAX_READ_BATCHES, READ_BYTES // max(ordered_bytes, 1)))
                 self.group = max(1, min(self.batches, GROUP_BYTES // max(out_bytes, 1)))

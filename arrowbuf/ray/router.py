@@ -338,8 +338,8 @@ class RayBackend:
     def sample_iter(self, batch_size: int, args: SampleArgs, device: torch.device | None, prefetch: int,
                     batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
         """Endless batches. Draws made here need no round trip: ``batches_per_request``
-        batches (default: as many as `STAGE_BYTES` hold, at most `MAX_STAGED`) are drawn
-        and staged at once; draws made by the shards keep ``prefetch`` index requests
+        batches (default: as many as `READ_BYTES` hold, at most `MAX_READ_BATCHES`) are drawn
+        and ordered at once; draws made by the shards keep ``prefetch`` index requests
         in flight. ``min_version``: as in `sample` (drawn here)."""
         if min_version is not None:
             check_fresh_sampler(self.sampler, self._reader.draws_here())

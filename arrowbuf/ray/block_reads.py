@@ -1,4 +1,4 @@
-"""`Staged`: the items of one or several batches, planned block by block before they are gathered.
+"""`BlockReads`: the items of one or several batches, planned block by block before they are gathered.
 
 A reader's draw picks items of several sealed blocks (of one or several shards),
 in an order that must survive the gather: a batch's items come in the order the
@@ -8,25 +8,25 @@ are separate buffers, so each field is read block by block:
 
 - `block_order` sorts a selection's items by block (``order``) and says where each
   touched block's items start and stop in that order;
-- `stage_part` looks up, for one part of a batch (one view's selection), its
+- `part_reads` looks up, for one part of a batch (one view's selection), its
   extras in drawn order (index, episode_id, step, n-step targets) and its
   block-local rows by role (step, observation, next observation) in block order;
-- `stage` stages every part of one or several batches (parts of several shards
-  padded to one width first: `same_width`) into a `Staged`: the blocks' columns
-  with the ranges of staged items they hold, the rows, the extras in batch order,
-  and ``inv`` (batch position -> staged position) where the two orders differ;
-- `Staged.fill` reads the items of one batch (or of several gathered together)
+- `order_reads` orders every part of one or several batches (parts of several shards
+  padded to one width first: `same_width`) into a `BlockReads`: the blocks' columns
+  with the ranges of ordered items they hold, the rows, the extras in batch order,
+  and ``inv`` (batch position -> ordered position) where the two orders differ;
+- `BlockReads.fill` reads the items of one batch (or of several gathered together)
   into the views of a pooled slot, as `arrowbuf.ray.gather.BlockGather` laid it out.
 
 `arrowbuf.ray.gather.BlockGather` then reads each field block by block into a
-scratch array (staged order; once for all the staged batches) and takes it into
+scratch array (ordered order; once for all the ordered batches) and takes it into
 each batch's pooled output by ``inv``: per field, one take per touched block and
 one per batch, instead of a take and a scatter per block and batch. Where the
 orders agree (one block, or an unshuffled epoch chunk) the blocks are read
-straight into the output. Large rows (`DIRECT_ROW_BYTES`) of plain items are
+straight into the output. Large rows (`ROWWISE_BYTES`) of plain items are
 copied straight from their blocks into the output too, row by row (`rows_into`):
 there the second copy through the scratch costs more than a Python step per row.
-Small per-step fields are staged together as one record a row (`records_of`,
+Small per-step fields are ordered together as one record a row (`records_of`,
 from records each block packs once: `block_records`), one take per block for all
 of them.
 """
@@ -43,43 +43,43 @@ from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection
 
 #: Bytes of a row from which a batch's rows of a field are copied straight from their
-#: blocks into the output (`Staged.rows_into`), rather than read into the scratch
+#: blocks into the output (`BlockReads.rows_into`), rather than read into the scratch
 #: array and taken from it (two copies). Measured here (numpy blocks of 400 MB in all,
-#: 8 blocks, 6 batches of 32 random items staged at once, each item's row and next
+#: 8 blocks, 6 batches of 32 random items ordered at once, each item's row and next
 #: row, 2 shared cores; one concatenate of row views per field), per batch: rows of
 #: 8 KiB 78 us through the scratch, 86 us straight; rows of 21 KiB (W2's 84x84x3
 #: pixels) 157 us through the scratch, 121 us straight. Item by item (an item's row,
 #: then its next row: one run of the block) was faster again on a Ray store's blocks:
 #: 186 us a W2 batch with its draw, against 239 us by concatenates (the embedded
 #: store's sample: 170 us).
-DIRECT_ROW_BYTES = 16 << 10
+ROWWISE_BYTES = 16 << 10
 
-#: Bytes of batches `sample_iter` draws and stages at once when its draws are made
-#: here (at most `MAX_STAGED` batches): one draw, one block plan and one read of
+#: Bytes of batches `sample_iter` draws and orders at once when its draws are made
+#: here (at most `MAX_READ_BATCHES` batches): one draw, one block plan and one read of
 #: each field per block for all of them; each batch is then one take per field from
-#: the staged rows. Measured per batch (2 shared cores under other load, 2 shards,
+#: the ordered rows. Measured per batch (2 shared cores under other load, 2 shards,
 #: best of 30 runs): W1 (200k rows, ~45 KB batches) 97 us one batch at a time, 61
 #: four, 53 eight, 46 sixteen (the embedded store's sample: 41 us); W2 (20k pixel
 #: rows, 1.35 MB batches, all through the scratch then) 262 us one, 230 four, 209
-#: six, 297 eight (the staged rows no longer stay in cache; the embedded store:
+#: six, 297 eight (the ordered rows no longer stay in cache; the embedded store:
 #: 121-145 us). Only the fields read through the scratch count
 #: (`arrowbuf.ray.gather.BlockGather.sizes`): rows copied straight from the
-#: blocks (`DIRECT_ROW_BYTES`, W2's pixels) stage nothing, so W2 now draws 16
+#: blocks (`ROWWISE_BYTES`, W2's pixels) go through no scratch, so W2 now draws 16
 #: batches at once (~450 B of scratch each).
-STAGE_BYTES = 8 << 20
-MAX_STAGED = 16
+READ_BYTES = 8 << 20
+MAX_READ_BATCHES = 16
 
 
 @dataclass
-class Staged:
+class BlockReads:
     """Items of one or several batches, ready to gather (see the module docstring).
 
-    ``pieces`` hold, per touched block, its columns and the staged range ``[lo, hi)``
-    of its items; ``rows`` the block-local rows of every staged item by role (step,
+    ``pieces`` hold, per touched block, its columns and the ordered range ``[lo, hi)``
+    of its items; ``rows`` the block-local rows of every ordered item by role (step,
     observation, next observation; observation rows with a trailing frame axis);
-    ``extra`` the per-item arrays in batch order; ``inv`` the staged position of each
+    ``extra`` the per-item arrays in batch order; ``inv`` the ordered position of each
     batch position (None: the same order). ``scratch`` is the caller's reusable
-    store of staged field arrays (by field and role), ``filled`` those this staging
+    store of ordered field arrays (by field and role), ``filled`` those this ordering
     has filled; ``drawn`` what each batch counts as samples of each shard, when the
     reader drew the items (the shards count what they draw themselves).
     """
@@ -104,10 +104,10 @@ class Staged:
     grown: Callable[[dict, int], None] | None = None
 
     def fill(self, layout: Any, outs: list[np.ndarray], start: int, stop: int) -> None:
-        """Gather the staged items ``[start, stop)`` into a slot's views, as ``layout`` (an
+        """Gather the ordered items ``[start, stop)`` into a slot's views, as ``layout`` (an
         `arrowbuf.layout.Layout` of `arrowbuf.ray.gather.BlockGather`'s) says: per field,
         its source and role (``plan``), how it is read (``fill[0]``: "take" through the
-        scratch, "direct" row by row, "packed" in records), and the records' regions."""
+        scratch, "rowwise" row by row, "packed" in records), and the records' regions."""
         extra = self.extra
         inv = None if self.inv is None else self.inv[start:stop]
         direct = []
@@ -123,7 +123,7 @@ class Staged:
                     lo, hi = max(lo, start), min(hi, stop)
                     if lo < hi:
                         columns[source].take(rows[lo:hi], 0, out[lo - start:hi - start], "clip")
-            elif how == "direct":
+            elif how == "rowwise":
                 direct.append((source, role, out))
             else:
                 self.rows_of(source, role).take(inv, 0, out, "clip")
@@ -144,7 +144,7 @@ class Staged:
             outs[target][...] = outs[source]
 
     def rows_of(self, source: str, role: int) -> np.ndarray:
-        """Column ``source``'s rows of role ``role`` for every staged item, in staged order
+        """Column ``source``'s rows of role ``role`` for every ordered item, in ordered order
         (read block by block on first use, into the scratch array kept for it)."""
         key = (source, role)
         out = self.scratch.get(key)
@@ -162,7 +162,7 @@ class Staged:
 
     def records_of(self, group: tuple[int, tuple[tuple[str, int], ...]]) -> np.ndarray:
         """The packed records (``group``: the record's bytes, each field and its byte
-        offset) of every staged item's step row, in staged order (read block by block
+        offset) of every ordered item's step row, in ordered order (read block by block
         on first use, into the scratch array kept for them)."""
         key = ("packed", group)
         out = self.scratch.get(key)
@@ -200,7 +200,7 @@ class Staged:
         """Copy the rows of batch positions ``[start, stop)`` straight from their blocks:
         for each target (column, role, output), each item's row of that role into the
         output's row of its batch position (plain items: rows of one dimension; see
-        `DIRECT_ROW_BYTES`). Item by item, every target's row in turn: an item's
+        `ROWWISE_BYTES`). Item by item, every target's row in turn: an item's
         observation and next observation are adjacent in its block, read as one run.
         Rows are copied as byte slices of memoryviews (`column_bytes`), which cost less
         Python per row than numpy's row indexing."""
@@ -214,7 +214,7 @@ class Staged:
             if rows is None:
                 rows = by_role[role] = self.rows[role] if self.inv is None else self.rows[role].take(self.inv)
             columns = by_source.get(source)
-            if columns is None:   # once per staging, not per batch: a draw may touch dozens of blocks
+            if columns is None:   # once per ordering, not per batch: a draw may touch dozens of blocks
                 columns = by_source[source] = [self.column_bytes(piece[0], source) for piece in self.pieces]
             size = out.nbytes // len(out) if len(out) else 0
             copies.append((columns, (rows[start:stop] * size).tolist(), memoryview(out.reshape(-1).view(np.uint8)),
@@ -274,7 +274,7 @@ def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
     return out
 
 
-def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
+def part_reads(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
                order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: SampleArgs
                ) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(extras in drawn order, block-local rows by role in block order) of one view's selection.
@@ -334,9 +334,9 @@ def stage_part(view: Any, selection: Selection, block: np.ndarray | None, starts
     return extra, (local, obs_rows, next_rows)
 
 
-def stage(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
-          scratch: dict) -> Staged:
-    """Every part's items staged block by block, with ``scratch`` (a reader's reusable arrays).
+def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
+          scratch: dict) -> BlockReads:
+    """Every part's items ordered block by block, with ``scratch`` (a reader's reusable arrays).
 
     Args:
         parts: (`arrowbuf.ray.reader.ShardView`, its selection) of each part of the batches.
@@ -352,7 +352,7 @@ def stage(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, plac
     pieces, roles, extras, offset = [], ([], [], []), [], 0
     for (view, selection), (block, touched, starts, order) in zip(parts, orders):
         columns = cache.columns([(view.keys[b], view.blocks[b]) for b in touched.tolist()], keep)
-        extra, rows = stage_part(view, selection, block, starts, order, columns, args)
+        extra, rows = part_reads(view, selection, block, starts, order, columns, args)
         extras.append(extra)
         for role, part in zip(roles, rows):
             role.append(part)
@@ -364,21 +364,21 @@ def stage(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, plac
     if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
         order = orders[0][3]
         inv = None if order is None else placed(np.arange(offset), order)
-        return Staged(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+        return BlockReads(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
     extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
     ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
     drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
                             for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
-    # the batch position of each staged item: its part's block order of its drawn positions
+    # the batch position of each ordered item: its part's block order of its drawn positions
     in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
                                      for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
                                     or [np.zeros(0, np.int64)])
     inv = None
     if not (drawn == np.arange(offset)).all():
         extra = {name: placed(value, drawn) for name, value in extra.items()}
-    if not (in_block_order == np.arange(offset)).all():   # batch position -> staged position
+    if not (in_block_order == np.arange(offset)).all():   # batch position -> ordered position
         inv = placed(np.arange(offset), in_block_order)
-    return Staged(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+    return BlockReads(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
 
 
 def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:
