@@ -41,7 +41,7 @@ AHEAD = 16
 AHEAD_ROWS = 1 << 16
 
 
-def direct_source(source: Any) -> tuple[Any, Callable[[int], None] | None] | None:
+def in_process_source(source: Any) -> tuple[Any, Callable[[int], None] | None] | None:
     """(engine, rows callback) of a source a plan can draw from; None for others (Ray stores...)."""
     if isinstance(source, Dataset):
         return source.engine, source.touched

@@ -48,7 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from arrowbuf._checks import check_bool, check_int
-from arrowbuf._mixed import MAX_PLANS, MixedPlan, direct_source
+from arrowbuf._mixed import MAX_PLANS, MixedPlan, in_process_source
 from arrowbuf._pool import SlotPool
 from arrowbuf.errors import describe
 from arrowbuf.samplers import PrioritizedSampler
@@ -100,7 +100,7 @@ class Mixture:
                                  f"sample()), keyed by a str; got {describe(source)}")
         self._sources = dict(sources)
         # (engine, rows callback) per source when all can take `arrowbuf._mixed`'s path.
-        found = [direct_source(source) for source in self._sources.values()]
+        found = [in_process_source(source) for source in self._sources.values()]
         self._direct = found if all(f is not None for f in found) else None
         self._plans: dict[int, MixedPlan] = {}        # by batch size
         self._generic: dict[int, tuple] = {}          # batch size -> the shards it did not apply to
