@@ -7,8 +7,6 @@ numbers it measures checked for shape only: performance is reported, never asser
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,23 +15,9 @@ from PIL import Image
 
 from arrowbuf.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.bench_runs import ROOT, bench, headline_ratios, quick_run
+
 WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED", "MIX"]
-
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    """``python tools/bench.py *args`` from the repository root, this checkout's arrowbuf first on the path."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, check=False)
-
-
-def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
-    """A quick run at the smoke sizes (where a workload has them) and 10 ms turns: only its report is checked."""
-    path = tmp_path_factory.mktemp(name) / "run.json"
-    run = bench("--quick", "--only", name, "--rounds", "2", "--smoke", "--min-time", "0.01", "--json", str(path))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +28,6 @@ def onpolicy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory):
     return quick_run("SEED", tmp_path_factory)
-
-
-def headline_ratios(saved: dict, workload: str) -> dict[tuple[str, str], list[float]]:
-    """(metric, ratio column) -> the per-round ratios of each headline ratio the run measured."""
-    result, = [w for w in saved["workloads"] if w["name"] == workload]
-    return {(m["name"], col): m["ratios"][col]["rounds"] for m in result["metrics"] for col in result["ratio_columns"]
-            if col in m["ratios"]}
 
 
 def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the_seed_like_store(onpolicy):
@@ -70,16 +47,6 @@ def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the
         # the torch arena (storage_device: cpu here, cuda on a GPU) against the same ideal
         arena, = [m for m, col in ratios if m.startswith(f"{shape} rollout sample, torch arena (")]
         assert len(ratios[arena, "arrowbuf_torch/ideal"]) == 2 and all(r > 0 for r in ratios[arena, "arrowbuf_torch/ideal"])
-
-
-def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_agrees_with_them(tmp_path_factory):
-    run, saved = quick_run("GAE", tmp_path_factory)
-    assert "BUG?" not in run.stdout   # the store's advantages equal the loop's
-    ratios = headline_ratios(saved, "GAE")
-    for shape, transitions in (("WBC", "6,144"), ("WBC resets", "6,144"), ("VLA", "320")):
-        for col in ("arrowbuf/loop", "arrowbuf/loop_floats", "arrowbuf/seed"):
-            rounds = ratios[f"{shape} compute_gae ({transitions} transitions)", col]
-            assert len(rounds) == 2 and all(r > 0 for r in rounds)
 
 
 def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_ingest_and_sample(seed):
@@ -236,72 +203,6 @@ def test_arrowbuf_bench_runs_the_benchmark_with_its_arguments(capsys):
         main(["bench", "--only", "W9"])
     assert exit_.value.code == 2
     assert "arrowbuf bench: error: unknown workload(s) ['W9']" in capsys.readouterr().err
-
-
-def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report_every_ratio(tmp_path_factory):
-    # Not run elsewhere in CI (RAY starts its own cluster; it runs in the published bench):
-    # a workload broken by a change to the store (W3's fields lacked the terminal flags a
-    # store now asks for) shows here, not in the next published run.
-    names = ["W1", "W2", "W3", "PER", "PARQUET"]
-    run, saved = quick_run(",".join(names), tmp_path_factory)
-    assert [w["name"] for w in saved["workloads"]] == names
-    for name in names:
-        ratios = headline_ratios(saved, name)
-        assert ratios, f"{name} reported no ratio"
-        assert all(r > 0 for rounds in ratios.values() for r in rounds), name
-
-
-def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(tmp_path_factory):
-    run, saved = quick_run("MIX", tmp_path_factory)
-    ratios = headline_ratios(saved, "MIX")
-    for metric, col in (("sample", "mixture/online"), ("sample", "dataset/online"),
-                        ("sample(min_version), 3/4 qualify", "fresh/plain")):
-        assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col])
-    assert "open_dataset, 200,000 rows" in run.stdout
-    assert "GB dataset vs" not in run.stdout   # the big-dataset row is opt-in (--mix-dataset-gb)
-
-
-def test_the_mix_big_dataset_option_builds_in_chunks_resumes_and_samples_within_its_resident_bound(
-        tmp_path, monkeypatch):
-    import arrowbuf as ab
-
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from bench import big_dataset
-    from bench.cli import build_parser
-    from bench.harness import Options
-    from bench.specs import w1
-
-    parser = build_parser()
-    assert parser.parse_args([]).mix_dataset_gb is None   # off unless asked for
-    assert parser.parse_args(["--mix-dataset-gb", "0.5"]).mix_dataset_gb == 0.5
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--mix-dataset-gb", "0"])
-    spec = w1(10_010)
-    monkeypatch.setattr(big_dataset, "CHUNK_EPISODES", 10)   # a tiny dataset in several chunks
-    monkeypatch.setattr(big_dataset, "SMALL_ROWS", 10_010)   # the in-RAM dataset it is timed against, small too
-    where, episodes = big_dataset.layout(tmp_path, spec, 0.0025)
-    assert episodes == 26   # 2.5 MB of 1,001-row episodes of 98-byte rows
-    assert big_dataset.build(where, spec, episodes)["chunks_written"] == 3
-    (where / "source" / big_dataset.EPISODES).unlink()   # an interrupted build: resumed at its missing chunk
-    (where / "source" / "rows-00001.arrow").unlink()
-    again = big_dataset.build(where, spec, episodes)
-    assert (again["chunks_written"], again["chunks_reused"]) == (1, 2)
-    assert big_dataset.build(where, spec, episodes) == {"chunks_written": 0, "chunks_reused": 3, "seconds": 0.0}
-    dataset = ab.open_dataset(where / "source", cache_dir=where / "cache", progress=False)
-    assert len(dataset) == episodes * spec.episode_len
-    assert dataset.episodes().column("episode_id").to_pylist() == list(range(episodes))   # ids continue across chunks
-    del dataset
-
-    notes: list[str] = []
-    opts = Options(quick=True, rounds=2, min_time=0.01, slices=1, memory=False, profile=False)
-    metric = big_dataset.measure(spec, 0.0025, tmp_path, opts, notes)
-    assert len(metric.values["big"].values) == len(metric.values["small"].values) == 2
-    assert all(rate > 0 for rate in metric.values["big"].values + metric.ratios["big/small"].values)
-    assert metric.detail["transitions"] == episodes * spec.episode_len
-    assert metric.detail["batches"]["big"] >= 2 * 21   # the warm-up and at least one timed batch per round
-    assert metric.detail["build"]["big"]["chunks_reused"] == 3   # the dataset built above, reused
-    assert metric.met, metric.detail   # peak RSS over the child's imports within resident_limit + 200 MB
-    assert any("big dataset:" in note for note in notes)
 
 
 # -- the README's performance section (tools/bench/summary.py) ------------------------------------------
