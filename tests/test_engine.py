@@ -42,10 +42,11 @@ def make_engine(capacity: int = 10, **kwargs) -> ShardEngine:
 def test_the_engine_tells_the_sampler_of_evictions_before_the_rows_it_added():
     sampler = RecordingSampler()
     engine = make_engine(sampler=sampler)
-    for _ in range(3):
-        checked, schema = episode(3)   # 4 rows each: the third wraps and evicts the first
+    for _ in range(4):
+        checked, schema = episode(3)   # 3 transitions (4 rows) each: the fourth is 2 past the capacity of 10
         engine.add(checked, schema)
-    assert sampler.calls == [("add", 0, 3), ("add", 4, 3), ("evict", [0], [4]), ("add", 0, 3)]
+    # the first episode's oldest 2 transitions go (rows 0-1), then the ring grows for the new rows
+    assert sampler.calls == [("add", 0, 3), ("add", 4, 3), ("add", 8, 3), ("evict", [0], [2]), ("add", 12, 3)]
 
 
 def test_clearing_the_engine_tells_the_sampler_every_live_span():
