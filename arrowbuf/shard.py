@@ -573,4 +573,7 @@ class Shard:
         rows = pa.Table.from_batches([self._batch(a, b) for a, b in runs], schema=self.schema.to_arrow())
         if not table.pieces:
             return rows
+        after = piece_chains(table).next[:len(table)]
+        if not np.any((after >= 0) & (after < len(table))):   # no piece continued by a held one
+            return rows
         return played_rows(table, group_played(table, sealed_only=True), rows, table.col("num_rows").copy())[0]
