@@ -21,8 +21,9 @@ composes the parts and calls them in order; no part calls back into its owner:
   (`arrowbuf.tensors.Gather`).
 
 Limiters are configuration (`arrowbuf.rate_limiters`): the engine keeps the
-insert / sample `Counts` they judge. Every method takes the engine's lock, so an
-engine may be shared by threads; arguments are checked by the caller (the store
+insert / sample `Counts` they judge. Every method takes the engine's lock (an
+`OwnedLock`: it knows whether the calling thread holds it), so an engine may be
+shared by threads; arguments are checked by the caller (the store
 facade checks them once), except where only the engine can tell (the data).
 """
 
@@ -100,7 +101,7 @@ class ShardEngine:
         self.shard_index, self.limiter_scope = shard, scope(shard, num_shards)   # limiter messages: store or shard
         self.num_shards = num_shards
         self.counts = Counts()
-        self.lock = threading.RLock()
+        self.lock = OwnedLock()
         self._changed = threading.Condition(self.lock)   # wakes callers waiting on the rate limiter
         self._rng = np.random.default_rng(seed)
         self._shard: Shard | None = None
@@ -531,3 +532,53 @@ class ShardEngine:
             self.sampler.load_state_dict(state["sampler"])
             self._rng.bit_generator.state = state["rng"]
             self.counts = counts
+
+
+class OwnedLock:
+    """A reentrant lock that records which thread holds it: `held_here` tells a caller that may
+    run inside one of this thread's calls (a writer's finalizer, `arrowbuf.inplace`) not to wait
+    for it. Usable with `threading.Condition` (it releases and restores every level in `wait`)."""
+
+    __slots__ = ("_lock", "_owner", "_depth")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner: int | None = None   # written only by the thread that holds `_lock`
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    __enter__ = acquire
+
+    def release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+        self._lock.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock (another thread only ever sees its own id here
+        while it holds it)."""
+        return self._owner == threading.get_ident()
+
+    # `threading.Condition` uses these when the lock has them: `wait` gives up every level.
+    _is_owned = held_here
+
+    def _release_save(self) -> int:
+        depth, self._depth, self._owner = self._depth, 0, None
+        for _ in range(depth):
+            self._lock.release()
+        return depth
+
+    def _acquire_restore(self, depth: int) -> None:
+        for _ in range(depth):
+            self._lock.acquire()
+        self._owner, self._depth = threading.get_ident(), depth

@@ -227,8 +227,6 @@ class StepWriter:
 
     def _add_staged(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
                     done: np.ndarray, skip: np.ndarray) -> int:
-        if self._ships is not None:   # a Ray writer: a closed one refuses, before anything is staged
-            self._sink.check_open()
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         if self._ships is not None:   # pieces of at most a quarter of a shard
             self._ships.cut_full(self)

@@ -23,7 +23,6 @@ sequence and episode samplers see a piece once it is sealed.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import Any
 
@@ -293,7 +292,7 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
     """A writer's end (`InPlace.release`, or its finalizer): seal its open pieces as `InPlace.flush`
     does and give its slots back. Never raises (it may run from the garbage collector)."""
     try:
-        if _held_here(engine.lock):   # inside one of this thread's store calls: not now, not here
+        if engine.lock.held_here():   # inside one of this thread's store calls: not now, not here
             _DEFERRED.append((engine, shard, base, env_ids))
             return
         with engine.lock:
@@ -308,12 +307,6 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
                 shard.publish_open()
     except Exception:   # noqa: BLE001 - a finalizer must not raise; the store stays as it was
         _log.exception("arrowbuf: sealing the open episodes of a released writer failed")
-
-
-def _held_here(lock: Any) -> bool:
-    """This thread holds ``lock`` (a `threading.RLock`): its repr names the owning thread (the public
-    way to ask; ``RLock._is_owned`` is private)."""
-    return f" owner={threading.get_ident()} " in repr(lock)
 
 
 def _release_deferred() -> None:
