@@ -150,9 +150,11 @@ def test_fixed_mode_refuses_at_capacity_transitions_and_leaves_the_store_unchang
     assert len(store) == 10
 
 
+@pytest.mark.parametrize("num_envs, steps", [(4, 150), (16, 64)])
 @pytest.mark.parametrize("num_shards", [1, 2])
-def test_a_ray_store_of_num_envs_x_t_holds_every_transition_of_each_rollout(ray_session, num_shards):
-    num_envs, steps = 4, 150
+def test_a_ray_store_of_num_envs_x_t_holds_every_transition_of_each_rollout(ray_session, num_shards, num_envs, steps):
+    # 2 shards: a writer's envs split evenly over them (routed to the least loaded shard at their
+    # first piece, 16 envs were split unevenly: one shard got more than its num_envs x T / 2).
     store = ab.ExperienceStore(capacity=num_envs * steps, backend="ray", num_shards=num_shards, seed=0)
     rng = np.random.default_rng(5)
     try:
