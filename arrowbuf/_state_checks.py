@@ -21,6 +21,7 @@ import numpy as np
 from arrowbuf._checks import is_int
 from arrowbuf.episodes import AUTORESET_MODES
 from arrowbuf.errors import FormatError, describe
+from arrowbuf.placement import arena_rows
 from arrowbuf.shard import MODES
 
 
@@ -106,7 +107,8 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
     """The episode table against the arena: placement, order, ids, indices, write position."""
     if shard["capacity"] != capacity or shard["mode"] != mode:
         raise _bad(where, "shard.capacity/mode", (shard["capacity"], shard["mode"]), f"{(capacity, mode)}")
-    write_pos = _int(where, "shard.write_pos", shard["write_pos"], 0, capacity)
+    rows_max = arena_rows(capacity)   # the arena's rows: capacity counts transitions (`arrowbuf.placement`)
+    write_pos = _int(where, "shard.write_pos", shard["write_pos"], 0, rows_max)
     table = shard["table"]
     columns = table["columns"]
     ids = _array(where, "episode_id", columns["episode_id"], "i")
@@ -133,13 +135,13 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
         _array(where, f"first_{name}", columns.get(f"first_{name}"), "i", n)
     reuse = shard.get("reuse")
     if reuse is not None:
-        _array(where, "shard.reuse", reuse, "iu", capacity)
+        _array(where, "shard.reuse", reuse, "iu", rows_max if len(reuse) != capacity else capacity)
     if not n:
         return
-    if np.any(rows < 1) or np.any(first < 0) or np.any(first + rows > capacity):
-        k = int(np.flatnonzero((rows < 1) | (first < 0) | (first + rows > capacity))[0])
+    if np.any(rows < 1) or np.any(first < 0) or np.any(first + rows > rows_max):
+        k = int(np.flatnonzero((rows < 1) | (first < 0) | (first + rows > rows_max))[0])
         raise _bad(where, f"episode {int(ids[k])}'s rows", (int(first[k]), int(rows[k])),
-                   f"(first_row, num_rows) inside the arena of {capacity} rows")
+                   f"(first_row, num_rows) inside the arena of {rows_max} rows")
     if np.any((length < rows - 1) | (length > rows - has_final)):
         raise _bad(where, "length", length, "transitions: num_rows - 1, or num_rows for an episode without "
                    "observations (and a final observation)")

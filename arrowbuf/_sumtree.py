@@ -62,12 +62,20 @@ class SumTree:
         return {"size": self.size, "levels": [level.copy() for level in self.levels]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict` into a tree of the same size.
+        """Restore `state_dict` into a tree of the same size, or the leaves of a smaller one
+        into this tree's first leaves (a checkpoint of a version whose arena had fewer rows:
+        before capacity counted transitions).
 
         Raises:
             ValueError: a tree of another size or shape.
         """
         levels = state["levels"]
+        if int(state["size"]) < self.size and levels and len(levels[-1]) >= int(state["size"]):
+            leaves = np.asarray(levels[-1][:int(state["size"])], np.float64)
+            self.levels = [np.zeros_like(level) for level in self.levels]
+            held = np.flatnonzero(leaves)
+            self.update(held, leaves[held])
+            return
         if int(state["size"]) != self.size or [len(x) for x in levels] != [len(x) for x in self.levels]:
             raise ValueError(f"sum tree state has {state['size']} leaves in levels of "
                              f"{[len(x) for x in levels]} nodes; this tree has {self.size} leaves in "

@@ -365,7 +365,7 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
     # After the last transition: nothing (terminated), the last stored step's value
     # (no final observation), or the value of the final observation (cut).
     last_value = np.where(has_final, 0.0, _numbers_at(shard, value_key, np.minimum(first + length,
-                                                                                   shard.capacity - 1)))
+                                                                                   shard.rows - 1)))
     cut = _cut(table)
     if len(cut):
         if final_values is None:
@@ -408,7 +408,7 @@ def _write_across_pieces(shard: Shard, gamma: float, lam: float, value_key: str,
     first, length = table.ecol("first_row")[segments.last], table.ecol("length")[segments.last]
     has_final = table.ecol("has_final")[segments.last].astype(bool)
     last_value = np.where(has_final, 0.0, _numbers_at(shard, value_key, np.minimum(first + length,
-                                                                                   shard.capacity - 1)))
+                                                                                   shard.rows - 1)))
     cut = np.flatnonzero(segments.cut)
     if len(cut):
         if final_values is None:

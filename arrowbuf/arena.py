@@ -41,6 +41,7 @@ from arrowbuf._bounds import check_arena
 from arrowbuf._checks import tensor_to_numpy
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError
+from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
@@ -129,24 +130,31 @@ def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> 
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    needed = capacity * schema.field_bytes
+    rows = arena_rows(capacity, lazy=False)   # a CUDA arena is allocated at once: all its rows
+    needed = rows * schema.field_bytes
     if needed > free:
-        raise ResourceError(f"storage_device={str(device)!r}: capacity={capacity:,} rows of {schema.field_bytes:,} "
-                            f"bytes need {needed / 2**30:,.2f} GiB, but the device has {free / 2**30:,.2f} GiB "
-                            f"free; use capacity <= {free // max(schema.field_bytes, 1):,}")
+        fit = free // max(schema.field_bytes, 1)   # rows that fit; the largest capacity whose arena does
+        most = max(0, (fit - 64) * 8 // 9)
+        while arena_rows(most + 1, lazy=False) <= fit:
+            most += 1
+        while most and arena_rows(most, lazy=False) > fit:
+            most -= 1
+        raise ResourceError(f"storage_device={str(device)!r}: capacity={capacity:,} transitions take {rows:,} rows "
+                            f"of {schema.field_bytes:,} bytes, which need {needed / 2**30:,.2f} GiB, but the device "
+                            f"has {free / 2**30:,.2f} GiB free; use capacity <= {most:,}")
 
 
 def make_shard(schema: Schema, capacity: int, mode: str, shard: int, num_shards: int,
-               device: torch.device | None) -> Shard:
+               device: torch.device | None, whole_pieces: bool = False) -> Shard:
     """A numpy `Shard`, or a `TorchShard` on ``device``, once it is known to fit in memory.
 
     Raises:
         ResourceError: the arena does not fit in the memory where it would live.
     """
     if device is not None:
-        return TorchShard(schema, capacity, mode, shard, num_shards, device=device)
+        return TorchShard(schema, capacity, mode, shard, num_shards, device=device, whole_pieces=whole_pieces)
     check_arena(schema, capacity)
-    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards)
+    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards, whole_pieces=whole_pieces)
 
 
 class TorchShard(Shard):
@@ -163,13 +171,18 @@ class TorchShard(Shard):
     host_columns = False
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
-                 num_shards: int = 1, *, device: torch.device) -> None:
+                 num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
         if device.type == "cuda":
             check_device_memory(schema, capacity, device)
         else:
             check_arena(schema, capacity)
         self.device = device
-        super().__init__(schema, capacity, mode, shard, num_shards)
+        super().__init__(schema, capacity, mode, shard, num_shards, whole_pieces)
+
+    @property
+    def lazy_rows(self) -> bool:
+        """A CPU tensor's pages are faulted in by the first write (numpy allocates it); a CUDA one's are not."""
+        return self.device.type != "cuda"
 
     def new_column(self, spec: Field, zero: bool) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -178,7 +191,7 @@ class TorchShard(Shard):
             # measured 30-32 ms from a numpy-allocated column, 40-48 ms from torch.empty's.
             return host_tensor(super().new_column(spec, zero), spec)
         make = torch.zeros if zero else torch.empty
-        return make((self.capacity, *spec.shape), dtype=spec.torch_dtype, device=self.device)
+        return make((self.rows, *spec.shape), dtype=spec.torch_dtype, device=self.device)
 
     def new_packed(self, fields: Any) -> tuple[None, dict]:
         """None: a device arena keeps every field as its own tensor (``index_select`` per

@@ -37,7 +37,7 @@ class EpisodeSink(Protocol):
 
     @property
     def capacity(self) -> int | None:
-        """Rows one episode may take at most (a shard's capacity); None when unknown."""
+        """Transitions one episode may hold at most (a shard's capacity); None when unknown."""
 
     def set_schema(self, schema: Schema) -> None:
         """Adopt ``schema`` if none is set yet."""

@@ -84,12 +84,27 @@ from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
 from arrowbuf.shard import Shard
-from arrowbuf.table import upgrade_state
 
 FORMAT = "arrowbuf.checkpoint"
 FORMAT_VERSION = 2      # 2: content hashes of every file, and of the manifest
 MANIFEST = CHECKPOINT_MANIFEST
 _BATCH_ROWS = 1 << 16    # rows per IPC record batch (progress granularity)
+
+#: Names in states written before "rank" became "index" (checkpoints of format 2
+#: from earlier versions): `upgrade_state` reads them under today's names.
+_RENAMED_COUNTERS = {"rank": "index"}
+
+
+def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A table `state_dict` with the names of earlier versions renamed (in place; returned)."""
+    for old, new in _RENAMED_COUNTERS.items():
+        if old in state.get("counters", {}) and new not in state["counters"]:
+            state["counters"][new] = state["counters"].pop(old)
+        columns = state.get("columns", {})
+        if f"first_{old}" in columns and f"first_{new}" not in columns:
+            columns[f"first_{new}"] = columns.pop(f"first_{old}")
+    return state
+
 
 SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
                                     SequenceSampler, EpisodeSampler, FreshnessSampler)}
@@ -277,7 +292,7 @@ def typed_errors(manifest_path: Path) -> Iterator[None]:
 
 
 def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1,
-                storage_device: Any = "as saved") -> Loaded:
+                storage_device: Any = "as saved", whole_pieces: bool = False) -> Loaded:
     """The engine saved in ``path``, complete before it is returned.
 
     Nothing read is trusted before it is checked: the manifest's checksum, every
@@ -288,6 +303,7 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
         path: the checkpoint directory.
         progress: a tqdm bar; None shows it when stderr is a terminal.
         shard, num_shards: the engine's place in a Ray store.
+        whole_pieces: the engine evicts whole pieces only (a Ray shard's: `arrowbuf.placement`).
         storage_device: a checked torch.device or None for the engine's columns;
             "as saved": the saved store's (``store.storage_device`` of the info).
 
@@ -317,7 +333,7 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
                              sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
                              rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
                              track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards,
-                             storage_device=storage_device)
+                             storage_device=storage_device, whole_pieces=whole_pieces)
         engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
         loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
     engine.checkpoints[str(path.resolve())] = token
@@ -373,6 +389,11 @@ def _fill(shard: Shard, path: Path, row_files: list[Mapping[str, Any]], progress
                 pos, step = pos[live], step[live]
                 if table.pieces:   # steps count from the episode's start; rows from the piece's
                     step = step - table.col("first_step")[pos]
+                    # Rows before a piece's first (its oldest steps were evicted since an earlier
+                    # save wrote this file: `EpisodeTable.trim_oldest`) are not loaded.
+                    kept = step >= 0
+                    live[live] = kept
+                    pos, step = pos[kept], step[kept]
                 if np.any((step < 0) | (step >= num[pos])):
                     raise FormatError(f"{file}: rows with steps outside their episode")
                 target = first[pos] + step

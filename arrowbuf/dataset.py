@@ -49,6 +49,7 @@ from arrowbuf.parquet import MANIFEST as EXPORT_MANIFEST
 from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import PrioritizedSampler, Sampler, UniformSampler
 from arrowbuf.schema import SYSTEM_SPECS, Schema
+from arrowbuf.placement import Ring
 from arrowbuf.shard import Shard
 from arrowbuf.table import EpisodeTable
 
@@ -74,7 +75,8 @@ class MappedShard(Shard):
         self.capacity = max(num_rows, 1)
         self.mode = "fixed"
         self.table = table
-        self.write_pos = num_rows
+        self.rows = self.capacity
+        self.placement = Ring(table, self.capacity, self.rows, "fixed", self.positions_of_rows, write_pos=num_rows)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         self.packed, self._pack_offsets = None, {}
         self.arena = columns

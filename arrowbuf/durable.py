@@ -123,7 +123,7 @@ class DurableShard:
 
         if (self.checkpoint_path / CHECKPOINT_MANIFEST).exists():
             engine = load_engine(self.checkpoint_path, progress=False, shard=self.shard,
-                                 num_shards=self.num_shards).engine
+                                 num_shards=self.num_shards, whole_pieces=True).engine   # a Ray shard's
         else:
             engine = make_engine()
         replayed = self.log.replay(engine)

@@ -6,12 +6,13 @@ composes the parts and calls them in order; no part calls back into its owner:
 
 - `add` (whole episodes, and the pieces a staged writer delivers) checks that
   the episode fits, waits for the rate limiter, places the episode in the
-  `Shard` (and copies its rows, unless the caller fills them later: a Ray
-  shard's lent rows), then tells the sampler which rows it evicted and which it
-  added (`Sampler.on_evict`, `Sampler.on_add`). A step writer of an embedded
-  circular store without a limiter that can refuse bypasses it: it writes in
-  place into the shard's regions under the engine's lock, and tells the sampler
-  and the insert count itself (`arrowbuf.inplace`);
+  `Shard` (whose placement tells the sampler of the rows it evicts:
+  `Sampler.on_evict`) and copies its rows, unless the caller fills them later (a
+  Ray shard's lent rows), then tells the sampler which rows it added
+  (`Sampler.on_add`). A step writer of an embedded circular store without a
+  limiter that can refuse bypasses it: it writes in place into the shard's
+  regions under the engine's lock, and tells the sampler and the insert count
+  itself (`arrowbuf.inplace`);
 - a sample waits for the rate limiter; a plain uniform one of a host arena onto
   the CPU (no limiter, n-step, frame stack or reuse tracking) is drawn and gathered straight
   into a pooled batch (`arrowbuf.direct`); any other asks the sampler for a
@@ -20,8 +21,9 @@ composes the parts and calls them in order; no part calls back into its owner:
   (`arrowbuf.tensors.Gather`).
 
 Limiters are configuration (`arrowbuf.rate_limiters`): the engine keeps the
-insert / sample `Counts` they judge. Every method takes the engine's lock, so an
-engine may be shared by threads; arguments are checked by the caller (the store
+insert / sample `Counts` they judge. Every method takes the engine's lock (an
+`OwnedLock`: it knows whether the calling thread holds it), so an engine may be
+shared by threads; arguments are checked by the caller (the store
 facade checks them once), except where only the engine can tell (the data).
 """
 
@@ -58,7 +60,8 @@ class ShardEngine:
     """One shard of a store: arena, episode table, sampler, generator, counters, lock.
 
     Args:
-        capacity: rows of the arena.
+        capacity: transitions held (the arena keeps the rows beyond them that final
+            observations take: `arrowbuf.placement`).
         sampler: the shard's own `Sampler` (bound to the shard when it is made).
         rate_limiter: the limiter's configuration; the engine keeps its counts.
         mode: "circular" or "fixed" (see `Shard`).
@@ -68,6 +71,7 @@ class ShardEngine:
         shard: this shard's number and ``num_shards`` the store's shard count
             (episode ids are spaced by it; 0 and 1 for the embedded store).
         storage_device: the torch device of a torch arena (`arrowbuf.arena`); None: numpy columns.
+        whole_pieces: evict whole pieces only (a Ray shard: see `arrowbuf.placement`).
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -84,8 +88,10 @@ class ShardEngine:
 
     def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
                  seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
-                 shard: int = 0, num_shards: int = 1, storage_device: Any = None) -> None:
+                 shard: int = 0, num_shards: int = 1, storage_device: Any = None,
+                 whole_pieces: bool = False) -> None:
         self.capacity = capacity
+        self.whole_pieces = whole_pieces
         self.storage_device = storage_device
         self.mode = mode
         self.sampler = sampler
@@ -95,7 +101,7 @@ class ShardEngine:
         self.shard_index, self.limiter_scope = shard, scope(shard, num_shards)   # limiter messages: store or shard
         self.num_shards = num_shards
         self.counts = Counts()
-        self.lock = threading.RLock()
+        self.lock = OwnedLock()
         self._changed = threading.Condition(self.lock)   # wakes callers waiting on the rate limiter
         self._rng = np.random.default_rng(seed)
         self._shard: Shard | None = None
@@ -161,10 +167,12 @@ class ShardEngine:
             self._bind(shard)
 
     def _make_shard(self, schema: Schema) -> Shard:
-        return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device)
+        return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device,
+                          self.whole_pieces)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
+        shard.placement.listen(self.sampler if self.sampler.tracks_rows else None)
         if self.track_reuse:
             shard.track_reuse()
         self._shard = shard
@@ -206,12 +214,9 @@ class ShardEngine:
             if self._shard is None:
                 self._bind(shard)
             sampler = self.sampler
-            evicted = shard.evicted_spans(plan[1]) if sampler.tracks_rows and plan[1] else None
             episode_id = shard.add(episode, plan, rows)
             if sampler.tracks_rows:
-                if evicted is not None:
-                    sampler.on_evict(*evicted)
-                sampler.on_add(plan[0], transitions)
+                sampler.on_add(int(shard.table.col("first_row")[-1]), transitions)
             self.counts.inserts += transitions
             if self._limited:
                 self._changed.notify_all()
@@ -527,3 +532,53 @@ class ShardEngine:
             self.sampler.load_state_dict(state["sampler"])
             self._rng.bit_generator.state = state["rng"]
             self.counts = counts
+
+
+class OwnedLock:
+    """A reentrant lock that records which thread holds it: `held_here` tells a caller that may
+    run inside one of this thread's calls (a writer's finalizer, `arrowbuf.inplace`) not to wait
+    for it. Usable with `threading.Condition` (it releases and restores every level in `wait`)."""
+
+    __slots__ = ("_lock", "_owner", "_depth")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner: int | None = None   # written only by the thread that holds `_lock`
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    __enter__ = acquire
+
+    def release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+        self._lock.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock (another thread only ever sees its own id here
+        while it holds it)."""
+        return self._owner == threading.get_ident()
+
+    # `threading.Condition` uses these when the lock has them: `wait` gives up every level.
+    _is_owned = held_here
+
+    def _release_save(self) -> int:
+        depth, self._depth, self._owner = self._depth, 0, None
+        for _ in range(depth):
+            self._lock.release()
+        return depth
+
+    def _acquire_restore(self, depth: int) -> None:
+        for _ in range(depth):
+            self._lock.acquire()
+        self._owner, self._depth = threading.get_ident(), depth

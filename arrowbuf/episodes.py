@@ -227,8 +227,6 @@ class StepWriter:
 
     def _add_staged(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
                     done: np.ndarray, skip: np.ndarray) -> int:
-        if self._ships is not None:   # a Ray writer: a closed one refuses, before anything is staged
-            self._sink.check_open()
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         if self._ships is not None:   # pieces of at most a quarter of a shard
             self._ships.cut_full(self)
@@ -481,12 +479,12 @@ class StepWriter:
     # -- internals -----------------------------------------------------------------
 
     def _outgrown(self, active: np.ndarray) -> np.ndarray:
-        """Envs whose open episode this step would make too long for the store: its
-        steps plus the final observation would need more rows than a shard holds."""
+        """Envs whose open episode this step would make too long for the store: more
+        transitions than a shard holds."""
         capacity = self._sink.capacity
-        if capacity is None or int(self._pos.max(initial=0)) + 2 <= capacity:   # the common case, in ~1 us
+        if capacity is None or int(self._pos.max(initial=0)) + 1 <= capacity:   # the common case, in ~1 us
             return np.zeros(0, np.int64)
-        return np.flatnonzero(active & ~self._refused & (self._pos + 2 > capacity))
+        return np.flatnonzero(active & ~self._refused & (self._pos + 1 > capacity))
 
     def _refuse(self, envs: np.ndarray) -> CapacityError:
         """Drop the open episodes of ``envs`` and skip the rest of them; the error that names them."""
@@ -496,8 +494,8 @@ class StepWriter:
         self._pos[envs] = 0
         self._refused[envs] = True
         return CapacityError(
-            f"writer refused the open episode of {named}: with its final observation it needs more than the "
-            f"store's capacity of {capacity:,} rows, so it can never be stored. Its staged steps are dropped and "
+            f"writer refused the open episode of {named}: it holds more transitions than the store's "
+            f"capacity of {capacity:,}, so it can never be stored. Its staged steps are dropped and "
             "its remaining steps are skipped until it ends; the other envs' steps are recorded. Raise the "
             "capacity, or cut long episodes with flush()")
 

@@ -23,7 +23,6 @@ sequence and episode samplers see a piece once it is sealed.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import Any
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from arrowbuf.errors import CapacityError
-from arrowbuf.regions import MIN_REGION, region_rows, span_plan
+from arrowbuf.regions import MIN_REGION
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
@@ -107,8 +106,8 @@ class InPlace:
             The number of episodes sealed.
 
         Raises:
-            CapacityError: the store's capacity cannot give every env a region of
-                `MIN_REGION` rows at once; nothing is written.
+            CapacityError: the store's arena cannot give every env a region of
+                `MIN_REGION` rows at once.
         """
         self.bind()
         _release_deferred()
@@ -117,15 +116,17 @@ class InPlace:
             regions = shard.regions
             slots = self.base + np.flatnonzero(recorded)
             everyone = len(slots) == self.num_envs
+            shard.placement.admit(len(slots))   # the oldest transitions past the capacity go first
             # Regions without room for this step (its row and the next observation's):
             # seal the piece written so far, and continue the episode in a new region.
             full = slots[regions.held[slots] & (regions.start[slots] + regions.length[slots] + 1
                                                 >= regions.end[slots])]
             boundary = full[regions.length[full] > 0]
+            used_to = regions.start[full] + np.where(regions.length[full] > 0, regions.length[full] + 1, 0)
             if len(boundary):
                 self._seal(boundary, None, None, continues=True)
-            regions.held[full] = False
-            self._reserve(slots[~regions.held[slots]], active=slots)
+            shard.placement.drop_regions(full, used_to)
+            shard.placement.reserve_regions(slots[~regions.held[slots]], transitions=len(slots))
             cur = regions.start[slots] + regions.length[slots]
             fresh = regions.length[slots] == 0
             for name, (array, _) in obs_cols.items():
@@ -222,20 +223,21 @@ class InPlace:
                 start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
                 room = np.where(pos > 0, end - 1, end)   # an open piece's rows start..start + pos lie inside
                 if any(a.shape != (self.num_envs,) for a in (held, start, end)) or np.any(
-                        held & ((start < 0) | (end > shard.capacity) | (start + pos > room))):
+                        held & ((start < 0) | (end > shard.rows) | (start + pos > room))):
                     raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
-                                     f"in a store of {shard.capacity} rows")
+                                     f"in a store of {shard.rows} rows")
                 regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
                 prev = np.asarray(saved.get("prev", np.full(self.num_envs, -1)), np.int64)
                 if prev.shape != (self.num_envs,) or np.any((prev < -1) | (prev >= shard.table.episodes_added)):
                     raise ValueError(f"writer state has pieces continued {prev!r}; expected {self.num_envs} serials "
                                      f"of pieces added to this store (< {shard.table.episodes_added}) or -1")
                 regions.prev[slots] = np.where(held, prev, -1)
+                shard.placement.adopt_regions()
             for i in np.flatnonzero(pos).tolist():
                 n = int(pos[i])
                 slot = np.array([self.base + i])
                 if not regions.held[slot[0]]:
-                    self._reserve(slot, n + 2)
+                    shard.placement.reserve_regions(slot, n + 2)
                 a = int(regions.start[slot[0]])
                 for name, rows in stage.items():
                     shard.write_rows(name, a, rows[i, :n])
@@ -245,57 +247,6 @@ class InPlace:
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------
-
-    def _reserve(self, slots: np.ndarray, min_rows: int = MIN_REGION, active: np.ndarray | None = None) -> None:
-        """Regions of at least ``min_rows`` rows for ``slots``, reserved at the ring's head
-        in blocks (one plan a block).
-
-        A block may take the region of an env in ``active`` (the envs this call writes
-        a step for) that still had room: that env lost its written steps with it, and
-        its step is about to be written, so it gets a new region here too (it must not
-        write into rows it no longer holds). Taking a region reserved in this same call
-        means the ring cannot hold them all at once: `CapacityError`.
-        """
-        if not len(slots):
-            return
-        shard, engine = self.shard, self.engine
-        regions, table, capacity = shard.regions, shard.table, shard.capacity
-        used = int(table.col("num_rows").sum()) + int((regions.end - regions.start)[regions.held].sum())
-        size = max(region_rows(capacity, used, max(len(slots), regions.count), regions.count), min_rows)
-        if min_rows > capacity:
-            raise CapacityError(f"an open episode of {min_rows - 1} rows does not fit in the store's capacity "
-                                f"of {capacity:,} rows")
-        if MIN_REGION * len(slots) > capacity:
-            raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                f"{len(slots)} envs (each needs {MIN_REGION} rows at least); raise the capacity")
-        pending, reserved = np.asarray(slots, np.int64), np.zeros(0, np.int64)
-        while len(pending):
-            head = shard.write_pos
-            if capacity - head < min_rows:
-                head = 0
-            space = capacity - head
-            count = min(len(pending), max(1, space // size))
-            each = min(size, space) if count == 1 else size
-            evicted, taken = span_plan(shard, head, count * each)
-            if np.isin(taken, reserved).any():
-                raise CapacityError(f"a store of capacity {capacity:,} rows cannot hold the open episodes of "
-                                    f"{len(reserved) + len(pending)} envs at once; raise the capacity")
-            if evicted:
-                spans = shard.evicted_spans(evicted) if engine.sampler.tracks_rows else None
-                table.pop_oldest(evicted)
-                if spans is not None:
-                    engine.sampler.on_evict(*spans)
-            if len(taken):
-                regions.take(taken)
-            block, pending = pending[:count], pending[count:]
-            regions.start[block] = head + each * np.arange(count, dtype=np.int64)
-            regions.end[block] = regions.start[block] + each
-            regions.held[block] = True
-            shard.write_pos = head + count * each
-            shard.ordered = False
-            reserved = np.concatenate([reserved, block])
-            if active is not None and len(taken):
-                pending = np.concatenate([pending, taken[np.isin(taken, active)]])
 
     def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
               continues: bool) -> None:
@@ -341,7 +292,7 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
     """A writer's end (`InPlace.release`, or its finalizer): seal its open pieces as `InPlace.flush`
     does and give its slots back. Never raises (it may run from the garbage collector)."""
     try:
-        if _held_here(engine.lock):   # inside one of this thread's store calls: not now, not here
+        if engine.lock.held_here():   # inside one of this thread's store calls: not now, not here
             _DEFERRED.append((engine, shard, base, env_ids))
             return
         with engine.lock:
@@ -352,16 +303,10 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
                 slots = base + np.flatnonzero(regions.held[closing.slots] & (regions.length[closing.slots] > 0))
                 if len(slots):
                     closing._seal(slots, None, None, continues=False)
-                regions.release(base, len(env_ids))
+                shard.placement.release(base, len(env_ids))
                 shard.publish_open()
     except Exception:   # noqa: BLE001 - a finalizer must not raise; the store stays as it was
         _log.exception("arrowbuf: sealing the open episodes of a released writer failed")
-
-
-def _held_here(lock: Any) -> bool:
-    """This thread holds ``lock`` (a `threading.RLock`): its repr names the owning thread (the public
-    way to ask; ``RLock._is_owned`` is private)."""
-    return f" owner={threading.get_ident()} " in repr(lock)
 
 
 def _release_deferred() -> None:

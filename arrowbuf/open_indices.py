@@ -84,6 +84,11 @@ class TailIndices:
         if len(self.sealed) > 64 and min(self.sealed.values()) < serial:
             self.sealed = {u: s for u, s in self.sealed.items() if s >= serial}
 
+    def forget(self, uid: int) -> None:
+        """The piece of tail ``uid`` lost its front (`EpisodeTable.trim_oldest`): its tokens
+        would now name later steps, so they name nothing."""
+        self.sealed.pop(uid, None)
+
     def clear(self) -> None:
         """Every tail and piece is gone (`EpisodeTable.clear`); uids keep counting."""
         self.sealed.clear()

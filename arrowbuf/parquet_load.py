@@ -70,22 +70,23 @@ def select_episodes(episodes: pa.Table, episode_filter: EpisodeFilter | None) ->
     return np.isin(ids, result)
 
 
-def newest_that_fit(num_rows: np.ndarray, selected: np.ndarray, capacity: int, mode: str) -> np.ndarray:
-    """The selected episodes a store of ``capacity`` rows keeps: the newest whose rows fit.
+def newest_that_fit(length: np.ndarray, selected: np.ndarray, capacity: int, mode: str) -> np.ndarray:
+    """The selected episodes a store of ``capacity`` transitions keeps: the newest whose
+    transitions (``length``) fit.
 
     Raises:
         CapacityError: a selected episode is longer than the capacity, or
             ``mode="fixed"`` and they do not all fit.
     """
-    too_long = selected & (num_rows > capacity)
+    too_long = selected & (length > capacity)
     if too_long.any():
-        raise CapacityError(f"{int(too_long.sum())} selected episode(s) have more rows than the capacity of "
-                            f"{capacity} (up to {int(num_rows[too_long].max())}); raise capacity or filter them out")
-    rows = np.where(selected, num_rows, 0)
+        raise CapacityError(f"{int(too_long.sum())} selected episode(s) have more transitions than the capacity of "
+                            f"{capacity} (up to {int(length[too_long].max())}); raise capacity or filter them out")
+    rows = np.where(selected, length, 0)
     from_newest = np.cumsum(rows[::-1])[::-1]
     kept = selected & (from_newest <= capacity)
     if mode == "fixed" and not np.array_equal(kept, selected):
-        raise CapacityError(f"the selected episodes take {int(rows.sum())} rows, more than the capacity of "
+        raise CapacityError(f"the selected episodes hold {int(rows.sum())} transitions, more than the capacity of "
                             f"{capacity}, and mode='fixed' does not evict; raise capacity or filter episodes")
     return kept
 
@@ -114,6 +115,8 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
                 else [None] * len(ids))
     shard = engine.shard
     _resume_numbering(shard, episodes, export.store)
+    if "first_step" in export.episodes.column_names:   # its entries were pieces: so are this store's
+        shard.table.mark_pieces()
     schema = export.schema
     specs = {**schema.fields, **SYSTEM_SPECS}
     group = group_rows(schema.row_bytes)
@@ -215,6 +218,6 @@ def load_store(cls: type, path: str | Path, capacity: int | None = None,
     mode = store_kwargs.setdefault("mode", export.store.get("mode", "circular"))
     store = cls(capacity, schema=export.schema, **store_kwargs)
     selected = select_episodes(export.episodes, episode_filter)
-    kept = newest_that_fit(export.episodes.column("num_rows").to_numpy(), selected, store.capacity, mode)
+    kept = newest_that_fit(export.episodes.column("length").to_numpy(), selected, store.capacity, mode)
     load_episodes(store.engine, export, kept, progress)
     return store

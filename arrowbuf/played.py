@@ -88,7 +88,9 @@ def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarr
         "env_id": _env_ids(table, col("env")[first]),
         "shard": np.full(len(first), table.shard, np.int32),
         "first_row": col("first_row")[first],
-        "num_rows": length + has_final,
+        # Rows: its transitions, and the observation row after its last one if stored (a final
+        # observation, or an episode added without one whose last step has no next observation).
+        "num_rows": length + np.where(in_tail[last], has_final, (col("num_rows") - col("length"))[last]),
         "length": length,
         "has_final": has_final,
         "terminated": col("terminated")[last],

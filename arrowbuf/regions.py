@@ -1,7 +1,7 @@
 """Open regions: where the step writers of a local store write steps in place.
 
 Each env of a step writer owns at most one *region*: a contiguous run of arena rows
-reserved at the ring's head (`plan_span`). Its episode's rows are written straight
+reserved at the ring's head (`arrowbuf.placement.Ring.reserve_regions`). Its episode's rows are written straight
 into it, one step at a time (`arrowbuf.inplace`): step t's fields into the row of
 observation t, and the step's next observation into the following row, which is
 observation t + 1. The steps written so far form the env's *open tail*; the
@@ -17,19 +17,19 @@ the piece it continues (the table's ``prev_piece``; after a gap, the piece befor
 the episode keeps its id): samples read the pieces still held, where their steps meet, as
 one episode (`arrowbuf.indexing.PieceChains`).
 
-Eviction stays FIFO over sealed pieces: a reservation evicts every live piece its
-rows overlap, and every piece sealed before those (pieces seal out of ring order,
-so this can evict a few pieces ahead of the head early). A reservation that
-overlaps another env's open region *takes* it: that region's written steps are
-dropped (they are the oldest rows of the ring there) and its env continues its
-episode in a new region from its next step.
+Regions and the final observations of pieces take rows that are not transitions:
+the arena keeps rows for them beyond the capacity, and a reservation whose rows are
+still live grows the ring instead of evicting (`arrowbuf.placement`). Eviction takes
+the oldest transitions, as few as the capacity needs: the front of the oldest piece,
+and only past every sealed one the fronts of open tails (`OpenRegions.trim_oldest`).
+Only a ring that has grown to the arena's rows takes an open region its reservation
+overlaps: that region's written steps are dropped and its env continues its episode
+in a new region from its next step.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import numpy as np
 
 #: Largest region (rows) a writer reserves for one env at a time.
@@ -105,6 +105,42 @@ class OpenRegions:
         self.length[slots] = 0
         self.held[slots] = False
 
+    def hold(self, slots: np.ndarray, start: int, each: int) -> None:
+        """Regions of ``each`` rows from row ``start`` for ``slots``, back to back (their open pieces
+        start empty there)."""
+        self.start[slots] = start + each * np.arange(len(slots), dtype=np.int64)
+        self.end[slots] = self.start[slots] + each
+        self.held[slots] = True
+
+    def trim_oldest(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Cut ``count`` transitions off the fronts of the open tails, the longest first (their
+        fronts are the oldest steps): each cut tail continues after a gap. Returns the rows
+        freed, as (starts, stops)."""
+        slots = np.flatnonzero(self.held & (self.length > 0))
+        lengths = self.length[slots]
+        order = np.argsort(-lengths, kind="stable")
+        # Lower the longest tails to a common level: the fewest levels that free ``count``.
+        cut = np.zeros(len(slots), np.int64)
+        left = min(count, int(lengths.sum()))
+        sorted_lengths = lengths[order]
+        while left > 0:
+            top = sorted_lengths - cut[order]
+            level = int(top.max())
+            at_top = np.flatnonzero(top == level)
+            lower = int(top[top < level].max(initial=0))
+            take = min(left, len(at_top) * (level - lower))
+            each, extra = divmod(take, len(at_top))
+            step = np.full(len(at_top), each, np.int64)
+            step[:extra] += 1
+            cut[order[at_top]] += step
+            left -= take
+        slots, cut = slots[cut > 0], cut[cut > 0]
+        freed = self.start[slots].copy()
+        self.start[slots] += cut
+        self.length[slots] -= cut
+        self.first_step[slots] += cut   # a gap (`piece_chains` links none); ``prev`` stays, for the episode's id
+        return freed, self.start[slots].copy()
+
     def clear(self) -> None:
         """Take every region (`ExperienceStore.clear`): open episodes continue in new ones."""
         self.take(np.flatnonzero(self.held))
@@ -123,38 +159,15 @@ def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> in
       its rows, at most a quarter of the ring: a rollout of T steps by N envs then fits
       in N x (T + 1) rows, one piece an episode (the on-policy case: fill, sample, clear);
     - else a generation (one region per writer env) of 1/k of the ring, with
-      k = sqrt(2 x capacity / envs) in [4, 64]. Regions reserved together fill
-      together, so pieces seal in ring order give or take a generation, and the head's
-      FIFO eviction (which takes every piece sealed before those it overwrites) runs
-      about two generations ahead of the written rows; each region also repeats one
-      observation row. k balances the two losses, 2/k and k x envs / capacity: a ring
-      streamed past its capacity keeps ~90% of its rows sampleable for 8 envs in 6,000
-      rows, ~75% for 64 envs in 6,000 (tests/test_ring_occupancy.py). (An even share of
-      the free rows after each eviction made generations as large as the ring: 8
-      envs streaming kept 38-78% of it.)
+      k = sqrt(2 x capacity / envs) in [4, 64]. Regions reserved together fill together,
+      so pieces seal in ring order give or take a generation, and the rows they free
+      merge into runs a region fits in (`arrowbuf.placement.FreeRows`); each region also
+      repeats one observation row. k balances the two costs, 2/k and k x envs / capacity
+      (ring rows beyond the capacity: 1.05-1.15 x for 1-64 envs streaming,
+      tests/test_capacity.py).
     """
     envs = max(writers_envs, 1)
     generations = min(64, max(4, round(math.sqrt(2 * capacity / envs))))
     share = capacity // (generations * envs)
     free = min(capacity // max(wanting, 1), capacity // 4) if used == 0 else 0
     return int(min(MAX_REGION, max(MIN_REGION, share, free)))
-
-
-def span_plan(shard: Any, start: int, rows: int) -> tuple[int, np.ndarray]:
-    """(live pieces to evict, oldest first, open regions to take) for rows ``[start, start + rows)``
-    of ``shard`` (a `arrowbuf.shard.Shard`):
-    every piece with a row there and every piece sealed before it; every region there."""
-    table = shard.table
-    n = len(table)
-    evicted = 0
-    if n:
-        span = np.arange(start, start + rows, dtype=np.int64)
-        pos = shard.positions_of_rows(span)
-        live = pos < n
-        if live.any():
-            pos, span = pos[live], span[live]
-            first = table.col("first_row").take(pos)
-            mine = (first <= span) & (span < first + table.col("num_rows").take(pos))
-            if mine.any():
-                evicted = int(pos[mine].max()) + 1
-    return evicted, shard.regions.overlapping(start, start + rows)

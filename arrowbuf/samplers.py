@@ -297,7 +297,7 @@ class PrioritizedSampler(Sampler):
         super().bind(shard)
         if self.tree is None:
             shard.index_rows()
-            self.tree = SumTree(shard.capacity)
+            self.tree = SumTree(shard.rows)
 
     def on_add(self, first_row: int, length: int) -> None:
         self.tree.fill(first_row, first_row + length, float(self._leaves(np.float64(self.max_priority))))

@@ -1,16 +1,16 @@
 """One shard: a ring arena of preallocated columns, its episode table, and views.
 
-Episodes are written contiguously and never wrap: when the tail of the arena is
-too short for the next episode, writing restarts at row 0 and the rows left at the
-tail stay dead until the next lap. Whole episodes are evicted oldest first to make
-room (``mode="circular"``), or the write is refused (``mode="fixed"``).
+The shard is the one owner of placement (`arrowbuf.placement` plans, the shard applies):
+``capacity`` counts transitions, and the arena keeps the rows beyond it that final
+observations and repeated first rows take. A write first evicts the oldest transitions
+past the capacity (``mode="circular"``; ``mode="fixed"`` raises `CapacityError`), then
+takes rows at the ring's head, or grows the ring into rows never written (`evict_oldest`
+is the one eviction routine). Episodes are written contiguously and never wrap.
 
 A local store's step writers write steps in place into per-env regions reserved at
-the ring's head (`arrowbuf.regions`, `arrowbuf.inplace`): an episode is then a chain
-of contiguous pieces (table rows linked by env and ``first_step``), each evicted whole;
-pieces seal out of ring order, so a write evicts every piece its rows overlap and every
-piece sealed before those (`arrowbuf.regions.span_plan`), and open tails are published
-after the sealed episodes (`EpisodeTable.publish_open`).
+the ring's head (`reserve_regions`, `arrowbuf.regions`, `arrowbuf.inplace`): an episode
+is then a chain of contiguous pieces (table rows linked by env and ``first_step``), and
+open tails are published after the sealed episodes (`EpisodeTable.publish_open`).
 
 The embedded store and each Ray shard actor run this same code.
 """
@@ -29,8 +29,9 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
+from arrowbuf.placement import Plan, Ring, arena_rows, plan_write  # noqa: F401 (plan_write: re-exported)
 from arrowbuf.played import group_played, played_rows
-from arrowbuf.regions import OpenRegions, span_plan
+from arrowbuf.regions import OpenRegions
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.table import EpisodeTable
@@ -66,34 +67,6 @@ class Episode:
     @property
     def num_rows(self) -> int:
         return self.num_steps + int(self.has_final)
-
-
-def plan_write(first_rows: np.ndarray, write_pos: int, capacity: int, rows: int) -> tuple[int, int]:
-    """Where the next episode of ``rows`` rows goes, and how many oldest episodes it evicts.
-
-    Args:
-        first_rows: first arena row of each live episode, oldest first.
-        write_pos: the row after the newest episode.
-        capacity: rows in the arena.
-        rows: rows of the new episode (at most ``capacity``).
-
-    Returns:
-        (start, evicted): the new episode occupies ``[start, start + rows)``; the
-        ``evicted`` oldest episodes must go first.
-    """
-    n = len(first_rows)
-    evicted = 0
-    if write_pos + rows <= capacity:
-        start = write_pos
-    else:
-        # Skip to row 0. Episodes still in the tail are from the previous lap, hence
-        # the oldest ones: FIFO order evicts them before anything at the front.
-        start = 0
-        while evicted < n and first_rows[evicted] >= write_pos:
-            evicted += 1
-    while evicted < n and start <= first_rows[evicted] < start + rows:
-        evicted += 1
-    return start, evicted
 
 
 def total_reward(reward: Any) -> float:
@@ -136,14 +109,16 @@ def position_runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int
 
 
 class Shard:
-    """A ring arena of ``capacity`` rows with FIFO eviction of whole episodes.
+    """A ring arena that holds ``capacity`` transitions, evicting the oldest first.
 
     Args:
         schema: the fields of every row.
-        capacity: rows in the arena (an episode of T steps with its final
-            observation takes T+1 rows).
-        mode: "circular" evicts the oldest episodes; "fixed" raises `CapacityError`.
+        capacity: transitions held (the arena keeps `arena_rows` rows: an episode of
+            T steps with its final observation takes T+1 rows).
+        mode: "circular" evicts the oldest transitions; "fixed" raises `CapacityError`.
         shard: this shard's number (Ray backend); ``num_shards`` spaces episode ids.
+        whole_pieces: evict whole pieces only (a Ray shard: its sealed blocks hold
+            whole episodes), never the front of one.
 
     Raises:
         ValueError: a capacity below 1 or an unknown mode.
@@ -151,18 +126,24 @@ class Shard:
 
     #: numpy columns in host memory, sampled by `arrowbuf.direct` (a torch arena's are not).
     host_columns = True
+    #: whether the columns' pages are faulted in by the first write (the rows past the ring cost nothing).
+    lazy_rows = True
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
-                 num_shards: int = 1) -> None:
+                 num_shards: int = 1, whole_pieces: bool = False) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1 row, got {capacity}")
+            raise ValueError(f"capacity must be >= 1 transition, got {capacity}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.schema = schema
         self.capacity = capacity
         self.mode = mode
+        # Rows of the arena: the ring laps over as many as its pieces need (`arrowbuf.placement`).
+        self.rows = arena_rows(capacity, self.lazy_rows)
         self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
-        self.write_pos = 0
+        # Where rows go and what is evicted: the head, the ring, the writers' open regions.
+        self.placement = Ring(self.table, capacity, self.rows, mode, self.positions_of_rows, self.reward_sum,
+                              whole_pieces)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # User fields only: the system columns (episode_id, step, is_first, is_last)
         # follow from the episode table, and storing them would cost 14 bytes a row.
@@ -182,10 +163,6 @@ class Shard:
         # that only adds whole episodes in ring order never needs it, and keeping it
         # cost a fill of 4 bytes a row per write (~0.5 us of a W1 add_episode).
         self._row_episode: np.ndarray | None = None
-        # The step writers' open regions (`arrowbuf.regions`), and whether the live pieces
-        # lie in the ring in table order (then `plan_write` places episodes, in O(evicted)).
-        self.regions = OpenRegions()
-        self.ordered = True
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
@@ -194,6 +171,21 @@ class Shard:
     def __len__(self) -> int:
         """Sampleable transitions: sealed, and open tails'."""
         return self.table.num_transitions
+
+    @property
+    def regions(self) -> OpenRegions:
+        """The writers' open regions (`arrowbuf.regions`), kept by the `placement`."""
+        return self.placement.regions
+
+    @property
+    def write_pos(self) -> int:
+        """The row after the newest piece (the ring's head)."""
+        return self.placement.write_pos
+
+    @property
+    def ring(self) -> int:
+        """Rows the head laps over (grown as the pieces need, up to `rows`)."""
+        return self.placement.ring
 
     def extend(self, schema: Schema) -> None:
         """Take on ``schema``: this shard's fields plus new (derived) ones, zero in every row."""
@@ -220,7 +212,7 @@ class Shard:
 
     def new_column(self, spec: Any, zero: bool) -> np.ndarray:
         """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``)."""
-        return arena_column((self.capacity, *spec.shape), spec.numpy_dtype, zero=zero)
+        return arena_column((self.rows, *spec.shape), spec.numpy_dtype, zero=zero)
 
     def new_packed(self, fields: Mapping[str, Any]) -> tuple[np.ndarray | None, dict[str, int]]:
         """(the row-packed block of ``fields``' small per-step fields, their byte offsets);
@@ -228,7 +220,7 @@ class Shard:
         row_bytes, offsets = pack_layout(fields)
         if not offsets:
             return None, {}
-        return arena_column((self.capacity, row_bytes), np.uint8), offsets
+        return arena_column((self.rows, row_bytes), np.uint8), offsets
 
     def _packed_column(self, name: str, spec: Any) -> np.ndarray:
         return column_view(self.packed, self._pack_offsets[name], spec.numpy_dtype, spec.shape)
@@ -325,28 +317,17 @@ class Shard:
             return episode.num_steps - 1
         return episode.num_steps
 
-    def check_fits(self, episode: Episode) -> tuple[int, int, np.ndarray | None]:
-        """(start, evicted, open regions taken) for ``episode``, or `CapacityError` with nothing changed."""
-        rows = episode.num_rows
-        if rows > self.capacity:
+    def check_fits(self, episode: Episode) -> Plan:
+        """Where ``episode`` goes and what it evicts first (`plan`), or `CapacityError` with nothing changed."""
+        length = self.transitions_of(episode)
+        if length > self.capacity or episode.num_rows > self.rows:
             raise CapacityError(
-                f"episode of {episode.num_steps} steps needs {rows} rows"
-                f"{' (with its final observation)' if episode.has_final else ''}, "
-                f"more than the shard capacity of {self.capacity} rows")
-        if self.ordered and not self.regions.count:
-            start, evicted = plan_write(self.table.col("first_row"), self.write_pos, self.capacity, rows)
-            taken = None
-        else:
-            start = self.write_pos if self.write_pos + rows <= self.capacity else 0
-            evicted, taken = span_plan(self, start, rows)
-        if evicted and self.mode == "fixed":
-            raise CapacityError(
-                f"store is full: {len(self.table)} episodes in {self.capacity} rows and mode='fixed' "
-                f"refuses to evict; the episode of {rows} rows was not written", retryable=True)
-        return start, evicted, taken
+                f"episode of {episode.num_steps} steps holds {length} transitions, more than the shard "
+                f"capacity of {self.capacity:,} transitions; raise the capacity or cut the episode")
+        return self.placement.plan(episode.num_rows, length)
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first row, rows) of the ``count`` oldest episodes: what a write that evicts them frees."""
+        """(first row, rows) of the ``count`` oldest episodes."""
         return self.table.col("first_row")[:count].copy(), self.table.col("num_rows")[:count].copy()
 
     def add(self, episode: Episode, plan: tuple[int, int] | None = None, rows: bool = True) -> int:
@@ -364,7 +345,7 @@ class Shard:
             CapacityError: the episode is longer than the capacity, or the store is
                 full in ``mode="fixed"``; the shard is unchanged.
         """
-        start, evicted, *taken = plan if plan is not None else self.check_fits(episode)
+        plan = plan if plan is not None else self.check_fits(episode)
         # Summaries first: the columns may be views of this arena (an episode read
         # back from the store) that the copy below overwrites.
         columns = episode.columns
@@ -373,10 +354,7 @@ class Shard:
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
         ret = total_reward(columns["reward"]) if "reward" in columns else float("nan")
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
-        if evicted:
-            self.table.pop_oldest(evicted)
-        if taken and taken[0] is not None and len(taken[0]):
-            self.regions.take(taken[0])
+        start = self.placement.apply(plan, episode.num_rows)
         if rows:
             self.write_episode(start, episode)
         stop = start + episode.num_rows
@@ -387,10 +365,13 @@ class Shard:
                                        ret=ret, env_id=episode.env_id, metadata=metadata,
                                        inserted_at=episode.inserted_at, first_step=episode.first_step,
                                        prev_piece=episode.prev_piece)
-        self.write_pos = stop
         if self.regions.count:
             self.publish_open()
         return episode_id
+
+    def reward_sum(self, start: int, stop: int) -> float:
+        """The sum of the rewards in rows ``[start, stop)`` (NaN without a reward field)."""
+        return total_reward(self.arena["reward"][start:stop]) if "reward" in self.arena else float("nan")
 
     def own_rows(self, start: int, stop: int) -> None:
         """Rows ``[start, stop)`` belong to the episode (piece) the table appends next:
@@ -432,16 +413,14 @@ class Shard:
         """Drop every episode and open tail (the arena stays allocated for reuse); the
         writers' open episodes continue in new regions from their next step."""
         self.table.clear()
-        self.regions.clear()
-        self.write_pos = 0
-        self.ordered = True
+        self.placement.clear()
 
     # -- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next episode goes, the episode table and the sample counts of
         `track_reuse` (the rows are saved apart)."""
-        return {"capacity": self.capacity, "mode": self.mode, "write_pos": self.write_pos, "ordered": self.ordered,
+        return {"capacity": self.capacity, "mode": self.mode, **self.placement.state(),
                 "table": self.table.state_dict(), "reuse": self.reuse.copy() if self.reuse is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -453,23 +432,21 @@ class Shard:
         """
         if int(state["capacity"]) != self.capacity:
             raise ValueError(f"shard state is for capacity {state['capacity']}, this shard has {self.capacity}")
-        if not 0 <= int(state["write_pos"]) <= self.capacity:
-            raise ValueError(f"shard state has write_pos {state['write_pos']} outside [0, {self.capacity}]")
         self.table.load_state_dict(state["table"])
-        self.write_pos = int(state["write_pos"])
-        self.ordered = bool(state.get("ordered", True))
+        self.placement.load(state)
         if self._row_episode is not None:   # rebuild the row -> episode map for the loaded table
             self._row_episode = None
             self.index_rows()
-        if state.get("reuse") is not None:
-            self.reuse = np.array(state["reuse"], np.uint32)
+        if state.get("reuse") is not None:   # (a state of a version whose arena had `capacity` rows: fewer)
+            self.reuse = np.zeros(self.rows, np.uint32)
+            self.reuse[:len(state["reuse"])] = state["reuse"]
 
     # -- reuse ------------------------------------------------------------------------
 
     def track_reuse(self) -> None:
         """Count from now on how often each row is sampled (`count_samples`, `reuse_counts`)."""
         if self.reuse is None:
-            self.reuse = np.zeros(self.capacity, np.uint32)
+            self.reuse = np.zeros(self.rows, np.uint32)
 
     def count_samples(self, rows: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Count one sample of each of ``rows`` (where ``mask``: padding is not a sample)."""
@@ -538,7 +515,7 @@ class Shard:
     def index_rows(self) -> None:
         """Keep a row -> episode map from now on (4 bytes a row), for `positions_of_rows`."""
         if self._row_episode is None:
-            self._row_episode = np.zeros(self.capacity, np.uint32)
+            self._row_episode = np.zeros(self.rows, np.uint32)
             table = self.table
             for k, (first, rows) in enumerate(zip(table.col("first_row"), table.col("num_rows"))):
                 self._row_episode[first:first + rows] = (table.episodes_added - len(table) + k) & 0xFFFFFFFF
@@ -595,5 +572,8 @@ class Shard:
         runs = position_runs(table.col("first_row"), table.col("num_rows"))
         rows = pa.Table.from_batches([self._batch(a, b) for a, b in runs], schema=self.schema.to_arrow())
         if not table.pieces:
+            return rows
+        after = piece_chains(table).next[:len(table)]
+        if not np.any((after >= 0) & (after < len(table))):   # no piece continued by a held one
             return rows
         return played_rows(table, group_played(table, sealed_only=True), rows, table.col("num_rows").copy())[0]

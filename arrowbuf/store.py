@@ -49,7 +49,8 @@ class ExperienceStore:
     transitions: steps that have a next observation.
 
     Args:
-        capacity: rows held (T steps with the final observation take T+1 rows).
+        capacity: transitions held, the unit rollouts are sized by (``num_envs x T``); the arena
+            keeps the rows beyond them that final observations take (`arrowbuf.placement`).
         seed: seed of the store's `numpy.random.Generator`; sampling is reproducible.
         sampler: a `Sampler` (`UniformSampler` by default, `PrioritizedSampler`, ...).
         rate_limiter: `MinSize`, `SampleToInsertRatio`; unlimited by default (on Ray,
@@ -228,10 +229,10 @@ class ExperienceStore:
                                                                keep_tensors=self.storage_device is not None,
                                                                observations=observations),
                                           policy_version, per_episode=True)
-        longest = max(e.num_rows for e in checked)
+        longest = max(e.num_rows - int(e.has_final) for e in checked)
         if longest > self.capacity // self.num_shards:
-            raise CapacityError(f"an episode of {longest} rows is longer than a shard's capacity of "
-                                f"{self.capacity // self.num_shards} rows; nothing was stored")
+            raise CapacityError(f"an episode of {longest} transitions is longer than a shard's capacity of "
+                                f"{self.capacity // self.num_shards} transitions; nothing was stored")
         return self._backend.add_many(checked, schema, timeout, shard)
 
     def writer(self, num_envs: int | None = None, autoreset_mode: Any = None, env_ids: Sequence[str] | None = None,

@@ -48,22 +48,6 @@ _OPTIONAL = {"first_step": 0, "prev_piece": -1, "tail": -1}
 _TIPS_PER_ENV = 64
 
 
-#: Names in states written before "rank" became "index" (checkpoints of format 2
-#: from earlier versions): `upgrade_state` reads them under today's names.
-_RENAMED_COUNTERS = {"rank": "index"}
-
-
-def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
-    """A table `state_dict` with the names of earlier versions renamed (in place; returned)."""
-    for old, new in _RENAMED_COUNTERS.items():
-        if old in state.get("counters", {}) and new not in state["counters"]:
-            state["counters"][new] = state["counters"].pop(old)
-        columns = state.get("columns", {})
-        if f"first_{old}" in columns and f"first_{new}" not in columns:
-            columns[f"first_{new}"] = columns.pop(f"first_{old}")
-    return state
-
-
 class EpisodeTable:
     """FIFO table of one shard's live episodes.
 
@@ -356,6 +340,20 @@ class EpisodeTable:
         while self._longest and self._longest[0][0] < first_serial:
             self._longest.popleft()
 
+    def trim_oldest(self, count: int, dropped_return: float = 0.0) -> None:
+        """Drop the oldest piece's first ``count`` (< length) transitions, rewards ``dropped_return``."""
+        cols, i = self._cols, self.head
+        self._match_sealed()   # its tokens would name later steps now: they name nothing
+        self._tails.forget(int(cols["tail"][i]))
+        cols["tail"][i], cols["return"][i], length = -1, cols["return"][i] - dropped_return, int(cols["length"][i])
+        for name, (units, _) in self._counters.items():
+            if name != "index":   # a sampler's units (windows) in what is left of the piece
+                cols[f"first_{name}"][i] += units(length) - units(length - count)
+        for name in ("first_row", "first_step", "first_index", "num_rows", "length"):
+            cols[name][i] += count if name.startswith("first") else -count
+        self.pieces = True
+        self._lookup = self._played_count = None
+
     def clear(self) -> None:
         """Drop every episode; ids and indices keep counting, so old indices stay stale."""
         self.head = self.tail = 0
@@ -364,6 +362,9 @@ class EpisodeTable:
         self._tails.clear()
         self._longest.clear()
         self._lookup = self._played_count = None
+
+    def mark_pieces(self) -> None:   # an import of a store whose entries were pieces: `to_arrow` lists first_step
+        self.pieces = True
 
     def resume(self, episodes_added: int, next_index: int) -> None:
         """Continue the numbering of another table: the next episode is the

@@ -114,10 +114,7 @@ def evict_stale(shard: Shard, sampler: Any, min_version: int) -> int:
     """Free the `stale_episodes` of ``shard`` (its sampler told, as a write's eviction tells it); how many."""
     count = stale_episodes(shard, min_version)
     if count:
-        spans = shard.evicted_spans(count) if sampler.tracks_rows else None
-        shard.table.pop_oldest(count)
-        if spans is not None:
-            sampler.on_evict(*spans)
+        shard.placement.evict_oldest(count)   # tells the sampler
     return count
 
 

@@ -30,9 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def filled_store() -> tuple[ab.ExperienceStore, RingModel]:
-    """A circular store of 40 rows that has wrapped and evicted, with its model."""
-    store = ab.ExperienceStore(capacity=40, seed=7)
-    model = RingModel(40)
+    """A circular store of 30 transitions that has wrapped and evicted, with its model."""
+    store = ab.ExperienceStore(capacity=30, seed=7)
+    model = RingModel(30)
     for tag, (steps, has_final) in enumerate([(6, True), (9, True), (4, False), (12, True), (7, True), (5, True)]):
         store.add_episode(make_episode(tag, steps, has_final))
         model.add(ExpectedEpisode(tag, steps, has_final, terminated=True))

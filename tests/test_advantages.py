@@ -241,11 +241,16 @@ def test_compute_gae_matches_the_loop_on_every_live_episode_after_evictions(epis
                                        [last], [transitions], 0.9, 0.8)
     with mock.patch.object(advantages, "SPAN_FACTOR", span_factor):
         total = store.compute_gae(0.9, 0.8, bootstrap_value=lambda o: o["obs"][:, 0].double() * 2 + o["obs"][:, 1])
-    live = store.episodes().column("episode_id").to_pylist()
+    table = store.episodes()
+    live = table.column("episode_id").to_pylist()
+    # The oldest episode may have lost its first transitions (capacity counts transitions): GAE
+    # runs backwards, so its held steps keep the advantages the whole episode gives them.
+    held_from = dict(zip(live, table.column("first_step").to_pylist() if "first_step" in table.column_names
+                         else [0] * len(live)))
     event("episodes evicted" if len(live) < len(episodes) else "nothing evicted")   # --hypothesis-show-statistics
-    assert total == sum(len(written[e]) for e in live)
+    assert total == sum(len(written[e]) - held_from[e] for e in live)
     for episode_id in live:
-        expected, rows = written[episode_id], store.episode(episode_id)
+        expected, rows = written[episode_id][held_from[episode_id]:], store.episode(episode_id)
         advantage, target = (rows.column(name).to_numpy() for name in ("advantage", "value_target"))
         np.testing.assert_allclose(advantage[:len(expected)], expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(target[:len(expected)], expected + rows.column("value").to_numpy()[:len(expected)],

@@ -268,8 +268,10 @@ def test_a_cuda_arena_larger_than_the_device_s_free_memory_is_refused_before_all
     # The check runs before any CUDA call, so a faked free-memory reading tests it without a GPU.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 1 << 30))
     schema = ab.Schema({"obs": ab.Field("float32", (256,), observation=True), "terminated": ab.Field("bool")})
-    with pytest.raises(ab.ResourceError, match=r"storage_device='cuda': capacity=10,000 rows of 1,025 bytes need "
-                                               r"0.01 GiB, but the device has 0.00 GiB free; use capacity <= 1,023"):
+    # 1 MiB holds 1,023 rows: an arena of capacity + capacity // 8 + 64 rows (`arena_rows`) up to capacity 853.
+    with pytest.raises(ab.ResourceError, match=r"storage_device='cuda': capacity=10,000 transitions take 11,314 rows "
+                                               r"of 1,025 bytes, which need 0.01 GiB, but the device has 0.00 GiB "
+                                               r"free; use capacity <= 853$"):
         TorchShard(schema, 10_000, device=torch.device("cuda"))
 
 

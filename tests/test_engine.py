@@ -42,10 +42,11 @@ def make_engine(capacity: int = 10, **kwargs) -> ShardEngine:
 def test_the_engine_tells_the_sampler_of_evictions_before_the_rows_it_added():
     sampler = RecordingSampler()
     engine = make_engine(sampler=sampler)
-    for _ in range(3):
-        checked, schema = episode(3)   # 4 rows each: the third wraps and evicts the first
+    for _ in range(4):
+        checked, schema = episode(3)   # 3 transitions (4 rows) each: the fourth is 2 past the capacity of 10
         engine.add(checked, schema)
-    assert sampler.calls == [("add", 0, 3), ("add", 4, 3), ("evict", [0], [4]), ("add", 0, 3)]
+    # the first episode's oldest 2 transitions go (rows 0-1), then the ring grows for the new rows
+    assert sampler.calls == [("add", 0, 3), ("add", 4, 3), ("add", 8, 3), ("evict", [0], [2]), ("add", 12, 3)]
 
 
 def test_clearing_the_engine_tells_the_sampler_every_live_span():
@@ -99,3 +100,29 @@ def test_gather_returns_the_live_indices_only_and_is_not_counted_by_the_rate_lim
     assert batch["index"].tolist() == [7, 3]
     assert batch["obs"][:, 0].tolist() == [3.0, 2.0]
     assert engine.counts.samples == 0
+
+
+def test_the_engine_lock_knows_its_owner_and_a_condition_wait_gives_up_every_level():
+    import threading
+
+    from arrowbuf.engine import OwnedLock
+
+    lock = OwnedLock()
+    changed = threading.Condition(lock)
+    seen: list[bool] = []
+    assert not lock.held_here()
+    with lock, lock:   # held twice: a wait must release both levels, then restore them
+        assert lock.held_here()
+        other = threading.Thread(target=lambda: seen.append(lock.held_here()) or _notify(changed))
+        other.start()
+        assert changed.wait(timeout=30)   # the other thread could take the lock: it was given up
+        assert lock.held_here()
+        other.join()
+    assert seen == [False] and not lock.held_here()
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+def _notify(changed) -> None:
+    with changed:
+        changed.notify_all()

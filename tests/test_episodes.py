@@ -293,14 +293,15 @@ def test_episodes_a_full_fixed_store_refuses_are_kept_and_pushed_later():
 
 
 def test_an_episode_that_outgrows_the_capacity_is_refused_at_that_step_and_does_not_wedge_the_writer():
-    store = ab.ExperienceStore(capacity=5, seed=0)
+    store = ab.ExperienceStore(capacity=4, seed=0)   # transitions
     writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[6, 2]], "disabled")
     for _ in range(3):
-        writer.add(**rollout.step_arrays())   # 3 steps + the final observation: 4 rows, fits
-    writer.add(**rollout.step_arrays())       # 4 steps: 5 rows, still fits
-    with pytest.raises(ab.CapacityError, match=r"'env-0' \(env 0\) at step 5.*capacity of 5 rows"):
-        writer.add(**rollout.step_arrays())   # 5 steps = 6 rows: can never fit, refused now, not when sealed
+        writer.add(**rollout.step_arrays())   # 3 steps: 3 transitions, fits
+    writer.add(**rollout.step_arrays())       # 4 steps: 4 transitions, still fits
+    with pytest.raises(ab.CapacityError, match=r"'env-0' \(env 0\) at step 5.*more transitions than the store's "
+                                               r"capacity of 4,"):
+        writer.add(**rollout.step_arrays())   # 5 transitions: can never fit, refused now, not when sealed
     assert writer.pending == 0 and writer.open_steps.tolist() == [0]
     writer.add(**rollout.step_arrays())       # the refused episode's last step: skipped, not an episode
     assert store.num_episodes == 0
@@ -311,23 +312,24 @@ def test_an_episode_that_outgrows_the_capacity_is_refused_at_that_step_and_does_
 
 
 def test_a_refused_episode_leaves_the_writers_other_envs_recording():
-    store = ab.ExperienceStore(capacity=3, seed=0)
+    store = ab.ExperienceStore(capacity=2, seed=0)   # transitions
     writer = staged_writer(store, 2, "disabled")
     rollout = FakeVectorRollout([[9], [2, 1]], "disabled")
     for _ in range(2):
-        writer.add(**rollout.step_arrays())   # env 1 ends a 2-step episode (3 rows)
+        writer.add(**rollout.step_arrays())   # env 1 ends a 2-step episode (2 transitions)
     with pytest.raises(ab.CapacityError, match=r"'env-0' \(env 0\) at step 3") as caught:
-        writer.add(**rollout.step_arrays())   # env 0 outgrows 3 rows; env 1 plays a 1-step episode
+        writer.add(**rollout.step_arrays())   # env 0 outgrows 2 transitions; env 1 plays a 1-step episode
     assert "'env-1'" not in str(caught.value)
     assert writer.episodes_written == 2                       # env 1's episodes of 2 and 1 steps
-    assert store.episodes().column("length").to_pylist() == [1]   # (3 rows: the second evicted the first)
+    episodes = store.episodes()   # the second evicted the first's oldest transition: its step 1 stays
+    assert episodes.column("length").to_pylist() == [1, 1] and episodes.column("first_step").to_pylist() == [1, 0]
     writer.add(**rollout.step_arrays())       # env 0's refused episode goes on: skipped
     assert writer.open_steps.tolist() == [0, 1]
-    assert store.episodes().column("env_id").to_pylist() == ["env-1"]
+    assert store.episodes().column("env_id").to_pylist() == ["env-1", "env-1"]
 
 
 def test_flush_ends_the_skipping_of_a_refused_episode():
-    store = ab.ExperienceStore(capacity=3, seed=0)
+    store = ab.ExperienceStore(capacity=2, seed=0)   # transitions: a third step outgrows it
     writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[9]], "disabled")
     writer.add(**rollout.step_arrays())
@@ -397,7 +399,7 @@ def test_writer_records_cartpole_episodes_exactly_as_the_envs_played_them(mode):
 
 
 def test_a_refused_episode_stays_skipped_across_a_writer_state_round_trip():
-    store = ab.ExperienceStore(capacity=3, seed=0)
+    store = ab.ExperienceStore(capacity=2, seed=0)   # transitions: a third step outgrows it
     writer = staged_writer(store, 1, "disabled")
     rollout = FakeVectorRollout([[9]], "disabled")
     for _ in range(2):

@@ -62,7 +62,7 @@ def column_bounds(store: ab.ExperienceStore, name: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("storage_device", [None, "cpu"])
 def test_unshuffled_batches_of_contiguous_rows_are_views_that_alias_the_arena(storage_device):
-    store = ab.ExperienceStore(30, seed=0, storage_device=storage_device)
+    store = ab.ExperienceStore(20, seed=0, storage_device=storage_device)   # transitions: full after one episode
     steps = 20
     store.add_episode({"obs": np.arange(2 * (steps + 1), dtype=np.float32).reshape(steps + 1, 2),
                        "action": np.arange(steps), "reward": np.ones(steps, np.float32),
@@ -80,9 +80,9 @@ def test_unshuffled_batches_of_contiguous_rows_are_views_that_alias_the_arena(st
         np.testing.assert_array_equal(batch["next", "obs"].numpy(), batch["obs"].numpy() + 2)
     # They alias the store: the ring overwriting those rows changes them.
     kept = batches[0]
-    store.add_episode({"obs": np.full((11, 2), -1, np.float32), "action": np.full(10, -7),
-                       "reward": np.ones(10, np.float32), "terminated": np.arange(10) == 9,
-                       "truncated": np.zeros(10, bool)})
+    store.add_episode({"obs": np.full((21, 2), -1, np.float32), "action": np.full(20, -7),   # evicts it all
+                       "reward": np.ones(20, np.float32), "terminated": np.arange(20) == 19,
+                       "truncated": np.zeros(20, bool)})
     assert kept["action"].tolist() == [-7] * 5 and kept["obs"].tolist() == [[-1.0, -1.0]] * 5
 
 

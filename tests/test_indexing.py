@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.indexing import frame_rows, n_step, piece_chains, run_lookup
+from arrowbuf.placement import arena_rows
 from arrowbuf.table import EpisodeTable
 
 from support.episodes import LiveTable, add_tagged, check_batch_reads_its_rows, episode_schema
@@ -19,11 +20,13 @@ def add(store, recorded, steps, **kwargs):
     return add_tagged(store, recorded, steps, reward_dtype="float32", **kwargs)
 
 
-def reference(recorded, episode_id, step, n, gamma, frames):
-    """n-step targets and frame stacks computed one transition at a time from what was written."""
+def reference(recorded, episode_id, step, n, gamma, frames, first_held):
+    """n-step targets and frame stacks computed one transition at a time from what was written;
+    a frame stack repeats the earliest step still held (``first_held``: 0, or later once the
+    oldest transitions of the episode were evicted)."""
     out = {"reward": [], "discount": [], "n_steps": [], "terminated": [], "truncated": [], "obs": [],
            "next_obs": []}
-    for e, t in zip(episode_id.reshape(-1).tolist(), step.reshape(-1).tolist()):
+    for e, t, f in zip(episode_id.reshape(-1).tolist(), step.reshape(-1).tolist(), first_held.reshape(-1).tolist()):
         written = recorded[e].arrays
         k = min(n, recorded[e].length - t)
         out["reward"].append(sum(gamma ** i * float(written["reward"][t + i]) for i in range(k)))
@@ -31,8 +34,8 @@ def reference(recorded, episode_id, step, n, gamma, frames):
         out["n_steps"].append(k)
         out["terminated"].append(bool(written["terminated"][t + k - 1]))
         out["truncated"].append(bool(written["truncated"][t + k - 1]))
-        out["obs"].append([written["obs"][max(t - frames + 1 + j, 0)] for j in range(frames)])
-        out["next_obs"].append([written["obs"][max(t + k - frames + 1 + j, 0)] for j in range(frames)])
+        out["obs"].append([written["obs"][max(t - frames + 1 + j, f)] for j in range(frames)])
+        out["next_obs"].append([written["obs"][max(t + k - frames + 1 + j, f)] for j in range(frames)])
     shape = episode_id.shape
     result = {key: np.array(value).reshape(shape + np.array(value).shape[1:]) for key, value in out.items()}
     if frames == 1:
@@ -40,10 +43,11 @@ def reference(recorded, episode_id, step, n, gamma, frames):
     return result
 
 
-def check_against_reference(batch, recorded, n, gamma, frames):
+def check_against_reference(batch, recorded, n, gamma, frames, live):
     episode_id = batch["episode_id"].numpy()
     step = batch["step"].numpy().astype(np.int64)
-    expected = reference(recorded, episode_id, step, n, gamma, frames)
+    first_held = live.first_step[live.position(episode_id.reshape(-1))].reshape(episode_id.shape)
+    expected = reference(recorded, episode_id, step, n, gamma, frames, first_held)
     np.testing.assert_allclose(batch["reward"].numpy(), expected["reward"], rtol=1e-6)
     assert batch["reward"].dtype == SCHEMA.fields["reward"].torch_dtype
     np.testing.assert_array_equal(batch["terminated"].numpy(), expected["terminated"])
@@ -72,16 +76,20 @@ SAMPLERS = {
 def replay_and_check(sampler, capacity, episodes, n, gamma, frames, seed):
     store = ab.ExperienceStore(capacity=capacity, sampler=sampler, seed=seed, schema=SCHEMA)
     recorded = {}
-    rows = k = 0
-    while rows < 2.5 * capacity:                    # write until the ring wraps and evicts
+    rows = transitions = k = 0
+    # Write until 2.5 laps of the capacity (transitions) evict, or of the arena's rows for
+    # episodes that hold no transition (one step, no final observation).
+    while transitions < 2.5 * capacity and rows < 2.5 * arena_rows(capacity):
         steps, has_final = episodes[k % len(episodes)]
         add(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
         rows += steps + has_final
+        transitions += steps - (not has_final)
         k += 1
         if len(store):
             batch = store.sample(16, n_step=n, gamma=gamma, frame_stack=frames)
-            LiveTable(store).check_live(batch["episode_id"].numpy(), batch["step"].numpy(), batch["index"].numpy())
-            check_against_reference(batch, recorded, n, gamma, frames)
+            live = LiveTable(store)
+            live.check_live(batch["episode_id"].numpy(), batch["step"].numpy(), batch["index"].numpy())
+            check_against_reference(batch, recorded, n, gamma, frames, live)
     assert store.episodes()["episode_id"][0].as_py() > 0
 
 

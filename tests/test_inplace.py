@@ -315,7 +315,7 @@ def test_eviction_takes_an_open_episodes_oldest_steps_first_a_whole_piece_at_a_t
     check_store(store, [rollout], evicts=True)
 
 
-def test_a_writer_that_stalls_loses_its_open_region_to_the_head_and_continues_its_episode():
+def test_a_writer_that_stalls_keeps_its_open_steps_while_another_streams_past_the_capacity():
     store = ab.ExperienceStore(capacity=24, seed=0, schema=EPISODE_SCHEMA)
     slow, fast = FakeVectorRollout([[100]], "disabled"), FakeVectorRollout([[5]], "disabled", first_tag=50)
     slow_writer = store.writer(num_envs=1, autoreset_mode="disabled")
@@ -323,29 +323,27 @@ def test_a_writer_that_stalls_loses_its_open_region_to_the_head_and_continues_it
     for _ in range(3):
         slow_writer.add(**slow.step_arrays())
     assert store.episodes(include_open=True).column("length").to_pylist() == [3]
-    for _ in range(60):   # laps the ring: the head reaches the stalled writer's region
+    for _ in range(60):   # laps the ring: the sealed pieces go oldest first, open tails last
         fast_writer.add(**fast.step_arrays())
-    assert slow_writer.open_steps.tolist() == [0], "its written steps went with the region"
-    assert all(p.tag != 0 for p in pieces_of(store))
-    slow_writer.add(**slow.step_arrays())   # its episode goes on, in a new region, from step 3
+        assert len(store) == min(24, 4 + _)
+    assert slow_writer.open_steps.tolist() == [3], "its open steps stay in its region"
+    slow_writer.add(**slow.step_arrays())   # its episode goes on in its region, from step 3
     mine = [p for p in pieces_of(store) if p.tag == 0]
-    assert [(p.first_step, p.length, p.open) for p in mine] == [(3, 1, True)]
-    slow_writer.flush()
-    table = store.episodes()
-    assert table.column("first_step").to_pylist()[-1] == 3
+    assert [(p.first_step, p.length, p.open) for p in mine] == [(0, 4, True)]
+    check_store(store, [slow, fast], evicts=True)
 
 
-def test_regions_shrink_to_fit_many_envs_and_a_ring_too_small_for_them_is_refused():
+def test_regions_shrink_to_fit_many_envs_and_a_step_of_more_envs_than_the_capacity_is_refused():
     store = ab.ExperienceStore(capacity=16, seed=0, schema=EPISODE_SCHEMA)
     rollout = FakeVectorRollout([[40]] * 8, "disabled")
     writer = store.writer(num_envs=8, autoreset_mode="disabled")
-    for _ in range(30):   # 8 envs in 16 rows: regions of 2 rows, a piece a step
+    for _ in range(30):   # 8 envs, 16 transitions: regions of 2 rows, a piece a step
         writer.add(**rollout.step_arrays())
     check_store(store, [rollout], evicts=True)
-    assert len(store) == 8
-    small = ab.ExperienceStore(capacity=5, seed=0, schema=EPISODE_SCHEMA)
+    assert len(store) == 16   # (8 when the capacity counted rows: a repeated observation a piece)
+    small = ab.ExperienceStore(capacity=2, seed=0, schema=EPISODE_SCHEMA)
     writer = small.writer(num_envs=3, autoreset_mode="disabled")
-    with pytest.raises(ab.CapacityError, match="cannot hold the open episodes of 3 envs"):
+    with pytest.raises(ab.CapacityError, match="a step of 3 envs is 3 transitions, more than the store's capacity=2"):
         writer.add(**FakeVectorRollout([[4]] * 3, "disabled").step_arrays())
     assert len(small) == 0 and small.num_episodes == 0
 
@@ -486,3 +484,19 @@ def test_a_new_writer_per_rollout_reuses_the_regions_and_slots_of_the_writers_be
         store.clear()
     assert len(rows) == 4, "every rollout wrote the same (warm) rows"
     assert store.engine.shard.regions.size == 4, "released slots are reused"
+
+
+def test_a_writer_state_with_regions_past_the_capacity_rows_loads():
+    # Capacity counts transitions: the ring's rows reach past it (final observations, regions'
+    # repeated rows), so a saved writer's regions may lie there; its state loads back.
+    store = ab.ExperienceStore(capacity=8, seed=0)
+    writer = store.writer(2, autoreset_mode="disabled")
+    for t in range(40):
+        done = np.array([t % 3 == 2, t % 5 == 4])
+        writer.add(obs=np.full((2, 2), t, float), action=np.zeros(2), reward=np.ones(2, np.float32),
+                   terminated=done, truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1, float))
+    state = writer.state_dict()
+    assert (state["regions"]["end"][state["regions"]["held"]] > store.capacity).any(), "a region past row 8"
+    restored = store.writer(2, autoreset_mode="disabled")
+    restored.load_state_dict(state)
+    assert restored.open_steps.tolist() == writer.open_steps.tolist()

@@ -61,7 +61,7 @@ def test_flags_with_more_than_one_value_a_step_are_refused_up_front():
 
 
 def test_writing_back_an_episode_that_the_write_evicts_keeps_its_return():
-    store = ab.ExperienceStore(capacity=12)
+    store = ab.ExperienceStore(capacity=5)   # transitions: the write back (5) evicts the source (5)
     store.add_episode({"obs": np.zeros((4, 2)), "reward": np.ones(3), "terminated": np.zeros(3, bool)})
     source = store.add_episode({"obs": np.zeros((6, 2)), "reward": np.arange(1, 6.0),
                                "terminated": np.array([0, 0, 0, 0, 1], bool)})

@@ -207,7 +207,7 @@ def test_padding_of_sequences_is_not_counted_as_a_sample():
 
 
 def test_rows_rewritten_by_new_episodes_start_unsampled():
-    store = ab.ExperienceStore(18, seed=0, sampler=ab.WithoutReplacementSampler(), track_reuse=True)
+    store = ab.ExperienceStore(15, seed=0, sampler=ab.WithoutReplacementSampler(), track_reuse=True)   # transitions
     _fill(store, episodes=3)
     store.sample(15)
     _fill(store, episodes=1)   # evicts the oldest episode, reuses its rows

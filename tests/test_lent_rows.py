@@ -38,7 +38,7 @@ def tags_in_arena(engine: ShardEngine) -> list[int]:
 
 def make_engine(capacity: int) -> ShardEngine:
     return ShardEngine(capacity, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0,
-                       schema=EPISODE_SCHEMA)
+                       schema=EPISODE_SCHEMA, whole_pieces=True)   # as a Ray shard's (lent rows are Ray's only)
 
 
 def test_a_lent_episode_is_placed_without_its_rows_until_filled():
@@ -52,7 +52,7 @@ def test_a_lent_episode_is_placed_without_its_rows_until_filled():
 
 
 def test_an_episode_evicted_before_it_is_filled_never_overwrites_the_rows_of_its_successor():
-    # 21 rows each in a ring of 50: the third goes to row 0 and evicts the first (lent, never filled).
+    # 20 transitions each in a shard of 50: the third evicts the first whole (lent, never filled).
     engine, unfilled = make_engine(50), UnfilledRows()
     placed(engine, unfilled, 1, 20, lent=True)
     placed(engine, unfilled, 2, 20, lent=True)

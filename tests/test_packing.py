@@ -141,9 +141,12 @@ def test_export_and_views_of_packed_fields_hold_the_rows_written(written, tmp_pa
             view = store.episode(episode_id)
         except KeyError:   # evicted
             continue
+        first = int(column_numpy(view.column("step"))[0])   # > 0 once its oldest transitions were evicted
+        assert first == 0 or episode_id == store.episodes()["episode_id"][0].as_py(), "only the oldest is trimmed"
         for name in ("action", "flags", "count", "half", "reward"):
-            values = column_numpy(view.column(name))   # T+1 rows: the last holds the final observation
-            np.testing.assert_array_equal(values[:len(episode[name])], episode[name], err_msg=name)
+            values = column_numpy(view.column(name))   # its held steps, then the final observation's row
+            assert len(values) == len(episode[name]) - first + 1, name
+            np.testing.assert_array_equal(values[:len(episode[name]) - first], episode[name][first:], err_msg=name)
     store.save(tmp_path / "ckpt")
     loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
     a, b = store.to_arrow(), loaded.to_arrow()
@@ -171,7 +174,7 @@ def test_the_final_observation_row_reads_zero_in_every_packed_field_after_the_ri
               "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
     if derived:
         fields["advantage"] = ab.Field("float32", derived=True)
-    store = ab.ExperienceStore(12, schema=fields, seed=0)
+    store = ab.ExperienceStore(10, schema=fields, seed=0)   # transitions
     assert len(store.engine.shard._pack_offsets) == (5 if derived else 4)   # obs is not packed
     rng = np.random.default_rng(0)
 
@@ -185,11 +188,16 @@ def test_the_final_observation_row_reads_zero_in_every_packed_field_after_the_ri
         return data
 
     store.add_episode(episode(10))                     # rows 0-10: nonzero step fields at rows 0-9
-    second = episode(4)
+    filler = episode(4)
+    if derived:
+        del filler["advantage"]
+    store.add_episode(filler)                          # trims the first's oldest 4; rows 11-15 (the ring grows)
+    second = episode(6)
     if derived:   # written without it: the store zeroes the derived field, and the others one by one
         del second["advantage"]
-    store.add_episode(second)                          # evicts it; rows 0-4, row 4 the final observation
-    table = store.to_arrow()
+    store.add_episode(second)                          # evicts the first; rows 0-6, row 6 the final observation
+    assert store.episodes()["first_row"].to_pylist() == [11, 0], "the second reuses the first's rows"
+    table = store.to_arrow().slice(len(filler["obs"]))   # the filler's rows come first
     last = len(second["obs"]) - 1
     for name in ("action", "reward", "terminated", "truncated"):
         values = column_numpy(table.column(name))

@@ -144,10 +144,14 @@ def test_step_files_hold_whole_episodes_up_to_rows_per_file(tmp_path):
     names = [Path(e["path"]).name for e in manifest["steps"]]
     assert names == [f"part-00000-{n:05d}.parquet" for n in range(len(names))]
     previous_last = None
+    table = store.episodes()
+    held_from = dict(zip(table["episode_id"].to_pylist(), table["first_step"].to_pylist()
+                         if "first_step" in table.column_names else [0] * table.num_rows))
     for entry in manifest["steps"]:
         rows = pq.read_table(tmp_path / "out" / entry["path"])
         ids = rows["episode_id"].to_numpy()
-        assert rows["is_first"][0].as_py() and rows["is_last"][-1].as_py(), "files start and end with an episode"
+        # files start with an episode's first held step (the oldest may have lost its first ones) and end with one
+        assert rows["step"][0].as_py() == held_from[int(ids[0])] and rows["is_last"][-1].as_py()
         longest = store.episodes()["num_rows"].to_numpy().max()
         assert rows.num_rows <= max(30, longest)
         assert previous_last is None or ids[0] == previous_last + 1
@@ -157,7 +161,7 @@ def test_step_files_hold_whole_episodes_up_to_rows_per_file(tmp_path):
 
 
 def test_a_load_into_a_smaller_capacity_keeps_the_newest_episodes_that_fit(tmp_path, monkeypatch):
-    store = wrapped_store("w1", capacity=400, episodes=60)
+    store = wrapped_store("w1", capacity=400, episodes=100)
     store.to_parquet(tmp_path / "out", rows_per_file=50)
     monkeypatch.setattr(parquet, "_GROUP_BYTES", 1)     # stream 1024-row batches from small row groups
     reads: list[str] = []
@@ -171,10 +175,10 @@ def test_a_load_into_a_smaller_capacity_keeps_the_newest_episodes_that_fit(tmp_p
     small = ab.ExperienceStore.from_parquet(tmp_path / "out", capacity=100, seed=1)
 
     episodes = store.episodes()
-    num_rows = episodes["num_rows"].to_numpy()
-    keep = np.cumsum(num_rows[::-1])[::-1] <= 100
+    num_rows, length = episodes["num_rows"].to_numpy(), episodes["length"].to_numpy()
+    keep = np.cumsum(length[::-1])[::-1] <= 100   # capacity counts transitions
     assert small.episodes()["episode_id"].to_pylist() == episodes["episode_id"].to_numpy()[keep].tolist()
-    assert small.to_arrow().num_rows == num_rows[keep].sum() <= 100
+    assert small.to_arrow().num_rows == num_rows[keep].sum() and len(small) == length[keep].sum() <= 100
     assert len(reads) < len(list((tmp_path / "out" / "steps").iterdir())), "files of dropped episodes are skipped"
     by_id = {i: store.episode(i) for i in small.episodes()["episode_id"].to_pylist()}
     for episode_id, batch in by_id.items():
@@ -194,8 +198,8 @@ def test_any_export_loads_the_newest_episodes_that_fit_any_capacity(episodes, ca
         store.to_parquet(Path(tmp) / "out", rows_per_file=rows_per_file)
         loaded = ab.ExperienceStore.from_parquet(Path(tmp) / "out", capacity=load_capacity, seed=3)
     table = store.episodes()
-    num_rows = table["num_rows"].to_numpy()
-    keep = np.cumsum(num_rows[::-1])[::-1] <= load_capacity
+    length = table["length"].to_numpy()
+    keep = np.cumsum(length[::-1])[::-1] <= load_capacity   # capacity counts transitions
     ids = table["episode_id"].to_numpy()[keep].tolist()
     assert loaded.episodes()["episode_id"].to_pylist() == ids
     for episode_id in ids:
@@ -240,7 +244,7 @@ def test_a_fixed_store_refuses_an_import_it_cannot_hold(tmp_path):
     store.to_parquet(tmp_path / "out")
     with pytest.raises(ab.CapacityError, match="mode='fixed'"):
         ab.ExperienceStore.from_parquet(tmp_path / "out", capacity=60, mode="fixed")
-    with pytest.raises(ab.CapacityError, match="more rows than the capacity"):
+    with pytest.raises(ab.CapacityError, match="more transitions than the capacity"):
         ab.ExperienceStore.from_parquet(tmp_path / "out", capacity=5)
 
 

@@ -235,17 +235,17 @@ def test_a_refused_episode_in_a_batched_write_keeps_the_others_and_says_so():
                                ray_options=RayOptions(delivery_latency=60.0))   # one batch at flush
     try:
         for key in range(6):
-            store.add_episode(encoded_episode(key, 10), env_id="a")   # 66 of the 100 rows
+            store.add_episode(encoded_episode(key, 10), env_id="a")   # 60 of the 100 transitions
         writer = store.writer(num_envs=1, autoreset_mode="disabled")
         obs = np.zeros((1, 4), np.float32)
-        for _ in range(4):   # 4 x 11 rows: the shard has room for 3
+        for _ in range(5):   # 5 x 10 transitions: the shard has room for 4
             for t in range(10):
                 writer.add(obs=obs, action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
                            terminated=np.array([t == 9]), truncated=np.zeros(1, bool), next_obs=obs)
-        with pytest.raises(ab.CapacityError, match="refused 1 of the 4 episodes"):
+        with pytest.raises(ab.CapacityError, match="refused 1 of the 5 episodes"):
             writer.flush()
         store.flush()
-        assert len(store) == 90 and store.num_episodes == 9
+        assert len(store) == 100 and store.num_episodes == 10
     finally:
         store.close()
 

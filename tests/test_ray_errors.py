@@ -47,8 +47,8 @@ def test_an_episode_a_shard_cannot_hold_is_refused_with_capacity_error_and_the_s
         store.add_episode(episode(5))
         with pytest.raises(ab.CapacityError) as info:
             store.add_episode(episode(80))
-        assert_unwrapped(info, ab.CapacityError, "episode of 80 steps needs 81 rows (with its final observation), "
-                         "more than the shard capacity of 50 rows", "add_episodes")
+        assert_unwrapped(info, ab.CapacityError, "episode of 80 steps holds 80 transitions, "
+                         "more than the shard capacity of 50 transitions", "add_episodes")
         assert info.value.retryable is False   # the error's own attributes come with it
         assert len(store) == 5 and store.num_episodes == 1
     finally:

@@ -216,14 +216,14 @@ def test_one_add_episodes_call_puts_one_object_for_every_shard_and_one_shards_ev
         lent_refs.clear()   # only the shards' blocks hold the object now
         assert sorted(b.part for b in sealed_blocks(store) if b.ref.hex() == shared) == [0, 1, 2, 3]
         on_one = [key for key, i in zip(keys, ids) if i % 2 == 1]
-        for key in range(50, 54):   # 4 x 41 rows evict shard 0's two episodes of the object
+        for key in range(50, 55):   # 80 + 5 x 40 transitions in a shard of 200: its two episodes of the object go
             store.add_episode(keyed_episode(key, 40), shard=0)
         assert sorted(b.part for b in sealed_blocks(store) if b.ref.hex() == shared) == \
             sorted(k for k, i in enumerate(ids) if i % 2 == 1)
         gc.collect()
         batch = store.sample(2_000)
         check_rows(batch)
-        assert set(batch["obs"][:, 0].numpy().astype(int).tolist()) == {*on_one, 50, 51, 52, 53}
+        assert set(batch["obs"][:, 0].numpy().astype(int).tolist()) == {*on_one, 50, 51, 52, 53, 54}
     finally:
         store.close()
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import arrowbuf as ab
+from arrowbuf.placement import arena_rows
 
 from support.episodes import EPISODE_SCHEMA, LiveTable, add_tagged, check_batch_reads_its_rows, make_episode
 
@@ -59,13 +60,16 @@ def histories(draw, max_steps=10, max_capacity=40):
 
 
 def replay(store, capacity, episodes):
-    """Write ``episodes`` cyclically until 2.5 laps; yields the record after each write."""
+    """Write ``episodes`` cyclically until 2.5 laps of the capacity (transitions), or of the
+    arena's rows when the episodes hold no transitions (one step, no final observation: the
+    full arena evicts them); yields the record after each write."""
     recorded = {}
-    rows = k = 0
-    while rows < 2.5 * capacity:
+    rows = transitions = k = 0
+    while transitions < 2.5 * capacity and rows < 2.5 * arena_rows(capacity):
         steps, has_final = episodes[k % len(episodes)]
         add_tagged(store, recorded, steps, has_final=has_final, terminated=k % 3 != 0)
         rows += steps + has_final
+        transitions += steps - (not has_final)
         k += 1
         yield recorded
     assert store.episodes()["episode_id"][0].as_py() > 0, "the history should have evicted episodes"
@@ -135,7 +139,7 @@ def test_prioritized_frequencies_match_priorities_to_the_power_alpha(alpha):
 
 def test_prioritized_frequencies_after_the_ring_wraps_count_only_live_transitions():
     alpha = 0.8
-    store, _ = prioritized_store(capacity=30, alpha=alpha, steps=[5] * 7)   # 6 rows each: 2 evicted
+    store, _ = prioritized_store(capacity=25, alpha=alpha, steps=[5] * 7)   # 5 transitions each: 2 evicted
     eps = store.sampler.eps
     index = LiveTable(store).indices()
     priority = np.linspace(0.5, 4.0, len(index))
@@ -184,7 +188,7 @@ def test_new_transitions_get_the_largest_priority_seen_so_far():
 
 
 def test_priority_updates_of_evicted_transitions_leave_the_rows_that_replaced_them_alone():
-    store, _ = prioritized_store(capacity=30, steps=[5] * 5)               # 30 rows: full
+    store, _ = prioritized_store(capacity=25, steps=[5] * 5)               # 25 transitions: full
     old = store.sample(64)["index"]
     old_rows = LiveTable(store).rows()
     fill(store, [5] * 5, recorded={-i: None for i in range(1, 6)})          # every old episode evicted
@@ -235,7 +239,7 @@ def test_sum_tree_leaves_are_the_priorities_of_live_transitions_and_zero_elsewhe
         rows = live.rows()
         expected = np.array([model[i] for i in live.indices().tolist()]) ** alpha
         np.testing.assert_allclose(leaves[rows], expected, rtol=1e-12)
-        dead = np.ones(capacity, bool)
+        dead = np.ones(len(leaves), bool)   # every row of the arena
         dead[rows] = False
         assert not leaves[dead].any(), "a row that holds no live transition has a priority"
         assert store.sampler.tree.total == pytest.approx(expected.sum(), rel=1e-9)
@@ -261,9 +265,11 @@ def check_windows(batch, recorded, live, seq_len, strict):
     contiguous = step[:, :1] + np.arange(seq_len)
     np.testing.assert_array_equal(step[mask], contiguous[mask])
     pos = live.position(episode_id[:, 0])
-    np.testing.assert_array_equal(mask.sum(axis=1), np.minimum(seq_len, live.length[pos] - step[:, 0]))
+    end = live.first_step[pos] + live.length[pos]   # steps past the last held one (a trimmed piece starts later)
+    assert (step[:, 0] >= live.first_step[pos]).all(), "a window starts on a step no longer held"
+    np.testing.assert_array_equal(mask.sum(axis=1), np.minimum(seq_len, end - step[:, 0]))
     if strict:
-        assert mask.all() and (step[:, 0] + seq_len <= live.length[pos]).all()
+        assert mask.all() and (step[:, 0] + seq_len <= end).all()
     check_batch_reads_its_rows(batch, recorded, live)
 
 
@@ -415,14 +421,14 @@ def test_iter_batches_yields_every_transition_exactly_once(shuffle, drop_last):
 
 
 def test_iter_batches_skips_transitions_evicted_during_the_epoch():
-    store = make_store(30, seed=3)
-    recorded = fill(store, [4, 4, 4, 4, 4])                                 # 25 rows, 20 transitions
+    store = make_store(20, seed=3)
+    recorded = fill(store, [4, 4, 4, 4, 4])                                 # 20 transitions: full
     seen = []
     for k, batch in enumerate(store.iter_batches(batch_size=5, shuffle=False)):
         check_batch_reads_its_rows(batch, recorded, LiveTable(store))
         seen.append(batch["index"].numpy())
         if k == 0:
-            fill(store, [5], recorded)                                      # evicts indices 0..7
+            fill(store, [8], recorded)                                      # evicts indices 0..7
     assert [len(s) for s in seen] == [5, 2, 5, 5]
     np.testing.assert_array_equal(np.concatenate(seen), np.r_[0:5, 8:20])
 

@@ -62,61 +62,73 @@ def test_plan_write_on_an_empty_table_never_evicts():
     assert plan_write(np.array([], np.int64), 0, 5, 5) == (0, 0)
 
 
-def test_episode_never_wraps_the_ring():
+def test_an_episode_never_wraps_the_ring_the_ring_grows_while_the_count_allows():
     shard = Shard(SCHEMA, capacity=10)
     shard.add(shard_episode(0, 5))          # rows [0, 6)
-    shard.add(shard_episode(1, 4))          # needs 5 rows; tail [6, 10) has 4: skips to row 0
-    assert shard.table.col("first_row").tolist() == [0]
-    assert shard.table.col("episode_id").tolist() == [1]
-    assert shard.write_pos == 5
-    view = shard.episode_view(0)
+    shard.add(shard_episode(1, 4))          # 5 rows: the tail [6, 10) has 4, row 0 is live: the ring grows
+    assert shard.table.col("first_row").tolist() == [0, 6]
+    assert (len(shard), shard.ring, shard.write_pos) == (9, 11, 11)
+    view = shard.episode_view(1)
     np.testing.assert_array_equal(column_numpy(view.column("obs")), tagged_obs(1, np.arange(5)))
 
 
-def test_an_episode_of_exactly_the_capacity_fills_the_arena():
+def test_an_episode_of_exactly_the_capacity_evicts_all_but_the_newest():
     shard = Shard(SCHEMA, capacity=6)
     shard.add(shard_episode(0, 2))
-    shard.add(shard_episode(1, 5))
+    shard.add(shard_episode(1, 6))
     assert shard.table.col("episode_id").tolist() == [1]
-    assert shard.table.col("first_row").tolist() == [0]
-    assert len(shard) == 5
+    assert len(shard) == 6
+
+
+def test_a_write_evicts_the_oldest_transitions_as_few_as_it_must():
+    shard = Shard(SCHEMA, capacity=6)
+    shard.add(shard_episode(0, 3))
+    shard.add(shard_episode(1, 2))
+    shard.add(shard_episode(2, 3))          # 8 transitions: the oldest 2 (episode 0's first two) go
+    assert len(shard) == 6
+    assert shard.table.col("length").tolist() == [1, 2, 3]
+    assert shard.table.col("first_step").tolist() == [2, 0, 0]
+    assert shard.table.first_live_index == 2
+    rows = shard.table.rows_of(np.arange(2, 8))
+    np.testing.assert_array_equal(shard.arena["action"][rows], [2, 1000, 1001, 2000, 2001, 2002])
 
 
 def test_an_episode_longer_than_the_capacity_is_refused_and_changes_nothing():
     shard = Shard(SCHEMA, capacity=6)
     shard.add(shard_episode(0, 3))
     arena = {name: column.copy() for name, column in shard.arena.items()}
-    with pytest.raises(CapacityError, match=r"6 steps needs 7 rows.*capacity of 6 rows"):
-        shard.add(shard_episode(1, 6))
+    with pytest.raises(CapacityError, match=r"7 steps holds 7 transitions.*capacity of 6 transitions"):
+        shard.add(shard_episode(1, 7))
     assert shard.table.col("episode_id").tolist() == [0]
     assert shard.write_pos == 4
     for name, column in arena.items():
         np.testing.assert_array_equal(shard.arena[name][:4], column[:4])
 
 
-def test_fixed_mode_refuses_to_evict_and_changes_nothing():
-    shard = Shard(SCHEMA, capacity=10, mode="fixed")
+def test_fixed_mode_refuses_at_capacity_transitions_and_changes_nothing():
+    shard = Shard(SCHEMA, capacity=6, mode="fixed")
     shard.add(shard_episode(0, 3))   # [0, 4)
-    shard.add(shard_episode(1, 3))   # [4, 8)
-    with pytest.raises(CapacityError, match="mode='fixed'"):
-        shard.add(shard_episode(2, 2))   # 3 rows: would need to evict episode 0
+    shard.add(shard_episode(1, 2))   # [4, 7): the ring grows past its 6 rows
+    with pytest.raises(CapacityError, match=r"5 transitions held of its capacity=6.*mode='fixed'"):
+        shard.add(shard_episode(2, 2))
     assert shard.table.col("episode_id").tolist() == [0, 1]
-    assert shard.write_pos == 8
-    shard.add(shard_episode(2, 1))   # 2 rows still fit in the tail
-    assert shard.table.col("first_row").tolist() == [0, 4, 8]
+    assert shard.write_pos == 7
+    shard.add(shard_episode(2, 1))   # the sixth transition fits
+    assert shard.table.col("first_row").tolist() == [0, 4, 7]
+    assert len(shard) == 6
 
 
-def test_a_plan_names_the_spans_its_write_evicts_before_the_rows_are_reused():
-    shard = Shard(SCHEMA, capacity=10)
+def test_a_plan_names_what_its_write_evicts_before_the_rows_are_reused():
+    shard = Shard(SCHEMA, capacity=6)
     shard.add(shard_episode(5, 3))
     shard.add(shard_episode(6, 3))
     episode = shard_episode(7, 3)
-    start, evicted, taken = shard.check_fits(episode)   # 4 rows: wraps, evicts the first episode only
-    assert taken is None   # no step writer holds a region of this shard
-    first, rows = shard.evicted_spans(evicted)
-    assert (start, first.tolist(), rows.tolist()) == (0, [0], [4])
+    plan = shard.check_fits(episode)   # 3 transitions past the capacity: the first episode, whole
+    assert (plan.pieces, plan.trim, plan.open_trim, plan.start) == (1, 0, 0, 0)
+    first, rows = shard.evicted_spans(plan.pieces)
+    assert (first.tolist(), rows.tolist()) == ([0], [4])
     assert shard.arena["action"][first[0]] == 5000   # still the old episode's until the write
-    shard.add(episode, (start, evicted))
+    shard.add(episode, plan)
     assert shard.table.col("episode_id").tolist() == [1, 2]
 
 
@@ -131,24 +143,25 @@ def test_the_final_row_holds_the_last_observation_and_zeros_in_step_fields():
 
 
 def test_indices_and_rows_of_live_transitions_line_up():
-    shard = Shard(SCHEMA, capacity=10)
+    shard = Shard(SCHEMA, capacity=6)
     shard.add(shard_episode(0, 4))                    # 4 transitions, rows [0, 5)
     shard.add(shard_episode(1, 3, has_final=False))   # 2 transitions, rows [5, 8)
-    shard.add(shard_episode(2, 2))                    # wraps: evicts episode 0; rows [0, 3)
-    assert len(shard) == 4
-    assert shard.table.first_live_index == 4
-    np.testing.assert_array_equal(shard.table.rows_of(np.arange(4, 8)), [5, 6, 0, 1])
+    shard.add(shard_episode(2, 2))                    # 8 transitions: episode 0's first 2 go
+    assert len(shard) == 6
+    assert shard.table.first_live_index == 2
+    np.testing.assert_array_equal(shard.table.rows_of(np.arange(2, 8)), [2, 3, 5, 6, 8, 9])
 
 
 def test_runs_merge_adjacent_episodes_and_split_at_the_wrap():
-    shard = Shard(SCHEMA, capacity=10)
-    for tag, steps in enumerate([2, 2, 2, 3]):   # rows [0,3) [3,6) [6,9) then [0,4) evicting two
+    shard = Shard(SCHEMA, capacity=6)
+    for tag, steps in enumerate([2, 2, 2, 3]):   # rows [0,3) [3,6) [6,9), then 3 past the capacity: [0,4)
         shard.add(shard_episode(tag, steps))
-    # positions: episode 2 (rows [6, 9)) then episode 3 (rows [0, 4)): two runs of one episode each
-    assert position_runs(shard.table.col("first_row"), shard.table.col("num_rows")) == [(0, 1), (1, 2)]
+    # positions: episode 1 (its last step), episode 2, then episode 3 at the wrap: two runs
+    assert shard.table.col("first_row").tolist() == [4, 6, 0]
+    assert position_runs(shard.table.col("first_row"), shard.table.col("num_rows")) == [(0, 2), (2, 3)]
     table = shard.to_arrow()
-    assert [len(b) for b in table.to_batches()] == [3, 4]
-    assert column_numpy(table.column("episode_id")).tolist() == [2, 2, 2, 3, 3, 3, 3]
+    assert [len(b) for b in table.to_batches()] == [5, 4]
+    assert column_numpy(table.column("episode_id")).tolist() == [1, 1, 2, 2, 2, 3, 3, 3, 3]
 
 
 def test_episode_views_are_zero_copy_slices_of_the_arena_except_for_packed_small_fields():

@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrowbuf.table import EpisodeTable, upgrade_state
+from arrowbuf.checkpoint import upgrade_state
+from arrowbuf.table import EpisodeTable
 
 
 def append(table: EpisodeTable, first_row: int, length: int, env_id: str = "env-0") -> int:

@@ -4,7 +4,6 @@ from the config, and the seed's capacity rules applied to every episode written 
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
@@ -49,11 +48,7 @@ class StoreSink:
     def _ensure_store(self, first_length: int) -> ExperienceStore:
         if self.store is not None:
             return self.store
-        capacity = self.settings.capacity
-        if self.settings.mode == "fixed":
-            rows = 2 * capacity + 2   # never the limit: the compat layer refuses at `capacity` transitions
-        else:                          # capacity transitions + a final-observation row per episode + a tail
-            rows = capacity + math.ceil(capacity / max(first_length, 1)) + first_length + 1
+        rows = self.settings.capacity   # the seed's capacity, in transitions: the store's unit too
         placement = self.placement
         if placement.backend == "ray":
             options = self._ray_options

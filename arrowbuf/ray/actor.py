@@ -91,11 +91,14 @@ class ShardServer:
             if load_from is not None:
                 from arrowbuf.checkpoint import load_engine
 
-                loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards)
+                loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
+                                     whole_pieces=True)
                 saved.update(loaded.info, manifest=str(loaded.manifest))
                 return loaded.engine
+            # Whole pieces: a sealed block holds whole episodes (`arrowbuf.ray.blocks`), so a
+            # piece is evicted whole, never its front.
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
-                               track_reuse=track_reuse, shard=shard, num_shards=num_shards)
+                               track_reuse=track_reuse, shard=shard, num_shards=num_shards, whole_pieces=True)
 
         if durable is not None:   # created private (`arrowbuf._dirlock`); one the user made is left as it is
             private_directory(Path(durable).parent, tighten=False)

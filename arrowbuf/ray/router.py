@@ -216,7 +216,8 @@ class RayBackend:
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
         """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
-        sink = RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards, self._dropped)
+        sink = RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards, self._dropped,
+                       balance_keys=True)
         self._writer_sinks.add(sink)
         return sink
 

@@ -123,12 +123,16 @@ class RaySink:
         capacity: rows of the smallest shard: the longest episode any shard takes
             (a writer refuses an episode at the step it outgrows it).
         dropped: where the delivery of a dropped writer's sink reports (its router's).
+        balance_keys: route each new key to a shard with the fewest keys of this sink (then
+            the least loaded): a step writer's envs split evenly over the shards, so that a
+            store of ``num_envs x T`` holds a rollout (each env writes T transitions).
     """
 
     def __init__(self, shards: ShardHandles, sizes: SizeCache, schema: Schema | None,
                  timeout: float | None = None, capacity: int | None = None,
-                 dropped: DroppedWriters | None = None) -> None:
+                 dropped: DroppedWriters | None = None, balance_keys: bool = False) -> None:
         self.capacity = capacity
+        self.balance_keys = balance_keys   # a step writer's sink: its envs spread evenly (`_route`)
         self.closed = False   # by `close`: its writer was closed, and later writes are refused
         self._shards = shards
         self._sizes = sizes
@@ -444,7 +448,9 @@ class RaySink:
                     self._node = ray_module().get_runtime_context().get_node_id()
                 local = [s for s in candidates if shards.nodes[s] == self._node]
                 candidates = local or candidates
-            shard = min(candidates, key=lambda s: (self._loads[s], s))
+            keys = np.bincount(np.fromiter(self._routes.values(), np.int64, len(self._routes)),
+                               minlength=shards.num_shards) if self.balance_keys else np.zeros(shards.num_shards)
+            shard = min(candidates, key=lambda s: (keys[s], self._loads[s], s))
             self._routes[key] = shard
         return shard
 

@@ -93,19 +93,20 @@ class ExpectedEpisode:
     episode_id: int = -1
     first_row: int = -1
     reward_dtype: str = "float64"
+    first_step: int = 0   # the first step still held (its oldest went to the capacity)
 
     @property
     def num_rows(self) -> int:
-        return self.steps + int(self.has_final)
+        return self.steps + int(self.has_final) - self.first_step
 
     @property
     def length(self) -> int:
-        """Transitions: steps that have a next observation."""
-        return self.steps if self.has_final else self.steps - 1
+        """Transitions held: steps that have a next observation."""
+        return (self.steps if self.has_final else self.steps - 1) - self.first_step
 
     @property
     def ret(self) -> float:
-        return float(np.sum(tagged_reward(self.tag, np.arange(self.steps)), dtype=np.float64))
+        return float(np.sum(tagged_reward(self.tag, np.arange(self.first_step, self.steps)), dtype=np.float64))
 
     @cached_property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -135,6 +136,8 @@ class LiveTable:
         self.first_index = table["first_index"].to_numpy()
         self.length = table["length"].to_numpy()
         self.first_row = table["first_row"].to_numpy()
+        self.first_step = table["first_step"].to_numpy() if "first_step" in table.column_names \
+            else np.zeros(len(self.ids), np.int64)
 
     def position(self, episode_id: np.ndarray) -> np.ndarray:
         """Positions of ``episode_id`` in the table; fails unless every id is live."""
@@ -159,8 +162,9 @@ class LiveTable:
     def check_live(self, episode_id: np.ndarray, step: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Every (episode, step, index) is a live transition; returns the positions."""
         pos = self.position(episode_id)
-        assert (step >= 0).all() and (step < self.length[pos]).all(), "a step past its episode's transitions"
-        np.testing.assert_array_equal(index, self.first_index[pos] + step)
+        local = step - self.first_step[pos]   # a piece whose oldest steps went holds from its first_step
+        assert (local >= 0).all() and (local < self.length[pos]).all(), "a step past its episode's transitions"
+        np.testing.assert_array_equal(index, self.first_index[pos] + local)
         return pos
 
 

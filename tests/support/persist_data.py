@@ -70,6 +70,10 @@ def wrapped_store(kind: str = "w1", *, capacity: int = 150, episodes: int = 40, 
     """A store that has wrapped its ring and evicted its oldest episodes."""
     store = ab.ExperienceStore(capacity=capacity, seed=seed, schema=schema_of(kind), sampler=sampler, **kwargs)
     fill(store, kind, episodes, seed)
+    added = episodes
+    while np.all(np.diff(store.episodes()["first_row"].to_numpy()) > 0) and added < 4 * episodes:
+        fill(store, kind, 1, seed + added, first=added)   # the ring grows while its front is too short: go on
+        added += 1
     table = store.episodes()
     assert table["episode_id"][0].as_py() > 0, "expected evictions"
     assert not np.all(np.diff(table["first_row"].to_numpy()) > 0), "expected a wrapped ring"

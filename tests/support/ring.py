@@ -41,20 +41,25 @@ class RingModel:
     write_pos: int = 0
 
     def fits(self, episode: ExpectedEpisode) -> bool:
-        if episode.num_rows > self.capacity:
+        """``capacity`` counts transitions: a fixed store refuses past it."""
+        if episode.length > self.capacity:
             return False
-        _, evicted = reference_plan([(e.first_row, e.num_rows) for e in self.live], self.write_pos,
-                                    self.capacity, episode.num_rows)
-        return not (evicted and self.mode == "fixed")
+        return self.mode != "fixed" or sum(e.length for e in self.live) + episode.length <= self.capacity
 
     def add(self, episode: ExpectedEpisode) -> None:
-        start, evicted = reference_plan([(e.first_row, e.num_rows) for e in self.live], self.write_pos,
-                                        self.capacity, episode.num_rows)
-        episode.first_row = start
+        """The oldest transitions past the capacity go: whole episodes, then the front of the next."""
         episode.episode_id = len(self.added)
-        self.live = self.live[evicted:] + [episode]
+        self.live.append(episode)
         self.added.append(episode)
-        self.write_pos = start + episode.num_rows
+        excess = sum(e.length for e in self.live) - self.capacity
+        while excess > 0:
+            oldest = self.live[0]
+            if oldest.length <= excess:
+                excess -= oldest.length
+                self.live.pop(0)
+            else:
+                oldest.first_step += excess
+                excess = 0
 
     def clear(self) -> None:
         self.live = []
@@ -77,8 +82,9 @@ def assert_store_matches(store: ab.ExperienceStore, model: RingModel, *, sample_
     all_ids = [e.episode_id for e in model.added]
     assert ids == all_ids[len(all_ids) - len(ids):]
     assert ids == [e.episode_id for e in live]
-    assert table.column("first_row").to_pylist() == [e.first_row for e in live]
     assert table.column("num_rows").to_pylist() == [e.num_rows for e in live]
+    firsts = table.column("first_step").to_pylist() if "first_step" in table.column_names else [0] * len(live)
+    assert firsts == [e.first_step for e in live]
     assert table.column("length").to_pylist() == [e.length for e in live]
     assert table.column("has_final").to_pylist() == [e.has_final for e in live]
     assert table.column("terminated").to_pylist() == [e.terminated for e in live]
@@ -86,10 +92,11 @@ def assert_store_matches(store: ab.ExperienceStore, model: RingModel, *, sample_
     assert table.column("env_id").to_pylist() == [e.env_id for e in live]
     np.testing.assert_allclose(table.column("return").to_numpy(), [e.ret for e in live], rtol=1e-12)
 
-    # The ring never splits an episode: every episode is one run of rows in [0, capacity).
-    spans = sorted((e.first_row, e.first_row + e.num_rows) for e in live)
+    # The ring never splits an episode: every episode is one run of rows inside the arena.
+    spans = sorted(zip(table.column("first_row").to_pylist(),
+                       (table.column("first_row").to_numpy() + table.column("num_rows").to_numpy()).tolist()))
     for first, stop in spans:
-        assert 0 <= first < stop <= model.capacity
+        assert 0 <= first < stop <= store.engine.shard.rows
     for (_, stop), (first, _) in zip(spans, spans[1:]):
         assert stop <= first
 
@@ -99,15 +106,14 @@ def assert_store_matches(store: ab.ExperienceStore, model: RingModel, *, sample_
     for e in live:
         batch = store.episode(e.episode_id)
         assert batch.num_rows == e.num_rows
-        steps = np.arange(e.num_rows)
+        steps = e.first_step + np.arange(e.num_rows)
         np.testing.assert_array_equal(column_numpy(batch.column("obs")), tagged_obs(e.tag, steps))
-        action = np.zeros(e.num_rows, np.int64)
-        action[:e.steps] = tagged_action(e.tag, np.arange(e.steps))
+        action = np.where(steps < e.steps, tagged_action(e.tag, np.minimum(steps, e.steps - 1)), 0)
         np.testing.assert_array_equal(column_numpy(batch.column("action")), action)
         np.testing.assert_array_equal(column_numpy(batch.column("step")), steps)
         np.testing.assert_array_equal(column_numpy(batch.column("episode_id")), np.full(e.num_rows, e.episode_id))
         np.testing.assert_array_equal(column_numpy(batch.column("is_first")), steps == 0)
-        np.testing.assert_array_equal(column_numpy(batch.column("is_last")), steps == e.num_rows - 1)
+        np.testing.assert_array_equal(column_numpy(batch.column("is_last")), steps == e.first_step + e.num_rows - 1)
 
     rows = store.to_arrow()
     assert rows.num_rows == sum(e.num_rows for e in live)
@@ -115,7 +121,8 @@ def assert_store_matches(store: ab.ExperienceStore, model: RingModel, *, sample_
         np.testing.assert_array_equal(column_numpy(rows.column("episode_id")),
                                       np.concatenate([np.full(e.num_rows, e.episode_id) for e in live]))
         np.testing.assert_array_equal(column_numpy(rows.column("obs")),
-                                      np.concatenate([tagged_obs(e.tag, np.arange(e.num_rows)) for e in live]))
+                                      np.concatenate([tagged_obs(e.tag, e.first_step + np.arange(e.num_rows))
+                                                      for e in live]))
 
     # The table equals the model's (above), so checking samples against it checks them
     # against the model.
@@ -127,7 +134,7 @@ def assert_store_matches(store: ab.ExperienceStore, model: RingModel, *, sample_
     else:
         check_batch_reads_its_rows(store.sample(sample_size), recorded, live_table)
 
-    expected = {(e.episode_id, t) for e in live for t in range(e.length)}
+    expected = {(e.episode_id, t) for e in live for t in range(e.first_step, e.first_step + e.length)}
     seen: list[tuple[int, int]] = []
     for batch in store.iter_batches(epoch_batch, shuffle=True):
         assert 1 <= batch.batch_size[0] <= epoch_batch

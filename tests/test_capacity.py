@@ -1,0 +1,176 @@
+"""A store's capacity counts transitions (`arrowbuf.placement`): a store of ``num_envs x T``
+holds a whole rollout, eviction takes the oldest transitions and as few as it must, and
+``mode="fixed"`` refuses at ``capacity`` transitions. Counts only: no time is measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+
+SHAPES = [(4, 150), (16, 64), (64, 32), (512, 24)]
+
+
+def rollout(writer, num_envs: int, steps: int, end_rate: float, rng: np.random.Generator, tag: float,
+            resetting: np.ndarray | None = None) -> int | tuple[int, np.ndarray]:
+    """``steps`` steps of ``num_envs`` envs whose episodes end at random; obs encode
+    (tag, env, step). Returns the transitions played. With ``resetting`` (gymnasium's next-step
+    autoreset: the envs whose next step is a reset step, reward 0, not a transition), returns
+    (transitions, the envs resetting after the last step)."""
+    obs = np.stack([np.full(num_envs, tag), np.arange(num_envs), np.zeros(num_envs)], 1).astype(np.float32)
+    next_step = resetting is not None
+    resetting = np.zeros(num_envs, bool) if resetting is None else resetting
+    transitions = 0
+    for t in range(steps):
+        nxt = obs.copy()
+        nxt[:, 2] = t + 1
+        done = (rng.random(num_envs) < end_rate) & ~resetting
+        writer.add(obs=obs, action=np.full(num_envs, t, np.int64), reward=np.where(resetting, 0.0, 1.0).astype(np.float32),
+                   terminated=done, truncated=np.zeros(num_envs, bool), next_obs=nxt)
+        transitions += int((~resetting).sum()) if next_step else num_envs
+        resetting = done if next_step else resetting
+        obs = nxt
+    return (transitions, resetting) if next_step else transitions
+
+
+@pytest.mark.parametrize("num_envs, steps", SHAPES)
+@pytest.mark.parametrize("end_rate", [0.0, 0.05])
+def test_a_store_of_num_envs_x_t_holds_every_transition_of_each_rollout_with_a_new_writer_each(
+        num_envs, steps, end_rate):
+    store = ab.ExperienceStore(capacity=num_envs * steps, seed=0)
+    rng = np.random.default_rng(1)
+    for k in range(3):   # no clear(): each rollout replaces the one before, transition by transition
+        writer = store.writer(num_envs, autoreset_mode="disabled")
+        assert rollout(writer, num_envs, steps, end_rate, rng, tag=k) == num_envs * steps
+        writer.flush()
+        writer.close()
+        assert len(store) == num_envs * steps
+        batch = store.gather(np.arange(*store.engine.live_range()))
+        assert (batch["obs"][:, 0] == k).all(), "only the last rollout is held, all of it"
+    assert store.engine.shard.ring <= 1.7 * num_envs * steps   # rows beyond the capacity: final obs, regions
+
+
+@pytest.mark.parametrize("num_envs, steps", SHAPES)
+@pytest.mark.parametrize("end_rate", [0.02, 0.05])
+def test_one_writer_across_cleared_rollouts_keeps_every_transition_and_no_reset_step(num_envs, steps, end_rate):
+    store = ab.ExperienceStore(capacity=num_envs * steps, seed=0)
+    writer = store.writer(num_envs, autoreset_mode="next_step")
+    rng = np.random.default_rng(2)
+    resetting = np.zeros(num_envs, bool)
+    for k in range(3):
+        store.clear()
+        played, resetting = rollout(writer, num_envs, steps, end_rate, rng, tag=k, resetting=resetting)
+        writer.flush()
+        assert len(store) == played
+        assert float(store.gather(np.arange(*store.engine.live_range()))["reward"].min()) == 1.0, "no reset step"
+    # A cleared ring keeps the rows it grew to: a fifth more than the capacity is plenty.
+    assert store.engine.shard.ring <= 1.2 * num_envs * steps + 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 40), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30))
+def test_eviction_takes_exactly_the_oldest_transitions(capacity, lengths):
+    """add_episode only: after each write the store holds the newest min(written, capacity)
+    transitions, and its live indices are exactly those."""
+    store = ab.ExperienceStore(capacity=capacity, seed=0)
+    written = []   # (episode, step) of every transition, oldest first
+    for e, length in enumerate(lengths):
+        length = min(length, capacity)
+        obs = np.stack([np.full(length + 1, e), np.arange(length + 1)], 1).astype(np.float32)
+        store.add_episode({"obs": obs, "action": np.arange(length) + 100 * e, "reward": np.ones(length, np.float32),
+                           "terminated": np.arange(length) == length - 1})
+        written += [(e, t) for t in range(length)]
+        held = written[-capacity:]
+        assert len(store) == len(held)
+        first, stop = store.engine.live_range()
+        assert (first, stop) == (len(written) - len(held), len(written))
+        if held:
+            batch = store.gather(np.arange(first, stop))
+            got = list(zip(batch["obs"][:, 0].long().tolist(), batch["step"].tolist()))
+            assert got == held
+
+
+@pytest.mark.parametrize("num_envs, capacity, end_rate", [(1, 6_000, 0.01), (8, 6_000, 0.02), (4, 8, 0.1),
+                                                          (4, 16, 0.1), (6, 64, 0.05), (8, 64, 0.1)])
+def test_a_stream_through_a_full_ring_holds_exactly_its_capacity(num_envs, capacity, end_rate):
+    """Writers streaming for many laps (small rings too: regions of 2 rows): len is the
+    capacity once that many steps were played, after every step."""
+    store = ab.ExperienceStore(capacity, seed=0)
+    writer = store.writer(num_envs=num_envs, autoreset_mode="disabled")
+    rng = np.random.default_rng(3)
+    obs = np.zeros((num_envs, 3), np.float32)
+    for t in range(6 * capacity // num_envs + 8):
+        writer.add(obs=obs, action=np.zeros(num_envs, np.int64), reward=np.ones(num_envs, np.float32),
+                   terminated=rng.random(num_envs) < end_rate, truncated=np.zeros(num_envs, bool), next_obs=obs)
+        assert len(store) == min((t + 1) * num_envs, capacity)
+    assert store.engine.shard.ring <= 2 * capacity + 64
+
+
+def test_demos_beside_a_live_writer_do_not_push_recent_episodes_out():
+    """Case N3: add_episode of cap/3-step demos beside a writer's regions; in steady state
+    the store holds its capacity (it held 28-57% of it when pieces were evicted in seal order)."""
+    capacity = 1_000
+    store = ab.ExperienceStore(capacity, seed=0)
+    writer = store.writer(1, autoreset_mode="disabled")
+    rng = np.random.default_rng(4)
+    lens = []
+    for t in range(3_000):
+        writer.add(obs=[[float(t)]], action=[0], reward=[1.0], terminated=[rng.random() < 0.01], truncated=[False],
+                   next_obs=[[float(t + 1)]])
+        if t % 60 == 59:
+            steps = capacity // 3
+            store.add_episode({"obs": np.arange(steps + 1, dtype=np.float32)[:, None], "action": np.zeros(steps, np.int64),
+                               "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1,
+                               "truncated": np.zeros(steps, bool)}, env_id="demo")
+        lens.append(len(store))
+    steady = np.array(lens[1_500:])
+    assert steady.min() >= 0.85 * capacity
+    assert steady.min() == capacity
+
+
+def test_fixed_mode_refuses_at_capacity_transitions_and_leaves_the_store_unchanged():
+    store = ab.ExperienceStore(capacity=10, seed=0, mode="fixed")
+
+    def episode(steps):
+        return {"obs": np.zeros((steps + 1, 2), np.float32), "action": np.zeros(steps, np.int64),
+                "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1}
+
+    store.add_episode(episode(6))
+    store.add_episode(episode(4))   # 10 transitions in 12 rows: they fit
+    assert len(store) == 10
+    with pytest.raises(ab.CapacityError, match=r"capacity=10.*mode='fixed'.*clear\(\)"):
+        store.add_episode(episode(1))
+    assert (len(store), store.num_episodes) == (10, 2)
+    store.clear()
+    store.add_episode(episode(10))
+    assert len(store) == 10
+
+
+@pytest.mark.parametrize("num_envs, steps", [(4, 150), (16, 64)])
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_a_ray_store_of_num_envs_x_t_holds_every_transition_of_each_rollout(ray_session, num_shards, num_envs, steps):
+    # 2 shards: a writer's envs split evenly over them (routed to the least loaded shard at their
+    # first piece, 16 envs were split unevenly: one shard got more than its num_envs x T / 2).
+    store = ab.ExperienceStore(capacity=num_envs * steps, backend="ray", num_shards=num_shards, seed=0)
+    rng = np.random.default_rng(5)
+    try:
+        for k in range(3):   # a new writer per rollout, no clear(): each rollout replaces the one before
+            writer = store.writer(num_envs, autoreset_mode="disabled")
+            assert rollout(writer, num_envs, steps, 0.03, rng, tag=k) == num_envs * steps
+            writer.flush()
+            writer.close()
+            store.flush()
+            assert len(store) == num_envs * steps
+            assert (store.sample(256)["obs"][:, 0] == k).all(), "only the last rollout is held, all of it"
+        store.clear()
+        writer = store.writer(num_envs, autoreset_mode="disabled")
+        assert rollout(writer, num_envs, steps, 0.03, rng, tag=9) == num_envs * steps
+        writer.flush()
+        store.flush()
+        assert len(store) == num_envs * steps
+    finally:
+        store.close()
