@@ -8,7 +8,7 @@ arguments, a `MixedPlan` lays out one slot for the whole batch (each key's rows
 of every source back to back, then ``"source"``: `arrowbuf.layout.stacked_slot`) and each source draws and
 gathers its rows into its share of it (`arrowbuf.direct.fill_plain_uniform`), with
 its own generator in the same order as its own ``sample`` would. The plan is kept
-per batch size and counts, and rebuilt when a source's shard or gather changes.
+per batch size and counts, and rebuilt when a source's shard or gatherer changes.
 
 A dataset never changes, so its share is drawn `AHEAD` batches at a time (one draw and
 one locate of ``AHEAD * count`` transitions, `arrowbuf.direct.draw_ahead`), and each
@@ -51,11 +51,11 @@ def in_process_source(source: Any) -> tuple[Any, Callable[[int], None] | None] |
 
 
 class _Part:
-    __slots__ = ("engine", "account", "count", "shard", "gather", "plain", "start", "stop", "ahead", "drawn", "next")
+    __slots__ = ("engine", "account", "count", "shard", "gatherer", "plain", "start", "stop", "ahead", "drawn", "next")
 
     def __init__(self, engine: Any, account: Any, count: int, shard: Any, plain: tuple, ahead: int) -> None:
         self.engine, self.account, self.count = engine, account, count
-        self.shard, self.gather, self.plain = shard, shard.gather, plain
+        self.shard, self.gatherer, self.plain = shard, shard.gatherer, plain
         self.start = self.stop = 0
         self.ahead = ahead               # batches drawn at once (1: each batch draws its own)
         self.drawn: tuple = ()           # `draw_ahead`'s arrays, and the next batch's slice of them
@@ -67,7 +67,7 @@ class MixedPlan:
 
     def __init__(self, parts: list[_Part], spec: SlotSpec, source_at: int, source: np.ndarray) -> None:
         self.parts, self.spec, self.source_at, self.source = parts, spec, source_at, source
-        self._steps = [(p.engine, p.shard, p.gather, p.count, p.plain, p.start, p.stop, p.account,
+        self._steps = [(p.engine, p.shard, p.gatherer, p.count, p.plain, p.start, p.stop, p.account,
                         p if p.ahead > 1 else None) for p in parts]
 
     @classmethod
@@ -83,7 +83,7 @@ class MixedPlan:
                     return None
                 # The batch's size is checked once: it depends on the schema, fixed with the gather.
                 check_batch(direct[0].schema, _UNIFORM, direct[0].table, count)
-                plain = direct[0].gather.plain_layout(count, None)
+                plain = direct[0].gatherer.plain_layout(count, None)
             ahead = max(1, min(AHEAD, AHEAD_ROWS // count)) if account is not None else 1
             parts.append(_Part(engine, account, count, direct[0], plain, ahead))
             layouts.append(plain[0].slot)
@@ -103,7 +103,7 @@ class MixedPlan:
         for engine, shard, gather, count, plain, start, stop, account, ahead in self._steps:
             with engine.lock:
                 direct = engine.direct()
-                if direct is None or direct[0] is not shard or shard.gather is not gather:
+                if direct is None or direct[0] is not shard or shard.gatherer is not gather:
                     return None
                 engine.require_data()
                 if ahead is None:

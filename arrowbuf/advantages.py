@@ -392,7 +392,7 @@ def write_advantages(shard: Shard, gamma: float, lam: float, value_key: str,
         def write(name: str, values: np.ndarray) -> None:
             shard.put_rows(name, rows, values)
     if "advantage" not in shard.schema.fields:
-        shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
+        shard.add_fields(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
     for name, column in zip(DERIVED, (advantage, target)):
         write(name, column.astype(np.float32))
     return total
@@ -420,7 +420,7 @@ def _write_across_pieces(shard: Shard, gamma: float, lam: float, value_key: str,
     advantage, target = gae(_numbers_at(shard, "reward", rows), _numbers_at(shard, value_key, rows),
                             last_value, segments.lengths, gamma, lam)
     if "advantage" not in shard.schema.fields:
-        shard.extend(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
+        shard.add_fields(shard.schema.extended({name: Field("float32", derived=True) for name in DERIVED}))
     written = rows[segments.sealed]
     for name, column in zip(DERIVED, (advantage, target)):
         shard.put_rows(name, written, column[segments.sealed].astype(np.float32))

@@ -198,7 +198,7 @@ class TorchShard(Shard):
         column; row packing answers host cache misses, `arrowbuf.packing`)."""
         return None, {}
 
-    def make_gather(self, columns: dict) -> Gather:
+    def make_gatherer(self, columns: dict) -> Gather:
         return TorchGather(columns, self.device)
 
     def write_rows(self, name: str, start: int, data: Any) -> None:

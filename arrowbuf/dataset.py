@@ -83,7 +83,7 @@ class MappedShard(Shard):
         self._items = {}
         self._row_episode = None
         self.reuse = None
-        self.gather = self.make_gather(self.gather_columns())
+        self.gatherer = self.make_gatherer(self.gather_columns())
 
     def tensor_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return host_tensor(self.arena[name][start:stop], self.schema.fields[name])

@@ -51,13 +51,13 @@ def sample_plain_uniform(shard: Shard, rng: np.random.Generator, batch_size: int
         EmptyStoreError: no transition of ``min_version`` (nothing drawn).
     """
     check_batch(shard.schema, _UNIFORM, shard.table, batch_size)
-    plain = shard.gather.plain_layout(batch_size, keys)
+    plain = shard.gatherer.plain_layout(batch_size, keys)
     spans = None
     if min_version is not None:
         spans = fresh_spans(shard, min_version)
         if spans is None:
             raise no_fresh_step(shard, min_version)
-    outs, batch = shard.gather.claim(plain[0])
+    outs, batch = shard.gatherer.claim(plain[0])
     fill_plain_uniform(shard, rng, batch_size, plain, outs, spans)
     return batch
 

@@ -272,7 +272,7 @@ class ShardEngine:
         with self.lock:   # `_changed`'s lock, without the Condition's Python-level __enter__
             self._wait_to_sample(batch_size, timeout)
             shard = self._shard
-            keys = shard.gather.check_keys(keys)
+            keys = shard.gatherer.check_keys(keys)
             direct = self.direct() if args.plain and device is None and not pin_memory else None
             if direct is not None:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys, min_version)
@@ -346,7 +346,7 @@ class ShardEngine:
             ValueError: ``keys`` is not a list of keys, or names a key that is not gathered.
         """
         with self.lock:
-            return keys if self._shard is None else self._shard.gather.check_keys(keys)
+            return keys if self._shard is None else self._shard.gatherer.check_keys(keys)
 
     def epoch(self, batch_size: int, shuffle: bool, drop_last: bool,
               min_version: int | None = None) -> list[np.ndarray]:
@@ -389,14 +389,14 @@ class ShardEngine:
             if not len(live):
                 return None
             rows, extra, _, _ = self._shard.lookups(select_indices(self._shard.table, live), PLAIN, index_base)
-            return self._shard.gather.payload(rows, extra)
+            return self._shard.gatherer.payload(rows, extra)
 
     def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._shard.lookups(selection, args)
         if views and contiguous(rows):   # no copy: views of the arena
             return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
-        return self._shard.gather(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
+        return self._shard.gatherer(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:

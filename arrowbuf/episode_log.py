@@ -295,7 +295,7 @@ class EpisodeLog:
             self._arrow_schema = (schema, episodes_schema(schema))
         arrow_schema = self._arrow_schema[1]
         meta = {"kind": "episodes", "batch": list(batch) if batch is not None else None}
-        if any(e.first_step for _, e, _ in episodes):   # pieces that continue an episode (`arrowbuf.open_pieces`)
+        if any(e.first_step for _, e, _ in episodes):   # pieces that continue an episode (`arrowbuf.piece_cutting`)
             meta["first_steps"] = [int(e.first_step) for _, e, _ in episodes]
         payload = stream(arrow_schema, meta, [episodes_batch(arrow_schema, schema, episodes)])
         with self._lock:

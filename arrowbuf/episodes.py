@@ -6,7 +6,7 @@ episodes of any length as pieces). Elsewhere (a Ray store's sink, or a store who
 rate limiter or ``mode="fixed"`` may refuse a write) it stages steps from N envs in
 per-field arrays [N, T_max, ...] (one fancy-indexed assignment per field and step)
 and seals each episode as it ends; a Ray writer also ships open episodes' completed
-steps as pieces on its delivery timer (`arrowbuf.open_pieces`).
+steps as pieces on its delivery timer (`arrowbuf.piece_cutting`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from arrowbuf.arena import host_copy, like_stage, owned_copy, owned_episode, sta
 from arrowbuf.autoreset import inherited_resets, with_ended_rows
 from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
 from arrowbuf.inplace import InPlace
-from arrowbuf.open_pieces import OpenShipping
+from arrowbuf.piece_cutting import PieceCutter
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.step_reading import StepReader, check_obs_chain, passed_on
@@ -125,10 +125,10 @@ class StepWriter:
         self._inplace = InPlace(engine, self.env_ids) if engine is not None else None
         if self._inplace is not None:
             self._inplace.bind()   # now, if the store has its schema: regions are shared among all writers
-        # A Ray sink ships completed steps of open episodes as pieces (`arrowbuf.open_pieces`).
+        # A Ray sink ships completed steps of open episodes as pieces (`arrowbuf.piece_cutting`).
         self._first_step = np.zeros(num_envs, np.int64)   # step of each env's first staged row in its episode
-        self.lock = threading.Lock()   # `add` and `flush` against the sink's timer (`OpenShipping.cut_due`)
-        self._ships = OpenShipping.attach(self, sink) if self._inplace is None else None
+        self.lock = threading.Lock()   # `add` and `flush` against the sink's timer (`PieceCutter.cut_due`)
+        self._ships = PieceCutter.attach(self, sink) if self._inplace is None else None
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_ships", "_ends", "_leave", "_given_next")}
@@ -140,7 +140,7 @@ class StepWriter:
         self._inherited = self.__dict__.get("_inherited", np.zeros(self.num_envs, bool)).copy()
         self.lock = threading.Lock()
         self._first_step = self.__dict__.get("_first_step", np.zeros(self.num_envs, np.int64)).copy()
-        self._ships = OpenShipping.attach(self, self._sink) if self._inplace is None else None
+        self._ships = PieceCutter.attach(self, self._sink) if self._inplace is None else None
         self._pos, self._skip, self._refused = self._pos.copy(), self._skip.copy(), self._refused.copy()
         self._versions = self.__dict__.get("_versions", np.zeros(self.num_envs, np.int64)).copy()
         self._stage = {n: a.copy() for n, a in self._stage.items()}
@@ -362,7 +362,7 @@ class StepWriter:
 
     def take_open_pieces(self, min_steps: int = 1) -> list[Episode]:
         """The staged steps of each open episode with at least ``min_steps`` of them (and not
-        refused) as pieces (`arrowbuf.open_pieces`): owned copies, with the observation after
+        refused) as pieces (`arrowbuf.piece_cutting`): owned copies, with the observation after
         the last step, ``first_step`` and ``open=True``. Their envs' staging starts over at row
         0 and their next piece starts where this one ends.
 

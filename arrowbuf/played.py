@@ -2,7 +2,7 @@
 of episodes a step writer cut, open tails) grouped by the episode they belong to.
 
 Pieces are storage: a long or open episode may be held in several entries of the
-episode table (`arrowbuf.regions`, `arrowbuf.open_pieces`), linked by env and
+episode table (`arrowbuf.regions`, `arrowbuf.piece_cutting`), linked by env and
 ``first_step``. Each entry's ``episode`` column holds the id of its played episode (the
 id of the episode's first piece), so one played episode shows one ``episode_id``;
 `group_played` groups the entries by it, and `episodes_arrow` writes one row per played

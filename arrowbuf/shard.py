@@ -166,7 +166,7 @@ class Shard:
         # How often each row was sampled, or None: counting costs ~5% of a W1 sample,
         # so only `track_reuse` turns it on. Zeroed when the row is written.
         self.reuse: np.ndarray | None = None
-        self.gather = self.make_gather(self.gather_columns())
+        self.gatherer = self.make_gatherer(self.gather_columns())
 
     def __len__(self) -> int:
         """Sampleable transitions: sealed, and open tails'."""
@@ -187,14 +187,14 @@ class Shard:
         """Rows the head laps over (grown as the pieces need, up to `rows`)."""
         return self.placement.ring
 
-    def extend(self, schema: Schema) -> None:
+    def add_fields(self, schema: Schema) -> None:
         """Take on ``schema``: this shard's fields plus new (derived) ones, zero in every row."""
         for name, f in schema.fields.items():
             if name not in self.arena:
                 self.arena[name] = self.new_column(f, zero=True)
         self.schema = schema
         self.specs = {**schema.fields, **SYSTEM_SPECS}
-        self.gather = self.make_gather(self.gather_columns())
+        self.gatherer = self.make_gatherer(self.gather_columns())
 
     def gather_columns(self) -> dict:
         """The gather's columns: key -> (column, role, torch dtype, packed block or None)."""
@@ -225,7 +225,7 @@ class Shard:
     def _packed_column(self, name: str, spec: Any) -> np.ndarray:
         return column_view(self.packed, self._pack_offsets[name], spec.numpy_dtype, spec.shape)
 
-    def make_gather(self, columns: dict) -> Gather:
+    def make_gatherer(self, columns: dict) -> Gather:
         """The gather of `gather_columns`' columns."""
         return Gather(columns)
 

@@ -181,7 +181,7 @@ def ensure_version_column(engine: Any, schema: Schema) -> None:
     with engine.lock:
         shard = engine.shard
         if shard is not None and VERSION in schema.fields and VERSION not in shard.schema.fields:
-            shard.extend(shard.schema.extended({VERSION: VERSION_FIELD}))
+            shard.add_fields(shard.schema.extended({VERSION: VERSION_FIELD}))
 
 
 def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schema, version: Any,

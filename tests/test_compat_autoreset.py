@@ -25,7 +25,7 @@ STYLES = [("next_step", "final_observation", True), ("same_step", "final_observa
           ("same_step", "final_observation", False), ("same_step", "final_obs", False)]
 
 
-@pytest.mark.parametrize("hook", [None, default_postprocess_fn], ids=["rowwise", "postprocess_fn"])
+@pytest.mark.parametrize("hook", [None, default_postprocess_fn], ids=["no_hook", "postprocess_fn"])
 @pytest.mark.parametrize("autoreset, final_key, vector", STYLES)
 def test_auto_truncation_stores_every_env_step_exactly_once_with_its_reward_and_next_observation(
         autoreset, final_key, vector, hook):

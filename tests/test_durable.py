@@ -63,7 +63,7 @@ def test_a_replayed_log_restores_every_committed_episode_with_its_id_and_table_r
 
 
 def test_pieces_of_an_episode_replay_with_the_step_they_start_at(tmp_path):
-    """A Ray writer ships open episodes in pieces (`arrowbuf.open_pieces`): a replay keeps each piece's first step."""
+    """A Ray writer ships open episodes in pieces (`arrowbuf.piece_cutting`): a replay keeps each piece's first step."""
     import dataclasses
 
     durable = DurableShard(tmp_path)

@@ -354,7 +354,7 @@ def pinning(monkeypatch):
 
 
 def pinned_slots(store: ab.ExperienceStore) -> int:
-    return sum(len(slots) for key, slots in store.engine.shard.gather._pool._slots.items() if isinstance(key, tuple) and key[0] == "pinned")
+    return sum(len(slots) for key, slots in store.engine.shard.gatherer._pool._slots.items() if isinstance(key, tuple) and key[0] == "pinned")
 
 
 def test_pinned_samples_reuse_a_dropped_batch_s_pinned_slot_and_never_a_kept_one(pinning):

@@ -158,7 +158,7 @@ def test_a_payload_of_packed_fields_holds_the_rows_and_not_the_gathered_records(
     shard = store.engine.shard
     rows = np.array([3, 17, 4, 40])
     extra = {"index": np.arange(4)}
-    payload = shard.gather.payload(rows, extra)
+    payload = shard.gatherer.payload(rows, extra)
     end = max(offset + size for _, _, offset, size, _ in payload.spec)
     assert payload.flat.nbytes == end   # what a Ray shard sends: the leaves only
     batch = pickle.loads(pickle.dumps(payload)).to_tensordict()

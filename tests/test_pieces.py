@@ -234,7 +234,7 @@ def test_every_kept_index_gathers_its_own_step_or_nothing(ops, capacity):
 @pytest.mark.usefixtures("ray_session")
 def test_compute_gae_on_ray_runs_across_the_pieces_a_writer_shipped():
     # A shard of 400 rows: a writer ships an env's staged steps as a piece at a quarter of it
-    # (`arrowbuf.open_pieces.cut_rows`), so episodes of 150-700 steps arrive in pieces.
+    # (`arrowbuf.piece_cutting.cut_rows`), so episodes of 150-700 steps arrive in pieces.
     store = ab.ExperienceStore(capacity=800, backend="ray", num_shards=2, seed=0)
     try:
         played = Played([[260], [180, 330], [240], [300]], seed=3)

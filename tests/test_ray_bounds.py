@@ -22,7 +22,7 @@ def test_a_ray_writers_episode_longer_than_a_shard_is_stored_in_pieces_not_refus
         writer = store.writer(num_envs=2, autoreset_mode="disabled", env_ids=["long", "short"])
         for t in range(30):   # 'long' never ends: 30 steps, 3x a shard; 'short' ends every 4th step
             writer.add(**step(2, t, np.array([False, t % 4 == 3])))
-        assert int(writer.open_steps.max()) <= 2   # cut at a quarter of a shard (`arrowbuf.open_pieces`)
+        assert int(writer.open_steps.max()) <= 2   # cut at a quarter of a shard (`arrowbuf.piece_cutting`)
         writer.flush()
         table = store.episodes().to_pydict()
         long = [k for k, env in enumerate(table["env_id"]) if env == "long"]

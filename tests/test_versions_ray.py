@@ -45,6 +45,19 @@ def ray_store():
     store.close()
 
 
+def test_evict_reads_the_versions_of_a_lent_episode_its_shard_has_not_copied_in_yet(ray_store):
+    # A lent episode's rows reach the arena only when the shard reads them: evict(min_version)
+    # read the arena rows under it instead, here the newer versions of a cleared episode.
+    store = ray_store
+    for version, expect_freed in ((5, 0), (0, 1)):
+        store.clear()
+        store.add_episode(_episode(np.full(48, version), key=1))   # 48 steps: lent (`LENDS`)
+        store.add_episode(_episode(np.full(1, 1), key=2))
+        assert store.evict(min_version=1) == expect_freed
+        assert store.episodes().num_rows == 2 - expect_freed
+        store.episode(store.episodes().column("episode_id")[0].as_py())   # read: copied in
+
+
 @settings(max_examples=10, deadline=None)
 @given(ops=OPS)
 def test_no_step_sampled_from_a_ray_store_is_older_than_the_bound(ray_store, ops):

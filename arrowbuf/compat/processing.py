@@ -126,7 +126,7 @@ class Hooks:
     env_ret_preprocess_fn: Callable
     policy_resp_preprocess_fn: Callable
     preprocess_fn: Callable
-    postprocess_fn: Callable | None   # None: the buffer's direct path (the same transitions as the default)
+    postprocess_fn: Callable | None   # None: no hook, the buffer's own path (the same transitions as the default)
 
     def preprocess(self, record: dict, env_ret: Any, policy_resp: Any) -> dict:
         """One step record, through ``preprocess_fn`` with the seed's arguments."""

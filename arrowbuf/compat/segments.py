@@ -121,7 +121,7 @@ class Segmenter:
             ``last_truncated`` is set.
         num_envs: env id -> its vector size (1: not vectorized).
         autoreset_mode: ``"auto"``, ``"next_step"`` or ``"same_step"`` (see the module docstring).
-        postprocess_fn: the seed's hook, or None for the direct path.
+        postprocess_fn: the seed's hook, or None for no hook (the buffer's own path).
         device: the storage device the hook's tensors are put on.
         obs_preprocessor: applied to a same-step terminal observation from ``info``.
 

@@ -352,8 +352,9 @@ class ShardServer:
 
     def evict(self, min_version: int) -> tuple[int, Reading]:
         """Free the oldest episodes whose steps are all older than ``min_version``
-        (`arrowbuf.versions.evict_stale`): how many, and the shard's size."""
-        engine = self.engine
+        (`arrowbuf.versions.evict_stale`): how many, and the shard's size. Lent rows are copied
+        in first: the versions are read from the arena."""
+        engine = self._arena()
         with engine.lock:
             count = engine.evict(min_version)
             if count:

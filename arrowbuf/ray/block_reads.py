@@ -292,7 +292,7 @@ def part_reads(view: Any, selection: Selection, block: np.ndarray | None, starts
     base = view.index_base
     if step is None:   # a sampler's ``step`` is already within the episode (`Selection`); rows are not
         step = rows - first
-        if table.pieces:   # the step within its episode of a piece that continues one (`arrowbuf.open_pieces`)
+        if table.pieces:   # the step within its episode of a piece that continues one (`arrowbuf.piece_cutting`)
             step = step + table.col("first_step").take(pos)
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
              "episode_id": table.col("episode").take(pos), "step": step.astype(np.int32), **selection.extra}

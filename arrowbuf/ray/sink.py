@@ -156,7 +156,7 @@ class RaySink:
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._lends: bool | None = None   # this process started the shards (`_outgoing`): asked once
-        self._open: weakref.ref | None = None             # its writer's `OpenShipping`: the timer ships open steps
+        self._open: weakref.ref | None = None             # its writer's `PieceCutter`: the timer ships open steps
         self._closes: dict[int, list[str]] = {}           # shard -> envs whose open pieces' episode ended
         self._dropped: DroppedWriters | None = None       # its router's: set in the process that made it
 
@@ -242,7 +242,7 @@ class RaySink:
 
     def attach_open(self, shipping: Any) -> None:
         """Ship a writer's completed open steps as pieces on the delivery timer, through its
-        ``shipping`` (an `arrowbuf.open_pieces.OpenShipping`, held weakly: its writer owns it)."""
+        ``shipping`` (an `arrowbuf.piece_cutting.PieceCutter`, held weakly: its writer owns it)."""
         self._open = weakref.ref(shipping)
 
     def wake(self) -> None:

@@ -1,7 +1,7 @@
 """`OpenPieces`: a shard's pieces of episodes that are still open (a Ray writer's shipped steps).
 
 A Ray writer ships the completed steps of each open episode as a piece on its
-delivery timer (`arrowbuf.open_pieces`). Its shard stores a piece as it stores
+delivery timer (`arrowbuf.piece_cutting`). Its shard stores a piece as it stores
 any episode (a row of the episode table with its ``first_step``; sealed into a
 block, so readers see its steps within ``seal_latency``), and notes here which
 stored pieces belong to an episode that goes on, by (owner, env): the owner is

@@ -2,9 +2,9 @@
 before their episode ends.
 
 A `arrowbuf.episodes.StepWriter` over a sink that takes open pieces (a Ray store's
-`arrowbuf.ray.sink.RaySink`: ``attach_open``) has an `OpenShipping`, which cuts the
+`arrowbuf.ray.sink.RaySink`: ``attach_open``) has a `PieceCutter`, which cuts the
 completed steps of each open episode into a *piece* on the sink's delivery timer, once the
-oldest of them has waited ``delivery_latency`` (`OpenShipping.cut_due`), and when an env's
+oldest of them has waited ``delivery_latency`` (`PieceCutter.cut_due`), and when an env's
 staged steps reach a quarter of a shard (`cut_rows`: no episode is too long for the store,
 as locally). The writer hands its pieces over (`StepWriter.take_open_pieces`): each an
 `arrowbuf.shard.Episode` with ``first_step`` (the step of its first row in the episode)
@@ -35,7 +35,7 @@ def cut_rows(capacity: int | None) -> int | None:
     return None if capacity is None else max(1, capacity // 4 - 1)
 
 
-class OpenShipping:
+class PieceCutter:
     """Ships a writer's open steps to its sink as pieces, and keeps their clock (when the
     oldest unshipped one was staged). The sink's timer holds it weakly (`cut_due`); it
     holds the writer weakly: the writer owns it.
@@ -52,7 +52,7 @@ class OpenShipping:
         sink.attach_open(self)
 
     @classmethod
-    def attach(cls, writer: Any, sink: Any) -> OpenShipping | None:
+    def attach(cls, writer: Any, sink: Any) -> PieceCutter | None:
         """The shipping of ``writer``'s open steps, registered with ``sink``; None when the
         sink takes no open pieces (a local store's: its writers write in place)."""
         return cls(writer, sink) if hasattr(sink, "attach_open") else None

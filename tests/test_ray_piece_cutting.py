@@ -1,5 +1,5 @@
 """Ray writers ship the completed steps of open episodes as pieces on their delivery timer
-(`arrowbuf.open_pieces`, `arrowbuf.ray.tails`): sampleable without an episode end or flush."""
+(`arrowbuf.piece_cutting`, `arrowbuf.ray.tails`): sampleable without an episode end or flush."""
 
 from __future__ import annotations
 
