@@ -537,14 +537,16 @@ class ShardEngine:
 class OwnedLock:
     """A reentrant lock that records which thread holds it: `held_here` tells a caller that may
     run inside one of this thread's calls (a writer's finalizer, `arrowbuf.inplace`) not to wait
-    for it. Usable with `threading.Condition` (it releases and restores every level in `wait`)."""
+    for it, and `defer` runs its work once that call lets the lock go. Usable with
+    `threading.Condition` (it releases and restores every level in `wait`)."""
 
-    __slots__ = ("_lock", "_owner", "_depth")
+    __slots__ = ("_lock", "_owner", "_depth", "_deferred")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._owner: int | None = None   # written only by the thread that holds `_lock`
         self._depth = 0
+        self._deferred: list[Callable[[], None]] = []
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not self._lock.acquire(blocking, timeout):
@@ -560,6 +562,17 @@ class OwnedLock:
         if not self._depth:
             self._owner = None
         self._lock.release()
+        while self._deferred and not self._depth:   # the outermost release: deferred work, outside the lock
+            try:
+                work = self._deferred.pop(0)
+            except IndexError:   # another thread took the last one
+                return
+            work()
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (which takes the lock itself) when the lock is next released by its
+        outermost holder: for work that must not run inside the holder's call."""
+        self._deferred.append(work)
 
     def __exit__(self, *exc: object) -> None:
         self.release()

@@ -110,7 +110,6 @@ class InPlace:
                 `MIN_REGION` rows at once.
         """
         self.bind()
-        _release_deferred()
         engine, shard = self.engine, self.shard
         with engine.lock:   # noqa: the shard exists: the writer set the schema before
             regions = shard.regions
@@ -156,7 +155,6 @@ class InPlace:
         env's next step starts a new episode. Returns the number sealed."""
         if self.shard is None:
             return 0
-        _release_deferred()
         with self.engine.lock:
             regions = self.shard.regions
             slots = self.base + np.flatnonzero(regions.held[self.slots] & (regions.length[self.slots] > 0))
@@ -283,17 +281,12 @@ class InPlace:
         regions.length[slots] = 0
 
 
-#: Releases of writers collected while their thread held the engine's lock (GC may run a
-#: finalizer inside any call): done at the next in-place write or flush, outside any call.
-_DEFERRED: list[tuple[Any, Any, int, list[str]]] = []
-
-
 def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
     """A writer's end (`InPlace.release`, or its finalizer): seal its open pieces as `InPlace.flush`
     does and give its slots back. Never raises (it may run from the garbage collector)."""
     try:
-        if engine.lock.held_here():   # inside one of this thread's store calls: not now, not here
-            _DEFERRED.append((engine, shard, base, env_ids))
+        if engine.lock.held_here():   # inside one of this thread's store calls (GC ran us): when it ends
+            engine.lock.defer(lambda: _release(engine, shard, base, env_ids))
             return
         with engine.lock:
             if engine.shard is shard:   # else the store made a new shard since (`clear` keeps it): nothing held
@@ -307,16 +300,6 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
                 shard.publish_open()
     except Exception:   # noqa: BLE001 - a finalizer must not raise; the store stays as it was
         _log.exception("arrowbuf: sealing the open episodes of a released writer failed")
-
-
-def _release_deferred() -> None:
-    """Do the releases `_release` deferred (call outside the engine's lock)."""
-    for _ in range(len(_DEFERRED)):   # those deferred again (a lock still held) wait for the next call
-        try:
-            args = _DEFERRED.pop(0)
-        except IndexError:   # another thread took the last one
-            return
-        _release(*args)
 
 
 def _host_flags(flags: Any, num_envs: int) -> np.ndarray:

@@ -86,7 +86,7 @@ def test_a_writer_dropped_without_flush_keeps_every_step_it_wrote():
     assert not any(table.column("open").to_pylist()) and sum(table.column("length").to_pylist()) == 600
 
 
-def test_a_dropped_writer_collected_inside_a_store_call_seals_its_steps_at_the_next_call():
+def test_a_dropped_writer_collected_inside_a_store_call_seals_its_steps_when_that_call_ends():
     store = ab.ExperienceStore(capacity=10_000, seed=0)
     w = store.writer(2, autoreset_mode="disabled")
     for t in range(10):
@@ -96,6 +96,7 @@ def test_a_dropped_writer_collected_inside_a_store_call_seals_its_steps_at_the_n
         del w
         assert finalizer.alive is False
         assert len(store.engine.shard.table) == 0   # deferred: nothing changed under the call
+    assert store.num_episodes == 2 and len(store) == 20   # sealed as the call let the lock go, no write needed
     other = store.writer(2, autoreset_mode="disabled")
     step(other, 500, 0)
     other.flush()
