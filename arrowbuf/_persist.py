@@ -179,20 +179,39 @@ class EpisodeRows:
     first_row: np.ndarray
     num_rows: np.ndarray
     batches: list[pa.RecordBatch]
+    mark: tuple[int, int] | None = None   # `entry_mark` of the first episode, when taken from a shard
 
     @property
     def rows(self) -> int:
         return int(self.num_rows.sum())
 
     def still_live(self, shard: Any) -> bool:
-        """Whether every episode is still live (call under the lock that guards ``shard``).
+        """Whether every row is still live (call under the lock that guards ``shard``): `none_freed`."""
+        return none_freed(shard.table, self.mark)
 
-        Eviction is FIFO and ids only grow, so the oldest one decides.
-        """
-        if not len(self.ids):
-            return True
-        live = shard.table.col("episode_id")
-        return bool(len(live)) and int(self.ids[0]) >= int(live[0])
+
+def entry_mark(table: Any, position: int = 0) -> tuple[int, int] | None:
+    """(episode_id, first_index) of the live entry at ``position`` of an episode table (None:
+    no such entry): what `none_freed` compares."""
+    if position >= len(table):
+        return None
+    return int(table.col("episode_id")[position]), int(table.col("first_index")[position])
+
+
+def none_freed(table: Any, mark: tuple[int, int] | None) -> bool:
+    """Whether no row of the entries from ``mark`` (`entry_mark`) on was freed since it was taken.
+
+    Eviction is FIFO and ids only grow, so the oldest live entry decides: its id must not be
+    past the marked one, and where it is the marked entry, no trim (which frees the oldest
+    piece's first rows, `EpisodeTable.trim_oldest`) moved its ``first_index``.
+    """
+    if mark is None:
+        return True
+    live = table.col("episode_id")
+    if not len(live):
+        return False
+    oldest = int(live[0])
+    return mark[0] > oldest or (mark[0] == oldest and int(table.col("first_index")[0]) == mark[1])
 
 
 def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) -> EpisodeRows:
@@ -210,7 +229,7 @@ def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) 
         arrays = [plain_array(spec, columns[name].copy() if copy else columns[name])
                   for name, spec in shard.specs.items()]
         batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
-    return EpisodeRows(table.col("episode_id")[start:stop].copy(), first, num, batches)
+    return EpisodeRows(table.col("episode_id")[start:stop].copy(), first, num, batches, entry_mark(table, start))
 
 
 def snapshot_and_write(lock: ContextManager, take: Callable[[bool], _T], valid: Callable[[_T], bool],

@@ -60,7 +60,8 @@ import pyarrow.parquet as pq
 from arrowbuf._checks import is_int
 from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
-                               check_hash_entry, check_size, file_entry, plain_schema, progress_bar, read_manifest, schema_of, snapshot_and_write,
+                               check_hash_entry, check_size, file_entry, none_freed, plain_schema, progress_bar, read_manifest,
+                               schema_of, snapshot_and_write,
                                take_rows, tensor_schema, write_manifest)
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError
@@ -203,21 +204,20 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     ``lock`` guards the shard; it is held only to take the snapshot (see
     `arrowbuf._persist.snapshot_and_write`). A sharded store calls this once per shard.
     """
-    def take(copy: bool) -> tuple[EpisodeRows, pa.Table, int]:
+    def take(copy: bool) -> tuple[EpisodeRows, pa.Table, Any]:
         table = shard.table
-        oldest = int(table.col("episode_id")[0]) if len(table) else -1
         rows = take_rows(shard, 0, len(table), schema, copy)
         if table.pieces:   # pieces are storage: one episode, its rows once, as a whole one
             played = group_played(table, sealed_only=True)
-            return merged_rows(table, played, rows), episodes_arrow(table, True, played=played).drop(["open"]), oldest
+            return merged_rows(table, played, rows), episodes_arrow(table, True, played=played).drop(["open"]), \
+                rows.mark
         episodes = table.to_arrow()
-        return rows, episodes.take(np.arange(episodes.num_rows)), oldest   # a copy: the table's columns change
+        return rows, episodes.take(np.arange(episodes.num_rows)), rows.mark   # a copy: the table's columns change
 
-    def still_live(snapshot: tuple[EpisodeRows, pa.Table, int]) -> bool:   # eviction is FIFO: the oldest decides
-        live = shard.table.col("episode_id")
-        return snapshot[2] < 0 or (bool(len(live)) and snapshot[2] >= int(live[0]))
+    def still_live(snapshot: tuple[EpisodeRows, pa.Table, Any]) -> bool:
+        return none_freed(shard.table, snapshot[2])
 
-    def write(snapshot: tuple[EpisodeRows, pa.Table, int]) -> list[dict[str, Any]]:
+    def write(snapshot: tuple[EpisodeRows, pa.Table, Any]) -> list[dict[str, Any]]:
         rows, episodes, _ = snapshot
         has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
         with progress_bar(progress, rows.rows, label) as bar:

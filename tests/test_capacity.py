@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
+from arrowbuf._persist import take_rows
+
+from support.episodes import make_episode
 
 SHAPES = [(4, 150), (16, 64), (64, 32), (512, 24)]
 
@@ -174,3 +177,22 @@ def test_a_ray_store_of_num_envs_x_t_holds_every_transition_of_each_rollout(ray_
         assert len(store) == num_envs * steps
     finally:
         store.close()
+
+
+def test_a_row_snapshot_is_not_live_once_a_trim_frees_rows_of_its_oldest_episode():
+    """Exports and checkpoints write views taken under the lock, then check them (`EpisodeRows.still_live`).
+    A trim keeps the oldest episode's id but frees its first rows, which the next writes reuse: the
+    check must see it (it compared ids only, and passed over overwritten rows)."""
+    store = ab.ExperienceStore(capacity=20, seed=0)
+    store.add_episode(make_episode(1, 15))
+    shard = store.engine.shard
+    rows = take_rows(shard, 0, 1, shard.schema.to_arrow(), copy=False)
+    taken = rows.batches[0].column("obs").to_pylist()
+    for tag in range(2, 6):   # 4-step episodes: the first is trimmed, then its freed rows are reused
+        store.add_episode(make_episode(tag, 4))
+        assert int(shard.table.col("episode_id")[0]) == 0   # the oldest episode is still held, trimmed
+        changed = rows.batches[0].column("obs").to_pylist() != taken
+        held = int(shard.table.col("length")[0])
+        assert rows.still_live(shard) == (held == 15)
+        assert not changed or not rows.still_live(shard)
+    assert changed, "the freed rows were written again: a view taken before holds other data now"
