@@ -76,7 +76,7 @@ class MappedShard(Shard):
         self.mode = "fixed"
         self.table = table
         self.rows = self.capacity
-        self.placement = Ring(table, self.capacity, self.rows, "fixed", self.positions_of_rows, write_pos=num_rows)
+        self.placement = Ring(table, self.capacity, self.rows, "fixed", write_pos=num_rows)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         self.packed, self._pack_offsets = None, {}
         self.arena = columns

@@ -133,20 +133,18 @@ class Ring:
         rows: rows of the arena (`arena_rows`); the ring starts at ``capacity`` rows (or
             ``rows`` when fewer) and grows as its pieces need.
         mode: "circular" evicts the oldest; "fixed" refuses with `CapacityError`.
-        locate: the shard's `positions_of_rows` (which piece holds an arena row).
         rewards: the sum of the rewards in arena rows ``[a, b)`` (a trimmed piece's return drops them).
         whole_pieces: evict whole pieces only (a Ray shard's sealed blocks hold whole episodes).
         write_pos: the row after the newest piece.
     """
 
-    def __init__(self, table: Any, capacity: int, rows: int, mode: str, locate: Callable[[np.ndarray], np.ndarray],
+    def __init__(self, table: Any, capacity: int, rows: int, mode: str,
                  rewards: Callable[[int, int], float] | None = None, whole_pieces: bool = False,
                  write_pos: int = 0) -> None:
         self.table = table
         self.capacity = capacity
         self.rows = rows
         self.mode = mode
-        self.positions_of_rows = locate
         self.rewards = rewards
         self.whole_pieces = whole_pieces
         self.ring = min(capacity, rows)

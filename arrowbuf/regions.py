@@ -22,9 +22,8 @@ the arena keeps rows for them beyond the capacity, and a reservation whose rows 
 still live grows the ring instead of evicting (`arrowbuf.placement`). Eviction takes
 the oldest transitions, as few as the capacity needs: the front of the oldest piece,
 and only past every sealed one the fronts of open tails (`OpenRegions.trim_oldest`).
-Only a ring that has grown to the arena's rows takes an open region its reservation
-overlaps: that region's written steps are dropped and its env continues its episode
-in a new region from its next step.
+`clear` takes every open region: its written steps are dropped and its env continues
+its episode in a new region from its next step.
 """
 
 from __future__ import annotations
@@ -92,10 +91,6 @@ class OpenRegions:
         self.held[base:base + n] = False
         self.length[base:base + n] = 0
         self.count -= n
-
-    def overlapping(self, a: int, b: int) -> np.ndarray:
-        """Slots whose region's unsealed rows ``[start, end)`` overlap rows ``[a, b)``."""
-        return np.flatnonzero(self.held & (self.start < b) & (self.end > a))
 
     def take(self, slots: np.ndarray) -> None:
         """Take the regions of ``slots``: their written steps are dropped, and each env's

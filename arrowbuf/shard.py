@@ -29,7 +29,7 @@ from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
-from arrowbuf.placement import Plan, Ring, arena_rows, plan_write  # noqa: F401 (plan_write: re-exported)
+from arrowbuf.placement import Plan, Ring, arena_rows
 from arrowbuf.played import group_played, played_rows
 from arrowbuf.regions import OpenRegions
 from arrowbuf.sample_args import SampleArgs
@@ -142,7 +142,7 @@ class Shard:
         self.rows = arena_rows(capacity, self.lazy_rows)
         self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
-        self.placement = Ring(self.table, capacity, self.rows, mode, self.positions_of_rows, self.reward_sum,
+        self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum,
                               whole_pieces)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # User fields only: the system columns (episode_id, step, is_first, is_last)

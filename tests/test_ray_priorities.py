@@ -109,3 +109,27 @@ def test_wait_is_checked_before_anything_is_sent_and_a_local_store_applies_the_u
     local.add_episode(episode(0, 10))
     batch = local.sample(4)
     assert local.update_priorities(batch["index"], np.ones(4), wait=False) == 4
+
+
+def test_a_closed_sample_iter_takes_the_answers_of_its_draws_still_in_flight(monkeypatch):
+    """A prioritized `sample_iter` keeps ``prefetch`` index requests in flight; closing it takes
+    their answers (an error they hold is taken, not left to Ray as an "Unhandled error")."""
+    from arrowbuf.ray.reader import DrawLoop
+
+    drained = []
+    drop = DrawLoop.drop_pending
+
+    def counted(loop):
+        before = len(loop.pending)
+        drop(loop)
+        drained.append((before, len(loop.pending)))
+
+    monkeypatch.setattr(DrawLoop, "drop_pending", counted)
+    store = prioritized()
+    try:
+        batches = store.sample_iter(8, prefetch=3)
+        assert next(batches)["obs"].shape == (8, 2)
+        batches.close()
+        assert drained and drained[0][0] == 3 and drained[0][1] == 0
+    finally:
+        store.close()

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.errors import CapacityError
-from arrowbuf.shard import Episode, Shard, plan_write, position_runs
+from arrowbuf.placement import plan_write
+from arrowbuf.shard import Episode, Shard, position_runs
 
 from support.compare import column_numpy
 from support.episodes import tagged_obs

@@ -4,39 +4,32 @@ Each shard publishes a manifest (`arrowbuf.ray.blocks`): its blocks, oldest
 first, and its first live episode. The reader keeps a `ShardView` of each
 (`arrowbuf.ray.views`: its blocks and episode table, with the shard's own indices).
 
-- Uniform, sequence, episode and freshness sampling draw here, from the views, and gather
-  from the blocks: no actor call per batch. The store hands the reader a
-  `SampleRequest`; a `DrawLoop` draws several batches of it at once, orders them
-  (`arrowbuf.ray.block_reads`), gathers them a group at a time into one pooled slot
-  (`arrowbuf.ray.gather`) and hands them out one by one: `sample_iter` runs one
-  loop (`BlockReader.batches`), and a plain ``sample`` is handed out of the loop of
-  its request (`BlockReader.sample`). The draws are counted when a batch is handed
-  out, and the counts reach the shards with the next manifest poll.
-- Prioritized sampling, rate-limited stores, without-replacement epochs and
-  ``track_reuse`` draw in the shards (`select`: indices only, a small call), a
-  batch split across them by the mass they last reported; the same `DrawLoop`
-  keeps ``prefetch`` such requests in flight, and orders and gathers the answers here.
+- Uniform, sequence, episode and freshness sampling draw here, from the views, and gather from the blocks: no
+  actor call per batch. The store hands the reader a `SampleRequest`; a `DrawLoop` draws several batches of it
+  at once, orders them (`arrowbuf.ray.block_reads`), gathers them a group at a time into one pooled slot
+  (`arrowbuf.ray.gather`) and hands them out one by one: `sample_iter` runs one loop (`BlockReader.batches`),
+  and a plain ``sample`` is handed out of the loop of its request (`BlockReader.sample`). The draws are
+  counted when a batch is handed out, and the counts reach the shards with the next manifest poll.
+- Prioritized sampling, rate-limited stores, without-replacement epochs and ``track_reuse`` draw in the shards
+  (`select`: indices only, a small call), a batch split across them by the mass they last reported; the same
+  `DrawLoop` keeps ``prefetch`` such requests in flight, and orders and gathers the answers here.
 
-Freshness: one manifest request per shard is kept in flight; a sample collects
-it when it has come back (``ray.wait``, never blocking) and sends the next once
-``RayOptions.seal_latency`` has passed since the last. Rows written elsewhere are
-thus seen about one to two latency bounds after they reach their shard.
-`sync` waits for every shard's manifest (after sealing its open episodes): the
-first sample, ``store.flush()`` and an epoch start with it, and a sample after
-this process's own `add_episode` syncs that shard, so a process reads its own
-writes. A dead shard is found by its failed manifest request.
+Freshness: one manifest request per shard is kept in flight; a sample collects it when it has come back
+(``ray.wait``, never blocking) and sends the next once ``RayOptions.seal_latency`` has passed since the last.
+Rows written elsewhere are thus seen about one to two latency bounds after they reach their shard. `sync`
+waits for every shard's manifest (after sealing its open episodes): the first sample, ``store.flush()`` and an
+epoch start with it, and a sample after this process's own `add_episode` syncs that shard, so a process reads
+its own writes. A dead shard is found by its failed manifest request.
 
-A shard that restarts (a durable one) publishes its blocks again as new objects:
-blocks of its old process are lost with it (Ray's ``OwnerDiedError``). A sample,
-draw or gather that meets one forgets that shard's view, reads its manifest again
-(waiting for the restarted shard) and retries (`LOST_RETRIES` times); a shard that
+A shard that restarts (a durable one) publishes its blocks again as new objects: blocks of its old process are
+lost with it (Ray's ``OwnerDiedError``). A sample, draw or gather that meets one forgets that shard's view,
+reads its manifest again (waiting for the restarted shard) and retries (`LOST_RETRIES` times); a shard that
 stays down raises `ShardError` from that manifest request.
 
-Blocks are fetched on first use (`ray.get`: zero-copy on the node, one transfer
-from another node) into an LRU cache bounded by ``RayOptions.reader_cache_bytes``
-(blocks of the current batch are never dropped; `arrowbuf.ray.cache`). ``RayOptions.copy_blocks``
-copies each fetched block into this process's memory, as a block fetched from
-another node is: it tests that path on one node, and frees shared memory.
+Blocks are fetched on first use (`ray.get`: zero-copy on the node, one transfer from another node) into an LRU
+cache bounded by ``RayOptions.reader_cache_bytes`` (blocks of the current batch are never dropped;
+`arrowbuf.ray.cache`). ``RayOptions.copy_blocks`` copies each fetched block into this process's memory, as a
+block fetched from another node is: it tests that path on one node, and frees shared memory.
 """
 
 from __future__ import annotations
@@ -157,16 +150,14 @@ class BlockReader:
     def reset(self) -> None:
         """Forget every view and block (after `clear`, at `close`)."""
         self.views.clear()
+        for loop in self._loops.values():
+            loop.drop_pending()
         self._loops.clear()
         self.generation += 1
         self._joined_view = None
         self._chunks.clear()
         self._pending.clear()
         self.cache.clear()
-
-    def known(self, shard: int) -> tuple[str | None, int]:
-        """(token, version) of the manifest this reader holds of ``shard``."""
-        return self._known(shard)
 
     @_locked
     def apply(self, shard: int, manifest: Manifest) -> None:
@@ -346,7 +337,7 @@ class BlockReader:
         if loop is None:
             loop = DrawLoop(self, request)
             if len(self._loops) >= PLAIN_LOOPS:
-                del self._loops[next(iter(self._loops))]
+                self._loops.pop(next(iter(self._loops))).drop_pending()
         self._loops[request] = loop   # the most recent last
         if not loop.by_shards:   # the shards' answers carry the manifests their draws need
             self._poll()
@@ -356,8 +347,11 @@ class BlockReader:
         """Endless batches of ``request`` (a store's `sample_iter`), drawn and ordered
         ``request.batches`` at a time (`DrawLoop`)."""
         loop = DrawLoop(self, request)
-        while True:
-            yield self._next_of(loop)
+        try:
+            while True:
+                yield self._next_of(loop)
+        finally:
+            loop.drop_pending()
 
     @_locked
     @_retry_lost
@@ -461,7 +455,7 @@ class BlockReader:
                 continue
             indices, extra, manifest, _ = answers[shard]
             if manifest is not None:
-                self._apply({shard: (manifest, None)}, {shard: None})
+                self.apply(shard, manifest)
             part = self.select(shard, indices, extra)
             if part is not None:
                 parts.append(part)
@@ -501,8 +495,7 @@ class BlockReader:
     @_locked
     @_retry_lost
     def gather(self, parts: list[tuple[ShardView, Selection]], args: SampleArgs, keys: Any,
-               device: torch.device | None, normalize_weights: bool = False,
-               places: list[np.ndarray] | None = None) -> TensorDict:
+               device: torch.device | None, places: list[np.ndarray] | None = None) -> TensorDict:
         """One batch of every part's items (gathered block by block: `arrowbuf.ray.gather`).
 
         A part's items keep the order they were drawn in; ``places`` puts the items of
@@ -512,8 +505,6 @@ class BlockReader:
         gather = self._gatherer()
         keys = gather.check_keys(keys)
         ordered = order_reads(parts, self.cache, args, places, self._scratch)
-        if normalize_weights and "weight" in ordered.extra:
-            ordered.extra["weight"] = ordered.extra["weight"] / ordered.extra["weight"].max()
         return gather(ordered, 0, ordered.size, keys, device)
 
     @_locked   # `poll` and `_install` change the views
@@ -569,6 +560,14 @@ class DrawLoop:
         self.pending: deque = deque()    # index requests to the shards in flight (`by_shards`)
         if self.by_shards:
             self.batches = 1
+
+    def drop_pending(self) -> None:
+        """Take the answers of the index requests in flight (the loop is dropped): errors are taken, not left to Ray."""
+        while self.pending:
+            try:
+                self.reader.shards.get(self.pending.popleft()[0])
+            except Exception:   # noqa: BLE001 - nobody waits for these draws any more
+                pass
 
     def next(self) -> TensorDict:
         reader, request, size = self.reader, self.request, self.request.batch_size
