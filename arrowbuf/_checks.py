@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
+from arrowbuf._lazy_torch import is_tensor
 from arrowbuf.errors import describe
 from arrowbuf.sample_args import PLAIN, SampleArgs
+
+if TYPE_CHECKING:
+    import torch
 
 
 def is_int(value: Any, minimum: int | None = None) -> bool:
@@ -87,6 +90,8 @@ def check_device(device: Any) -> torch.device | None:
     """
     if device is None:
         return None
+    import torch   # a device asks for tensors
+
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
@@ -179,6 +184,8 @@ def tensor_to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
     Raises:
         SchemaError: a tensor whose device has no data to copy (``meta``), naming ``name``.
     """
+    import torch
+
     from arrowbuf.fields import tensor_on_cpu
 
     tensor = tensor_on_cpu(tensor, name)
@@ -193,7 +200,9 @@ def to_numpy(value: Any, name: str) -> tuple[np.ndarray, bool]:
     Raises:
         ValueError: it cannot be read as an array.
     """
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
+        import torch
+
         return tensor_to_numpy(value, name), value.dtype == torch.bfloat16
     try:
         return np.asarray(value), False

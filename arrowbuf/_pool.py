@@ -39,6 +39,7 @@ ordinary memory, and the pooling logic runs (and is tested) all the same.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 from collections import OrderedDict
@@ -48,9 +49,11 @@ from sys import getrefcount
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import numpy as np
-import torch
+
+from arrowbuf._lazy_torch import dtype as torch_dtype
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 #: Slots kept per layout. A training loop holds one batch while drawing the next
@@ -75,6 +78,7 @@ HUGEPAGES = True
 
 
 
+@functools.lru_cache(maxsize=None)
 def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Callable[[torch.Tensor], int],
                                Callable[[TensorDict], dict]]:
     """The private torch and tensordict names the pool reads, all of them here: the only
@@ -90,11 +94,10 @@ def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Calla
         tensor's C++ object (``Tensor._use_count``); ``entries(td)``: a TensorDict's own
         dict of entries (``_tensordict``), the one O(1) way to see an entry replaced.
     """
+    import torch
+
     return (torch._C._storage_Use_Count, lambda storage: storage._cdata, torch.Tensor._use_count,
             lambda td: td._tensordict)
-
-
-_storage_use_count, _storage_handle, _tensor_use_count, _entries = torch_internals()
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,10 @@ class SlotSpec:
         nbytes: size of the buffer (>= 1).
         outs: (numpy dtype, shape, byte offset[, byte strides]) of each numpy view
             written by a sample; views past the leaves are scratch (packed records).
-        leaves: (key path, torch dtype, byte offset, byte size, shape) of each
-            tensor of the TensorDict, views of the same bytes as ``outs``.
+        leaves: (key path, dtype name, byte offset, byte size, shape) of each
+            tensor of the TensorDict, views of the same bytes as ``outs``; the
+            dtype as its name (`arrowbuf._lazy_torch.dtype`), so that a spec is made
+            and shipped where torch is not imported (a Ray shard's payloads).
         batch_size: the TensorDict's batch size (of all ``parts`` together).
         parts: TensorDicts the leaves are split into along their first (batch)
             axis, each of ``batch_size[0] // parts`` items and the same keys; with
@@ -115,14 +120,14 @@ class SlotSpec:
 
     nbytes: int
     outs: tuple[tuple[np.dtype, tuple[int, ...], int], ...]
-    leaves: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]
-    batch_size: torch.Size
+    leaves: tuple[tuple[tuple[str, ...], str, int, int, tuple[int, ...]], ...]
+    batch_size: tuple[int, ...]
     parts: int = 1
 
 
 def leaf_views(flat: torch.Tensor, leaves: tuple) -> list[torch.Tensor]:
     """Each leaf of a `SlotSpec` (or `Payload` spec) as a view of the byte tensor ``flat``."""
-    return [flat[offset:offset + size].view(dtype).view(shape) for _, dtype, offset, size, shape in leaves]
+    return [flat[offset:offset + size].view(torch_dtype(dtype)).view(shape) for _, dtype, offset, size, shape in leaves]
 
 
 def part_leaves(leaves: tuple, parts: int) -> list[tuple]:
@@ -199,6 +204,9 @@ class Slot:
     """
 
     def __init__(self, spec: SlotSpec, hugepages: bool, pinned: bool = False) -> None:
+        import torch
+
+        self._storage_use_count, storage_handle, self._tensor_use_count, self._entries = torch_internals()
         # The byte tensor all leaves view: kept so that the storage's use count
         # taken below stays the count of an unused slot.
         if pinned:
@@ -220,8 +228,8 @@ class Slot:
         # Counts of an unused slot, taken once: a TensorDict rebuilt later has the
         # same structure, hence the same counts when nobody else holds it.
         self._storage = self._flat.untyped_storage()
-        self._storage_cdata = _storage_handle(self._storage)
-        self._storage_uses = _storage_use_count(self._storage_cdata)
+        self._storage_cdata = storage_handle(self._storage)
+        self._storage_uses = self._storage_use_count(self._storage_cdata)
         self._root_refs = list(map(getrefcount, self._roots))
         self._counts = self._refcounts()
 
@@ -240,7 +248,7 @@ class Slot:
             container = pending.pop()
             # tensordict keeps a TensorDict's entries in a plain dict (`torch_internals`):
             # the only O(1) way to see that a returned batch had an entry replaced.
-            children = _entries(container)
+            children = self._entries(container)
             values = list(children.values())
             self._containers.append((children, list(children), values, dict(vars(container)), container))
             self._objects += values
@@ -248,7 +256,7 @@ class Slot:
 
     def _refcounts(self) -> list[int]:
         """Python references to each value, then C++ users of each tensor."""
-        return [*map(getrefcount, self._objects), *map(_tensor_use_count, self._tensors)]
+        return [*map(getrefcount, self._objects), *map(self._tensor_use_count, self._tensors)]
 
     def _intact(self) -> bool:
         """Whether the TensorDict still has the layout's entries and attributes."""
@@ -270,6 +278,8 @@ class Slot:
         slot `in_flight` until it is done."""
         flat = self._flat.to(device, non_blocking=True)
         if device.type == "cuda":
+            import torch
+
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self.in_flight(event)
@@ -286,7 +296,7 @@ class Slot:
             return None
         if not self._intact():
             self._build()
-        if _storage_use_count(self._storage_cdata) != self._storage_uses:
+        if self._storage_use_count(self._storage_cdata) != self._storage_uses:
             return None
         return self.handed() if self._refcounts() == self._counts else None
 
@@ -304,8 +314,7 @@ class SlotPool:
 
     Example:
         >>> pool = SlotPool()
-        >>> spec = SlotSpec(4, ((np.dtype("float32"), (1,), 0),), ((("x",), torch.float32, 0, 4, (1,)),),
-        ...                 torch.Size([1]))
+        >>> spec = SlotSpec(4, ((np.dtype("float32"), (1,), 0),), ((("x",), "float32", 0, 4, (1,)),), (1,))
         >>> outs, td = pool.claim("k", spec)
         >>> outs[0][:] = 1.5
         >>> td["x"].tolist()

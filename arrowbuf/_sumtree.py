@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import torch
 
 ARITY = 32
 TOP_NODES = 1024
@@ -104,6 +103,8 @@ class SumTree:
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index holding each prefix ``mass`` in ``[0, total)``; never a zero leaf."""
+        import torch   # imported here: a Ray shard of a uniform store never needs it (`arrowbuf._lazy_torch`)
+
         mass = np.array(mass, np.float64)
         node = _choose(torch.cumsum(torch.from_numpy(self.levels[0]), 0).numpy(), mass)
         for level in self.levels[1:]:
@@ -125,6 +126,8 @@ def _choose(cumulative: np.ndarray, mass: np.ndarray) -> np.ndarray:
         choice = np.searchsorted(cumulative, mass, side="right")
         before = cumulative.take(choice - 1)
     else:
+        import torch
+
         choice = torch.searchsorted(torch.from_numpy(cumulative), torch.from_numpy(mass[:, None]),
                                     right=True).numpy().reshape(-1)
         before = cumulative.reshape(-1).take(_row_starts(len(mass), cumulative.shape[1]) + choice)

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from arrowbuf._checks import bf16_bits_to_float32, real_numbers
+from arrowbuf._lazy_torch import is_tensor
 from arrowbuf.errors import describe
 from arrowbuf.fields import Field
 from arrowbuf.indexing import piece_chains
@@ -193,7 +193,9 @@ def gae_steps(rewards: Any, values: Any, next_values: Any, terminated: Any, ends
     lengths = np.diff(bounds, prepend=0)
     advantage = discounted_segments(r + gamma * nv * ~done - v, lengths, gamma * lam)
     target = advantage + v
-    if isinstance(rewards, torch.Tensor):
+    if is_tensor(rewards):
+        import torch
+
         return (torch.from_numpy(advantage).to(rewards.device, rewards.dtype),
                 torch.from_numpy(target).to(rewards.device, rewards.dtype))
     return advantage, target
@@ -201,7 +203,7 @@ def gae_steps(rewards: Any, values: Any, next_values: Any, terminated: Any, ends
 
 def _steps(array: Any, name: str, n: int | None) -> np.ndarray:
     """A 1-D float64 (or bool) numpy copy of per-step values, checked against ``n`` steps."""
-    array = array.detach().cpu().double().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+    array = array.detach().cpu().double().numpy() if is_tensor(array) else np.asarray(array)
     if array.ndim != 1 or (n is not None and len(array) != n):
         raise ValueError(f"{name} must be a 1-D array of {n if n is not None else 'N'} steps, got shape {array.shape}")
     return array if array.dtype == bool else array.astype(np.float64)
@@ -281,6 +283,8 @@ def final_observations(shard: Shard, rows: np.ndarray, views: bool = False) -> T
     column) strided views of a numpy arena where ``rows`` are evenly spaced, as a
     rollout's episodes of equal length lie (WBC's 4,096 final observations: a 7.3 MB
     gather, half of `write_advantages`' time, saved)."""
+    import torch
+
     step = _spacing(rows) if views else None
     observations = {}
     for name in shard.schema.observation_names:

@@ -144,19 +144,6 @@ def check_device_memory(schema: Schema, capacity: int, device: torch.device) -> 
                             f"has {free / 2**30:,.2f} GiB free; use capacity <= {most:,}")
 
 
-def make_shard(schema: Schema, capacity: int, mode: str, shard: int, num_shards: int,
-               device: torch.device | None, whole_pieces: bool = False) -> Shard:
-    """A numpy `Shard`, or a `TorchShard` on ``device``, once it is known to fit in memory.
-
-    Raises:
-        ResourceError: the arena does not fit in the memory where it would live.
-    """
-    if device is not None:
-        return TorchShard(schema, capacity, mode, shard, num_shards, device=device, whole_pieces=whole_pieces)
-    check_arena(schema, capacity)
-    return Shard(schema, capacity, mode, shard=shard, num_shards=num_shards, whole_pieces=whole_pieces)
-
-
 class TorchShard(Shard):
     """A `Shard` whose columns are torch tensors on ``device``.
 

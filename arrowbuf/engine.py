@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf._bounds import check_batch
+from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
-from arrowbuf.arena import make_shard
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
@@ -167,8 +166,18 @@ class ShardEngine:
             self._bind(shard)
 
     def _make_shard(self, schema: Schema) -> Shard:
-        return make_shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.storage_device,
-                          self.whole_pieces)
+        """A numpy `Shard`, or a `arrowbuf.arena.TorchShard` on the storage device, once it
+        is known to fit in memory (`ResourceError` where it does not). The torch arena,
+        and with it torch, is imported only for a store that asks for one: not by a Ray
+        shard actor (`arrowbuf._lazy_torch`)."""
+        if self.storage_device is not None:
+            from arrowbuf.arena import TorchShard
+
+            return TorchShard(schema, self.capacity, self.mode, self.shard_index, self.num_shards,
+                              device=self.storage_device, whole_pieces=self.whole_pieces)
+        check_arena(schema, self.capacity)
+        return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards,
+                     whole_pieces=self.whole_pieces)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)

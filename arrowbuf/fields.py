@@ -22,28 +22,30 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
+from arrowbuf import _lazy_torch
 from arrowbuf.errors import SchemaError, describe
 
-#: dtype name -> (numpy storage dtype, torch dtype)
-_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
-    "bool": (np.dtype(np.bool_), torch.bool),
-    "uint8": (np.dtype(np.uint8), torch.uint8),
-    "int8": (np.dtype(np.int8), torch.int8),
-    "int16": (np.dtype(np.int16), torch.int16),
-    "int32": (np.dtype(np.int32), torch.int32),
-    "int64": (np.dtype(np.int64), torch.int64),
-    "float16": (np.dtype(np.float16), torch.float16),
-    "float32": (np.dtype(np.float32), torch.float32),
-    "float64": (np.dtype(np.float64), torch.float64),
-    "bfloat16": (np.dtype(np.uint16), torch.bfloat16),
+if TYPE_CHECKING:
+    import torch
+
+#: dtype name -> numpy storage dtype (the name is also the torch dtype's: `_lazy_torch.dtype`)
+_DTYPES: dict[str, np.dtype] = {
+    "bool": np.dtype(np.bool_),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "bfloat16": np.dtype(np.uint16),
 }
-_TORCH_TO_NAME = {t: name for name, (_, t) in _DTYPES.items()}
 # numpy dtype -> name (np.dtype.name runs Python code in numpy 2: ~1.5 us a call)
 _NUMPY_NAMES = {np.dtype(name): name for name in _DTYPES if name != "bfloat16"}
 
@@ -83,12 +85,12 @@ class Field:
     @property
     def numpy_dtype(self) -> np.dtype:
         """The dtype of the stored column (uint16 for bfloat16)."""
-        return _DTYPES[self.dtype][0]
+        return _DTYPES[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype of sampled tensors."""
-        return _DTYPES[self.dtype][1]
+        """The dtype of sampled tensors (imports torch)."""
+        return _lazy_torch.dtype(self.dtype)
 
     @property
     def row_bytes(self) -> int:
@@ -109,8 +111,8 @@ def dtype_name(dtype: Any) -> str:
     Raises:
         SchemaError: the dtype has no arrowbuf equivalent.
     """
-    if isinstance(dtype, torch.dtype):
-        name = _TORCH_TO_NAME.get(dtype)
+    if _lazy_torch.is_dtype(dtype):
+        name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str) and dtype in _DTYPES:
         name = dtype
     else:
@@ -121,6 +123,12 @@ def dtype_name(dtype: Any) -> str:
     if name not in _DTYPES:
         raise SchemaError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     return name
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per value of a dtype named by arrowbuf (`Field.dtype`) or numpy (`np.dtype.name`)."""
+    found = _DTYPES.get(name)
+    return (found if found is not None else np.dtype(name)).itemsize
 
 
 def tensor_on_cpu(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -147,13 +155,16 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     Raises:
         SchemaError: the value cannot be read as an array of a supported dtype.
     """
-    if isinstance(value, torch.Tensor):
+    if _lazy_torch.is_tensor(value):
+        import torch
+
         tensor = tensor_on_cpu(value, f"field {name!r}")
         if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
             return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        if tensor.dtype not in _TORCH_TO_NAME:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
             raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
-        return tensor.numpy(), _TORCH_TO_NAME[tensor.dtype]
+        return tensor.numpy(), dtype
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         return arrow_to_numpy(value, name), ""
     array = np.asarray(value)

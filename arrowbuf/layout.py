@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
-import torch
 
 from arrowbuf._pool import SlotSpec
 from arrowbuf.packing import record_outs
@@ -46,14 +45,14 @@ ALWAYS = (("index",), ("episode_id",), ("step",))
 
 class FieldPlan(NamedTuple):
     """A field as the planner sees it: its key, what the gatherer reads it from, its role
-    index, dtype, shape of one row and torch dtype."""
+    index, dtype, shape of one row and the dtype name of its tensor (`SlotSpec.leaves`)."""
 
     key: tuple[str, ...]
     source: Any
     role: int
     dtype: np.dtype
     row_shape: tuple[int, ...]
-    torch_dtype: torch.dtype
+    tensor_dtype: str
 
 
 @dataclass(frozen=True, eq=False)   # hashed by identity: the pool's key, hashed per sample
@@ -102,18 +101,18 @@ def plan_layout(fields: Iterable[FieldPlan], shapes: tuple, keys: frozenset | No
     chosen = [f for f in fields if f.key not in replaced and (keys is None or f.key in keys)]
     plan, outs, leaves, total = [], [], [], 0
 
-    def place(source: Any, role: int, key: tuple, dtype: np.dtype, torch_dtype: torch.dtype, shape: tuple) -> None:
+    def place(source: Any, role: int, key: tuple, dtype: np.dtype, tensor_dtype: str, shape: tuple) -> None:
         nonlocal total
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         plan.append((source, role))
         outs.append((dtype, shape, total))
-        leaves.append((key, torch_dtype, total, size, shape))
+        leaves.append((key, tensor_dtype, total, size, shape))
         total += -(-size // ALIGN) * ALIGN
 
     for f in chosen:
-        place(f.source, f.role, f.key, f.dtype, f.torch_dtype, tuple(_rows(shapes, f.role)) + tuple(f.row_shape))
+        place(f.source, f.role, f.key, f.dtype, f.tensor_dtype, tuple(_rows(shapes, f.role)) + tuple(f.row_shape))
     for name, dtype, shape in extras:
-        place(name, -1, field_key(name), dtype, torch_dtype_of(dtype), tuple(shape))
+        place(name, -1, field_key(name), dtype, dtype.name, tuple(shape))
     groups: dict[int, list] = {}   # id(group) -> [group, record bytes, role, [(out position, offset)]]
     for position, (group, record_bytes, offset) in (pack(chosen) if pack is not None else {}).items():
         groups.setdefault(id(group), [group, record_bytes, chosen[position].role, []])[3].append((position, offset))
@@ -127,7 +126,7 @@ def plan_layout(fields: Iterable[FieldPlan], shapes: tuple, keys: frozenset | No
         unpack += record_outs(outs, total, shape, record_bytes, members)
         packed |= {position for position, _ in members}
         total += -(-rows * record_bytes // ALIGN) * ALIGN
-    layout = Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size(shapes[0])),
+    layout = Layout(tuple(plan), SlotSpec(max(total, 1), tuple(outs), tuple(leaves), tuple(shapes[0])),
                     tuple((dtype, tuple(shape[1:])) for _, dtype, shape in every_extra),
                     tuple((i, source) for i, (source, role) in enumerate(plan) if role < 0),
                     tuple(records), tuple(unpack), frozenset(packed), any(role == 2 for _, role in plan))
@@ -162,7 +161,7 @@ def stacked_slot(slots: Sequence[SlotSpec], counts: Sequence[int], extra: tuple[
         leaves.append((key, dtype, total, total_rows * row, (total_rows, *shape[1:])))
         total += _aligned(total_rows * row)
     extra_key, extra_dtype = extra
-    leaves.append((extra_key, torch_dtype_of(extra_dtype), total, total_rows * extra_dtype.itemsize, (total_rows,)))
+    leaves.append((extra_key, extra_dtype.name, total, total_rows * extra_dtype.itemsize, (total_rows,)))
     extra_offset = total
     total += _aligned(total_rows * extra_dtype.itemsize)
     outs: list[tuple] = []
@@ -184,7 +183,7 @@ def stacked_slot(slots: Sequence[SlotSpec], counts: Sequence[int], extra: tuple[
         ranges.append((start, len(outs)))
         first += count
     outs.append((extra_dtype, (total_rows,), extra_offset))
-    return SlotSpec(max(total, 1), tuple(outs), tuple(leaves), torch.Size([total_rows])), ranges
+    return SlotSpec(max(total, 1), tuple(outs), tuple(leaves), (total_rows,)), ranges
 
 
 def _aligned(nbytes: int) -> int:
@@ -278,8 +277,3 @@ def field_key(name: str) -> tuple[str, ...]:
     """A dotted name as a TensorDict key path: "next.obs" -> ("next", "obs")."""
     return tuple(name.split("."))
 
-
-@functools.lru_cache(maxsize=None)
-def torch_dtype_of(dtype: np.dtype) -> torch.dtype:
-    """The torch twin of a numpy dtype."""
-    return torch.from_numpy(np.empty(0, dtype)).dtype

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
@@ -38,6 +37,7 @@ from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Gather, make_tensordict
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
     from arrowbuf.samplers import Selection
@@ -197,15 +197,15 @@ class Shard:
         self.gatherer = self.make_gatherer(self.gather_columns())
 
     def gather_columns(self) -> dict:
-        """The gather's columns: key -> (column, role, torch dtype, packed block or None)."""
+        """The gather's columns: key -> (column, role, tensor dtype name, packed block or None)."""
         columns = {}
         for name, f in self.schema.fields.items():
             key = tuple(name.split("."))
             offset = self._pack_offsets.get(name)
-            columns[key] = (self.arena[name], "obs" if f.observation else "step", f.torch_dtype,
+            columns[key] = (self.arena[name], "obs" if f.observation else "step", f.dtype,
                             None if offset is None else (self.packed, offset))
             if f.observation:
-                columns[("next", *key)] = (self.arena[name], "next", f.torch_dtype)
+                columns[("next", *key)] = (self.arena[name], "next", f.dtype)
         return columns
 
     # -- the columns (a subclass keeps them elsewhere: `arrowbuf.arena.TorchShard`) ------
@@ -276,12 +276,16 @@ class Shard:
 
     def tensor_rows(self, name: str, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of column ``name`` as a torch tensor viewing the arena."""
+        import torch
+
         view = torch.from_numpy(self.arena[name][start:stop])
         spec = self.schema.fields[name]
         return view.view(spec.torch_dtype) if view.dtype != spec.torch_dtype else view
 
     def extra_tensor(self, array: np.ndarray) -> torch.Tensor:
         """A host array computed for a batch (index, episode id, step) as a tensor beside the arena's."""
+        import torch
+
         return torch.from_numpy(array)
 
     def view_batch(self, start: int, stop: int, extra: Mapping[str, np.ndarray],

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
-import torch
 
+from arrowbuf._lazy_torch import is_tensor
 from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 
@@ -41,6 +42,8 @@ def pinned(pin_memory: bool, device: torch.device | None) -> bool:
     Pinning needs a CUDA driver; without one there is nothing to pin for, and the
     gather goes to ordinary memory.
     """
+    import torch
+
     return (pin_memory or (device is not None and device.type == "cuda")) and torch.cuda.is_available()
 
 
@@ -48,7 +51,7 @@ class Gather:
     """Copies selected arena rows into one buffer and wraps it as a TensorDict.
 
     Args:
-        columns: key -> (arena column, role, torch dtype); the key is a tuple
+        columns: key -> (arena column, role, dtype name of its tensors); the key is a tuple
             (nested TensorDict path); the role says which rows the column reads:
             "step" (the transition's row), "obs" (observation rows, which frame
             stacking widens) or "next" (the observation after the transition).
@@ -57,15 +60,15 @@ class Gather:
 
     Example:
         >>> obs = np.arange(10, dtype=np.float32)
-        >>> gather = Gather({("obs",): (obs, "obs", torch.float32), ("next", "obs"): (obs, "next", torch.float32)})
+        >>> gather = Gather({("obs",): (obs, "obs", "float32"), ("next", "obs"): (obs, "next", "float32")})
         >>> batch = gather(np.array([2, 5]), {"index": np.array([7, 8])}, keys=gather.check_keys(["obs"]))
         >>> sorted(batch.keys()), batch["obs"].tolist()
         (['index', 'obs'], [2.0, 5.0])
     """
 
     def __init__(self, columns: Mapping[tuple[str, ...], tuple]) -> None:
-        self._fields = [FieldPlan(key, column, ROLES.index(role), column.dtype, tuple(column.shape[1:]), torch_dtype)
-                        for key, (column, role, torch_dtype, *_) in columns.items()]
+        self._fields = [FieldPlan(key, column, ROLES.index(role), column.dtype, tuple(column.shape[1:]), tensor_dtype)
+                        for key, (column, role, tensor_dtype, *_) in columns.items()]
         # (row-packed block, byte offset) of each packed field (`arrowbuf.packing`), by key: a
         # packed field is gathered with its block's records, never by a take of its strided
         # column (``np.take`` copies a non-contiguous source whole first).
@@ -113,6 +116,8 @@ class Gather:
                 extra named like a field comes only with that field.
         """
         if device is not None or pin_memory:
+            import torch
+
             device = torch.device(device) if device is not None else None
             pin = pinned(pin_memory, device)
             if not pin and device is not None and device.type != "cpu":   # an accelerator without pinned memory
@@ -237,7 +242,7 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     69-70 us with numpy (in the whole sample the gain is within noise).
     """
     raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -torch.from_numpy(raw).data_ptr() % ALIGN   # cheaper than asking numpy
+    start = -raw.ctypes.data % ALIGN
     return raw[start:start + nbytes]
 
 
@@ -250,16 +255,16 @@ class Payload:
     """
 
     flat: torch.Tensor | np.ndarray            # uint8 bytes
-    spec: tuple[tuple[tuple[str, ...], torch.dtype, int, int, tuple[int, ...]], ...]   # `SlotSpec.leaves`
+    spec: tuple[tuple[tuple[str, ...], str, int, int, tuple[int, ...]], ...]   # `SlotSpec.leaves`
     batch_shape: tuple[int, ...]
 
     def __getstate__(self) -> dict:
-        flat = self.flat.numpy() if isinstance(self.flat, torch.Tensor) else self.flat
+        flat = self.flat.numpy() if is_tensor(self.flat) else self.flat
         return {**self.__dict__, "flat": flat}
 
     def tensors(self, device: torch.device | None = None) -> dict[tuple[str, ...], torch.Tensor]:
         """Every key's tensor: views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
-        flat = self.flat if isinstance(self.flat, torch.Tensor) else _as_tensor(self.flat)
+        flat = self.flat if is_tensor(self.flat) else _as_tensor(self.flat)
         if device is not None and device.type != "cpu":
             flat = flat.to(device, non_blocking=True)
         return dict(zip((key for key, *_ in self.spec), leaf_views(flat, self.spec)))
@@ -271,12 +276,16 @@ class Payload:
 
 
 def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(value) if value.flags.writeable else _readonly_tensor(value)
 
 
 def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape: tuple[int, ...],
                     device: torch.device | None = None) -> TensorDict:
     """A (nested) TensorDict of ``tensors`` keyed by paths, built without per-key checks."""
+    import torch
+
     return make_td(nest(tensors), torch.Size(batch_shape), device)
 
 
@@ -284,6 +293,8 @@ def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     # Arrays from Ray's object store are read-only views of shared memory; torch
     # warns because it has no read-only tensors. The store documents that such
     # tensors must not be written in place; copying here would break zero-copy.
+    import torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)

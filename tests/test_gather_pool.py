@@ -208,7 +208,7 @@ def test_a_batch_changed_by_the_user_comes_back_with_the_layout_s_keys_only():
 
 def test_a_pool_keeps_at_most_max_slots_per_layout_and_gathers_fresh_beyond():
     pool = SlotPool(max_slots=2)
-    spec = SlotSpec(8, ((np.dtype(np.int64), (1,), 0),), ((("x",), torch.int64, 0, 8, (1,)),), torch.Size([1]))
+    spec = SlotSpec(8, ((np.dtype(np.int64), (1,), 0),), ((("x",), "int64", 0, 8, (1,)),), (1,))
     held = []
     for value in range(5):
         outs, td = pool.claim("layout", spec)
@@ -227,8 +227,8 @@ def test_a_slot_of_several_batches_is_reused_only_once_no_batch_of_it_is_kept(ke
     # sample_iter gathers the batches of a draw into one slot of parts: each part its
     # own TensorDict over its rows, and one kept part keeps every other from reuse.
     pool = SlotPool()
-    spec = SlotSpec(48, ((np.dtype(np.int64), (6,), 0),), ((("x",), torch.int64, 0, 48, (6,)),),
-                    torch.Size([6]), parts=3)
+    spec = SlotSpec(48, ((np.dtype(np.int64), (6,), 0),), ((("x",), "int64", 0, 48, (6,)),),
+                    (6,), parts=3)
     outs, parts = pool.claim("layout", spec)
     outs[0][:] = np.arange(6)
     assert [part.batch_size for part in parts] == [torch.Size([2])] * 3
@@ -251,8 +251,8 @@ def test_a_slot_of_several_batches_is_reused_only_once_no_batch_of_it_is_kept(ke
 def test_a_pool_over_max_bytes_drops_its_least_recently_used_layouts():
     pool = SlotPool(max_bytes=3 * 4096)
     for name in "abcd":
-        spec = SlotSpec(4096, ((np.dtype(np.uint8), (4096,), 0),), ((("x",), torch.uint8, 0, 4096, (4096,)),),
-                        torch.Size([4096]))
+        spec = SlotSpec(4096, ((np.dtype(np.uint8), (4096,), 0),), ((("x",), "uint8", 0, 4096, (4096,)),),
+                        (4096,))
         pool.claim(name, spec)
     assert list(pool._slots) == ["b", "c", "d"]
     assert pool._bytes == 3 * 4096
@@ -285,11 +285,11 @@ def reference_columns() -> dict[str, np.ndarray]:
 
 
 def reference_gather(columns: dict[str, np.ndarray]) -> Gather:
-    return Gather({("obs",): (columns["obs"], "obs", torch.float32),
-                   ("next", "obs"): (columns["obs"], "next", torch.float32),
-                   ("action",): (columns["action"], "step", torch.int64),
-                   ("flag",): (columns["flag"], "step", torch.bool),
-                   ("half",): (columns["half"], "step", torch.bfloat16)})
+    return Gather({("obs",): (columns["obs"], "obs", "float32"),
+                   ("next", "obs"): (columns["obs"], "next", "float32"),
+                   ("action",): (columns["action"], "step", "int64"),
+                   ("flag",): (columns["flag"], "step", "bool"),
+                   ("half",): (columns["half"], "step", "bfloat16")})
 
 
 def expected(columns: dict[str, np.ndarray], rows: np.ndarray, keys: list) -> dict:
@@ -377,7 +377,7 @@ def test_pinned_samples_reuse_a_dropped_batch_s_pinned_slot_and_never_a_kept_one
 
 def test_a_pinned_slot_with_a_copy_in_flight_is_reused_only_once_the_copy_is_done():
     pool = SlotPool()
-    spec = SlotSpec(8, ((np.dtype(np.int64), (1,), 0),), ((("x",), torch.int64, 0, 8, (1,)),), torch.Size([1]))
+    spec = SlotSpec(8, ((np.dtype(np.int64), (1,), 0),), ((("x",), "int64", 0, 8, (1,)),), (1,))
     slot, td = pool.claim_slot("layout", spec, pinned=True)
     assert td["x"].is_pinned() == torch.cuda.is_available()
     event = FakeEvent()

@@ -29,11 +29,11 @@ def arena() -> dict[str, np.ndarray]:
 
 def make_gather(columns: dict[str, np.ndarray]) -> Gather:
     return Gather({
-        ("obs",): (columns["obs"], "obs", torch.float32),
-        ("next", "obs"): (columns["obs"], "next", torch.float32),
-        ("action",): (columns["action"], "step", torch.int64),
-        ("flag",): (columns["flag"], "step", torch.bool),
-        ("half",): (columns["half"], "step", torch.bfloat16),
+        ("obs",): (columns["obs"], "obs", "float32"),
+        ("next", "obs"): (columns["obs"], "next", "float32"),
+        ("action",): (columns["action"], "step", "int64"),
+        ("flag",): (columns["flag"], "step", "bool"),
+        ("half",): (columns["half"], "step", "bfloat16"),
     })
 
 

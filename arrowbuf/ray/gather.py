@@ -87,7 +87,7 @@ class BlockGather:
             if f.observation:
                 roles.append((("next", *key), "next"))
             self.entries += [FieldPlan(k, name, ROLES.index(role), np.dtype(f.numpy_dtype), tuple(f.shape),
-                                       f.torch_dtype) for k, role in roles]
+                                       f.dtype) for k, role in roles]
         self._layouts = Layouts(self._layout)
         self._pool = SlotPool()
         self._parted: dict[tuple, Layout] = {}   # (a layout, parts) -> its layout of that many batches

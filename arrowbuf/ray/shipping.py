@@ -23,8 +23,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
+from arrowbuf._lazy_torch import is_tensor
+from arrowbuf.fields import dtype_itemsize
 from arrowbuf.ray.handles import ShardHandles
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, ray_module
 from arrowbuf.tensors import Payload, make_tensordict
@@ -51,13 +52,15 @@ class ShippedBatch:
 
     def __reduce__(self) -> tuple:
         payload = self.payload
-        flat = payload.flat.numpy() if isinstance(payload.flat, torch.Tensor) else payload.flat
+        flat = payload.flat.numpy() if is_tensor(payload.flat) else payload.flat
         return rebuild_batch, (flat, payload.spec, *self.finish)
 
 
 def rebuild_batch(flat: np.ndarray, spec: tuple, batch_shape: tuple[int, ...], extra: Mapping[str, np.ndarray],
                   flat_next: bool) -> TensorDict:
     """The TensorDict of a `ShippedBatch`: views of ``flat`` shaped to ``batch_shape``."""
+    import torch
+
     rows = int(np.prod(batch_shape))
     tensors = {}
     for key, tensor in Payload(flat, spec, (rows,)).tensors().items():
@@ -74,12 +77,12 @@ def merge_payloads(parts: Sequence[Payload], positions: Sequence[np.ndarray]) ->
     total = sum(len(p) for p in positions)
     leaves, offset = [], 0
     for key, dtype, _, size, shape in parts[0].spec:
-        row_bytes = size // shape[0] if shape[0] else dtype.itemsize * int(np.prod(shape[1:]))
+        row_bytes = size // shape[0] if shape[0] else dtype_itemsize(dtype) * int(np.prod(shape[1:]))
         leaves.append((key, dtype, offset, row_bytes * total, (total, *shape[1:])))
         offset += -(-row_bytes * total // 64) * 64   # 64-byte aligned, as gathers lay them out
     flat = np.empty(max(offset, 1), np.uint8)
     for part, where in zip(parts, positions):
-        source = part.flat.numpy() if isinstance(part.flat, torch.Tensor) else part.flat
+        source = part.flat.numpy() if is_tensor(part.flat) else part.flat
         for (_, _, src, size, shape), (_, _, dst, out_size, _) in zip(part.spec, leaves):
             rows = shape[0]
             if rows:

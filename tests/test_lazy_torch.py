@@ -1,0 +1,88 @@
+"""torch stays out of the processes that never make a tensor (`arrowbuf._lazy_torch`): a Ray
+shard actor serves writes, uniform draws, gathers shipped as payloads, exports and
+checkpoints without importing it (a prioritized draw imports it for its sum tree) (each actor is a new process, and torch was
+~0.9 CPU s of its start), and the dtype names that replace torch dtypes in gather specs
+give the same tensors as before."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+import arrowbuf as ab
+from arrowbuf import _lazy_torch
+from arrowbuf.fields import dtype_itemsize
+from arrowbuf.ray.options import NAMESPACE
+
+
+def test_importing_the_shard_actor_imports_neither_torch_nor_tensordict():
+    code = ("import sys, arrowbuf.ray.actor; found = {'torch', 'tensordict'} & set(sys.modules); "
+            "assert not found, f'the shard actor imported {sorted(found)}'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _episode(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.normal(size=(n + 1, 3)).astype(np.float32), "action": rng.integers(0, 4, n),
+            "reward": rng.normal(size=n).astype(np.float32), "terminated": np.arange(n) == n - 1,
+            "truncated": np.zeros(n, bool), "half": rng.normal(size=(n, 2)).astype(np.float32)}
+
+
+def _torch_in_actors(store: ab.ExperienceStore) -> list[bool]:
+    handles = [ray.get_actor(f"{store.name}:{s}", namespace=NAMESPACE) for s in range(store.num_shards)]
+    return [ray.get(h.__ray_call__.remote(lambda server: "torch" in sys.modules)) for h in handles]
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_a_ray_shard_serves_writes_draws_gathers_and_exports_without_importing_torch(ray_session, tmp_path, sampler):
+    made = ab.PrioritizedSampler(alpha=0.6, beta=0.4) if sampler == "prioritized" else None
+    kwargs = {"sampler": made} if made is not None else {}
+    store = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=2, **kwargs)
+    try:
+        for k in range(6):
+            store.add_episode(_episode(40 + 7 * k, k), env_id=f"env{k}")
+        with store.writer(num_envs=3) as writer:   # the step writer's path too
+            for t in range(30):
+                writer.add(obs=np.full((3, 3), t, np.float32), action=np.zeros(3, np.int64),
+                           reward=np.ones(3, np.float32), terminated=np.zeros(3, bool),
+                           truncated=np.zeros(3, bool), half=np.zeros((3, 2), np.float32),
+                           next_obs=np.full((3, 3), t + 1, np.float32))
+        store.to_parquet(tmp_path / "export")
+        store.save(tmp_path / "checkpoint")
+        assert _torch_in_actors(store) == [False, False]
+        batch = store.sample(64)
+        assert batch["obs"].dtype == torch.float32 and batch["action"].dtype == torch.int64
+        # The batch's rows are the stored ones: the gather specs now carry dtype names.
+        rows = store.gather(batch["index"].numpy())
+        assert torch.equal(rows["obs"], batch["obs"]) and torch.equal(rows[("next", "obs")], batch[("next", "obs")])
+        if made is not None:
+            store.update_priorities(batch["index"].numpy(), np.linspace(0.1, 2.0, 64))
+            store.sample(32)
+        for _ in zip(range(3), store.iter_batches(50)):
+            pass
+        # A prioritized draw searches its sum tree with torch's cumsum (`arrowbuf._sumtree`),
+        # so it imports torch there; a uniform store never does.
+        assert _torch_in_actors(store) == ([True, True] if made is not None else [False, False])
+    finally:
+        store.close()
+
+
+def test_dtype_names_name_the_torch_dtypes_and_their_sizes():
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16",
+                 "uint16"):
+        found = _lazy_torch.dtype(name)
+        assert found is getattr(torch, name)
+        assert dtype_itemsize(name) == torch.empty(0, dtype=found).element_size()
+    with pytest.raises(TypeError, match="no torch dtype is named 'Tensor'"):
+        _lazy_torch.dtype("Tensor")
+    assert _lazy_torch.is_tensor(torch.zeros(1)) and not _lazy_torch.is_tensor(np.zeros(1))
+    assert _lazy_torch.is_dtype(torch.float32) and not _lazy_torch.is_dtype(np.float32)
+    assert ab.Field(torch.bfloat16).dtype == "bfloat16" and ab.Field(torch.bool).torch_dtype is torch.bool
+    with pytest.raises(ab.SchemaError, match="unsupported dtype"):
+        ab.Field(torch.complex64)
