@@ -166,18 +166,12 @@ class ShardEngine:
             self._bind(shard)
 
     def _make_shard(self, schema: Schema) -> Shard:
-        """A numpy `Shard`, or a `arrowbuf.arena.TorchShard` on the storage device, once it
-        is known to fit in memory (`ResourceError` where it does not). The torch arena,
-        and with it torch, is imported only for a store that asks for one: not by a Ray
-        shard actor (`arrowbuf._lazy_torch`)."""
-        if self.storage_device is not None:
-            from arrowbuf.arena import TorchShard
-
-            return TorchShard(schema, self.capacity, self.mode, self.shard_index, self.num_shards,
-                              device=self.storage_device, whole_pieces=self.whole_pieces)
-        check_arena(schema, self.capacity)
-        return Shard(schema, self.capacity, self.mode, shard=self.shard_index, num_shards=self.num_shards,
-                     whole_pieces=self.whole_pieces)
+        if self.storage_device is None:   # the torch arena is imported only for one (`arrowbuf._lazy_torch`)
+            check_arena(schema, self.capacity)
+            return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces)
+        from arrowbuf.arena import TorchShard
+        return TorchShard(schema, self.capacity, self.mode, self.shard_index, self.num_shards,
+                          device=self.storage_device, whole_pieces=self.whole_pieces)
 
     def _bind(self, shard: Shard) -> None:
         self.sampler.bind(shard)
