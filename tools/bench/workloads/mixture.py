@@ -61,6 +61,7 @@ class MixSpec:
     online: ReplaySpec       # the online store, and the dataset (an export of a store like it)
     open_rows: int           # rows of the dataset opened in a fresh process
     demo_weight: float = 0.25
+    open_runs: int = 3       # fresh processes that open it (each imports torch: ~3.5 s)
 
     def short(self) -> str:
         return (f"{self.demo_weight:.0%}/{1 - self.demo_weight:.0%} mixture, batch {self.online.batch_size}; "
@@ -197,7 +198,7 @@ def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(Path(ab.__file__).parents[1]),
                                                                    os.environ.get("PYTHONPATH", "")] if p)}
     seconds, growth = Series(), Series()
-    for _ in range(3):
+    for _ in range(spec.open_runs):
         out = subprocess.run([sys.executable, "-c", _OPEN_CHILD, str(export)], capture_output=True, text=True, env=env)
         if out.returncode:
             raise RuntimeError(f"open_dataset child failed:\n{out.stderr[-2000:]}")
@@ -215,5 +216,5 @@ def _open_metric(ab, spec: MixSpec, root: Path, notes: list[str]) -> Metric:
 
 register(Workload("MIX", "offline dataset + online store mixture (W1, 25/75, batch 256); open_dataset of 10M rows",
                   full=MixSpec(w1(1_000_000), open_rows=10_000_000),
-                  quick=MixSpec(w1(100_000), open_rows=200_000), smoke=MixSpec(w1(20_020), open_rows=200_000),
+                  quick=MixSpec(w1(100_000), open_rows=200_000), smoke=MixSpec(w1(20_020), open_rows=200_000, open_runs=1),
                   run=run_mix))
