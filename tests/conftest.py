@@ -21,6 +21,20 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+#: The files that took longest in a quiet run (2026-12-06), run first: pytest-xdist hands
+#: whole files (``--dist loadfile``) to whichever worker is free, in collection order, so
+#: starting with the longest keeps one worker from running a long file alone at the end.
+LONGEST_FIRST = ("test_bench_workloads.py", "test_ray_backend.py", "test_ray_dataplane.py", "test_corruption.py",
+                 "test_ray_onramps.py", "test_ray_piece_cutting.py", "test_bench.py", "test_docs.py",
+                 "test_ray_lent_blocks.py", "test_contract.py", "test_gpu_check.py", "test_notebooks.py",
+                 "test_dataset.py", "test_compat_refs.py", "test_ray_priorities.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # When a property fails, hypothesis imports libcst to suggest an @example patch;
     # libcst uses the deprecated mypy_extensions.TypedDict, and with warnings as
