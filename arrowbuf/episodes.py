@@ -318,11 +318,20 @@ class StepWriter:
         return len(open_envs), too_long
 
     def __del__(self) -> None:
-        # A Ray writer dropped without flush() or close() keeps every step it wrote: its open
-        # episodes are cut as flush() cuts them, and its sink delivers them on a thread of its
-        # own (`RaySink.dropped`: a finalizer never waits for a shard; failures are logged and
-        # raised by the store's next flush). A local writer's open pieces are its regions'.
-        if self.__dict__.get("_ships") is None or self._sink.closed:
+        # A writer dropped without flush() or close() keeps every step it wrote: its open
+        # episodes are cut as flush() cuts them. In place, its regions' finalizer seals them
+        # (`arrowbuf.inplace`). A local staged writer (``in_place=False``, ``mode="fixed"``, a
+        # rate limiter) writes them now, or, when GC ran inside one of this thread's store
+        # calls, once that call lets the engine's lock go (`EngineSink.when_free`). A Ray
+        # writer's sink delivers them on a thread of its own (`RaySink.dropped`: a finalizer
+        # never waits for a shard; failures are logged and raised by the store's next flush).
+        if self.__dict__.get("closed", True) or self.__dict__.get("_inplace") is not None:
+            return
+        if self.__dict__.get("_ships") is None:
+            if hasattr(self._sink, "when_free") and (self._pos.any() or self._pending):
+                self._sink.when_free(self._write_when_dropped)
+            return
+        if self._sink.closed:
             return
         try:
             with self.lock:
@@ -331,6 +340,28 @@ class StepWriter:
         except Exception:   # a finalizer cannot raise: say what became of the steps
             logger.exception("an arrowbuf writer (%d envs) was dropped without flush() or close(), and cutting its "
                              "%d open steps for the store failed; they are lost", self.num_envs, int(self._pos.sum()))
+
+    def _write_when_dropped(self) -> None:
+        """A dropped local staged writer's `flush`, which never waits: an episode the store
+        refuses (a full fixed-mode store, the rate limiter) is logged as lost."""
+        self._sink.timeout = None   # refused at once, not waited for (`ShardEngine._wait`)
+        too_long = None
+        try:
+            with self.lock:
+                _, too_long = self._cut_open()
+        except (CapacityError, RateLimited):   # the store refused one: it and those after it are pending
+            pass
+        except Exception:   # a finalizer cannot raise: say what became of the steps
+            logger.exception("an arrowbuf writer (%d envs) was dropped without flush() or close(), and writing its "
+                             "open episodes into the store failed; they are lost", self.num_envs)
+            return
+        # Refused, with those after it (pending), or never cut (refused before the cut began).
+        lost = [e.num_steps for e in self._pending] + self._pos[self._pos > 0].tolist()
+        if lost or too_long is not None:
+            logger.warning("an arrowbuf writer (%d envs) was dropped without flush() or close(), and the store "
+                           "refused %d of its episodes (%d steps)%s; they are lost", self.num_envs, len(lost),
+                           sum(lost), f" ({too_long})" if too_long is not None else "")
+        self._pending.clear()
 
     def close(self) -> None:
         """`flush` (cut every open episode), wait until the store holds them, and stop

@@ -66,6 +66,15 @@ class EngineSink:
     def close(self) -> None:
         """Nothing to release."""
 
+    def when_free(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (a dropped writer's last writes) now, or, where this thread holds the
+        engine's lock (GC ran inside one of its store calls), when that call lets it go."""
+        lock = self._engine.lock
+        if lock.held_here():
+            lock.defer(work)
+        else:
+            work()
+
 
 class LocalBackend:
     """An in-process store: one engine, one shard."""

@@ -86,6 +86,63 @@ def test_a_writer_dropped_without_flush_keeps_every_step_it_wrote():
     assert not any(table.column("open").to_pylist()) and sum(table.column("length").to_pylist()) == 600
 
 
+STAGED_STORES = {"fixed": {"mode": "fixed"},
+                 "rate limiter": {"rate_limiter": ab.SampleToInsertRatio(1.0, min_size=1, error_buffer=100_000)}}
+
+
+@pytest.mark.parametrize("kind", list(STAGED_STORES))
+def test_a_staged_writer_dropped_without_flush_keeps_every_step_it_wrote(kind):
+    # mode="fixed" and a rate limiter stage a writer's episodes (nothing is written in place):
+    # a dropped writer's open episodes were lost with it.
+    store = ab.ExperienceStore(capacity=10_000, seed=0, **STAGED_STORES[kind])
+    for rollout in range(3):
+        w = store.writer(2, autoreset_mode="disabled")   # a new writer per rollout, no flush: the old one is dropped
+        assert w._inplace is None   # staged
+        for t in range(100):
+            step(w, 1000 * rollout, t)
+        assert len(store) == 200 * rollout   # open episodes are staged until they end
+    del w
+    gc.collect()
+    assert len(store) == 600 and check_consistent(store) == 600 and store.num_episodes == 6
+
+
+def test_a_staged_writer_dropped_inside_a_store_call_writes_its_steps_when_that_call_ends():
+    store = ab.ExperienceStore(capacity=10_000, seed=0, mode="fixed")
+    w = store.writer(2, autoreset_mode="disabled")
+    for t in range(10):
+        step(w, 0, t)
+    with store.engine.lock:   # as if GC ran the writer's __del__ inside one of this thread's store calls
+        del w
+        gc.collect()
+        assert len(store.engine.shard.table) == 0   # deferred: nothing changed under the call
+    assert store.num_episodes == 2 and check_consistent(store) == len(store) == 20
+
+
+def test_a_dropped_staged_writer_whose_episodes_the_store_refuses_says_so_and_leaves_the_store_as_it_was(caplog):
+    store = ab.ExperienceStore(capacity=50, seed=0, mode="fixed")   # a full fixed store refuses (CapacityError)
+    store.add_episode({"obs": np.zeros((41, 1), np.float32), "action": np.zeros(40, np.int64),
+                       "reward": np.zeros(40, np.float32), "terminated": np.arange(40) == 39,
+                       "truncated": np.zeros(40, bool)})
+    w = store.writer(2, autoreset_mode="disabled")
+    for t in range(8):
+        step(w, 0, t)
+    with caplog.at_level("WARNING", logger="arrowbuf.episodes"):
+        del w
+        gc.collect()
+    assert "dropped without flush() or close(), and the store refused" in caplog.text
+    assert len(store) == 48 and store.num_episodes == 2   # the one that fitted is kept; nothing half-written
+    assert check_consistent_prefix(store)
+
+
+def check_consistent_prefix(store: ab.ExperienceStore) -> bool:
+    """The writer's steps that were stored are whole, consistent episodes (obs 0.. with next_obs obs + 1)."""
+    table = store.to_arrow()
+    episodes = table.column("episode_id").to_numpy()
+    obs = table.column("obs").combine_chunks().to_numpy_ndarray()[:, 0]
+    written = obs[episodes == episodes[-1]]
+    return written.tolist() == list(range(len(written)))
+
+
 def test_a_dropped_writer_collected_inside_a_store_call_seals_its_steps_when_that_call_ends():
     store = ab.ExperienceStore(capacity=10_000, seed=0)
     w = store.writer(2, autoreset_mode="disabled")
