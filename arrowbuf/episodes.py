@@ -28,7 +28,7 @@ from arrowbuf.inplace import InPlace
 from arrowbuf.piece_cutting import PieceCutter
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
-from arrowbuf.step_reading import StepReader, check_obs_chain, passed_on
+from arrowbuf.step_reading import StepReader, check_obs_chain, done_flags, passed_on
 from arrowbuf.versions import commit_versions, read_schema, step_versions, writer_fields
 
 AUTORESET_MODES = ("next_step", "same_step", "disabled")
@@ -205,7 +205,7 @@ class StepWriter:
             self._leave = weakref.finalize(self, self._ends.leave, self.env_ids, self._skip, self._last_next)
             self._ends = None
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
-        done = _flags(step_cols["terminated"][0], self.num_envs) | _flags(step_cols["truncated"][0], self.num_envs)
+        done = done_flags(step_cols["terminated"][0], self.num_envs) | done_flags(step_cols["truncated"][0], self.num_envs)
         if isinstance(done, torch.Tensor):
             done = done.cpu().numpy()   # N flags to the host: which episodes end
         final = self._reader.final_obs(final_obs, next_cols, done, schema)
@@ -318,49 +318,32 @@ class StepWriter:
         return len(open_envs), too_long
 
     def __del__(self) -> None:
-        # A writer dropped without flush() or close() keeps every step it wrote: its open
-        # episodes are cut as flush() cuts them. In place, its regions' finalizer seals them
-        # (`arrowbuf.inplace`). A local staged writer (``in_place=False``, ``mode="fixed"``, a
-        # rate limiter) writes them now, or, when GC ran inside one of this thread's store
-        # calls, once that call lets the engine's lock go (`EngineSink.when_free`). A Ray
-        # writer's sink delivers them on a thread of its own (`RaySink.dropped`: a finalizer
-        # never waits for a shard; failures are logged and raised by the store's next flush).
+        # A dropped writer keeps every step it wrote, cut as flush() cuts: in place by its regions' finalizer
+        # (`arrowbuf.inplace`), staged locally by `EngineSink.write_dropped`, on Ray by `RaySink.dropped`'s thread.
         if self.__dict__.get("closed", True) or self.__dict__.get("_inplace") is not None:
             return
         if self.__dict__.get("_ships") is None:
-            if hasattr(self._sink, "when_free") and (self._pos.any() or self._pending):
-                self._sink.when_free(self._write_when_dropped)
-            return
-        if self._sink.closed:
-            return
-        try:
-            with self.lock:
-                self._cut_open()
+            self._sink.write_dropped(self._cut_dropped)
+        elif not self._sink.closed:
+            self._cut_dropped()
             self._sink.dropped()
-        except Exception:   # a finalizer cannot raise: say what became of the steps
-            logger.exception("an arrowbuf writer (%d envs) was dropped without flush() or close(), and cutting its "
-                             "%d open steps for the store failed; they are lost", self.num_envs, int(self._pos.sum()))
 
-    def _write_when_dropped(self) -> None:
-        """A dropped local staged writer's `flush`, which never waits: an episode the store
-        refuses (a full fixed-mode store, the rate limiter) is logged as lost."""
-        self._sink.timeout = None   # refused at once, not waited for (`ShardEngine._wait`)
+    def _cut_dropped(self) -> None:
+        """A dropped writer's `flush`: what the store refuses (a full fixed store, the rate limiter) is logged as lost."""
         too_long = None
         try:
             with self.lock:
                 _, too_long = self._cut_open()
-        except (CapacityError, RateLimited):   # the store refused one: it and those after it are pending
+        except (CapacityError, RateLimited):   # refused: it and the episodes after it stay pending
             pass
         except Exception:   # a finalizer cannot raise: say what became of the steps
-            logger.exception("an arrowbuf writer (%d envs) was dropped without flush() or close(), and writing its "
-                             "open episodes into the store failed; they are lost", self.num_envs)
+            logger.exception("an arrowbuf writer was dropped without flush() or close(); cutting its %d open steps "
+                             "failed, and they are lost", int(self._pos.sum()))
             return
-        # Refused, with those after it (pending), or never cut (refused before the cut began).
-        lost = [e.num_steps for e in self._pending] + self._pos[self._pos > 0].tolist()
+        lost = [e.num_steps for e in self._pending] + self._pos[self._pos > 0].tolist()   # refused, or never cut
         if lost or too_long is not None:
-            logger.warning("an arrowbuf writer (%d envs) was dropped without flush() or close(), and the store "
-                           "refused %d of its episodes (%d steps)%s; they are lost", self.num_envs, len(lost),
-                           sum(lost), f" ({too_long})" if too_long is not None else "")
+            logger.warning("an arrowbuf writer was dropped without flush() or close(); the store refused %d of its "
+                           "episodes (%d steps), and they are lost %s", len(lost), sum(lost), too_long or "")
         self._pending.clear()
 
     def close(self) -> None:
@@ -449,8 +432,7 @@ class StepWriter:
                          "has_final": e.has_final, "env_id": e.env_id, "metadata": e.metadata,
                          "first_step": e.first_step} for e in self._pending],
             # A Ray sink's owner of the pieces shipped so far: a restored writer ends them.
-            **({"shipping": self._sink.open_state()} if self._ships is not None else {}),
-        }
+            **({"shipping": self._sink.open_state()} if self._ships is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict` into a writer of the same ``num_envs`` and mode
@@ -616,10 +598,3 @@ class StepWriter:
             self._sink.write(self._pending[0])
             self._pending.pop(0)
             self.episodes_written += 1
-
-
-def _flags(flags: Any, num_envs: int) -> Any:
-    """One done flag per env from a step's flags of shape (N,) or (N, 1) (any nonzero is set)."""
-    if type(flags) is np.ndarray and flags.dtype == bool and flags.ndim == 1:
-        return flags
-    return flags.reshape(num_envs, -1).any(axis=1)

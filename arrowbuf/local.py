@@ -66,9 +66,11 @@ class EngineSink:
     def close(self) -> None:
         """Nothing to release."""
 
-    def when_free(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (a dropped writer's last writes) now, or, where this thread holds the
-        engine's lock (GC ran inside one of its store calls), when that call lets it go."""
+    def write_dropped(self, work: Callable[[], None]) -> None:
+        """Run ``work``, a dropped writer's last writes, which never wait for the rate limiter
+        (refused at once: `ShardEngine._wait`): now, or, where this thread holds the engine's
+        lock (GC ran inside one of its store calls), when that call lets it go."""
+        self.timeout = None
         lock = self._engine.lock
         if lock.held_here():
             lock.defer(work)

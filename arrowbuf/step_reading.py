@@ -167,6 +167,13 @@ class StepReader:
                 raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
 
 
+def done_flags(flags: Any, num_envs: int) -> Any:
+    """One done flag per env from a step's flags of shape (N,) or (N, 1) (any nonzero is set)."""
+    if type(flags) is np.ndarray and flags.dtype == bool and flags.ndim == 1:
+        return flags
+    return flags.reshape(num_envs, -1).any(axis=1)
+
+
 def check_obs_chain(obs_cols: dict, previous: dict, envs: np.ndarray, steps: np.ndarray, env_ids: list[str],
                     schema: Schema) -> None:
     """Refuse a step of the mid-episode ``envs`` whose ``obs`` differs from their last ``next_obs``.

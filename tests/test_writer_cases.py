@@ -129,7 +129,7 @@ def test_a_dropped_staged_writer_whose_episodes_the_store_refuses_says_so_and_le
     with caplog.at_level("WARNING", logger="arrowbuf.episodes"):
         del w
         gc.collect()
-    assert "dropped without flush() or close(), and the store refused" in caplog.text
+    assert "dropped without flush() or close(); the store refused 1 of its episodes (8 steps)" in caplog.text
     assert len(store) == 48 and store.num_episodes == 2   # the one that fitted is kept; nothing half-written
     assert check_consistent_prefix(store)
 
