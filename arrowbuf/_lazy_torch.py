@@ -37,6 +37,13 @@ def is_dtype(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.dtype)
 
 
+def is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict (False, without importing tensordict, where it is not imported:
+    tensordict costs ~1.8 CPU s on top of torch, for processes that only write, load or export)."""
+    tensordict = sys.modules.get("tensordict")
+    return tensordict is not None and isinstance(value, tensordict.TensorDictBase)
+
+
 @functools.lru_cache(maxsize=None)
 def dtype(name: str) -> torch.dtype:
     """The torch dtype named ``name`` (an arrowbuf dtype name or a numpy dtype's name)."""

@@ -25,14 +25,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tensordict import TensorDictBase
 
+from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf._checks import check_env_id, check_metadata
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
+
 
 
 def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids: Any = None,
@@ -62,7 +63,7 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
             whose leading dims differ (named).
         ValueError: bad ``lengths``, ``env_ids`` or ``metadata``.
     """
-    if isinstance(data, TensorDictBase):
+    if is_tensordict(data):
         data = data.to_dict()
     if not isinstance(data, Mapping) or not data:
         raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "

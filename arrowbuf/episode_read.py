@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tensordict import TensorDictBase
 
+from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import arrow_to_numpy, as_array
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
 from arrowbuf.shard import Episode
+
 
 
 def read_columns(data: Any, keep_tensors: bool = False
@@ -41,7 +42,7 @@ def read_columns(data: Any, keep_tensors: bool = False
         data = data.combine_chunks().to_batches()[0] if data.num_rows else pa.RecordBatch.from_pylist([], data.schema)
     if isinstance(data, pa.RecordBatch):
         return _read_arrow(data)
-    if isinstance(data, TensorDictBase):
+    if is_tensordict(data):
         data = data.to_dict()
     if not isinstance(data, Mapping):
         raise SchemaError(f"episode must be a dict, TensorDict or pyarrow.RecordBatch, got {describe(data)}")

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_gae_args,
                               check_index_batches, check_int, check_metadata, check_name, check_priorities,
@@ -39,6 +38,9 @@ from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
 from arrowbuf.versions import attach_versions, check_fresh_iter, epochs_fresh, evict_older, sample_fresh
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class ExperienceStore:

@@ -48,14 +48,17 @@ its value estimators discount the bootstrap by gamma to that power).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
+from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.schema import FLAG_NAMES, Schema
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
 
 LAYOUTS = ("arrowbuf", "torchrl")
 # Root keys a collector writes that are not step data: the flags at t repeat the
@@ -85,7 +88,7 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None
         ValueError: ``td`` is not such a TensorDict.
         SchemaError: no done / terminated flags under ``"next"``, or no step data.
     """
-    if not isinstance(td, TensorDictBase) or td.batch_dims not in (1, 2) or "next" not in td.keys():
+    if not is_tensordict(td) or td.batch_dims not in (1, 2) or "next" not in td.keys():
         raise ValueError(f"extend takes what a TorchRL collector yields: a TensorDict of batch size [T] or "
                          f"[num_envs, T] with a 'next' entry (('next', 'observation'), ('next', 'reward'), "
                          f"('next', 'done'), ...), got {_describe_td(td)}; whole episodes as arrays go to "
@@ -189,7 +192,7 @@ def priorities_of(td: Any) -> tuple[Any, Any]:
     Raises:
         ValueError: ``td`` is not a TensorDict holding ``"index"`` and ``"td_error"``.
     """
-    if not isinstance(td, TensorDictBase) or "index" not in td.keys() or "td_error" not in td.keys():
+    if not is_tensordict(td) or "index" not in td.keys() or "td_error" not in td.keys():
         raise ValueError(f"update_tensordict_priority takes a sampled batch holding 'index' and a loss's "
                          f"'td_error', got {_describe_td(td)}; or call update_priorities(index, priority)")
     index = td.get("index")
@@ -400,7 +403,7 @@ def _nest(out: dict, key: Any, value: Any) -> None:
 
 
 def _describe_td(td: Any) -> str:
-    if isinstance(td, TensorDictBase):
+    if is_tensordict(td):
         return f"a TensorDict of batch size {list(td.batch_size)} with keys {sorted(map(str, td.keys()))}"
     if isinstance(td, Mapping):
         return f"a {type(td).__name__} with keys {sorted(map(str, td))}"

@@ -1,8 +1,9 @@
 """torch stays out of the processes that never make a tensor (`arrowbuf._lazy_torch`): a Ray
 shard actor serves writes, uniform draws, gathers shipped as payloads, exports and
-checkpoints without importing it (a prioritized draw imports it for its sum tree) (each actor is a new process, and torch was
-~0.9 CPU s of its start), and the dtype names that replace torch dtypes in gather specs
-give the same tensors as before."""
+checkpoints without importing it (each actor is a new process, and torch was ~0.9 CPU s
+of its start; a prioritized draw imports it for its sum tree). A local process that writes,
+saves, loads and exports never imports tensordict. The dtype names that replace torch
+dtypes in gather specs give the same tensors as before."""
 
 from __future__ import annotations
 
@@ -86,3 +87,36 @@ def test_dtype_names_name_the_torch_dtypes_and_their_sizes():
     assert ab.Field(torch.bfloat16).dtype == "bfloat16" and ab.Field(torch.bool).torch_dtype is torch.bool
     with pytest.raises(ab.SchemaError, match="unsupported dtype"):
         ab.Field(torch.complex64)
+
+
+LOCAL_WITHOUT_TENSORDICT = """
+import sys, tempfile, numpy as np
+import arrowbuf as ab
+root = tempfile.mkdtemp()
+store = ab.ExperienceStore(1000)
+episode = {"obs": np.zeros((11, 3), "float32"), "action": np.zeros(10, np.int64), "reward": np.ones(10, "float32"),
+           "terminated": np.arange(10) == 9, "truncated": np.zeros(10, bool)}
+store.add_episode(episode)
+store.add_episodes({k: np.stack([v, v]) for k, v in episode.items()})
+writer = store.writer(2, autoreset_mode="disabled")
+for t in range(5):
+    writer.add(obs=np.zeros((2, 3), "float32"), action=np.zeros(2, np.int64), reward=np.ones(2, "float32"),
+               terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=np.zeros((2, 3), "float32"))
+writer.flush()
+store.save(root + "/checkpoint")
+loaded = ab.ExperienceStore.load(root + "/checkpoint")
+store.to_parquet(root + "/export")
+imported = ab.ExperienceStore.from_parquet(root + "/export")
+assert len(loaded) == len(imported) == len(store) == 40 and store.episodes().num_rows == 5
+assert "tensordict" not in sys.modules, "writing, saving, loading or exporting imported tensordict"
+assert store.sample(4).batch_size == (4,) and "tensordict" in sys.modules
+print("ok")
+"""
+
+
+def test_a_process_that_writes_saves_loads_and_exports_never_imports_tensordict():
+    # tensordict costs ~1.8 CPU s on top of torch (torch._dynamo): a CLI run, a checkpoint
+    # load or a remote writer that never samples does not pay it; the first sample does.
+    done = subprocess.run([sys.executable, "-c", LOCAL_WITHOUT_TENSORDICT], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -40,17 +40,19 @@ scratch, straight from the blocks, in records) is this module's (`BlockGather._l
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._pool import SlotPool
 from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
 from arrowbuf.packing import pack_layout
 from arrowbuf.ray.block_reads import ROWWISE_BYTES, BlockReads
 from arrowbuf.schema import Schema
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 #: Bytes of one pooled buffer into which `sample_iter` gathers several batches of a

@@ -39,11 +39,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.block_reads import MAX_READ_BATCHES, READ_BYTES, BlockReads, order_reads
@@ -60,6 +59,8 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, select_indices
 from arrowbuf.schema import Schema
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
 PLAIN_LOOPS = 4
 LOST_RETRIES = 3   # fresh manifests read after meeting lost blocks, before giving up

@@ -32,12 +32,11 @@ from __future__ import annotations
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
-from tensordict import TensorDict
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
@@ -59,6 +58,9 @@ from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.versions import no_fresh
 from arrowbuf.tensors import make_tensordict, pinned
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class RayBackend:
