@@ -45,6 +45,12 @@ def is_tensordict(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def name_of(torch_dtype: torch.dtype) -> str:
+    """The name of a torch dtype (``torch.float32`` -> ``"float32"``), cached: a write reads it per field."""
+    return str(torch_dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=None)
 def dtype(name: str) -> torch.dtype:
     """The torch dtype named ``name`` (an arrowbuf dtype name or a numpy dtype's name)."""
     import torch

@@ -326,7 +326,6 @@ class StepWriter:
             self._sink.write_dropped(self._cut_dropped)
         elif not self._sink.closed:
             self._cut_dropped()
-            self._sink.dropped()
 
     def _cut_dropped(self) -> None:
         """A dropped writer's `flush`: what the store refuses (a full fixed store, the rate limiter) is logged as lost."""
@@ -334,6 +333,7 @@ class StepWriter:
         try:
             with self.lock:
                 _, too_long = self._cut_open()
+            self._sink.dropped()   # a Ray sink delivers on a thread of its own; a local one has written
         except (CapacityError, RateLimited):   # refused: it and the episodes after it stay pending
             pass
         except Exception:   # a finalizer cannot raise: say what became of the steps

@@ -112,7 +112,7 @@ def dtype_name(dtype: Any) -> str:
         SchemaError: the dtype has no arrowbuf equivalent.
     """
     if _lazy_torch.is_dtype(dtype):
-        name = str(dtype).removeprefix("torch.")
+        name = _lazy_torch.name_of(dtype)
     elif isinstance(dtype, str) and dtype in _DTYPES:
         name = dtype
     else:
@@ -161,7 +161,7 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
         tensor = tensor_on_cpu(value, f"field {name!r}")
         if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
             return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = _lazy_torch.name_of(tensor.dtype)
         if dtype not in _DTYPES:
             raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
         return tensor.numpy(), dtype

@@ -66,6 +66,9 @@ class EngineSink:
     def close(self) -> None:
         """Nothing to release."""
 
+    def dropped(self) -> None:
+        """Writes are synchronous: a dropped writer's are done (`write_dropped`)."""
+
     def write_dropped(self, work: Callable[[], None]) -> None:
         """Run ``work``, a dropped writer's last writes, which never wait for the rate limiter
         (refused at once: `ShardEngine._wait`): now, or, where this thread holds the engine's

@@ -91,6 +91,21 @@ STAGED_STORES = {"fixed": {"mode": "fixed"},
 
 
 @pytest.mark.parametrize("kind", list(STAGED_STORES))
+def test_a_staged_writer_dropped_each_rollout_fills_a_store_of_exactly_num_envs_x_t(kind):
+    # The size PPO users choose: capacity = num_envs x T, a new writer per rollout, dropped, clear() between.
+    store = ab.ExperienceStore(capacity=2 * 100, seed=0, **STAGED_STORES[kind])
+    for rollout in range(3):
+        w = store.writer(2, autoreset_mode="disabled")
+        for t in range(100):
+            step(w, 1000 * rollout, t)
+        del w
+        gc.collect()
+        assert len(store) == 200 and store.num_episodes == 2 and check_consistent(store) == 200
+        assert sorted(store.episodes().column("length").to_pylist()) == [100, 100]
+        store.clear()
+
+
+@pytest.mark.parametrize("kind", list(STAGED_STORES))
 def test_a_staged_writer_dropped_without_flush_keeps_every_step_it_wrote(kind):
     # mode="fixed" and a rate limiter stage a writer's episodes (nothing is written in place):
     # a dropped writer's open episodes were lost with it.
