@@ -29,8 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from arrowbuf.errors import CapacityError
-from arrowbuf.regions import MIN_REGION
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields

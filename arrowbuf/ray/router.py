@@ -50,7 +50,7 @@ from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import DroppedWriters, RaySink
-from arrowbuf.ray.start import find_shards, release_durable, start_shards
+from arrowbuf.ray.start import find_shards, release_durable
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
