@@ -94,8 +94,8 @@ def _cgroup_room() -> int | None:
 
 
 def arena_row_bytes(schema: Schema) -> int:
-    """Bytes one arena row takes: its fields plus `ROW_OVERHEAD`."""
-    return schema.field_bytes + ROW_OVERHEAD
+    """Bytes one arena row takes up front: its fields (an encoded one's address) plus `ROW_OVERHEAD`."""
+    return schema.stored_bytes + ROW_OVERHEAD
 
 
 def check_arena(schema: Schema, capacity: int) -> None:
@@ -111,7 +111,7 @@ def check_arena(schema: Schema, capacity: int) -> None:
     if available is None or needed <= available:
         return
     raise ResourceError(
-        f"capacity={capacity:,} rows of {row:,} bytes ({schema.field_bytes:,} of fields + {ROW_OVERHEAD} of index) "
+        f"capacity={capacity:,} rows of {row:,} bytes ({schema.stored_bytes:,} of fields + {ROW_OVERHEAD} of index) "
         f"need {_size(needed)}, but {_size(available)} of memory are available; use capacity <= "
         f"{available // row:,}, smaller rows (uint8 pixels, bfloat16), or a Ray store whose shards "
         "spread the capacity over several nodes")

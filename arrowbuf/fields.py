@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf import _lazy_torch
+from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import SchemaError, describe
 
 if TYPE_CHECKING:
@@ -62,15 +63,21 @@ class Field:
         derived: True for per-step columns the store computes (``advantage``,
             ``value_target`` of `ExperienceStore.compute_gae`): writes may leave
             them out, and they are zero until computed.
+        codec: store each row encoded (`arrowbuf.codecs`): ``"jpeg"``/``"jpeg:Q"``
+            (lossy; uint8 (H, W, C)), ``"png"``, ``"zstd"``/``"zstd:L"`` (lossless).
+            Rows are encoded when written and decoded when sampled; the field reads
+            as its decoded rows everywhere, and exports as Arrow ``binary``.
 
     Raises:
-        SchemaError: an unknown dtype or a shape with negative or non-integer sizes.
+        SchemaError: an unknown dtype or codec, a codec the dtype or shape cannot
+            take, or a shape with negative or non-integer sizes.
     """
 
     dtype: str
     shape: tuple[int, ...] = ()
     observation: bool = False
     derived: bool = False
+    codec: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -81,6 +88,19 @@ class Field:
         if any(s < 1 for s in shape):
             raise SchemaError(f"shape must have positive sizes, got {shape} (Arrow's fixed-shape tensors need them)")
         object.__setattr__(self, "shape", shape)
+        if self.codec is not None:
+            self.encoder   # checked now (names the fix); kept for the column
+
+    @property
+    def encoder(self) -> Any:
+        """The `arrowbuf.codecs.Codec` of an encoded field (None without ``codec``)."""
+        return None if self.codec is None else _encoder(self.codec, self.dtype, self.shape)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes an arena row of this field takes up front: `row_bytes`, or an encoded
+        field's 16 of address and size (its encoded bytes come as rows are written)."""
+        return 16 if self.codec is not None else self.row_bytes
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -98,11 +118,20 @@ class Field:
         return int(self.numpy_dtype.itemsize * np.prod(self.shape, dtype=np.int64))
 
     def arrow_type(self) -> pa.DataType:
-        """The Arrow type of this column."""
+        """The Arrow type of this column (``binary`` for an encoded one: the rows as stored)."""
+        if self.codec is not None:
+            return pa.binary()
         value_type = pa.bool_() if self.dtype == "bool" else pa.from_numpy_dtype(self.numpy_dtype)
         if not self.shape:
             return value_type
         return pa.fixed_shape_tensor(value_type, list(self.shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(codec: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    from arrowbuf.codecs import parse_codec
+
+    return parse_codec(codec, dtype, shape)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -206,6 +235,14 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
     bool columns are the exception: Arrow packs booleans into bits, so they are
     converted (1/8 of a byte per value).
     """
+    if field.codec is not None:   # the rows as stored, or rows to encode
+        if isinstance(array, EncodedRows):
+            return array.array
+        if isinstance(array, pa.Array):
+            return array
+        from arrowbuf.codecs import encode_rows
+
+        return pa.array(encode_rows(field.encoder, np.asarray(array, field.numpy_dtype)), pa.binary())
     flat = np.ascontiguousarray(array).reshape(-1)
     if field.dtype == "bool":
         values = pa.array(flat, pa.bool_())
@@ -220,7 +257,7 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
 def export_type(field: Field) -> pa.DataType:
     """The Arrow type of ``field`` in a Parquet export: its `Field.arrow_type`, with
     bfloat16 widened to float32 (every bf16 value is a float32: its top 16 bits)."""
-    if field.dtype != "bfloat16":
+    if field.dtype != "bfloat16" or field.codec is not None:
         return field.arrow_type()
     return pa.fixed_shape_tensor(pa.float32(), list(field.shape)) if field.shape else pa.float32()
 
@@ -229,6 +266,8 @@ def export_array(field: Field, stored: pa.Array) -> pa.Array:
     """Rows of ``field`` as stored (scalars, or a ``fixed_size_list`` of the flattened
     shape; bfloat16 as uint16 bits) in the `export_type` encoding. Zero-copy but for
     bfloat16, whose float32 values are a new array twice its size."""
+    if field.codec is not None:
+        return stored
     if field.dtype == "bfloat16":
         bits = (stored.flatten() if field.shape else stored).to_numpy(zero_copy_only=False)
         words = bits.astype(np.uint32)
@@ -263,6 +302,8 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     Raises:
         SchemaError: naming the field, the value received and what was expected.
     """
+    if isinstance(array, EncodedRows):   # rows already encoded by the field's codec (imports)
+        return
     if array.ndim < leading:
         raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
                           f"before the per-step shape {field.shape}")

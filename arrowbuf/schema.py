@@ -62,6 +62,8 @@ _OBSERVATION_SUFFIXES = ("_obs", "_observation", "_pixels", "_image", "_rgb", "_
 
 _ROLE_KEY = b"arrowbuf.role"
 _DTYPE_KEY = b"arrowbuf.dtype"
+_CODEC_KEY = b"arrowbuf.codec"
+_SHAPE_KEY = b"arrowbuf.shape"
 SCHEMA_VERSION = "1"
 
 #: Field specs of the system columns.
@@ -208,6 +210,11 @@ class Schema:
         return sum(f.row_bytes for f in self.fields.values())
 
     @functools.cached_property
+    def stored_bytes(self) -> int:
+        """Bytes one row of the user fields takes up front in an arena (`Field.stored_bytes`)."""
+        return sum(f.stored_bytes for f in self.fields.values())
+
+    @functools.cached_property
     def observation_bytes(self) -> int:
         """Bytes one row of the observation fields takes."""
         return sum(self.fields[name].row_bytes for name in self.observation_names)
@@ -224,7 +231,8 @@ class Schema:
         parts = []
         for name, f in self.fields.items():
             shape = f"{list(f.shape)}" if f.shape else ""
-            parts.append(f"{name}: {f.dtype}{shape}{' (obs)' if f.observation else ''}")
+            codec = f" {f.codec}" if f.codec else ""
+            parts.append(f"{name}: {f.dtype}{shape}{codec}{' (obs)' if f.observation else ''}")
         return "Schema(" + ", ".join(parts) + ")"
 
     # -- Arrow ------------------------------------------------------------------
@@ -234,8 +242,11 @@ class Schema:
         fields = []
         for name, f in self.fields.items():
             meta = {_ROLE_KEY: b"observation" if f.observation else b"derived" if f.derived else b"step"}
-            if f.dtype == "bfloat16":
-                meta[_DTYPE_KEY] = b"bfloat16"
+            if f.dtype == "bfloat16" or f.codec is not None:
+                meta[_DTYPE_KEY] = f.dtype.encode()
+            if f.codec is not None:   # a binary column of encoded rows: the codec and the decoded shape
+                meta[_CODEC_KEY] = f.codec.encode()
+                meta[_SHAPE_KEY] = json.dumps(list(f.shape)).encode()
             fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata=meta))
         if system:
             for name, f in SYSTEM_SPECS.items():
@@ -255,6 +266,9 @@ class Schema:
             if meta.get(_ROLE_KEY) == b"system" or field.name in SYSTEM_FIELDS:
                 continue
             observation = meta.get(_ROLE_KEY) == b"observation"
+            if _CODEC_KEY in meta:
+                fields[field.name] = _encoded_field(field, meta, observation)
+                continue
             arrow_type = field.type
             shape: tuple[int, ...] = ()
             if isinstance(arrow_type, pa.FixedShapeTensorType):
@@ -282,13 +296,16 @@ class Schema:
     @functools.cached_property
     def _json(self) -> str:
         """`to_json`, encoded once (Ray writers send it with every request)."""
-        return json.dumps({n: [f.dtype, list(f.shape), f.observation, *([True] if f.derived else [])]
+        return json.dumps({n: [f.dtype, list(f.shape), f.observation,
+                               *([f.derived, {"codec": f.codec}] if f.codec else [True] if f.derived else [])]
                            for n, f in self.fields.items()})
 
     @classmethod
     def from_json(cls, text: str) -> "Schema":
-        """The schema of `to_json` (a 4th entry per field, when present, marks it derived)."""
-        return cls(unflatten({n: Field(spec[0], tuple(spec[1]), *spec[2:]) for n, spec in json.loads(text).items()}))
+        """The schema of `to_json` (a 4th entry per field, when present, marks it derived; a 5th
+        holds its codec)."""
+        return cls(unflatten({n: Field(spec[0], tuple(spec[1]), *spec[2:4], **(spec[4] if len(spec) > 4 else {}))
+                              for n, spec in json.loads(text).items()}))
 
     # -- inference and checks ------------------------------------------------------
 
@@ -390,6 +407,25 @@ def _as_code(node: Any) -> str:
     if isinstance(node, str):
         return node
     return "{" + ", ".join(f"{key!r}: {_as_code(value)}" for key, value in node.items()) + "}"
+
+
+def _encoded_field(field: pa.Field, meta: Mapping[bytes, bytes], observation: bool) -> Field:
+    """The field of a ``binary`` column of encoded rows (`Schema.to_arrow`'s metadata).
+
+    Raises:
+        SchemaError: naming the column, for another type or metadata that is not a field's.
+    """
+    try:
+        if not (pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)):
+            raise SchemaError(f"type {field.type}; an encoded field is a binary column")
+        shape = json.loads(meta[_SHAPE_KEY].decode())
+        if not isinstance(shape, list):
+            raise SchemaError(f"shape {shape!r} is not a list")
+        return Field(meta.get(_DTYPE_KEY, b"uint8").decode(), tuple(shape), observation,
+                     meta.get(_ROLE_KEY) == b"derived", meta[_CODEC_KEY].decode())
+    except (SchemaError, KeyError, ValueError, TypeError, UnicodeDecodeError) as err:
+        raise SchemaError(f"column {field.name!r} is an encoded field whose metadata does not describe one: "
+                          f"{err}") from None
 
 
 def _as_field(spec: Any, name: str) -> Field:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf.encoded import EncodedColumn, EncodedRows
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
@@ -210,8 +211,11 @@ class Shard:
 
     # -- the columns (a subclass keeps them elsewhere: `arrowbuf.arena.TorchShard`) ------
 
-    def new_column(self, spec: Any, zero: bool) -> np.ndarray:
-        """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``)."""
+    def new_column(self, spec: Any, zero: bool) -> np.ndarray | EncodedColumn:
+        """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``); an
+        `EncodedColumn` for an encoded field (``codec=``: its rows start zero)."""
+        if spec.codec is not None:
+            return EncodedColumn(spec.encoder, self.rows, spec.numpy_dtype)
         return arena_column((self.rows, *spec.shape), spec.numpy_dtype, zero=zero)
 
     def new_packed(self, fields: Mapping[str, Any]) -> tuple[np.ndarray | None, dict[str, int]]:
@@ -248,7 +252,7 @@ class Shard:
         column = self.arena[name]
         if not len(rows):
             return
-        if type(values) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
+        if type(values) is np.ndarray and type(column) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
                 and values.flags.c_contiguous and column.flags.c_contiguous and values.shape[1:] == column.shape[1:]:
             # Whole rows as opaque items: numpy copies each with one memcpy, where a fancy
             # assignment of uint16[6, 112, 112] rows copies element by element (2-3x slower).
@@ -269,6 +273,14 @@ class Shard:
         """Rows ``[start, stop)`` of column ``name`` in host memory (numpy; bfloat16 as
         uint16 bits): a view of this arena."""
         return self.arena[name][start:stop]
+
+    def stored_rows(self, name: str, start: int, stop: int) -> np.ndarray | EncodedRows:
+        """Rows ``[start, stop)`` of column ``name`` as stored: `host_rows`, or an encoded
+        field's bytes (`EncodedRows`, what exports and checkpoints write)."""
+        column = self.arena[name]
+        if type(column) is EncodedColumn:
+            return EncodedRows(column.encoded(start, stop))
+        return self.host_rows(name, start, stop)
 
     def reader(self, name: str) -> Any:
         """Column ``name`` for reads by host index arrays (``reader(name)[rows]`` is numpy)."""
@@ -548,7 +560,7 @@ class Shard:
         local = np.arange(total, dtype=np.int64) - starts
         step = local + np.repeat(table.col("first_step")[first:stop], num_rows) if table.pieces else local
         step = step.astype(np.int32)   # within the episode (a piece that continues one starts past 0)
-        columns = {name: self.host_rows(name, start, start + total) for name in self.schema.fields}
+        columns = {name: self.stored_rows(name, start, start + total) for name in self.schema.fields}
         columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
         columns["step"] = step
         columns["is_first"] = step == 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
@@ -209,11 +209,17 @@ class Gather:
             # per packed group (its records); a loop over `plan` that tells them apart and
             # looks up ``take`` per entry cost ~1 us of a W1 sample. Default next
             # observations (``next_rows`` None) take the step rows of the column shifted by one.
-            fields = [(i, source[1:].take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
+            fields = [(i, _shifted(source).take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
                       for i, (source, role) in enumerate(layout.plan) if role >= 0 and i not in layout.packed]
             return tuple(fields + [(region, block.take, role) for block, role, region in layout.records])
 
         return plan_layout(self._fields, shapes, keys, every_extra, pack, takes)
+
+
+def _shifted(source: Any) -> Any:
+    """``source`` read one row on: a numpy column's view from row 1, or an encoded column's
+    `arrowbuf.encoded.Shifted` (its rows are decoded by the take, never sliced)."""
+    return source[1:] if type(source) is np.ndarray else source.shifted(1)
 
 
 def take_fields(layout: Layout, outs: list[np.ndarray], by_role: tuple) -> None:
