@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._version import __version__
+from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import Field, arrow_to_numpy, narrow_bfloat16, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
@@ -43,7 +44,7 @@ from arrowbuf.shard import position_runs
 
 logger = logging.getLogger("arrowbuf")
 
-ROLE, DTYPE, SHAPE = b"arrowbuf.role", b"arrowbuf.dtype", b"arrowbuf.shape"
+ROLE, DTYPE, SHAPE, CODEC = b"arrowbuf.role", b"arrowbuf.dtype", b"arrowbuf.shape", b"arrowbuf.codec"
 EXPORT_MANIFEST = "_arrowbuf.json"        # of a Parquet export (arrowbuf.parquet)
 CHECKPOINT_MANIFEST = "manifest.json"     # of a checkpoint (arrowbuf.checkpoint)
 SCHEMA_KEY = b"arrowbuf.schema"
@@ -72,6 +73,8 @@ def plain_field(name: str, spec: Field, role: str) -> pa.Field:
     value = pa.bool_() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
     arrow_type = pa.list_(value, int(np.prod(spec.shape, dtype=np.int64))) if spec.shape else value
     meta = {ROLE: role.encode(), DTYPE: spec.dtype.encode(), SHAPE: json.dumps(list(spec.shape)).encode()}
+    if spec.codec is not None:   # the rows as stored: their bytes
+        arrow_type, meta[CODEC] = pa.binary(), spec.codec.encode()
     return pa.field(name, arrow_type, nullable=False, metadata=meta)
 
 
@@ -85,7 +88,10 @@ def plain_schema(schema: Schema, metadata: Mapping[str, str] | None = None) -> p
 
 
 def plain_array(spec: Field, data: np.ndarray) -> pa.Array:
-    """An Arrow array of rows of ``spec`` in the plain layout; zero-copy except for bools."""
+    """An Arrow array of rows of ``spec`` in the plain layout; zero-copy except for bools
+    (an encoded field's rows: their bytes, `EncodedRows`)."""
+    if spec.codec is not None:
+        return numpy_to_arrow(spec, data)
     values = numpy_to_arrow(Field(spec.dtype), np.ascontiguousarray(data).reshape(-1))
     if not spec.shape:
         return values
@@ -155,13 +161,29 @@ def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str)
             not bfloat16 values.
     """
     try:
-        columns = {name: arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
+        columns = {name: encoded_rows(batch.column(name), spec, name) if spec.codec is not None
+                   else arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
         for name, spec in specs.items():
             if spec.dtype == "bfloat16" and columns[name].dtype == np.float32:
                 columns[name] = narrow_bfloat16(columns[name], name)
         return columns
-    except SchemaError as err:
+    except (SchemaError, FormatError) as err:
         raise FormatError(f"{where}: {err}") from None
+
+
+def encoded_rows(column: pa.Array, spec: Field, name: str) -> EncodedRows:
+    """The rows of an encoded field's ``binary`` column, as stored (decoded when gathered).
+
+    Raises:
+        SchemaError: another type, or nulls.
+    """
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        raise SchemaError(f"field {name!r} is encoded: a binary column, got {column.type}")
+    if column.null_count:
+        raise SchemaError(f"field {name!r} has {column.null_count} nulls; arrowbuf columns have none")
+    rows = EncodedRows(column, spec.encoder)
+    rows.check(name)
+    return rows
 
 
 # -- row snapshots ---------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 from arrowbuf._bounds import check_arena
 from arrowbuf._checks import tensor_to_numpy
 from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
-from arrowbuf.errors import ResourceError
+from arrowbuf.errors import ResourceError, SchemaError
 from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.schema import Schema
@@ -159,6 +159,11 @@ class TorchShard(Shard):
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
+        encoded = [name for name, f in schema.fields.items() if f.codec is not None]
+        if encoded:
+            raise SchemaError(f"fields {encoded} are encoded (codec=); a store with a storage_device keeps raw "
+                              "tensors. Leave storage_device=None (rows encoded in host memory) and sample with "
+                              "device='cuda' to move batches to the GPU")
         if device.type == "cuda":
             check_device_memory(schema, capacity, device)
         else:

@@ -36,8 +36,8 @@ _SHIFT = 32
 class ByteHeap:
     """Rows of bytes in chunks: `append`, `view`, `release`; ``live`` and ``allocated`` bytes."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, chunk_bytes: int | None = None) -> None:
+        self.chunk_bytes = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
         self._chunks: dict[int, np.ndarray] = {}
         self._live: dict[int, int] = {}
         self._current = -1          # the chunk being filled

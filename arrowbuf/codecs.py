@@ -95,8 +95,18 @@ class Codec:
         the bytes are not one such row."""
         raise NotImplementedError
 
+    def check(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Raise `FormatError` when ``data`` is plainly not a whole row of this codec: a header
+        of another shape, a truncated end (a few microseconds: what rows written elsewhere,
+        such as an import's, get before they are stored; a decode finds the rest)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+    def __reduce__(self) -> tuple:
+        # A codec holds its library's module: it pickles (a Ray block's rows) as what makes it.
+        return parse_codec, (self.spec, self.dtype, self.shape)
 
 
 class Jpeg(Codec):
@@ -112,6 +122,16 @@ class Jpeg(Codec):
     def encode(self, row: np.ndarray) -> bytes:
         return self._lib.encode_jpeg(np.ascontiguousarray(row), quality=self.quality, colorspace=self._colorspace,
                                      colorsubsampling="420" if self._colorspace == "RGB" else "Gray")
+
+    def check(self, data: bytes | memoryview | np.ndarray) -> None:
+        data = bytes(data)
+        try:
+            height, width, _, _ = self._lib.decode_jpeg_header(data)
+        except (ValueError, RuntimeError) as err:
+            raise FormatError(f"not a JPEG: {err}") from None
+        whole = data.endswith(b"\xff\xd9")   # the end-of-image marker
+        if (height, width) != self.shape[:2] or not whole:
+            raise FormatError(f"a {height}x{width} JPEG{'' if whole else ' cut short'}; the field's rows are {self.shape}")
 
     def decode(self, data: bytes | memoryview, out: np.ndarray) -> None:
         try:
@@ -139,6 +159,15 @@ class Png(Codec):
         buffer = io.BytesIO()
         image.save(buffer, format="PNG", compress_level=1)
         return buffer.getvalue()
+
+    def check(self, data: bytes | memoryview | np.ndarray) -> None:
+        data = bytes(data)
+        if not data.startswith(b"\x89PNG\r\n\x1a\n") or data[12:16] != b"IHDR" or len(data) < 24:
+            raise FormatError("not a PNG")
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        whole = data.endswith(b"IEND\xaeB`\x82")   # the last chunk
+        if (height, width) != self.shape[:2] or not whole:
+            raise FormatError(f"a {height}x{width} PNG{'' if whole else ' cut short'}; the field's rows are {self.shape}")
 
     def decode(self, data: bytes | memoryview, out: np.ndarray) -> None:
         try:
@@ -168,6 +197,15 @@ class Zstd(Codec):
 
     def encode(self, row: np.ndarray) -> bytes:
         return self._contexts()[0].compress(np.ascontiguousarray(row).view(np.uint8).reshape(-1))
+
+    def check(self, data: bytes | memoryview | np.ndarray) -> None:
+        expected = int(np.prod(self.shape)) * (2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize)
+        try:
+            size = self._lib.frame_content_size(bytes(data))
+        except self._lib.ZstdError as err:
+            raise FormatError(f"not a zstd frame: {err}") from None
+        if size != expected:
+            raise FormatError(f"a zstd frame of {size} bytes; a row of shape {self.shape} has {expected}")
 
     def decode(self, data: bytes | memoryview, out: np.ndarray) -> None:
         target = out.view(np.uint8).reshape(-1)

@@ -31,6 +31,49 @@ from arrowbuf.codecs import Codec, encode_rows, map_rows
 from arrowbuf.errors import FormatError
 
 
+def decode_rows(codec: Codec, blobs: list, rows: np.ndarray, names: np.ndarray, field: str = "") -> None:
+    """Decode ``blobs`` (a row's bytes each; empty: a zero row) into ``rows`` (one per blob) on
+    the codec pool.
+
+    Raises:
+        FormatError: naming ``field`` and the row (``names[i]``) whose bytes do not decode to a row.
+    """
+    decode = codec.decode
+
+    def work(i: int) -> None:
+        if len(blobs[i]):
+            try:
+                decode(blobs[i], rows[i])
+            except FormatError as err:
+                raise FormatError(f"{f'field {field!r}, ' if field else ''}row {int(names[i])} (encoded by "
+                                  f"{codec.spec!r}): {err}") from None
+        else:
+            rows[i] = 0
+
+    map_rows(work, len(blobs))
+
+
+def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row_shape: tuple, dtype: np.dtype,
+               fill: Any) -> np.ndarray:
+    """``np.take``'s contract for a column of ``length`` rows whose ``fill(flat rows, out rows)``
+    decodes rows: indices of any shape, ``out`` of ``indices.shape + row_shape``, "clip" or "raise"."""
+    indices = np.asarray(indices)
+    flat = indices.reshape(-1).astype(np.int64, copy=False)
+    if mode == "clip":
+        flat = np.clip(flat, 0, length - 1)
+    elif flat.size and (flat.min() < -length or flat.max() >= length):
+        raise IndexError(f"row index out of range for a column of {length} rows")
+    else:
+        flat = np.where(flat < 0, flat + length, flat)
+    if out is None:
+        out = np.empty((*indices.shape, *row_shape), dtype)
+    target = out if out.flags.c_contiguous else np.empty(out.shape, dtype)
+    fill(flat, target.reshape(len(flat), *row_shape))
+    if target is not out:
+        out[...] = target
+    return out
+
+
 class EncodedColumn:
     """``rows`` rows of a field encoded by ``codec``, read and written as numpy rows of ``dtype``.
 
@@ -50,6 +93,7 @@ class EncodedColumn:
         self.addr = np.zeros(rows, np.int64)
         self.size = np.zeros(rows, np.int64)
         self.heap = ByteHeap()
+        self.name = ""   # the field's, for errors (set by its shard)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -70,7 +114,7 @@ class EncodedColumn:
     def __setitem__(self, key: Any, value: Any) -> None:
         """Encode ``value`` (rows, or one row or scalar for every row of ``key``) into the rows ``key``."""
         rows = self._rows(key)
-        if isinstance(value, EncodedRows):
+        if isinstance(value, EncodedRows) and value.codec.spec == self.codec.spec:
             self.put_encoded(rows, value)
             return
         if np.isscalar(value) and value == 0:
@@ -123,32 +167,12 @@ class EncodedColumn:
         Raises:
             FormatError: a row's bytes do not decode to a row of this field (damaged data).
         """
-        indices = np.asarray(indices)
-        flat = indices.reshape(-1).astype(np.int64, copy=False)
-        if mode == "clip":
-            flat = np.clip(flat, 0, len(self) - 1)
-        elif flat.size and (flat.min() < -len(self) or flat.max() >= len(self)):
-            raise IndexError(f"row index out of range for a column of {len(self)} rows")
-        if out is None:
-            out = np.empty((*indices.shape, *self.row_shape), self.dtype)
-        target = out if out.flags.c_contiguous else np.empty(out.shape, self.dtype)
-        rows = target.reshape(len(flat), *self.row_shape)
-        addr, size = self.addr[flat].tolist(), self.size[flat].tolist()
-        view, decode = self.heap.view, self.codec.decode
+        def fill(flat: np.ndarray, rows: np.ndarray) -> None:
+            view = self.heap.view
+            blobs = [view(a, n) if n else b"" for a, n in zip(self.addr[flat].tolist(), self.size[flat].tolist())]
+            decode_rows(self.codec, blobs, rows, flat, self.name)
 
-        def work(i: int) -> None:
-            if size[i]:
-                try:
-                    decode(view(addr[i], size[i]), rows[i])
-                except FormatError as err:
-                    raise FormatError(f"row {int(flat[i])} of an encoded field ({self.codec.spec}): {err}") from None
-            else:
-                rows[i] = 0
-
-        map_rows(work, len(flat))
-        if target is not out:
-            out[...] = target
-        return out
+        return _take_into(len(self), indices, out, mode, self.row_shape, self.dtype, fill)
 
     def shifted(self, by: int) -> "Shifted":
         """This column read ``by`` rows on (what ``column[1:]`` is to a numpy column's take)."""
@@ -181,30 +205,87 @@ class Shifted:
 
 
 class EncodedRows:
-    """Rows already encoded by a field's codec: an Arrow ``binary`` array, written as it is
-    into an `EncodedColumn` (an import or a checkpoint of an encoded field)."""
+    """Rows encoded by ``codec``: an Arrow ``binary`` array (an import, a checkpoint, an episode
+    read back). An `EncodedColumn` of the same codec stores the bytes as they are; anything
+    else reads them decoded (``np.asarray(rows)``: numpy's ``__array__``)."""
 
-    def __init__(self, array: pa.Array | pa.ChunkedArray) -> None:
+    def __init__(self, array: pa.Array | pa.ChunkedArray, codec: Codec) -> None:
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks()
-        self.array = array
+        self.array, self.codec = array, codec
+        self._rows: list | None = None
+        self.dtype = np.dtype(np.uint16 if codec.dtype == "bfloat16" else codec.dtype)
 
     def __len__(self) -> int:
         return len(self.array)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self.array),)
+        return (len(self.array), *self.codec.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 1 + len(self.codec.shape)
 
     def __getitem__(self, key: Any) -> "EncodedRows":
         if isinstance(key, slice):
-            return EncodedRows(self.array[key])
-        return EncodedRows(self.array.take(pa.array(np.asarray(key).reshape(-1))))
+            return EncodedRows(self.array[key], self.codec)
+        key = np.asarray(key).reshape(-1)
+        return EncodedRows(self.array.take(pa.array(np.flatnonzero(key) if key.dtype == bool else key)), self.codec)
 
     def rows(self) -> list:
-        """Each row's bytes (views of the array's buffer)."""
+        """Each row's bytes (views of the array's buffer; made once)."""
+        if self._rows is not None:
+            return self._rows
         array = self.array.cast(pa.binary()) if not pa.types.is_binary(self.array.type) else self.array
         offsets = np.frombuffer(array.buffers()[1], np.int32)[array.offset:array.offset + len(array) + 1]
         data = array.buffers()[2]
         values = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
-        return [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        self._rows = [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        return self._rows
+
+    def __getstate__(self) -> dict:
+        return {"array": self.array, "codec": self.codec, "dtype": self.dtype, "_rows": None}
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def check(self, field: str) -> None:
+        """`Codec.check` every row (rows written elsewhere, before they are stored).
+
+        Raises:
+            FormatError: naming ``field`` and the first row that is not one of its codec.
+        """
+        for i, blob in enumerate(self.rows()):
+            if len(blob):
+                try:
+                    self.codec.check(blob)
+                except FormatError as err:
+                    raise FormatError(f"field {field!r}, row {i}: {err} (encoded by {self.codec.spec!r})") from None
+
+    def take(self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "raise") -> np.ndarray:
+        """Decode rows ``indices`` into ``out``, as `EncodedColumn.take` (a Ray block's column).
+
+        Raises:
+            FormatError: a row's bytes do not decode (naming it).
+        """
+        def fill(flat: np.ndarray, rows: np.ndarray) -> None:
+            blobs = self.rows()
+            decode_rows(self.codec, [blobs[i] for i in flat.tolist()], rows, flat)
+
+        return _take_into(len(self), indices, out, mode, self.codec.shape, self.dtype, fill)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The decoded rows.
+
+        Raises:
+            FormatError: a row that does not decode (naming it).
+        """
+        out = self.take(np.arange(len(self)))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    @staticmethod
+    def concat(parts: list["EncodedRows"]) -> "EncodedRows":
+        """The rows of ``parts`` (of one codec) one after another."""
+        return parts[0] if len(parts) == 1 else EncodedRows(pa.concat_arrays([p.array for p in parts]), parts[0].codec)

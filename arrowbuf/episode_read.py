@@ -17,6 +17,7 @@ import pyarrow as pa
 from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
+from arrowbuf.encoded import EncodedRows
 from arrowbuf.fields import arrow_to_numpy, as_array
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
 from arrowbuf.shard import Episode
@@ -59,8 +60,10 @@ def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]
     has_final = (batch.schema.metadata or {}).get(b"arrowbuf.has_final") == b"1"
     columns = {}
     for name in user:
-        array = arrow_to_numpy(batch.column(name), name)
         spec = schema.fields[name]
+        # An encoded field's rows as stored: a store of the same codec keeps their bytes.
+        array = EncodedRows(batch.column(name), spec.encoder) if spec.codec is not None \
+            else arrow_to_numpy(batch.column(name), name)
         if has_final and not spec.observation:
             array = array[:-1]
         columns[name] = (array, spec.dtype)

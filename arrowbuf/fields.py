@@ -302,20 +302,20 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     Raises:
         SchemaError: naming the field, the value received and what was expected.
     """
-    if isinstance(array, EncodedRows):   # rows already encoded by the field's codec (imports)
-        return
+    if isinstance(array, EncodedRows):   # rows encoded elsewhere (an import, an episode read back)
+        array.check(name)
     if array.ndim < leading:
         raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
                           f"before the per-step shape {field.shape}")
     if tuple(array.shape[leading:]) != field.shape:
         raise SchemaError(f"field {name!r}: per-step shape {tuple(array.shape[leading:])} "
                           f"(from {describe(array)}); expected {field.shape}")
-    received = dtype or array.dtype.name
+    received = dtype or _NUMPY_NAMES.get(array.dtype) or array.dtype.name
     if not dtype_fits(received, field.dtype):
         raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
                           "(or a dtype that casts to it without loss)")
     limit = exact_int_limit(received, field.dtype)
-    if limit is not None and (array.size if isinstance(array, np.ndarray) else array.numel()):   # numpy or torch
+    if limit is not None and not isinstance(array, EncodedRows) and (array.size if isinstance(array, np.ndarray) else array.numel()):   # numpy or torch
         low, high = int(array.min()), int(array.max())
         if low < -limit or high > limit:
             bad = high if high > limit else low

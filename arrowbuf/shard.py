@@ -153,6 +153,9 @@ class Shard:
         self.packed, self._pack_offsets = self.new_packed(schema.fields)
         self.arena = {name: self._packed_column(name, f) if name in self._pack_offsets
                       else self.new_column(f, zero=False) for name, f in schema.fields.items()}
+        for name, column in self.arena.items():
+            if type(column) is EncodedColumn:
+                column.name = name   # named in its errors
         # Packed vector fields as one opaque item per row, what `write_rows` copies into.
         self._items = {name: column_view(self.packed, offset, item_dtype(f.numpy_dtype, f.shape), ())
                        for name, offset in self._pack_offsets.items()
@@ -279,7 +282,7 @@ class Shard:
         field's bytes (`EncodedRows`, what exports and checkpoints write)."""
         column = self.arena[name]
         if type(column) is EncodedColumn:
-            return EncodedRows(column.encoded(start, stop))
+            return EncodedRows(column.encoded(start, stop), column.codec)
         return self.host_rows(name, start, stop)
 
     def reader(self, name: str) -> Any:

@@ -217,9 +217,10 @@ class Gather:
 
 
 def _shifted(source: Any) -> Any:
-    """``source`` read one row on: a numpy column's view from row 1, or an encoded column's
+    """``source`` read one row on: a numpy (or torch) column's view from row 1, or an encoded column's
     `arrowbuf.encoded.Shifted` (its rows are decoded by the take, never sliced)."""
-    return source[1:] if type(source) is np.ndarray else source.shifted(1)
+    shifted = getattr(source, "shifted", None)
+    return source[1:] if shifted is None else shifted(1)
 
 
 def take_fields(layout: Layout, outs: list[np.ndarray], by_role: tuple) -> None:

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from arrowbuf._version_spans import VERSION, episode_bounds
+from arrowbuf.encoded import EncodedRows
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ResourceError
 from arrowbuf.ray.options import ray_module
@@ -353,8 +354,10 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
     runs = position_runs(first_row, num_rows)
     columns = {}
     for name in shard.schema.fields:   # numpy views of a host arena (a device arena's are copies)
-        parts = [shard.host_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
-        columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)   # ray.put copies once
+        # An encoded field's rows as stored (`EncodedRows`): readers decode them when they gather.
+        parts = [shard.stored_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
+        columns[name] = parts[0] if len(parts) == 1 else EncodedRows.concat(parts) \
+            if isinstance(parts[0], EncodedRows) else np.concatenate(parts)   # ray.put copies once
     ray = ray_module()
     return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b, columns.get(VERSION))), first_serial, b - a, int(num_rows.sum()),
                      sum(c.nbytes for c in columns.values()))
@@ -379,8 +382,8 @@ def block_columns(episode: Episode, schema: Schema) -> dict[str, np.ndarray] | N
     padded with a zero row, as the arena pads it), or None when it would need a
     conversion (a derived field, another dtype, not numpy): such an episode is copied by
     its shard instead. Only small step fields are copied; observations are the episode's."""
-    if len(episode.columns) != len(schema.fields):
-        return None
+    if len(episode.columns) != len(schema.fields) or any(f.codec is not None for f in schema.fields.values()):
+        return None   # (an encoded field's rows are encoded by the shard)
     rows = episode.num_rows
     columns = {}
     for name, spec in schema.fields.items():
@@ -420,10 +423,10 @@ def check_object_store(rows: int, schema: Schema) -> None:
     Raises:
         ResourceError: naming the bytes of the ring and of the object store, and the fix.
     """
-    ring = rows * schema.field_bytes
+    ring = rows * schema.stored_bytes
     store = ray_module().cluster_resources().get("object_store_memory")
     if store is not None and ring > store:
         raise ResourceError(
-            f"a full store of {rows:,} rows of {schema.field_bytes:,} bytes keeps {ring / 2**30:,.2f} GiB of "
+            f"a full store of {rows:,} rows of {schema.stored_bytes:,} bytes keeps {ring / 2**30:,.2f} GiB of "
             f"sealed blocks in Ray's object store, which holds {store / 2**30:,.2f} GiB: use a smaller "
             "capacity, or start Ray with a larger object_store_memory")

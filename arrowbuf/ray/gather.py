@@ -170,7 +170,8 @@ class BlockGather:
             for i, ((source, role), (_, _, _, size, shape)) in enumerate(zip(layout.plan, layout.slot.leaves)):
                 if i in layout.packed:
                     how.append("packed")
-                elif role >= 0 and len(shapes[role]) == 1 and size >= self.rowwise_bytes * max(shape[0], 1):
+                elif role >= 0 and len(shapes[role]) == 1 and size >= self.rowwise_bytes * max(shape[0], 1) \
+                        and self.fields[source].codec is None:   # encoded rows are decoded by a take
                     how.append("rowwise")
                 else:
                     how.append("take")

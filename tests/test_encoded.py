@@ -1,0 +1,275 @@
+"""Encoded fields (``ab.Field(..., codec=...)``): rows stored encoded, read and sampled decoded.
+
+Frames are crops of a real photograph (matplotlib's bundled ``grace_hopper.jpg``) that pan like a
+camera. Lossless codecs are compared with the raw store element by element on every path; JPEG by
+its PSNR and its size.
+"""
+
+from __future__ import annotations
+
+import glob
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf import byte_heap
+from arrowbuf.byte_heap import ByteHeap
+from arrowbuf.errors import FormatError, SchemaError
+
+pytest.importorskip("simplejpeg")
+pytest.importorskip("zstandard")
+
+SIDE = 48
+
+
+@pytest.fixture(scope="module")
+def photo():
+    from matplotlib import cbook
+    from PIL import Image
+
+    with Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def frames(photo, episode: int, count: int, side: int = SIDE) -> np.ndarray:
+    """``count`` crops that pan across the photo, from a start of the episode's own."""
+    assert count <= 60
+    y0, x0 = (37 * episode) % (photo.shape[0] - side - 180), (53 * episode) % (photo.shape[1] - side - 120)
+    return np.stack([photo[y0 + 3 * t:y0 + 3 * t + side, x0 + 2 * t:x0 + 2 * t + side] for t in range(count)])
+
+
+def schema(codec: str | None, side: int = SIDE) -> dict:
+    return {"obs": ab.Field("uint8", (side, side, 3), observation=True, codec=codec), "action": ab.Field("int64"),
+            "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
+
+
+def episode(photo, e: int, steps: int) -> dict:
+    return {"obs": frames(photo, e, steps + 1), "action": np.arange(steps) + 100 * e,
+            "reward": np.full(steps, e, np.float32), "terminated": np.r_[np.zeros(steps - 1, bool), True],
+            "truncated": np.zeros(steps, bool)}
+
+
+def filled(photo, codec: str | None, capacity: int = 400, lengths=(30, 12, 41, 25), seed: int = 0) -> ab.ExperienceStore:
+    store = ab.ExperienceStore(capacity=capacity, schema=schema(codec), seed=seed)
+    for e, steps in enumerate(lengths):
+        store.add_episode(episode(photo, e, steps))
+    return store
+
+
+def expected_obs(photo, batch, shift: int = 0) -> np.ndarray:
+    """The frames written for the batch's transitions, known by their action (100 x episode + step)."""
+    action = batch["action"].numpy()
+    return np.stack([frames(photo, e, s + shift + 1)[s + shift] for e, s in zip((action // 100).tolist(),
+                                                                                (action % 100).tolist())])
+
+
+def encoded_column(store: ab.ExperienceStore, name: str = "obs"):
+    return store.engine.shard.arena[name]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd:9", "png"])
+def test_lossless_codecs_sample_exactly_what_the_raw_store_samples_with_every_lookup(photo, codec):
+    raw, coded = filled(photo, None), filled(photo, codec)
+    for kwargs in ({}, {"n_step": 3, "gamma": 0.9}, {"frame_stack": 3}):
+        a, b = raw.sample(64, **kwargs), coded.sample(64, **kwargs)
+        assert set(a.keys(include_nested=True, leaves_only=True)) == set(b.keys(include_nested=True, leaves_only=True))
+        for key in a.keys(include_nested=True, leaves_only=True):
+            assert a[key].dtype == b[key].dtype
+            np.testing.assert_array_equal(a[key].numpy(), b[key].numpy(), err_msg=f"{codec} {kwargs} {key}")
+    batch = coded.sample(32)
+    np.testing.assert_array_equal(batch["obs"].numpy(), expected_obs(photo, batch))
+    np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected_obs(photo, batch, shift=1))
+    seen = sum(len(b) for b in coded.iter_batches(16, shuffle=False))
+    assert seen == len(coded) == 30 + 12 + 41 + 25
+
+
+def test_a_step_writer_s_rows_are_encoded_once_and_a_ring_that_laps_frees_what_it_overwrote(photo, monkeypatch):
+    monkeypatch.setattr(byte_heap, "CHUNK_BYTES", 64 << 10)   # small chunks: the ring laps many of them
+    store = ab.ExperienceStore(capacity=120, schema=schema("zstd"), seed=1)
+    num_envs, played = 3, 0
+    writer = store.writer(num_envs=num_envs)
+    ends = [7, 11, 16]   # each env's episodes have their own length
+    t_in = np.zeros(num_envs, int)
+    episode_of = np.arange(num_envs)
+    for _ in range(400):
+        obs = np.stack([frames(photo, int(e), int(t) + 1)[int(t)] for e, t in zip(episode_of, t_in)])
+        nxt = np.stack([frames(photo, int(e), int(t) + 2)[int(t) + 1] for e, t in zip(episode_of, t_in)])
+        done = t_in + 1 == np.array(ends)
+        writer.add(obs=obs, action=episode_of * 100 + t_in, reward=episode_of.astype(np.float32),
+                   terminated=done, truncated=np.zeros(num_envs, bool), next_obs=nxt)
+        played += num_envs
+        t_in += 1
+        episode_of = np.where(done, episode_of + num_envs, episode_of)
+        t_in[done] = 0
+    writer.flush()
+    assert len(store) == 120
+    batch = store.sample(200)
+    np.testing.assert_array_equal(batch["obs"].numpy(), expected_obs(photo, batch))
+    np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected_obs(photo, batch, shift=1))
+    np.testing.assert_array_equal(batch["action"].numpy() % 100, batch["step"].numpy())
+    column = encoded_column(store)
+    heap = column.heap
+    # Every byte held belongs to a row of the arena, and the chunks hold little more.
+    assert heap.live == int(column.size.sum())
+    assert heap.allocated <= 1.5 * heap.live + 2 * heap.chunk_bytes
+    assert heap.allocated < played * 0.5 * int(column.size[column.size > 0].mean())
+
+
+def test_jpeg_rows_keep_their_psnr_in_an_eighth_of_the_raw_bytes(photo):
+    store = ab.ExperienceStore(capacity=2000, schema=schema("jpeg:90", side=224), seed=0)
+    for e in range(8):
+        store.add_episode({"obs": frames(photo, e, 41, side=224), "action": np.arange(40), "reward": np.zeros(40, np.float32),
+                           "terminated": np.r_[np.zeros(39, bool), True], "truncated": np.zeros(40, bool)})
+    column = encoded_column(store)
+    held = int((column.size > 0).sum())
+    assert held == 8 * 41
+    assert column.heap.live / (held * 224 * 224 * 3) <= 1 / 8
+    batch = store.sample(256)
+    got = batch["obs"].numpy().astype(np.float64)
+    want = np.stack([frames(photo, e, s + 1, side=224)[s] for e, s in
+                     zip(batch["episode_id"].tolist(), batch["step"].tolist())]).astype(np.float64)
+    psnr = 10 * np.log10(255.0 ** 2 / ((got - want) ** 2).reshape(len(got), -1).mean(axis=1))
+    assert psnr.mean() >= 35 and psnr.min() >= 30, (psnr.mean(), psnr.min())
+
+
+def test_exports_checkpoints_and_episodes_read_back_keep_the_encoded_bytes_as_they_were(photo, tmp_path):
+    store = filled(photo, "jpeg:80")
+    stored = store.to_arrow().column("obs").combine_chunks()
+    assert stored.type == pa.binary()
+    store.to_parquet(tmp_path / "export")
+    imported = ab.ExperienceStore.from_parquet(tmp_path / "export")
+    assert imported.schema.fields["obs"].codec == "jpeg:80"
+    assert imported.to_arrow().column("obs").combine_chunks().equals(stored)   # not decoded and encoded again
+    store.save(tmp_path / "checkpoint")
+    loaded = ab.ExperienceStore.load(tmp_path / "checkpoint")
+    assert loaded.to_arrow().column("obs").combine_chunks().equals(stored)
+    copied = ab.ExperienceStore(capacity=400, schema=schema("jpeg:80"))
+    for episode_id in store.episodes()["episode_id"].to_pylist():
+        copied.add_episode(store.episode(episode_id))
+    assert copied.to_arrow().column("obs").combine_chunks().equals(stored)
+    a, b = store.sample(40), loaded.sample(40)
+    assert a["obs"].shape == (40, SIDE, SIDE, 3)
+    # An encoded store's episodes go into a raw store decoded.
+    raw = ab.ExperienceStore(capacity=400, schema=schema(None))
+    raw.add_episode(store.episode(0))
+    np.testing.assert_array_equal(raw.to_arrow().column("obs").combine_chunks().storage.flatten().to_numpy(),
+                                  store.engine.shard.arena["obs"][np.arange(31)].reshape(-1))
+    # The export's files are plain Parquet: the encoded field is a binary column with its codec and shape.
+    files = sorted(glob.glob(str(tmp_path / "export" / "steps" / "*.parquet")))
+    field = pq.read_schema(files[0]).field("obs")
+    assert field.type == pa.binary() and field.metadata[b"arrowbuf.codec"] == b"jpeg:80"
+    duckdb = pytest.importorskip("duckdb")
+    sizes = duckdb.sql(f"select octet_length(obs) from read_parquet({files!r})").fetchall()
+    assert sorted(s for (s,) in sizes) == sorted(len(v) for v in stored.to_pylist())
+
+
+def test_keys_leave_encoded_fields_undecoded(photo, monkeypatch):
+    store = filled(photo, "zstd")
+    codec = encoded_column(store).codec
+    calls = []
+    decode = type(codec).decode
+    monkeypatch.setattr(type(codec), "decode", lambda self, data, out: (calls.append(1), decode(self, data, out)))
+    store.sample(32, keys=["action", "reward"])
+    assert not calls
+    store.sample(32, keys=["obs"])
+    assert len(calls) == 32
+
+
+@pytest.mark.parametrize("spec, message", [
+    (("uint8", (SIDE, SIDE), "jpeg"), "shape (H, W, C)"),
+    (("uint8", (SIDE, SIDE, 2), "jpeg"), "C in (1, 3)"),
+    (("float32", (SIDE, SIDE, 3), "jpeg"), "float32"),
+    (("uint8", (SIDE, SIDE, 3), "webp"), "unknown codec 'webp'"),
+    (("uint8", (SIDE, SIDE, 3), "jpeg:0"), "[1, 100]"),
+    (("uint8", (SIDE, SIDE, 3), "png:3"), "takes none"),
+    (("uint8", (), "zstd"), "scalar"),
+])
+def test_a_codec_its_field_cannot_take_is_refused_with_the_fix(spec, message):
+    dtype, shape, codec = spec
+    with pytest.raises(SchemaError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ab.Field(dtype, shape, observation=True, codec=codec)
+
+
+def test_rows_of_another_shape_or_damaged_bytes_are_refused_and_leave_the_store_as_it_was(photo):
+    store = filled(photo, "jpeg")
+    before = store.to_arrow()
+    bad = episode(photo, 9, 5)
+    bad["obs"] = bad["obs"][:, :, :SIDE - 1]
+    with pytest.raises(SchemaError, match=r"field 'obs': per-step shape \(48, 47, 3\)"):
+        store.add_episode(bad)
+    batch = store.episode(0)
+    obs = batch.column("obs").to_pylist()
+    obs[3] = obs[3][:len(obs[3]) - 100]   # cut short
+    damaged = batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.binary()))
+    with pytest.raises(FormatError, match=r"field 'obs', row 3: .*cut short"):
+        store.add_episode(damaged)
+    obs[3] = b"\xff\xd8" + b"garbage" * 10 + b"\xff\xd9"
+    with pytest.raises(FormatError, match=r"field 'obs', row 3: not a JPEG"):
+        store.add_episode(batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.binary())))
+    assert store.to_arrow().equals(before)
+
+
+def test_a_damaged_row_met_when_gathered_is_a_format_error_naming_the_field_and_row(photo):
+    store = filled(photo, "zstd")
+    column = encoded_column(store)
+    row = int(np.flatnonzero(column.size)[5])
+    column.heap.view(int(column.addr[row]), int(column.size[row]))[8:40] = 7   # bytes damaged in memory
+    with pytest.raises(FormatError, match=rf"field 'obs', row {row} "):
+        store.engine.shard.gatherer(np.array([row]))
+
+
+def test_an_encoded_store_needs_no_storage_device():
+    pytest.importorskip("torch")
+    with pytest.raises(SchemaError, match="storage_device=None"):
+        ab.ExperienceStore(capacity=10, schema=schema("jpeg"), storage_device="cpu")
+
+
+def test_a_ray_store_puts_encoded_rows_in_its_blocks_and_samples_them_exactly(photo, ray_session):
+    import ray
+
+    from arrowbuf.ray.options import NAMESPACE
+
+    store = ab.ExperienceStore(capacity=400, schema=schema("png"), backend="ray", num_shards=2, seed=0)
+    try:
+        for e, steps in enumerate((30, 12, 41, 25)):
+            store.add_episode(episode(photo, e, steps), env_id=f"env{e}")
+        store.flush()
+        batch = store.sample(64)
+        np.testing.assert_array_equal(batch["obs"].numpy(), expected_obs(photo, batch))
+        np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected_obs(photo, batch, shift=1))
+        handles = [ray.get_actor(f"{store.name}:{s}", namespace=NAMESPACE) for s in range(2)]
+
+        def blocks(server):
+            return [(type(c).__name__, c.nbytes) for b in server.blocks.blocks
+                    for c in [ray.get(b.ref)["obs"] if b.part is None else ray.get(b.ref)[b.part]["obs"]]]
+
+        held = [kind_bytes for h in handles for kind_bytes in ray.get(h.__ray_call__.remote(blocks))]
+        assert held and all(kind == "EncodedRows" for kind, _ in held)
+        assert sum(n for _, n in held) < 0.8 * (30 + 12 + 41 + 25 + 4) * SIDE * SIDE * 3   # PNG's size, not raw
+    finally:
+        store.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 300)), min_size=1, max_size=80))
+def test_the_byte_heap_keeps_every_held_row_and_frees_chunks_that_empty(operations):
+    heap, held, rng = ByteHeap(chunk_bytes=1024), {}, np.random.default_rng(0)
+    for k, (release, size) in enumerate(operations):
+        if release and held:
+            key = sorted(held)[size % len(held)]
+            addr, data = held.pop(key)
+            heap.release(np.array([addr]), np.array([len(data)]))
+        else:
+            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            addr, n = heap.append([data])
+            held[k] = (int(addr[0]), data)
+        assert heap.live == sum(len(d) for _, d in held.values())
+        for addr, data in held.values():
+            assert not data or heap.view(addr, len(data)).tobytes() == data
+        # Chunks with no live row are freed, but for the one being filled.
+        assert heap.allocated <= heap.live + (len({a >> 32 for a, d in held.values() if d}) + 1) * 1024 + 300
