@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -74,6 +74,40 @@ def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row
     return out
 
 
+def bind_encoded(arena: dict, fields: dict, num_shards: int, evict_oldest: Callable[[int], None],
+                 table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """Set up a shard's encoded columns: each named (for its errors) and bounded by its share of
+    its field's ``max_bytes`` (a write evicts the oldest pieces, ``evict_oldest(1)``, while the
+    shard's ``table`` holds one, until its rows fit). Returns the hook its ring calls with the
+    spans it evicts (their bytes go back: memory follows the rows held); None without encoded fields.
+
+    Raises:
+        ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
+    """
+    bounded = [name for name, f in fields.items() if f.max_bytes is not None]
+    if bounded and mode != "circular":
+        raise ValueError(f"fields {bounded} have max_bytes, which evicts the oldest episodes to stay within it; "
+                         f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
+    columns = [column for column in arena.values() if type(column) is EncodedColumn]
+    if not columns:
+        return None
+    for name, column in arena.items():
+        if type(column) is EncodedColumn:
+            column.name = name
+            if fields[name].max_bytes is not None:
+                def make_room(column: EncodedColumn, nbytes: int) -> None:
+                    while column.heap.live + nbytes > column.budget and len(table):
+                        evict_oldest(1)
+
+                column.bound(fields[name].max_bytes // num_shards, make_room)
+
+    def released(first: np.ndarray, rows: np.ndarray) -> None:
+        for column in columns:
+            column.release_spans(first, rows)
+
+    return released
+
+
 class EncodedColumn:
     """``rows`` rows of a field encoded by ``codec``, read and written as numpy rows of ``dtype``.
 
@@ -94,6 +128,22 @@ class EncodedColumn:
         self.size = np.zeros(rows, np.int64)
         self.heap = ByteHeap()
         self.name = ""   # the field's, for errors (set by its shard)
+        self.budget: int | None = None   # bytes of encoded rows held at most (`bound`)
+        self._make_room: Any = None
+
+    def bound(self, budget: int, make_room: Any) -> None:
+        """Hold at most ``budget`` bytes of encoded rows: before rows are stored,
+        ``make_room(self, nbytes)`` evicts the oldest until their ``nbytes`` fit."""
+        self.budget, self._make_room = budget, make_room
+
+    def release_spans(self, first: np.ndarray, rows: np.ndarray) -> None:
+        """The rows of spans ``[first, first + rows)`` hold nothing any more (evicted)."""
+        if not len(first):
+            return
+        ends = np.cumsum(rows)
+        index = np.repeat(np.asarray(first, np.int64) - (ends - rows), rows) + np.arange(int(ends[-1]))
+        self.heap.release(self.addr[index], self.size[index])
+        self.size[index] = 0
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -138,6 +188,9 @@ class EncodedColumn:
             keep = sorted(last.values())
             rows, blobs = rows[keep], [blobs[i] for i in keep]
         self.heap.release(self.addr[rows], self.size[rows])
+        self.size[rows] = 0
+        if self.budget is not None:
+            self._make_room(self, sum(len(b) for b in blobs))
         addr, size = self.heap.append(blobs)
         self.addr[rows], self.size[rows] = addr, size
         if self.heap.needs_compaction():

@@ -67,6 +67,9 @@ class Field:
             (lossy; uint8 (H, W, C)), ``"png"``, ``"zstd"``/``"zstd:L"`` (lossless).
             Rows are encoded when written and decoded when sampled; the field reads
             as its decoded rows everywhere, and exports as Arrow ``binary``.
+        max_bytes: the most bytes of an encoded field's rows the store holds (over all
+            shards, like ``capacity``): a write evicts the oldest episodes until its
+            rows fit. None (the default): only ``capacity`` bounds the store.
 
     Raises:
         SchemaError: an unknown dtype or codec, a codec the dtype or shape cannot
@@ -78,6 +81,7 @@ class Field:
     observation: bool = False
     derived: bool = False
     codec: str | None = None
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -90,6 +94,14 @@ class Field:
         object.__setattr__(self, "shape", shape)
         if self.codec is not None:
             self.encoder   # checked now (names the fix); kept for the column
+        if self.max_bytes is not None:
+            if self.codec is None:
+                raise SchemaError(f"max_bytes={self.max_bytes!r} bounds the bytes of an encoded field's rows; "
+                                  "this field has no codec (its rows take row_bytes each: bound them by capacity)")
+            if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, (int, np.integer)) \
+                    or self.max_bytes < 1:
+                raise SchemaError(f"max_bytes must be a positive int (bytes), got {self.max_bytes!r}")
+            object.__setattr__(self, "max_bytes", int(self.max_bytes))
 
     @property
     def encoder(self) -> Any:

@@ -140,8 +140,9 @@ class Ring:
 
     def __init__(self, table: Any, capacity: int, rows: int, mode: str,
                  rewards: Callable[[int, int], float] | None = None, whole_pieces: bool = False,
-                 write_pos: int = 0) -> None:
+                 write_pos: int = 0, released: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         self.table = table
+        self.released = released   # told (first row, rows) of each span evicted: its columns' bytes go back
         self.capacity = capacity
         self.rows = rows
         self.mode = mode
@@ -306,6 +307,8 @@ class Ring:
         if not self.ordered:
             for a, n in zip(first.tolist(), rows.tolist()):
                 self.free.free(a, a + n)
+        if self.released is not None:
+            self.released(first, rows)
         if self.listener is not None:
             self.listener.on_evict(first, rows)
 

@@ -64,6 +64,7 @@ _ROLE_KEY = b"arrowbuf.role"
 _DTYPE_KEY = b"arrowbuf.dtype"
 _CODEC_KEY = b"arrowbuf.codec"
 _SHAPE_KEY = b"arrowbuf.shape"
+_MAX_BYTES_KEY = b"arrowbuf.max_bytes"
 SCHEMA_VERSION = "1"
 
 #: Field specs of the system columns.
@@ -247,6 +248,8 @@ class Schema:
             if f.codec is not None:   # a binary column of encoded rows: the codec and the decoded shape
                 meta[_CODEC_KEY] = f.codec.encode()
                 meta[_SHAPE_KEY] = json.dumps(list(f.shape)).encode()
+                if f.max_bytes is not None:
+                    meta[_MAX_BYTES_KEY] = str(f.max_bytes).encode()
             fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata=meta))
         if system:
             for name, f in SYSTEM_SPECS.items():
@@ -297,7 +300,8 @@ class Schema:
     def _json(self) -> str:
         """`to_json`, encoded once (Ray writers send it with every request)."""
         return json.dumps({n: [f.dtype, list(f.shape), f.observation,
-                               *([f.derived, {"codec": f.codec}] if f.codec else [True] if f.derived else [])]
+                               *([f.derived, {"codec": f.codec, "max_bytes": f.max_bytes}] if f.codec
+                                 else [True] if f.derived else [])]
                            for n, f in self.fields.items()})
 
     @classmethod
@@ -421,8 +425,9 @@ def _encoded_field(field: pa.Field, meta: Mapping[bytes, bytes], observation: bo
         shape = json.loads(meta[_SHAPE_KEY].decode())
         if not isinstance(shape, list):
             raise SchemaError(f"shape {shape!r} is not a list")
+        max_bytes = int(meta[_MAX_BYTES_KEY]) if _MAX_BYTES_KEY in meta else None
         return Field(meta.get(_DTYPE_KEY, b"uint8").decode(), tuple(shape), observation,
-                     meta.get(_ROLE_KEY) == b"derived", meta[_CODEC_KEY].decode())
+                     meta.get(_ROLE_KEY) == b"derived", meta[_CODEC_KEY].decode(), max_bytes)
     except (SchemaError, KeyError, ValueError, TypeError, UnicodeDecodeError) as err:
         raise SchemaError(f"column {field.name!r} is an encoded field whose metadata does not describe one: "
                           f"{err}") from None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.encoded import EncodedColumn, EncodedRows
+from arrowbuf.encoded import EncodedColumn, EncodedRows, bind_encoded
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
@@ -142,9 +142,6 @@ class Shard:
         # Rows of the arena: the ring laps over as many as its pieces need (`arrowbuf.placement`).
         self.rows = arena_rows(capacity, self.lazy_rows)
         self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
-        # Where rows go and what is evicted: the head, the ring, the writers' open regions.
-        self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum,
-                              whole_pieces)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # User fields only: the system columns (episode_id, step, is_first, is_last)
         # follow from the episode table, and storing them would cost 14 bytes a row.
@@ -153,9 +150,12 @@ class Shard:
         self.packed, self._pack_offsets = self.new_packed(schema.fields)
         self.arena = {name: self._packed_column(name, f) if name in self._pack_offsets
                       else self.new_column(f, zero=False) for name, f in schema.fields.items()}
-        for name, column in self.arena.items():
-            if type(column) is EncodedColumn:
-                column.name = name   # named in its errors
+        # Encoded columns: named, bounded by their share of max_bytes, emptied of what is evicted.
+        released = bind_encoded(self.arena, schema.fields, num_shards, lambda n: self.placement.evict_oldest(n),
+                                self.table, mode)
+        # Where rows go and what is evicted: the head, the ring, the writers' open regions.
+        self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
+                              released=released)
         # Packed vector fields as one opaque item per row, what `write_rows` copies into.
         self._items = {name: column_view(self.packed, offset, item_dtype(f.numpy_dtype, f.shape), ())
                        for name, offset in self._pack_offsets.items()

@@ -168,6 +168,39 @@ def test_exports_checkpoints_and_episodes_read_back_keep_the_encoded_bytes_as_th
     assert sorted(s for (s,) in sizes) == sorted(len(v) for v in stored.to_pylist())
 
 
+def test_max_bytes_evicts_the_oldest_episodes_to_hold_the_bytes_it_allows(photo, tmp_path):
+    sizes = encoded_column(filled(photo, "png", lengths=(30,))).size
+    budget = int(sizes.sum()) * 3   # about three episodes of 31 rows
+    field = ab.Field("uint8", (SIDE, SIDE, 3), observation=True, codec="png", max_bytes=budget)
+    store = ab.ExperienceStore(capacity=1000, schema={**schema("png"), "obs": field}, seed=0)
+    for e in range(8):
+        store.add_episode(episode(photo, e, 30))
+        assert encoded_column(store).heap.live <= budget
+    episodes = store.episodes()["episode_id"].to_pylist()
+    assert 2 <= len(episodes) <= 3 and episodes == list(range(8 - len(episodes), 8))   # the newest, oldest gone
+    assert len(store) == 30 * len(episodes)
+    batch = store.sample(64)
+    np.testing.assert_array_equal(batch["obs"].numpy(), expected_obs(photo, batch))
+    # A step writer's rows are bounded too; the budget travels with the schema.
+    writer = store.writer(num_envs=2)
+    for t in range(58):
+        obs = np.stack([frames(photo, 20 + k, t + 1)[t] for k in range(2)])
+        nxt = np.stack([frames(photo, 20 + k, t + 2)[t + 1] for k in range(2)])
+        writer.add(obs=obs, action=np.array([2000 + t, 2100 + t]), reward=np.zeros(2, np.float32),
+                   terminated=np.full(2, t % 20 == 19), truncated=np.zeros(2, bool), next_obs=nxt)
+    writer.flush()
+    assert encoded_column(store).heap.live <= budget
+    batch = store.sample(64)
+    np.testing.assert_array_equal(batch["obs"].numpy(), expected_obs(photo, batch))
+    np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected_obs(photo, batch, shift=1))
+    store.save(tmp_path / "checkpoint")
+    assert ab.ExperienceStore.load(tmp_path / "checkpoint").schema.fields["obs"].max_bytes == budget
+    with pytest.raises(SchemaError, match="no codec"):
+        ab.Field("uint8", (SIDE, SIDE, 3), max_bytes=10)
+    with pytest.raises(ValueError, match="never evicts"):
+        ab.ExperienceStore(capacity=100, schema={**schema("png"), "obs": field}, mode="fixed")
+
+
 def test_keys_leave_encoded_fields_undecoded(photo, monkeypatch):
     store = filled(photo, "zstd")
     codec = encoded_column(store).codec
