@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf._persist import plain_array, plain_field, schema_of
+from arrowbuf._persist import encoded_rows, plain_array, plain_field, schema_of
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import arrow_to_numpy
@@ -201,8 +201,10 @@ class Record:
             for name, spec in self.schema.fields.items():
                 column = batch.column(name)
                 try:
-                    fields[name] = (arrow_to_numpy(column.values, name, spec.shape), column.offsets.to_numpy())
-                except SchemaError as err:
+                    values = encoded_rows(column.values, spec, name) if spec.codec is not None \
+                        else arrow_to_numpy(column.values, name, spec.shape)
+                    fields[name] = (values, column.offsets.to_numpy())
+                except (SchemaError, FormatError) as err:
                     raise FormatError(f"{self.where}: {err}") from None
             for k, episode_id in enumerate(rows["episode_id"]):
                 steps, has_final = rows["num_steps"][k], rows["has_final"][k]

@@ -32,6 +32,7 @@ from arrowbuf._persist import CHECKPOINT_MANIFEST, EXPORT_MANIFEST
 from arrowbuf._stats import schema_rows
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import arrow_to_numpy
+from arrowbuf.schema import column_rows
 from arrowbuf.store import ExperienceStore
 
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ def plot_frames(source: Any, episode_id: int, field: str = "obs", max_frames: in
     rows, _ = _episode_rows(source, episode_id)
     if field not in rows.column_names:
         raise KeyError(f"field {field!r} is not a column of episode {episode_id}; it has {rows.column_names}")
-    frames = arrow_to_numpy(rows.column(field), field)
+    frames = column_rows(rows.schema.field(field), rows.column(field))   # decoded, for an encoded field
     if frames.dtype != np.uint8 or not (frames.ndim == 3 or (frames.ndim == 4 and frames.shape[-1] in (1, 3, 4))):
         raise ValueError(f"field {field!r} holds {frames.dtype} of shape {frames.shape[1:]} per step; plot_frames "
                          "needs uint8 images [H, W] or [H, W, C] with C in (1, 3, 4)")

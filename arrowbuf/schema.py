@@ -34,7 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf.errors import SchemaError
-from arrowbuf.fields import Field, check_column, dtype_name
+from arrowbuf.encoded import EncodedRows
+from arrowbuf.fields import Field, arrow_to_numpy, check_column, dtype_name
 
 #: Columns the store adds to every row; user fields may not use these names.
 SYSTEM_FIELDS: dict[str, str] = {
@@ -411,6 +412,19 @@ def _as_code(node: Any) -> str:
     if isinstance(node, str):
         return node
     return "{" + ", ".join(f"{key!r}: {_as_code(value)}" for key, value in node.items()) + "}"
+
+
+def column_rows(field: pa.Field, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The rows of a column of `Schema.to_arrow`'s (a store's episode) as numpy, decoded when
+    ``field`` is an encoded field's ``binary`` column.
+
+    Raises:
+        SchemaError: a column arrowbuf does not store; FormatError: a damaged encoded row.
+    """
+    if _CODEC_KEY in (field.metadata or {}):
+        spec = _encoded_field(field, field.metadata, False)
+        return np.asarray(EncodedRows(column, spec.encoder))
+    return arrow_to_numpy(column, field.name)
 
 
 def _encoded_field(field: pa.Field, meta: Mapping[bytes, bytes], observation: bool) -> Field:

@@ -306,3 +306,41 @@ def test_the_byte_heap_keeps_every_held_row_and_frees_chunks_that_empty(operatio
             assert not data or heap.view(addr, len(data)).tobytes() == data
         # Chunks with no live row are freed, but for the one being filled.
         assert heap.allocated <= heap.live + (len({a >> 32 for a, d in held.values() if d}) + 1) * 1024 + 300
+
+
+def test_a_durable_shard_s_log_replays_encoded_rows_as_they_were_stored(photo, tmp_path):
+    from arrowbuf.durable import DurableShard
+    from arrowbuf.engine import ShardEngine
+    from arrowbuf.episode_read import read_episode
+    from arrowbuf.schema import Schema
+
+    def new_engine() -> ShardEngine:
+        return ShardEngine(400, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=3)
+
+    store_schema = Schema(schema("png"))
+    durable = DurableShard(tmp_path)
+    engine = durable.recover(new_engine)
+    added = []
+    for e, steps in enumerate((9, 14)):
+        read, _ = read_episode(episode(photo, e, steps), store_schema)
+        added.append((engine.add(read, store_schema), read))
+    durable.commit(engine, added, None)
+    durable.close()
+    with DurableShard(tmp_path) as again:
+        replayed = again.recover(new_engine)
+    for episode_id in (0, 1):
+        assert replayed.episode(episode_id).column("obs").equals(engine.episode(episode_id).column("obs"))
+    rows = replayed.shard.arena["obs"][np.arange(10)]
+    np.testing.assert_array_equal(rows, frames(photo, 0, 10))
+
+
+def test_a_notebook_plots_an_encoded_field_s_frames_decoded(photo, tmp_path):
+    pytest.importorskip("matplotlib")
+    from arrowbuf.inspect import plot_frames
+
+    store = filled(photo, "png", lengths=(9,))
+    for source in (store, store.to_parquet(tmp_path / "export", progress=False)):
+        figure = plot_frames(source, 0, max_frames=4)
+        images = [ax.images[0] for ax in figure.axes if ax.images]
+        np.testing.assert_array_equal(images[0].get_array(), frames(photo, 0, 1)[0])
+        np.testing.assert_array_equal(images[-1].get_array(), frames(photo, 0, 10)[9])
