@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -104,3 +104,122 @@ class ByteHeap:
     def clear(self) -> None:
         """Drop every chunk."""
         self.__init__(self.chunk_bytes)
+
+
+class HeapColumn:
+    """A column of ``rows`` variable-length rows in a `ByteHeap`: each row's address and size
+    (16 bytes a row), written by `store`, read by `blobs` and `packed`. Subclasses say what a
+    row's bytes are (`arrowbuf.encoded.EncodedColumn`: an encoded row; `arrowbuf.ragged.RaggedColumn`:
+    a sequence's values). A row of size 0 holds nothing (never written, zeroed, or evicted).
+    """
+
+    def __init__(self, rows: int) -> None:
+        # np.zeros: pages the kernel gives zeroed on first touch; memory grows with the rows written.
+        self.addr = np.zeros(rows, np.int64)
+        self.size = np.zeros(rows, np.int64)
+        self.heap = ByteHeap()
+        self.name = ""   # the field's, for errors (set by its shard: `bind_heap_columns`)
+        self.budget: int | None = None   # bytes held at most (`bound`)
+        self._make_room: Any = None
+
+    def __len__(self) -> int:
+        return len(self.addr)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the heap's chunks, and 16 a row of addresses."""
+        return self.heap.allocated + self.addr.nbytes + self.size.nbytes
+
+    def bound(self, budget: int, make_room: Callable[["HeapColumn", int], None]) -> None:
+        """Hold at most ``budget`` bytes: before rows are stored, ``make_room(self, nbytes)``
+        evicts the oldest until their ``nbytes`` fit."""
+        self.budget, self._make_room = budget, make_room
+
+    def rows_of(self, key: Any) -> np.ndarray:
+        """The rows (int64) a key names: a slice, an index or an index array (negative from the end)."""
+        if isinstance(key, slice):
+            return np.arange(*key.indices(len(self)), dtype=np.int64)
+        rows = np.asarray(key, np.int64).reshape(-1)
+        return np.where(rows < 0, rows + len(self), rows)
+
+    def store(self, rows: np.ndarray, blobs: Sequence) -> None:
+        """Make ``blobs[i]`` (bytes, or any buffer) the bytes of row ``rows[i]``; the last write of
+        a row given twice wins, as numpy's assignment."""
+        if len(np.unique(rows)) != len(rows):
+            last = {row: i for i, row in enumerate(rows.tolist())}
+            keep = sorted(last.values())
+            rows, blobs = rows[keep], [blobs[i] for i in keep]
+        self.heap.release(self.addr[rows], self.size[rows])
+        self.size[rows] = 0
+        if self.budget is not None:
+            self._make_room(self, sum(len(b) for b in blobs))
+        addr, size = self.heap.append(blobs)
+        self.addr[rows], self.size[rows] = addr, size
+        if self.heap.needs_compaction():
+            self._compact()
+
+    def release_spans(self, first: np.ndarray, rows: np.ndarray) -> None:
+        """The rows of spans ``[first, first + rows)`` hold nothing any more (evicted)."""
+        if not len(first):
+            return
+        ends = np.cumsum(rows)
+        index = np.repeat(np.asarray(first, np.int64) - (ends - rows), rows) + np.arange(int(ends[-1]))
+        self.heap.release(self.addr[index], self.size[index])
+        self.size[index] = 0
+
+    def _compact(self) -> None:
+        """Copy the held rows into new chunks, freeing those that few rows pinned."""
+        held = np.flatnonzero(self.size)
+        blobs = [self.heap.view(a, s).tobytes() for a, s in zip(self.addr[held].tolist(), self.size[held].tolist())]
+        self.heap.clear()
+        self.addr[held], self.size[held] = self.heap.append(blobs)
+
+    def blobs(self, rows: np.ndarray) -> list:
+        """The bytes of each of ``rows`` (views valid until the row is written; b"" for an empty row)."""
+        view = self.heap.view
+        return [view(a, n) if n else b"" for a, n in zip(self.addr[rows].tolist(), self.size[rows].tolist())]
+
+    def packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the bytes of ``rows`` one after another, uint8; their byte offsets, int64 [len(rows) + 1])."""
+        size = self.size[rows]
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(size, out=offsets[1:])
+        values = np.empty(int(offsets[-1]), np.uint8)
+        for i, blob in enumerate(self.blobs(rows)):
+            if len(blob):
+                values[offsets[i]:offsets[i + 1]] = blob
+        return values, offsets
+
+
+def bind_heap_columns(arena: dict, fields: dict, num_shards: int, evict_oldest: Callable[[int], None],
+                      table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """Set up a shard's heap columns: each named (for its errors) and bounded by its share of
+    its field's ``max_bytes`` (a write evicts the oldest pieces, ``evict_oldest(1)``, while the
+    shard's ``table`` holds one, until its rows fit). Returns the hook its ring calls with the
+    spans it evicts (their bytes go back: memory follows the rows held); None without heap columns.
+
+    Raises:
+        ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
+    """
+    bounded = [name for name, f in fields.items() if f.max_bytes is not None]
+    if bounded and mode != "circular":
+        raise ValueError(f"fields {bounded} have max_bytes, which evicts the oldest episodes to stay within it; "
+                         f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
+    columns = {name: column for name, column in arena.items() if isinstance(column, HeapColumn)}
+    if not columns:
+        return None
+
+    def make_room(column: HeapColumn, nbytes: int) -> None:
+        while column.heap.live + nbytes > column.budget and len(table):
+            evict_oldest(1)
+
+    for name, column in columns.items():
+        column.name = name
+        if fields[name].max_bytes is not None:
+            column.bound(fields[name].max_bytes // num_shards, make_room)
+
+    def released(first: np.ndarray, rows: np.ndarray) -> None:
+        for column in columns.values():
+            column.release_spans(first, rows)
+
+    return released

@@ -21,12 +21,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.byte_heap import ByteHeap
+from arrowbuf.byte_heap import HeapColumn
 from arrowbuf.codecs import Codec, encode_rows, map_rows
 from arrowbuf.errors import FormatError
 
@@ -74,41 +74,7 @@ def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row
     return out
 
 
-def bind_encoded(arena: dict, fields: dict, num_shards: int, evict_oldest: Callable[[int], None],
-                 table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
-    """Set up a shard's encoded columns: each named (for its errors) and bounded by its share of
-    its field's ``max_bytes`` (a write evicts the oldest pieces, ``evict_oldest(1)``, while the
-    shard's ``table`` holds one, until its rows fit). Returns the hook its ring calls with the
-    spans it evicts (their bytes go back: memory follows the rows held); None without encoded fields.
-
-    Raises:
-        ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
-    """
-    bounded = [name for name, f in fields.items() if f.max_bytes is not None]
-    if bounded and mode != "circular":
-        raise ValueError(f"fields {bounded} have max_bytes, which evicts the oldest episodes to stay within it; "
-                         f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
-    columns = [column for column in arena.values() if type(column) is EncodedColumn]
-    if not columns:
-        return None
-    for name, column in arena.items():
-        if type(column) is EncodedColumn:
-            column.name = name
-            if fields[name].max_bytes is not None:
-                def make_room(column: EncodedColumn, nbytes: int) -> None:
-                    while column.heap.live + nbytes > column.budget and len(table):
-                        evict_oldest(1)
-
-                column.bound(fields[name].max_bytes // num_shards, make_room)
-
-    def released(first: np.ndarray, rows: np.ndarray) -> None:
-        for column in columns:
-            column.release_spans(first, rows)
-
-    return released
-
-
-class EncodedColumn:
+class EncodedColumn(HeapColumn):
     """``rows`` rows of a field encoded by ``codec``, read and written as numpy rows of ``dtype``.
 
     Args:
@@ -118,57 +84,23 @@ class EncodedColumn:
     """
 
     def __init__(self, codec: Codec, rows: int, dtype: np.dtype) -> None:
+        super().__init__(rows)
         self.codec = codec
         self.row_shape = tuple(codec.shape)
         self.dtype = np.dtype(dtype)
         self.shape = (rows, *self.row_shape)
         self.ndim = len(self.shape)
-        # np.zeros: pages the kernel gives zeroed on first touch; memory grows with the rows written.
-        self.addr = np.zeros(rows, np.int64)
-        self.size = np.zeros(rows, np.int64)
-        self.heap = ByteHeap()
-        self.name = ""   # the field's, for errors (set by its shard)
-        self.budget: int | None = None   # bytes of encoded rows held at most (`bound`)
-        self._make_room: Any = None
-
-    def bound(self, budget: int, make_room: Any) -> None:
-        """Hold at most ``budget`` bytes of encoded rows: before rows are stored,
-        ``make_room(self, nbytes)`` evicts the oldest until their ``nbytes`` fit."""
-        self.budget, self._make_room = budget, make_room
-
-    def release_spans(self, first: np.ndarray, rows: np.ndarray) -> None:
-        """The rows of spans ``[first, first + rows)`` hold nothing any more (evicted)."""
-        if not len(first):
-            return
-        ends = np.cumsum(rows)
-        index = np.repeat(np.asarray(first, np.int64) - (ends - rows), rows) + np.arange(int(ends[-1]))
-        self.heap.release(self.addr[index], self.size[index])
-        self.size[index] = 0
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the chunks of encoded rows, and 16 a row of addresses."""
-        return self.heap.allocated + self.addr.nbytes + self.size.nbytes
 
     # -- writing ----------------------------------------------------------------------
 
-    def _rows(self, key: Any) -> np.ndarray:
-        if isinstance(key, slice):
-            return np.arange(*key.indices(len(self)), dtype=np.int64)
-        rows = np.asarray(key, np.int64).reshape(-1)
-        return np.where(rows < 0, rows + len(self), rows)
-
     def __setitem__(self, key: Any, value: Any) -> None:
         """Encode ``value`` (rows, or one row or scalar for every row of ``key``) into the rows ``key``."""
-        rows = self._rows(key)
+        rows = self.rows_of(key)
         if isinstance(value, EncodedRows) and value.codec.spec == self.codec.spec:
             self.put_encoded(rows, value)
             return
         if np.isscalar(value) and value == 0:
-            self._store(rows, [b""] * len(rows))
+            self.store(rows, [b""] * len(rows))
             return
         values = np.asarray(value)
         if values.dtype != self.dtype:
@@ -176,32 +108,11 @@ class EncodedColumn:
         values = np.broadcast_to(values, (len(rows), *self.row_shape))
         zero = ~values.reshape(len(rows), -1).any(axis=1)
         encoded = encode_rows(self.codec, values)
-        self._store(rows, [b"" if z else data for z, data in zip(zero.tolist(), encoded)])
+        self.store(rows, [b"" if z else data for z, data in zip(zero.tolist(), encoded)])
 
     def put_encoded(self, rows: np.ndarray, value: "EncodedRows") -> None:
         """Store rows already encoded by this column's codec (an import, a checkpoint) as they are."""
-        self._store(self._rows(rows), value.rows())
-
-    def _store(self, rows: np.ndarray, blobs: list) -> None:
-        if len(np.unique(rows)) != len(rows):   # the last write of a row wins, as numpy's assignment
-            last = {row: i for i, row in enumerate(rows.tolist())}
-            keep = sorted(last.values())
-            rows, blobs = rows[keep], [blobs[i] for i in keep]
-        self.heap.release(self.addr[rows], self.size[rows])
-        self.size[rows] = 0
-        if self.budget is not None:
-            self._make_room(self, sum(len(b) for b in blobs))
-        addr, size = self.heap.append(blobs)
-        self.addr[rows], self.size[rows] = addr, size
-        if self.heap.needs_compaction():
-            self._compact()
-
-    def _compact(self) -> None:
-        """Copy the held rows into new chunks, freeing those that few rows pinned."""
-        held = np.flatnonzero(self.size)
-        blobs = [self.heap.view(a, s).tobytes() for a, s in zip(self.addr[held].tolist(), self.size[held].tolist())]
-        self.heap.clear()
-        self.addr[held], self.size[held] = self.heap.append(blobs)
+        self.store(self.rows_of(rows), value.rows())
 
     # -- reading ----------------------------------------------------------------------
 
@@ -209,7 +120,7 @@ class EncodedColumn:
         """The decoded rows ``key`` (an int: one row)."""
         if isinstance(key, (int, np.integer)):
             return self.__getitem__(np.array([key]))[0]
-        rows = self._rows(key)
+        rows = self.rows_of(key)
         out = np.empty((len(rows), *self.row_shape), self.dtype)
         self.take(rows, 0, out)
         return out
@@ -221,9 +132,7 @@ class EncodedColumn:
             FormatError: a row's bytes do not decode to a row of this field (damaged data).
         """
         def fill(flat: np.ndarray, rows: np.ndarray) -> None:
-            view = self.heap.view
-            blobs = [view(a, n) if n else b"" for a, n in zip(self.addr[flat].tolist(), self.size[flat].tolist())]
-            decode_rows(self.codec, blobs, rows, flat, self.name)
+            decode_rows(self.codec, self.blobs(flat), rows, flat, self.name)
 
         return _take_into(len(self), indices, out, mode, self.row_shape, self.dtype, fill)
 
@@ -237,14 +146,9 @@ class EncodedColumn:
 
     def encoded_at(self, rows: np.ndarray) -> pa.Array:
         """Rows ``rows`` as stored, an Arrow ``binary`` array (a copy)."""
-        size = self.size[rows]
-        offsets = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum(size, out=offsets[1:])
-        values = np.empty(int(offsets[-1]), np.uint8)
-        for i, (a, n) in enumerate(zip(self.addr[rows].tolist(), size.tolist())):
-            if n:
-                values[offsets[i]:offsets[i] + n] = self.heap.view(a, n)
-        return pa.Array.from_buffers(pa.binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+        values, offsets = self.packed(rows)
+        return pa.Array.from_buffers(pa.binary(), len(rows), [None, pa.py_buffer(offsets.astype(np.int32)),
+                                                              pa.py_buffer(values)])
 
 
 class Shifted:

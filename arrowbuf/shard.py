@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.encoded import EncodedColumn, EncodedRows, bind_encoded
+from arrowbuf.byte_heap import bind_heap_columns
+from arrowbuf.encoded import EncodedColumn, EncodedRows
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
@@ -151,7 +152,7 @@ class Shard:
         self.arena = {name: self._packed_column(name, f) if name in self._pack_offsets
                       else self.new_column(f, zero=False) for name, f in schema.fields.items()}
         # Encoded columns: named, bounded by their share of max_bytes, emptied of what is evicted.
-        released = bind_encoded(self.arena, schema.fields, num_shards, lambda n: self.placement.evict_oldest(n),
+        released = bind_heap_columns(self.arena, schema.fields, num_shards, lambda n: self.placement.evict_oldest(n),
                                 self.table, mode)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
         self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
