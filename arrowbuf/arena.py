@@ -43,6 +43,7 @@ from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError, SchemaError
 from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
+from arrowbuf.ragged import refuse_ragged
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
@@ -86,7 +87,15 @@ def step_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
 
 
 def stage_zeros(shape: tuple, spec: Field, device: torch.device | None) -> Any:
-    """A zeroed staging array of field ``spec``: numpy (``device`` None) or a tensor on ``device``."""
+    """A zeroed staging array of field ``spec``: numpy (``device`` None) or a tensor on ``device``.
+
+    Raises:
+        SchemaError: a ragged field, which a stage of ``[envs, steps, ...]`` cannot hold.
+    """
+    if spec.ragged:
+        raise SchemaError(f"a ragged field {spec.shape} in a writer that stages its steps (a mode='fixed' or "
+                          "rate-limited store, or Ray) is not supported yet; write from a circular store's "
+                          "writer (it writes steps in place), or add whole episodes with add_episode")
     if device is None:
         return np.zeros(shape, spec.numpy_dtype)
     return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
@@ -159,6 +168,7 @@ class TorchShard(Shard):
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
+        refuse_ragged(schema, "a store with a storage_device", "leave storage_device=None")
         encoded = [name for name, f in schema.fields.items() if f.codec is not None]
         if encoded:
             raise SchemaError(f"fields {encoded} are encoded (codec=); a store with a storage_device keeps raw "

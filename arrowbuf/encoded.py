@@ -110,6 +110,22 @@ class EncodedColumn(HeapColumn):
         encoded = encode_rows(self.codec, values)
         self.store(rows, [b"" if z else data for z, data in zip(zero.tolist(), encoded)])
 
+    @property
+    def lossy(self) -> bool:
+        """Whether a row reads back other than written (`encodes_to` tells a row written again)."""
+        return not self.codec.lossless
+
+    def encodes_to(self, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Whether each of ``values`` (host rows) encodes to the bytes held at its row of ``rows``:
+        the row written again (a lossy codec's encoder gives the same bytes for the same row)."""
+        values = np.asarray(values, self.dtype)
+        if not len(values):
+            return np.zeros(0, bool)
+        encoded = encode_rows(self.codec, values)
+        zero = ~values.reshape(len(values), -1).any(axis=1)
+        return np.array([bytes(held) == (b"" if z else data) for held, data, z in
+                         zip(self.blobs(np.asarray(rows, np.int64)), encoded, zero.tolist())], bool)
+
     def put_encoded(self, rows: np.ndarray, value: "EncodedRows") -> None:
         """Store rows already encoded by this column's codec (an import, a checkpoint) as they are."""
         self.store(self.rows_of(rows), value.rows())
@@ -146,9 +162,8 @@ class EncodedColumn(HeapColumn):
 
     def encoded_at(self, rows: np.ndarray) -> pa.Array:
         """Rows ``rows`` as stored, an Arrow ``binary`` array (a copy)."""
-        values, offsets = self.packed(rows)
-        return pa.Array.from_buffers(pa.binary(), len(rows), [None, pa.py_buffer(offsets.astype(np.int32)),
-                                                              pa.py_buffer(values)])
+        values, offsets = self.packed(rows)   # 64-bit offsets: a run of rows may pass 2 GiB
+        return pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
 
 
 class Shifted:
@@ -194,8 +209,8 @@ class EncodedRows:
         """Each row's bytes (views of the array's buffer; made once)."""
         if self._rows is not None:
             return self._rows
-        array = self.array.cast(pa.binary()) if not pa.types.is_binary(self.array.type) else self.array
-        offsets = np.frombuffer(array.buffers()[1], np.int32)[array.offset:array.offset + len(array) + 1]
+        array = self.array if pa.types.is_large_binary(self.array.type) else self.array.cast(pa.large_binary())
+        offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset:array.offset + len(array) + 1]
         data = array.buffers()[2]
         values = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
         self._rows = [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]

@@ -550,7 +550,7 @@ class StepWriter:
         if self._given_next is not None and passed_on(obs_cols, self._given_next):   # the usual loop
             return
         if self._inplace is not None:
-            envs, steps, previous = self._inplace.last_observations(recorded)
+            envs, steps, previous = self._inplace.last_observations(recorded, obs_cols)
         else:
             envs = np.flatnonzero(recorded & ~self._refused & ((self._pos > 0) | (self._first_step > 0)))
             steps, previous = self._first_step[envs] + self._pos[envs], {n: a[envs] for n, a in self._last_next.items()}

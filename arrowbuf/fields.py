@@ -30,6 +30,7 @@ import pyarrow as pa
 from arrowbuf import _lazy_torch
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import SchemaError, describe
+from arrowbuf.ragged import RaggedRows, ragged_rows
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,10 @@ class Field:
     Args:
         dtype: one of bool, uint8, int8, int16, int32, int64, float16, float32,
             float64, bfloat16 (a numpy or torch dtype is accepted and named).
-        shape: the shape of one step's value; () for scalars.
+        shape: the shape of one step's value; () for scalars. ``(None,)`` makes a
+            ragged field, a sequence of any length per step (token ids), and
+            ``(None, k)`` one of rows of k values (`arrowbuf.ragged`): stored without
+            padding, sampled as a jagged ``torch.nested`` tensor.
         observation: True for fields whose next value is read from the next row.
         derived: True for per-step columns the store computes (``advantage``,
             ``value_target`` of `ExperienceStore.compute_gae`): writes may leave
@@ -67,9 +71,9 @@ class Field:
             (lossy; uint8 (H, W, C)), ``"png"``, ``"zstd"``/``"zstd:L"`` (lossless).
             Rows are encoded when written and decoded when sampled; the field reads
             as its decoded rows everywhere, and exports as Arrow ``binary``.
-        max_bytes: the most bytes of an encoded field's rows the store holds (over all
-            shards, like ``capacity``): a write evicts the oldest episodes until its
-            rows fit. None (the default): only ``capacity`` bounds the store.
+        max_bytes: the most bytes of an encoded or ragged field's rows the store holds
+            (over all shards, like ``capacity``): a write evicts the oldest episodes
+            until its rows fit. None (the default): only ``capacity`` bounds the store.
 
     Raises:
         SchemaError: an unknown dtype or codec, a codec the dtype or shape cannot
@@ -86,18 +90,26 @@ class Field:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         try:
-            shape = tuple(int(s) for s in self.shape)
+            given = tuple(self.shape)
+            ragged = bool(given) and given[0] is None
+            shape = tuple(int(s) for s in given[ragged:])
         except (TypeError, ValueError):
-            raise SchemaError(f"shape must be a tuple of ints, got {self.shape!r}") from None
+            raise SchemaError(f"shape must be a tuple of ints (the first may be None: a ragged field), "
+                              f"got {self.shape!r}") from None
         if any(s < 1 for s in shape):
-            raise SchemaError(f"shape must have positive sizes, got {shape} (Arrow's fixed-shape tensors need them)")
-        object.__setattr__(self, "shape", shape)
+            raise SchemaError(f"shape must have positive sizes, got {given} (Arrow's fixed-shape tensors need them)")
+        if ragged and (self.observation or self.codec is not None or len(shape) > 1):
+            raise SchemaError(f"a ragged field (shape {given}) " + (
+                "cannot be an observation yet: store the sequence as a step field (a prompt, a response)"
+                if self.observation else "cannot have a codec" if self.codec is not None else
+                "is (None,) or (None, k): a sequence of values, or of rows of k values"))
+        object.__setattr__(self, "shape", (None, *shape) if ragged else shape)
         if self.codec is not None:
             self.encoder   # checked now (names the fix); kept for the column
         if self.max_bytes is not None:
-            if self.codec is None:
-                raise SchemaError(f"max_bytes={self.max_bytes!r} bounds the bytes of an encoded field's rows; "
-                                  "this field has no codec (its rows take row_bytes each: bound them by capacity)")
+            if self.codec is None and not ragged:
+                raise SchemaError(f"max_bytes={self.max_bytes!r} bounds the bytes of an encoded or ragged field's "
+                                  "rows; this field is neither (its rows take row_bytes each: bound them by capacity)")
             if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, (int, np.integer)) \
                     or self.max_bytes < 1:
                 raise SchemaError(f"max_bytes must be a positive int (bytes), got {self.max_bytes!r}")
@@ -109,10 +121,15 @@ class Field:
         return None if self.codec is None else _encoder(self.codec, self.dtype, self.shape)
 
     @property
+    def ragged(self) -> bool:
+        """Whether a step holds a sequence of any length (shape ``(None, ...)``)."""
+        return bool(self.shape) and self.shape[0] is None
+
+    @property
     def stored_bytes(self) -> int:
-        """Bytes an arena row of this field takes up front: `row_bytes`, or an encoded
-        field's 16 of address and size (its encoded bytes come as rows are written)."""
-        return 16 if self.codec is not None else self.row_bytes
+        """Bytes an arena row of this field takes up front: `row_bytes`, or an encoded or
+        ragged field's 16 of address and size (its bytes come as rows are written)."""
+        return 16 if self.codec is not None or self.ragged else self.row_bytes
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -126,14 +143,18 @@ class Field:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes one step of this field takes."""
+        """Bytes one step of this field takes (0 for a ragged field: it varies)."""
+        if self.ragged:
+            return 0
         return int(self.numpy_dtype.itemsize * np.prod(self.shape, dtype=np.int64))
 
     def arrow_type(self) -> pa.DataType:
         """The Arrow type of this column (``binary`` for an encoded one: the rows as stored)."""
         if self.codec is not None:
-            return pa.binary()
+            return pa.large_binary()   # 64-bit offsets: a run of encoded rows may pass 2 GiB
         value_type = pa.bool_() if self.dtype == "bool" else pa.from_numpy_dtype(self.numpy_dtype)
+        if self.ragged:   # Arrow's list layout: values and (64-bit) offsets
+            return pa.large_list(pa.list_(value_type, self.shape[1]) if len(self.shape) > 1 else value_type)
         if not self.shape:
             return value_type
         return pa.fixed_shape_tensor(value_type, list(self.shape))
@@ -199,6 +220,9 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
     if _lazy_torch.is_tensor(value):
         import torch
 
+        if value.is_nested:
+            rows = ragged_rows(value, name)
+            return rows, _NUMPY_NAMES.get(rows.dtype, "")
         tensor = tensor_on_cpu(value, f"field {name!r}")
         if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
             return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
@@ -207,8 +231,17 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
             raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
         return tensor.numpy(), dtype
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        if pa.types.is_list(value.type) or pa.types.is_large_list(value.type):
+            return ragged_rows(value, name), ""
         return arrow_to_numpy(value, name), ""
-    array = np.asarray(value)
+    if isinstance(value, RaggedRows) or (isinstance(value, (list, tuple)) and _uneven(value)):
+        rows = ragged_rows(value, name)
+        return rows, _NUMPY_NAMES.get(rows.dtype, "")
+    try:
+        array = np.asarray(value)
+    except ValueError as err:   # nested lists of uneven lengths below the first level
+        raise SchemaError(f"field {name!r}: {describe(value)} has no one shape ({str(err).split('. ')[-1]}); a "
+                          "ragged field takes one list of sequences per episode (or per writer step)") from None
     dtype = _NUMPY_NAMES.get(array.dtype)
     if dtype is None:
         raise SchemaError(
@@ -216,6 +249,21 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
             f"expected one of {sorted(_DTYPES)}"
         )
     return array, dtype
+
+
+def _uneven(value: list | tuple) -> bool:
+    """Whether ``value`` is a list of sequences of different lengths (ragged rows)."""
+    lengths = set()
+    for item in value:
+        if _lazy_torch.is_tensor(item) or isinstance(item, np.ndarray):
+            if item.ndim == 0:
+                return False
+            lengths.add(item.shape[0])
+        elif isinstance(item, (list, tuple)):
+            lengths.add(len(item))
+        else:
+            return False
+    return len(lengths) > 1
 
 
 def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str,
@@ -247,6 +295,8 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
     bool columns are the exception: Arrow packs booleans into bits, so they are
     converted (1/8 of a byte per value).
     """
+    if field.ragged:   # values and offsets
+        return ragged_rows(array, "?").to_arrow(pa.bool_() if field.dtype == "bool" else None)
     if field.codec is not None:   # the rows as stored, or rows to encode
         if isinstance(array, EncodedRows):
             return array.array
@@ -254,7 +304,7 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
             return array
         from arrowbuf.codecs import encode_rows
 
-        return pa.array(encode_rows(field.encoder, np.asarray(array, field.numpy_dtype)), pa.binary())
+        return pa.array(encode_rows(field.encoder, np.asarray(array, field.numpy_dtype)), pa.large_binary())
     flat = np.ascontiguousarray(array).reshape(-1)
     if field.dtype == "bool":
         values = pa.array(flat, pa.bool_())
@@ -269,7 +319,7 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
 def export_type(field: Field) -> pa.DataType:
     """The Arrow type of ``field`` in a Parquet export: its `Field.arrow_type`, with
     bfloat16 widened to float32 (every bf16 value is a float32: its top 16 bits)."""
-    if field.dtype != "bfloat16" or field.codec is not None:
+    if field.dtype != "bfloat16" or field.codec is not None or field.ragged:
         return field.arrow_type()
     return pa.fixed_shape_tensor(pa.float32(), list(field.shape)) if field.shape else pa.float32()
 
@@ -278,7 +328,7 @@ def export_array(field: Field, stored: pa.Array) -> pa.Array:
     """Rows of ``field`` as stored (scalars, or a ``fixed_size_list`` of the flattened
     shape; bfloat16 as uint16 bits) in the `export_type` encoding. Zero-copy but for
     bfloat16, whose float32 values are a new array twice its size."""
-    if field.codec is not None:
+    if field.codec is not None or field.ragged:
         return stored
     if field.dtype == "bfloat16":
         bits = (stored.flatten() if field.shape else stored).to_numpy(zero_copy_only=False)
@@ -316,6 +366,9 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     """
     if isinstance(array, EncodedRows):   # rows encoded elsewhere (an import, an episode read back)
         array.check(name)
+    if field.ragged or isinstance(array, RaggedRows):
+        _check_ragged(field, name, array, dtype, leading)
+        return
     if array.ndim < leading:
         raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
                           f"before the per-step shape {field.shape}")
@@ -334,6 +387,25 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
             raise SchemaError(f"field {name!r}: {received} value {bad} has no exact {field.dtype} (integers are "
                               f"exact up to 2**{limit.bit_length() - 1} = {limit:,} in magnitude); store the "
                               f"field as {received}, or cast it yourself if rounding is acceptable")
+
+
+def _check_ragged(field: Field, name: str, array: Any, dtype: str, leading: int) -> None:
+    if not field.ragged:
+        raise SchemaError(f"field {name!r}: got ragged rows (sequences of lengths {array.lengths[:6].tolist()}...); "
+                          f"the field is {field.dtype} {field.shape}: give each step the same shape, or declare "
+                          f"ab.Field({field.dtype!r}, (None, ...)) for sequences of any length")
+    if not isinstance(array, RaggedRows):   # dense [n, L, *tail]: rows of one length
+        if array.ndim != leading + len(field.shape) or tuple(array.shape[leading + 1:]) != field.shape[1:]:
+            raise SchemaError(f"field {name!r}: got {describe(array)}; a ragged field {field.shape} takes a list "
+                              "of sequences (one per step or env), a jagged nested tensor, or an [n, L"
+                              f"{''.join(', ' + str(s) for s in field.shape[1:])}] array")
+    elif array.tail != field.shape[1:]:
+        raise SchemaError(f"field {name!r}: ragged rows of items {array.tail}; the field's items are "
+                          f"{field.shape[1:]} (shape {field.shape})")
+    received = dtype or _NUMPY_NAMES.get(array.dtype) or array.dtype.name
+    if not dtype_fits(received, field.dtype):
+        raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
+                          "(or a dtype that casts to it without loss)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from arrowbuf.ragged import refuse_ragged
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
@@ -74,9 +75,12 @@ class InPlace:
     def slots(self) -> slice:
         return slice(self.base, self.base + self.num_envs)
 
-    def last_observations(self, envs: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    def last_observations(self, envs: np.ndarray, given: dict | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """Of ``envs`` ([N] bool), those whose open piece has a step; the step each is at in its
-        episode; and the observation row after their last step (host copies, by field)."""
+        episode; and the observation row after their last step (host copies, by field). A field
+        of a lossy codec never reads back what was written: its row is ``given``'s (the step's
+        obs columns, name -> (array [N, ...], dtype)) where that encodes to the bytes stored."""
         if self.shard is None:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), {}
         with self.engine.lock:
@@ -85,6 +89,12 @@ class InPlace:
             slots = slots[regions.held[slots] & (regions.length[slots] > 0)]
             rows = regions.start[slots] + regions.length[slots]
             last = {name: np.array(shard.reader(name)[rows]) for name in shard.schema.observation_names}
+            for name in last:
+                column = shard.arena[name]
+                if given is not None and name in given and getattr(column, "lossy", False):
+                    rows_given = np.asarray(given[name][0])[slots - self.base]
+                    same = column.encodes_to(rows, rows_given)
+                    last[name][same] = rows_given[same]
             return slots - self.base, regions.first_step[slots] + regions.length[slots], last
 
     @property
@@ -171,8 +181,11 @@ class InPlace:
         last step) and ``first_step`` (where each piece starts in its episode): host copies."""
         lengths = self.lengths
         steps = int(lengths.max(initial=0))
+        if steps:
+            refuse_ragged(schema, "saving a writer's open episodes", "flush() the store's writers before save()")
         fields = writer_fields(schema)
-        stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype) for name, f in fields.items()}
+        stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype)
+                 for name, f in fields.items()} if steps else {}
         last = {name: np.zeros((self.num_envs, *fields[name].shape), fields[name].numpy_dtype)
                 for name in schema.observation_names}
         first_step = np.zeros(self.num_envs, np.int64)

@@ -185,9 +185,26 @@ class Mixture:
             if batch is not None:
                 return batch[torch.from_numpy(self._rng.permutation(batch_size))] if self.shuffle else batch
         counts = split_counts(self._weights, check_int("batch_size", batch_size, 1))
+        self._check_ragged(kwargs.get("keys"))
         parts = [(k, self._sources[name].sample(int(n), **kwargs))
                  for k, (name, n) in enumerate(zip(self.names, counts)) if n]
         return self._combine(parts)
+
+    def _check_ragged(self, keys: Any) -> None:
+        """Refuse ragged fields among ``keys`` (None: all) of any source: their nested tensors do
+        not stack into one batch yet.
+
+        Raises:
+            ValueError: naming the source and its ragged fields.
+        """
+        for name, source in self._sources.items():
+            schema = getattr(source, "schema", None)
+            ragged = [n for n, f in schema.fields.items() if f.ragged] if schema is not None else []
+            chosen = [n for n in ragged if keys is None or any(n == k or n.startswith(f"{k}.") for k in keys
+                                                              if isinstance(k, str))]
+            if chosen:
+                raise ValueError(f"source {name!r} has ragged fields {chosen}, which a Mixture does not stack "
+                                 "into one batch yet; leave them out with keys=, or sample the sources apart")
 
     def _sample_direct(self, batch_size: int) -> TensorDict | None:
         """A batch of `arrowbuf._mixed`'s pooled path, through a new plan for ``batch_size``

@@ -274,8 +274,13 @@ class Schema:
                 fields[field.name] = _encoded_field(field, meta, observation)
                 continue
             arrow_type = field.type
-            shape: tuple[int, ...] = ()
-            if isinstance(arrow_type, pa.FixedShapeTensorType):
+            shape: tuple = ()
+            if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):   # a ragged field
+                arrow_type = arrow_type.value_type
+                shape = (None,)
+                if pa.types.is_fixed_size_list(arrow_type):
+                    shape, arrow_type = (None, arrow_type.list_size), arrow_type.value_type
+            elif isinstance(arrow_type, pa.FixedShapeTensorType):
                 shape = tuple(arrow_type.shape)
                 arrow_type = arrow_type.value_type
             elif pa.types.is_fixed_size_list(arrow_type):
@@ -291,7 +296,10 @@ class Schema:
                 except (NotImplementedError, SchemaError):
                     raise SchemaError(f"column {field.name!r} has Arrow type {field.type}, "
                                       "which arrowbuf cannot store") from None
-            fields[field.name] = Field(dtype, shape, observation, meta.get(_ROLE_KEY) == b"derived")
+            try:
+                fields[field.name] = Field(dtype, shape, observation, meta.get(_ROLE_KEY) == b"derived")
+            except SchemaError as err:
+                raise SchemaError(f"column {field.name!r}: {err}") from None
         return cls(unflatten(fields))
 
     def to_json(self) -> str:
@@ -424,6 +432,8 @@ def column_rows(field: pa.Field, column: pa.Array | pa.ChunkedArray) -> np.ndarr
     if _CODEC_KEY in (field.metadata or {}):
         spec = _encoded_field(field, field.metadata, False)
         return np.asarray(EncodedRows(column, spec.encoder))
+    if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+        raise SchemaError(f"column {field.name!r} is ragged ({field.type}): its rows have no one shape")
     return arrow_to_numpy(column, field.name)
 
 

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.byte_heap import bind_heap_columns
-from arrowbuf.encoded import EncodedColumn, EncodedRows
+from arrowbuf.byte_heap import HeapColumn, bind_heap_columns
+from arrowbuf.columns import arena_column, host_column, stored_rows
+from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
@@ -82,23 +83,6 @@ def contiguous(rows: np.ndarray) -> bool:
     """Whether arena ``rows`` (1-D, distinct) are consecutive, ascending: a slice of the arena."""
     return rows.ndim == 1 and len(rows) > 0 and int(rows[-1]) - int(rows[0]) == len(rows) - 1 \
         and bool(np.all(np.diff(rows) == 1))
-
-
-#: Alignment of arena columns: a gather copies each row between equally aligned
-#: addresses (pooled outputs start on 64-byte lines). Rows of a multiple of 64 bytes
-#: copied 16 bytes out of line (numpy puts a large array 16 bytes past a page) took
-#: 25-40% longer here: VLA's 147 KB pixel rows, 10.0 vs 7.9 ms per 640 rows (p25).
-COLUMN_ALIGN = 64
-
-
-def arena_column(shape: tuple[int, ...], dtype: np.dtype, zero: bool = False) -> np.ndarray:
-    """An uninitialized (or zeroed) array starting on a `COLUMN_ALIGN` boundary; its
-    pages are faulted in by the first write, as ``np.empty``'s and ``np.zeros``' are."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = (np.zeros if zero else np.empty)(nbytes + COLUMN_ALIGN, np.uint8)
-    start = -raw.ctypes.data % COLUMN_ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def position_runs(first_row: np.ndarray, num_rows: np.ndarray) -> list[tuple[int, int]]:
@@ -215,12 +199,10 @@ class Shard:
 
     # -- the columns (a subclass keeps them elsewhere: `arrowbuf.arena.TorchShard`) ------
 
-    def new_column(self, spec: Any, zero: bool) -> np.ndarray | EncodedColumn:
-        """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``); an
-        `EncodedColumn` for an encoded field (``codec=``: its rows start zero)."""
-        if spec.codec is not None:
-            return EncodedColumn(spec.encoder, self.rows, spec.numpy_dtype)
-        return arena_column((self.rows, *spec.shape), spec.numpy_dtype, zero=zero)
+    def new_column(self, spec: Any, zero: bool) -> Any:
+        """A column of ``capacity`` rows for field ``spec`` (zeroed when ``zero``): its kind's
+        (`arrowbuf.columns.host_column`)."""
+        return host_column(spec, self.rows, zero)
 
     def new_packed(self, fields: Mapping[str, Any]) -> tuple[np.ndarray | None, dict[str, int]]:
         """(the row-packed block of ``fields``' small per-step fields, their byte offsets);
@@ -278,22 +260,23 @@ class Shard:
         uint16 bits): a view of this arena."""
         return self.arena[name][start:stop]
 
-    def stored_rows(self, name: str, start: int, stop: int) -> np.ndarray | EncodedRows:
-        """Rows ``[start, stop)`` of column ``name`` as stored: `host_rows`, or an encoded
-        field's bytes (`EncodedRows`, what exports and checkpoints write)."""
+    def stored_rows(self, name: str, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` of column ``name`` as stored (what exports and checkpoints
+        write): `arrowbuf.columns.stored_rows`."""
         column = self.arena[name]
-        if type(column) is EncodedColumn:
-            return EncodedRows(column.encoded(start, stop), column.codec)
-        return self.host_rows(name, start, stop)
+        return stored_rows(column, start, stop) if isinstance(column, HeapColumn) else self.host_rows(name, start, stop)
 
     def reader(self, name: str) -> Any:
         """Column ``name`` for reads by host index arrays (``reader(name)[rows]`` is numpy)."""
         return self.arena[name]
 
     def tensor_rows(self, name: str, start: int, stop: int) -> Any:
-        """Rows ``[start, stop)`` of column ``name`` as a torch tensor viewing the arena."""
+        """Rows ``[start, stop)`` of column ``name`` as a torch tensor viewing the arena (a
+        ragged field's: a jagged nested tensor of a copy)."""
         import torch
 
+        if self.schema.fields[name].ragged:
+            return nested(self.arena[name][start:stop], self.schema.fields[name].dtype)
         view = torch.from_numpy(self.arena[name][start:stop])
         spec = self.schema.fields[name]
         return view.view(spec.torch_dtype) if view.dtype != spec.torch_dtype else view

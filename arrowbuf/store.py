@@ -34,6 +34,7 @@ from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import CapacityError, EmptyStoreError, describe
 from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend, reduce_store
 from arrowbuf.rate_limiters import RateLimiter
+from arrowbuf.ragged import check_pad, pad_batch
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
@@ -287,7 +288,8 @@ class ExperienceStore:
                device: torch.device | str | None = None, pin_memory: bool = False,
                timeout: float | None = None, num_workers: int | None = None,
                worker_nodes: Sequence[str] | None = None, keys: list | None = None,
-               min_version: int | None = None, layout: str = "arrowbuf") -> TensorDict | list[TensorDict]:
+               min_version: int | None = None, layout: str = "arrowbuf", pad: dict | None = None
+               ) -> TensorDict | list[TensorDict]:
         """Sample transitions with the store's sampler.
 
         Args:
@@ -300,6 +302,8 @@ class ExperienceStore:
             num_workers, worker_nodes: a list of that many disjoint equal batches; on
                 Ray, each worker draws from the shards on its node.
             keys, layout: only these fields (and "index", "episode_id", "step"); "torchrl": `arrowbuf.torchrl_layout`.
+            pad: {ragged field: pad value}: that field as a padded ``[B, L_max]`` tensor plus
+                ``<field>_length`` ``[B]``, instead of a jagged nested tensor (`arrowbuf.ragged`).
 
         Returns a TensorDict [batch_size] (or [batch_size, L]): the fields at t, ``("next",
         obs)``, ``"index"``, ``"episode_id"``, ``"step"``, the sampler's ``"weight"`` /
@@ -317,6 +321,7 @@ class ExperienceStore:
         pin_memory = check_bool("pin_memory", pin_memory)
         num_workers = check_workers(batch_size, num_workers)
         check_worker_nodes(self.backend, num_workers, worker_nodes)
+        pad = check_pad(pad, self.schema)
         if num_workers is not None and isinstance(self.sampler, WithoutReplacementSampler) \
                 and not self.sampler.drop_last:
             raise ValueError("num_workers needs full batches; WithoutReplacementSampler(drop_last=False) "
@@ -331,6 +336,8 @@ class ExperienceStore:
             if explained is err:
                 raise
             raise explained from None
+        if pad is not None:
+            batch = [pad_batch(b, pad) for b in batch] if isinstance(batch, list) else pad_batch(batch, pad)
         return batch if layout == "arrowbuf" else trl.as_layout(batch, self.schema, layout)   # schema: 3 calls deep
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
@@ -354,8 +361,9 @@ class ExperienceStore:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,
-                     min_version: int | None = None, layout: str = "arrowbuf") -> Iterator[TensorDict]:
-        """Every stored transition once per epoch (on-policy PPO epochs), in batches.
+                     min_version: int | None = None, layout: str = "arrowbuf", pad: dict | None = None
+                     ) -> Iterator[TensorDict]:
+        """Every stored transition once per epoch (on-policy PPO epochs), in batches (``pad`` as in `sample`).
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
         those added join the next epoch. With ``shuffle=False`` a local batch of
@@ -372,10 +380,13 @@ class ExperienceStore:
         batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
         device, layout = check_device(device), trl.check_layout(layout)
+        pad = check_pad(pad, self.schema)
         first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
             else epochs_fresh(self._backend, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
         if epochs > 1 and min_version is None:
             first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+        if pad is not None:
+            first = (pad_batch(batch, pad) for batch in first)
         return trl.each_as_layout(first, self, layout)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:

@@ -140,7 +140,7 @@ def test_jpeg_rows_keep_their_psnr_in_an_eighth_of_the_raw_bytes(photo):
 def test_exports_checkpoints_and_episodes_read_back_keep_the_encoded_bytes_as_they_were(photo, tmp_path):
     store = filled(photo, "jpeg:80")
     stored = store.to_arrow().column("obs").combine_chunks()
-    assert stored.type == pa.binary()
+    assert stored.type == pa.large_binary()
     store.to_parquet(tmp_path / "export")
     imported = ab.ExperienceStore.from_parquet(tmp_path / "export")
     assert imported.schema.fields["obs"].codec == "jpeg:80"
@@ -162,7 +162,7 @@ def test_exports_checkpoints_and_episodes_read_back_keep_the_encoded_bytes_as_th
     # The export's files are plain Parquet: the encoded field is a binary column with its codec and shape.
     files = sorted(glob.glob(str(tmp_path / "export" / "steps" / "*.parquet")))
     field = pq.read_schema(files[0]).field("obs")
-    assert field.type == pa.binary() and field.metadata[b"arrowbuf.codec"] == b"jpeg:80"
+    assert field.type == pa.large_binary() and field.metadata[b"arrowbuf.codec"] == b"jpeg:80"
     duckdb = pytest.importorskip("duckdb")
     sizes = duckdb.sql(f"select octet_length(obs) from read_parquet({files!r})").fetchall()
     assert sorted(s for (s,) in sizes) == sorted(len(v) for v in stored.to_pylist())
@@ -195,7 +195,7 @@ def test_max_bytes_evicts_the_oldest_episodes_to_hold_the_bytes_it_allows(photo,
     np.testing.assert_array_equal(batch["next", "obs"].numpy(), expected_obs(photo, batch, shift=1))
     store.save(tmp_path / "checkpoint")
     assert ab.ExperienceStore.load(tmp_path / "checkpoint").schema.fields["obs"].max_bytes == budget
-    with pytest.raises(SchemaError, match="no codec"):
+    with pytest.raises(SchemaError, match="this field is neither"):
         ab.Field("uint8", (SIDE, SIDE, 3), max_bytes=10)
     with pytest.raises(ValueError, match="never evicts"):
         ab.ExperienceStore(capacity=100, schema={**schema("png"), "obs": field}, mode="fixed")
@@ -238,12 +238,12 @@ def test_rows_of_another_shape_or_damaged_bytes_are_refused_and_leave_the_store_
     batch = store.episode(0)
     obs = batch.column("obs").to_pylist()
     obs[3] = obs[3][:len(obs[3]) - 100]   # cut short
-    damaged = batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.binary()))
+    damaged = batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.large_binary()))
     with pytest.raises(FormatError, match=r"field 'obs', row 3: .*cut short"):
         store.add_episode(damaged)
     obs[3] = b"\xff\xd8" + b"garbage" * 10 + b"\xff\xd9"
     with pytest.raises(FormatError, match=r"field 'obs', row 3: not a JPEG"):
-        store.add_episode(batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.binary())))
+        store.add_episode(batch.set_column(0, batch.schema.field("obs"), pa.array(obs, pa.large_binary())))
     assert store.to_arrow().equals(before)
 
 
@@ -344,3 +344,17 @@ def test_a_notebook_plots_an_encoded_field_s_frames_decoded(photo, tmp_path):
         images = [ax.images[0] for ax in figure.axes if ax.images]
         np.testing.assert_array_equal(images[0].get_array(), frames(photo, 0, 1)[0])
         np.testing.assert_array_equal(images[-1].get_array(), frames(photo, 0, 10)[9])
+
+
+def test_a_lossy_field_s_observation_chain_accepts_the_row_given_again_and_refuses_another(photo):
+    store = ab.ExperienceStore(capacity=100, schema=schema("jpeg:90"), seed=0)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    a, b = frames(photo, 0, 3), frames(photo, 1, 8)
+    rest = dict(action=np.zeros(2, np.int64), reward=np.zeros(2, np.float32), truncated=np.zeros(2, bool))
+    writer.add(obs=np.stack([a[0], b[0]]), next_obs=np.stack([a[1], b[1]]), terminated=np.array([False, True]), **rest)
+    # env 0 goes on with the obs it was given (JPEG reads it back otherwise); env 1 was reset: a new first frame
+    writer.add(obs=np.stack([a[1].copy(), b[5]]), next_obs=np.stack([a[2], b[6]]), terminated=np.zeros(2, bool), **rest)
+    with pytest.raises(ab.ObservationMismatchError, match="env 0"):
+        writer.add(obs=np.stack([b[7], b[6].copy()]), next_obs=np.stack([a[2], b[7]]), terminated=np.zeros(2, bool),
+                   **rest)
+    assert len(store) == 4   # env 0: 2 open steps; env 1: 1 sealed, 1 open; the refused step left nothing

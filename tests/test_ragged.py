@@ -1,0 +1,226 @@
+"""Ragged fields (``ab.Field(dtype, (None,))``): a sequence per step, stored unpadded, sampled as jagged
+nested tensors, and compared element by element with what was written on every path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf import byte_heap
+from arrowbuf.errors import SchemaError
+from arrowbuf.ragged import RaggedRows, ragged_rows
+
+
+def tokens(episode: int, step: int) -> np.ndarray:
+    """The sequence written at (episode, step): its length and values say where it came from."""
+    length = (7 * episode + 3 * step) % 13
+    return (np.arange(length) + 1000 * episode + 10 * step).astype(np.int32)
+
+
+SCHEMA = {"obs": ab.Field("float32", (2,), observation=True), "tokens": ab.Field("int32", (None,)),
+          "action": ab.Field("int64"), "reward": ab.Field("float32"), "terminated": ab.Field("bool"),
+          "truncated": ab.Field("bool")}
+
+
+def episode(e: int, steps: int, form: str = "list") -> dict:
+    seqs = [tokens(e, t) for t in range(steps)]
+    if form == "nested":
+        seqs = torch.nested.nested_tensor([torch.from_numpy(s) for s in seqs], layout=torch.jagged)
+    elif form == "arrow":
+        seqs = pa.array([s.tolist() for s in seqs], pa.list_(pa.int32()))
+    return {"obs": np.zeros((steps + 1, 2), np.float32), "tokens": seqs, "action": np.arange(steps) + 100 * e,
+            "reward": np.full(steps, e, np.float32), "terminated": np.r_[np.zeros(steps - 1, bool), True],
+            "truncated": np.zeros(steps, bool)}
+
+
+def filled(capacity: int = 500, episodes=((0, 9), (1, 14), (2, 5), (3, 11))) -> ab.ExperienceStore:
+    store = ab.ExperienceStore(capacity=capacity, schema=SCHEMA, seed=0)
+    for e, steps in episodes:
+        store.add_episode(episode(e, steps, ("list", "nested", "arrow")[e % 3]))
+    return store
+
+
+def check_batch(batch) -> None:
+    """Every row's tokens are the ones written at its (episode, step), known by its action."""
+    action = batch["action"].numpy()
+    nested = batch["tokens"]
+    assert nested.layout == torch.jagged and nested.dtype == torch.int32
+    offsets, values = nested.offsets().numpy(), nested.values().numpy()
+    assert len(offsets) == len(action) + 1
+    for i, a in enumerate(action.tolist()):
+        np.testing.assert_array_equal(values[offsets[i]:offsets[i + 1]], tokens(a // 100, a % 100))
+
+
+def test_every_input_form_samples_back_the_sequences_written():
+    store = filled()
+    check_batch(store.sample(64))
+    seen = []
+    for batch in store.iter_batches(16, shuffle=True):
+        check_batch(batch)
+        seen += batch["action"].tolist()
+    assert sorted(seen) == sorted(a + 100 * e for e, n in ((0, 9), (1, 14), (2, 5), (3, 11)) for a in range(n))
+    check_batch(store.sample(32, n_step=3, gamma=0.5))   # a step field: read at the transition's row
+    assert set(store.sample(8, keys=["action"]).keys()) == {"action", "index", "episode_id", "step"}
+
+
+def test_pad_gives_a_padded_tensor_to_the_batch_s_longest_row_and_the_lengths():
+    store = filled()
+    batch = store.sample(48, pad={"tokens": -1})
+    dense, lengths = batch["tokens"].numpy(), batch["tokens_length"].numpy()
+    assert dense.shape == (48, lengths.max()) and dense.dtype == np.int32
+    for row, n, a in zip(dense, lengths, batch["action"].tolist()):
+        np.testing.assert_array_equal(row[:n], tokens(a // 100, a % 100))
+        assert (row[n:] == -1).all()
+    for bad, message in (({"action": 0}, "not a ragged field"), ({"tokens": "x"}, "must be a number"),
+                         (["tokens"], "must be a dict")):
+        with pytest.raises(ValueError, match=message):
+            store.sample(4, pad=bad)
+
+
+def test_a_step_writer_writes_sequences_in_place_and_a_ring_that_laps_keeps_only_what_it_holds(monkeypatch):
+    monkeypatch.setattr(byte_heap, "CHUNK_BYTES", 4 << 10)
+    store = ab.ExperienceStore(capacity=60, schema=SCHEMA, seed=0)
+    writer = store.writer(num_envs=3)
+    step = np.zeros(3, int)
+    episode_of = np.arange(3)
+    for _ in range(300):
+        done = step + 1 == np.array([5, 8, 13])
+        writer.add(obs=np.zeros((3, 2), np.float32), tokens=[tokens(int(e), int(t)) for e, t in zip(episode_of, step)],
+                   action=episode_of * 100 + step, reward=np.zeros(3, np.float32), terminated=done,
+                   truncated=np.zeros(3, bool), next_obs=np.zeros((3, 2), np.float32))
+        step += 1
+        episode_of = np.where(done, episode_of + 3, episode_of)
+        step[done] = 0
+    writer.flush()
+    assert len(store) == 60
+    check_batch(store.sample(100))
+    column = store.engine.shard.arena["tokens"]
+    assert column.heap.live == int(column.size.sum())
+    assert column.heap.allocated <= 1.5 * column.heap.live + 2 * column.heap.chunk_bytes
+
+
+def test_exports_checkpoints_and_episodes_round_trip_the_sequences(tmp_path):
+    store = filled()
+    column = store.to_arrow().column("tokens")
+    assert pa.types.is_large_list(column.type)
+    expected = {(e, t): tokens(e, t).tolist() for e, n in ((0, 9), (1, 14), (2, 5), (3, 11)) for t in range(n)}
+    store.to_parquet(tmp_path / "export")
+    imported = ab.ExperienceStore.from_parquet(tmp_path / "export")
+    assert imported.schema.fields["tokens"] == ab.Field("int32", (None,))
+    check_batch(imported.sample(64))
+    store.save(tmp_path / "checkpoint")
+    loaded = ab.ExperienceStore.load(tmp_path / "checkpoint")
+    check_batch(loaded.sample(64))
+    copied = ab.ExperienceStore(capacity=500, schema=SCHEMA, seed=0)
+    for episode_id in store.episodes()["episode_id"].to_pylist():
+        copied.add_episode(store.episode(episode_id))
+    check_batch(copied.sample(64))
+    table = store.to_arrow()
+    got = {(a // 100, a % 100): row for a, row, last in zip(table.column("action").to_pylist(),
+                                                            table.column("tokens").to_pylist(),
+                                                            table.column("is_last").to_pylist()) if not last}
+    assert got == expected
+    duckdb = pytest.importorskip("duckdb")
+    lengths = duckdb.sql(f"select len(tokens) from read_parquet('{tmp_path}/export/steps/*.parquet')").fetchall()
+    assert sorted(n for (n,) in lengths) == sorted([len(v) for v in expected.values()] + [0] * 4)
+
+
+def test_rows_of_k_values_keep_their_items_and_an_inferred_list_is_ragged():
+    schema = {"points": ab.Field("float32", (None, 3)), "action": ab.Field("int64"), "terminated": ab.Field("bool")}
+    store = ab.ExperienceStore(capacity=50, schema=schema, seed=0)
+    rows = [np.arange(3 * n, dtype=np.float32).reshape(n, 3) + 100 * t for t, n in enumerate([2, 0, 5, 1])]
+    store.add_episode({"points": rows, "action": np.arange(4), "terminated": np.array([0, 0, 0, 1], bool)})
+    batch = store.sample(20)
+    offsets, values = batch["points"].offsets().numpy(), batch["points"].values().numpy()
+    assert values.shape[1:] == (3,)
+    for i, t in enumerate(batch["action"].tolist()):
+        np.testing.assert_array_equal(values[offsets[i]:offsets[i + 1]], rows[t])
+    inferred = ab.ExperienceStore(capacity=50, seed=0)
+    inferred.add_episode({"prompt": [np.array([5, 6, 7]), np.array([8])], "action": np.zeros(2),
+                          "terminated": np.array([False, True])})
+    assert inferred.schema.fields["prompt"] == ab.Field("int64", (None,))
+
+
+def test_max_bytes_bounds_the_values_held():
+    field = ab.Field("int32", (None,), max_bytes=4 * 200)
+    store = ab.ExperienceStore(capacity=1000, schema={**SCHEMA, "tokens": field}, seed=0)
+    for e in range(12):
+        store.add_episode(episode(e, 10))
+        assert store.engine.shard.arena["tokens"].heap.live <= 800
+    kept = store.episodes()["episode_id"].to_pylist()
+    assert kept == list(range(12 - len(kept), 12)) and len(kept) < 12
+    check_batch(store.sample(32))
+
+
+def test_bad_sequences_are_refused_naming_the_field_and_leave_the_store_as_it_was():
+    store = filled()
+    before = store.to_arrow()
+    bad = episode(5, 4)
+    bad["tokens"] = [np.zeros((2, 2), np.int32)] * 4                      # a 2-D list for a (None,) field
+    with pytest.raises(SchemaError, match=r"field 'tokens'.*\(None,\) takes a list of sequences"):
+        store.add_episode(bad)
+    bad["tokens"] = [np.zeros(3, np.float32), np.zeros(1, np.float32), np.zeros(0, np.float32), np.ones(2, np.float32)]
+    with pytest.raises(SchemaError, match="field 'tokens': dtype float32; expected int32"):
+        store.add_episode(bad)
+    bad["tokens"] = [np.zeros(3, np.int32), np.zeros(2, np.float64), np.zeros(1, np.int32), np.zeros(1, np.int32)]
+    with pytest.raises(SchemaError, match="field 'tokens': rows of dtypes"):
+        store.add_episode(bad)
+    bad["tokens"] = [[1, 2], [[3]], [4], [5]]
+    with pytest.raises(SchemaError, match="field 'tokens'"):
+        store.add_episode(bad)
+    fixed = episode(5, 4)
+    fixed["action"] = [np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)]
+    with pytest.raises(SchemaError, match="field 'action': got ragged rows"):
+        store.add_episode(fixed)
+    assert store.to_arrow().equals(before)
+    with pytest.raises(SchemaError, match="ragged field"):
+        ab.Field("int32", (None,), observation=True)
+    with pytest.raises(SchemaError, match=r"\(None,\) or \(None, k\)"):
+        ab.Field("int32", (None, 2, 2))
+
+
+def test_what_does_not_take_ragged_fields_yet_says_so_before_anything_is_written(tmp_path):
+    with pytest.raises(SchemaError, match="storage_device"):
+        ab.ExperienceStore(capacity=10, schema=SCHEMA, storage_device="cpu")
+    staged = ab.ExperienceStore(capacity=50, schema=SCHEMA, mode="fixed")
+    with pytest.raises(SchemaError, match="stages its steps"):
+        staged.writer(num_envs=2).add(obs=np.zeros((2, 2), np.float32), tokens=[tokens(0, 1), tokens(1, 1)],
+                                      action=np.arange(2), reward=np.zeros(2, np.float32),
+                                      terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
+                                      next_obs=np.zeros((2, 2), np.float32))
+    store = filled()
+    with pytest.raises(SchemaError, match="add_episodes"):
+        store.add_episodes({k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "tokens"} |
+                           {"tokens": [[tokens(0, t) for t in range(3)]] * 2})
+    mixture = ab.Mixture({"a": store, "b": filled()}, weights={"a": 0.5, "b": 0.5}, seed=0)
+    with pytest.raises(ValueError, match="source 'a' has ragged fields"):
+        mixture.sample(8)
+    assert mixture.sample(8, keys=["action"])["action"].shape == (8,)
+    writer = store.writer(num_envs=1)
+    writer.add(obs=np.zeros((1, 2), np.float32), tokens=[tokens(9, 0)], action=np.array([900]),
+               reward=np.zeros(1, np.float32), terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
+               next_obs=np.zeros((1, 2), np.float32))
+    with pytest.raises(SchemaError, match=r"flush\(\) the store's writers before save\(\)"):
+        store.save(tmp_path / "checkpoint")
+    writer.flush()
+    store.save(tmp_path / "checkpoint")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(-5, 5), max_size=6), min_size=1, max_size=12), st.data())
+def test_ragged_rows_index_like_lists_of_their_rows(rows, data):
+    ragged = ragged_rows([np.array(r, np.int64) for r in rows], "x")
+    assert ragged.lengths.tolist() == [len(r) for r in rows]
+    pick = data.draw(st.lists(st.integers(0, len(rows) - 1), max_size=10))
+    assert [r.tolist() for r in ragged[np.array(pick, np.int64)].rows()] == [rows[i] for i in pick]
+    start, stop = sorted(data.draw(st.tuples(st.integers(0, len(rows)), st.integers(0, len(rows)))))
+    assert [r.tolist() for r in ragged[start:stop].rows()] == rows[start:stop]
+    mask = np.array(data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows))))
+    assert [r.tolist() for r in ragged[mask].rows()] == [r for r, m in zip(rows, mask) if m]
+    back = ragged_rows(ragged.to_arrow(), "x")
+    assert isinstance(back, RaggedRows) and [r.tolist() for r in back.rows()] == rows
