@@ -52,7 +52,8 @@ def test_a_smoke_images_run_measures_the_codecs_bytes_and_jpeg_fidelity_in_a_san
     assert value(stored, "raw") == 1.0
     for lossless in ("png", "zstd", "torchrl"):
         assert 0.2 < value(stored, lossless) < 1.0, lossless
-    assert abs(value(stored, "torchrl_jpeg") - value(stored, "arrowbuf")) < 0.01   # the same codec, the same frames
+    # the same codec and settings (TorchRL's store holds fewer of the camera paths)
+    assert abs(value(stored, "torchrl_jpeg") / value(stored, "arrowbuf") - 1) < 0.25
     # PSNR of the frames sampled back against those written, found by episode_id and step:
     # a row decoded against the wrong frame scores ~10-20 dB
     assert 33 < value(metrics["PSNR jpeg:90, mean"], "arrowbuf") < 60
