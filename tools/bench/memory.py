@@ -27,6 +27,17 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def private_bytes() -> int:
+    """Private memory of this process now (USS: its private clean and dirty pages), or RSS where
+    /proc/self/smaps_rollup is missing."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f
+                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except OSError:
+        return rss_bytes()
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
     try:
