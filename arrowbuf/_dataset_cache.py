@@ -11,9 +11,12 @@ directory holds::
                       of its row's bytes: Arrow's IPC writer refuses an array of 2**31 or
                       more values, which a list column's values reach at 126M rows of
                       obs[17] or 14k rows of a 224x224x3 image; rows of bytes reach it only
-                      at 2**31 rows. Version 1 caches, of fixed-size lists, are still read)
+                      at 2**31 rows. Version 1 caches, of fixed-size lists, are still read).
+                      A video field (format 3) is stored as each row's frame reference
+                      (`arrowbuf.video.FRAME_REF`), never as pixels: it is decoded when sampled
     episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
-    _dataset.json     manifest, written last: format, schema, counts, the source it was
+    _dataset.json     manifest, written last: format, schema, counts, the video fields'
+                      files (`arrowbuf.video.VideoSpec`), the source it was
                       converted from (each file's size and mtime, hashes of its small
                       metadata files) and each cache file's size, mtime, ctime, inode
                       and SHA-256
@@ -45,7 +48,7 @@ import json
 import mmap
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -57,9 +60,12 @@ from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar,
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
 from arrowbuf.schema import Schema
+from arrowbuf.video import VideoSpec, stored_schema
 
 FORMAT = "arrowbuf.dataset"
-FORMAT_VERSION = 2      # 2: shaped fields as fixed-size binary (version 1's fixed-size lists are still read)
+# 2: shaped fields as fixed-size binary (version 1's fixed-size lists are still read); 3: video
+# fields as frame references (a cache without one is written as version 2, which older readers open).
+FORMAT_VERSION = 3
 MANIFEST = "_dataset.json"
 ROWS = "rows.arrow"
 EPISODES = "episodes.arrow"
@@ -88,6 +94,8 @@ class Source:
     order of the episodes (each episode's ``num_rows`` rows together).
     ``files`` are the source files whose size and mtime decide whether a cache is
     still the source's; ``hashed`` the small ones whose SHA-256 decides it too.
+    ``videos``: the video fields (`arrowbuf.video`), whose rows yield their frame
+    references (`arrowbuf.video.FRAME_REF`) instead of pixels.
     """
 
     kind: str
@@ -98,6 +106,7 @@ class Source:
     files: list[Path]
     hashed: list[Path]
     info: dict[str, Any]
+    videos: dict[str, VideoSpec] = field(default_factory=dict)
 
 
 def fingerprint(source_path: Path, files: list[Path], hashed: list[Path]) -> dict[str, Any]:
@@ -144,7 +153,7 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     Raises:
         FormatError: the source's rows disagree with its episode table.
     """
-    schema = source.schema
+    schema = stored_schema(source.schema, source.videos)   # as the rows are stored
     episodes = source.episodes
     num_rows = np.asarray(episodes["num_rows"], np.int64)
     has_final = np.asarray(episodes["has_final"], bool)
@@ -152,7 +161,8 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     names = list(schema.fields)
     directory.parent.mkdir(parents=True, exist_ok=True)
     with DirectorySink(directory) as sink:
-        version = FORMAT_VERSION   # read at the call: a test writes a version 1 cache through it
+        # Read at the call: a test writes a version 1 cache through it.
+        version = FORMAT_VERSION if source.videos else min(FORMAT_VERSION, 2)
         where = _lay_out_rows(sink.pending / ROWS, schema, total, version)
         written = 0
         with open(sink.pending / ROWS, "r+b") as out, \
@@ -200,7 +210,8 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
             stat = (sink.pending / name).stat()
             files[name] = {**_stat_entry(stat), "sha256": file_digest(sink.pending / name)}
         write_manifest(sink.pending / MANIFEST, {
-            "format": FORMAT, "format_version": version, "schema": json.loads(schema.to_json()),
+            "format": FORMAT, "format_version": version, "schema": json.loads(source.schema.to_json()),
+            **({"videos": {name: spec.to_json() for name, spec in source.videos.items()}} if source.videos else {}),
             "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
             "source": {"kind": source.kind, "path": str(source.path.resolve()), "info": source.info,
                        "files": fingerprint(source.path, source.files, source.hashed)},
@@ -277,7 +288,29 @@ def read_cache_manifest(directory: Path) -> dict[str, Any]:
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), t) for k, t in
                                                   (("bytes", int), ("mtime_ns", int), ("sha256", str))):
             raise FormatError(f"{path}: manifest lacks a complete entry for {name} ({entry!r})")
+    cache_videos(manifest, path)
     return manifest
+
+
+def cache_videos(manifest: Mapping[str, Any], path: Path) -> dict[str, VideoSpec]:
+    """The video fields a cache manifest (at ``path``) records, by field name.
+
+    Raises:
+        FormatError: a bad entry, one of no video field, or one in a cache older than format 3.
+    """
+    videos = manifest.get("videos", {})
+    if not isinstance(videos, dict) or (videos and manifest["format_version"] < 3):
+        raise FormatError(f"{path}: manifest entry 'videos' is {videos!r}; expected a mapping, in a cache of "
+                          "format 3 or later")
+    specs = {}
+    for name, entry in videos.items():
+        spec = VideoSpec.from_json(entry, f"{path}: video field {name!r}")
+        field_spec = manifest["schema"].get(name)
+        if not isinstance(field_spec, list) or field_spec[:2] != ["uint8", list(spec.shape)]:
+            raise FormatError(f"{path}: video field {name!r} of shape {spec.shape} is not a uint8 field of that "
+                              f"shape in the cache's schema ({field_spec!r})")
+        specs[name] = spec
+    return specs
 
 
 def source_changed(manifest: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

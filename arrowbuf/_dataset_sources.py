@@ -8,9 +8,10 @@ Each reader checks a source and describes it as a `arrowbuf._dataset_cache.Sourc
   verified as it is converted.
 - `ipc_source`: an Arrow IPC directory: ``episodes.arrow`` (``store.episodes()``)
   and one or more other ``*.arrow`` files of rows (``store.to_arrow()``), in name order.
-- `lerobot_source`: the tabular data of a LeRobot v3 dataset (``meta/info.json``,
-  ``data/chunk-XXX/file-XXX.parquet``, ``meta/episodes/...``); see `lerobot_source`
-  for how its columns become fields.
+- `lerobot_source`: a LeRobot v3 dataset (``meta/info.json``,
+  ``data/chunk-XXX/file-XXX.parquet``, ``meta/episodes/...``, ``videos/...``); see
+  `lerobot_source` for how its columns become fields. Its videos are not converted:
+  the cache keeps which frame of which file each row is (`arrowbuf.video`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import Field
 from arrowbuf.parquet import MANIFEST, group_rows, open_export
 from arrowbuf.schema import SYSTEM_SPECS, Schema, unflatten
+from arrowbuf.video import VideoSpec
 
 EPISODES_IPC = "episodes.arrow"
 LEROBOT_INFO = Path("meta") / "info.json"
@@ -151,8 +153,15 @@ _LEROBOT_SKIPPED = {"episode_index", "frame_index"}   # the episode id and the s
 _LEROBOT_DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
-def lerobot_fields(info: Mapping[str, Any], where: str) -> tuple[dict[str, tuple[str, Field, bool]], list[str]]:
-    """(LeRobot column -> (field name, field, is an image), features left out) of ``info.json``."""
+#: Where a LeRobot v3 dataset keeps its videos (``video_path`` of ``info.json`` when it gives one).
+LEROBOT_VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+#: How far a frame's time (``from_timestamp`` + ``timestamp``) may lie from its video's
+#: frame grid, in frames: rounding, never a frame rate that is not the video's.
+_GRID = 0.1
+
+
+def lerobot_fields(info: Mapping[str, Any], where: str) -> tuple[dict[str, tuple[str, Field, str | None]], list[str]]:
+    """(LeRobot column -> (field name, field, "image", "video" or None), features left out) of ``info.json``."""
     features = info.get("features")
     if not isinstance(features, dict):
         raise FormatError(f"{where}: no 'features' mapping")
@@ -162,23 +171,34 @@ def lerobot_fields(info: Mapping[str, Any], where: str) -> tuple[dict[str, tuple
         shape = tuple(feature.get("shape") or ()) if isinstance(feature, dict) else ()
         if column in _LEROBOT_SKIPPED:
             continue
-        if dtype == "image":
+        if dtype in ("image", "video"):
             names = list(feature.get("names") or [])
             if names and str(names[0]).startswith("channel"):   # (C, H, W) declared: stored as decoded (H, W, C)
                 shape = (*shape[1:], shape[0])
-            fields[column] = (column, Field("uint8", shape, observation=True), True)
+            if dtype == "video" and (len(shape) != 3 or shape[2] not in (1, 3)):
+                skipped.append(f"{column} (video of shape {shape}: arrowbuf decodes (H, W, 3) and (H, W, 1))")
+                continue
+            fields[column] = (column, Field("uint8", shape, observation=True), dtype)
         elif dtype in _LEROBOT_DTYPES:
             name = LEROBOT_NAMES.get(column, column)
             if shape == (1,):
                 shape = ()
-            fields[column] = (name, Field(dtype, shape, observation=column.startswith("observation.")), False)
+            fields[column] = (name, Field(dtype, shape, observation=column.startswith("observation.")), None)
         else:
-            skipped.append(f"{column} ({dtype})")   # videos, strings: not tabular
+            skipped.append(f"{column} ({dtype})")   # strings: not tabular
     return fields, skipped
 
 
+def lerobot_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """(files, hashed files) whose stat (and hash) say whether a cache is still that of the
+    LeRobot dataset at ``path``: data, episode metadata, videos and ``info.json``."""
+    files = [*sorted(path.glob("data/chunk-*/file-*.parquet")), *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")),
+             *sorted(path.glob("videos/*/chunk-*/file-*.mp4")), path / LEROBOT_INFO]
+    return files, [path / LEROBOT_INFO]
+
+
 def lerobot_source(path: Path) -> Source:
-    """The tabular data of a LeRobot v3 dataset.
+    """A LeRobot v3 dataset.
 
     Its frames become rows: ``episode_index`` the episode id, ``frame_index`` the step
     (checked to count 0..T-1), ``observation.*`` observation fields (nested:
@@ -186,10 +206,13 @@ def lerobot_source(path: Path) -> Source:
     ``next.reward`` -> ``reward``, ``next.done`` -> ``terminated``, ``index`` ->
     ``dataset_index``; other numeric features (``action``, ``timestamp``,
     ``task_index``) keep their names. Image features stored in the Parquet files
-    (``dtype: image``, PNG/JPEG bytes) are decoded into uint8 (H, W, C) fields; video
-    features and strings are left out (``dataset.info["skipped"]``). LeRobot stores no
-    observation after an episode's last frame, so an episode of T frames has T - 1
-    transitions.
+    (``dtype: image``, PNG/JPEG bytes) are decoded into uint8 (H, W, C) fields. Video
+    features (``dtype: video``, RGB or gray) are uint8 (H, W, C) fields decoded when
+    sampled (`arrowbuf.video`): the cache keeps each row's frame, the one shown at
+    ``from_timestamp`` (its episode's start in its file, ``meta/episodes``) +
+    ``timestamp`` in its episode's file. Strings are left out
+    (``dataset.info["skipped"]``). LeRobot stores no observation after an episode's
+    last frame, so an episode of T frames has T - 1 transitions.
     """
     info_path = path / LEROBOT_INFO
     try:
@@ -210,19 +233,109 @@ def lerobot_source(path: Path) -> Source:
         raise FormatError(f"{info_path}: total_frames {total}, the data files hold {int(episodes['num_rows'].sum())}")
     meta_files = sorted(path.glob("meta/episodes/chunk-*/file-*.parquet"))
     _check_lerobot_meta(meta_files, episodes)
+    videos = {column: name for column, (name, _, kind) in fields.items() if kind == "video"}
+    specs, segments = _lerobot_videos(path, info, {c: fields[c][1] for c in videos}, meta_files, episodes)
+    tabular = [column for column, (_, _, kind) in fields.items() if kind != "video"]
+    read = [*tabular, *(c for c in ("episode_index", "timestamp") if videos and c not in tabular)]
+    ids = episodes["episode_id"]
 
     def rows() -> Iterator[dict[str, np.ndarray]]:
         for file in data_files:
             try:
                 reader = pq.ParquetFile(file)
-                for batch in reader.iter_batches(batch_size=4096, columns=list(fields)):
-                    yield {name: _lerobot_column(batch.column(column), spec, image, f"{file}: {column}")
-                           for column, (name, spec, image) in fields.items()}
+                for batch in reader.iter_batches(batch_size=4096, columns=read):
+                    out = {fields[c][0]: _lerobot_column(batch.column(c), fields[c][1], fields[c][2], f"{file}: {c}")
+                           for c in tabular}
+                    if videos:
+                        episode = _positions(ids, batch.column("episode_index").to_numpy())
+                        time = batch.column("timestamp").to_numpy(zero_copy_only=False).astype(np.float64)
+                        for column, name in videos.items():
+                            out[name] = _frame_refs(segments[column], episode, time, specs[column].fps,
+                                                    f"{file}: {column}")
+                    yield out
             except (pa.ArrowException, OSError) as err:
                 raise FormatError(f"{file}: unreadable ({err})") from None
 
-    return Source("lerobot", path, schema, episodes, rows, [*data_files, *meta_files, info_path], [info_path],
-                  {"fps": info.get("fps"), "codebase_version": version, "skipped": skipped})
+    files, hashed = lerobot_files(path)
+    return Source("lerobot", path, schema, episodes, rows, files, hashed,
+                  {"fps": info.get("fps"), "codebase_version": version, "skipped": skipped},
+                  {videos[c]: spec for c, spec in specs.items()})
+
+
+def _lerobot_videos(path: Path, info: Mapping[str, Any], videos: Mapping[str, Field], meta_files: list[Path],
+                    episodes: Mapping[str, Any]) -> tuple[dict[str, VideoSpec], dict[str, np.ndarray]]:
+    """(column -> `VideoSpec`, column -> each episode's (file position, start, end) in
+    frames, in the table's order) of the video features, from ``meta/episodes``.
+
+    Raises:
+        FormatError: no episode metadata of a video, a missing file, or a bad fps.
+    """
+    if not videos:
+        return {}, {}
+    fps = info.get("fps")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise FormatError(f"{path / LEROBOT_INFO}: fps {fps!r}; its videos need a frame rate > 0")
+    if not meta_files:
+        raise FormatError(f"{path}: video features {list(videos)} but no meta/episodes/chunk-XXX/file-XXX.parquet "
+                          "to find their frames in")
+    columns = ["episode_index"] + [f"videos/{c}/{k}" for c in videos
+                                   for k in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")]
+    try:
+        for file in meta_files:
+            missing = [c for c in columns if c not in pq.read_schema(file).names]
+            if missing:
+                raise FormatError(f"{file}: no columns {missing}; LeRobot v3 episode metadata locates the frames "
+                                  f"of the video features {list(videos)} by them")
+        table = pa.concat_tables([pq.read_table(f, columns=columns) for f in meta_files])
+    except (pa.ArrowException, OSError) as err:
+        raise FormatError(f"{meta_files[0]}: unreadable episode metadata ({err})") from None
+    meta = {name: np.asarray(table.column(name).to_numpy(zero_copy_only=False)) for name in columns}
+    at = _positions(meta["episode_index"], episodes["episode_id"])   # each episode's row of the metadata
+    template = str(info.get("video_path") or LEROBOT_VIDEO_PATH)
+    specs, segments = {}, {}
+    for column, spec in videos.items():
+        chunk, number = (meta[f"videos/{column}/{k}"][at].astype(np.int64) for k in ("chunk_index", "file_index"))
+        pairs = sorted(set(zip(chunk.tolist(), number.tolist())))
+        try:
+            files = [template.format(video_key=column, chunk_index=c, file_index=f) for c, f in pairs]
+        except (KeyError, IndexError, ValueError) as err:
+            raise FormatError(f"{path / LEROBOT_INFO}: video_path {template!r} does not format ({err!r})") from None
+        for file in files:
+            if not (path / file).is_file():
+                raise FormatError(f"{path / file}: missing; video field {column!r} has frames in it")
+        position = {pair: k for k, pair in enumerate(pairs)}
+        segments[column] = np.stack([np.array([position[p] for p in zip(chunk.tolist(), number.tolist())]),
+                                     meta[f"videos/{column}/from_timestamp"][at].astype(np.float64) * fps,
+                                     meta[f"videos/{column}/to_timestamp"][at].astype(np.float64) * fps], axis=1)
+        specs[column] = VideoSpec(column, tuple(files), float(fps), spec.shape)
+    return specs, segments
+
+
+def _positions(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Where each of ``wanted`` is in ``ids`` (distinct, any order; every one is there)."""
+    order = np.argsort(ids, kind="stable")
+    return order[np.searchsorted(ids[order], wanted)]
+
+
+def _frame_refs(segments: np.ndarray, episode: np.ndarray, time: np.ndarray, fps: float, where: str) -> np.ndarray:
+    """`arrowbuf.video.FRAME_REF` rows (file position, frame number) of frames at ``time``
+    (``timestamp``) in episodes at positions ``episode`` of the episode table.
+
+    Raises:
+        FormatError: a time off its video's frame grid, or past its episode's segment of it.
+    """
+    file, start, end = segments[episode].T
+    frame = start + time * fps
+    number = np.rint(frame)
+    first, end = np.rint(start), np.rint(end)
+    off = np.abs(frame - number) > _GRID
+    outside = (number < first) | (number >= end)
+    if off.any() or outside.any():
+        row = int(np.flatnonzero(off | outside)[0])
+        raise FormatError(f"{where}: a row at timestamp {time[row]:.6f} s is frame {frame[row]:.3f} of its video, "
+                          f"{'off its frame grid at' if off[row] else 'outside its episode segment,'} frames "
+                          f"{first[row]:.0f}..{end[row] - 1:.0f} at {fps:g} fps")
+    return np.stack([file, number], axis=1).astype(np.int32)   # file positions are exact in float64
 
 
 def _lerobot_episodes(files: list[Path], fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,10 +386,10 @@ def _check_lerobot_meta(files: list[Path], episodes: Mapping[str, Any]) -> None:
                           f"files for episodes {bad}")
 
 
-def _lerobot_column(column: pa.Array, spec: Field, image: bool, where: str) -> np.ndarray:
+def _lerobot_column(column: pa.Array, spec: Field, kind: str | None, where: str) -> np.ndarray:
     if column.null_count:
         raise FormatError(f"{where}: has nulls")
-    if image:
+    if kind == "image":
         return _decode_images(column, spec, where)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or \
             pa.types.is_fixed_size_list(column.type):

@@ -1,11 +1,13 @@
 """Offline datasets, opened and not loaded: `open_dataset` and `Dataset`.
 
 A `Dataset` is a read-only store over a dataset on disk: an arrowbuf Parquet export
-(``store.to_parquet``), an Arrow IPC directory, or a LeRobot v3 dataset's tabular
-data (`arrowbuf._dataset_sources`). The source is converted once into a
+(``store.to_parquet``), an Arrow IPC directory, or a LeRobot v3 dataset
+(`arrowbuf._dataset_sources`). The source is converted once into a
 memory-mappable cache beside it (`arrowbuf._dataset_cache`), and the dataset samples
 straight from the mapped columns: the rows are never loaded, and only the pages a
-batch reads are brought in.
+batch reads are brought in. A LeRobot video field's column holds each row's frame
+reference, and its frames are decoded from the source's MP4 files when a batch
+gathers them (`arrowbuf.video`).
 
 Sampling reuses the store's machinery unchanged: the rows keep the arena's layout
 (each episode's steps, then its final observation), so a `MappedShard` holding the
@@ -39,9 +41,9 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
                               check_sample_args, to_numpy)
-from arrowbuf._dataset_cache import (FAULT_AROUND, MappedRows, ResidentBound, check_cache_files, fingerprint,
-                                     read_cache_manifest, read_episodes, source_changed, write_cache)
-from arrowbuf._dataset_sources import EPISODES_IPC, LEROBOT_INFO, detect, export_source, ipc_source, lerobot_source
+from arrowbuf._dataset_cache import (FAULT_AROUND, MappedRows, ResidentBound, cache_videos, check_cache_files,
+                                     fingerprint, read_cache_manifest, read_episodes, source_changed, write_cache)
+from arrowbuf._dataset_sources import EPISODES_IPC, detect, export_source, ipc_source, lerobot_files, lerobot_source
 from arrowbuf.arena import host_tensor
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, describe
@@ -52,6 +54,7 @@ from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.placement import Ring
 from arrowbuf.shard import Shard
 from arrowbuf.table import EpisodeTable
+from arrowbuf.video import VIDEO_CACHE_BYTES, FrameCache, VideoReader, stored_schema
 
 #: Where `open_dataset` keeps a source's cache, inside the source directory (``cache_dir=`` moves it).
 CACHE_DIR = ".arrowbuf-cache"
@@ -69,7 +72,7 @@ class MappedShard(Shard):
     of contiguous rows (`tensor_rows`) are views of read-only memory.
     """
 
-    def __init__(self, schema: Schema, columns: dict[str, np.ndarray], table: EpisodeTable, num_rows: int) -> None:
+    def __init__(self, schema: Schema, columns: dict[str, Any], table: EpisodeTable, num_rows: int) -> None:
         # Not Shard.__init__: that allocates an arena; these columns exist already.
         self.schema = schema
         self.capacity = max(num_rows, 1)
@@ -121,10 +124,15 @@ class Dataset:
     (`arrowbuf._dataset_cache.ResidentBound`), so resident memory stays within
     ``resident_limit`` and one batch's rows whatever the dataset's size; a smaller file
     is never dropped.
+
+    Video fields (LeRobot's ``dtype: video``) are decoded from their files when a batch
+    gathers them (`arrowbuf.video`), through a cache of decoded frames of at most
+    ``video_cache_bytes`` (`video_cache` counts its hits, misses and decoded frames);
+    ``keys=`` that leave them out decode nothing.
     """
 
     def __init__(self, directory: Path, manifest: dict, sampler: Sampler, seed: int | None,
-                 resident_limit: int | None, verify: bool) -> None:
+                 resident_limit: int | None, verify: bool, video_cache_bytes: int = VIDEO_CACHE_BYTES) -> None:
         try:
             schema = Schema.from_json(json.dumps(manifest["schema"]))
         except (ValueError, TypeError, KeyError) as err:
@@ -136,11 +144,19 @@ class Dataset:
                          source=manifest["source"].get("path"))
         self.sampler = sampler
         self.seed = seed
-        self._rows = MappedRows(directory, schema, manifest["num_rows"], manifest["format_version"])
+        videos = cache_videos(manifest, directory)
+        stored = stored_schema(schema, videos)
+        self._rows = MappedRows(directory, stored, manifest["num_rows"], manifest["format_version"])
+        columns: dict[str, Any] = dict(self._rows.columns)
+        # The video files are the source's: its path, as the conversion recorded it.
+        self._videos = VideoReader(Path(manifest["source"].get("path", directory)), video_cache_bytes) \
+            if videos else None
+        for name, spec in videos.items():
+            columns[name] = self._videos.column(name, spec, columns[name])
         self._engine = ShardEngine(max(manifest["num_rows"], 1), sampler=sampler, rate_limiter=RateLimiter(),
                                    seed=seed)
         table = _episode_table(episodes)
-        self._engine.attach(MappedShard(schema, self._rows.columns, table, manifest["num_rows"]))
+        self._engine.attach(MappedShard(schema, columns, table, manifest["num_rows"]))
         if sampler.tracks_rows:   # a prioritized sampler: every transition at the first priority
             for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
                 if length:
@@ -149,7 +165,7 @@ class Dataset:
         # the pages around it (`FAULT_AROUND`), plus the row and the next one.
         limited = resident_limit is not None and self._rows.nbytes > resident_limit
         self._bound = ResidentBound(self._rows, resident_limit, len(schema.fields) * FAULT_AROUND
-                                    + 2 * schema.row_bytes) if limited else None
+                                    + 2 * stored.row_bytes) if limited else None
 
     # -- shape -----------------------------------------------------------------------
 
@@ -174,6 +190,12 @@ class Dataset:
     def nbytes(self) -> int:
         """Bytes of the memory-mapped rows file."""
         return self._rows.nbytes
+
+    @property
+    def video_cache(self) -> FrameCache | None:
+        """The cache of decoded video frames (``nbytes``, ``max_bytes``, ``hits``, ``misses``,
+        ``decoded``); None without video fields."""
+        return self._videos.cache if self._videos is not None else None
 
     def __repr__(self) -> str:
         return (f"Dataset({str(self.path)!r}, kind={self.info.get('kind')!r}, transitions={len(self)}, "
@@ -304,8 +326,10 @@ class Dataset:
             self._rows.release()
 
     def close(self) -> None:
-        """Unmap the rows; the dataset cannot be sampled after."""
+        """Unmap the rows and close the video files; the dataset cannot be sampled after."""
         self._rows.close()
+        if self._videos is not None:
+            self._videos.close()
 
     def __enter__(self) -> "Dataset":
         return self
@@ -324,16 +348,15 @@ def source_files(kind: str, path: Path) -> tuple[list[Path], list[Path]]:
             raise FormatError(f"{path / EXPORT_MANIFEST}: incomplete manifest ({err!r})") from None
         return [path / EXPORT_MANIFEST, *(path / p for p in listed)], [path / EXPORT_MANIFEST]
     if kind == "lerobot":
-        files = [*sorted(path.glob("data/chunk-*/file-*.parquet")),
-                 *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")), path / LEROBOT_INFO]
-        return files, [path / LEROBOT_INFO]
+        return lerobot_files(path)
     rows = sorted(p for p in path.glob("*.arrow") if p.name != EPISODES_IPC)
     return [*rows, path / EPISODES_IPC], [path / EPISODES_IPC]
 
 
 def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int | None = None,
                  cache_dir: str | Path | None = None, rebuild: bool = True, verify: bool = False,
-                 resident_limit: int | None = RESIDENT_LIMIT, progress: bool | None = None) -> Dataset:
+                 resident_limit: int | None = RESIDENT_LIMIT, progress: bool | None = None,
+                 video_cache_bytes: int = VIDEO_CACHE_BYTES) -> Dataset:
     """Open an offline dataset for sampling, without loading it.
 
     Args:
@@ -354,6 +377,8 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
             dropped (`Dataset`); None never drops them (the kernel reclaims them under
             memory pressure).
         progress: a progress bar for the conversion (None: when stderr is a terminal).
+        video_cache_bytes: bytes of decoded video frames the dataset keeps (LeRobot
+            video fields, decoded when sampled; default 256 MiB, 0 keeps none).
 
     Raises:
         FormatError: not a dataset arrowbuf reads, a damaged source or cache, or a stale
@@ -369,20 +394,21 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
         seed = check_int("seed", seed, 0)
     rebuild, verify = check_bool("rebuild", rebuild), check_bool("verify", verify)
     resident_limit = check_optional_int("resident_limit", resident_limit, 0)
+    video_cache_bytes = check_int("video_cache_bytes", video_cache_bytes, 0)
     if not path.is_dir():
         raise FormatError(f"{path}: no such directory")
     kind = detect(path)
     if kind == "cache":
-        return Dataset(path, read_cache_manifest(path), sampler, seed, resident_limit, verify)
+        return Dataset(path, read_cache_manifest(path), sampler, seed, resident_limit, verify, video_cache_bytes)
     cache = Path(cache_dir) if cache_dir is not None else path / CACHE_DIR
     files, hashed = source_files(kind, path)
     if cache.exists():
         manifest = read_cache_manifest(cache)
         changed = source_changed(manifest, fingerprint(path, files, hashed))
         if not changed:
-            return Dataset(cache, manifest, sampler, seed, resident_limit, verify)
+            return Dataset(cache, manifest, sampler, seed, resident_limit, verify, video_cache_bytes)
         if not rebuild:
             raise FormatError(f"{cache}: the cache is stale: {changed[:5]} changed since it was converted from "
                               f"{path}; pass rebuild=True to convert again")
     write_cache(cache, _SOURCES[kind](path), progress)
-    return Dataset(cache, read_cache_manifest(cache), sampler, seed, resident_limit, verify)
+    return Dataset(cache, read_cache_manifest(cache), sampler, seed, resident_limit, verify, video_cache_bytes)

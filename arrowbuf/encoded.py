@@ -167,9 +167,10 @@ class EncodedColumn(HeapColumn):
 
 
 class Shifted:
-    """An `EncodedColumn` read ``by`` rows on: ``take(rows)`` decodes rows ``rows + by``."""
+    """A column that decodes its rows (an `EncodedColumn`, a `arrowbuf.video.VideoColumn`)
+    read ``by`` rows on: ``take(rows)`` decodes rows ``rows + by``."""
 
-    def __init__(self, column: EncodedColumn, by: int) -> None:
+    def __init__(self, column: Any, by: int) -> None:
         self.column, self.by = column, by
 
     def take(self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "raise") -> np.ndarray:

@@ -168,7 +168,7 @@ def _lerobot(root: Path, lengths=(5, 7, 4)) -> dict:
             "features": {"observation.state": {"dtype": "float32", "shape": [3], "names": None},
                          "observation.image": {"dtype": "image", "shape": [4, 5, 3],
                                                "names": ["height", "width", "channel"]},
-                         "observation.images.wrist": {"dtype": "video", "shape": [4, 5, 3], "names": None},
+                         "language_instruction": {"dtype": "string", "shape": [1], "names": None},
                          "action": {"dtype": "float32", "shape": [2], "names": None},
                          "timestamp": {"dtype": "float32", **scalar}, "frame_index": {"dtype": "int64", **scalar},
                          "episode_index": {"dtype": "int64", **scalar}, "index": {"dtype": "int64", **scalar},
@@ -185,7 +185,7 @@ def test_a_lerobot_v3_dataset_opens_and_samples_its_frames(tmp_path):
     assert len(dataset) == sum(T - 1 for T in lengths)        # no observation after the last frame
     assert dataset.episodes().column("episode_id").to_pylist() == [0, 1, 2]
     assert dataset.episodes().column("terminated").to_pylist() == [True, True, True]
-    assert "observation.images.wrist (video)" in dataset.info["skipped"]
+    assert dataset.info["skipped"] == ["language_instruction (string)"]
     starts = np.cumsum([0, *lengths[:-1]])
     batch = dataset.sample(200)
     for k in range(200):
@@ -201,6 +201,25 @@ def test_a_lerobot_v3_dataset_opens_and_samples_its_frames(tmp_path):
         assert int(batch["dataset_index"][k]) == frame["index"]
     stacked = dataset.sample(64, n_step=2, gamma=0.5)
     assert bool((stacked["n_steps"] >= 1).all()) and bool((stacked["n_steps"] <= 2).all())
+
+
+def test_a_lerobot_video_feature_without_its_episode_metadata_or_files_is_refused(tmp_path):
+    # Videos are sampled (tests/test_dataset_lerobot.py): their frames are found through
+    # meta/episodes' videos/<key>/... columns, and their files must be there.
+    _lerobot(tmp_path / "lerobot")
+    info_path = tmp_path / "lerobot" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.images.wrist"] = {"dtype": "video", "shape": [4, 5, 3], "names": None}
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(FormatError, match=r"no columns \['videos/observation.images.wrist/chunk_index'"):
+        ab.open_dataset(tmp_path / "lerobot")
+    episodes = tmp_path / "lerobot" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    key = "videos/observation.images.wrist"
+    pq.write_table(pa.table({"episode_index": [0, 1, 2], "length": [5, 7, 4], f"{key}/chunk_index": [0, 0, 0],
+                             f"{key}/file_index": [0, 0, 1], f"{key}/from_timestamp": [0.0, 0.5, 0.0],
+                             f"{key}/to_timestamp": [0.5, 1.2, 0.4]}), episodes)
+    with pytest.raises(FormatError, match=f"{key}/chunk-000/file-000.mp4: missing; video field 'observation.images"):
+        ab.open_dataset(tmp_path / "lerobot")
 
 
 def test_a_lerobot_dataset_whose_episode_lengths_disagree_is_refused(tmp_path):
