@@ -20,6 +20,7 @@ _LAZY = {
                         "WriterClosedError"],
     "arrowbuf.fields": ["Field"],
     "arrowbuf.freshness": ["FreshnessSampler"],
+    "arrowbuf.groups": ["GroupSampler"],
     "arrowbuf.mixture": ["Mixture"],
     "arrowbuf.parquet": ["read_parquet"],
     "arrowbuf.rate_limiters": ["MinSize", "RateLimiter", "SampleToInsertRatio"],
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
                                  WriterClosedError)
     from arrowbuf.fields import Field
     from arrowbuf.freshness import FreshnessSampler
+    from arrowbuf.groups import GroupSampler
     from arrowbuf.mixture import Mixture
     from arrowbuf.parquet import read_parquet
     from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
@@ -60,6 +62,7 @@ __all__ = [
     "FreshnessSampler",
     "Field",
     "FormatError",
+    "GroupSampler",
     "InUseError",
     "MinSize",
     "Mixture",

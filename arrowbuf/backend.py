@@ -125,9 +125,10 @@ class Backend(Protocol):
         ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
-                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
+                     keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:
         """One epoch: every live transition (of ``policy_version >= min_version``, when
-        given) once, skipping those evicted meanwhile."""
+        given) once, skipping those evicted meanwhile; ``split``: this rank's share of each
+        batch (`arrowbuf.groups.rank_split`; the embedded store's only, for now)."""
 
     def evict(self, min_version: int) -> int:
         """Free the oldest episodes whose steps are all older than ``min_version``; how many."""

@@ -80,6 +80,7 @@ from arrowbuf._version import __version__
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, FormatError
 from arrowbuf.freshness import FreshnessSampler
+from arrowbuf.groups import GroupSampler
 from arrowbuf.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from arrowbuf.samplers import (EpisodeSampler, PrioritizedSampler, SequenceSampler, UniformSampler,
                                WithoutReplacementSampler)
@@ -106,7 +107,7 @@ def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler,
+SAMPLERS = {c.__name__: c for c in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, GroupSampler,
                                     SequenceSampler, EpisodeSampler, FreshnessSampler)}
 RATE_LIMITERS = {c.__name__: c for c in (RateLimiter, MinSize, SampleToInsertRatio)}
 

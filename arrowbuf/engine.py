@@ -44,7 +44,7 @@ from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
 from arrowbuf.sample_args import PLAIN, SampleArgs
-from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, epoch_batches, select_indices
+from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
 from arrowbuf.table import EpisodeTable
@@ -357,7 +357,7 @@ class ShardEngine:
         with self.lock:
             indices = (self.table.public_indices(np.arange(*self.table.sample_range(), dtype=np.int64))
                        if min_version is None or self._shard is None else fresh_indices(self._shard, min_version))
-            return epoch_batches(self._rng, indices, batch_size, shuffle, drop_last)
+            return self.sampler.epoch(self._rng, indices, batch_size, shuffle, drop_last, self.table)
 
     def evict(self, min_version: int) -> int:
         """Free the oldest episodes older than ``min_version`` (`arrowbuf.versions.evict_stale`); how many."""

@@ -159,15 +159,19 @@ class LocalBackend:
             yield self.engine.sample(batch_size, args, device, min_version=min_version)
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
-                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
+                     keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:
         keys = self.engine.check_keys(keys)   # before the epoch's order is drawn
         # In order, a batch of contiguous rows is a view of the arena (no gather).
         chunks = self.engine.epoch(batch_size, shuffle, drop_last, min_version)   # drawn now: errors raised here
-        return self._epoch(chunks, device, keys, views=not shuffle and min_version is None)
+        return self._epoch(chunks, device, keys, views=not shuffle and min_version is None, split=split)
 
-    def _epoch(self, chunks: list[np.ndarray], device: Any, keys: Any, views: bool) -> Iterator[TensorDict]:
-        """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile."""
+    def _epoch(self, chunks: list[np.ndarray], device: Any, keys: Any, views: bool,
+               split: Any = None) -> Iterator[TensorDict]:
+        """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile;
+        ``split(engine, indices)``: this rank's share of each (`arrowbuf.groups.rank_share`)."""
         for indices in chunks:
+            if split is not None:
+                indices = split(self.engine, indices)
             batch = self.engine.gather(indices, device, keys, views)
             if batch is not None and batch.batch_size[0]:
                 yield batch

@@ -22,6 +22,7 @@ from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import describe
 from arrowbuf.local import LocalBackend
 from arrowbuf.rate_limiters import RateLimiter, limits
+from arrowbuf.groups import GroupSampler
 from arrowbuf.samplers import EpisodeSampler, Sampler, UniformSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES
@@ -93,6 +94,9 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     name = check_name(name) or RayBackend.new_name()
     directory = durable_directory(durable, name)
     ray_options = as_ray_options(ray_options)
+    if isinstance(store.sampler, GroupSampler) and num_shards > 1:
+        raise ValueError("GroupSampler draws whole groups, which shards drawing their own shares would split; "
+                         "use num_shards=1")
     if isinstance(store.sampler, EpisodeSampler) and num_shards > 1:
         raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
                          "cannot agree on; use num_shards=1 or a SequenceSampler")

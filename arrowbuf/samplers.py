@@ -120,6 +120,12 @@ class Sampler:
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         raise NotImplementedError
 
+    def epoch(self, rng: np.random.Generator, indices: np.ndarray, batch_size: int, shuffle: bool,
+              drop_last: bool, table: EpisodeTable) -> list[np.ndarray]:
+        """``iter_batches``' order: every one of ``indices`` once, in batches (`epoch_batches`);
+        a sampler whose batches have a structure (`arrowbuf.groups.GroupSampler`) keeps it."""
+        return epoch_batches(rng, indices, batch_size, shuffle, drop_last)
+
     def mass(self, table: EpisodeTable) -> float:
         """This shard's share of a sharded batch: what the sampler draws from (by default
         the transitions of sealed episodes; open tails are drawn by `UniformSampler`)."""
@@ -481,10 +487,16 @@ class EpisodeSampler(Sampler):
         while empty.any():  # episodes of one step without a final observation have no transition
             pos[empty] = rng.integers(0, len(lengths), size=int(empty.sum()))
             empty = lengths[pos] == 0
-        chosen = lengths[pos]
-        steps = np.arange(int(chosen.max()), dtype=np.int64)[None, :]
-        mask = steps < chosen[:, None]
-        steps = np.minimum(steps, chosen[:, None] - 1)
-        indices = table.col("first_index")[pos][:, None] + steps
-        rows = table.col("first_row")[pos][:, None] + steps
-        return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})
+        return episode_selection(table, pos)
+
+
+def episode_selection(table: EpisodeTable, pos: np.ndarray) -> Selection:
+    """The sealed episodes at live positions ``pos`` (each with a transition) as a [B, T_max]
+    selection of their steps, padded with their last, and ``"mask"``."""
+    chosen = table.col("length")[pos]
+    steps = np.arange(int(chosen.max()), dtype=np.int64)[None, :]
+    mask = steps < chosen[:, None]
+    steps = np.minimum(steps, chosen[:, None] - 1)
+    indices = table.col("first_index")[pos][:, None] + steps
+    rows = table.col("first_row")[pos][:, None] + steps
+    return Selection(rows, indices, np.broadcast_to(pos[:, None], rows.shape), {"mask": mask})

@@ -32,9 +32,10 @@ from arrowbuf.episode_batch import read_episodes
 from arrowbuf.episode_read import read_episode
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import CapacityError, EmptyStoreError, describe
+from arrowbuf.groups import rank_split
 from arrowbuf.opening import AS_SAVED, Opened, attach_backend, check_settings, load_backend, new_backend, reduce_store
-from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ragged import check_pad, pad_batch
+from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
@@ -361,9 +362,15 @@ class ExperienceStore:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,
-                     min_version: int | None = None, layout: str = "arrowbuf", pad: dict | None = None
+                     min_version: int | None = None, layout: str = "arrowbuf", pad: dict | None = None,
+                     world_size: int | None = None, rank: int | None = None, balance: str | None = None
                      ) -> Iterator[TensorDict]:
         """Every stored transition once per epoch (on-policy PPO epochs), in batches (``pad`` as in `sample`).
+
+        With ``world_size``, ``batch_size`` is the global batch and this process gets rank
+        ``rank``'s share of each: every rank sees the same global batches (same seed, same
+        contents), each row goes to one rank, a `GroupSampler`'s groups stay whole, and
+        ``balance`` (a ragged field) balances its tokens over the ranks (`arrowbuf.groups`).
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
         those added join the next epoch. With ``shuffle=False`` a local batch of
@@ -380,11 +387,14 @@ class ExperienceStore:
         batch_size, epochs = check_int("batch_size", batch_size, 1), check_int("epochs", epochs, 1)
         shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
         device, layout = check_device(device), trl.check_layout(layout)
-        pad = check_pad(pad, self.schema)
-        first = self._backend.iter_batches(batch_size, shuffle, drop_last, device, keys) if min_version is None \
+        pad, split = check_pad(pad, self.schema), rank_split(world_size, rank, balance, self)
+        if split is not None and min_version is not None:
+            raise ValueError("world_size with min_version is not supported yet: split the fresh steps yourself")
+        rest = (shuffle, drop_last, device, keys) + ((None, split) if split is not None else ())
+        first = self._backend.iter_batches(batch_size, *rest) if min_version is None \
             else epochs_fresh(self._backend, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
         if epochs > 1 and min_version is None:
-            first = self._epochs(first, epochs, batch_size, shuffle, drop_last, device, keys)
+            first = self._epochs(first, epochs, batch_size, *rest)
         if pad is not None:
             first = (pad_batch(batch, pad) for batch in first)
         return trl.each_as_layout(first, self, layout)

@@ -353,14 +353,17 @@ class RayBackend:
                                                   min_version, prefetch))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
-                     keys: Any = None, min_version: int | None = None) -> Iterator[TensorDict]:
+                     keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:
         """Every live transition of every shard once (of ``policy_version >= min_version`` only,
         when given), the shards' indices shuffled together, gathered here from the blocks of
         every shard's manifest at the epoch's start (the shards seal their open episodes first).
 
         Raises:
             EmptyStoreError: no transition of ``min_version`` (naming the newest version held).
+            ValueError: a ``split`` (the readers do not split batches over ranks yet).
         """
+        if split is not None:
+            raise ValueError("world_size splits an embedded store's batches (the Ray backend's readers do not yet)")
         keys = self._check_keys(keys)
         self._reader.sync()
         views = dict(self._reader.views)   # this epoch's snapshot: its blocks stay readable
