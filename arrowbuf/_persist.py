@@ -39,7 +39,8 @@ from arrowbuf._version import __version__
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.ragged import ragged_rows
-from arrowbuf.fields import Field, arrow_to_numpy, narrow_bfloat16, numpy_to_arrow
+from arrowbuf.text import text_values
+from arrowbuf.fields import Field, arrow_to_numpy, export_array, narrow_bfloat16, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
 from arrowbuf.shard import position_runs
 
@@ -71,13 +72,15 @@ def progress_bar(progress: bool | None, total: int, desc: str, unit: str = "rows
 
 def plain_field(name: str, spec: Field, role: str) -> pa.Field:
     """The Arrow field of one column as plain readers see it (shape in the metadata)."""
-    value = pa.bool_() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
     meta = {ROLE: role.encode(), DTYPE: spec.dtype.encode(), SHAPE: json.dumps(list(spec.shape)).encode()}
     if spec.codec is not None:   # the rows as stored: their bytes
         arrow_type, meta[CODEC] = pa.large_binary(), spec.codec.encode()
     elif spec.ragged:            # values and offsets
         arrow_type = spec.arrow_type()
+    elif spec.text:              # the strings (Parquet dictionary-encodes them itself)
+        arrow_type = pa.large_string()
     else:
+        value = pa.bool_() if spec.dtype == "bool" else pa.from_numpy_dtype(spec.numpy_dtype)
         arrow_type = pa.list_(value, int(np.prod(spec.shape, dtype=np.int64))) if spec.shape else value
     return pa.field(name, arrow_type, nullable=False, metadata=meta)
 
@@ -94,6 +97,8 @@ def plain_schema(schema: Schema, metadata: Mapping[str, str] | None = None) -> p
 def plain_array(spec: Field, data: np.ndarray) -> pa.Array:
     """An Arrow array of rows of ``spec`` in the plain layout; zero-copy except for bools
     (an encoded field's rows: their bytes, `EncodedRows`)."""
+    if spec.text:
+        return export_array(spec, numpy_to_arrow(spec, data))
     if spec.codec is not None or spec.ragged:
         return numpy_to_arrow(spec, data)
     values = numpy_to_arrow(Field(spec.dtype), np.ascontiguousarray(data).reshape(-1))
@@ -167,6 +172,7 @@ def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str)
     try:
         columns = {name: encoded_rows(batch.column(name), spec, name) if spec.codec is not None
                    else ragged_rows(batch.column(name), name, spec.shape[1:]) if spec.ragged
+                   else text_rows(batch.column(name), name) if spec.text
                    else arrow_to_numpy(batch.column(name), name, spec.shape) for name, spec in specs.items()}
         for name, spec in specs.items():
             if spec.dtype == "bfloat16" and columns[name].dtype == np.float32:
@@ -174,6 +180,18 @@ def batch_columns(batch: pa.RecordBatch, specs: Mapping[str, Field], where: str)
         return columns
     except (SchemaError, FormatError) as err:
         raise FormatError(f"{where}: {err}") from None
+
+
+def text_rows(column: pa.Array, name: str) -> np.ndarray:
+    """The str rows of a text field's string column (a numpy object array).
+
+    Raises:
+        SchemaError: another type, or nulls.
+    """
+    rows = text_values(column, name)
+    if rows is None:
+        raise SchemaError(f"field {name!r} is text: a string column, got {column.type}")
+    return rows
 
 
 def encoded_rows(column: pa.Array, spec: Field, name: str) -> EncodedRows:

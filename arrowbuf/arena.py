@@ -92,8 +92,8 @@ def stage_zeros(shape: tuple, spec: Field, device: torch.device | None) -> Any:
     Raises:
         SchemaError: a ragged field, which a stage of ``[envs, steps, ...]`` cannot hold.
     """
-    if spec.ragged:
-        raise SchemaError(f"a ragged field {spec.shape} in a writer that stages its steps (a mode='fixed' or "
+    if spec.ragged or spec.text:
+        raise SchemaError(f"a ragged or text field ({spec.dtype} {spec.shape}) in a writer that stages its steps (a mode='fixed' or "
                           "rate-limited store, or Ray) is not supported yet; write from a circular store's "
                           "writer (it writes steps in place), or add whole episodes with add_episode")
     if device is None:

@@ -2,7 +2,8 @@
 
 - a fixed-shape field: a numpy array of ``rows`` rows, aligned (`arena_column`);
 - an encoded field (``codec=``): `arrowbuf.encoded.EncodedColumn`, stored as `EncodedRows`;
-- a ragged field (``(None, ...)``): `arrowbuf.ragged.RaggedColumn`, stored as `RaggedRows`.
+- a ragged field (``(None, ...)``): `arrowbuf.ragged.RaggedColumn`, stored as `RaggedRows`;
+- a text field (``"string"``): `arrowbuf.text.TextColumn`, stored as an Arrow dictionary array.
 
 The encoded and ragged kinds are heap columns (`arrowbuf.byte_heap.HeapColumn`). A torch arena keeps
 its own (`arrowbuf.arena`); a dataset maps its columns from its cache (`arrowbuf.dataset`).
@@ -14,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from arrowbuf.byte_heap import HeapColumn
 from arrowbuf.encoded import EncodedColumn, EncodedRows
 from arrowbuf.ragged import RaggedColumn
+from arrowbuf.text import TextColumn
 
 #: Alignment of arena columns: a gather copies each row between equally aligned
 #: addresses (pooled outputs start on 64-byte lines). Rows of a multiple of 64 bytes
@@ -42,13 +45,21 @@ def host_column(spec: Any, rows: int, zero: bool) -> Any:
         return EncodedColumn(spec.encoder, rows, spec.numpy_dtype)
     if spec.ragged:
         return RaggedColumn(rows, spec.numpy_dtype, spec.shape[1:])
+    if spec.text:
+        return TextColumn(rows)
     return arena_column((rows, *spec.shape), spec.numpy_dtype, zero=zero)
 
 
+#: The kinds whose rows are not a numpy column's (`stored_rows` reads them as stored).
+APART = (HeapColumn, TextColumn)
+
+
 def stored_rows(column: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of a heap column as stored, what exports, checkpoints and Ray blocks
-    hold: an encoded column's bytes (`EncodedRows`), a ragged column's values and offsets
-    (`arrowbuf.ragged.RaggedRows`); copies."""
+    """Rows ``[start, stop)`` of a column of `APART` as stored, what exports, checkpoints and Ray
+    blocks hold: an encoded column's bytes (`EncodedRows`), a ragged column's values and offsets
+    (`arrowbuf.ragged.RaggedRows`), a text column's codes and strings (a dictionary array); copies."""
+    if type(column) is TextColumn:
+        return column.stored(start, stop)
     if type(column) is EncodedColumn:
         return EncodedRows(column.encoded(start, stop), column.codec)
     return column[start:stop]

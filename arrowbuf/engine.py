@@ -290,7 +290,7 @@ class ShardEngine:
         """(shard, generator) when plain uniform samples go straight into a slot (`arrowbuf.direct`); under `lock`."""
         shard = self._shard
         return (shard, self._rng) if self._direct and shard is not None and shard.reuse is None and shard.host_columns \
-            and not shard.gatherer.ragged_keys(None) else None
+            and not shard.gatherer.has_apart else None
 
     def select(self, batch_size: int, args: SampleArgs = PLAIN, population: tuple[int, float] | None = None,
                timeout: float | None = None) -> Selection:

@@ -20,6 +20,7 @@ from arrowbuf.errors import SchemaError, describe
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.fields import arrow_to_numpy, as_array
 from arrowbuf.ragged import ragged_rows
+from arrowbuf.text import text_values
 from arrowbuf.schema import SYSTEM_FIELDS, Schema, flatten
 from arrowbuf.shard import Episode
 
@@ -65,6 +66,7 @@ def _read_arrow(batch: pa.RecordBatch) -> tuple[dict[str, tuple[np.ndarray, str]
         # An encoded field's rows as stored: a store of the same codec keeps their bytes.
         array = EncodedRows(batch.column(name), spec.encoder) if spec.codec is not None \
             else ragged_rows(batch.column(name), name, spec.shape[1:]) if spec.ragged \
+            else text_values(batch.column(name), name) if spec.text \
             else arrow_to_numpy(batch.column(name), name)
         if has_final and not spec.observation:
             array = array[:-1]

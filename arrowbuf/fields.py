@@ -31,6 +31,7 @@ from arrowbuf import _lazy_torch
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.ragged import RaggedRows, ragged_rows
+from arrowbuf.text import text_values
 
 if TYPE_CHECKING:
     import torch
@@ -47,9 +48,10 @@ _DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "bfloat16": np.dtype(np.uint16),
+    "string": np.dtype(object),   # a text field's values (`arrowbuf.text`: stored as codes)
 }
 # numpy dtype -> name (np.dtype.name runs Python code in numpy 2: ~1.5 us a call)
-_NUMPY_NAMES = {np.dtype(name): name for name in _DTYPES if name != "bfloat16"}
+_NUMPY_NAMES = {np.dtype(name): name for name in _DTYPES if name not in ("bfloat16", "string")}
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class Field:
 
     Args:
         dtype: one of bool, uint8, int8, int16, int32, int64, float16, float32,
-            float64, bfloat16 (a numpy or torch dtype is accepted and named).
+            float64, bfloat16 (a numpy or torch dtype is accepted and named), or
+            "string": a text field (shape (), a step field; `arrowbuf.text`).
         shape: the shape of one step's value; () for scalars. ``(None,)`` makes a
             ragged field, a sequence of any length per step (token ids), and
             ``(None, k)`` one of rows of k values (`arrowbuf.ragged`): stored without
@@ -104,6 +107,11 @@ class Field:
                 if self.observation else "cannot have a codec" if self.codec is not None else
                 "is (None,) or (None, k): a sequence of values, or of rows of k values"))
         object.__setattr__(self, "shape", (None, *shape) if ragged else shape)
+        if self.dtype == "string" and (shape or ragged or self.observation or self.codec is not None
+                                       or self.max_bytes is not None):
+            raise SchemaError(f"a text field (dtype 'string') holds one str per step: shape (), a step field, no "
+                              f"codec or max_bytes; got shape {given}, observation={self.observation}, "
+                              f"codec={self.codec!r}, max_bytes={self.max_bytes!r}")
         if self.codec is not None:
             self.encoder   # checked now (names the fix); kept for the column
         if self.max_bytes is not None:
@@ -119,6 +127,11 @@ class Field:
     def encoder(self) -> Any:
         """The `arrowbuf.codecs.Codec` of an encoded field (None without ``codec``)."""
         return None if self.codec is None else _encoder(self.codec, self.dtype, self.shape)
+
+    @property
+    def text(self) -> bool:
+        """Whether a step holds a ``str`` (dtype ``"string"``: `arrowbuf.text`)."""
+        return self.dtype == "string"
 
     @property
     def ragged(self) -> bool:
@@ -146,12 +159,16 @@ class Field:
         """Bytes one step of this field takes (0 for a ragged field: it varies)."""
         if self.ragged:
             return 0
+        if self.text:
+            return 4   # its code
         return int(self.numpy_dtype.itemsize * np.prod(self.shape, dtype=np.int64))
 
     def arrow_type(self) -> pa.DataType:
         """The Arrow type of this column (``binary`` for an encoded one: the rows as stored)."""
         if self.codec is not None:
             return pa.large_binary()   # 64-bit offsets: a run of encoded rows may pass 2 GiB
+        if self.text:   # each string once, and a code a row
+            return pa.dictionary(pa.int32(), pa.large_string())
         value_type = pa.bool_() if self.dtype == "bool" else pa.from_numpy_dtype(self.numpy_dtype)
         if self.ragged:   # Arrow's list layout: values and (64-bit) offsets
             return pa.large_list(pa.list_(value_type, self.shape[1]) if len(self.shape) > 1 else value_type)
@@ -175,6 +192,8 @@ def dtype_name(dtype: Any) -> str:
     """
     if _lazy_torch.is_dtype(dtype):
         name = _lazy_torch.name_of(dtype)
+    elif dtype is str:
+        name = "string"
     elif isinstance(dtype, str) and dtype in _DTYPES:
         name = dtype
     else:
@@ -230,6 +249,9 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
         if dtype not in _DTYPES:
             raise SchemaError(f"field {name!r}: unsupported dtype {tensor.dtype}")
         return tensor.numpy(), dtype
+    strings = text_values(value, name)
+    if strings is not None:
+        return strings, "string"
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         if pa.types.is_list(value.type) or pa.types.is_large_list(value.type):
             return ragged_rows(value, name), ""
@@ -295,6 +317,8 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
     bool columns are the exception: Arrow packs booleans into bits, so they are
     converted (1/8 of a byte per value).
     """
+    if field.text:     # strings: a dictionary array as stored, else plain
+        return array if isinstance(array, pa.Array) else pa.array(np.asarray(array).tolist(), pa.large_string())
     if field.ragged:   # values and offsets
         return ragged_rows(array, "?").to_arrow(pa.bool_() if field.dtype == "bool" else None)
     if field.codec is not None:   # the rows as stored, or rows to encode
@@ -319,6 +343,8 @@ def numpy_to_arrow(field: Field, array: np.ndarray) -> pa.Array:
 def export_type(field: Field) -> pa.DataType:
     """The Arrow type of ``field`` in a Parquet export: its `Field.arrow_type`, with
     bfloat16 widened to float32 (every bf16 value is a float32: its top 16 bits)."""
+    if field.text:
+        return pa.large_string()
     if field.dtype != "bfloat16" or field.codec is not None or field.ragged:
         return field.arrow_type()
     return pa.fixed_shape_tensor(pa.float32(), list(field.shape)) if field.shape else pa.float32()
@@ -328,6 +354,9 @@ def export_array(field: Field, stored: pa.Array) -> pa.Array:
     """Rows of ``field`` as stored (scalars, or a ``fixed_size_list`` of the flattened
     shape; bfloat16 as uint16 bits) in the `export_type` encoding. Zero-copy but for
     bfloat16, whose float32 values are a new array twice its size."""
+    if field.text:
+        return stored.dictionary_decode().cast(pa.large_string()) if pa.types.is_dictionary(stored.type) \
+            else stored.cast(pa.large_string())
     if field.codec is not None or field.ragged:
         return stored
     if field.dtype == "bfloat16":
@@ -369,6 +398,10 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     if field.ragged or isinstance(array, RaggedRows):
         _check_ragged(field, name, array, dtype, leading)
         return
+    if field.text != (dtype == "string"):
+        raise SchemaError(f"field {name!r}: got {describe(array)}; " + (
+            "a text field takes str values (one per step, or per env)" if field.text else
+            f"expected {field.dtype} values, not strings: declare ab.Field('string') for text"))
     if array.ndim < leading:
         raise SchemaError(f"field {name!r}: got {describe(array)}; expected {leading} leading dimension(s) "
                           f"before the per-step shape {field.shape}")
@@ -413,7 +446,7 @@ def dtype_fits(received: str, expected: str) -> bool:
     """Whether values of dtype ``received`` can be stored as ``expected`` without loss."""
     if received == expected:
         return True
-    if "bfloat16" in (received, expected):
+    if "bfloat16" in (received, expected) or "string" in (received, expected):
         return False
     return bool(np.can_cast(np.dtype(received), np.dtype(expected), "safe"))
 
@@ -423,7 +456,7 @@ def exact_int_limit(received: str, expected: str) -> int | None:
     """The largest magnitude up to which every integer of dtype ``received`` is
     exact in float dtype ``expected``, when some are not (int64 -> float64:
     2**53); None when every value casts exactly, or for other kinds of cast."""
-    if received == expected or "bfloat16" in (received, expected):
+    if received == expected or "bfloat16" in (received, expected) or "string" in (received, expected):
         return None
     source, target = np.dtype(received), np.dtype(expected)
     if source.kind not in "iu" or target.kind != "f":

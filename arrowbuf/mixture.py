@@ -199,11 +199,11 @@ class Mixture:
         """
         for name, source in self._sources.items():
             schema = getattr(source, "schema", None)
-            ragged = [n for n, f in schema.fields.items() if f.ragged] if schema is not None else []
+            ragged = [n for n, f in schema.fields.items() if f.ragged or f.text] if schema is not None else []
             chosen = [n for n in ragged if keys is None or any(n == k or n.startswith(f"{k}.") for k in keys
                                                               if isinstance(k, str))]
             if chosen:
-                raise ValueError(f"source {name!r} has ragged fields {chosen}, which a Mixture does not stack "
+                raise ValueError(f"source {name!r} has ragged or text fields {chosen}, which a Mixture does not stack "
                                  "into one batch yet; leave them out with keys=, or sample the sources apart")
 
     def _sample_direct(self, batch_size: int) -> TensorDict | None:

@@ -50,7 +50,7 @@ def pack_layout(fields: Mapping[str, object]) -> tuple[int, dict[str, int]]:
     multiples of its item size, which torch needs to view it (`torch.from_numpy`).
     """
     small = [(name, f) for name, f in fields.items()
-             if not f.observation and f.row_bytes <= PACK_MAX_ROW_BYTES and f.row_bytes and f.codec is None]
+             if not f.observation and f.row_bytes <= PACK_MAX_ROW_BYTES and f.row_bytes and f.codec is None and not f.text]
     if len(small) < 2:
         return 0, {}
     small.sort(key=lambda item: -item[1].numpy_dtype.itemsize)   # stable: schema order within a size

@@ -220,6 +220,10 @@ class RaggedColumn(HeapColumn):
         data, offsets = self.packed(rows)
         return RaggedRows(data.view(self.dtype).reshape(-1, *self.tail), offsets // self.item_bytes)
 
+    def batch_value(self, rows: np.ndarray, tensor_dtype: str) -> Any:
+        """Rows ``rows`` as a batch holds them: a jagged nested tensor (`nested`)."""
+        return nested(self.gather(rows), tensor_dtype)
+
 
 def nested(rows: RaggedRows, tensor_dtype: str) -> Any:
     """A jagged ``torch.nested`` tensor over ``rows``' values (no copy; bfloat16 from its bits)."""
@@ -285,11 +289,11 @@ def pad_batch(batch: Any, pad: dict[tuple[str, ...], Any] | None) -> Any:
 
 
 def refuse_ragged(schema: Any, where: str, fix: str) -> None:
-    """Raise `SchemaError` when ``schema`` has ragged fields, which ``where`` does not take yet.
+    """Raise `SchemaError` when ``schema`` has ragged or text fields, which ``where`` does not take yet.
 
     Raises:
-        SchemaError: naming the ragged fields, where, and ``fix``.
+        SchemaError: naming those fields, where, and ``fix``.
     """
-    ragged = [name for name, f in schema.fields.items() if f.ragged] if schema is not None else []
-    if ragged:
-        raise SchemaError(f"ragged fields {ragged}: {where} does not take them yet; {fix}")
+    apart = [name for name, f in schema.fields.items() if f.ragged or f.text] if schema is not None else []
+    if apart:
+        raise SchemaError(f"ragged or text fields {apart}: {where} does not take them yet; {fix}")

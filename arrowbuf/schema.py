@@ -275,6 +275,11 @@ class Schema:
                 continue
             arrow_type = field.type
             shape: tuple = ()
+            if pa.types.is_dictionary(arrow_type):
+                arrow_type = arrow_type.value_type
+            if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):   # a text field
+                fields[field.name] = Field("string", (), False, meta.get(_ROLE_KEY) == b"derived")
+                continue
             if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):   # a ragged field
                 arrow_type = arrow_type.value_type
                 shape = (None,)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.byte_heap import HeapColumn, bind_heap_columns
-from arrowbuf.columns import arena_column, host_column, stored_rows
+from arrowbuf.byte_heap import bind_heap_columns
+from arrowbuf.columns import APART, arena_column, host_column, stored_rows
 from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
 from arrowbuf.fields import numpy_to_arrow
@@ -264,7 +264,7 @@ class Shard:
         """Rows ``[start, stop)`` of column ``name`` as stored (what exports and checkpoints
         write): `arrowbuf.columns.stored_rows`."""
         column = self.arena[name]
-        return stored_rows(column, start, stop) if isinstance(column, HeapColumn) else self.host_rows(name, start, stop)
+        return stored_rows(column, start, stop) if isinstance(column, APART) else self.host_rows(name, start, stop)
 
     def reader(self, name: str) -> Any:
         """Column ``name`` for reads by host index arrays (``reader(name)[rows]`` is numpy)."""

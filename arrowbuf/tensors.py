@@ -31,6 +31,7 @@ from arrowbuf._lazy_torch import is_tensor
 from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 from arrowbuf.ragged import RaggedColumn
+from arrowbuf.text import TextColumn
 
 if TYPE_CHECKING:
     import torch
@@ -68,10 +69,12 @@ class Gather:
     """
 
     def __init__(self, columns: Mapping[tuple[str, ...], tuple]) -> None:
-        # Ragged fields (`arrowbuf.ragged`) have no row shape: gathered apart, as nested tensors.
-        self._ragged = {key: (column, tensor_dtype) for key, (column, _, tensor_dtype, *_) in columns.items()
-                        if isinstance(column, RaggedColumn)}
-        columns = {key: value for key, value in columns.items() if key not in self._ragged}
+        # Ragged and text fields (`arrowbuf.ragged`, `arrowbuf.text`) have no fixed row: gathered
+        # apart, as jagged nested tensors and NonTensorStacks of str.
+        self._apart = {key: (column, tensor_dtype) for key, (column, _, tensor_dtype, *_) in columns.items()
+                       if isinstance(column, (RaggedColumn, TextColumn))}
+        self.has_apart = bool(self._apart)
+        columns = {key: value for key, value in columns.items() if key not in self._apart}
         self._fields = [FieldPlan(key, column, ROLES.index(role), column.dtype, tuple(column.shape[1:]), tensor_dtype)
                         for key, (column, role, tensor_dtype, *_) in columns.items()]
         # (row-packed block, byte offset) of each packed field (`arrowbuf.packing`), by key: a
@@ -90,15 +93,15 @@ class Gather:
             ValueError: ``keys`` is not a collection of keys, or names a key that
                 is not gathered.
         """
-        return check_keys(keys, [f.key for f in self._fields] + list(self._ragged))
+        return check_keys(keys, [f.key for f in self._fields] + list(self._apart))
 
     def available_keys(self) -> list:
         """Every key ``keys`` can name: the fields, their ``("next", ...)``, and the extras always there."""
-        return available_keys([f.key for f in self._fields] + list(self._ragged))
+        return available_keys([f.key for f in self._fields] + list(self._apart))
 
-    def ragged_keys(self, keys: frozenset | None) -> list:
-        """The ragged fields among ``keys`` (`check_keys`; None: all)."""
-        return [key for key in self._ragged if keys is None or key in keys]
+    def apart_keys(self, keys: frozenset | None) -> list:
+        """The ragged and text fields among ``keys`` (`check_keys`; None: all)."""
+        return [key for key in self._apart if keys is None or key in keys]
 
     def __call__(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                  device: torch.device | str | None = None, pin_memory: bool = False, *,
@@ -106,26 +109,27 @@ class Gather:
                  keys: frozenset | None = None) -> TensorDict:
         """Gather arena rows into a TensorDict whose batch shape is ``rows.shape``: `_fixed`'s
         batch, plus each ragged field selected as a jagged nested tensor of its rows' values
-        (copied once), in a TensorDict of its own beside the pooled one.
+        (copied once) and each text field as a NonTensorStack of str, in a TensorDict of its own
+        beside the pooled one.
 
         Raises:
-            ValueError: a ragged field selected with rows of more than one dimension (sequences).
+            ValueError: a ragged or text field selected with rows of more than one dimension (sequences).
         """
         batch = self._fixed(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows, keys=keys)
-        chosen = self.ragged_keys(keys)
+        if not self.has_apart:
+            return batch
+        chosen = self.apart_keys(keys)
         if not chosen:
             return batch
-        if rows.ndim != 1:   # (a ragged field is a step field: n-step and frame stacks read it at the step's row)
-            raise ValueError(f"ragged fields {['.'.join(k) for k in chosen]} are gathered one row per item, not in "
-                             "sequences; leave them out with keys=")
-        from arrowbuf.ragged import nested
-
-        out = batch.copy()   # the pooled tensors (kept from reuse while this batch lives), and the nested ones
+        if rows.ndim != 1:   # (they are step fields: n-step and frame stacks read them at the step's row)
+            raise ValueError(f"ragged and text fields {['.'.join(k) for k in chosen]} are gathered one row per "
+                             "item, not in sequences; leave them out with keys=")
+        out = batch.copy()   # the pooled tensors (kept from reuse while this batch lives), and the ones apart
         flat = rows.astype(np.int64, copy=False)
         for key in chosen:
-            column, tensor_dtype = self._ragged[key]
-            tensor = nested(column.gather(flat), tensor_dtype)
-            out.set(key, tensor if device is None else tensor.to(device))
+            column, tensor_dtype = self._apart[key]
+            value = column.batch_value(flat, tensor_dtype)
+            out.set(key, value if device is None or not hasattr(value, "to") else value.to(device))
         return out
 
     def _fixed(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
