@@ -93,6 +93,13 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None
                          f"[num_envs, T] with a 'next' entry (('next', 'observation'), ('next', 'reward'), "
                          f"('next', 'done'), ...), got {_describe_td(td)}; whole episodes as arrays go to "
                          "add_episodes, steps to writer()")
+    from tensordict import is_non_tensor
+
+    kept_apart = [k for k in td.keys(include_nested=True) if is_non_tensor(td.get(k))]
+    if kept_apart:   # (a leaves-only walk skips them: they were dropped without a word)
+        raise SchemaError(f"extend: keys {sorted(map(str, kept_apart))} hold non-tensor data (strings, objects), "
+                          "which extend does not store yet; add such episodes with add_episode (a str per step "
+                          "is a text field: ab.Field('string')), or exclude the keys from the batch")
     if td.numel() == 0:
         return [], []
     rows, steps = (1, td.batch_size[0]) if td.batch_dims == 1 else tuple(td.batch_size)

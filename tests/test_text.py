@@ -113,3 +113,20 @@ def test_bad_text_is_refused_naming_the_field_and_leaves_the_store_as_it_was():
     with pytest.raises(SchemaError, match="ragged or text fields \\['instruction'\\]: add_episodes"):
         store.add_episodes({k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "instruction"} |
                            {"instruction": [[instruction(0)] * 3] * 2})
+
+
+def test_a_torchrl_batch_with_strings_is_refused_not_stripped():
+    import torch
+    from tensordict import NonTensorStack, TensorDict
+
+    batch = TensorDict({"observation": torch.zeros(2, 3, 2), "action": torch.zeros(2, 3),
+                        "instruction": NonTensorStack.from_list([["stack the cups"] * 3] * 2),
+                        ("next", "observation"): torch.zeros(2, 3, 2), ("next", "reward"): torch.zeros(2, 3, 1),
+                        ("next", "terminated"): torch.zeros(2, 3, 1, dtype=torch.bool),
+                        ("next", "truncated"): torch.zeros(2, 3, 1, dtype=torch.bool)}, batch_size=[2, 3])
+    store = ab.ExperienceStore(capacity=50, seed=0)
+    with pytest.raises(SchemaError, match=r"extend: keys \['instruction'\] hold non-tensor data"):
+        store.extend(batch)
+    assert len(store) == 0 and store.schema is None
+    store.extend(batch.exclude("instruction"))
+    assert len(store) == 6
