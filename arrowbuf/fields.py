@@ -408,12 +408,10 @@ def check_column(field: Field, name: str, array: np.ndarray, dtype: str, leading
     if tuple(array.shape[leading:]) != field.shape:
         raise SchemaError(f"field {name!r}: per-step shape {tuple(array.shape[leading:])} "
                           f"(from {describe(array)}); expected {field.shape}")
-    received = dtype or _NUMPY_NAMES.get(array.dtype) or array.dtype.name
-    if not dtype_fits(received, field.dtype):
-        raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
-                          "(or a dtype that casts to it without loss)")
+    received = _check_dtype(field, name, array, dtype)
     limit = exact_int_limit(received, field.dtype)
-    if limit is not None and not isinstance(array, EncodedRows) and (array.size if isinstance(array, np.ndarray) else array.numel()):   # numpy or torch
+    count = 0 if isinstance(array, EncodedRows) else array.size if isinstance(array, np.ndarray) else array.numel()
+    if limit is not None and count:   # numpy or torch
         low, high = int(array.min()), int(array.max())
         if low < -limit or high > limit:
             bad = high if high > limit else low
@@ -435,10 +433,20 @@ def _check_ragged(field: Field, name: str, array: Any, dtype: str, leading: int)
     elif array.tail != field.shape[1:]:
         raise SchemaError(f"field {name!r}: ragged rows of items {array.tail}; the field's items are "
                           f"{field.shape[1:]} (shape {field.shape})")
+    _check_dtype(field, name, array, dtype)
+
+
+def _check_dtype(field: Field, name: str, array: Any, dtype: str) -> str:
+    """The name of the dtype ``array`` holds (``dtype`` when given), when it casts to ``field``'s without loss.
+
+    Raises:
+        SchemaError: naming the field, the dtype received and the one expected.
+    """
     received = dtype or _NUMPY_NAMES.get(array.dtype) or array.dtype.name
     if not dtype_fits(received, field.dtype):
         raise SchemaError(f"field {name!r}: dtype {received}; expected {field.dtype} "
                           "(or a dtype that casts to it without loss)")
+    return received
 
 
 @functools.lru_cache(maxsize=None)
