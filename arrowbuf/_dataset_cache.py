@@ -43,11 +43,9 @@ disk) keeps the stat: only ``verify=True`` catches it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -57,6 +55,7 @@ import pyarrow as pa
 
 from arrowbuf._filesink import DirectorySink
 from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar, read_json, write_manifest
+from arrowbuf._resident import madvise
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
 from arrowbuf.schema import Schema
@@ -475,92 +474,9 @@ class MappedRows:
         self._advise(4)   # MADV_DONTNEED
 
     def _advise(self, advice: int) -> None:
-        """``madvise`` the whole mapping (Linux; a no-op elsewhere)."""
-        if not sys.platform.startswith("linux") or not self.nbytes:
-            return
-        page = mmap.PAGESIZE
-        start = self._whole.address - self._whole.address % page
-        length = self._whole.address + self.nbytes - start
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
+        madvise(self._whole, advice)
 
     def close(self) -> None:
         self.columns = {}
         self._whole = None
         self._file.close()
-
-
-#: Bytes one read fault of a file mapping can make resident: Linux maps the cached pages
-#: around the faulting one too (``fault_around_bytes``, 64 KiB by default). Measured here:
-#: 1,280 reads of single random bytes of a 1.5 GB mapping grew RSS by 90 MB, 69 KB a read
-#: (with or without ``MADV_RANDOM``).
-FAULT_AROUND = 64 << 10
-
-
-def file_resident() -> int | None:
-    """Bytes of file-backed (and shared) pages resident in this process (``/proc/self/statm``);
-    None where that cannot be read (not Linux)."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[2]) * mmap.PAGESIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class ResidentBound:
-    """Keeps the pages sampling maps from `MappedRows` near ``limit`` resident bytes.
-
-    Each gathered row may make ``row_cost`` bytes resident: a first guess, raised to what
-    is measured. Reading the process's file-backed resident bytes (`file_resident`) costs
-    ~10 us, so it is read only once the rows counted since the last reading could have
-    used half the room left: ``rows x row_cost >= (limit - grown) / 2``. At each reading
-    the bytes a row made resident since the last one raise ``row_cost`` (a fault maps more
-    than the faulting page: `FAULT_AROUND`, and a whole large folio of the page cache where
-    the kernel keeps them: ~120-200 KB a fault was seen on a 28 GB mapping), and when the
-    rows of one more batch like the last could pass ``limit``, the mapping is dropped
-    (`MappedRows.release`). Without `file_resident`, each time the rows counted reach the
-    limit at ``row_cost`` (more releases than needed, never fewer, if the guess holds).
-    """
-
-    def __init__(self, rows: MappedRows, limit: int, row_cost: int) -> None:
-        self.rows, self.limit, self.row_cost = rows, limit, row_cost
-        self.baseline = file_resident()
-        self.grown = 0        # resident growth at the last reading
-        self.counted = 0      # rows gathered since it
-        self.room = limit // 4   # the first guess may be low: read early
-
-    def touched(self, count: int) -> None:
-        """Count ``count`` gathered rows; release the mapping before it holds ``limit`` bytes."""
-        self.counted += count
-        if self.counted * self.row_cost < self.room:
-            return
-        now = file_resident()
-        if now is None or self.baseline is None:
-            if self.counted * self.row_cost >= self.limit:
-                self.release()
-            else:
-                self.room = self.limit
-            return
-        grown = now - self.baseline
-        self.row_cost = max(self.row_cost, (grown - self.grown) // self.counted)
-        self.grown, self.counted = grown, 0
-        if grown + count * self.row_cost >= self.limit:
-            self.release()
-        else:
-            self.room = (self.limit - grown) // 2
-
-    def release(self) -> None:
-        self.rows.release()
-        self.baseline = file_resident()
-        self.grown = self.counted = 0
-        self.room = self.limit // 2
-
-
-_LIBC: Any = None
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _LIBC

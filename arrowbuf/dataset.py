@@ -41,9 +41,10 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
                               check_sample_args, to_numpy)
-from arrowbuf._dataset_cache import (FAULT_AROUND, MappedRows, ResidentBound, cache_videos, check_cache_files,
-                                     fingerprint, read_cache_manifest, read_episodes, source_changed, write_cache)
+from arrowbuf._dataset_cache import (MappedRows, cache_videos, check_cache_files, fingerprint, read_cache_manifest,
+                                     read_episodes, source_changed, write_cache)
 from arrowbuf._dataset_sources import EPISODES_IPC, detect, export_source, ipc_source, lerobot_files, lerobot_source
+from arrowbuf._resident import FAULT_AROUND, ResidentBound
 from arrowbuf.arena import host_tensor
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, describe
@@ -121,7 +122,7 @@ class Dataset:
     set (a read fault maps the cached pages around it too: 64 KiB on Linux). When the
     rows file is larger than ``resident_limit`` bytes, the dataset drops its mapped pages
     from the resident set (they stay in the page cache) once they hold that many bytes
-    (`arrowbuf._dataset_cache.ResidentBound`), so resident memory stays within
+    (`arrowbuf._resident.ResidentBound`), so resident memory stays within
     ``resident_limit`` and one batch's rows whatever the dataset's size; a smaller file
     is never dropped.
 
