@@ -5,7 +5,8 @@
 - a ragged field (``(None, ...)``): `arrowbuf.ragged.RaggedColumn`, stored as `RaggedRows`.
 
 The encoded and ragged kinds are heap columns (`arrowbuf.byte_heap.HeapColumn`). A torch arena keeps
-its own (`arrowbuf.arena`); a dataset maps its columns from its cache (`arrowbuf.dataset`).
+its own (`arrowbuf.arena`); a dataset maps its columns from its cache (`arrowbuf.dataset`), its
+encoded and ragged fields as the same kinds over a mapped file (`mapped_column`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def host_column(spec: Any, rows: int, zero: bool) -> Any:
     if spec.ragged:
         return RaggedColumn(rows, spec.numpy_dtype, spec.shape[1:])
     return arena_column((rows, *spec.shape), spec.numpy_dtype, zero=zero)
+
+
+def mapped_column(spec: Any, name: str, refs: np.ndarray, heap: Any) -> Any:
+    """The read-only column of an encoded or ragged field ``name`` whose rows lie in ``heap`` at
+    ``refs`` (each row's offset and size): a dataset cache's (`arrowbuf._dataset_heaps`), of its kind."""
+    mapped = (refs, heap)
+    column = EncodedColumn(spec.encoder, len(refs), spec.numpy_dtype, mapped) if spec.codec is not None \
+        else RaggedColumn(len(refs), spec.numpy_dtype, spec.shape[1:], mapped)
+    column.name = name
+    return column
 
 
 def stored_rows(column: Any, start: int, stop: int) -> Any:
