@@ -13,10 +13,15 @@ directory holds::
                       obs[17] or 14k rows of a 224x224x3 image; rows of bytes reach it only
                       at 2**31 rows. Version 1 caches, of fixed-size lists, are still read).
                       A video field (format 3) is stored as each row's frame reference
-                      (`arrowbuf.video.FRAME_REF`), never as pixels: it is decoded when sampled
+                      (`arrowbuf.video.FRAME_REF`), never as pixels: it is decoded when sampled.
+                      An encoded or ragged field (format 4) is stored as where each row's
+                      bytes lie in its heap file (`arrowbuf._dataset_heaps.HEAP_REF`)
+    heap-<k>.bytes    an encoded or ragged field's rows as stored, one after another: an
+                      encoded field's bytes are decoded when sampled (`arrowbuf._dataset_heaps`)
     episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
     _dataset.json     manifest, written last: format, schema, counts, the video fields'
-                      files (`arrowbuf.video.VideoSpec`), the source it was
+                      files (`arrowbuf.video.VideoSpec`), the heap file of each encoded or
+                      ragged field, the source it was
                       converted from (each file's size and mtime, hashes of its small
                       metadata files) and each cache file's size, mtime, ctime, inode
                       and SHA-256
@@ -43,29 +48,31 @@ disk) keeps the stat: only ``verify=True`` catches it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._dataset_heaps import HEAP_REF, HeapFiles, heap_fields, is_heap_file
 from arrowbuf._filesink import DirectorySink
 from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar, read_json, write_manifest
+from arrowbuf._resident import madvise
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
-from arrowbuf.schema import Schema
-from arrowbuf.video import VideoSpec, stored_schema
+from arrowbuf.schema import Schema, unflatten
+from arrowbuf.video import FRAME_REF, VideoSpec
 
 FORMAT = "arrowbuf.dataset"
 # 2: shaped fields as fixed-size binary (version 1's fixed-size lists are still read); 3: video
-# fields as frame references (a cache without one is written as version 2, which older readers open).
-FORMAT_VERSION = 3
+# fields as frame references; 4: encoded and ragged fields in heap files (versions 2 and 3 kept
+# encoded fields decoded, and are still read so). A cache is written as the oldest version that
+# holds its fields, which older readers open.
+FORMAT_VERSION = 4
 MANIFEST = "_dataset.json"
 ROWS = "rows.arrow"
 EPISODES = "episodes.arrow"
@@ -91,7 +98,9 @@ class Source:
     ``episodes`` holds one array per `EPISODE_COLUMNS` name but ``first_row`` and
     ``length`` (derived here), plus ``env_id`` and ``metadata`` (lists of str / None).
     ``rows()`` yields dicts of numpy arrays, one per schema field, rows first, in the
-    order of the episodes (each episode's ``num_rows`` rows together).
+    order of the episodes (each episode's ``num_rows`` rows together); an encoded field's
+    rows as stored (`arrowbuf.encoded.EncodedRows`), a ragged field's as
+    `arrowbuf.ragged.RaggedRows`.
     ``files`` are the source files whose size and mtime decide whether a cache is
     still the source's; ``hashed`` the small ones whose SHA-256 decides it too.
     ``videos``: the video fields (`arrowbuf.video`), whose rows yield their frame
@@ -121,6 +130,17 @@ def fingerprint(source_path: Path, files: list[Path], hashed: list[Path]) -> dic
     for file in hashed:
         entries.setdefault(rel(file), {})["sha256"] = file_digest(file)
     return entries
+
+
+def stored_schema(schema: Schema, videos: Mapping[str, VideoSpec], heaps: Mapping[str, str]) -> Schema:
+    """``schema`` as ``rows.arrow`` stores its rows: a video field as its frame references
+    (`arrowbuf.video.FRAME_REF`), an encoded or ragged field of ``heaps`` as where each row's
+    bytes lie in its heap file (`arrowbuf._dataset_heaps.HEAP_REF`)."""
+    refs = {**dict.fromkeys(videos, FRAME_REF), **dict.fromkeys(heaps, HEAP_REF)}
+    if not refs:
+        return schema
+    return Schema(unflatten({name: replace(refs[name], observation=spec.observation) if name in refs else spec
+                             for name, spec in schema.fields.items()}))
 
 
 def _arrow_field(name: str, spec: Field, version: int) -> pa.Field:
@@ -153,7 +173,10 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     Raises:
         FormatError: the source's rows disagree with its episode table.
     """
-    schema = stored_schema(source.schema, source.videos)   # as the rows are stored
+    # FORMAT_VERSION is read at the call: a test writes caches of older versions through it (which
+    # keep encoded fields decoded, as those versions' writers did).
+    heaps = heap_fields(source.schema) if FORMAT_VERSION >= 4 else {}
+    schema = stored_schema(source.schema, source.videos, heaps)   # as the rows are stored
     episodes = source.episodes
     num_rows = np.asarray(episodes["num_rows"], np.int64)
     has_final = np.asarray(episodes["has_final"], bool)
@@ -161,17 +184,17 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
     names = list(schema.fields)
     directory.parent.mkdir(parents=True, exist_ok=True)
     with DirectorySink(directory) as sink:
-        # Read at the call: a test writes a version 1 cache through it.
-        version = FORMAT_VERSION if source.videos else min(FORMAT_VERSION, 2)
+        version = min(FORMAT_VERSION, 4 if heaps else 3 if source.videos else 2)
         where = _lay_out_rows(sink.pending / ROWS, schema, total, version)
         written = 0
-        with open(sink.pending / ROWS, "r+b") as out, \
+        with open(sink.pending / ROWS, "r+b") as out, HeapFiles(sink.pending, source.schema, heaps) as heap, \
                 progress_bar(progress, total, f"convert {source.path.name}") as bar:
             for columns in source.rows():
                 arrays, count = [], None
                 for name in names:
                     spec = schema.fields[name]
-                    array = np.ascontiguousarray(columns[name], dtype=spec.numpy_dtype)
+                    value = heap.append(name, columns[name], str(source.path)) if name in heaps else columns[name]
+                    array = np.ascontiguousarray(value, dtype=spec.numpy_dtype)
                     if array.shape[1:] != spec.shape:
                         raise FormatError(f"{source.path}: field {name!r} has rows of shape {array.shape[1:]}, "
                                           f"expected {spec.shape}")
@@ -206,12 +229,13 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
         with pa.OSFile(str(sink.pending / EPISODES), "wb") as out, pa.ipc.new_file(out, arrow.schema) as writer:
             writer.write_table(arrow)
         files = {}
-        for name in (ROWS, EPISODES):
+        for name in (ROWS, EPISODES, *heaps.values()):
             stat = (sink.pending / name).stat()
             files[name] = {**_stat_entry(stat), "sha256": file_digest(sink.pending / name)}
         write_manifest(sink.pending / MANIFEST, {
             "format": FORMAT, "format_version": version, "schema": json.loads(source.schema.to_json()),
             **({"videos": {name: spec.to_json() for name, spec in source.videos.items()}} if source.videos else {}),
+            **({"heaps": heaps} if heaps else {}),
             "num_rows": total, "num_episodes": len(num_rows), "num_transitions": int(length.sum()),
             "source": {"kind": source.kind, "path": str(source.path.resolve()), "info": source.info,
                        "files": fingerprint(source.path, source.files, source.hashed)},
@@ -283,11 +307,13 @@ def read_cache_manifest(directory: Path) -> dict[str, Any]:
     for key, kind in (("schema", dict), ("num_rows", int), ("num_episodes", int), ("files", dict), ("source", dict)):
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise FormatError(f"{path}: manifest entry {key!r} is {manifest.get(key)!r}; expected a {kind.__name__}")
-    for name in (ROWS, EPISODES):
+    for name in {ROWS: None, EPISODES: None, **manifest["files"]}:
         entry = manifest["files"].get(name)
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), t) for k, t in
                                                   (("bytes", int), ("mtime_ns", int), ("sha256", str))):
             raise FormatError(f"{path}: manifest lacks a complete entry for {name} ({entry!r})")
+        if name not in (ROWS, EPISODES) and not is_heap_file(name):
+            raise FormatError(f"{path}: manifest lists {name!r}, not a file of a dataset cache")
     cache_videos(manifest, path)
     return manifest
 
@@ -333,7 +359,7 @@ def check_cache_files(directory: Path, manifest: Mapping[str, Any], verify: bool
         FormatError: naming the file and what differs.
     """
     restat = {}
-    for name in (ROWS, EPISODES):
+    for name in manifest["files"]:
         entry, path = manifest["files"][name], directory / name
         try:
             stat = path.stat()
@@ -417,23 +443,28 @@ def primitive_numpy(array: pa.Array, dtype: np.dtype, name: str) -> np.ndarray:
 
 
 class MappedRows:
-    """The columns of a cache's ``rows.arrow``, memory-mapped: numpy views, read-only.
+    """The columns of a cache's ``rows.arrow``, and its heap files, memory-mapped: numpy
+    views, read-only (``columns`` by field; ``heaps``: each heap file's bytes by field).
 
     Args:
         directory: the cache directory (checked by `check_cache_files`).
-        schema: the fields it must hold.
+        schema: the fields it must hold, as stored (`stored_schema`).
         num_rows: rows it must hold.
         version: the cache's format version (its manifest's).
+        heaps: {field: heap file} (`arrowbuf._dataset_heaps.cache_heaps`).
 
     Raises:
-        FormatError: not one record batch of the expected columns and rows.
+        FormatError: not one record batch of the expected columns and rows, or a heap
+            file that cannot be mapped.
     """
 
-    def __init__(self, directory: Path, schema: Schema, num_rows: int, version: int = FORMAT_VERSION) -> None:
+    def __init__(self, directory: Path, schema: Schema, num_rows: int, version: int = FORMAT_VERSION,
+                 heaps: Mapping[str, str] | None = None) -> None:
         path = directory / ROWS
+        self._files: list[Any] = []
         try:
-            self._file = pa.memory_map(str(path))
-            reader = pa.ipc.open_file(self._file)
+            self._files.append(pa.memory_map(str(path)))
+            reader = pa.ipc.open_file(self._files[0])
             if reader.num_record_batches != 1:
                 raise FormatError(f"{path}: {reader.num_record_batches} record batches; a dataset cache has one")
             if not reader.schema.equals(rows_schema(schema, version)):
@@ -457,11 +488,17 @@ class MappedRows:
                 if spec.dtype == "bool":
                     array = array.view(np.bool_)
                 self.columns[name] = array.reshape(num_rows, *spec.shape)
-            self._file.seek(0)
-            self._whole = self._file.read_buffer()   # the mapping, for `release`
+            self._files[0].seek(0)
+            self._wholes = [self._files[0].read_buffer()]   # the mappings, for `release`
+            self.heaps: dict[str, np.ndarray] = {}
+            for name, file in (heaps or {}).items():
+                path = directory / file
+                self._files.append(pa.memory_map(str(path)))
+                self._wholes.append(self._files[-1].read_buffer())
+                self.heaps[name] = np.frombuffer(self._wholes[-1], np.uint8)
         except (pa.ArrowException, OSError, ValueError) as err:
             raise FormatError(f"{path}: not a readable dataset cache ({err}); it is truncated or damaged") from None
-        self.nbytes = self._whole.size
+        self.nbytes = sum(whole.size for whole in self._wholes)
         # Sampling reads rows at random: a fault reads its page from disk, not a readahead
         # window around it. Sampling a 28 GB dataset on a 24 GB machine took 0.5-1 s a
         # W1 batch with the kernel's readahead (each of a batch's ~1,300 faults read up to
@@ -475,92 +512,11 @@ class MappedRows:
         self._advise(4)   # MADV_DONTNEED
 
     def _advise(self, advice: int) -> None:
-        """``madvise`` the whole mapping (Linux; a no-op elsewhere)."""
-        if not sys.platform.startswith("linux") or not self.nbytes:
-            return
-        page = mmap.PAGESIZE
-        start = self._whole.address - self._whole.address % page
-        length = self._whole.address + self.nbytes - start
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
+        for whole in self._wholes:
+            madvise(whole, advice)
 
     def close(self) -> None:
-        self.columns = {}
-        self._whole = None
-        self._file.close()
-
-
-#: Bytes one read fault of a file mapping can make resident: Linux maps the cached pages
-#: around the faulting one too (``fault_around_bytes``, 64 KiB by default). Measured here:
-#: 1,280 reads of single random bytes of a 1.5 GB mapping grew RSS by 90 MB, 69 KB a read
-#: (with or without ``MADV_RANDOM``).
-FAULT_AROUND = 64 << 10
-
-
-def file_resident() -> int | None:
-    """Bytes of file-backed (and shared) pages resident in this process (``/proc/self/statm``);
-    None where that cannot be read (not Linux)."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[2]) * mmap.PAGESIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class ResidentBound:
-    """Keeps the pages sampling maps from `MappedRows` near ``limit`` resident bytes.
-
-    Each gathered row may make ``row_cost`` bytes resident: a first guess, raised to what
-    is measured. Reading the process's file-backed resident bytes (`file_resident`) costs
-    ~10 us, so it is read only once the rows counted since the last reading could have
-    used half the room left: ``rows x row_cost >= (limit - grown) / 2``. At each reading
-    the bytes a row made resident since the last one raise ``row_cost`` (a fault maps more
-    than the faulting page: `FAULT_AROUND`, and a whole large folio of the page cache where
-    the kernel keeps them: ~120-200 KB a fault was seen on a 28 GB mapping), and when the
-    rows of one more batch like the last could pass ``limit``, the mapping is dropped
-    (`MappedRows.release`). Without `file_resident`, each time the rows counted reach the
-    limit at ``row_cost`` (more releases than needed, never fewer, if the guess holds).
-    """
-
-    def __init__(self, rows: MappedRows, limit: int, row_cost: int) -> None:
-        self.rows, self.limit, self.row_cost = rows, limit, row_cost
-        self.baseline = file_resident()
-        self.grown = 0        # resident growth at the last reading
-        self.counted = 0      # rows gathered since it
-        self.room = limit // 4   # the first guess may be low: read early
-
-    def touched(self, count: int) -> None:
-        """Count ``count`` gathered rows; release the mapping before it holds ``limit`` bytes."""
-        self.counted += count
-        if self.counted * self.row_cost < self.room:
-            return
-        now = file_resident()
-        if now is None or self.baseline is None:
-            if self.counted * self.row_cost >= self.limit:
-                self.release()
-            else:
-                self.room = self.limit
-            return
-        grown = now - self.baseline
-        self.row_cost = max(self.row_cost, (grown - self.grown) // self.counted)
-        self.grown, self.counted = grown, 0
-        if grown + count * self.row_cost >= self.limit:
-            self.release()
-        else:
-            self.room = (self.limit - grown) // 2
-
-    def release(self) -> None:
-        self.rows.release()
-        self.baseline = file_resident()
-        self.grown = self.counted = 0
-        self.room = self.limit // 2
-
-
-_LIBC: Any = None
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _LIBC
+        self.columns, self.heaps = {}, {}
+        self._wholes = []
+        for file in self._files:
+            file.close()

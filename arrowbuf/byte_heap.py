@@ -111,13 +111,21 @@ class HeapColumn:
     (16 bytes a row), written by `store`, read by `blobs` and `packed`. Subclasses say what a
     row's bytes are (`arrowbuf.encoded.EncodedColumn`: an encoded row; `arrowbuf.ragged.RaggedColumn`:
     a sequence's values). A row of size 0 holds nothing (never written, zeroed, or evicted).
+
+    ``mapped``: (``refs``, heap) of rows already stored elsewhere, read-only: a dataset cache's
+    (`arrowbuf._dataset_heaps`): ``refs`` ``[rows, 2]`` holds each row's (offset, size) in the
+    heap, whose ``view`` reads them (`arrowbuf._dataset_heaps.MappedHeap`).
     """
 
-    def __init__(self, rows: int) -> None:
-        # np.zeros: pages the kernel gives zeroed on first touch; memory grows with the rows written.
-        self.addr = np.zeros(rows, np.int64)
-        self.size = np.zeros(rows, np.int64)
-        self.heap = ByteHeap()
+    def __init__(self, rows: int, mapped: tuple[np.ndarray, Any] | None = None) -> None:
+        if mapped is None:
+            # np.zeros: pages the kernel gives zeroed on first touch; memory grows with the rows written.
+            self.addr = np.zeros(rows, np.int64)
+            self.size = np.zeros(rows, np.int64)
+            self.heap: Any = ByteHeap()
+        else:   # read-only rows of a dataset cache: (offset, size) per row, and the mapped file they lie in
+            refs, self.heap = mapped
+            self.addr, self.size = refs[:, 0], refs[:, 1]
         self.name = ""   # the field's, for errors (set by its shard: `bind_heap_columns`)
         self.budget: int | None = None   # bytes held at most (`bound`)
         self._make_room: Any = None
@@ -181,11 +189,11 @@ class HeapColumn:
 
     def packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the bytes of ``rows`` one after another, uint8; their byte offsets, int64 [len(rows) + 1])."""
-        size = self.size[rows]
+        blobs = self.blobs(rows)   # first: a mapped heap checks each row's size before it is allocated
         offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(size, out=offsets[1:])
+        np.cumsum(self.size[rows], out=offsets[1:])
         values = np.empty(int(offsets[-1]), np.uint8)
-        for i, blob in enumerate(self.blobs(rows)):
+        for i, blob in enumerate(blobs):
             if len(blob):
                 values[offsets[i]:offsets[i + 1]] = blob
         return values, offsets

@@ -6,7 +6,8 @@
 - a text field (``"string"``): `arrowbuf.text.TextColumn`, stored as an Arrow dictionary array.
 
 The encoded and ragged kinds are heap columns (`arrowbuf.byte_heap.HeapColumn`). A torch arena keeps
-its own (`arrowbuf.arena`); a dataset maps its columns from its cache (`arrowbuf.dataset`).
+its own (`arrowbuf.arena`); a dataset maps its columns from its cache (`arrowbuf.dataset`), its
+encoded and ragged fields as the same kinds over a mapped file (`mapped_column`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ def arena_column(shape: tuple[int, ...], dtype: np.dtype, zero: bool = False) ->
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-
 def host_column(spec: Any, rows: int, zero: bool) -> Any:
     """A column of ``rows`` rows for field ``spec``, of its kind (zeroed when ``zero``: heap
     columns' rows start empty)."""
@@ -52,6 +52,16 @@ def host_column(spec: Any, rows: int, zero: bool) -> Any:
 
 #: The kinds whose rows are not a numpy column's (`stored_rows` reads them as stored).
 APART = (HeapColumn, TextColumn)
+
+
+def mapped_column(spec: Any, name: str, refs: np.ndarray, heap: Any) -> Any:
+    """The read-only column of an encoded or ragged field ``name`` whose rows lie in ``heap`` at
+    ``refs`` (each row's offset and size): a dataset cache's (`arrowbuf._dataset_heaps`), of its kind."""
+    mapped = (refs, heap)
+    column = EncodedColumn(spec.encoder, len(refs), spec.numpy_dtype, mapped) if spec.codec is not None \
+        else RaggedColumn(len(refs), spec.numpy_dtype, spec.shape[1:], mapped)
+    column.name = name
+    return column
 
 
 def stored_rows(column: Any, start: int, stop: int) -> Any:

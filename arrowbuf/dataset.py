@@ -7,7 +7,9 @@ memory-mappable cache beside it (`arrowbuf._dataset_cache`), and the dataset sam
 straight from the mapped columns: the rows are never loaded, and only the pages a
 batch reads are brought in. A LeRobot video field's column holds each row's frame
 reference, and its frames are decoded from the source's MP4 files when a batch
-gathers them (`arrowbuf.video`).
+gathers them (`arrowbuf.video`). An encoded field's rows stay encoded in the cache and
+are decoded when a batch gathers them; a ragged field's rows are sampled as jagged nested
+tensors (`arrowbuf._dataset_heaps`), as a store samples them.
 
 Sampling reuses the store's machinery unchanged: the rows keep the arena's layout
 (each episode's steps, then its final observation), so a `MappedShard` holding the
@@ -41,9 +43,11 @@ from tensordict import TensorDict
 
 from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
                               check_sample_args, to_numpy)
-from arrowbuf._dataset_cache import (FAULT_AROUND, MappedRows, ResidentBound, cache_videos, check_cache_files,
-                                     fingerprint, read_cache_manifest, read_episodes, source_changed, write_cache)
+from arrowbuf._dataset_cache import (MappedRows, cache_videos, check_cache_files, fingerprint, read_cache_manifest,
+                                     read_episodes, source_changed, stored_schema, write_cache)
+from arrowbuf._dataset_heaps import cache_heaps, heap_column
 from arrowbuf._dataset_sources import EPISODES_IPC, detect, export_source, ipc_source, lerobot_files, lerobot_source
+from arrowbuf._resident import FAULT_AROUND, ResidentBound
 from arrowbuf.arena import host_tensor
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, describe
@@ -52,9 +56,10 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.samplers import PrioritizedSampler, Sampler, UniformSampler
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.placement import Ring
+from arrowbuf.ragged import check_pad, pad_batch
 from arrowbuf.shard import Shard
 from arrowbuf.table import EpisodeTable
-from arrowbuf.video import VIDEO_CACHE_BYTES, FrameCache, VideoReader, stored_schema
+from arrowbuf.video import VIDEO_CACHE_BYTES, FrameCache, VideoReader
 
 #: Where `open_dataset` keeps a source's cache, inside the source directory (``cache_dir=`` moves it).
 CACHE_DIR = ".arrowbuf-cache"
@@ -119,11 +124,15 @@ class Dataset:
 
     Resident memory: sampling brings the pages it reads into this process's resident
     set (a read fault maps the cached pages around it too: 64 KiB on Linux). When the
-    rows file is larger than ``resident_limit`` bytes, the dataset drops its mapped pages
+    mapped files are larger than ``resident_limit`` bytes, the dataset drops their pages
     from the resident set (they stay in the page cache) once they hold that many bytes
-    (`arrowbuf._dataset_cache.ResidentBound`), so resident memory stays within
-    ``resident_limit`` and one batch's rows whatever the dataset's size; a smaller file
-    is never dropped.
+    (`arrowbuf._resident.ResidentBound`), so resident memory stays within
+    ``resident_limit`` and one batch's rows whatever the dataset's size; smaller files
+    are never dropped.
+
+    Encoded fields (``codec=``) are decoded when a batch gathers them (``keys=`` that leave
+    them out decode nothing), as a store's are; ragged fields come as jagged nested tensors,
+    or padded with ``pad=``.
 
     Video fields (LeRobot's ``dtype: video``) are decoded from their files when a batch
     gathers them (`arrowbuf.video`), through a cache of decoded frames of at most
@@ -145,9 +154,13 @@ class Dataset:
         self.sampler = sampler
         self.seed = seed
         videos = cache_videos(manifest, directory)
-        stored = stored_schema(schema, videos)
-        self._rows = MappedRows(directory, stored, manifest["num_rows"], manifest["format_version"])
+        heaps = cache_heaps(manifest, schema, directory)
+        stored = stored_schema(schema, videos, heaps)
+        self._rows = MappedRows(directory, stored, manifest["num_rows"], manifest["format_version"], heaps)
         columns: dict[str, Any] = dict(self._rows.columns)
+        for name, file in heaps.items():   # encoded and ragged fields: their kinds' columns over the heap files
+            columns[name] = heap_column(schema.fields[name], name, columns[name], self._rows.heaps[name],
+                                        directory / file)
         # The video files are the source's: its path, as the conversion recorded it.
         self._videos = VideoReader(Path(manifest["source"].get("path", directory)), video_cache_bytes) \
             if videos else None
@@ -161,11 +174,13 @@ class Dataset:
             for first, length in zip(table.col("first_row").tolist(), table.col("length").tolist()):
                 if length:
                     sampler.on_add(first, length)
-        # Bytes one gathered row may make resident: a fault per column read, each mapping
-        # the pages around it (`FAULT_AROUND`), plus the row and the next one.
+        # Bytes one gathered row may make resident: a fault per column read (and per heap
+        # file), each mapping the pages around it (`FAULT_AROUND`), plus the row and the next
+        # one (a heap field's: its mean row).
         limited = resident_limit is not None and self._rows.nbytes > resident_limit
-        self._bound = ResidentBound(self._rows, resident_limit, len(schema.fields) * FAULT_AROUND
-                                    + 2 * stored.row_bytes) if limited else None
+        heap_row = sum(len(data) for data in self._rows.heaps.values()) // max(manifest["num_rows"], 1)
+        self._bound = ResidentBound(self._rows, resident_limit, (len(schema.fields) + len(heaps)) * FAULT_AROUND
+                                    + 2 * (stored.row_bytes + heap_row)) if limited else None
 
     # -- shape -----------------------------------------------------------------------
 
@@ -188,7 +203,7 @@ class Dataset:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the memory-mapped rows file."""
+        """Bytes of the memory-mapped files: the rows, and the heap files of encoded and ragged fields."""
         return self._rows.nbytes
 
     @property
@@ -225,10 +240,11 @@ class Dataset:
 
     def sample(self, batch_size: int, *, n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                device: torch.device | str | None = None, pin_memory: bool = False,
-               keys: list | None = None, min_version: int | None = None) -> TensorDict:
+               keys: list | None = None, min_version: int | None = None, pad: dict | None = None) -> TensorDict:
         """Sample with the dataset's sampler, as `ExperienceStore.sample` does (n-step
         returns and frame stacks stay within episodes); ``min_version``: only steps of
-        ``policy_version`` >= it (`arrowbuf.versions`).
+        ``policy_version`` >= it (`arrowbuf.versions`); ``pad``: {ragged field: pad value},
+        that field as a padded ``[B, L_max]`` tensor plus ``<field>_length`` (`arrowbuf.ragged`).
 
         Raises:
             ValueError: a bad argument.
@@ -239,9 +255,10 @@ class Dataset:
         device = check_device(device)
         pin_memory = check_bool("pin_memory", pin_memory)
         min_version = check_optional_int("min_version", min_version, 0)
+        pad = check_pad(pad, self.schema)
         batch = self._engine.sample(batch_size, args, device, pin_memory, None, keys, min_version)
         self.touched(batch.numel())
-        return batch
+        return batch if pad is None else pad_batch(batch, pad)
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
@@ -255,9 +272,10 @@ class Dataset:
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,
-                     keys: list | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
+                     keys: list | None = None, min_version: int | None = None,
+                     pad: dict | None = None) -> Iterator[TensorDict]:
         """Every transition once per epoch, in batches (as `ExperienceStore.iter_batches`;
-        batches are always copies: the mapped rows are read-only).
+        batches are always copies: the mapped rows are read-only; ``pad`` as in `sample`).
 
         Raises:
             ValueError: a bad argument.
@@ -269,15 +287,16 @@ class Dataset:
         device = check_device(device)
         keys = self._engine.check_keys(keys)
         min_version = check_optional_int("min_version", min_version, 0)
-        return self._epochs(batch_size, shuffle, drop_last, epochs, device, keys, min_version)
+        pad = check_pad(pad, self.schema)
+        return self._epochs(batch_size, shuffle, drop_last, epochs, device, keys, min_version, pad)
 
     def _epochs(self, batch_size: int, shuffle: bool, drop_last: bool, epochs: int, device: Any,
-                keys: Any, min_version: int | None) -> Iterator[TensorDict]:
+                keys: Any, min_version: int | None, pad: dict | None) -> Iterator[TensorDict]:
         for _ in range(epochs):
             for indices in self._engine.epoch(batch_size, shuffle, drop_last, min_version):
                 batch = self._engine.gather(indices, device, keys)
                 self.touched(len(indices))
-                yield batch
+                yield batch if pad is None else pad_batch(batch, pad)
 
     def gather(self, index: Any, *, device: torch.device | str | None = None) -> TensorDict:
         """The transitions of ``index`` (values of a batch's ``"index"``), in that order.

@@ -81,10 +81,11 @@ class EncodedColumn(HeapColumn):
         codec: the field's codec (`arrowbuf.codecs.parse_codec`).
         rows: rows of the arena.
         dtype: the numpy dtype of a decoded row (uint16 for bfloat16).
+        mapped: rows stored elsewhere, read-only (`arrowbuf.byte_heap.HeapColumn`): a dataset's.
     """
 
-    def __init__(self, codec: Codec, rows: int, dtype: np.dtype) -> None:
-        super().__init__(rows)
+    def __init__(self, codec: Codec, rows: int, dtype: np.dtype, mapped: tuple[np.ndarray, Any] | None = None) -> None:
+        super().__init__(rows, mapped)
         self.codec = codec
         self.row_shape = tuple(codec.shape)
         self.dtype = np.dtype(dtype)

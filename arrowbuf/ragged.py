@@ -189,10 +189,12 @@ def _from_arrow(column: pa.Array | pa.ChunkedArray, name: str) -> RaggedRows:
 
 
 class RaggedColumn(HeapColumn):
-    """``rows`` rows of a ragged field of ``dtype`` items shaped ``tail``, values in a heap."""
+    """``rows`` rows of a ragged field of ``dtype`` items shaped ``tail``, values in a heap
+    (``mapped``: rows stored elsewhere, read-only, `arrowbuf.byte_heap.HeapColumn`: a dataset's)."""
 
-    def __init__(self, rows: int, dtype: np.dtype, tail: tuple[int, ...]) -> None:
-        super().__init__(rows)
+    def __init__(self, rows: int, dtype: np.dtype, tail: tuple[int, ...],
+                 mapped: tuple[np.ndarray, Any] | None = None) -> None:
+        super().__init__(rows, mapped)
         self.dtype, self.tail = np.dtype(dtype), tuple(tail)
         self.item_bytes = self.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
         self.shape = (rows, None, *self.tail)

@@ -47,16 +47,15 @@ import bisect
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
 from arrowbuf.encoded import Shifted
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
-from arrowbuf.schema import Schema, unflatten
 
 #: What the cache stores per row of a video field: (file, frame number in that file).
 FRAME_REF = Field("int32", (2,))
@@ -119,14 +118,6 @@ class VideoSpec:
             raise FormatError(f"{where}: a video field of shape {spec.shape}, fps {spec.fps}, {len(spec.files)} "
                               "files; expected (H, W, 1 or 3), fps > 0 and some files")
         return spec
-
-
-def stored_schema(schema: Schema, videos: Mapping[str, VideoSpec]) -> Schema:
-    """``schema`` as a cache stores its rows: each video field as its `FRAME_REF` column."""
-    if not videos:
-        return schema
-    return Schema(unflatten({name: replace(FRAME_REF, observation=spec.observation) if name in videos else spec
-                             for name, spec in schema.fields.items()}))
 
 
 class FrameCache:

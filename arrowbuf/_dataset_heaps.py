@@ -1,0 +1,195 @@
+"""Encoded and ragged fields in a dataset cache: their rows' bytes, never decoded or padded.
+
+An arrowbuf export holds an encoded field (``codec=``) as each row's bytes and a ragged
+field in Arrow's list layout; a dataset's cache keeps them so. Each such field has a
+file of its own, ``heap-<k>.bytes``: its rows' bytes one after another in row order (an
+encoded row's bytes as the source held them; a ragged row's values, item after item).
+``rows.arrow`` holds, per row, where they lie in that file (`HEAP_REF`: offset and size,
+16 bytes). A PNG field's cache is then about the export's size, where its decoded rows
+took 10x more.
+
+A conversion appends each batch's bytes as its rows stream in (`HeapFiles`: memory stays
+bounded, and the disk holds one copy). A dataset maps each file (`MappedHeap`) and reads
+the field through the field's own column kind over it (`arrowbuf.columns.mapped_column`):
+an `arrowbuf.encoded.EncodedColumn` decodes the rows a batch gathers straight into the
+batch (``keys=`` that leave it out decode nothing), an `arrowbuf.ragged.RaggedColumn`
+gathers its rows as a jagged nested tensor, as a store's columns do.
+
+An encoded row whose bytes do not decode is a `FormatError` naming the field and the row
+(its position in ``dataset.to_arrow()``). A reference that points outside its file (damage
+behind the stat the manifest recorded, which only ``verify=True`` finds by hashing) is a
+`FormatError` naming the field: a gather never reads past the mapping.
+
+Example:
+    >>> import tempfile
+    >>> from arrowbuf.ragged import ragged_rows
+    >>> schema, directory = Schema({"tokens": Field("int32", (None,))}), Path(tempfile.mkdtemp())
+    >>> heaps = heap_fields(schema)
+    >>> heaps
+    {'tokens': 'heap-0.bytes'}
+    >>> with HeapFiles(directory, schema, heaps) as files:
+    ...     refs = files.append("tokens", ragged_rows([np.arange(3), np.arange(1)], "tokens"), "example")
+    >>> refs.tolist()                                   # each row's (offset, size) in heap-0.bytes
+    [[0, 12], [12, 4]]
+    >>> data = np.fromfile(directory / "heap-0.bytes", np.uint8)
+    >>> column = heap_column(schema.fields["tokens"], "tokens", refs, data, directory / "heap-0.bytes")
+    >>> column.gather(np.array([1, 0])).values.tolist()
+    [0, 0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from arrowbuf.columns import mapped_column
+from arrowbuf.encoded import EncodedRows
+from arrowbuf.errors import FormatError, describe
+from arrowbuf.fields import Field
+from arrowbuf.ragged import RaggedRows
+from arrowbuf.schema import Schema
+
+#: What ``rows.arrow`` stores per row of an encoded or ragged field: (offset, size) of its bytes in the field's file.
+HEAP_REF = Field("int64", (2,))
+_FILE = "heap-{}.bytes"
+_FILE_NAME = re.compile(r"heap-[0-9]+\.bytes")
+
+
+def is_heap_file(name: str) -> bool:
+    """Whether ``name`` is the name of a heap file (a cache's manifest lists no other files but its own)."""
+    return _FILE_NAME.fullmatch(name) is not None
+
+
+def heap_fields(schema: Schema) -> dict[str, str]:
+    """{field: file} of ``schema``'s encoded and ragged fields: the files a cache keeps their bytes in."""
+    names = [name for name, spec in schema.fields.items() if spec.codec is not None or spec.ragged]
+    return {name: _FILE.format(k) for k, name in enumerate(names)}
+
+
+class HeapFiles:
+    """The heap files a conversion writes into ``directory``, one per field of ``heaps``
+    (`heap_fields`); `append` each batch's rows of a field in row order."""
+
+    def __init__(self, directory: Path, schema: Schema, heaps: Mapping[str, str]) -> None:
+        self._specs = {name: schema.fields[name] for name in heaps}
+        self._ends = dict.fromkeys(heaps, 0)
+        self._files: dict[str, BinaryIO] = {}
+        for name, file in heaps.items():
+            self._files[name] = open(directory / file, "wb")
+
+    def append(self, name: str, rows: Any, where: str) -> np.ndarray:
+        """Append ``rows`` of field ``name`` (an encoded field's `EncodedRows`, a ragged field's
+        `RaggedRows`, as a source gives them) to its file; returns their `HEAP_REF` rows.
+
+        Raises:
+            FormatError: rows of another kind than the field's (naming ``where``).
+        """
+        spec = self._specs[name]
+        data, offsets = _encoded_bytes(rows, name, where) if spec.codec is not None else \
+            _ragged_bytes(rows, spec, name, where)
+        self._files[name].write(data)
+        refs = np.empty((len(offsets) - 1, 2), np.int64)
+        refs[:, 0] = offsets[:-1] + self._ends[name]
+        refs[:, 1] = np.diff(offsets)
+        self._ends[name] += int(offsets[-1])
+        return refs
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+
+    def __enter__(self) -> "HeapFiles":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+
+def _encoded_bytes(rows: Any, name: str, where: str) -> tuple[memoryview | bytes, np.ndarray]:
+    """(the bytes of encoded ``rows`` one after another, their offsets from 0): views of the Arrow array."""
+    if not isinstance(rows, EncodedRows):
+        raise FormatError(f"{where}: field {name!r} is encoded; its rows came as {describe(rows)}, not as their bytes")
+    array = rows.array if pa.types.is_large_binary(rows.array.type) else rows.array.cast(pa.large_binary())
+    if not len(array):
+        return b"", np.zeros(1, np.int64)
+    offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset:array.offset + len(array) + 1]
+    data = array.buffers()[2]
+    start, stop = int(offsets[0]), int(offsets[-1])
+    return (memoryview(data)[start:stop] if data is not None else b""), offsets - start
+
+
+def _ragged_bytes(rows: Any, spec: Field, name: str, where: str) -> tuple[memoryview, np.ndarray]:
+    """(the values of ragged ``rows`` as bytes, each row's byte offset from 0)."""
+    if not isinstance(rows, RaggedRows):
+        raise FormatError(f"{where}: field {name!r} is ragged; its rows came as {describe(rows)}, not as "
+                          "values and offsets")
+    first, last = int(rows.offsets[0]), int(rows.offsets[-1])
+    values = np.ascontiguousarray(rows.values[first:last], spec.numpy_dtype)
+    item = values.dtype.itemsize * int(np.prod(spec.shape[1:], dtype=np.int64))
+    return memoryview(values.reshape(-1).view(np.uint8)), (rows.offsets - first) * item
+
+
+def cache_heaps(manifest: Mapping[str, Any], schema: Schema, path: Path) -> dict[str, str]:
+    """{field: file} of the heap files a cache manifest (at ``path``, of ``schema``) records. An
+    encoded field without one is stored decoded, as caches before format 4 stored it (and are
+    read so).
+
+    Raises:
+        FormatError: a bad entry, one of a field that is neither encoded nor ragged, or of a
+            file the manifest does not list, a ragged field without one, or one in a cache
+            older than format 4.
+    """
+    heaps = manifest.get("heaps", {})
+    if not isinstance(heaps, dict) or (heaps and manifest["format_version"] < 4):
+        raise FormatError(f"{path}: manifest entry 'heaps' is {heaps!r}; expected a mapping, in a cache of "
+                          "format 4 or later")
+    for name, file in heaps.items():
+        spec = schema.fields.get(name)
+        if spec is None or not (spec.codec is not None or spec.ragged):
+            raise FormatError(f"{path}: heap file {file!r} of field {name!r}, which is not an encoded or ragged "
+                              f"field of the cache's schema ({spec!r})")
+        if not isinstance(file, str) or not is_heap_file(file) or file not in manifest["files"]:
+            raise FormatError(f"{path}: heap file {file!r} of field {name!r} is not a cache file the manifest lists")
+    missing = [name for name, spec in schema.fields.items() if spec.ragged and name not in heaps]
+    if missing:
+        raise FormatError(f"{path}: ragged fields {missing} have no heap file in the manifest")
+    return dict(heaps)
+
+
+class MappedHeap:
+    """The bytes of one field's rows: its heap file, mapped read-only (``data``, uint8).
+
+    Read by the field's column as its `arrowbuf.byte_heap.ByteHeap` would be: `view`
+    returns a row's bytes, after checking that they lie inside the file and hold whole
+    items of ``unit`` bytes (a ragged field's).
+    """
+
+    def __init__(self, data: np.ndarray, name: str, file: Path, unit: int = 1) -> None:
+        self.data, self.name, self.file, self.unit = data, name, file, unit
+        self.live = self.allocated = len(data)
+
+    def view(self, addr: int, size: int) -> np.ndarray:
+        """The bytes ``[addr, addr + size)`` (a view of the mapping).
+
+        Raises:
+            FormatError: they lie outside the file or cut an item.
+        """
+        if addr < 0 or size < 0 or addr + size > len(self.data) or size % self.unit:
+            raise FormatError(f"{self.file}: field {self.name!r} has a row at bytes {addr}..{addr + size} of this "
+                              f"{len(self.data)}-byte file{f' in items of {self.unit} bytes' if self.unit > 1 else ''}; "
+                              "the cache is damaged (open the source with verify=True, or delete the cache, to "
+                              "convert again)")
+        return self.data[addr:addr + size]
+
+
+def heap_column(spec: Field, name: str, refs: np.ndarray, data: np.ndarray, file: Path) -> Any:
+    """Field ``name``'s read-only column, its rows at ``refs`` (`HEAP_REF` rows) in ``data`` (its
+    heap ``file``, mapped): of the field's own kind (`arrowbuf.columns.mapped_column`)."""
+    unit = 1 if spec.codec is not None else spec.numpy_dtype.itemsize * int(np.prod(spec.shape[1:], dtype=np.int64))
+    return mapped_column(spec, name, refs, MappedHeap(data, name, file, unit))
