@@ -314,7 +314,7 @@ def test_a_mixture_refuses_a_ragged_dataset_s_sequences_and_samples_its_other_fi
     dataset = ab.open_dataset(ragged_store().to_parquet(tmp_path / "export"), seed=0)
     online = ragged_store(episodes=((10, 7), (11, 9)))
     mixture = ab.Mixture({"demos": dataset, "online": online}, weights={"demos": 0.5, "online": 0.5}, seed=0)
-    with pytest.raises(ValueError, match="ragged fields"):
+    with pytest.raises(ValueError, match="ragged or text fields"):
         mixture.sample(8)
     batch = mixture.sample(8, keys=["obs", "action"])
     assert batch["source"].bincount().tolist() == [4, 4]
