@@ -62,7 +62,7 @@ from arrowbuf._dataset_heaps import HEAP_REF, HeapFiles, heap_fields, is_heap_fi
 from arrowbuf._filesink import DirectorySink
 from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar, read_json, write_manifest
 from arrowbuf._resident import madvise
-from arrowbuf.errors import FormatError
+from arrowbuf.errors import FormatError, SchemaError
 from arrowbuf.fields import Field
 from arrowbuf.schema import Schema, unflatten
 from arrowbuf.video import FRAME_REF, VideoSpec
@@ -172,7 +172,12 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
 
     Raises:
         FormatError: the source's rows disagree with its episode table.
+        SchemaError: a text field (a dataset does not map them yet).
     """
+    text = [name for name, f in source.schema.fields.items() if f.text]
+    if text:
+        raise SchemaError(f"{source.path}: text fields {text}: open_dataset does not map them yet; load the export "
+                          "with ab.ExperienceStore.from_parquet, or leave them out of the export")
     # FORMAT_VERSION is read at the call: a test writes caches of older versions through it (which
     # keep encoded fields decoded, as those versions' writers did).
     heaps = heap_fields(source.schema) if FORMAT_VERSION >= 4 else {}

@@ -130,3 +130,9 @@ def test_a_torchrl_batch_with_strings_is_refused_not_stripped():
     assert len(store) == 0 and store.schema is None
     store.extend(batch.exclude("instruction"))
     assert len(store) == 6
+
+
+def test_open_dataset_refuses_an_export_with_text_fields_naming_them(tmp_path):
+    export = filled().to_parquet(tmp_path / "export")
+    with pytest.raises(SchemaError, match=r"text fields \['instruction'\]: open_dataset does not map them yet"):
+        ab.open_dataset(export)
