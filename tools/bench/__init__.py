@@ -5,7 +5,7 @@ shared and noisy, so absolute numbers drift while paired ratios hold. In each
 timing round the contenders take turns in short slices (rotating order), a ratio
 is taken per round, and the median over rounds is reported with its min-max range.
 
-Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED,MIX,IMAGES``; ``--list`` shows
+Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED,MIX,IMAGES,TOKENS``; ``--list`` shows
 them), one module each under ``workloads/`` with its protocol and targets in its
 docstring:
 
@@ -31,13 +31,16 @@ docstring:
   a photo, `camera`): stored bytes of jpeg:90, png and zstd, jpeg:90's PSNR, private
   memory of 200k jpeg rows, and sample(256) against simplejpeg on 2 threads, the raw
   store and TorchRL's CompressedListStorage (`image_contenders`).
+- TOKENS (`workloads.tokens`): ragged int32 token fields (lognormal lengths, mean ~826):
+  private memory of 1M rows over their token bytes, and sample(256), jagged and padded,
+  against an ideal gather and TorchRL's ListStorage and LazyStackStorage (`token_contenders`).
 
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and
 per-contender probes in child processes), `report` (terminal tables, Markdown,
 JSON), `summary` (the README's performance section, from a run's Markdown tables), `plot` (the bar chart), `specs` and `contenders` (replay data and
 stores), `big_dataset` (MIX's big-dataset row), `rollouts` and `rollout_contenders` (on-policy data and stores), `camera` and
-`image_contenders` (IMAGES' frames and stores), `cli`.
+`image_contenders` (IMAGES' frames and stores), `token_contenders` (TOKENS' rows and stores), `cli`.
 
 Adding a workload: a module under ``workloads/`` with a ``run(spec, opts) ->
 WorkloadResult`` that times its contenders with `harness.compare`, registered
