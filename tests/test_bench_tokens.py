@@ -36,9 +36,12 @@ def test_a_smoke_tokens_run_times_every_contender_and_reports_every_ratio(tokens
     for metric in ("sample(32), jagged", "sample(32, pad=)"):
         for col in result["ratio_columns"]:
             assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col]), (metric, col)
+    split = "split + gather, 0.05M-token global batch over 8 ranks"
+    assert len(ratios[split, "arrowbuf/ideal"]) == 2 and all(r > 0 for r in ratios[split, "arrowbuf/ideal"])
+    assert value(metrics[split], "arrowbuf") > 0 and metrics[split]["unit"] == "GB/s"
     padded = metrics["sample(32, pad=)"]["ratios"]["arrowbuf padded time / jagged time"]["rounds"]
     assert len(padded) == 2 and all(r > 0 for r in padded)
-    assert "balanced_ranks" in run.stdout   # the rank-balance rows say why they are absent
+    assert "ranks: a rank's step on a" in run.stdout   # a rank's split and gather, apart
 
 
 def test_a_smoke_tokens_run_measures_memory_near_the_token_bytes_and_gathers_the_rows_written(tokens):
@@ -56,3 +59,11 @@ def test_a_smoke_tokens_run_measures_memory_near_the_token_bytes_and_gathers_the
     assert equal["met"] and equal["values"]["arrowbuf"]["rounds"] == [100.0, 100.0]
     for contender, mean in metrics["mean tokens a sampled row"]["values"].items():   # one length distribution
         assert 500 < mean < 1_300, contender
+
+
+def test_a_smoke_tokens_run_splits_global_batches_over_ranks_whole_and_balanced(tokens):
+    _, _, metrics = tokens
+    balance = metrics["rank tokens max/mean, 512 rows over 8 ranks"]["values"]["arrowbuf"]["rounds"]
+    assert len(balance) == 2 and all(1.0 <= b < 1.05 for b in balance)   # largest-first: ~1.003
+    united = metrics["rank shares uniting to their global batch"]
+    assert united["met"] and united["values"]["arrowbuf"]["rounds"] == [100.0, 100.0]

@@ -32,8 +32,9 @@ docstring:
   memory of 200k jpeg rows, and sample(256) against simplejpeg on 2 threads, the raw
   store and TorchRL's CompressedListStorage (`image_contenders`).
 - TOKENS (`workloads.tokens`): ragged int32 token fields (lognormal lengths, mean ~826):
-  private memory of 1M rows over their token bytes, and sample(256), jagged and padded,
-  against an ideal gather and TorchRL's ListStorage and LazyStackStorage (`token_contenders`).
+  private memory of 1M rows over their token bytes, sample(256), jagged and padded,
+  against an ideal gather and TorchRL's ListStorage and LazyStackStorage (`token_contenders`),
+  and global batches split over 8 ranks: token balance, split + gather GB/s.
 
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and

@@ -7,11 +7,12 @@ the ideal gather, and TorchRL's two storages that hold tensors of varying shapes
   without holding the source (the memory probe).
 - `TokenStore`: ``ExperienceStore`` whose one field is ``Field("int32", (None,))``, filled by
   ``add_episode({"tokens": [one array per step]})``; ``sample(B)`` gives a jagged nested tensor.
-- `IdealGather`: the floor of a jagged batch: B uniform rows of the flat array, their offsets by
-  cumsum, their values copied by one ``np.concatenate`` of their slices into a preallocated,
-  pre-touched buffer (the fastest of a loop of slice copies, ``np.take`` of a repeated index and
-  this), wrapped by ``torch.nested.nested_tensor_from_jagged``. The padded floor fills a
-  preallocated ``[B, L_max]`` with the pad value and copies each row into it.
+- `IdealGather`: the floor of a jagged batch: B uniform rows of the flat array (or a rank's
+  share of a global batch), their offsets by cumsum, their values copied by one
+  ``np.concatenate`` of their slices into a preallocated, pre-touched buffer (the fastest of a
+  loop of slice copies, ``np.take`` of a repeated index and this), wrapped by
+  ``torch.nested.nested_tensor_from_jagged``. The padded floor fills a preallocated
+  ``[B, L_max]`` with the pad value and copies each row into it.
 - `TorchRLList`: ``ReplayBuffer(ListStorage(n), RandomSampler())`` of per-row tensors, the batch
   (a list of tensors) made a jagged tensor by ``torch.nested.as_nested_tensor(rows,
   layout=torch.jagged)``, or padded by ``torch.nn.utils.rnn.pad_sequence``.
@@ -102,37 +103,43 @@ class TokenStore:
 
 
 class IdealGather:
-    """B uniform rows of ``tokens`` copied into a preallocated buffer (reused by every call)."""
+    """Rows of ``tokens`` copied into a preallocated buffer (reused by every call): B uniform rows
+    a `sample`, or given rows (`take`: a rank's share)."""
 
     def __init__(self, tokens: Tokens, batch_size: int, seed: int = 1) -> None:
         longest = int(tokens.lengths.max())
         self.tokens, self.batch_size = tokens, batch_size
         self.out = np.zeros(batch_size * longest, np.int32)   # pre-touched: the most a batch can hold
-        self.out_offsets = np.zeros(batch_size + 1, np.int64)
         self.rng = np.random.default_rng(seed)
 
-    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.rng.integers(0, len(self.tokens), self.batch_size)
-        return self.tokens.offsets[rows], self.tokens.offsets[rows + 1]
+    def draw(self) -> np.ndarray:
+        """B rows, uniformly with replacement."""
+        return self.rng.integers(0, len(self.tokens), self.batch_size)
 
     def sample(self) -> Any:
         """A jagged nested tensor of B random rows."""
+        return self.take(self.draw())
+
+    def take(self, rows: np.ndarray) -> Any:
+        """A jagged nested tensor of ``rows`` (in a new buffer where they outgrow the preallocated one)."""
         import torch
 
-        starts, ends = self._draw()
+        starts, ends = self.tokens.offsets[rows], self.tokens.offsets[rows + 1]
         lengths = ends - starts
-        np.cumsum(lengths, out=self.out_offsets[1:])
-        values = self.tokens.values
-        out = self.out[:int(self.out_offsets[-1])]
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values, total = self.tokens.values, int(offsets[-1])
+        out = self.out[:total] if total <= len(self.out) else np.empty(total, np.int32)
         np.concatenate([values[a:b] for a, b in zip(starts.tolist(), ends.tolist())], out=out)
-        return torch.nested.nested_tensor_from_jagged(torch.from_numpy(out), offsets=torch.from_numpy(self.out_offsets),
+        return torch.nested.nested_tensor_from_jagged(torch.from_numpy(out), offsets=torch.from_numpy(offsets),
                                                       max_seqlen=int(lengths.max()))
 
     def padded(self, pad: int) -> tuple[Any, Any]:
         """B random rows as ``[B, L_max]`` padded with ``pad``, and their lengths."""
         import torch
 
-        starts, ends = self._draw()
+        rows = self.draw()
+        starts, ends = self.tokens.offsets[rows], self.tokens.offsets[rows + 1]
         lengths = ends - starts
         longest = int(lengths.max())
         out = self.out[:self.batch_size * longest].reshape(self.batch_size, longest)

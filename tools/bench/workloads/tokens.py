@@ -20,16 +20,25 @@ episodes of ``episode_len`` steps (one array a step). Measured:
 - every row of a jagged and a padded batch a round equals the row written (by episode id
   and step), and each contender's mean sampled length (the draws are uniform for all).
 
+- ranks (``iter_batches(..., world_size=W, rank=r, balance="tokens")``'s step, for each rank in
+  turn: `arrowbuf.groups.rank_share`, then ``store.gather`` of the share): the most tokens a
+  rank gets over the mean, worst of 20 global batches of ``rank_rows`` rows a round (target
+  <= 1.02), and whether the shares unite to each global batch exactly; the token bytes a
+  second of split + gather of a ``global_tokens`` global batch over W ranks, all in this
+  process, against the ideal's (one ``balanced_ranks`` split, each share copied as above).
+  Target >= 2 GB/s.
+
 The store sizes are checked against the memory available first and scaled down (with a note)
-where they would not fit. Issue 34's rank-balance rows (max/mean rank tokens of 512 rows over
-8 ranks, split + gather GB/s) wait for ``arrowbuf.groups.balanced_ranks``.
+where they would not fit.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -46,7 +55,8 @@ LABELS = {"arrowbuf": "arrowbuf Field(int32, (None,))", "ideal": "ideal: np.conc
           "torchrl": "torchrl ListStorage + as_nested_tensor",
           "torchrl_stack": "torchrl LazyStackStorage + get(as_nested)"}
 RATIO_COLUMNS = ["arrowbuf/ideal", "arrowbuf/torchrl", "arrowbuf/torchrl_stack"]
-TARGETS = {"memory": 1.05, "row_bytes": 16, "sample": 0.8, "torchrl": 5.0}
+TARGETS = {"memory": 1.05, "row_bytes": 16, "sample": 0.8, "torchrl": 5.0, "balance": 1.02, "split_gbs": 2.0}
+BALANCE_BATCHES = 20   # global batches a round whose rank balance is measured
 MEAN_ROW_BYTES = 4 * MEDIAN * math.exp(SIGMA ** 2 / 2)   # int32 tokens of the lognormal's mean length
 PAD = 0
 
@@ -60,6 +70,9 @@ class TokensSpec:
     peer_rows: int          # rows each of TorchRL's stores holds (a Python object or two a row)
     episode_len: int = 1000
     batch_size: int = 256
+    world_size: int = 8
+    rank_rows: int = 512          # rows of a global batch whose token balance is measured
+    global_tokens: int = 1_000_000   # tokens (about) of the global batch split and gathered
     scaled: float = 1.0     # the fraction of the sizes above that fits the memory available
 
     def short(self) -> str:
@@ -112,19 +125,9 @@ def run_tokens(spec: TokensSpec, opts: Options) -> WorkloadResult:
     metrics += sampled(spec, opts, notes)
     gc.collect()
     flag_noisy("TOKENS", metrics, notes)
-    notes.append("  rank balance (512 rows over 8 ranks; split + gather GB/s): not measured, " + balance_news())
     notes.append(load_note(load_start))
     return WorkloadResult("TOKENS", spec.short(), spec.describe(), CONTENDERS, metrics, notes,
                           time.perf_counter() - t0, labels=LABELS, ratio_columns=RATIO_COLUMNS)
-
-
-def balance_news() -> str:
-    """Why the rank-balance rows are absent: ``arrowbuf.groups.balanced_ranks`` is missing, or new here."""
-    try:
-        from arrowbuf.groups import balanced_ranks  # noqa: F401
-    except ImportError:
-        return "arrowbuf.groups.balanced_ranks is not in arrowbuf yet"
-    return "arrowbuf.groups.balanced_ranks has landed: TOKENS does not measure it yet"
 
 
 def sampled(spec: TokensSpec, opts: Options, notes: list[str]) -> list[Metric]:
@@ -185,7 +188,89 @@ def sampled(spec: TokensSpec, opts: Options, notes: list[str]) -> list[Metric]:
                  "row; a TensorDict a row in LazyStackStorage), to leave memory for the rest"
                  + (": both sizes are far beyond the caches, so a random row is a miss in each"
                     if peer_rows * MEAN_ROW_BYTES > 256 << 20 else ""))
-    return [nested, padded, *byte_metrics(column, live, rows_held), *fidelity_metrics(equal, mean_length, B)]
+    metrics = [nested, padded, *ranks(spec, opts, store, tokens, notes)]
+    return metrics + [*byte_metrics(column, live, rows_held), *fidelity_metrics(equal, mean_length, B)]
+
+
+def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, notes: list[str]) -> list[Metric]:
+    """Token balance over ranks, and split + gather of a global batch of ``global_tokens``."""
+    from arrowbuf.groups import balanced_ranks, rank_share
+
+    W, engine = spec.world_size, store.store.engine
+    lo, hi = engine.live_range()   # one lap: transition index lo + i holds source row i
+
+    def shares(indices: np.ndarray) -> list:
+        """Each rank's share of a global batch, gathered, as ``iter_batches(world_size=W, rank=r)`` does."""
+        return [store.store.gather(rank_share(engine, indices, W, r, "tokens", None)) for r in range(W)]
+
+    rng = np.random.default_rng(3)
+    balance, whole = Series(), Series()
+    for _ in range(opts.rounds):
+        worst, exact = 0.0, 0
+        for _ in range(BALANCE_BATCHES):
+            indices = rng.integers(lo, hi, spec.rank_rows)
+            parts = shares(indices)
+            load = np.array([int(p["tokens"].offsets()[-1]) for p in parts])
+            worst = max(worst, float(load.max() / load.mean()))
+            united = np.sort(np.concatenate([p["index"].numpy() for p in parts]))
+            exact += np.array_equal(united, np.sort(indices))
+        balance.values.append(worst)
+        whole.values.append(100.0 * exact / BALANCE_BATCHES)
+
+    rows = max(W, round(spec.global_tokens / float(tokens.lengths.mean())))
+    batches = [rng.integers(lo, hi, rows) for _ in range(16)]
+    delivered = float(np.mean([sum(int(p["tokens"].offsets()[-1]) for p in shares(b)) for b in batches])) * 4
+    ideal = IdealGather(tokens, 2 * rows // W)
+    turns = {"arrowbuf": itertools.count(), "ideal": itertools.count()}
+
+    def arrowbuf_split() -> None:
+        shares(batches[next(turns["arrowbuf"]) % len(batches)])
+
+    def ideal_split() -> None:
+        source = batches[next(turns["ideal"]) % len(batches)] - lo
+        owner = balanced_ranks(tokens.lengths[source], W)
+        for r in range(W):
+            ideal.take(source[owner == r])
+
+    fns = {"arrowbuf": arrowbuf_split, "ideal": ideal_split}
+    for fn in fns.values():
+        fn()
+    name = f"split + gather, {spec.global_tokens / 1e6:g}M-token global batch over {W} ranks"
+    split, = compare("TOKENS", [Race(name, "GB/s", fns, over("arrowbuf", "ideal"),
+                                     target=f"arrowbuf >= {TARGETS['split_gbs']:g} GB/s",
+                                     goal=lambda m: m.values["arrowbuf"].median >= TARGETS["split_gbs"],
+                                     units=delivered / 1e9)],
+                     opts.rounds, opts.min_time, opts.slices)
+    one = batches[0]
+    timed = {"rank_share": lambda: rank_share(engine, one, W, 0, "tokens", None),
+             "gather": lambda: store.store.gather(rank_share(engine, one, W, 0, "tokens", None)),
+             "balanced_ranks": lambda: balanced_ranks(tokens.lengths[one - lo], W)}
+    ms = {k: 1e3 * median_time(fn) for k, fn in timed.items()}
+    gather_ms = ms["gather"] - ms["rank_share"]
+    notes.append(f"  ranks: a rank's step on a {rows:,}-row global batch ({delivered / 4e6:.2f}M tokens): rank_share {ms['rank_share']:.2f} ms (of "
+                 f"which balanced_ranks {ms['balanced_ranks']:.2f} ms), gather of its share {gather_ms:.2f} ms; "
+                 f"{W} ranks in {W} processes would each take about that ({ms['gather']:.2f} ms), delivering "
+                 f"{delivered / ms['gather'] / 1e6:.2f} GB/s together. The row measures all {W} in this process "
+                 f"(each its own split, as each rank computes it); the ideal splits once")
+    return [
+        Metric(f"rank tokens max/mean, {spec.rank_rows} rows over {W} ranks", "x", {"arrowbuf": balance},
+               target=f"arrowbuf <= {TARGETS['balance']} (worst of {BALANCE_BATCHES} global batches a round)",
+               met=max(balance.values) <= TARGETS["balance"]),
+        Metric("rank shares uniting to their global batch", "%", {"arrowbuf": whole},
+               target="arrowbuf = 100 (each row once)", met=min(whole.values) == 100.0),
+        split,
+    ]
+
+
+def median_time(fn, calls: int = 15) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` (after one)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def fidelity(store: TokenStore, tokens: Tokens, jagged: dict, rounds: int) -> tuple[Series, dict[str, float]]:
@@ -298,5 +383,6 @@ register(Workload(
               "padded vs an ideal gather and TorchRL",
     full=TokensSpec(rows=1_000_000, memory_rows=1_000_000, peer_rows=250_000),
     quick=TokensSpec(rows=50_000, memory_rows=50_000, peer_rows=20_000),
-    smoke=TokensSpec(rows=3_000, memory_rows=10_000, peer_rows=1_000, episode_len=500, batch_size=32),
+    smoke=TokensSpec(rows=3_000, memory_rows=10_000, peer_rows=1_000, episode_len=500, batch_size=32,
+                     global_tokens=50_000),
     run=run_tokens, probe=probe_tokens))
