@@ -41,7 +41,7 @@ def test_a_smoke_tokens_run_times_every_contender_and_reports_every_ratio(tokens
     assert value(metrics[split], "arrowbuf") > 0 and metrics[split]["unit"] == "GB/s"
     padded = metrics["sample(32, pad=)"]["ratios"]["arrowbuf padded time / jagged time"]["rounds"]
     assert len(padded) == 2 and all(r > 0 for r in padded)
-    assert "ranks: a rank's step on a" in run.stdout   # a rank's split and gather, apart
+    assert "ranks: rank 0's step on a" in run.stdout   # a rank's split and gather, apart
 
 
 def test_a_smoke_tokens_run_measures_memory_near_the_token_bytes_and_gathers_the_rows_written(tokens):

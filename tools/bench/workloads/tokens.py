@@ -38,14 +38,13 @@ import gc
 import itertools
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..harness import Options, Race, Workload, compare, flag_noisy, load_note, log, over, profile_calls, register, \
-    start_workload
+from ..harness import Options, Race, Workload, compare, flag_noisy, interleaved_times, load_note, log, over, \
+    profile_calls, register, start_workload
 from ..memory import peak_rss_bytes, private_bytes, reset_peak_rss, rss_bytes, run_probe
 from ..results import Metric, Series, WorkloadResult
 from ..token_contenders import MEDIAN, SIGMA, IdealGather, Tokens, TokenStore, TorchRLList, TorchRLStack, episode_rows
@@ -243,15 +242,15 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
                      opts.rounds, opts.min_time, opts.slices)
     one = batches[0]
     timed = {"rank_share": lambda: rank_share(engine, one, W, 0, "tokens", None),
-             "gather": lambda: store.store.gather(rank_share(engine, one, W, 0, "tokens", None)),
+             "step": lambda: store.store.gather(rank_share(engine, one, W, 0, "tokens", None)),
              "balanced_ranks": lambda: balanced_ranks(tokens.lengths[one - lo], W)}
-    ms = {k: 1e3 * median_time(fn) for k, fn in timed.items()}
-    gather_ms = ms["gather"] - ms["rank_share"]
-    notes.append(f"  ranks: a rank's step on a {rows:,}-row global batch ({delivered / 4e6:.2f}M tokens): rank_share {ms['rank_share']:.2f} ms (of "
-                 f"which balanced_ranks {ms['balanced_ranks']:.2f} ms), gather of its share {gather_ms:.2f} ms; "
-                 f"{W} ranks in {W} processes would each take about that ({ms['gather']:.2f} ms), delivering "
-                 f"{delivered / ms['gather'] / 1e6:.2f} GB/s together. The row measures all {W} in this process "
-                 f"(each its own split, as each rank computes it); the ideal splits once")
+    ms = {k: 1e3 * t for k, t in interleaved_times(timed, opts.min_time, opts.slices).items()}
+    notes.append(f"  ranks: rank 0's step on a {rows:,}-row global batch ({delivered / 4e6:.2f}M tokens), timed in "
+                 f"turns: rank_share {ms['rank_share']:.2f} ms (balanced_ranks alone {ms['balanced_ranks']:.2f} ms), "
+                 f"rank_share + gather of its share {ms['step']:.2f} ms; {W} ranks in {W} processes taking about "
+                 f"that each would deliver {delivered / ms['step'] / 1e6:.2f} GB/s together. The GB/s row runs all "
+                 f"{W} ranks' steps in this process (each its own split, as each rank computes it); the ideal splits "
+                 "once")
     return [
         Metric(f"rank tokens max/mean, {spec.rank_rows} rows over {W} ranks", "x", {"arrowbuf": balance},
                target=f"arrowbuf <= {TARGETS['balance']} (worst of {BALANCE_BATCHES} global batches a round)",
@@ -262,15 +261,6 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
     ]
 
 
-def median_time(fn, calls: int = 15) -> float:
-    """Median seconds of ``calls`` calls of ``fn`` (after one)."""
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def fidelity(store: TokenStore, tokens: Tokens, jagged: dict, rounds: int) -> tuple[Series, dict[str, float]]:
