@@ -49,17 +49,13 @@ class Tokens:
 
     def __init__(self, rows: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        lengths = lognormal_lengths(rng, rows)
+        self.lengths = lognormal_lengths(rng, rows)   # kept: the ideal's split reads them every global batch
         self.offsets = np.zeros(rows + 1, np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
+        np.cumsum(self.lengths, out=self.offsets[1:])
         self.values = rng.integers(0, VOCAB, int(self.offsets[-1]), dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
 
     def rows(self, first: int, count: int) -> list[np.ndarray]:
         """Rows ``[first, first + count)`` as views, one per step."""
