@@ -134,13 +134,15 @@ class Jpeg(Codec):
             raise FormatError(f"a {height}x{width} JPEG{'' if whole else ' cut short'}; the field's rows are {self.shape}")
 
     def decode(self, data: bytes | memoryview, out: np.ndarray) -> None:
+        # No header parse first (`check`'s; rows stored were encoded here or checked): the decoded
+        # image's shape says the same. A larger image does not fit ``out`` (ValueError); a smaller
+        # one decodes into its first bytes and is refused here.
         try:
-            height, width, _, _ = self._lib.decode_jpeg_header(data)
-            if (height, width) != self.shape[:2]:
-                raise ValueError(f"a {height}x{width} image")
-            self._lib.decode_jpeg(data, colorspace=self._colorspace, buffer=out)
+            image = self._lib.decode_jpeg(data, colorspace=self._colorspace, buffer=out)
         except (ValueError, RuntimeError) as err:
             raise FormatError(f"not a JPEG of shape {self.shape}: {err}") from None
+        if image.shape[:2] != self.shape[:2]:
+            raise FormatError(f"not a JPEG of shape {self.shape}: a {image.shape[0]}x{image.shape[1]} image")
 
 
 class Png(Codec):

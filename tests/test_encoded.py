@@ -257,6 +257,19 @@ def test_a_damaged_row_met_when_gathered_is_a_format_error_naming_the_field_and_
         store.engine.shard.gatherer(np.array([row]))
 
 
+def test_a_jpeg_row_of_another_size_met_when_gathered_is_a_format_error_naming_the_field_and_row(photo):
+    import simplejpeg
+
+    store = filled(photo, "jpeg")
+    column = encoded_column(store)
+    row = int(np.flatnonzero(column.size)[5])
+    for side in ((SIDE // 2, SIDE // 2), (SIDE, SIDE - 8), (SIDE + 8, SIDE)):   # smaller ones fit the row's buffer
+        small = simplejpeg.encode_jpeg(np.ascontiguousarray(photo[:side[0], :side[1]]), colorsubsampling="420")
+        column.store(np.array([row]), [small])   # bytes no write stores: no check met them
+        with pytest.raises(FormatError, match=rf"field 'obs', row {row} .*{side[0]}(x|, ){side[1]}"):
+            store.engine.shard.gatherer(np.array([row]))
+
+
 def test_an_encoded_store_needs_no_storage_device():
     pytest.importorskip("torch")
     with pytest.raises(SchemaError, match="storage_device=None"):
