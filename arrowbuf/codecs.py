@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -40,9 +41,13 @@ from arrowbuf.errors import FormatError, SchemaError
 
 CODECS = ("jpeg", "png", "zstd")
 
-#: Rows per pool task: a 224x224 JPEG decodes in ~0.3 ms, so a task of 8 rows outweighs
-#: the pool's ~20 us of handing it out.
+#: Rows per pool task at most: a 224x224 JPEG decodes in ~0.2 ms, so a task of 8 rows outweighs
+#: the pool's ~20 us of handing it out, and a batch of 512 rows makes 64 tasks (no long tail).
 _CHUNK = 8
+#: Decoded bytes of a call's rows below which they are coded on the caller's thread: ~250 us of
+#: JPEG (a 224x224x3 frame, 150 KB, encodes in ~130 us and decodes in ~180 us), about what
+#: handing tasks to the pool and waiting for them is worth. Above it even 2 rows are split.
+_SERIAL_BYTES = 256 << 10
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -55,27 +60,51 @@ def _threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def map_rows(work: Callable[[int], None], count: int) -> None:
-    """Run ``work(i)`` for i in range(count) on the codec pool (in this thread for a few rows);
-    the first exception is raised here, after every task has ended."""
-    if count <= _CHUNK or _threads() == 1:
+def map_rows(work: Callable[[int], None], count: int, nbytes: int) -> None:
+    """Run ``work(i)`` for i in range(count), on this thread and the codec pool's; the first
+    exception (by row) is raised here, after every task has ended (a task stops at its error).
+
+    The work is sized by ``nbytes``, the decoded bytes of all ``count`` rows (rows x row bytes),
+    not by the count: rows of less than `_SERIAL_BYTES` in all run on this thread; more are split
+    into tasks of at most `_CHUNK` rows, and into at least one task a thread (4 camera frames of a
+    step writer's envs: 2 tasks of 2 rows on 2 threads). This thread runs tasks too, taking them
+    from the same queue as its helpers on the pool, and helpers that have not started when the
+    queue is empty are cancelled: a helper woken late (a core busy with another process) costs
+    nothing but its share, done here instead.
+    """
+    threads = _threads()
+    if count < 2 or threads == 1 or nbytes < _SERIAL_BYTES:
         for i in range(count):
             work(i)
         return
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="arrowbuf-codec")
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="arrowbuf-codec")
+    per_task = min(_CHUNK, -(-count // threads))
+    tasks = deque(range(0, count, per_task))   # task starts; popleft is thread-safe
+    errors: list[tuple[int, BaseException]] = []
 
-    def run(start: int) -> None:
-        for i in range(start, min(start + _CHUNK, count)):
-            work(i)
+    def run() -> None:
+        while True:
+            try:
+                start = tasks.popleft()
+            except IndexError:
+                return
+            for i in range(start, min(start + per_task, count)):
+                try:
+                    work(i)
+                except BaseException as error:   # raised by the caller, once every task has ended
+                    errors.append((i, error))
+                    break
 
-    futures = [_pool.submit(run, start) for start in range(0, count, _CHUNK)]
-    errors = [f.exception() for f in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    helpers = [_pool.submit(run) for _ in range(min(threads, len(tasks)) - 1)]
+    run()
+    for helper in helpers:
+        if not helper.cancel():   # it started: its last task may still run
+            helper.result()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
 
 
 class Codec:
@@ -86,6 +115,8 @@ class Codec:
 
     def __init__(self, spec: str, dtype: str, shape: tuple[int, ...]) -> None:
         self.spec, self.dtype, self.shape = spec, dtype, shape
+        # Bytes of a decoded row: what sizes a batch's work (`map_rows`).
+        self.row_bytes = int(np.prod(shape, dtype=np.int64)) * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
 
     def encode(self, row: np.ndarray) -> bytes:
         raise NotImplementedError
@@ -201,7 +232,7 @@ class Zstd(Codec):
         return self._contexts()[0].compress(np.ascontiguousarray(row).view(np.uint8).reshape(-1))
 
     def check(self, data: bytes | memoryview | np.ndarray) -> None:
-        expected = int(np.prod(self.shape)) * (2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize)
+        expected = self.row_bytes
         try:
             size = self._lib.frame_content_size(bytes(data))
         except self._lib.ZstdError as err:
@@ -268,5 +299,5 @@ def encode_rows(codec: Codec, rows: np.ndarray | Sequence[np.ndarray]) -> list[b
     def work(i: int) -> None:
         out[i] = codec.encode(rows[i])
 
-    map_rows(work, len(rows))
+    map_rows(work, len(rows), len(rows) * codec.row_bytes)
     return out

@@ -50,7 +50,7 @@ def decode_rows(codec: Codec, blobs: list, rows: np.ndarray, names: np.ndarray, 
         else:
             rows[i] = 0
 
-    map_rows(work, len(blobs))
+    map_rows(work, len(blobs), len(blobs) * codec.row_bytes)
 
 
 def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row_shape: tuple, dtype: np.dtype,

@@ -302,6 +302,44 @@ def test_a_ray_store_puts_encoded_rows_in_its_blocks_and_samples_them_exactly(ph
         store.close()
 
 
+def test_the_codec_pool_shares_a_few_large_rows_with_the_caller_and_leaves_small_ones_to_it(monkeypatch):
+    import threading
+
+    from arrowbuf import codecs
+
+    monkeypatch.setattr(codecs, "_threads", lambda: 2)
+    frame, caller = 224 * 224 * 3, threading.current_thread().name
+    for count in (2, 4, 8):   # large rows: two tasks, run at once by the caller and a pool thread
+        half = count // 2
+        both = threading.Barrier(2, timeout=60)   # passes only while a row of each task runs
+        threads = [None] * count
+
+        def work(i: int) -> None:
+            threads[i] = threading.current_thread().name
+            if i % half == 0:
+                both.wait()
+
+        codecs.map_rows(work, count, count * frame)
+        first, second = set(threads[:half]), set(threads[half:])
+        assert len(first) == len(second) == 1 and first != second and caller in first | second
+        assert all(name == caller or name.startswith("arrowbuf-codec") for name in threads)
+    for count, row_bytes in ((8, 48 * 48 * 3), (1, 4 * frame)):   # little work: all on the caller
+        threads = [None] * count
+
+        def work(i: int) -> None:
+            threads[i] = threading.current_thread().name
+
+        codecs.map_rows(work, count, count * row_bytes)
+        assert set(threads) == {caller}
+
+    def fails(i: int) -> None:
+        if i in (1, 3):
+            raise FormatError(f"row {i}")
+
+    with pytest.raises(FormatError, match="row 1"):   # the first row's error, once every task ended
+        codecs.map_rows(fails, 4, 4 * frame)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 300)), min_size=1, max_size=80))
 def test_the_byte_heap_keeps_every_held_row_and_frees_chunks_that_empty(operations):
