@@ -3,8 +3,11 @@
 The column keeps each row's bytes in a `ByteHeap` and, per arena row, their address
 and size (16 bytes a row). To the rest of the shard it reads and writes like the
 numpy column of its decoded rows: ``column[rows] = values`` encodes (`codecs.map_rows`:
-in parallel), ``column[rows]`` decodes, and `take` decodes a gather's rows straight
-into the batch's buffer, as ``np.take`` fills it for a raw column. Rows keep their
+in parallel), ``column[rows]`` decodes, and `take` decodes rows straight into a
+buffer, as ``np.take`` fills it for a raw column. A gather decodes all its encoded
+fields together (`BatchDecodes`: one pass of the codec pool), each distinct row once
+(`decode_into`: an observation that is also a next observation, or in several frame
+stacks, is decoded once and copied). Rows keep their
 bytes as they came: `put_encoded` stores rows already encoded (an import, a
 checkpoint: a lossy codec's rows are never decoded and encoded again), and
 `encoded` reads them back as an Arrow ``binary`` array.
@@ -21,7 +24,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+import itertools
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -31,47 +36,142 @@ from arrowbuf.codecs import Codec, encode_rows, map_rows
 from arrowbuf.errors import FormatError
 
 
-def decode_rows(codec: Codec, blobs: list, rows: np.ndarray, names: np.ndarray, field: str = "") -> None:
-    """Decode ``blobs`` (a row's bytes each; empty: a zero row) into ``rows`` (one per blob) on
-    the codec pool.
+class Request(NamedTuple):
+    """Rows of an encoded source to decode into ``out``: ``source`` an `EncodedColumn` or
+    `EncodedRows` (its ``codec``, ``name`` and ``blobs``), ``rows`` int64 rows of it, in range,
+    and ``out`` a C-contiguous ``[len(rows), *row shape]`` buffer."""
+
+    source: Any
+    rows: np.ndarray
+    out: np.ndarray
+
+
+def decode_into(requests: Sequence[Request]) -> None:
+    """Decode the rows of ``requests`` in one pass of the codec pool (`map_rows`), each distinct
+    row of a source once: it is decoded into the first place that asks for it and copied, by the
+    same task, to the others (a next observation that is another transition's observation, the
+    frames that overlapping frame stacks share).
 
     Raises:
-        FormatError: naming ``field`` and the row (``names[i]``) whose bytes do not decode to a row.
+        FormatError: naming the field and the row whose bytes do not decode to a row.
     """
-    decode = codec.decode
+    by_source: dict[int, list[Request]] = {}
+    for request in requests:
+        by_source.setdefault(id(request.source), []).append(request)
+    groups = [_Distinct(same) for same in by_source.values()]
+    if len(groups) == 1:
+        work, count, nbytes = groups[0].work, groups[0].count, groups[0].nbytes
+    else:
+        starts = list(itertools.accumulate((g.count for g in groups), initial=0))
+        count, nbytes = starts.pop(), sum(g.nbytes for g in groups)
 
-    def work(i: int) -> None:
-        if len(blobs[i]):
+        def work(unit: int) -> None:
+            k = bisect.bisect_right(starts, unit) - 1
+            groups[k].work(unit - starts[k])
+
+    map_rows(work, count, nbytes)
+
+
+class _Distinct:
+    """The distinct rows that requests of one source ask for, and where each goes: `work`
+    decodes the ``j``-th into its first place and copies it to the rest."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        source, outs = requests[0].source, [r.out for r in requests]
+        flat = requests[0].rows if len(requests) == 1 else np.concatenate([r.rows for r in requests])
+        unique, inverse = np.unique(flat, return_inverse=True)
+        # Places (positions in ``flat``) grouped by the row they hold, in row order.
+        self.order = np.argsort(inverse, kind="stable").tolist()
+        self.cuts = np.concatenate([[0], np.cumsum(np.bincount(inverse))]).tolist() \
+            if len(unique) < len(flat) else None   # None: each row has one place
+        self.unique, self.blobs = unique, source.blobs(unique)
+        self.codec, self.name, self.outs = source.codec, source.name, outs
+        self.starts = list(itertools.accumulate((len(o) for o in outs), initial=0))[:-1]
+        self.count, self.nbytes = len(unique), len(unique) * source.codec.row_bytes
+
+    def _place(self, position: int) -> np.ndarray:
+        if len(self.outs) == 1:
+            return self.outs[0][position]
+        k = bisect.bisect_right(self.starts, position) - 1
+        return self.outs[k][position - self.starts[k]]
+
+    def work(self, j: int) -> None:
+        places = [self.order[j]] if self.cuts is None else self.order[self.cuts[j]:self.cuts[j + 1]]
+        first, blob = self._place(places[0]), self.blobs[j]
+        if len(blob):
             try:
-                decode(blobs[i], rows[i])
+                self.codec.decode(blob, first)
             except FormatError as err:
-                raise FormatError(f"{f'field {field!r}, ' if field else ''}row {int(names[i])} (encoded by "
-                                  f"{codec.spec!r}): {err}") from None
+                raise FormatError(f"{f'field {self.name!r}, ' if self.name else ''}row {int(self.unique[j])} "
+                                  f"(encoded by {self.codec.spec!r}): {err}") from None
         else:
-            rows[i] = 0
+            first[...] = 0
+        for position in places[1:]:
+            self._place(position)[...] = first
 
-    map_rows(work, len(blobs), len(blobs) * codec.row_bytes)
+
+def _flat(length: int, indices: Any, mode: str) -> np.ndarray:
+    """``indices`` (any shape) as flat int64 rows of a column of ``length`` rows, as ``np.take``
+    reads them in ``mode`` "clip" or "raise" (negative: from the end)."""
+    flat = np.asarray(indices).reshape(-1).astype(np.int64, copy=False)
+    if mode == "clip":
+        return np.clip(flat, 0, length - 1)
+    if flat.size and (flat.min() < -length or flat.max() >= length):
+        raise IndexError(f"row index out of range for a column of {length} rows")
+    return np.where(flat < 0, flat + length, flat)
 
 
 def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row_shape: tuple, dtype: np.dtype,
                fill: Any) -> np.ndarray:
     """``np.take``'s contract for a column of ``length`` rows whose ``fill(flat rows, out rows)``
     decodes rows: indices of any shape, ``out`` of ``indices.shape + row_shape``, "clip" or "raise"."""
-    indices = np.asarray(indices)
-    flat = indices.reshape(-1).astype(np.int64, copy=False)
-    if mode == "clip":
-        flat = np.clip(flat, 0, length - 1)
-    elif flat.size and (flat.min() < -length or flat.max() >= length):
-        raise IndexError(f"row index out of range for a column of {length} rows")
-    else:
-        flat = np.where(flat < 0, flat + length, flat)
+    flat = _flat(length, indices, mode)
     if out is None:
-        out = np.empty((*indices.shape, *row_shape), dtype)
+        out = np.empty((*np.shape(indices), *row_shape), dtype)
     target = out if out.flags.c_contiguous else np.empty(out.shape, dtype)
     fill(flat, target.reshape(len(flat), *row_shape))
     if target is not out:
         out[...] = target
     return out
+
+
+class DecodedField(NamedTuple):
+    """An encoded field of a batch layout: its view ``outs[position]`` holds rows
+    ``by_role[role] + shift`` of ``column`` (an `EncodedColumn`), clipped to its rows as
+    ``np.take``'s "clip" mode (a default next observation: the step rows, shift 1)."""
+
+    position: int
+    column: Any
+    role: int
+    shift: int
+
+
+class BatchDecodes:
+    """The encoded fields of one batch layout, decoded together (`decode_into`): one pass of the
+    codec pool for all of them, each distinct row of a column once, whichever fields read it (an
+    observation and its next observation; overlapping frame stacks). The gather
+    (`arrowbuf.tensors.Gather`) makes one per layout and calls it per batch.
+
+    Args:
+        fields: each encoded field of the layout (`DecodedField`).
+    """
+
+    def __init__(self, fields: Sequence["DecodedField"]) -> None:
+        self.fields = tuple(fields)
+
+    def __call__(self, by_role: tuple, outs: list[np.ndarray]) -> None:
+        """Decode every field's rows (``by_role``: rows by role index) into its view of ``outs``."""
+        requests, copies = [], []
+        for position, column, role, shift in self.fields:
+            rows, out = by_role[role], outs[position]
+            flat = _flat(len(column), rows + shift if shift else rows, "clip")
+            target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+            requests.append(Request(column, flat, target.reshape(len(flat), *column.row_shape)))
+            if target is not out:
+                copies.append((out, target))
+        decode_into(requests)
+        for out, target in copies:
+            out[...] = target
 
 
 class EncodedColumn(HeapColumn):
@@ -149,13 +249,9 @@ class EncodedColumn(HeapColumn):
             FormatError: a row's bytes do not decode to a row of this field (damaged data).
         """
         def fill(flat: np.ndarray, rows: np.ndarray) -> None:
-            decode_rows(self.codec, self.blobs(flat), rows, flat, self.name)
+            decode_into([Request(self, flat, rows)])
 
         return _take_into(len(self), indices, out, mode, self.row_shape, self.dtype, fill)
-
-    def shifted(self, by: int) -> "Shifted":
-        """This column read ``by`` rows on (what ``column[1:]`` is to a numpy column's take)."""
-        return Shifted(self, by)
 
     def encoded(self, start: int, stop: int) -> pa.Array:
         """Rows ``[start, stop)`` as stored: an Arrow ``binary`` array of their bytes (a copy)."""
@@ -168,8 +264,8 @@ class EncodedColumn(HeapColumn):
 
 
 class Shifted:
-    """A column that decodes its rows (an `EncodedColumn`, a `arrowbuf.video.VideoColumn`)
-    read ``by`` rows on: ``take(rows)`` decodes rows ``rows + by``."""
+    """A column that decodes its rows (a `arrowbuf.video.VideoColumn`; an `EncodedColumn`'s
+    fields are shifted by `DecodedField`) read ``by`` rows on: ``take(rows)`` decodes rows ``rows + by``."""
 
     def __init__(self, column: Any, by: int) -> None:
         self.column, self.by = column, by
@@ -182,6 +278,8 @@ class EncodedRows:
     """Rows encoded by ``codec``: an Arrow ``binary`` array (an import, a checkpoint, an episode
     read back). An `EncodedColumn` of the same codec stores the bytes as they are; anything
     else reads them decoded (``np.asarray(rows)``: numpy's ``__array__``)."""
+
+    name = ""   # no field's: rows outside a store (`decode_into` names the field of a column's rows)
 
     def __init__(self, array: pa.Array | pa.ChunkedArray, codec: Codec) -> None:
         if isinstance(array, pa.ChunkedArray):
@@ -218,6 +316,11 @@ class EncodedRows:
         self._rows = [values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
         return self._rows
 
+    def blobs(self, rows: np.ndarray) -> list:
+        """The bytes of each of ``rows`` (views of the array's buffer)."""
+        held = self.rows()
+        return [held[i] for i in rows.tolist()]
+
     def __getstate__(self) -> dict:
         return {"array": self.array, "codec": self.codec, "dtype": self.dtype, "_rows": None}
 
@@ -245,8 +348,7 @@ class EncodedRows:
             FormatError: a row's bytes do not decode (naming it).
         """
         def fill(flat: np.ndarray, rows: np.ndarray) -> None:
-            blobs = self.rows()
-            decode_rows(self.codec, [blobs[i] for i in flat.tolist()], rows, flat)
+            decode_into([Request(self, flat, rows)])
 
         return _take_into(len(self), indices, out, mode, self.codec.shape, self.dtype, fill)
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from arrowbuf._lazy_torch import is_tensor
 from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
+from arrowbuf.encoded import BatchDecodes, DecodedField, EncodedColumn
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 from arrowbuf.ragged import RaggedColumn
 from arrowbuf.text import TextColumn
@@ -250,25 +251,37 @@ class Gather:
             # per packed group (its records); a loop over `plan` that tells them apart and
             # looks up ``take`` per entry cost ~1 us of a W1 sample. Default next
             # observations (``next_rows`` None) take the step rows of the column shifted by one.
-            fields = [(i, _shifted(source).take, 0) if role == 2 and shapes[2] is None else (i, source.take, role)
-                      for i, (source, role) in enumerate(layout.plan) if role >= 0 and i not in layout.packed]
-            return tuple(fields + [(region, block.take, role) for block, role, region in layout.records])
+            # Encoded fields are decoded together, after the takes (`BatchDecodes`; None: none).
+            fields, decoded = [], []
+            for i, (source, role) in enumerate(layout.plan):
+                if role < 0 or i in layout.packed:
+                    continue
+                default_next = role == 2 and shapes[2] is None
+                if isinstance(source, EncodedColumn):
+                    decoded.append(DecodedField(i, source, 0, 1) if default_next else DecodedField(i, source, role, 0))
+                else:
+                    fields.append((i, _shifted(source).take, 0) if default_next else (i, source.take, role))
+            fields += [(region, block.take, role) for block, role, region in layout.records]
+            return tuple(fields), BatchDecodes(decoded) if decoded else None
 
         return plan_layout(self._fields, shapes, keys, every_extra, pack, takes)
 
 
 def _shifted(source: Any) -> Any:
-    """``source`` read one row on: a numpy (or torch) column's view from row 1, or an encoded column's
+    """``source`` read one row on: a numpy (or torch) column's view from row 1, or a video column's
     `arrowbuf.encoded.Shifted` (its rows are decoded by the take, never sliced)."""
     shifted = getattr(source, "shifted", None)
     return source[1:] if shifted is None else shifted(1)
 
 
 def take_fields(layout: Layout, outs: list[np.ndarray], by_role: tuple) -> None:
-    """Take every field's rows (a packed block's records) into its view, and copy each
-    packed field out of its records."""
-    for i, take, role in layout.fill:
+    """Take every field's rows (a packed block's records) into its view, decode the encoded
+    fields' rows into theirs, and copy each packed field out of its records."""
+    takes, decodes = layout.fill
+    for i, take, role in takes:
         take(by_role[role], 0, outs[i], "clip")   # positional: numpy parses keywords slower
+    if decodes is not None:
+        decodes(by_role, outs)
     for i, source in layout.unpack:
         outs[i][...] = outs[source]
 

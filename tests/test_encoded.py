@@ -210,8 +210,29 @@ def test_keys_leave_encoded_fields_undecoded(photo, monkeypatch):
     monkeypatch.setattr(type(codec), "decode", lambda self, data, out: (calls.append(1), decode(self, data, out)))
     store.sample(32, keys=["action", "reward"])
     assert not calls
-    store.sample(32, keys=["obs"])
-    assert len(calls) == 32
+    batch = store.sample(32, keys=["obs"])
+    assert len(calls) == len(np.unique(batch["index"].numpy()))   # a transition drawn twice is decoded once
+
+
+def test_a_gather_decodes_each_distinct_row_once_and_copies_it_where_fields_and_frames_share_it(photo, monkeypatch):
+    raw, coded = filled(photo, None), filled(photo, "zstd")
+    column = encoded_column(coded)
+    decoded = []
+    decode = type(column.codec).decode
+    monkeypatch.setattr(type(column.codec), "decode",
+                        lambda self, data, out: (decoded.append(bytes(data)), decode(self, data, out)))
+    for kwargs in ({}, {"frame_stack": 4}, {"frame_stack": 4, "keys": ["obs"]}):
+        decoded.clear()
+        a, b = raw.sample(64, **kwargs), coded.sample(64, **kwargs)
+        np.testing.assert_array_equal(a["obs"].numpy(), b["obs"].numpy(), err_msg=str(kwargs))
+        if "keys" not in kwargs:
+            np.testing.assert_array_equal(a["next", "obs"].numpy(), b["next", "obs"].numpy(), err_msg=str(kwargs))
+        # One decode per distinct frame: the batch's frames that differ are as many as the rows decoded.
+        frames_read = np.concatenate([b["obs"].numpy().reshape(-1, SIDE * SIDE * 3)] + (
+            [] if "keys" in kwargs else [b["next", "obs"].numpy().reshape(-1, SIDE * SIDE * 3)]))
+        assert len(decoded) == len(set(decoded)) == len(np.unique(frames_read, axis=0))
+        if kwargs.get("frame_stack"):
+            assert len(decoded) < len(frames_read) / 2   # the 4 frames of a stack overlap the next stack's 3
 
 
 @pytest.mark.parametrize("spec, message", [
