@@ -7,8 +7,10 @@ overwritten is *released*: its chunk's live byte count drops, and a chunk with n
 live bytes left (and not the one being filled) is freed. A ring overwrites its
 rows oldest first, so its oldest chunks empty and go: the heap's memory follows the
 bytes held, not the most it ever held. When rows that are kept for long pin chunks
-whose other rows are gone (``allocated > 1.5 x live`` + two chunks), the column
-that owns the heap copies its rows into new chunks (`needs_compaction`).
+whose other rows are gone (``allocated > 1.25 x live`` + two chunks:
+`needs_compaction`), the column that owns the heap moves the rows of the sparsest
+chunks (`sparse_chunks`) into new ones, a chunk at a time: each is freed as its last
+row leaves, so the move holds at most a chunk more than the heap held before it.
 
 Chunks are ``np.empty`` arrays: the kernel faults a chunk's pages in as rows are
 written into it, so the chunk being filled costs only its written part.
@@ -31,6 +33,10 @@ import numpy as np
 #: Bytes of a chunk (a row larger than this gets a chunk of its own).
 CHUNK_BYTES = 4 << 20
 _SHIFT = 32
+#: A heap needs compacting past ``COMPACT_AT x live`` + two chunks allocated (below IMAGES'
+#: 1.3 private memory / encoded bytes), and a compaction moves rows until ``COMPACT_TO x live``
+#: + a chunk would be left: the gap between them is written before the next one.
+COMPACT_AT, COMPACT_TO = 1.25, 1.1
 
 
 class ByteHeap:
@@ -99,7 +105,21 @@ class ByteHeap:
 
     def needs_compaction(self) -> bool:
         """Whether chunks pinned by a few live rows hold much more than the live bytes."""
-        return self.allocated > 1.5 * self.live + 2 * self.chunk_bytes
+        return self.allocated > COMPACT_AT * self.live + 2 * self.chunk_bytes
+
+    def sparse_chunks(self) -> list[int]:
+        """The chunks whose rows a compaction moves: the sparsest first (the most bytes freed
+        for the fewest copied) until moving them would leave ``COMPACT_TO x live`` + a chunk
+        allocated; never the chunk being filled."""
+        target = COMPACT_TO * self.live + self.chunk_bytes
+        allocated, chosen = self.allocated, []
+        for chunk in sorted((c for c in self._chunks if c != self._current),
+                            key=lambda c: self._live[c] / len(self._chunks[c])):
+            if allocated <= target:
+                break
+            allocated -= len(self._chunks[chunk]) - self._live[chunk]
+            chosen.append(chunk)
+        return chosen
 
     def clear(self) -> None:
         """Drop every chunk."""
@@ -176,11 +196,22 @@ class HeapColumn:
         self.size[index] = 0
 
     def _compact(self) -> None:
-        """Copy the held rows into new chunks, freeing those that few rows pinned."""
+        """Move the rows of the heap's sparsest chunks (`ByteHeap.sparse_chunks`) into new
+        chunks, a chunk at a time: each old chunk is freed once its rows are copied out, so
+        memory peaks a chunk above what the heap held, never at twice the live bytes."""
+        chunks = self.heap.sparse_chunks()
+        if not chunks:
+            return
         held = np.flatnonzero(self.size)
-        blobs = [self.heap.view(a, s).tobytes() for a, s in zip(self.addr[held].tolist(), self.size[held].tolist())]
-        self.heap.clear()
-        self.addr[held], self.size[held] = self.heap.append(blobs)
+        chunk_of = self.addr[held] >> _SHIFT
+        order = np.argsort(chunk_of, kind="stable")
+        held, chunk_of = held[order], chunk_of[order]
+        for chunk in chunks:
+            lo, hi = np.searchsorted(chunk_of, [chunk, chunk + 1]).tolist()
+            rows = held[lo:hi]
+            addr, size = self.addr[rows], self.size[rows]
+            self.addr[rows] = self.heap.append(self.blobs(rows))[0]   # copies of views of the old chunk
+            self.heap.release(addr, size)   # its last rows: the old chunk is freed
 
     def blobs(self, rows: np.ndarray) -> list:
         """The bytes of each of ``rows`` (views valid until the row is written; b"" for an empty row)."""
