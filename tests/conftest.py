@@ -26,6 +26,7 @@ if os.environ.get("CI"):
 #: starting with the longest keeps one worker from running a long file alone at the end.
 LONGEST_FIRST = ("test_bench_workloads.py", "test_ray_backend.py", "test_ray_dataplane.py", "test_corruption.py",
                  "test_ray_onramps.py", "test_ray_piece_cutting.py", "test_bench.py", "test_docs.py",
+                 "test_bench_columns.py", "test_encoded.py",
                  "test_ray_lent_blocks.py", "test_contract.py", "test_gpu_check.py", "test_notebooks.py",
                  "test_dataset.py", "test_compat_refs.py", "test_ray_priorities.py")
 

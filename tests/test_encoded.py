@@ -153,8 +153,7 @@ def test_exports_checkpoints_and_episodes_read_back_keep_the_encoded_bytes_as_th
     for episode_id in store.episodes()["episode_id"].to_pylist():
         copied.add_episode(store.episode(episode_id))
     assert copied.to_arrow().column("obs").combine_chunks().equals(stored)
-    a, b = store.sample(40), loaded.sample(40)
-    assert a["obs"].shape == (40, SIDE, SIDE, 3)
+    assert store.sample(40)["obs"].shape == loaded.sample(40)["obs"].shape == (40, SIDE, SIDE, 3)
     # An encoded store's episodes go into a raw store decoded.
     raw = ab.ExperienceStore(capacity=400, schema=schema(None))
     raw.add_episode(store.episode(0))
