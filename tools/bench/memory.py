@@ -8,12 +8,13 @@ samples, divided by the raw bytes of the rows stored.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .harness import Options, log
 from .results import Metric, Series
@@ -94,3 +95,20 @@ def memory_metric(workload: str, contenders: Sequence[tuple[str, bool]], opts: O
         detail["smoke"] = f"not probed: a smoke run probes its first workload only ({_probed[0]})"
     return Metric("peak RSS / raw bytes", "x", values, {}, target=f"arrowbuf <= {limit}",
                   met=ratio is not None and ratio <= limit, detail=detail)
+
+
+def heap_probe(sample: Callable[[], Any], column: Any, baseline: int, private: int, exact: bool, **counts: Any
+               ) -> dict[str, Any]:
+    """A heap column's probe (IMAGES, TOKENS), once its store is filled: the memory taken since
+    ``baseline`` (RSS) and ``private`` (USS), the heap's live and allocated bytes, then 20 calls of
+    ``sample`` and the private memory after them; ``counts`` (rows held, episodes added...) as given."""
+    gc.collect()
+    rss, own, peak = rss_bytes(), private_bytes(), peak_rss_bytes()
+    samples = 20
+    for _ in range(samples):
+        sample()
+    gc.collect()
+    return {**counts, "heap_live": int(column.heap.live), "heap_allocated": int(column.heap.allocated),
+            "column_nbytes": int(column.nbytes), "rss_delta": rss - baseline, "private_delta": own - private,
+            "peak_rss_delta": peak - baseline, "peak_reset": exact, "samples": samples,
+            "private_after_samples": private_bytes() - private}

@@ -33,7 +33,7 @@ from ..camera import Footage, make_footage, psnr
 from ..harness import Options, Race, Workload, at_least, compare, flag_noisy, load_note, log, over, profile_calls, \
     register, start_workload
 from ..image_contenders import FIELDS, FrameStore, IdealDecoder, TorchRLCompressed
-from ..memory import peak_rss_bytes, private_bytes, reset_peak_rss, rss_bytes, run_probe
+from ..memory import heap_probe, private_bytes, reset_peak_rss, rss_bytes, run_probe
 from ..results import Metric, Series, WorkloadResult
 
 CONTENDERS = ["arrowbuf", "ideal", "raw", "png", "zstd", "torchrl", "torchrl_jpeg"]
@@ -217,18 +217,8 @@ def probe_images(spec: ImagesSpec, contender: str) -> dict:
     store = FrameStore(footage, spec.memory_capacity, JPEG)
     lap = store.lap()
     store.fill(lap + max(1, lap // 10))
-    gc.collect()
-    rss, own, peak = rss_bytes(), private_bytes(), peak_rss_bytes()
-    column = store.column
-    samples = 20
-    for _ in range(samples):
-        store.sample(spec.batch_size)
-    gc.collect()
-    return {"contender": contender, "rows_held": store.rows_held(), "episodes_added": store.added,
-            "heap_live": int(column.heap.live), "heap_allocated": int(column.heap.allocated),
-            "column_nbytes": int(column.nbytes), "rss_delta": rss - baseline, "private_delta": own - private,
-            "peak_rss_delta": peak - baseline, "peak_reset": exact, "samples": samples,
-            "private_after_samples": private_bytes() - private}
+    return heap_probe(lambda: store.sample(spec.batch_size), store.column, baseline, private, exact,
+                      contender=contender, rows_held=store.rows_held(), episodes_added=store.added)
 
 
 register(Workload(

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..harness import Options, Race, Workload, compare, flag_noisy, interleaved_times, load_note, log, over, \
     profile_calls, register, start_workload
-from ..memory import peak_rss_bytes, private_bytes, reset_peak_rss, rss_bytes, run_probe
+from ..memory import heap_probe, private_bytes, reset_peak_rss, rss_bytes, run_probe
 from ..results import Metric, Series, WorkloadResult
 from ..token_contenders import MEDIAN, SIGMA, IdealGather, Tokens, TokenStore, TorchRLList, TorchRLStack, episode_rows
 
@@ -354,18 +354,8 @@ def probe_tokens(spec: TokensSpec, contender: str) -> dict:
     added = lap + max(1, lap // 10)
     for _ in range(added):
         store.add(episode_rows(rng, min(spec.episode_len, capacity)))
-    gc.collect()
-    rss, own, peak = rss_bytes(), private_bytes(), peak_rss_bytes()
-    column = store.column
-    samples = 20
-    for _ in range(samples):
-        store.sample(spec.batch_size)
-    gc.collect()
-    return {"contender": contender, "rows_held": len(store.store), "episodes_added": added,
-            "heap_live": int(column.heap.live), "heap_allocated": int(column.heap.allocated),
-            "column_nbytes": int(column.nbytes), "rss_delta": rss - baseline, "private_delta": own - private,
-            "peak_rss_delta": peak - baseline, "peak_reset": exact, "samples": samples,
-            "private_after_samples": private_bytes() - private}
+    return heap_probe(lambda: store.sample(spec.batch_size), store.column, baseline, private, exact,
+                      contender=contender, rows_held=len(store.store), episodes_added=added)
 
 
 register(Workload(
