@@ -43,7 +43,7 @@ from arrowbuf._pool import SlotPool, SlotSpec, leaf_views
 from arrowbuf.errors import ResourceError, SchemaError
 from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
-from arrowbuf.ragged import refuse_ragged
+from arrowbuf.ragged import refuse_apart
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
@@ -168,7 +168,7 @@ class TorchShard(Shard):
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
                  num_shards: int = 1, *, device: torch.device, whole_pieces: bool = False) -> None:
-        refuse_ragged(schema, "a store with a storage_device", "leave storage_device=None")
+        refuse_apart(schema, "a store with a storage_device", "leave storage_device=None")
         encoded = [name for name, f in schema.fields.items() if f.codec is not None]
         if encoded:
             raise SchemaError(f"fields {encoded} are encoded (codec=); a store with a storage_device keeps raw "

@@ -31,7 +31,7 @@ from arrowbuf._checks import check_env_id, check_metadata
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array
-from arrowbuf.ragged import refuse_ragged
+from arrowbuf.ragged import refuse_apart
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 
@@ -69,7 +69,7 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     if not isinstance(data, Mapping) or not data:
         raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "
                           f"{describe(data)}")
-    refuse_ragged(schema, "add_episodes", "add the episodes one by one with add_episode")
+    refuse_apart(schema, "add_episodes", "add the episodes one by one with add_episode")
     read = step_tensor if keep_tensors else as_array
     columns = {name: read(value, name) for name, value in flatten(data).items()}
     count = _episode_count(columns)

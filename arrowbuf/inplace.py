@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from arrowbuf.ragged import refuse_ragged
+from arrowbuf.ragged import refuse_apart
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
@@ -182,7 +182,7 @@ class InPlace:
         lengths = self.lengths
         steps = int(lengths.max(initial=0))
         if steps:
-            refuse_ragged(schema, "saving a writer's open episodes", "flush() the store's writers before save()")
+            refuse_apart(schema, "saving a writer's open episodes", "flush() the store's writers before save()")
         fields = writer_fields(schema)
         stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype)
                  for name, f in fields.items()} if steps else {}

@@ -291,7 +291,7 @@ def pad_batch(batch: Any, pad: dict[tuple[str, ...], Any] | None) -> Any:
     return out
 
 
-def refuse_ragged(schema: Any, where: str, fix: str) -> None:
+def refuse_apart(schema: Any, where: str, fix: str) -> None:
     """Raise `SchemaError` when ``schema`` has ragged or text fields, which ``where`` does not take yet.
 
     Raises:

@@ -51,7 +51,7 @@ from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shipping import gather_refs
 from arrowbuf.ray.sink import DroppedWriters, RaySink
 from arrowbuf.ray.start import find_shards, release_durable
-from arrowbuf.ragged import refuse_ragged
+from arrowbuf.ragged import refuse_apart
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
@@ -87,7 +87,7 @@ class RayBackend:
         self.capacity = capacity   # total rows; the smallest shard holds capacity // num_shards
         self.sampler = sampler
         self._rng = np.random.default_rng(seed)
-        refuse_ragged(schema, "the Ray backend", "use the embedded store (backend='local')")
+        refuse_apart(schema, "the Ray backend", "use the embedded store (backend='local')")
         self._schema = schema
         self._schema_fixed = schema_fixed
         self._sizes = SizeCache(shards)
@@ -147,7 +147,7 @@ class RayBackend:
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
-        refuse_ragged(schema, "the Ray backend", "use the embedded store (backend='local')")
+        refuse_apart(schema, "the Ray backend", "use the embedded store (backend='local')")
         if self._schema is None:
             self._schema = schema
             self._sink.set_schema(schema)
