@@ -224,3 +224,44 @@ def test_ragged_rows_index_like_lists_of_their_rows(rows, data):
     assert [r.tolist() for r in ragged[mask].rows()] == [r for r, m in zip(rows, mask) if m]
     back = ragged_rows(ragged.to_arrow(), "x")
     assert isinstance(back, RaggedRows) and [r.tolist() for r in back.rows()] == rows
+
+
+def test_a_store_of_exactly_num_envs_x_t_holds_each_rollout_of_sequences_text_and_encoded_frames():
+    """The size PPO users choose, a new writer per rollout dropped without flush(), clear() between: every
+    transition kept, each with its own sequence, instruction and frame; pieces never show as episodes."""
+    pytest.importorskip("zstandard")
+    num_envs, steps = 4, 25
+    schema = {"obs": ab.Field("uint8", (8, 8, 3), observation=True, codec="zstd"), "tokens": ab.Field("int32", (None,)),
+              "instruction": ab.Field("string"), "action": ab.Field("int64"), "reward": ab.Field("float32"),
+              "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
+    store = ab.ExperienceStore(capacity=num_envs * steps, schema=schema, seed=0)
+
+    def frame(env: int, t: int) -> np.ndarray:
+        return np.full((8, 8, 3), (7 * env + t) % 251, np.uint8)
+
+    for rollout in range(3):   # (each step's obs is the last next_obs: no autoreset step to drop)
+        writer = store.writer(num_envs=num_envs, autoreset_mode="disabled")
+        for t in range(steps):
+            done = np.array([(t + 1) % (5 + env) == 0 for env in range(num_envs)])
+            writer.add(obs=np.stack([frame(e, t) for e in range(num_envs)]),
+                       tokens=[tokens(e, t) for e in range(num_envs)],
+                       instruction=[f"rollout {rollout} env {e}" for e in range(num_envs)],
+                       action=np.arange(num_envs) * 100 + t, reward=np.zeros(num_envs, np.float32),
+                       terminated=done, truncated=np.zeros(num_envs, bool),
+                       next_obs=np.stack([frame(e, t + 1) for e in range(num_envs)]))
+        del writer   # dropped without flush(): its open episodes are sealed, nothing lost
+        assert len(store) == num_envs * steps
+        played = sum(len(range(0, steps, 5 + e)) for e in range(num_envs))   # episodes each env began
+        assert store.num_episodes == played
+        seen = []
+        for batch in store.iter_batches(32, shuffle=False):
+            check_batch(batch)
+            action = batch["action"].numpy()
+            env, t = action // 100, action % 100
+            assert list(batch["instruction"]) == [f"rollout {rollout} env {e}" for e in env.tolist()]
+            np.testing.assert_array_equal(batch["obs"].numpy(), np.stack([frame(e, s) for e, s in zip(env, t)]))
+            np.testing.assert_array_equal(batch["next", "obs"].numpy(),
+                                          np.stack([frame(e, s + 1) for e, s in zip(env, t)]))
+            seen += action.tolist()
+        assert sorted(seen) == sorted(e * 100 + t for e in range(num_envs) for t in range(steps))
+        store.clear()
