@@ -21,13 +21,24 @@ WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED
 
 
 @pytest.fixture(scope="module")
-def onpolicy(tmp_path_factory):
-    return quick_run("ONPOLICY", tmp_path_factory)
+def runs(tmp_path_factory):
+    """One run of both workloads: each bench process imports torch and TorchRL (seconds of the suite)."""
+    return quick_run("ONPOLICY,SEED", tmp_path_factory)
+
+
+def alone(runs: tuple, name: str) -> tuple:
+    run, saved = runs
+    return run, {**saved, "workloads": [w for w in saved["workloads"] if w["name"] == name]}
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory):
-    return quick_run("SEED", tmp_path_factory)
+def onpolicy(runs):
+    return alone(runs, "ONPOLICY")
+
+
+@pytest.fixture(scope="module")
+def seed(runs):
+    return alone(runs, "SEED")
 
 
 def test_a_quick_onpolicy_run_prints_the_ratios_of_arrowbuf_to_the_ideal_and_the_seed_like_store(onpolicy):

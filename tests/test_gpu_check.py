@@ -21,12 +21,14 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_check_on_the_cpu_runs_the_arena_tests_and_the_torch_arena_bench_rows(tmp_path):
-    done = gpu_check("--device", "cpu", "--quick", "--min-time", "0.01", "--out", str(tmp_path))
+    # --select: a few of the arena tests (the suite runs them all itself), through the same steps
+    done = gpu_check("--device", "cpu", "--quick", "--min-time", "0.01", "--out", str(tmp_path),
+                     "--select", "numpy_arena_samples")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    tests, = [line for line in lines if line.startswith("tests (tests/test_arena.py): ")]
+    tests, = [line for line in lines if line.startswith("tests (tests/test_arena.py -k numpy_arena_samples): ")]
     passed = int(tests.split(": ")[1].split(" passed")[0])
-    assert passed > 10 and " 0 failed, 0 errors (exit 0" in tests
+    assert passed >= 1 and " 0 failed, 0 errors (exit 0" in tests
     for shape in ("WBC", "VLA"):
         row, = [line for line in lines if line.startswith(f"  {shape} rollout sample, torch arena (cpu) ms: ")]
         assert "arrowbuf_torch/ideal" in row

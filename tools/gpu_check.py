@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-time", type=float, default=None, metavar="SECONDS",
                         help="the bench's --min-time (default: the bench's own); the tests pass 0.01, as they check "
                              "that the rows are reported, not their numbers")
+    parser.add_argument("--select", metavar="EXPR",
+                        help="only the tests that pytest's -k EXPR selects (the suite's own test of this script runs "
+                             "a few: the suite runs the rest itself)")
     parser.add_argument("--out", metavar="DIR", help="keep the pytest output and the bench JSON in DIR")
     args = parser.parse_args(argv)
 
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     marked = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
                     if "pytest.mark.cuda" in path.read_text())
     tests = [*pytest, "-m", "cuda", *marked] if args.device == "cuda" else [*pytest, "tests/test_arena.py"]
+    tests += ["-k", args.select] if args.select else []
     code, output, seconds = run(tests, args.timeout)
     (out / "pytest.txt").write_text(output)
     counts = test_counts(output)
