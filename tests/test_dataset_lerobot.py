@@ -137,6 +137,35 @@ def test_observations_and_next_observations_are_decoded_in_one_run_each_frame_on
         assert min(_psnr(f, made.frame(e, t + shift)) for f, e, t in zip(batch[key].numpy(), episode, step)) > 30.0
 
 
+def test_two_cameras_are_decoded_in_one_request_each_from_its_own_file(tmp_path, monkeypatch):
+    """A second camera (the same video under another feature) samples as the first: one decode call
+    a batch for both cameras and their next frames, every frame its own."""
+    root = _copy(tmp_path)
+    wrist = "observation.images.wrist"
+    (root / "videos" / wrist).mkdir()
+    shutil.copytree(root / "videos" / CAMERA / "chunk-000", root / "videos" / wrist / "chunk-000")
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"][wrist] = info["features"][CAMERA]
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    episodes = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(episodes)
+    for column in [c for c in table.column_names if c.startswith(f"videos/{CAMERA}/")]:
+        table = table.append_column(column.replace(CAMERA, wrist), table.column(column))
+    pq.write_table(table, episodes)
+    dataset = ab.open_dataset(root, seed=0, video_cache_bytes=0)
+    calls = []
+    decode = video.VideoReader.decode
+    monkeypatch.setattr(video.VideoReader, "decode", lambda self, requests: calls.append(len(requests))
+                        or decode(self, requests))
+    batch = dataset.sample(24)
+    assert calls == [4]                                   # front, wrist, and each one's next frames
+    episode, step = _episode_and_step(batch)
+    for camera in (KEY, ("observation", "images", "wrist")):
+        for key, shift in ((camera, 0), (("next", *camera), 1)):
+            assert min(_psnr(f, made.frame(e, t + shift)) for f, e, t in zip(batch[key].numpy(), episode, step)) > 30
+    np.testing.assert_array_equal(batch["observation", "images", "wrist"].numpy(), batch[KEY].numpy())
+
+
 def test_the_frame_cache_stays_within_its_byte_bound(tmp_path):
     bound = 5 * FRAME_BYTES + 100
     dataset = ab.open_dataset(_copy(tmp_path), seed=3, video_cache_bytes=bound)
