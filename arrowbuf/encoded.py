@@ -137,8 +137,9 @@ def _take_into(length: int, indices: Any, out: np.ndarray | None, mode: str, row
 
 class DecodedField(NamedTuple):
     """An encoded field of a batch layout: its view ``outs[position]`` holds rows
-    ``by_role[role] + shift`` of ``column`` (an `EncodedColumn`), clipped to its rows as
-    ``np.take``'s "clip" mode (a default next observation: the step rows, shift 1)."""
+    ``by_role[role] + shift`` of ``column`` (an `EncodedColumn`, or a video field's column),
+    clipped to its rows as ``np.take``'s "clip" mode (a default next observation: the step
+    rows, shift 1)."""
 
     position: int
     column: Any
@@ -150,7 +151,9 @@ class BatchDecodes:
     """The encoded fields of one batch layout, decoded together (`decode_into`): one pass of the
     codec pool for all of them, each distinct row of a column once, whichever fields read it (an
     observation and its next observation; overlapping frame stacks). The gather
-    (`arrowbuf.tensors.Gather`) makes one per layout and calls it per batch.
+    (`arrowbuf.tensors.Gather`) makes one per layout and calls it per batch. A column with a
+    ``decode_requests`` (a dataset's video field, `arrowbuf.video.VideoColumn`) decodes its
+    own requests: those that name the same one (the video fields of one dataset) in one call.
 
     Args:
         fields: each encoded field of the layout (`DecodedField`).
@@ -158,18 +161,26 @@ class BatchDecodes:
 
     def __init__(self, fields: Sequence["DecodedField"]) -> None:
         self.fields = tuple(fields)
+        self.decoders = tuple(getattr(f.column, "decode_requests", None) for f in self.fields)
 
     def __call__(self, by_role: tuple, outs: list[np.ndarray]) -> None:
         """Decode every field's rows (``by_role``: rows by role index) into its view of ``outs``."""
-        requests, copies = [], []
-        for position, column, role, shift in self.fields:
+        requests, copies, own = [], [], {}
+        for (position, column, role, shift), decoder in zip(self.fields, self.decoders):
             rows, out = by_role[role], outs[position]
             flat = _flat(len(column), rows + shift if shift else rows, "clip")
             target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
-            requests.append(Request(column, flat, target.reshape(len(flat), *column.row_shape)))
+            request = Request(column, flat, target.reshape(len(flat), *column.row_shape))
+            if decoder is None:
+                requests.append(request)
+            else:
+                own.setdefault(decoder, []).append(request)
             if target is not out:
                 copies.append((out, target))
-        decode_into(requests)
+        if requests:
+            decode_into(requests)
+        for decoder, mine in own.items():
+            decoder(mine)
         for out, target in copies:
             out[...] = target
 
@@ -261,17 +272,6 @@ class EncodedColumn(HeapColumn):
         """Rows ``rows`` as stored, an Arrow ``binary`` array (a copy)."""
         values, offsets = self.packed(rows)   # 64-bit offsets: a run of rows may pass 2 GiB
         return pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
-
-
-class Shifted:
-    """A column that decodes its rows (a `arrowbuf.video.VideoColumn`; an `EncodedColumn`'s
-    fields are shifted by `DecodedField`) read ``by`` rows on: ``take(rows)`` decodes rows ``rows + by``."""
-
-    def __init__(self, column: Any, by: int) -> None:
-        self.column, self.by = column, by
-
-    def take(self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "raise") -> np.ndarray:
-        return self.column.take(np.asarray(indices) + self.by, axis, out, mode)
 
 
 class EncodedRows:

@@ -33,6 +33,7 @@ from arrowbuf.encoded import BatchDecodes, DecodedField, EncodedColumn
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 from arrowbuf.ragged import RaggedColumn
 from arrowbuf.text import TextColumn
+from arrowbuf.video import VideoColumn
 
 if TYPE_CHECKING:
     import torch
@@ -251,27 +252,21 @@ class Gather:
             # per packed group (its records); a loop over `plan` that tells them apart and
             # looks up ``take`` per entry cost ~1 us of a W1 sample. Default next
             # observations (``next_rows`` None) take the step rows of the column shifted by one.
-            # Encoded fields are decoded together, after the takes (`BatchDecodes`; None: none).
+            # Encoded fields are decoded together, after the takes (`BatchDecodes`; None: none), a
+            # dataset's video fields with them (`arrowbuf.video.VideoColumn`: a batch's frames in one pass).
             fields, decoded = [], []
             for i, (source, role) in enumerate(layout.plan):
                 if role < 0 or i in layout.packed:
                     continue
                 default_next = role == 2 and shapes[2] is None
-                if isinstance(source, EncodedColumn):
+                if isinstance(source, (EncodedColumn, VideoColumn)):
                     decoded.append(DecodedField(i, source, 0, 1) if default_next else DecodedField(i, source, role, 0))
                 else:
-                    fields.append((i, _shifted(source).take, 0) if default_next else (i, source.take, role))
+                    fields.append((i, source[1:].take, 0) if default_next else (i, source.take, role))
             fields += [(region, block.take, role) for block, role, region in layout.records]
             return tuple(fields), BatchDecodes(decoded) if decoded else None
 
         return plan_layout(self._fields, shapes, keys, every_extra, pack, takes)
-
-
-def _shifted(source: Any) -> Any:
-    """``source`` read one row on: a numpy (or torch) column's view from row 1, or a video column's
-    `arrowbuf.encoded.Shifted` (its rows are decoded by the take, never sliced)."""
-    shifted = getattr(source, "shifted", None)
-    return source[1:] if shifted is None else shifted(1)
 
 
 def take_fields(layout: Layout, outs: list[np.ndarray], by_role: tuple) -> None:

@@ -4,9 +4,11 @@ A video field reads like a uint8 ``(H, W, C)`` observation field, but a dataset'
 holds none of its pixels: per row it stores which frame of which file the row is
 (`FRAME_REF`: the file's position in `VideoSpec.files` and the frame's number in that
 file, its time x fps). `VideoColumn` is the field's column in the dataset's arena: its
-`take` decodes the frames a gather asks for straight into the batch, as
-`arrowbuf.encoded.EncodedColumn`'s decodes encoded rows, and ``shifted(1)`` reads each
-row's next frame (a next observation: the next frame of the same episode).
+`take` decodes the frames of rows straight into a buffer, as
+`arrowbuf.encoded.EncodedColumn`'s decodes encoded rows, and a gather decodes a batch's
+video fields as it decodes its encoded ones (`arrowbuf.encoded.BatchDecodes`): every
+frame it wants (observations, next observations: the next frame of the same episode,
+frame stacks) in one call of `VideoReader.decode`, each distinct frame once.
 
 Decoding (PyAV, the FFmpeg in its wheel): a gather's frames are looked up in the
 dataset's `FrameCache` (decoded frames, the least recently used out past its byte
@@ -37,7 +39,7 @@ Example:
     >>> frames = column.take(np.array([4, 1]))                       # grays 160 and 40, within the loss
     >>> frames.shape, bool(np.abs(frames[:, 0, 0, 0] - np.array([160, 40])).max() < 8)
     ((2, 16, 32, 3), True)
-    >>> int(column.shifted(1).take(np.array([4]))[0, 0, 0, 0]) > 180   # row 4's next frame: frame 5 (200)
+    >>> int(column[5][0, 0, 0]) > 180                                   # frame 5 (200)
     True
 """
 
@@ -49,11 +51,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from arrowbuf.encoded import Shifted
+from arrowbuf.encoded import Request
 from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
 
@@ -183,6 +185,7 @@ class VideoFile:
     def __init__(self, path: Path, field: str, spec: VideoSpec, uid: int) -> None:
         self.path, self.field, self.uid = path, field, uid
         self.fps, self.shape = spec.fps, spec.shape
+        self._size, self._format = tuple(spec.shape[:2]), _FORMATS[spec.shape[2]]
         self.keyframes: list[int] = []
         self.gop = 0
         self._container: Any = None
@@ -227,14 +230,14 @@ class VideoFile:
         Raises:
             FormatError: the frame is not of the field's size.
         """
-        if (frame.height, frame.width) != self.shape[:2]:
+        if (frame.height, frame.width) != self._size:
             raise self._fail(f"frames of {frame.height}x{frame.width}, the field's are {self.shape[0]}x{self.shape[1]}")
         try:
             # One thread: swscale's own threads cost ~25 us a call, more than converting a
             # 64x48 frame (5 us), no gain at 224x224, and 2x at 640x480 on 2 busy cores.
-            converted = self._reformat.reformat(frame, format=_FORMATS[self.shape[2]], threads=1)
+            converted = self._reformat.reformat(frame, format=self._format, threads=1)
         except TypeError:   # a PyAV without ``threads=`` (its conversions took one thread)
-            converted = self._reformat.reformat(frame, format=_FORMATS[self.shape[2]])
+            converted = self._reformat.reformat(frame, format=self._format)
         image = converted.to_ndarray()
         return image if image.ndim == 3 else image[..., None]
 
@@ -251,21 +254,23 @@ class VideoFile:
             self._open()
         frames, at, start = None, -1, -1   # the decoding run, the frame it gave last, its first frame
         kept = 0                           # bytes of a frame decoded on the way (its planes), once known
+        first, tick, decoded = self._start, self._tick, 0
         try:
             for k, w in enumerate(wanted):
                 if frames is None or self._seeks(at, w):
                     frames, before, start = self._seek(w), at, -1
                 for frame in frames:
-                    if frame.pts is None:
+                    pts = frame.pts
+                    if pts is None:
                         raise self._fail("a frame without a timestamp")
-                    n = round((frame.pts - self._start) * self._tick)
+                    n = round((pts - first) * tick)
                     if start < 0:
                         start = n
                         if n <= before:   # the seek went back: no keyframe lies in (n, w]
                             self.gop = max(self.gop, w - n + 1)
                     if frame.key_frame:
                         self._learn(n, start)
-                    cache.decoded += 1
+                    decoded += 1
                     if n == w:
                         at = n
                         deliver(k, self.rgb(frame))
@@ -282,6 +287,8 @@ class VideoFile:
                                      "file is truncated, or the dataset's timestamps are not its")
         except (av.FFmpegError, OSError) as err:
             raise self._fail(f"undecodable ({err}); the file is truncated or damaged") from None
+        finally:
+            cache.decoded += decoded
 
     def _seeks(self, at: int, w: int) -> bool:
         """Whether to reach frame ``w`` by a seek rather than by decoding on from frame ``at``."""
@@ -310,7 +317,7 @@ class VideoFile:
 
 class VideoReader:
     """The video files and decoded-frame cache of one dataset; it makes the `VideoColumn`
-    of each video field and fills their gathers (one at a time: a lock).
+    of each video field and decodes their gathers (one at a time: a lock).
 
     Args:
         root: the directory the fields' `VideoSpec.files` are relative to.
@@ -321,6 +328,7 @@ class VideoReader:
         self.root = root
         self.cache = FrameCache(cache_bytes)
         self._files: OrderedDict[int, VideoFile] = OrderedDict()   # open files, the least recently read first
+        self._by_uid: dict[int, VideoFile] = {}
         self._lock = threading.Lock()
         self._uids = 0
         # A forked child must not read through its parent's open files: they share each
@@ -332,42 +340,72 @@ class VideoReader:
         files = []
         for file in spec.files:
             files.append(VideoFile(self.root / file, name, spec, self._uids))
+            self._by_uid[self._uids] = files[-1]
             self._uids += 1
         return VideoColumn(name, refs, files, spec.shape, self)
 
-    def fill(self, files: list[VideoFile], refs: np.ndarray, rows: np.ndarray) -> None:
-        """Decode the frames ``refs`` ((file, frame) per row) of ``files`` into ``rows``."""
+    def decode(self, requests: Sequence[Request]) -> None:
+        """Decode the frames of ``requests`` (`arrowbuf.encoded.Request`: rows of this reader's
+        columns, in range, and the C-contiguous buffers they go to) together: each distinct
+        frame once (an observation that is another row's next observation, or in several
+        frame stacks), each file's frames in one pass in time order (a gather's observations
+        and next observations: decoded in two passes, each next frame would cost a seek).
+
+        Raises:
+            FormatError: a video file is unreadable, damaged, or lacks a frame.
+            ImportError: PyAV is not installed.
+        """
         with self._lock:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._close_files()
-            keys = refs[:, 0].astype(np.int64) << 32 | refs[:, 1].astype(np.int64)
+            places, keys = [], []
+            for request in requests:
+                refs = request.source.refs[request.rows]
+                keys.append(request.source.uids[refs[:, 0]] << 32 | refs[:, 1])
+                places.extend(request.out)   # each row's view
+            keys = keys[0] if len(keys) == 1 else np.concatenate(keys)
             unique, inverse = np.unique(keys, return_inverse=True)
-            into: list[list[int]] = [[] for _ in range(len(unique))]   # the rows of each distinct frame
-            for i, u in enumerate(inverse.tolist()):
-                into[u].append(i)
-            missing: dict[int, list[tuple[int, int]]] = {}
-            for u, key in enumerate(unique.tolist()):
-                f, n = key >> 32, key & 0xFFFFFFFF
-                got = self.cache.get((files[f].uid, n))
-                if type(got) is tuple:   # decoded on the way to another frame: converted now
-                    got = got[1].rgb(got[0])
-                    self.cache.put((files[f].uid, n), got)
-                if got is None:
-                    missing.setdefault(f, []).append((n, u))
-                else:
-                    for i in into[u]:
-                        rows[i] = got
-            for f, wanted in missing.items():   # each file's frames in time order (keys sort so)
-                file = self._opened(files[f])
+            into: list[list[Any]] = [[] for _ in range(len(unique))]   # the places of each distinct frame
+            for place, u in zip(places, inverse.tolist()):
+                into[u].append(place)
+            cache, wanted = self.cache, unique.tolist()
+            if cache.max_bytes or len(cache):
+                missing = []
+                for u, key in enumerate(wanted):
+                    got = cache.get((key >> 32, key & 0xFFFFFFFF))
+                    if type(got) is tuple:   # decoded on the way to another frame: converted now
+                        got = got[1].rgb(got[0])
+                        cache.put((key >> 32, key & 0xFFFFFFFF), got)
+                    if got is None:
+                        missing.append(u)
+                    else:
+                        for place in into[u]:
+                            place[...] = got
+            else:
+                missing = list(range(len(wanted)))
+                cache.misses += len(wanted)
+            start = 0
+            while start < len(missing):   # each file's frames in time order (keys sort so)
+                uid = wanted[missing[start]] >> 32
+                stop = start + 1
+                while stop < len(missing) and wanted[missing[stop]] >> 32 == uid:
+                    stop += 1
+                self._read(self._by_uid[uid], [wanted[u] & 0xFFFFFFFF for u in missing[start:stop]],
+                           [into[u] for u in missing[start:stop]])
+                start = stop
 
-                def deliver(k: int, image: np.ndarray) -> None:
-                    n, u = wanted[k]
-                    for i in into[u]:
-                        rows[i] = image
-                    self.cache.put((file.uid, n), image)
+    def _read(self, file: VideoFile, frames: list[int], places: list[list[Any]]) -> None:
+        """Decode ``frames`` (sorted, distinct) of ``file`` into ``places`` (each frame's views), and cache them."""
+        cache, uid = self.cache, file.uid
 
-                file.read([n for n, _ in wanted], self.cache, deliver)
+        def deliver(k: int, image: np.ndarray) -> None:
+            for place in places[k]:
+                place[...] = image
+            if cache.max_bytes:
+                cache.put((uid, frames[k]), image)
+
+        self._opened(file).read(frames, cache, deliver)
 
     def _opened(self, file: VideoFile) -> VideoFile:
         """``file``, counted as read now; the least recently read past `MAX_OPEN_FILES` are closed."""
@@ -392,17 +430,28 @@ class VideoColumn:
     """The rows of a video field, read as the uint8 (H, W, C) frames they reference.
 
     Reads like a numpy column of its frames (``shape``, ``dtype``, ``take``, indexing)
-    and decodes the frames it is asked for (`VideoReader.fill`). Made by `VideoReader.column`.
+    and decodes the frames it is asked for (`VideoReader.decode`). A gather decodes a
+    batch's video fields with its encoded ones (`arrowbuf.encoded.BatchDecodes`), through
+    `decode_requests`: all the frames of one dataset's videos in one call, so an
+    observation and its next observation come from one pass over the file. Made by
+    `VideoReader.column`.
     """
 
     def __init__(self, name: str, refs: np.ndarray, files: list[VideoFile], shape: tuple[int, ...],
                  reader: VideoReader) -> None:
         self.name, self.refs, self.files, self.reader = name, refs, files, reader
+        self.uids = np.array([file.uid for file in files], np.int64)   # by position in ``files``
         self.row_shape = tuple(shape)
         self.dtype = np.dtype(np.uint8)
         self.shape = (len(refs), *self.row_shape)
         self.ndim = len(self.shape)
         self.nbytes = refs.nbytes
+
+    @property
+    def decode_requests(self) -> Callable[[Sequence[Request]], None]:
+        """What decodes requests of this column's rows: its reader's `VideoReader.decode` (the same
+        for every video field of a dataset: a batch's requests of them are decoded together)."""
+        return self.reader.decode
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -432,11 +481,7 @@ class VideoColumn:
             out = np.empty((*indices.shape, *self.row_shape), self.dtype)
         target = out if out.flags.c_contiguous else np.empty(out.shape, self.dtype)
         if flat.size:
-            self.reader.fill(self.files, self.refs[flat], target.reshape(len(flat), *self.row_shape))
+            self.reader.decode([Request(self, flat, target.reshape(len(flat), *self.row_shape))])
         if target is not out:
             out[...] = target
         return out
-
-    def shifted(self, by: int) -> Shifted:
-        """This column read ``by`` rows on (what ``column[1:]`` is to a numpy column's take)."""
-        return Shifted(self, by)

@@ -17,7 +17,7 @@ from arrowbuf.cli import main
 
 from support.bench_runs import ROOT, bench, headline_ratios, quick_run
 
-WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED", "MIX", "IMAGES", "TOKENS"]
+WORKLOADS = ["W1", "W2", "W3", "PER", "RAY", "PARQUET", "ONPOLICY", "GAE", "SEED", "MIX", "IMAGES", "TOKENS", "VLA"]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""tools/bench.py: the smoke IMAGES (encoded image fields) and TOKENS (ragged token fields) runs report
-every ratio, and what they measure of the codecs, of memory and of the gathered rows is in a sane range.
-Both run in one subprocess of the real entry (``python tools/bench.py --only IMAGES,TOKENS``): a process
-that imports torch and TorchRL costs seconds of the suite.
+"""tools/bench.py: the smoke IMAGES (encoded image fields), TOKENS (ragged token fields) and VLA (video
+demos mixed with an online JPEG store) runs report every ratio, and what they measure of the codecs, of
+memory and of the gathered rows is in a sane range. All run in one subprocess of the real entry
+(``python tools/bench.py --only IMAGES,TOKENS,VLA``): a process that imports torch and TorchRL costs
+seconds of the suite.
 
 Times are checked for shape only (performance is reported, never asserted); bytes, PSNR and memory by
 wide bounds that only a broken codec, a mismatched frame, a miscounted heap or a column that pads or
@@ -20,11 +21,12 @@ pytest.importorskip("simplejpeg")
 pytest.importorskip("zstandard")
 pytest.importorskip("matplotlib")
 pytest.importorskip("torchrl")
+pytest.importorskip("av")   # VLA's demos are an AV1 video
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    run, saved = quick_run("IMAGES,TOKENS", tmp_path_factory)
+    run, saved = quick_run("IMAGES,TOKENS,VLA", tmp_path_factory)
     return run, {w["name"]: w for w in saved["workloads"]}
 
 
@@ -38,6 +40,12 @@ def images(runs):
 def tokens(runs):
     run, results = runs
     return run, results["TOKENS"], {m["name"]: m for m in results["TOKENS"]["metrics"]}
+
+
+@pytest.fixture(scope="module")
+def vla(runs):
+    run, results = runs
+    return run, results["VLA"], {m["name"]: m for m in results["VLA"]["metrics"]}
 
 
 def value(metric: dict, contender: str) -> float:
@@ -117,3 +125,21 @@ def test_a_smoke_tokens_run_splits_global_batches_over_ranks_whole_and_balanced(
     assert len(balance) == 2 and all(1.0 <= b < 1.05 for b in balance)   # largest-first: ~1.003
     united = metrics["rank shares uniting to their global batch"]
     assert united["met"] and united["values"]["arrowbuf"]["rounds"] == [100.0, 100.0]
+
+
+def test_a_smoke_vla_run_times_video_against_pyav_and_the_mixture_beside_a_raw_store(vla):
+    run, result, metrics = vla
+    assert result["ratio_columns"] == ["arrowbuf/pyav", "arrowbuf/pyav_threads", "mix_jpeg/mix_raw"]
+    ratios = headline_ratios({"workloads": [result]}, "VLA")
+    for race in ("video sample(8), camera alone", "video sample(8), camera + next camera"):
+        for col in ("arrowbuf/pyav", "arrowbuf/pyav_threads"):
+            assert len(ratios[race, col]) == 2 and all(r > 0 for r in ratios[race, col]), (race, col)
+    mixture = "Mixture.sample(16), 50% video demos"
+    assert len(ratios[mixture, "mix_jpeg/mix_raw"]) == 2 and metrics[mixture]["unit"] == "rows/s"
+    for half in ("demos", "online_jpeg", "online_raw"):
+        assert value(metrics[mixture], half) > 0, half
+    # the demos are the bench's own LeRobot v3 layout, said so: lerobot itself did not write them
+    assert "written by the bench with PyAV" in result["description"]
+    # a mixed batch's frames against the frames written: a wrong frame scores ~10-20 dB
+    assert 28 < value(metrics["PSNR of a mixed batch's frames, AV1 demos, worst"], "demos") < 60
+    assert 30 < value(metrics["PSNR of a mixed batch's frames, jpeg:90 online, worst"], "online_jpeg") < 60

@@ -5,7 +5,7 @@ shared and noisy, so absolute numbers drift while paired ratios hold. In each
 timing round the contenders take turns in short slices (rotating order), a ratio
 is taken per round, and the median over rounds is reported with its min-max range.
 
-Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED,MIX,IMAGES,TOKENS``; ``--list`` shows
+Workloads (``--only W1,W2,W3,PER,RAY,PARQUET,ONPOLICY,GAE,SEED,MIX,IMAGES,TOKENS,VLA``; ``--list`` shows
 them), one module each under ``workloads/`` with its protocol and targets in its
 docstring:
 
@@ -35,13 +35,18 @@ docstring:
   private memory of 1M rows over their token bytes, sample(256), jagged and padded,
   against an ideal gather and TorchRL's ListStorage and LazyStackStorage (`token_contenders`),
   and global batches split over 8 ranks: token balance, split + gather GB/s.
+- VLA (`workloads.vla`): an off-policy VLA's batches: LeRobot v3 demos whose camera is an
+  AV1 video (`lerobot_video`: the layout, written by the bench with PyAV) mixed 50/50 with
+  an online jpeg:90 store, Mixture.sample(256) rows/s beside a raw online store, and the
+  video's sample(64) against PyAV decoding alone (`vla_contenders`).
 
 Layout: `harness` (options, registry, interleaved timing, `harness.compare`: the
 one path from rounds to ratios to metrics), `results`, `memory` (RSS and
 per-contender probes in child processes), `report` (terminal tables, Markdown,
 JSON), `summary` (the README's performance section, from a run's Markdown tables), `plot` (the bar chart), `specs` and `contenders` (replay data and
 stores), `big_dataset` (MIX's big-dataset row), `rollouts` and `rollout_contenders` (on-policy data and stores), `camera` and
-`image_contenders` (IMAGES' frames and stores), `token_contenders` (TOKENS' rows and stores), `cli`.
+`image_contenders` (IMAGES' frames and stores), `token_contenders` (TOKENS' rows and stores), `lerobot_video`
+and `vla_contenders` (VLA's demos, online stores and PyAV decoder), `cli`.
 
 Adding a workload: a module under ``workloads/`` with a ``run(spec, opts) ->
 WorkloadResult`` that times its contenders with `harness.compare`, registered
