@@ -37,6 +37,7 @@ class Contender:
     can_add = True
     can_sample = True
     probe_memory = True
+    needs_torch = True   # its memory probe imports torch before the baseline
 
     @staticmethod
     def preload() -> None:
@@ -69,6 +70,7 @@ class Ideal(Contender):
 
     name = "ideal"
     label = "ideal (numpy)"
+    needs_torch = False
 
     def __init__(self, spec: ReplaySpec, peers: Mapping[str, Contender]) -> None:
         super().__init__(spec, peers)

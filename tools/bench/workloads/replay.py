@@ -96,9 +96,10 @@ def profile_arrowbuf(contender: Contender, feed: Iterator[Any], spec: ReplaySpec
 
 def probe_replay(spec: ReplaySpec, contender_name: str) -> dict:
     """Child process: peak RSS growth of one contender over a lap and a tenth."""
-    import torch
-    torch.set_num_threads(1)
     cls = CONTENDERS[contender_name]
+    if cls.needs_torch:   # imported before the baseline; the numpy ideals' probes skip its seconds of import
+        import torch
+        torch.set_num_threads(1)
     cls.preload()
     episodes = make_episodes(spec)
     # Build the contender's inputs before the baseline (torchrl's TensorDicts are
