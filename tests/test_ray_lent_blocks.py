@@ -140,26 +140,27 @@ ARENA_READS = {
 }
 
 
-@pytest.mark.parametrize("read", ARENA_READS)
-def test_the_shard_copies_lent_rows_into_its_arena_only_when_it_reads_them(read, tmp_path):
-    episodes = [keyed_episode(key, 40) for key in range(3)]
-    for episode in episodes:
-        episode["value"] = np.linspace(0, 1, 40, dtype=np.float32)
+def test_the_shard_copies_lent_rows_into_its_arena_only_when_it_reads_them(tmp_path):
+    # One store for every read (each store starts its actors: seconds of the suite): before each
+    # read, 3 new episodes are lent and left uncopied until that read.
     local = ab.ExperienceStore(20_000, seed=0)
     store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
     try:
-        for episode in episodes:
-            local.add_episode(episode, env_id="a")
-            store.add_episode(episode, env_id="a")
-        store.flush()
-        check_rows(store.sample(256))   # readers gather from the lent objects
-        assert unfilled(store) == [3]
-        rows = ARENA_READS[read](store, tmp_path / "ray")
-        assert unfilled(store) == [0]
-        expected = ARENA_READS[read](local, tmp_path / "local")
-        for name in expected.column_names:
-            if name not in ("inserted_at", "episode_id"):
-                assert rows.column(name).equals(expected.column(name)), name
+        for k, (read, rows_of) in enumerate(ARENA_READS.items()):
+            episodes = [keyed_episode(key, 40) for key in range(3 * k, 3 * k + 3)]
+            for episode in episodes:
+                episode["value"] = np.linspace(0, 1, 40, dtype=np.float32)
+                local.add_episode(episode, env_id="a")
+                store.add_episode(episode, env_id="a")
+            store.flush()
+            check_rows(store.sample(256))   # readers gather from the lent objects
+            assert unfilled(store) == [3], read
+            rows = rows_of(store, tmp_path / f"ray-{read}")
+            assert unfilled(store) == [0], read
+            expected = rows_of(local, tmp_path / f"local-{read}")
+            for name in expected.column_names:
+                if name not in ("inserted_at", "episode_id"):
+                    assert rows.column(name).equals(expected.column(name)), (read, name)
     finally:
         store.close()
 
