@@ -189,6 +189,6 @@ register(Workload(
                      checkpoints={"W1": w1(1_000_000), "W2": w2(100_200)}),
     quick=ParquetSpec(exports={"W1": w1(100_000), "W2": w2(2_004)},
                       checkpoints={"W1": w1(100_000), "W2": w2(10_020)}),
-    smoke=ParquetSpec(exports={"W1": w1(10_010), "W2": w2(1_002)},
+    smoke=ParquetSpec(exports={"W1": w1(10_010), "W2": w2(501)},
                       checkpoints={"W1": w1(10_010), "W2": w2(2_004)}),
     run=run_parquet))
