@@ -41,7 +41,8 @@ def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(tmp_p
     for metric, col in (("sample", "mixture/online"), ("sample", "dataset/online"),
                         ("sample(min_version), 3/4 qualify", "fresh/plain")):
         assert len(ratios[metric, col]) == 2 and all(r > 0 for r in ratios[metric, col])
-    assert "open_dataset, 200,000 rows" in run.stdout
+    assert "open_dataset, 50,000 rows" in run.stdout
+    assert "Ray sample(min_version): not run" in run.stdout   # a smoke run starts no cluster
     assert "GB dataset vs" not in run.stdout   # the big-dataset row is opt-in (--mix-dataset-gb)
 
 
