@@ -21,6 +21,9 @@ its source*; for a prioritized source, `Mixture.update_priorities` sends each
 source its own rows' indices and priorities (or do it by hand: the rows where
 ``batch["source"] == mixture.position("demos")`` belong to that source). Sources
 without an importance ``"weight"`` get 1.0 in a batch where another source has one.
+Ragged fields come as one jagged tensor of every source's rows and text fields as one
+``NonTensorStack``; with ``pad=`` each source's padded rows are padded on to the batch's
+longest row.
 
 Example:
     >>> import numpy as np, arrowbuf as ab
@@ -185,26 +188,9 @@ class Mixture:
             if batch is not None:
                 return batch[torch.from_numpy(self._rng.permutation(batch_size))] if self.shuffle else batch
         counts = split_counts(self._weights, check_int("batch_size", batch_size, 1))
-        self._check_ragged(kwargs.get("keys"))
         parts = [(k, self._sources[name].sample(int(n), **kwargs))
                  for k, (name, n) in enumerate(zip(self.names, counts)) if n]
-        return self._combine(parts)
-
-    def _check_ragged(self, keys: Any) -> None:
-        """Refuse ragged fields among ``keys`` (None: all) of any source: their nested tensors do
-        not stack into one batch yet.
-
-        Raises:
-            ValueError: naming the source and its ragged fields.
-        """
-        for name, source in self._sources.items():
-            schema = getattr(source, "schema", None)
-            ragged = [n for n, f in schema.fields.items() if f.ragged or f.text] if schema is not None else []
-            chosen = [n for n in ragged if keys is None or any(n == k or n.startswith(f"{k}.") for k in keys
-                                                              if isinstance(k, str))]
-            if chosen:
-                raise ValueError(f"source {name!r} has ragged or text fields {chosen}, which a Mixture does not stack "
-                                 "into one batch yet; leave them out with keys=, or sample the sources apart")
+        return self._combine(parts, kwargs.get("pad"))
 
     def _sample_direct(self, batch_size: int) -> TensorDict | None:
         """A batch of `arrowbuf._mixed`'s pooled path, through a new plan for ``batch_size``
@@ -244,7 +230,7 @@ class Mixture:
                 if k not in streams or streams[k][0] != n:
                     streams[k] = (n, iter(self._sources[name].sample_iter(n, **kwargs)))
                 parts.append((k, next(streams[k][1])))
-            yield self._combine(parts)
+            yield self._combine(parts, kwargs.get("pad"))
 
     def update_priorities(self, batch: TensorDict, priority: Any) -> dict[str, int]:
         """Send each prioritized source the priorities of its own rows of ``batch``.
@@ -275,12 +261,16 @@ class Mixture:
                 applied[name] = target.update_priorities(batch["index"][rows], priority[rows])
         return applied
 
-    def _combine(self, parts: list[tuple[int, TensorDict]]) -> TensorDict:
-        """One batch of the sources' batches, rows in order, with ``"source"``."""
+    def _combine(self, parts: list[tuple[int, TensorDict]], pad: Any = None) -> TensorDict:
+        """One batch of the sources' batches, rows in order, with ``"source"``: ragged fields
+        joined into one jagged tensor, text fields into one NonTensorStack, and fields padded
+        by ``pad`` (``sample(pad=...)``) padded on to the longest row of the whole batch."""
         leaves = [_leaves(part) for _, part in parts]
         first, sizes = parts[0][1], [part.shape[0] for _, part in parts]
+        if pad:
+            _pad_on(leaves, pad)
         if all(leaf.keys() == leaves[0].keys() for leaf in leaves):   # sources of one schema and sampler
-            tensors = {key: torch.cat([leaf[key] for leaf in leaves]) for key in leaves[0]} if len(parts) > 1 \
+            tensors = {key: _join([leaf[key] for leaf in leaves]) for key in leaves[0]} if len(parts) > 1 \
                 else dict(leaves[0])
         else:
             tensors = self._union(leaves, sizes)
@@ -289,9 +279,16 @@ class Mixture:
         source = torch.from_numpy(source.reshape(-1, *([1] * len(inner)))).expand(-1, *inner) if inner \
             else torch.from_numpy(source)
         tensors[("source",)] = source.to(first.device) if first.device is not None else source
-        batch = make_tensordict(tensors, (sum(sizes), *inner), first.device)
+        apart = {key: value for key, value in tensors.items() if _is_apart(value)}
         if self.shuffle:
-            batch = batch[torch.from_numpy(self._rng.permutation(sum(sizes)))]
+            order = self._rng.permutation(sum(sizes))
+            tensors = {key: _take_apart(value, order) if key in apart else value[torch.from_numpy(order)]
+                       for key, value in tensors.items()}
+            apart = {key: tensors[key] for key in apart}
+        batch = make_tensordict({k: v for k, v in tensors.items() if k not in apart}, (sum(sizes), *inner),
+                                first.device)
+        for key, value in apart.items():
+            batch.set(key, value)
         return batch
 
     @staticmethod
@@ -314,7 +311,7 @@ class Mixture:
             pieces = [leaf[key] if key in leaf else
                       torch.full((size, *like.shape[1:]), _FILLED[key[-1]], dtype=like.dtype, device=like.device)
                       for leaf, size in zip(leaves, sizes)]
-            tensors[key] = torch.cat(pieces)
+            tensors[key] = _join(pieces)
         return tensors
 
 
@@ -328,3 +325,55 @@ def _leaves(td: TensorDict, prefix: tuple = ()) -> dict[tuple, torch.Tensor]:
         else:
             out[(*prefix, key)] = value
     return out
+
+
+def _is_apart(value: Any) -> bool:
+    """A ragged field's jagged nested tensor or a text field's NonTensorStack."""
+    return not isinstance(value, torch.Tensor) or value.is_nested
+
+
+def _join(values: list) -> Any:
+    """The sources' values of one key, rows in order: tensors concatenated, jagged tensors
+    joined on their values (``torch.cat`` does not take them), text stacks as one list."""
+    first = values[0]
+    if isinstance(first, torch.Tensor) and not first.is_nested:
+        return torch.cat(values)
+    if isinstance(first, torch.Tensor):
+        offsets = [first.offsets()] + [v.offsets()[1:] + sum(int(u.offsets()[-1]) for u in values[:k])
+                                       for k, v in enumerate(values) if k]
+        return torch.nested.nested_tensor_from_jagged(torch.cat([v.values() for v in values]), torch.cat(offsets))
+    from tensordict import NonTensorStack
+
+    return NonTensorStack.from_list([s for v in values for s in v.tolist()])
+
+
+def _take_apart(value: Any, order: np.ndarray) -> Any:
+    """Rows ``order`` of a jagged tensor (its values gathered once) or of a text stack."""
+    if isinstance(value, torch.Tensor):
+        offsets = value.offsets().numpy()
+        lengths = np.diff(offsets)[order]
+        starts = offsets[:-1][order]
+        ends = np.cumsum(lengths)
+        take = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(starts - (ends - lengths), lengths)
+        return torch.nested.nested_tensor_from_jagged(value.values()[torch.from_numpy(take)],
+                                                      torch.from_numpy(np.concatenate([[0], ends])))
+    from tensordict import NonTensorStack
+
+    texts = value.tolist()
+    return NonTensorStack.from_list([texts[i] for i in order.tolist()])
+
+
+def _pad_on(leaves: list[dict], pad: Mapping) -> None:
+    """Pad each padded field (``pad``'s keys) of the sources' batches on, with its pad value,
+    to the widest of them: each source padded to its own longest row."""
+    for name, value in pad.items():
+        key = tuple(name.split("."))
+        found = [leaf.get(key) for leaf in leaves]
+        if any(v is None or not isinstance(v, torch.Tensor) or v.ndim < 2 for v in found):
+            continue
+        width = max(v.shape[1] for v in found)
+        for leaf, v in zip(leaves, found):
+            if v.shape[1] < width:
+                filler = torch.full((v.shape[0], width - v.shape[1], *v.shape[2:]), value, dtype=v.dtype,
+                                    device=v.device)
+                leaf[key] = torch.cat([v, filler], dim=1)

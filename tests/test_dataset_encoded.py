@@ -310,14 +310,16 @@ def test_an_arrow_ipc_directory_with_ragged_fields_opens_like_its_store(tmp_path
     same(dataset.sample(32), store.sample(32))
 
 
-def test_a_mixture_refuses_a_ragged_dataset_s_sequences_and_samples_its_other_fields(tmp_path):
+def test_a_mixture_joins_a_ragged_dataset_s_sequences_with_an_online_store_s(tmp_path):
     dataset = ab.open_dataset(ragged_store().to_parquet(tmp_path / "export"), seed=0)
     online = ragged_store(episodes=((10, 7), (11, 9)))
-    mixture = ab.Mixture({"demos": dataset, "online": online}, weights={"demos": 0.5, "online": 0.5}, seed=0)
-    with pytest.raises(ValueError, match="ragged or text fields"):
-        mixture.sample(8)
-    batch = mixture.sample(8, keys=["obs", "action"])
+    mixture = ab.Mixture({"demos": dataset, "online": online}, weights={"demos": 0.5, "online": 0.5}, seed=0,
+                         shuffle=True)
+    batch = mixture.sample(8)
+    check_ragged(batch)   # each row's tokens and points are its own step's, whichever source drew it
     assert batch["source"].bincount().tolist() == [4, 4]
+    batch = mixture.sample(8, keys=["obs", "action"])
+    assert "tokens" not in batch.keys() and batch["source"].bincount().tolist() == [4, 4]
 
 
 def test_a_cache_of_an_older_format_keeps_the_encoded_field_decoded_and_still_reads(tmp_path, photo, monkeypatch):

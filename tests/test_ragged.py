@@ -197,10 +197,6 @@ def test_what_does_not_take_ragged_fields_yet_says_so_before_anything_is_written
     with pytest.raises(SchemaError, match="add_episodes"):
         store.add_episodes({k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "tokens"} |
                            {"tokens": [[tokens(0, t) for t in range(3)]] * 2})
-    mixture = ab.Mixture({"a": store, "b": filled()}, weights={"a": 0.5, "b": 0.5}, seed=0)
-    with pytest.raises(ValueError, match="source 'a' has ragged or text fields"):
-        mixture.sample(8)
-    assert mixture.sample(8, keys=["action"])["action"].shape == (8,)
     writer = store.writer(num_envs=1)
     writer.add(obs=np.zeros((1, 2), np.float32), tokens=[tokens(9, 0)], action=np.array([900]),
                reward=np.zeros(1, np.float32), terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
