@@ -14,10 +14,11 @@ directory holds::
                       at 2**31 rows. Version 1 caches, of fixed-size lists, are still read).
                       A video field (format 3) is stored as each row's frame reference
                       (`arrowbuf.video.FRAME_REF`), never as pixels: it is decoded when sampled.
-                      An encoded or ragged field (format 4) is stored as where each row's
-                      bytes lie in its heap file (`arrowbuf._dataset_heaps.HEAP_REF`)
-    heap-<k>.bytes    an encoded or ragged field's rows as stored, one after another: an
-                      encoded field's bytes are decoded when sampled (`arrowbuf._dataset_heaps`)
+                      An encoded, ragged or text field (format 4) is stored as where each
+                      row's bytes lie in its heap file (`arrowbuf._dataset_heaps.HEAP_REF`)
+    heap-<k>.bytes    an encoded or ragged field's rows as stored, one after another (an
+                      encoded field's bytes are decoded when sampled), or a text field's
+                      distinct strings, each once (`arrowbuf._dataset_heaps`)
     episodes.arrow    the episode table (id, first row, rows, transitions, flags, return...)
     _dataset.json     manifest, written last: format, schema, counts, the video fields'
                       files (`arrowbuf.video.VideoSpec`), the heap file of each encoded or
@@ -62,7 +63,7 @@ from arrowbuf._dataset_heaps import HEAP_REF, HeapFiles, heap_fields, is_heap_fi
 from arrowbuf._filesink import DirectorySink
 from arrowbuf._persist import CHECKSUM, check_format, file_digest, progress_bar, read_json, write_manifest
 from arrowbuf._resident import madvise
-from arrowbuf.errors import FormatError, SchemaError
+from arrowbuf.errors import FormatError
 from arrowbuf.fields import Field
 from arrowbuf.schema import Schema, unflatten
 from arrowbuf.video import FRAME_REF, VideoSpec
@@ -172,12 +173,7 @@ def write_cache(directory: Path, source: Source, progress: bool | None = None) -
 
     Raises:
         FormatError: the source's rows disagree with its episode table.
-        SchemaError: a text field (a dataset does not map them yet).
     """
-    text = [name for name, f in source.schema.fields.items() if f.text]
-    if text:
-        raise SchemaError(f"{source.path}: text fields {text}: open_dataset does not map them yet; load the export "
-                          "with ab.ExperienceStore.from_parquet, or leave them out of the export")
     # FORMAT_VERSION is read at the call: a test writes caches of older versions through it (which
     # keep encoded fields decoded, as those versions' writers did).
     heaps = heap_fields(source.schema) if FORMAT_VERSION >= 4 else {}

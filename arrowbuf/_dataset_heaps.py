@@ -1,4 +1,4 @@
-"""Encoded and ragged fields in a dataset cache: their rows' bytes, never decoded or padded.
+"""Encoded, ragged and text fields in a dataset cache: their rows' bytes, never decoded or padded.
 
 An arrowbuf export holds an encoded field (``codec=``) as each row's bytes and a ragged
 field in Arrow's list layout; a dataset's cache keeps them so. Each such field has a
@@ -6,7 +6,9 @@ file of its own, ``heap-<k>.bytes``: its rows' bytes one after another in row or
 encoded row's bytes as the source held them; a ragged row's values, item after item).
 ``rows.arrow`` holds, per row, where they lie in that file (`HEAP_REF`: offset and size,
 16 bytes). A PNG field's cache is then about the export's size, where its decoded rows
-took 10x more.
+took 10x more. A text field's file holds each distinct string's UTF-8 bytes once (an
+instruction repeated for every step of every episode: once), each row's reference pointing
+at its string; a dataset reads them into a `arrowbuf.text.TextColumn` when it opens (`text_column`).
 
 A conversion appends each batch's bytes as its rows stream in (`HeapFiles`: memory stays
 bounded, and the disk holds one copy). A dataset maps each file (`MappedHeap`) and reads
@@ -53,9 +55,12 @@ from arrowbuf.errors import FormatError, describe
 from arrowbuf.fields import Field
 from arrowbuf.ragged import RaggedRows
 from arrowbuf.schema import Schema
+from arrowbuf.text import TextColumn
 
-#: What ``rows.arrow`` stores per row of an encoded or ragged field: (offset, size) of its bytes in the field's file.
+#: What ``rows.arrow`` stores per row of an encoded, ragged or text field: (offset, size) of its bytes in the field's file.
 HEAP_REF = Field("int64", (2,))
+#: Distinct strings of a text field a conversion remembers, to write each once (later ones are written per batch).
+TEXT_REMEMBERED = 1 << 16
 _FILE = "heap-{}.bytes"
 _FILE_NAME = re.compile(r"heap-[0-9]+\.bytes")
 
@@ -66,8 +71,8 @@ def is_heap_file(name: str) -> bool:
 
 
 def heap_fields(schema: Schema) -> dict[str, str]:
-    """{field: file} of ``schema``'s encoded and ragged fields: the files a cache keeps their bytes in."""
-    names = [name for name, spec in schema.fields.items() if spec.codec is not None or spec.ragged]
+    """{field: file} of ``schema``'s encoded, ragged and text fields: the files a cache keeps their bytes in."""
+    names = [name for name, spec in schema.fields.items() if spec.codec is not None or spec.ragged or spec.text]
     return {name: _FILE.format(k) for k, name in enumerate(names)}
 
 
@@ -78,6 +83,7 @@ class HeapFiles:
     def __init__(self, directory: Path, schema: Schema, heaps: Mapping[str, str]) -> None:
         self._specs = {name: schema.fields[name] for name in heaps}
         self._ends = dict.fromkeys(heaps, 0)
+        self._written: dict[str, dict[str, tuple[int, int]]] = {name: {} for name in heaps}   # text: each string once
         self._files: dict[str, BinaryIO] = {}
         for name, file in heaps.items():
             self._files[name] = open(directory / file, "wb")
@@ -90,6 +96,8 @@ class HeapFiles:
             FormatError: rows of another kind than the field's (naming ``where``).
         """
         spec = self._specs[name]
+        if spec.text:
+            return self._append_text(name, rows, where)
         data, offsets = _encoded_bytes(rows, name, where) if spec.codec is not None else \
             _ragged_bytes(rows, spec, name, where)
         self._files[name].write(data)
@@ -97,6 +105,30 @@ class HeapFiles:
         refs[:, 0] = offsets[:-1] + self._ends[name]
         refs[:, 1] = np.diff(offsets)
         self._ends[name] += int(offsets[-1])
+        return refs
+
+    def _append_text(self, name: str, rows: Any, where: str) -> np.ndarray:
+        """A text field's rows: each distinct string's UTF-8 bytes written once (the first
+        `TEXT_REMEMBERED` of them; an instruction repeated for every step is stored once), every
+        row's `HEAP_REF` pointing at them."""
+        if not isinstance(rows, np.ndarray) or rows.dtype != object:
+            raise FormatError(f"{where}: field {name!r} is text; its rows came as {describe(rows)}, not as str values")
+        refs = np.empty((len(rows), 2), np.int64)
+        if not len(rows):
+            return refs
+        distinct, inverse = np.unique(rows, return_inverse=True)
+        written, places = self._written[name], np.empty((len(distinct), 2), np.int64)
+        for k, text in enumerate(distinct.tolist()):
+            place = written.get(text)
+            if place is None:
+                data = text.encode()
+                place = (self._ends[name], len(data))
+                self._files[name].write(data)
+                self._ends[name] += len(data)
+                if len(written) < TEXT_REMEMBERED:
+                    written[text] = place
+            places[k] = place
+        refs[:] = places[inverse.reshape(-1)]
         return refs
 
     def close(self) -> None:
@@ -151,14 +183,14 @@ def cache_heaps(manifest: Mapping[str, Any], schema: Schema, path: Path) -> dict
                           "format 4 or later")
     for name, file in heaps.items():
         spec = schema.fields.get(name)
-        if spec is None or not (spec.codec is not None or spec.ragged):
-            raise FormatError(f"{path}: heap file {file!r} of field {name!r}, which is not an encoded or ragged "
-                              f"field of the cache's schema ({spec!r})")
+        if spec is None or not (spec.codec is not None or spec.ragged or spec.text):
+            raise FormatError(f"{path}: heap file {file!r} of field {name!r}, which is not an encoded, ragged or "
+                              f"text field of the cache's schema ({spec!r})")
         if not isinstance(file, str) or not is_heap_file(file) or file not in manifest["files"]:
             raise FormatError(f"{path}: heap file {file!r} of field {name!r} is not a cache file the manifest lists")
-    missing = [name for name, spec in schema.fields.items() if spec.ragged and name not in heaps]
+    missing = [name for name, spec in schema.fields.items() if (spec.ragged or spec.text) and name not in heaps]
     if missing:
-        raise FormatError(f"{path}: ragged fields {missing} have no heap file in the manifest")
+        raise FormatError(f"{path}: ragged or text fields {missing} have no heap file in the manifest")
     return dict(heaps)
 
 
@@ -190,6 +222,34 @@ class MappedHeap:
 
 def heap_column(spec: Field, name: str, refs: np.ndarray, data: np.ndarray, file: Path) -> Any:
     """Field ``name``'s read-only column, its rows at ``refs`` (`HEAP_REF` rows) in ``data`` (its
-    heap ``file``, mapped): of the field's own kind (`arrowbuf.columns.mapped_column`)."""
+    heap ``file``, mapped): of the field's own kind (`arrowbuf.columns.mapped_column`); a text
+    field's strings read into a `arrowbuf.text.TextColumn` (`text_column`)."""
+    if spec.text:
+        return text_column(name, refs, MappedHeap(data, name, file))
     unit = 1 if spec.codec is not None else spec.numpy_dtype.itemsize * int(np.prod(spec.shape[1:], dtype=np.int64))
     return mapped_column(spec, name, refs, MappedHeap(data, name, file, unit))
+
+
+def text_column(name: str, refs: np.ndarray, heap: MappedHeap) -> TextColumn:
+    """A text field's `TextColumn` (codes in memory, 4 bytes a row; each string once) of the
+    rows at ``refs`` in ``heap``: a dataset samples it as a store samples its own.
+
+    Raises:
+        FormatError: a reference outside the file, or bytes that are not UTF-8 (naming the row).
+    """
+    column = TextColumn(len(refs))
+    column.name = name
+    if not len(refs):
+        return column
+    keys = np.ascontiguousarray(refs, np.int64).view(np.dtype((np.void, 16))).reshape(-1)
+    distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    strings = np.empty(len(distinct), object)
+    for k, row in enumerate(first.tolist()):
+        addr, size = (int(v) for v in refs[row])
+        try:
+            strings[k] = bytes(heap.view(addr, size)).decode()
+        except UnicodeDecodeError as err:
+            raise FormatError(f"{heap.file}: field {name!r}, row {row}: its bytes are not UTF-8 text ({err}); the "
+                              "cache is damaged (open the source with verify=True, or delete the cache)") from None
+    column.codes[:] = column.code(strings)[inverse.reshape(-1)]
+    return column

@@ -132,7 +132,8 @@ def test_a_torchrl_batch_with_strings_is_refused_not_stripped():
     assert len(store) == 6
 
 
-def test_open_dataset_refuses_an_export_with_text_fields_naming_them(tmp_path):
-    export = filled().to_parquet(tmp_path / "export")
-    with pytest.raises(SchemaError, match=r"text fields \['instruction'\]: open_dataset does not map them yet"):
-        ab.open_dataset(export)
+def test_open_dataset_samples_an_export_s_text_field_as_the_store_wrote_it(tmp_path):
+    store = filled()
+    dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"), seed=0)
+    assert dataset.to_arrow().column("instruction").to_pylist() == store.to_arrow().column("instruction").to_pylist()
+    assert len(dataset.sample(8)["instruction"]) == 8   # (rows against their steps: tests/test_dataset_text.py)
