@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf import _lazy_torch
+from arrowbuf._pool import joined, nest
 from arrowbuf.byte_heap import HeapColumn
 from arrowbuf.errors import SchemaError, describe
 
@@ -234,18 +235,62 @@ def nested(rows: RaggedRows, tensor_dtype: str) -> Any:
     values = torch.from_numpy(rows.values)
     if tensor_dtype == "bfloat16":
         values = values.view(torch.bfloat16)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.from_numpy(rows.offsets),
-                                                  max_seqlen=int(rows.lengths.max(initial=0)))
+    lengths = rows.lengths
+    return jagged(values, torch.from_numpy(rows.offsets), int(lengths.max(initial=0)), int(lengths.min(initial=0)))
+
+
+_jagged_class: Any = None   # torch's NestedTensor class; False once it could not be used
+
+
+def jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
+    """The jagged nested tensor of ``values`` (``[total, *tail]``) and ``offsets`` (int64 ``[n + 1]``),
+    no copy, with its longest and shortest row recorded (what attention kernels read).
+
+    Built by torch's ``NestedTensor`` constructor: ``torch.nested.nested_tensor_from_jagged``
+    reaches it through a dispatch that took ~60 us of its ~85 here, as long as gathering 100
+    rows of tokens. Where that constructor is missing or refuses (another torch), the public
+    function builds it.
+    """
+    global _jagged_class
+    import torch
+
+    if _jagged_class is None:
+        try:
+            from torch.nested._internal.nested_tensor import NestedTensor
+            _jagged_class = NestedTensor
+            if not _jagged(torch.zeros(2), torch.tensor([0, 1, 2]), 1, 1).offsets().tolist() == [0, 1, 2]:
+                _jagged_class = False
+        except Exception:   # noqa: BLE001  any failure of a private API: the public function instead
+            _jagged_class = False
+    if _jagged_class is False:
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=min_seqlen,
+                                                      max_seqlen=max_seqlen)
+    return _jagged(values, offsets, max_seqlen, min_seqlen)
+
+
+def _jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
+    import torch
+
+    # The sequence lengths ride in the sizes of empty tensors (torch's own `_store_val_in_tensor`).
+    return _jagged_class(values, offsets, _metadata_cache={"max_seqlen": torch.zeros(max_seqlen, 0),
+                                                           "min_seqlen": torch.zeros(min_seqlen, 0)})
 
 
 def padded(rows: RaggedRows, pad: Any) -> tuple[np.ndarray, np.ndarray]:
     """(``[n, L_max, *tail]`` of ``rows`` padded with ``pad``, their lengths ``[n]``)."""
     lengths = rows.lengths
-    out = np.full((len(rows), int(lengths.max(initial=0)), *rows.tail), pad, rows.dtype)
-    bounds, values = rows.offsets.tolist(), rows.values
-    for i in range(len(rows)):   # a slice copy a row: 3.5x faster than one fancy-indexed scatter for 256 rows
-        out[i, :bounds[i + 1] - bounds[i]] = values[bounds[i]:bounds[i + 1]]
-    return out, lengths
+    longest, item = int(lengths.max(initial=0)), rows.dtype.itemsize * int(np.prod(rows.tail, dtype=np.int64))
+    filler = np.full((longest, *rows.tail), pad, rows.dtype).reshape(-1).view(np.uint8)
+    values = np.ascontiguousarray(rows.values).reshape(-1).view(np.uint8)
+    starts, ends = rows.offsets[:-1] * item, rows.offsets[1:] * item
+    gaps = (longest - lengths) * item
+    # Each row's bytes, then its gap's of pad, joined in C: every byte of the output written once
+    # (a fill, then a slice copy a row, took 1.8x as long for 256 rows of tokens).
+    pieces = [part for a, b, gap in zip(starts.tolist(), ends.tolist(), gaps.tolist())
+              for part in (values[a:b], filler[:gap])]
+    out = np.frombuffer(bytearray().join(pieces), rows.dtype) if len(rows) and longest else \
+        np.zeros(0, rows.dtype)
+    return out.reshape(len(rows), longest, *rows.tail), lengths
 
 
 def check_pad(pad: Any, schema: Any) -> dict[tuple[str, ...], Any] | None:
@@ -277,18 +322,17 @@ def pad_batch(batch: Any, pad: dict[tuple[str, ...], Any] | None) -> Any:
         return batch
     import torch
 
-    out = batch.copy()
+    dense = {}
     for key, value in pad.items():
-        tensor = out.get(key, None)
+        tensor = batch.get(key, None)
         if tensor is None:   # left out by keys=
             continue
         rows = RaggedRows(tensor.values().cpu().numpy(), tensor.offsets().cpu().numpy())
-        dense, lengths = padded(rows, value)
-        dense_tensor = torch.from_numpy(dense).to(tensor.device)
-        out.del_(key)
-        out.set(key, dense_tensor.view(tensor.dtype) if dense_tensor.dtype != tensor.dtype else dense_tensor)
-        out.set((*key[:-1], key[-1] + "_length"), torch.from_numpy(lengths).to(tensor.device))
-    return out
+        values, lengths = padded(rows, value)
+        dense_tensor = torch.from_numpy(values).to(tensor.device)
+        dense[key] = dense_tensor.view(tensor.dtype) if dense_tensor.dtype != tensor.dtype else dense_tensor
+        dense[(*key[:-1], key[-1] + "_length")] = torch.from_numpy(lengths).to(tensor.device)
+    return joined(batch, nest(dense))   # a new TensorDict: the padded tensors in place of the jagged ones
 
 
 def refuse_apart(schema: Any, where: str, fix: str) -> None:
