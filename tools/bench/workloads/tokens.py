@@ -243,11 +243,11 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
     name = f"split + gather, {spec.global_tokens / 1e6:g}M-token global batch over {W} ranks"
     target = f"arrowbuf >= {TARGETS['split_gbs']:g} GB/s"
     races = [Race(name, "GB/s", {"arrowbuf": arrowbuf_split, "ideal": ideal_split}, over("arrowbuf", "ideal"),
-                  target=target + " (each rank its own split)", units=delivered,
+                  target=target + " (each rank its own split)", units=delivered / 1e9,
                   goal=lambda m: m.values["arrowbuf"].median >= TARGETS["split_gbs"]),
              Race(f"{name}, one split for all", "GB/s", {"arrowbuf": driver_split, "ideal": ideal_split},
                   over("arrowbuf", "ideal"), target=target + " (a driver's: iter_batches without rank)",
-                  units=delivered, goal=lambda m: m.values["arrowbuf"].median >= TARGETS["split_gbs"])]
+                  units=delivered / 1e9, goal=lambda m: m.values["arrowbuf"].median >= TARGETS["split_gbs"])]
     split, driver = compare("TOKENS", races, opts.rounds, opts.min_time, opts.slices)
     one = batches[0]
     timed = {"rank_share": lambda: rank_share(engine, one, W, 0, "tokens", None),
