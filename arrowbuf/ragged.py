@@ -279,18 +279,13 @@ def _jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
 def padded(rows: RaggedRows, pad: Any) -> tuple[np.ndarray, np.ndarray]:
     """(``[n, L_max, *tail]`` of ``rows`` padded with ``pad``, their lengths ``[n]``)."""
     lengths = rows.lengths
-    longest, item = int(lengths.max(initial=0)), rows.dtype.itemsize * int(np.prod(rows.tail, dtype=np.int64))
-    filler = np.full((longest, *rows.tail), pad, rows.dtype).reshape(-1).view(np.uint8)
-    values = np.ascontiguousarray(rows.values).reshape(-1).view(np.uint8)
-    starts, ends = rows.offsets[:-1] * item, rows.offsets[1:] * item
-    gaps = (longest - lengths) * item
-    # Each row's bytes, then its gap's of pad, joined in C: every byte of the output written once
-    # (a fill, then a slice copy a row, took 1.8x as long for 256 rows of tokens).
-    pieces = [part for a, b, gap in zip(starts.tolist(), ends.tolist(), gaps.tolist())
-              for part in (values[a:b], filler[:gap])]
-    out = np.frombuffer(bytearray().join(pieces), rows.dtype) if len(rows) and longest else \
-        np.zeros(0, rows.dtype)
-    return out.reshape(len(rows), longest, *rows.tail), lengths
+    out = np.full((len(rows), int(lengths.max(initial=0)), *rows.tail), pad, rows.dtype)
+    bounds, values = rows.offsets.tolist(), rows.values
+    # A fill, then a slice copy a row: 3.5x faster than one fancy-indexed scatter for 256 rows; joining
+    # each row's bytes with its gap's of pad (every byte written once) measured no faster in a sample.
+    for i in range(len(rows)):
+        out[i, :bounds[i + 1] - bounds[i]] = values[bounds[i]:bounds[i + 1]]
+    return out, lengths
 
 
 def check_pad(pad: Any, schema: Any) -> dict[tuple[str, ...], Any] | None:
