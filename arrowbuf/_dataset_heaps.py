@@ -219,6 +219,19 @@ class MappedHeap:
                               "convert again)")
         return self.data[addr:addr + size]
 
+    def views(self, addr: np.ndarray, size: np.ndarray) -> list:
+        """`view` of each row (``addr``, ``size``: int64 arrays; b"" for a row of size 0), each checked.
+
+        Raises:
+            FormatError: a row lies outside the file or cuts an item.
+        """
+        bad = (size != 0) & ((addr < 0) | (size < 0) | (addr + size > len(self.data)) | (size % self.unit != 0))
+        if bad.any():
+            at = int(np.argmax(bad))
+            self.view(int(addr[at]), int(size[at]))   # raises, naming the row's bytes
+        data = self.data
+        return [data[a:b] if a < b else b"" for a, b in zip(addr.tolist(), (addr + size).tolist())]
+
 
 def heap_column(spec: Field, name: str, refs: np.ndarray, data: np.ndarray, file: Path) -> Any:
     """Field ``name``'s read-only column, its rows at ``refs`` (`HEAP_REF` rows) in ``data`` (its

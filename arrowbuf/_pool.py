@@ -157,6 +157,19 @@ def make_td(source: dict, batch_size: torch.Size, device: torch.device | None = 
     return td_class(source, batch_size=batch_size, device=device)
 
 
+def joined(batch: TensorDict, values: dict) -> TensorDict:
+    """A TensorDict of ``batch``'s entries and ``values`` (a nested dict, shaped for its batch)
+    beside or over them, ``batch`` unchanged: built without TensorDict's per-key checks, which
+    took ~15 us for one nested tensor (`make_td`)."""
+    source = dict(batch.items())
+    for name, value in values.items():
+        if isinstance(value, dict):
+            inner = source.get(name)
+            value = joined(inner, value) if inner is not None else make_td(value, batch.batch_size, batch.device)
+        source[name] = value
+    return make_td(source, batch.batch_size, batch.device)
+
+
 _td_class: Any = None
 
 

@@ -90,6 +90,13 @@ class ByteHeap:
         at = addr & 0xFFFFFFFF
         return self._chunks[addr >> _SHIFT][at:at + size]
 
+    def views(self, addr: np.ndarray, size: np.ndarray) -> list:
+        """`view` of each row (``addr``, ``size``: int64 arrays; b"" for a row of size 0)."""
+        # Chunk and bounds split in numpy, then one slice a row: a `view` call a row took 2x as long.
+        chunks, start = self._chunks, addr & 0xFFFFFFFF
+        return [chunks[c][a:b] if a < b else b"" for c, a, b in
+                zip((addr >> _SHIFT).tolist(), start.tolist(), (start + size).tolist())]
+
     def release(self, addr: np.ndarray, size: np.ndarray) -> None:
         """The rows at ``addr`` (of ``size`` bytes; size 0: no row) are no longer held."""
         held = size > 0
@@ -215,8 +222,7 @@ class HeapColumn:
 
     def blobs(self, rows: np.ndarray) -> list:
         """The bytes of each of ``rows`` (views valid until the row is written; b"" for an empty row)."""
-        view = self.heap.view
-        return [view(a, n) if n else b"" for a, n in zip(self.addr[rows].tolist(), self.size[rows].tolist())]
+        return self.heap.views(self.addr[rows], self.size[rows])
 
     def packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the bytes of ``rows`` one after another, uint8; their byte offsets, int64 [len(rows) + 1])."""

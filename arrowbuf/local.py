@@ -168,10 +168,16 @@ class LocalBackend:
     def _epoch(self, chunks: list[np.ndarray], device: Any, keys: Any, views: bool,
                split: Any = None) -> Iterator[TensorDict]:
         """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile;
-        ``split(engine, indices)``: this rank's share of each (`arrowbuf.groups.rank_share`)."""
+        ``split(engine, indices)``: this rank's share of each (`arrowbuf.groups.rank_share`), or
+        every rank's, a list of shares (`arrowbuf.groups.rank_shares`; empty ones included)."""
         for indices in chunks:
             if split is not None:
                 indices = split(self.engine, indices)
+            if isinstance(indices, list):
+                shares = [self.engine.gather(share, device, keys, views) for share in indices]
+                if any(share.batch_size[0] for share in shares):
+                    yield shares
+                continue
             batch = self.engine.gather(indices, device, keys, views)
             if batch is not None and batch.batch_size[0]:
                 yield batch

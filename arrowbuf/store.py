@@ -371,6 +371,8 @@ class ExperienceStore:
         ``rank``'s share of each: every rank sees the same global batches (same seed, same
         contents), each row goes to one rank, a `GroupSampler`'s groups stay whole, and
         ``balance`` (a ragged field) balances its tokens over the ranks (`arrowbuf.groups`).
+        Without ``rank`` (a driver that ships the shares to its workers) each global batch is
+        a list of every rank's share, split once: share r is what ``rank=r`` gets (or empty).
 
         Each epoch has a fresh random order; transitions evicted meanwhile are skipped,
         those added join the next epoch. With ``shuffle=False`` a local batch of
@@ -395,8 +397,9 @@ class ExperienceStore:
             else epochs_fresh(self._backend, min_version, batch_size, shuffle, drop_last, epochs, device, keys)
         if epochs > 1 and min_version is None:
             first = self._epochs(first, epochs, batch_size, *rest)
-        if pad is not None:
-            first = (pad_batch(batch, pad) for batch in first)
+        if pad is not None:   # a list: every rank's share (no rank given)
+            first = ([pad_batch(b, pad) for b in batch] if isinstance(batch, list) else pad_batch(batch, pad)
+                     for batch in first)
         return trl.each_as_layout(first, self, layout)
 
     def _epochs(self, first: Iterator[TensorDict], epochs: int, *args: Any) -> Iterator[TensorDict]:

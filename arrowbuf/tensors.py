@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import numpy as np
 
 from arrowbuf._lazy_torch import is_tensor
-from arrowbuf._pool import SlotPool, leaf_views, make_td, nest, out_views
+from arrowbuf._pool import SlotPool, joined, leaf_views, make_td, nest, out_views
 from arrowbuf.encoded import BatchDecodes, DecodedField, EncodedColumn
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
 from arrowbuf.ragged import RaggedColumn
@@ -126,13 +126,15 @@ class Gather:
         if rows.ndim != 1:   # (they are step fields: n-step and frame stacks read them at the step's row)
             raise ValueError(f"ragged and text fields {['.'.join(k) for k in chosen]} are gathered one row per "
                              "item, not in sequences; leave them out with keys=")
-        out = batch.copy()   # the pooled tensors (kept from reuse while this batch lives), and the ones apart
         flat = rows.astype(np.int64, copy=False)
+        apart = {}
         for key in chosen:
             column, tensor_dtype = self._apart[key]
             value = column.batch_value(flat, tensor_dtype)
-            out.set(key, value if device is None or not hasattr(value, "to") else value.to(device))
-        return out
+            apart[key] = value if device is None or not hasattr(value, "to") else value.to(device)
+        # A new TensorDict of the pooled tensors (kept from reuse while this batch lives) and the
+        # ones apart; the pooled one stays as its slot built it.
+        return joined(batch, nest(apart))
 
     def _fixed(self, rows: np.ndarray, extra: Mapping[str, np.ndarray] | None = None,
                device: torch.device | str | None = None, pin_memory: bool = False, *,

@@ -218,10 +218,10 @@ def as_layout(batch: TensorDict | list[TensorDict], schema: Schema | None,
 
 
 def each_as_layout(batches: Iterator[TensorDict], store: Any, layout: str) -> Iterator[TensorDict]:
-    """The batches of an iterator (``iter_batches``) in ``layout``."""
+    """The batches of an iterator (``iter_batches``; a batch may be a list of ranks' shares) in ``layout``."""
     if layout == "arrowbuf":
         return batches
-    return (to_torchrl(batch, store.schema) for batch in batches)
+    return (as_layout(batch, store.schema, layout) for batch in batches)
 
 
 # -- ExperienceStore's methods with TorchRL's names (assigned in its class body) ----------

@@ -95,6 +95,20 @@ def test_balanced_ranks_place_every_item_once_groups_whole_within_the_greedy_bou
     totals = np.bincount(groups, weights=weights)
     loads = np.bincount(owner, weights=weights, minlength=world_size)
     assert loads.max() <= loads.sum() / world_size + totals.max() + 1e-9   # largest-first's guarantee
+    assert owner.tolist() == greedy_ranks(weights, world_size, groups.tolist())
+
+
+def greedy_ranks(weights, world_size, groups):
+    """Largest-first, the plain way: each group (largest total first, ties in order of first
+    appearance among equal keys sorted) to the rank with the fewest tokens so far, the lowest on a tie."""
+    keys = sorted(set(groups))
+    totals = [sum(w for w, g in zip(weights, groups) if g == k) for k in keys]
+    load, rank_of = [0] * world_size, {}
+    for k in sorted(range(len(keys)), key=lambda i: -totals[i]):   # sorted() is stable
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        rank_of[keys[k]] = rank
+        load[rank] += totals[k]
+    return [rank_of[g] for g in groups]
 
 
 def test_ranks_share_each_global_batch_exactly_once_with_balanced_tokens():
@@ -142,3 +156,35 @@ def test_an_epoch_walks_each_complete_group_once_and_whole():
         assert (groups == groups[:, :1]).all() and sorted(groups[:, 0].tolist()) == list(range(10))
     with pytest.raises(ValueError, match="multiple of group_size=3"):
         store.iter_batches(4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.sampled_from([1, 2, 4]), st.booleans(), st.booleans())
+def test_without_rank_each_global_batch_is_every_ranks_share_exactly_as_each_rank_gets_it(
+        world_size, groups_per_batch, group_size, shuffle, padded):
+    sizes = [group_size] * 30
+    kwargs = {"world_size": world_size, "balance": "tokens", "shuffle": shuffle, "epochs": 2,
+              "pad": {"tokens": -1} if padded else None}
+    batch_size = group_size * groups_per_batch
+    store, _ = grouped_store(sizes, group_size, seed=4)
+    shares = list(store.iter_batches(batch_size, **kwargs))   # a driver's: a list of world_size shares each
+    assert shares and all(isinstance(s, list) and len(s) == world_size for s in shares)
+    for rank in range(world_size):   # each rank a process of its own: a store of the same seed and contents
+        again, _ = grouped_store(sizes, group_size, seed=4)
+        own = list(again.iter_batches(batch_size, rank=rank, **kwargs))
+        mine = [s[rank] for s in shares if len(s[rank])]   # a rank is given no empty share
+        assert len(own) == len(mine)
+        for got, expected in zip(mine, own):   # the same rows, in the same order, with the same values
+            assert set(got.keys(True, True)) == set(expected.keys(True, True))
+            for key in expected.keys(True, True):
+                a, b = got[key], expected[key]
+                if a.is_nested:
+                    assert a.offsets().tolist() == b.offsets().tolist() and a.values().tolist() == b.values().tolist()
+                else:
+                    assert a.tolist() == b.tolist()
+    for batch in shares:   # each share owns its tokens: sending one moves its rows only
+        assert sum(len(s) for s in batch) > 0
+        if not padded:
+            for share in batch:
+                values = share["tokens"].values()
+                assert values.untyped_storage().nbytes() == values.numel() * values.element_size()
