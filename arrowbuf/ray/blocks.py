@@ -70,9 +70,9 @@ from typing import Any
 import numpy as np
 
 from arrowbuf._version_spans import VERSION, episode_bounds
-from arrowbuf.encoded import EncodedRows
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ResourceError
+from arrowbuf.ray.apart import stored_concat
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, position_runs
@@ -354,10 +354,10 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
     runs = position_runs(first_row, num_rows)
     columns = {}
     for name in shard.schema.fields:   # numpy views of a host arena (a device arena's are copies)
-        # An encoded field's rows as stored (`EncodedRows`): readers decode them when they gather.
+        # Encoded, ragged and text fields' rows as stored (`EncodedRows`, `RaggedRows`, dictionary
+        # arrays): readers decode or gather them apart (`arrowbuf.ray.apart`).
         parts = [shard.stored_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
-        columns[name] = parts[0] if len(parts) == 1 else EncodedRows.concat(parts) \
-            if isinstance(parts[0], EncodedRows) else np.concatenate(parts)   # ray.put copies once
+        columns[name] = stored_concat(parts)   # ray.put copies once
     ray = ray_module()
     return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b, columns.get(VERSION))), first_serial, b - a, int(num_rows.sum()),
                      sum(c.nbytes for c in columns.values()))
@@ -382,8 +382,9 @@ def block_columns(episode: Episode, schema: Schema) -> dict[str, np.ndarray] | N
     padded with a zero row, as the arena pads it), or None when it would need a
     conversion (a derived field, another dtype, not numpy): such an episode is copied by
     its shard instead. Only small step fields are copied; observations are the episode's."""
-    if len(episode.columns) != len(schema.fields) or any(f.codec is not None for f in schema.fields.values()):
-        return None   # (an encoded field's rows are encoded by the shard)
+    if len(episode.columns) != len(schema.fields) or \
+            any(f.codec is not None or f.ragged or f.text for f in schema.fields.values()):
+        return None   # (an encoded field's rows are encoded by the shard; ragged and text rows are its columns')
     rows = episode.num_rows
     columns = {}
     for name, spec in schema.fields.items():
