@@ -116,7 +116,7 @@ def _apart_value(value: Any, name: str, schema: Schema | None) -> bool:
         return False   # an unknown field: the check names it
     try:
         array, dtype = as_array(value, name)
-    except SchemaError:
+    except (SchemaError, ValueError, TypeError, RuntimeError):   # (numpy's, torch's: a list of nested tensors)
         return True
     return dtype == "string" or not isinstance(array, np.ndarray) or array.ndim < 2
 
