@@ -127,8 +127,11 @@ def owned_episode(episode: Episode) -> Episode:
     return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)
 
 
-def host_copy(array: Any) -> np.ndarray:
-    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device."""
+def host_copy(array: Any) -> np.ndarray | dict:
+    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device; a
+    ragged or text field's staged rows as a writer's state keeps them (`RowStage.saved`)."""
+    if isinstance(array, RowStage):
+        return array.saved()
     return tensor_to_numpy(array).copy() if isinstance(array, torch.Tensor) else array.copy()
 
 

@@ -6,8 +6,9 @@ keeps each field as an array ``[envs, steps, *shape]`` and cuts an episode's row
 `RowStage`: an object array ``[envs, steps]`` of rows (each step's own copy of its sequence,
 or its ``str``), indexed and assigned as the numpy stages are, whose cut (``stage[env, :n]``)
 is the episode's column in the form the store takes (`arrowbuf.ragged.RaggedRows`, or an
-object array of ``str``). A writer's state keeps no staged rows of it: a checkpoint ships or
-flushes them first (a non-empty one raises `SchemaError`, naming the field and the fix).
+object array of ``str``). A writer's state (a checkpoint's) keeps its rows as arrays and JSON
+values (`RowStage.saved`), read back and checked by `RowStage.from_saved`; an in-place
+writer's open steps of such a field are saved in the same form (`arrowbuf.inplace`).
 
 Example:
     >>> from arrowbuf.fields import Field
@@ -56,6 +57,8 @@ class RowStage:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """The cells ``key`` names set to ``value``'s rows (one for all, or one each), or to another stage's."""
+        if isinstance(value, dict):   # a writer state's (`saved`)
+            value = RowStage.from_saved(value, self.spec, self.name)
         if isinstance(value, RowStage):
             self.cells[key] = value.cells
             return
@@ -82,14 +85,53 @@ class RowStage:
                 else RaggedRows(self.empty, np.zeros(1, np.int64))
         return np.array(cells, dtype=object)
 
-    def copy(self) -> np.ndarray:
-        """What a writer's state keeps of these cells: nothing while they are empty.
+    def saved(self) -> dict:
+        """These cells as a writer's state keeps them (JSON values and numpy arrays, no objects):
+        a ragged field's ``{"lengths": [envs, steps], "values": [total, *tail]}``, a text
+        field's ``{"codes": [envs, steps], "strings": [...]}`` (`from_saved` reads them back)."""
+        flat = self.cells.reshape(-1).tolist()
+        if self.spec.ragged:
+            lengths = np.array([len(row) for row in flat], np.int64).reshape(self.cells.shape)
+            values = np.concatenate(flat) if flat else self.empty
+            return {"lengths": lengths, "values": np.ascontiguousarray(values, self.spec.numpy_dtype)}
+        strings = sorted(set(flat))
+        code = {text: k for k, text in enumerate(strings)}
+        return {"codes": np.array([code[text] for text in flat], np.int64).reshape(self.cells.shape),
+                "strings": strings}
+
+    @classmethod
+    def from_saved(cls, saved: Any, spec: Any, name: str) -> "RowStage":
+        """The stage a writer's state saved (`saved`), checked.
 
         Raises:
-            SchemaError: cells hold steps (a state is taken after its writer shipped or flushed them).
+            ValueError: naming the field, for a saved form that is not this field's (lengths that do
+                not add up to the values, codes outside the strings, another dtype or item shape).
         """
-        if self.cells.size:
-            raise SchemaError(f"ragged or text field {self.name!r}: a writer's state cannot keep its staged steps "
-                              f"({self.cells.shape[1]} steps of {self.cells.shape[0]} envs); flush() the store's "
-                              "writers before save()")
-        return np.zeros(self.cells.shape, np.int8)
+        stage = cls((0, 0), spec, name)
+        key = "lengths" if spec.ragged else "codes"
+        grid = saved.get(key) if isinstance(saved, dict) else None
+        if not isinstance(grid, np.ndarray) or grid.ndim != 2 or grid.dtype.kind not in "iu" or (grid < 0).any():
+            raise ValueError(f"writer state: staged steps of {'ragged' if spec.ragged else 'text'} field {name!r} "
+                             f"must be {{{key!r}: an [envs, steps] array of ints >= 0, ...}}, got {describe(saved)}")
+        cells = np.empty(grid.shape, object)
+        if spec.ragged:
+            values = saved.get("values")
+            if not isinstance(values, np.ndarray) or values.dtype != spec.numpy_dtype or \
+                    values.shape[1:] != stage.tail or len(values) != int(grid.sum()):
+                raise ValueError(f"writer state: field {name!r} has {int(grid.sum())} staged values of "
+                                 f"{spec.numpy_dtype} items {stage.tail}, got {describe(values)}")
+            bounds = np.concatenate([[0], np.cumsum(grid.reshape(-1))]).astype(np.int64).tolist()
+            flat = cells.reshape(-1)
+            for k in range(grid.size):
+                flat[k] = values[bounds[k]:bounds[k + 1]]
+        else:
+            strings = saved.get("strings")
+            if not isinstance(strings, list) or not all(isinstance(t, str) for t in strings) or \
+                    (grid.size and int(grid.max()) >= len(strings)):
+                raise ValueError(f"writer state: field {name!r} has codes up to {int(grid.max(initial=0))} into its "
+                                 f"staged strings, got {describe(strings)}")
+            flat = cells.reshape(-1)
+            for k, code in enumerate(grid.reshape(-1).tolist()):
+                flat[k] = strings[code]
+        stage.cells = cells
+        return stage

@@ -220,3 +220,52 @@ def test_add_episodes_takes_every_ragged_form_and_inference_finds_ragged_and_tex
     assert list(batch["instruction"]) == [instruction(a // 100) for a in actions]
     assert sorted(actions) == sorted([100 * e + t for e, n in ((0, 5), (1, 3), (2, 4), (4, 3), (5, 3))
                                       for t in range(n)])
+
+
+@pytest.mark.parametrize("mode", ["circular", "fixed"])   # steps written in place, or staged
+def test_a_checkpoint_keeps_a_writer_s_open_sequences_and_strings_and_its_writer_goes_on(tmp_path, mode):
+    store = ab.ExperienceStore(capacity=200, schema=SCHEMA, seed=0, mode=mode)
+
+    def step(writer, t: int) -> None:   # env 0 ends an episode at t = 3; env 1 never ends before flush()
+        writer.add(obs=np.zeros((2, 2), np.float32), tokens=[tokens(7 + e, t) for e in range(2)],
+                   instruction=[instruction(7 + e) for e in range(2)], action=np.array([700 + t, 800 + t]),
+                   reward=np.zeros(2, np.float32), terminated=np.array([t == 3, False]),
+                   truncated=np.zeros(2, bool), next_obs=np.zeros((2, 2), np.float32))
+
+    writer = store.writer(num_envs=2, name="runner", autoreset_mode="disabled")
+    for t in range(6):
+        step(writer, t)
+    store.save(tmp_path / mode)
+    loaded = ab.ExperienceStore.load(tmp_path / mode)
+    resumed = loaded.writer(num_envs=2, name="runner", autoreset_mode="disabled")
+    for t in range(6, 9):
+        step(resumed, t)
+    resumed.flush()
+    seen = []
+    for batch in loaded.iter_batches(8):
+        check(batch)
+        seen += batch["action"].tolist()
+    assert sorted(seen) == sorted([700 + t for t in range(9)] + [800 + t for t in range(9)])
+    assert loaded.num_episodes == 3   # env 1's steps before and after the save are one episode
+
+
+def test_a_writer_state_s_staged_sequences_and_strings_read_back_as_saved_and_bad_ones_are_refused():
+    from arrowbuf.row_stage import RowStage
+
+    stage = RowStage((2, 3), SCHEMA["tokens"], "tokens")
+    stage[np.array([0, 1]), np.array([0, 2])] = [tokens(1, 1), tokens(2, 2)]
+    saved = stage.saved()
+    back = RowStage.from_saved(saved, SCHEMA["tokens"], "tokens")
+    assert [len(r) for r in back.cells.reshape(-1)] == [10, 0, 0, 0, 0, 7]
+    np.testing.assert_array_equal(back[1, :3].values, tokens(2, 2))
+    lengths, values = saved["lengths"], saved["values"]
+    for bad in ({"lengths": lengths, "values": values[:-1]}, {"lengths": -lengths, "values": values},
+                {"values": values}, {"lengths": lengths, "values": values.astype(np.float32)}):
+        with pytest.raises(ValueError, match="field 'tokens'"):
+            RowStage.from_saved(bad, SCHEMA["tokens"], "tokens")
+    texts = RowStage((1, 2), SCHEMA["instruction"], "instruction")
+    texts[0, 1] = "open the drawer"
+    back = RowStage.from_saved(texts.saved(), SCHEMA["instruction"], "instruction")
+    assert list(back[0, :2]) == ["", "open the drawer"]
+    with pytest.raises(ValueError, match="field 'instruction'"):
+        RowStage.from_saved({"codes": np.array([[0, 5]]), "strings": ["a"]}, SCHEMA["instruction"], "instruction")
