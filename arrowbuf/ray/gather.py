@@ -84,8 +84,8 @@ class BlockGather:
         self.rowwise_bytes = rowwise_bytes
         self.fields = schema.fields
         self.entries = []   # every pooled field (`arrowbuf.layout.FieldPlan`), its source the field's name
-        # Ragged and text fields have no fixed row: added to each batch apart (`arrowbuf.ray.apart`).
-        self.apart = ApartGather(schema)
+        # Ragged and text fields have no fixed row: added to each batch apart (`arrowbuf.ray.apart`; None: none).
+        self.apart = ApartGather(schema) if any(f.ragged or f.text for f in schema.fields.values()) else None
         for name, f in schema.fields.items():
             if f.ragged or f.text:
                 continue
@@ -101,7 +101,7 @@ class BlockGather:
 
     def check_keys(self, keys: Any) -> frozenset | None:
         """``keys`` checked as `arrowbuf.layout.check_keys` does (None: every field)."""
-        return check_keys(keys, [entry.key for entry in self.entries] + list(self.apart.fields))
+        return check_keys(keys, [entry.key for entry in self.entries] + list(self.apart.fields if self.apart else ()))
 
     def __call__(self, ordered: BlockReads, start: int, stop: int, keys: frozenset | None,
                  device: torch.device | None = None) -> TensorDict:
@@ -119,7 +119,7 @@ class BlockGather:
         ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             batch = batch.to(device, non_blocking=True)
-        return self.apart.add(batch, ordered, start, stop, keys, device)
+        return batch if self.apart is None else self.apart.add(batch, ordered, start, stop, keys, device)
 
     def batches(self, ordered: BlockReads, start: int, stop: int, batch_size: int, keys: frozenset | None,
                 device: torch.device | None = None) -> tuple[TensorDict, ...]:
@@ -139,6 +139,8 @@ class BlockGather:
         ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
             batches = tuple(batch.to(device, non_blocking=True) for batch in batches)
+        if self.apart is None:
+            return batches
         return tuple(self.apart.add(batch, ordered, start + k * batch_size, start + (k + 1) * batch_size, keys, device)
                      for k, batch in enumerate(batches))
 
