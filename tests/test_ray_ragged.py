@@ -269,3 +269,9 @@ def test_a_writer_state_s_staged_sequences_and_strings_read_back_as_saved_and_ba
     assert list(back[0, :2]) == ["", "open the drawer"]
     with pytest.raises(ValueError, match="field 'instruction'"):
         RowStage.from_saved({"codes": np.array([[0, 5]]), "strings": ["a"]}, SCHEMA["instruction"], "instruction")
+
+
+def test_a_durable_ray_store_refuses_ragged_and_text_fields_before_it_starts(tmp_path):
+    with pytest.raises(SchemaError, match=r"\['tokens', 'instruction'\]: a durable Ray store's episode log.*durable"):
+        ab.ExperienceStore(capacity=50, schema=SCHEMA, backend="ray", num_shards=1, durable=tmp_path / "log")
+    assert not (tmp_path / "log").exists() or not any((tmp_path / "log").iterdir())

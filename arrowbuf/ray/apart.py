@@ -13,7 +13,7 @@ and `ApartGather` adds them to each batch, as the embedded store's gather does (
 
 Each batch position's item is found through the reader's ordering (`arrowbuf.ray.block_reads.BlockReads`):
 its ordered position (``inv``), the block piece holding it, and its block-local step row (``rows[0]``).
-`apart_lengths` reads a ragged field's row lengths the same way without gathering (ranks balanced by tokens).
+A durable store's episode log does not take them yet (`refuse_durable_apart`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ import pyarrow as pa
 
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.layout import field_key
-from arrowbuf.ragged import RaggedRows, nested
+from arrowbuf.ragged import RaggedRows, nested, refuse_apart
 from arrowbuf.schema import Schema
+
+
+def refuse_durable_apart(schema: Schema | None) -> None:
+    """Raise `SchemaError` for ragged or text fields in a durable store (before anything is written):
+    its episode log's records hold fixed-shape columns only."""
+    refuse_apart(schema, "a durable Ray store's episode log", "leave durable unset (save() checkpoints keep them)")
 
 
 def stored_concat(parts: list[Any]) -> Any:
@@ -149,16 +155,3 @@ class ApartGather:
                 value = NonTensorStack.from_list(texts.tolist())
             out.set(key, value if device is None or device.type == "cpu" else value.to(device))
         return out
-
-
-def apart_lengths(view: Any, columns: list[dict], selection: Any, name: str) -> np.ndarray:
-    """The lengths of ragged field ``name``'s rows of ``selection``'s items in ``view`` (a
-    `arrowbuf.ray.views.ShardView`, ``columns``: its blocks' columns), without gathering them."""
-    rows = selection.rows
-    block = np.searchsorted(view.bases, rows, side="right") - 1
-    local = rows - view.bases.take(block)
-    lengths = np.zeros(len(rows), np.int64)
-    for b in np.unique(block).tolist():
-        mine = block == b
-        lengths[mine] = columns[b][name].lengths[local[mine]]
-    return lengths

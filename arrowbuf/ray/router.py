@@ -40,6 +40,7 @@ import torch
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
+from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.fresh import check_fresh_sampler, fresh_indices
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gae import compute_gae
@@ -147,6 +148,8 @@ class RayBackend:
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
+        if self.shards.durable:
+            refuse_durable_apart(schema)
         if self._schema is None:
             self._schema = schema
             self._sink.set_schema(schema)
