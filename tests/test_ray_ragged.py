@@ -275,3 +275,21 @@ def test_a_durable_ray_store_refuses_ragged_and_text_fields_before_it_starts(tmp
     with pytest.raises(SchemaError, match=r"\['tokens', 'instruction'\]: a durable Ray store's episode log.*durable"):
         ab.ExperienceStore(capacity=50, schema=SCHEMA, backend="ray", num_shards=1, durable=tmp_path / "log")
     assert not (tmp_path / "log").exists() or not any((tmp_path / "log").iterdir())
+
+
+def test_sealed_blocks_count_the_values_of_ragged_fields_in_their_size():
+    """A block holds about block_bytes, values included (a ragged row's fixed part is 0 bytes: counted by
+    rows alone, ten episodes of 32 KB of tokens were sealed into one block of 5x block_bytes)."""
+    store = ab.ExperienceStore(capacity=5_000, schema=SCHEMA, backend="ray", num_shards=1, seed=0,
+                               ray_options=ab.RayOptions(block_bytes=1 << 16))
+    try:
+        data = batch_of(list(range(10)), 8)
+        data["tokens"] = [[np.full(1000, 100 * e + t, np.int32) for t in range(8)] for e in range(10)]   # 32 KB each
+        store.add_episodes(data)
+        store.flush()
+        batch = store.sample(64)
+        for i, a in enumerate(batch["action"].tolist()):
+            assert (batch["tokens"].values()[batch["tokens"].offsets()[i]:batch["tokens"].offsets()[i + 1]] == a).all()
+        assert store.stats()["reader"]["blocks"] >= 4   # 320 KB of values in blocks of about 64 KB
+    finally:
+        store.close()

@@ -254,9 +254,8 @@ class BlockRing:
 
     def _seal_copies(self, engine: ShardEngine, start: int, stop: int, first_live: int) -> None:
         """Blocks of serials [start, stop), copied from the arena (absorbing small newest blocks)."""
-        table = engine.table
-        row_bytes = engine.schema.field_bytes
-        new_bytes = int(table.col("num_rows")[start - first_live:stop - first_live].sum()) * row_bytes
+        sizes = _episode_bytes(engine, start - first_live, stop - first_live)
+        new_bytes = int(sizes.sum())
         while self.blocks:
             last = self.blocks[-1]
             if last.nbytes >= self.block_bytes // 8 or last.nbytes > MERGE * new_bytes \
@@ -265,15 +264,16 @@ class BlockRing:
                 break
             self.blocks.pop()
             start, new_bytes = last.first_serial, new_bytes + last.nbytes
+            sizes = _episode_bytes(engine, start - first_live, stop - first_live)
+        at = start
         while start < stop:   # full blocks first when much is open (a resumed engine)
-            end = self._block_end(table, start - first_live, stop - first_live, row_bytes) + first_live
+            end = self._block_end(sizes[start - at:stop - at]) + start
             self.blocks.append(_put_block(engine, start - first_live, end - first_live, start))
             start = end
 
-    def _block_end(self, table: EpisodeTable, a: int, b: int, row_bytes: int) -> int:
-        """Position after the episodes from ``a`` that fill about one block (at least one episode)."""
-        sizes = np.cumsum(table.col("num_rows")[a:b]) * row_bytes
-        return min(b, a + 1 + int(np.searchsorted(sizes, self.block_bytes, side="left")))
+    def _block_end(self, sizes: np.ndarray) -> int:
+        """How many of the episodes of ``sizes`` (bytes each) fill about one block (at least one)."""
+        return min(len(sizes), 1 + int(np.searchsorted(np.cumsum(sizes), self.block_bytes, side="left")))
 
     def _drop_evicted(self, table: EpisodeTable) -> None:
         first_live = table.episodes_added - len(table)
@@ -345,6 +345,21 @@ class BlockRing:
             stop_index = table.live_range()[0]
         return Manifest(self.token, self.version, tuple(self.blocks), first_live, stop, stop_index,
                         self.draws_here)
+
+
+def _episode_bytes(engine: ShardEngine, a: int, b: int) -> np.ndarray:
+    """Bytes of each live episode at positions [a, b): its rows of the fixed-size fields, and the
+    values of its ragged fields (a ragged field's row has no fixed size: its heap's sizes)."""
+    table = engine.table
+    num_rows = table.col("num_rows")[a:b].astype(np.int64)
+    sizes = num_rows * engine.schema.field_bytes
+    heaps = [engine.shard.arena[name] for name, f in engine.schema.fields.items() if f.ragged]
+    if heaps and len(num_rows):
+        ends = np.cumsum(num_rows)
+        rows = np.repeat(table.col("first_row")[a:b] - (ends - num_rows), num_rows) + np.arange(int(ends[-1]))
+        for column in heaps:
+            sizes = sizes + np.add.reduceat(column.size[rows], ends - num_rows)
+    return sizes
 
 
 def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockInfo:
