@@ -222,9 +222,10 @@ def test_add_episodes_takes_every_ragged_form_and_inference_finds_ragged_and_tex
                                       for t in range(n)])
 
 
-@pytest.mark.parametrize("mode", ["circular", "fixed"])   # steps written in place, or staged
+@pytest.mark.parametrize("mode", ["circular", "fixed", "ray"])   # steps written in place, staged, shipped in pieces
 def test_a_checkpoint_keeps_a_writer_s_open_sequences_and_strings_and_its_writer_goes_on(tmp_path, mode):
-    store = ab.ExperienceStore(capacity=200, schema=SCHEMA, seed=0, mode=mode)
+    store = ab.ExperienceStore(capacity=200, schema=SCHEMA, seed=0, mode="circular" if mode == "ray" else mode,
+                               **({"backend": "ray", "num_shards": 1} if mode == "ray" else {}))
 
     def step(writer, t: int) -> None:   # env 0 ends an episode at t = 3; env 1 never ends before flush()
         writer.add(obs=np.zeros((2, 2), np.float32), tokens=[tokens(7 + e, t) for e in range(2)],
@@ -236,17 +237,23 @@ def test_a_checkpoint_keeps_a_writer_s_open_sequences_and_strings_and_its_writer
     for t in range(6):
         step(writer, t)
     store.save(tmp_path / mode)
+    if mode == "ray":
+        store.close()
     loaded = ab.ExperienceStore.load(tmp_path / mode)
-    resumed = loaded.writer(num_envs=2, name="runner", autoreset_mode="disabled")
-    for t in range(6, 9):
-        step(resumed, t)
-    resumed.flush()
-    seen = []
-    for batch in loaded.iter_batches(8):
-        check(batch)
-        seen += batch["action"].tolist()
-    assert sorted(seen) == sorted([700 + t for t in range(9)] + [800 + t for t in range(9)])
-    assert loaded.num_episodes == 3   # env 1's steps before and after the save are one episode
+    try:
+        resumed = loaded.writer(num_envs=2, name="runner", autoreset_mode="disabled")
+        for t in range(6, 9):
+            step(resumed, t)
+        resumed.flush()
+        loaded.flush()
+        seen = []
+        for batch in loaded.iter_batches(8):
+            check(batch)
+            seen += batch["action"].tolist()
+        assert sorted(seen) == sorted([700 + t for t in range(9)] + [800 + t for t in range(9)])
+        assert loaded.num_episodes == 3   # env 1's steps before and after the save are one episode
+    finally:
+        loaded.close()
 
 
 def test_a_writer_state_s_staged_sequences_and_strings_read_back_as_saved_and_bad_ones_are_refused():
