@@ -5,7 +5,9 @@ episodes of up to T steps stacked on a leading axis (a rollout of E envs, a
 padded batch of trajectories). Every episode of a batch has the same dtypes and
 per-step shapes, so checking the first one against the schema checks them all;
 the episodes are then views of the batch's arrays (no copy until the shard
-copies them in), cut to their ``lengths``.
+copies them in), cut to their ``lengths``. Ragged and text fields, whose rows have
+no [E, T] form, may come as E values, one per episode: each is read and checked
+on its own (an error names the field and the episode).
 
 Example:
     >>> import numpy as np, arrowbuf as ab
@@ -31,7 +33,6 @@ from arrowbuf._checks import check_env_id, check_metadata
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array, check_column
-from arrowbuf.ragged import refuse_apart
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 
@@ -45,7 +46,9 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     Args:
         data: a dict (nested dicts allowed) or TensorDict of arrays / tensors shaped
             [E, T, ...] for step fields and [E, T + 1, ...] (with final
-            observations) or [E, T, ...] for observation fields.
+            observations) or [E, T, ...] for observation fields; a ragged or text field
+            also as a list of E values, one per episode, each any form of its rows (a list
+            of sequences or of str, a jagged nested tensor, an Arrow array) with a row per step.
         lengths: None (every episode has T steps) or E ints in [1, T]: episode e
             is its first ``lengths[e]`` steps (and observations up to its final
             one, row ``lengths[e]``); later rows are padding, never read.
@@ -74,8 +77,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     # Ragged and text fields given as E values, one per episode (`_per_episode`); the rest [E, T, ...].
     apart = {name: _per_episode(value, name) for name, value in flat.items() if _apart_value(value, name, schema)}
     if apart and keep_tensors:
-        refuse_apart(schema or Schema.infer({n: v[0] for n, v in apart.items()}), "add_episodes of a store with a "
-                     "storage_device", "leave storage_device=None")
+        raise SchemaError(f"ragged or text fields {list(apart)}: a store with a storage_device does not take them "
+                          "yet; leave storage_device=None")
     columns = {name: read(value, name) for name, value in flat.items() if name not in apart}
     count = _episode_count(columns, apart)
     first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()} | \
