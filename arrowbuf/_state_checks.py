@@ -221,13 +221,23 @@ def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
         raise _bad(where, f"{field}.env_ids", env_ids, f"a list of {num_envs} strings")
     for part, ndim in (("stage", 2), ("last_next", 1)):
         arrays = state[part]
+        if part == "stage" and isinstance(arrays, dict):   # a ragged or text field's rows: its [envs, steps] grid
+            arrays = {name: _grid(a) for name, a in arrays.items()}
         if not isinstance(arrays, dict) or not all(isinstance(a, np.ndarray) and a.ndim >= ndim and len(a) == num_envs
                                                    for a in arrays.values()):
             raise _bad(where, f"{field}.{part}", arrays, f"arrays with a row per env ({num_envs})"
                        + (" and a column per staged step" if part == "stage" else ""))
-    _open_steps(where, field, pos, state["stage"], state["last_next"])
+    _open_steps(where, field, pos, {name: _grid(a) for name, a in state["stage"].items()}, state["last_next"])
     if not isinstance(state["pending"], list):
         raise _bad(where, f"{field}.pending", state["pending"], "a list of episodes")
+
+
+def _grid(staged: Any) -> Any:
+    """A staged field's rows, or a ragged or text field's saved rows' grid of lengths or codes
+    (`arrowbuf.row_stage.RowStage.saved`; the rest is checked where it is read back)."""
+    if isinstance(staged, dict):
+        return staged.get("lengths", staged.get("codes"))
+    return staged
 
 
 def _open_steps(where: str, field: str, pos: np.ndarray, stage: Mapping[str, np.ndarray],

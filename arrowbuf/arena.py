@@ -44,6 +44,7 @@ from arrowbuf.errors import ResourceError, SchemaError
 from arrowbuf.placement import arena_rows
 from arrowbuf.fields import Field, as_array, dtype_name
 from arrowbuf.ragged import refuse_apart
+from arrowbuf.row_stage import RowStage
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
 from arrowbuf.tensors import Gather, make_tensordict, pinned
@@ -86,16 +87,18 @@ def step_tensor(value: Any, name: str) -> tuple[torch.Tensor, str]:
     return readable_tensor(array), dtype
 
 
-def stage_zeros(shape: tuple, spec: Field, device: torch.device | None) -> Any:
-    """A zeroed staging array of field ``spec``: numpy (``device`` None) or a tensor on ``device``.
+def stage_zeros(shape: tuple, spec: Field, device: torch.device | None, name: str = "?") -> Any:
+    """A zeroed staging array of field ``spec`` (named ``name``): numpy (``device`` None) or a tensor
+    on ``device``; a ragged or text field's ``[envs, steps]`` rows: a `arrowbuf.row_stage.RowStage`.
 
     Raises:
-        SchemaError: a ragged field, which a stage of ``[envs, steps, ...]`` cannot hold.
+        SchemaError: a ragged or text field staged on a device (its rows stay on the host).
     """
     if spec.ragged or spec.text:
-        raise SchemaError(f"a ragged or text field ({spec.dtype} {spec.shape}) in a writer that stages its steps (a mode='fixed' or "
-                          "rate-limited store, or Ray) is not supported yet; write from a circular store's "
-                          "writer (it writes steps in place), or add whole episodes with add_episode")
+        if device is not None:
+            raise SchemaError(f"ragged or text field {name!r} in a writer that stages its steps on {device}: "
+                              "such rows stay in host memory; leave the writer's device=None")
+        return RowStage(shape[:2], spec, name)
     if device is None:
         return np.zeros(shape, spec.numpy_dtype)
     return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
@@ -124,8 +127,11 @@ def owned_episode(episode: Episode) -> Episode:
     return dataclasses.replace(episode, columns={n: owned_copy(a) for n, a in episode.columns.items()}, owned=True)
 
 
-def host_copy(array: Any) -> np.ndarray:
-    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device."""
+def host_copy(array: Any) -> np.ndarray | dict:
+    """A numpy copy (bfloat16 as uint16 bits) of a numpy array or a tensor on any device; a
+    ragged or text field's staged rows as a writer's state keeps them (`RowStage.saved`)."""
+    if isinstance(array, RowStage):
+        return array.saved()
     return tensor_to_numpy(array).copy() if isinstance(array, torch.Tensor) else array.copy()
 
 

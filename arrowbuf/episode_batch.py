@@ -5,7 +5,9 @@ episodes of up to T steps stacked on a leading axis (a rollout of E envs, a
 padded batch of trajectories). Every episode of a batch has the same dtypes and
 per-step shapes, so checking the first one against the schema checks them all;
 the episodes are then views of the batch's arrays (no copy until the shard
-copies them in), cut to their ``lengths``.
+copies them in), cut to their ``lengths``. Ragged and text fields, whose rows have
+no [E, T] form, may come as E values, one per episode: each is read and checked
+on its own (an error names the field and the episode).
 
 Example:
     >>> import numpy as np, arrowbuf as ab
@@ -30,8 +32,7 @@ from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf._checks import check_env_id, check_metadata
 from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
-from arrowbuf.fields import as_array
-from arrowbuf.ragged import refuse_apart
+from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.shard import Episode
 
@@ -45,7 +46,9 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     Args:
         data: a dict (nested dicts allowed) or TensorDict of arrays / tensors shaped
             [E, T, ...] for step fields and [E, T + 1, ...] (with final
-            observations) or [E, T, ...] for observation fields.
+            observations) or [E, T, ...] for observation fields; a ragged or text field
+            also as a list of E values, one per episode, each any form of its rows (a list
+            of sequences or of str, a jagged nested tensor, an Arrow array) with a row per step.
         lengths: None (every episode has T steps) or E ints in [1, T]: episode e
             is its first ``lengths[e]`` steps (and observations up to its final
             one, row ``lengths[e]``); later rows are padding, never read.
@@ -69,27 +72,88 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     if not isinstance(data, Mapping) or not data:
         raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "
                           f"{describe(data)}")
-    refuse_apart(schema, "add_episodes", "add the episodes one by one with add_episode")
     read = step_tensor if keep_tensors else as_array
-    columns = {name: read(value, name) for name, value in flatten(data).items()}
-    count = _episode_count(columns)
-    first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()}
+    flat = flatten(data)
+    # Ragged and text fields given as E values, one per episode (`_per_episode`); the rest [E, T, ...].
+    apart = {name: _per_episode(value, name) for name, value in flat.items() if _apart_value(value, name, schema)}
+    if apart and keep_tensors:
+        raise SchemaError(f"ragged or text fields {list(apart)}: a store with a storage_device does not take them "
+                          "yet; leave storage_device=None")
+    columns = {name: read(value, name) for name, value in flat.items() if name not in apart}
+    count = _episode_count(columns, apart)
+    first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()} | \
+        {name: values[0] for name, values in apart.items()}
     if schema is None:
-        schema = Schema.infer(first, _observation_names(observations, columns))
+        schema = Schema.infer(first, _observation_names(observations, {**columns, **apart}))
     num_steps, has_final = schema.check(first)   # dtypes and shapes are the batch's: one check checks all
+    for name, values in apart.items():   # each episode's own value: checked each
+        for e, value in enumerate(values[1:], 1):
+            _check_episode(schema, name, value, e)
     steps = _lengths(lengths, count, num_steps)
     ids = _env_ids(env_ids, count)
     metas = _metadata(metadata, count)
-    observation = {name: schema.fields[name].observation for name in columns}
+    observation = {name: schema.fields[name].observation for name in flat}
+    for name, values in apart.items():
+        short = [e for e, (value, _) in enumerate(values) if len(value) < steps[e]]
+        if short:
+            raise SchemaError(f"field {name!r}: episode {short[0]} has {len(values[short[0]][0])} rows for its "
+                              f"{int(steps[short[0]])} steps; give each episode a row per step")
     episodes = []
     for e, length in enumerate(steps.tolist()):
         cut = {name: array[e, :length + int(has_final and observation[name])] for name, (array, _) in columns.items()}
+        cut.update({name: values[e][0][:length] for name, values in apart.items()})
         episodes.append(Episode(cut, length, has_final, ids[e], metas[e]))
     return episodes, schema
 
 
-def _episode_count(columns: Mapping[str, tuple[np.ndarray, str]]) -> int:
-    counts = {name: array.shape[0] if array.ndim >= 2 else None for name, (array, _) in columns.items()}
+def _apart_value(value: Any, name: str, schema: Schema | None) -> bool:
+    """Whether ``value`` holds one value per episode of a ragged or text field: a list or tuple
+    for a field ``schema`` says is ragged or text, or (no schema yet) one that is read per
+    episode only (lists of sequences of different lengths, lists of str)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    spec = schema.fields.get(name) if schema is not None else None
+    if spec is not None:
+        return spec.ragged or spec.text
+    if schema is not None:
+        return False   # an unknown field: the check names it
+    try:
+        array, dtype = as_array(value, name)
+    except (SchemaError, ValueError, TypeError, RuntimeError):   # (numpy's, torch's: a list of nested tensors)
+        return True
+    return dtype == "string" or not isinstance(array, np.ndarray) or array.ndim < 2
+
+
+def _per_episode(value: list | tuple, name: str) -> list[tuple[Any, str]]:
+    """Each episode's value of a ragged or text field, read (`as_array`): its rows and dtype name.
+
+    Raises:
+        SchemaError: naming the field and the episode whose value has no ragged or text form.
+    """
+    read = []
+    for e, item in enumerate(value):
+        try:
+            read.append(as_array(item, name))
+        except SchemaError as err:
+            raise SchemaError(f"episode {e}: {err}") from None
+    return read
+
+
+def _check_episode(schema: Schema, name: str, value: tuple[Any, str], e: int) -> None:
+    """Episode ``e``'s value of ragged or text field ``name`` checked against the schema.
+
+    Raises:
+        SchemaError: naming the field and the episode.
+    """
+    try:
+        check_column(schema.fields[name], name, *value)
+    except SchemaError as err:
+        raise SchemaError(f"episode {e}: {err}") from None
+
+
+def _episode_count(columns: Mapping[str, tuple[np.ndarray, str]], apart: Mapping[str, list]) -> int:
+    counts = {name: array.shape[0] if array.ndim >= 2 else None for name, (array, _) in columns.items()} | \
+        {name: len(values) for name, values in apart.items()}
     flat = [name for name, n in counts.items() if n is None]
     if flat:
         raise SchemaError(f"field {flat[0]!r} has shape {columns[flat[0]][0].shape}; add_episodes takes [E, T, ...] "

@@ -517,16 +517,16 @@ class StepWriter:
             width = next(iter(self._stage.values())).shape[1]
             for name, f in writer_fields(schema).items():
                 if name not in self._stage:
-                    self._stage[name] = stage_zeros((self.num_envs, width, *f.shape), f, self.device)
+                    self._stage[name] = stage_zeros((self.num_envs, width, *f.shape), f, self.device, name)
         if not self._stage:
             for name, f in writer_fields(schema).items():
-                self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device)
+                self._stage[name] = stage_zeros((self.num_envs, max(64, steps), *f.shape), f, self.device, name)
             self._ensure_last_next(schema)
         capacity = next(iter(self._stage.values())).shape[1]
         if steps > capacity:
             new_capacity = max(steps, 2 * capacity)
             for name, stage in self._stage.items():
-                grown = stage_zeros((self.num_envs, new_capacity, *stage.shape[2:]), schema.fields[name], self.device)
+                grown = stage_zeros((self.num_envs, new_capacity) + stage.shape[2:], schema.fields[name], self.device, name)
                 grown[:, :capacity] = stage
                 self._stage[name] = grown
 

@@ -25,7 +25,8 @@ Example:
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -217,16 +218,32 @@ def rank_shares(engine: Any, indices: np.ndarray, world_size: int, balance: str 
     return np.split(indices[order], np.cumsum(np.bincount(owner, minlength=world_size))[:-1])
 
 
-def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Any:
+@dataclass(frozen=True)
+class RankSplit:
+    """Rank ``rank`` of ``world_size``'s share of each global batch: rows balanced by the tokens of
+    ragged field ``balance`` (None: by rows), groups of ``group_key`` kept whole (None: no groups).
+    Called as ``split(engine, indices)`` by an embedded store (`rank_share`); a Ray store's reader
+    reads the lengths from its blocks (`arrowbuf.ray.ranks`)."""
+
+    world_size: int
+    rank: int
+    balance: str | None
+    group_key: str | None
+
+    def __call__(self, engine: Any, indices: np.ndarray) -> np.ndarray:
+        return rank_share(engine, indices, self.world_size, self.rank, self.balance, self.group_key)
+
+
+def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Callable | None:
     """``iter_batches``' ``world_size``, ``rank`` and ``balance`` checked: None (every row to this
-    process), or the ``split(engine, indices)`` that gives ``rank`` its share of each global batch
-    (`rank_share`), or with no ``rank`` every rank's, a list (`rank_shares`: a controller's view);
-    groups of the store's `GroupSampler` key kept whole.
+    process), or the `RankSplit` that gives ``rank`` its share of each global batch (`rank_share`),
+    or with no ``rank`` the ``split(engine, indices)`` that gives every rank's, a list (`rank_shares`:
+    a driver's view, embedded stores only); groups of the store's `GroupSampler` key kept whole.
 
     Raises:
         ValueError: a ``rank`` or ``balance`` without ``world_size``, a ``world_size`` below 1, a
             ``rank`` outside ``[0, world_size)``, a ``balance`` that is not a ragged field, or a
-            Ray store (not yet).
+            Ray store with a `GroupSampler` (its epochs do not keep groups together yet).
     """
     if world_size is None:
         if rank is not None or balance is not None:
@@ -239,8 +256,6 @@ def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Any:
                              or not 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}) (or None: every rank's share, a list), "
                          f"got {rank!r}")
-    if store.backend != "local":
-        raise ValueError("world_size splits an embedded store's batches (the Ray backend's readers do not yet)")
     schema = store.schema
     if balance is not None:
         ragged = [n for n, f in schema.fields.items() if f.ragged] if schema is not None else []
@@ -249,9 +264,13 @@ def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Any:
                              f"the ragged fields are {ragged}")
     sampler = store.sampler
     group_key = sampler.key if isinstance(sampler, GroupSampler) and sampler.unit == "step" else None
-    world_size = int(world_size)
+    if group_key is not None and store.backend != "local":
+        raise ValueError(f"world_size on a Ray store with {sampler!r}: its epochs do not keep groups together yet; "
+                         "split an embedded store's batches, or use a UniformSampler")
     if rank is None:
+        if store.backend != "local":
+            raise ValueError("world_size without rank (every rank's share from one split, a list) splits an embedded "
+                             "store's batches; on Ray, each rank's process passes its rank=")
+        world_size = int(world_size)
         return lambda engine, indices: rank_shares(engine, indices, world_size, balance, group_key)
-    rank = int(rank)
-    return lambda engine, indices: rank_share(engine, indices, world_size, rank, balance, group_key)
-
+    return RankSplit(int(world_size), int(rank), balance, group_key)

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from arrowbuf.ragged import refuse_apart
+from arrowbuf.arena import stage_zeros
+from arrowbuf.row_stage import RowStage
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
 from arrowbuf.versions import writer_fields
@@ -181,10 +182,9 @@ class InPlace:
         last step) and ``first_step`` (where each piece starts in its episode): host copies."""
         lengths = self.lengths
         steps = int(lengths.max(initial=0))
-        if steps:
-            refuse_apart(schema, "saving a writer's open episodes", "flush() the store's writers before save()")
         fields = writer_fields(schema)
-        stage = {name: np.zeros((self.num_envs, steps, *f.shape), f.numpy_dtype)
+        # (a ragged or text field's: a `RowStage`, saved as arrays and JSON values below)
+        stage = {name: stage_zeros((self.num_envs, steps, *f.shape), f, None, name)
                  for name, f in fields.items()} if steps else {}
         last = {name: np.zeros((self.num_envs, *fields[name].shape), fields[name].numpy_dtype)
                 for name in schema.observation_names}
@@ -207,6 +207,7 @@ class InPlace:
             held, start, end = regions.held[self.slots].copy(), regions.start[self.slots].copy(), \
                 regions.end[self.slots].copy()
             prev = regions.prev[self.slots].copy()
+        stage = {name: rows.saved() if isinstance(rows, RowStage) else rows for name, rows in stage.items()}
         return {"pos": lengths, "stage": stage if steps else {}, "last_next": last if steps else {},
                 "first_step": first_step, "regions": {"held": held, "start": start, "end": end, "prev": prev}}
 
@@ -220,6 +221,9 @@ class InPlace:
             CapacityError: a piece does not fit in the store's capacity.
         """
         self.bind()
+        fields = self.shard.schema.fields
+        stage = {name: RowStage.from_saved(rows, fields[name], name) if isinstance(rows, dict) else rows
+                 for name, rows in stage.items()}   # a ragged or text field's (`state`)
         with self.engine.lock:
             regions, shard = self.shard.regions, self.shard
             slots = self.slots

@@ -85,6 +85,7 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
             schema=schema, track_reuse=store.track_reuse, storage_device=storage_device))
     from arrowbuf.durable import durable_directory
     from arrowbuf.ray.options import as_ray_options
+    from arrowbuf.ray.apart import refuse_durable_apart
     from arrowbuf.ray.router import RayBackend
     from arrowbuf.ray.start import start_shards
 
@@ -104,6 +105,8 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     if isinstance(store.sampler, WithoutReplacementSampler) and num_shards > 1:
         raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
                          "different times; use num_shards=1, or iter_batches() for epochs across shards")
+    if directory is not None:
+        refuse_durable_apart(schema)
     shards = start_shards(name, store.capacity, num_shards, seed=store.seed, sampler=store.sampler,
                           rate_limiter=store.rate_limiter, schema=schema, mode=store.mode,
                           track_reuse=store.track_reuse, options=ray_options, durable=directory)

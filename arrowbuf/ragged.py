@@ -65,6 +65,11 @@ class RaggedRows:
     def size(self) -> int:
         return self.values.size
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values and offsets (what a Ray block or request carries)."""
+        return self.values.nbytes + self.offsets.nbytes
+
     def __getitem__(self, key: Any) -> "RaggedRows":
         """The rows ``key`` names (a slice, an index array, a bool mask) as new rows (a copy of their values)."""
         if isinstance(key, slice):
@@ -80,6 +85,10 @@ class RaggedRows:
         np.cumsum(lengths, out=offsets[1:])
         index = np.repeat(starts - offsets[:-1], lengths) + np.arange(int(offsets[-1]))
         return RaggedRows(self.values[index], offsets)
+
+    def copy(self) -> "RaggedRows":
+        """These rows owning copies of their values and offsets."""
+        return RaggedRows(self.values.copy(), self.offsets.copy())
 
     def rows(self) -> list[np.ndarray]:
         """Each row's values (views)."""

@@ -219,7 +219,8 @@ class ExperienceStore:
                      observations: Sequence[str] | None = None) -> list[int]:
         """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
 
-        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...];
+        ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...]; a
+        ragged or text field also as E values, one per episode (a list of sequences or of str each);
         ``lengths``: None, or E ints in [1, T] (episode e is its first ``lengths[e]`` steps);
         ``env_ids``: one for all or one per episode; ``metadata``: one mapping (or None) per episode;
         ``policy_version``: one int or one per episode; ``observations``: the observation fields' names

@@ -22,7 +22,7 @@ too); the bound takes of the arena's columns are this module's (`Layout.fill`).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
@@ -31,7 +31,7 @@ from arrowbuf._lazy_torch import is_tensor
 from arrowbuf._pool import SlotPool, joined, leaf_views, make_td, nest, out_views
 from arrowbuf.encoded import BatchDecodes, DecodedField, EncodedColumn
 from arrowbuf.layout import ALIGN, ROLES, FieldPlan, Layout, Layouts, available_keys, check_keys, plan_layout
-from arrowbuf.ragged import RaggedColumn
+from arrowbuf.ragged import RaggedColumn, RaggedRows, nested
 from arrowbuf.text import TextColumn
 from arrowbuf.video import VideoColumn
 
@@ -218,7 +218,11 @@ class Gather:
         _fill(layout, out_views(buffer, spec.outs), by_role, extra)
         # The leaves come first: packed records gathered past them are not sent.
         end = max((offset + size for _, _, offset, size, _ in spec.leaves), default=0)
-        return Payload(buffer[:end], spec.leaves, tuple(spec.batch_size))
+        # Ragged and text rows as stored (`RaggedRows`, str), made batch values where the payload is read.
+        apart = {key: (column.gather(rows) if isinstance(column, RaggedColumn) else column[rows], tensor_dtype)
+                 for key in self.apart_keys(keys) for column, tensor_dtype in [self._apart[key]]} \
+            if self.has_apart and rows.ndim == 1 else {}
+        return Payload(buffer[:end], spec.leaves, tuple(spec.batch_size), apart)
 
     def layout_of(self, rows: np.ndarray, extra: Mapping[str, np.ndarray], obs_rows: np.ndarray | None = None,
                   next_rows: np.ndarray | None = None, keys: frozenset | None = None) -> tuple["Layout", "Layout", tuple]:
@@ -315,6 +319,9 @@ class Payload:
     flat: torch.Tensor | np.ndarray            # uint8 bytes
     spec: tuple[tuple[tuple[str, ...], str, int, int, tuple[int, ...]], ...]   # `SlotSpec.leaves`
     batch_shape: tuple[int, ...]
+    # key -> (rows as stored: `RaggedRows` or an object array of str, tensor dtype) of the ragged
+    # and text fields, which have no place in ``flat`` (`apart_value` makes them batch values).
+    apart: dict = field(default_factory=dict)
 
     def __getstate__(self) -> dict:
         flat = self.flat.numpy() if is_tensor(self.flat) else self.flat
@@ -330,7 +337,20 @@ class Payload:
     def to_tensordict(self, device: torch.device | None = None) -> TensorDict:
         """Wrap as a TensorDict of views of ``flat`` (moved in one copy to a non-CPU ``device``)."""
         on_device = device is not None and device.type != "cpu"
-        return make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
+        batch = make_tensordict(self.tensors(device), self.batch_shape, device if on_device else None)
+        for key, (rows, tensor_dtype) in self.apart.items():
+            value = apart_value(rows, tensor_dtype)
+            batch.set(key, value.to(device) if on_device else value)
+        return batch
+
+
+def apart_value(rows: Any, tensor_dtype: str) -> Any:
+    """A ragged field's `RaggedRows` as a jagged nested tensor, a text field's str as a ``NonTensorStack``."""
+    if isinstance(rows, RaggedRows):
+        return nested(rows, tensor_dtype)
+    from tensordict import NonTensorStack
+
+    return NonTensorStack.from_list(list(rows))
 
 
 def _as_tensor(value: np.ndarray) -> torch.Tensor:

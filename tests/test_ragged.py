@@ -187,24 +187,6 @@ def test_bad_sequences_are_refused_naming_the_field_and_leave_the_store_as_it_wa
 def test_what_does_not_take_ragged_fields_yet_says_so_before_anything_is_written(tmp_path):
     with pytest.raises(SchemaError, match="storage_device"):
         ab.ExperienceStore(capacity=10, schema=SCHEMA, storage_device="cpu")
-    staged = ab.ExperienceStore(capacity=50, schema=SCHEMA, mode="fixed")
-    with pytest.raises(SchemaError, match="stages its steps"):
-        staged.writer(num_envs=2).add(obs=np.zeros((2, 2), np.float32), tokens=[tokens(0, 1), tokens(1, 1)],
-                                      action=np.arange(2), reward=np.zeros(2, np.float32),
-                                      terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
-                                      next_obs=np.zeros((2, 2), np.float32))
-    store = filled()
-    with pytest.raises(SchemaError, match="add_episodes"):
-        store.add_episodes({k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "tokens"} |
-                           {"tokens": [[tokens(0, t) for t in range(3)]] * 2})
-    writer = store.writer(num_envs=1)
-    writer.add(obs=np.zeros((1, 2), np.float32), tokens=[tokens(9, 0)], action=np.array([900]),
-               reward=np.zeros(1, np.float32), terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
-               next_obs=np.zeros((1, 2), np.float32))
-    with pytest.raises(SchemaError, match=r"flush\(\) the store's writers before save\(\)"):
-        store.save(tmp_path / "checkpoint")
-    writer.flush()
-    store.save(tmp_path / "checkpoint")
 
 
 @settings(max_examples=80, deadline=None)

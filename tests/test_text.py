@@ -110,9 +110,13 @@ def test_bad_text_is_refused_naming_the_field_and_leaves_the_store_as_it_was():
         ab.Field("string", (2,))
     with pytest.raises(SchemaError, match="one str per step"):
         ab.Field("string", observation=True)
-    with pytest.raises(SchemaError, match="ragged or text fields \\['instruction'\\]: add_episodes"):
-        store.add_episodes({k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "instruction"} |
-                           {"instruction": [[instruction(0)] * 3] * 2})
+    stacked = {k: np.stack([v, v]) for k, v in episode(0, 3).items() if k != "instruction"}
+    for texts, message in (([[instruction(0)] * 3, ["a", 3, "b"]], "episode 1: field 'instruction'.*mixes strings"),
+                           ([[instruction(0)] * 3, np.arange(3)], "episode 1: field 'instruction'"),
+                           ([[instruction(0)] * 3, ["a"]], "field 'instruction': episode 1 has 1 rows for its 3")):
+        with pytest.raises(SchemaError, match=message):
+            store.add_episodes(stacked | {"instruction": texts})
+    assert store.to_arrow().equals(before)
 
 
 def test_a_torchrl_batch_with_strings_is_refused_not_stripped():

@@ -70,9 +70,9 @@ from typing import Any
 import numpy as np
 
 from arrowbuf._version_spans import VERSION, episode_bounds
-from arrowbuf.encoded import EncodedRows
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ResourceError
+from arrowbuf.ray.apart import stored_concat
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, position_runs
@@ -254,9 +254,8 @@ class BlockRing:
 
     def _seal_copies(self, engine: ShardEngine, start: int, stop: int, first_live: int) -> None:
         """Blocks of serials [start, stop), copied from the arena (absorbing small newest blocks)."""
-        table = engine.table
-        row_bytes = engine.schema.field_bytes
-        new_bytes = int(table.col("num_rows")[start - first_live:stop - first_live].sum()) * row_bytes
+        sizes = _episode_bytes(engine, start - first_live, stop - first_live)
+        new_bytes = int(sizes.sum())
         while self.blocks:
             last = self.blocks[-1]
             if last.nbytes >= self.block_bytes // 8 or last.nbytes > MERGE * new_bytes \
@@ -265,15 +264,16 @@ class BlockRing:
                 break
             self.blocks.pop()
             start, new_bytes = last.first_serial, new_bytes + last.nbytes
+            sizes = _episode_bytes(engine, start - first_live, stop - first_live)
+        at = start
         while start < stop:   # full blocks first when much is open (a resumed engine)
-            end = self._block_end(table, start - first_live, stop - first_live, row_bytes) + first_live
+            end = self._block_end(sizes[start - at:stop - at]) + start
             self.blocks.append(_put_block(engine, start - first_live, end - first_live, start))
             start = end
 
-    def _block_end(self, table: EpisodeTable, a: int, b: int, row_bytes: int) -> int:
-        """Position after the episodes from ``a`` that fill about one block (at least one episode)."""
-        sizes = np.cumsum(table.col("num_rows")[a:b]) * row_bytes
-        return min(b, a + 1 + int(np.searchsorted(sizes, self.block_bytes, side="left")))
+    def _block_end(self, sizes: np.ndarray) -> int:
+        """How many of the episodes of ``sizes`` (bytes each) fill about one block (at least one)."""
+        return min(len(sizes), 1 + int(np.searchsorted(np.cumsum(sizes), self.block_bytes, side="left")))
 
     def _drop_evicted(self, table: EpisodeTable) -> None:
         first_live = table.episodes_added - len(table)
@@ -347,6 +347,21 @@ class BlockRing:
                         self.draws_here)
 
 
+def _episode_bytes(engine: ShardEngine, a: int, b: int) -> np.ndarray:
+    """Bytes of each live episode at positions [a, b): its rows of the fixed-size fields, and the
+    values of its ragged fields (a ragged field's row has no fixed size: its heap's sizes)."""
+    table = engine.table
+    num_rows = table.col("num_rows")[a:b].astype(np.int64)
+    sizes = num_rows * engine.schema.field_bytes
+    heaps = [engine.shard.arena[name] for name, f in engine.schema.fields.items() if f.ragged]
+    if heaps and len(num_rows):
+        ends = np.cumsum(num_rows)
+        rows = np.repeat(table.col("first_row")[a:b] - (ends - num_rows), num_rows) + np.arange(int(ends[-1]))
+        for column in heaps:
+            sizes = sizes + np.add.reduceat(column.size[rows], ends - num_rows)
+    return sizes
+
+
 def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockInfo:
     """Put the live episodes at positions [a, b) of the engine's table into the object store."""
     shard, table = engine.shard, engine.table
@@ -354,10 +369,10 @@ def _put_block(engine: ShardEngine, a: int, b: int, first_serial: int) -> BlockI
     runs = position_runs(first_row, num_rows)
     columns = {}
     for name in shard.schema.fields:   # numpy views of a host arena (a device arena's are copies)
-        # An encoded field's rows as stored (`EncodedRows`): readers decode them when they gather.
+        # Encoded, ragged and text fields' rows as stored (`EncodedRows`, `RaggedRows`, dictionary
+        # arrays): readers decode or gather them apart (`arrowbuf.ray.apart`).
         parts = [shard.stored_rows(name, int(first_row[i]), int(first_row[j - 1] + num_rows[j - 1])) for i, j in runs]
-        columns[name] = parts[0] if len(parts) == 1 else EncodedRows.concat(parts) \
-            if isinstance(parts[0], EncodedRows) else np.concatenate(parts)   # ray.put copies once
+        columns[name] = stored_concat(parts)   # ray.put copies once
     ray = ray_module()
     return BlockInfo(ray.put(columns), ray.put(_chunk(table, a, b, columns.get(VERSION))), first_serial, b - a, int(num_rows.sum()),
                      sum(c.nbytes for c in columns.values()))
@@ -382,8 +397,9 @@ def block_columns(episode: Episode, schema: Schema) -> dict[str, np.ndarray] | N
     padded with a zero row, as the arena pads it), or None when it would need a
     conversion (a derived field, another dtype, not numpy): such an episode is copied by
     its shard instead. Only small step fields are copied; observations are the episode's."""
-    if len(episode.columns) != len(schema.fields) or any(f.codec is not None for f in schema.fields.values()):
-        return None   # (an encoded field's rows are encoded by the shard)
+    if len(episode.columns) != len(schema.fields) or \
+            any(f.codec is not None or f.ragged or f.text for f in schema.fields.values()):
+        return None   # (an encoded field's rows are encoded by the shard; ragged and text rows are its columns')
     rows = episode.num_rows
     columns = {}
     for name, spec in schema.fields.items():

@@ -13,10 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
-from arrowbuf.encoded import EncodedRows
-
+from arrowbuf.ray.apart import own_copy
 from arrowbuf.ray.blocks import BlockInfo, block_value
 from arrowbuf.ray.options import ray_module
 
@@ -45,9 +42,7 @@ class BlockCache:
             return entry[0]
         value = block_value(block, ray_module().get(block.ref))
         if self.copy:   # what a block from another node is: this process's own memory
-            # (an encoded field's `EncodedRows` were unpickled into this process's memory: kept as they are)
-            value = {name: column if isinstance(column, EncodedRows) else np.array(column, copy=True)
-                     for name, column in value.items()}
+            value = {name: own_copy(column) for name, column in value.items()}
         self.fetches += 1
         self.entries[key] = (value, block.nbytes)
         self._key_of[id(value)] = key

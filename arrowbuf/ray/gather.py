@@ -48,6 +48,7 @@ import torch
 from arrowbuf._pool import SlotPool
 from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
 from arrowbuf.packing import pack_layout
+from arrowbuf.ray.apart import ApartGather
 from arrowbuf.ray.block_reads import ROWWISE_BYTES, BlockReads
 from arrowbuf.schema import Schema
 
@@ -82,8 +83,12 @@ class BlockGather:
     def __init__(self, schema: Schema, rowwise_bytes: int = ROWWISE_BYTES) -> None:
         self.rowwise_bytes = rowwise_bytes
         self.fields = schema.fields
-        self.entries = []   # every gathered field (`arrowbuf.layout.FieldPlan`), its source the field's name
+        self.entries = []   # every pooled field (`arrowbuf.layout.FieldPlan`), its source the field's name
+        # Ragged and text fields have no fixed row: added to each batch apart (`arrowbuf.ray.apart`; None: none).
+        self.apart = ApartGather(schema) if any(f.ragged or f.text for f in schema.fields.values()) else None
         for name, f in schema.fields.items():
+            if f.ragged or f.text:
+                continue
             key = field_key(name)
             roles = [(key, "obs" if f.observation else "step")]
             if f.observation:
@@ -96,7 +101,7 @@ class BlockGather:
 
     def check_keys(self, keys: Any) -> frozenset | None:
         """``keys`` checked as `arrowbuf.layout.check_keys` does (None: every field)."""
-        return check_keys(keys, [entry.key for entry in self.entries])
+        return check_keys(keys, [entry.key for entry in self.entries] + list(self.apart.fields if self.apart else ()))
 
     def __call__(self, ordered: BlockReads, start: int, stop: int, keys: frozenset | None,
                  device: torch.device | None = None) -> TensorDict:
@@ -113,8 +118,8 @@ class BlockGather:
         outs, batch = self._pool.claim(layout, layout.slot)
         ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
-            return batch.to(device, non_blocking=True)
-        return batch
+            batch = batch.to(device, non_blocking=True)
+        return batch if self.apart is None else self.apart.add(batch, ordered, start, stop, keys, device)
 
     def batches(self, ordered: BlockReads, start: int, stop: int, batch_size: int, keys: frozenset | None,
                 device: torch.device | None = None) -> tuple[TensorDict, ...]:
@@ -133,8 +138,11 @@ class BlockGather:
         outs, batches = self._pool.claim(layout, layout.slot)
         ordered.fill(layout, outs, start, stop)
         if device is not None and device.type != "cpu":
-            return tuple(batch.to(device, non_blocking=True) for batch in batches)
-        return batches
+            batches = tuple(batch.to(device, non_blocking=True) for batch in batches)
+        if self.apart is None:
+            return batches
+        return tuple(self.apart.add(batch, ordered, start + k * batch_size, start + (k + 1) * batch_size, keys, device)
+                     for k, batch in enumerate(batches))
 
     def sizes(self, ordered: BlockReads, count: int) -> tuple[int, int]:
         """(bytes a batch of ``count`` ordered items puts through the scratch arrays (its

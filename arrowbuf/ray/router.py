@@ -40,6 +40,7 @@ import torch
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
+from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.fresh import check_fresh_sampler, fresh_indices
 from arrowbuf.ray.fresh import newest as fresh_newest
 from arrowbuf.ray.gae import compute_gae
@@ -47,18 +48,19 @@ from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, RayOptions, ray_module
 from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
+from arrowbuf.ray.ranks import rank_indices
 from arrowbuf.ray.reader import BlockReader, SampleRequest
-from arrowbuf.ray.shipping import gather_refs
+from arrowbuf.ray.shipping import gather_refs, merge_payloads
 from arrowbuf.ray.sink import DroppedWriters, RaySink
 from arrowbuf.ray.start import find_shards, release_durable
-from arrowbuf.ragged import refuse_apart
+from arrowbuf.ragged import RaggedRows, nested
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.versions import no_fresh
-from arrowbuf.tensors import make_tensordict, pinned
+from arrowbuf.tensors import Payload, make_tensordict, pinned
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -87,7 +89,6 @@ class RayBackend:
         self.capacity = capacity   # total rows; the smallest shard holds capacity // num_shards
         self.sampler = sampler
         self._rng = np.random.default_rng(seed)
-        refuse_apart(schema, "the Ray backend", "use the embedded store (backend='local')")
         self._schema = schema
         self._schema_fixed = schema_fixed
         self._sizes = SizeCache(shards)
@@ -147,7 +148,8 @@ class RayBackend:
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
-        refuse_apart(schema, "the Ray backend", "use the embedded store (backend='local')")
+        if self.shards.durable:
+            refuse_durable_apart(schema)
         if self._schema is None:
             self._schema = schema
             self._sink.set_schema(schema)
@@ -358,12 +360,11 @@ class RayBackend:
         when given), the shards' indices shuffled together, gathered here from the blocks of
         every shard's manifest at the epoch's start (the shards seal their open episodes first).
 
+        ``split``: this rank's share of each global batch only (`arrowbuf.ray.ranks`).
+
         Raises:
             EmptyStoreError: no transition of ``min_version`` (naming the newest version held).
-            ValueError: a ``split`` (the readers do not split batches over ranks yet).
         """
-        if split is not None:
-            raise ValueError("world_size splits an embedded store's batches (the Ray backend's readers do not yet)")
         keys = self._check_keys(keys)
         self._reader.sync()
         views = dict(self._reader.views)   # this epoch's snapshot: its blocks stay readable
@@ -375,10 +376,15 @@ class RayBackend:
                 raise no_fresh(min_version, fresh_newest(list(views.values())))
         index = np.concatenate([part + (shard << INDEX_SHIFT) for shard, part in zip(sorted(views), parts)]
                                or [np.zeros(0, np.int64)])
-        return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), views, keys, device)
+        return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), views, keys, device, split)
 
-    def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any) -> Iterator[TensorDict]:
+    def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any,
+               split: Any = None) -> Iterator[TensorDict]:
         for chunk in chunks:
+            if split is not None:
+                chunk = rank_indices(chunk, views, self._reader.cache, split)
+                if not len(chunk):   # every row to other ranks (as a local store, no empty batch)
+                    continue
             shards = chunk >> INDEX_SHIFT
             located = [(self._reader.select_in(views[s], chunk[shards == s] & LOCAL_MASK, {}),
                         np.flatnonzero(shards == s)) for s in np.unique(shards).tolist()]
@@ -389,12 +395,12 @@ class RayBackend:
             yield self._reader.gather([part for part, _ in located], PLAIN, keys, device,
                                       places=[where for _, where in located])
 
-    def _gather_parts(self, index: np.ndarray, device: torch.device | None) -> list[TensorDict | None]:
-        """The live transitions of ``index``, one TensorDict (or None) per shard in shard order."""
+    def _gather_parts(self, index: np.ndarray) -> list[tuple[Payload, np.ndarray]]:
+        """The live transitions of ``index``: (payload, positions in ``index``) of each shard that has some."""
         shards = index >> INDEX_SHIFT
         refs = {int(s): self.shards.call(int(s), "gather", index[shards == s] & LOCAL_MASK)
                 for s in np.unique(shards) if 0 <= s < self.num_shards}
-        return [p.to_tensordict(device) if p is not None else None for p in self.shards.get(refs).values()]
+        return [(p, np.flatnonzero(shards == s)) for s, p in self.shards.get(refs).items() if p is not None]
 
     # -- reads by index --------------------------------------------------------------
 
@@ -405,20 +411,16 @@ class RayBackend:
             KeyError: some indices are not live (evicted, cleared, never written, or
                 of a shard that does not exist).
         """
-        shards = index >> INDEX_SHIFT
-        order = np.argsort(shards, kind="stable")   # the parts come shard by shard
-        parts = [p for p in self._gather_parts(index, device) if p is not None]
-        found = sum(p.batch_size[0] for p in parts)
+        parts = self._gather_parts(index)
+        found = sum(p.batch_shape[0] for p, _ in parts)
         if found != len(index):
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
         if not parts:   # nothing asked for: every field, empty, as the local store's gather
             return self._empty_gather(device)
-        if len(parts) == 1:   # views of Ray's read-only shared memory: copied, the caller may write in place
-            return parts[0].clone()
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        return torch.cat(parts, dim=0)[torch.from_numpy(inverse)]
+        # Into one new buffer (the parts are views of Ray's read-only shared memory: the caller may
+        # write in place), ragged and text rows with them, in the order of ``index``.
+        return merge_payloads([p for p, _ in parts], [where for _, where in parts]).to_tensordict(device)
 
     def _empty_gather(self, device: torch.device | None) -> TensorDict:
         """A gather of no indices: the schema's fields (observations also under ``"next"``), ``index``,
@@ -429,14 +431,27 @@ class RayBackend:
         schema = self.schema
         for name, spec in (schema.fields.items() if schema is not None else ()):
             path = tuple(name.split("."))
-            tensors[path] = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype, device=device)
+            if spec.text:   # a NonTensorStack of no str cannot be made
+                continue
+            tensors[path] = nested(RaggedRows(np.zeros((0, *spec.shape[1:]), spec.numpy_dtype), np.zeros(1, np.int64)),
+                                   spec.dtype).to(device) if spec.ragged else \
+                torch.zeros((0, *spec.shape), dtype=spec.torch_dtype, device=device)
             if spec.observation:
                 tensors[("next", *path)] = tensors[path]
         return make_tensordict(tensors, (0,), device)
 
     def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
         """One ObjectRef per index array, of its transitions as a TensorDict; the data never
-        comes to this process (`arrowbuf.ray.shipping.gather_refs`)."""
+        comes to this process (`arrowbuf.ray.shipping.gather_refs`).
+
+        Raises:
+            ValueError: a 2-D index array of a store with ragged or text fields (one row per item only).
+        """
+        schema = self.schema
+        apart = [n for n, f in schema.fields.items() if f.ragged or f.text] if schema is not None else []
+        if apart and any(np.ndim(index) != 1 for index in indices):
+            raise ValueError(f"gather_refs: ragged and text fields {apart} are gathered one row per item; give 1-D "
+                             "index arrays (a [n, L] batch of sequences has no place for them)")
         return gather_refs(self.shards, indices, extras, flat_next)
 
     def live_ranges(self) -> list[tuple[int, int]]:

@@ -26,9 +26,11 @@ import numpy as np
 
 from arrowbuf._lazy_torch import is_tensor
 from arrowbuf.fields import dtype_itemsize
+from arrowbuf.ragged import RaggedRows
+from arrowbuf.ray.apart import stored_concat
 from arrowbuf.ray.handles import ShardHandles
 from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK, ray_module
-from arrowbuf.tensors import Payload, make_tensordict
+from arrowbuf.tensors import Payload, apart_value, make_tensordict
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -53,12 +55,13 @@ class ShippedBatch:
     def __reduce__(self) -> tuple:
         payload = self.payload
         flat = payload.flat.numpy() if is_tensor(payload.flat) else payload.flat
-        return rebuild_batch, (flat, payload.spec, *self.finish)
+        return rebuild_batch, (flat, payload.spec, *self.finish, payload.apart)
 
 
 def rebuild_batch(flat: np.ndarray, spec: tuple, batch_shape: tuple[int, ...], extra: Mapping[str, np.ndarray],
-                  flat_next: bool) -> TensorDict:
-    """The TensorDict of a `ShippedBatch`: views of ``flat`` shaped to ``batch_shape``."""
+                  flat_next: bool, apart: dict | None = None) -> TensorDict:
+    """The TensorDict of a `ShippedBatch`: views of ``flat`` shaped to ``batch_shape``, with the
+    ragged and text fields of ``apart`` (`arrowbuf.tensors.Payload.apart`; 1-D batches only)."""
     import torch
 
     rows = int(np.prod(batch_shape))
@@ -69,7 +72,10 @@ def rebuild_batch(flat: np.ndarray, spec: tuple, batch_shape: tuple[int, ...], e
         tensors[key] = tensor.view(*batch_shape, *tensor.shape[1:])
     for name, value in extra.items():
         tensors[(name,)] = torch.from_numpy(np.array(value))
-    return make_tensordict(tensors, batch_shape)
+    batch = make_tensordict(tensors, batch_shape)
+    for key, (rows, tensor_dtype) in (apart or {}).items():
+        batch.set(key, apart_value(rows, tensor_dtype))
+    return batch
 
 
 def merge_payloads(parts: Sequence[Payload], positions: Sequence[np.ndarray]) -> Payload:
@@ -87,7 +93,21 @@ def merge_payloads(parts: Sequence[Payload], positions: Sequence[np.ndarray]) ->
             rows = shape[0]
             if rows:
                 flat[dst:dst + out_size].reshape(total, -1)[where] = source[src:src + size].reshape(rows, -1)
-    return Payload(flat, tuple(leaves), (total,))
+    return Payload(flat, tuple(leaves), (total,), merge_apart(parts, positions))
+
+
+def merge_apart(parts: Sequence[Payload], positions: Sequence[np.ndarray]) -> dict:
+    """The parts' ragged and text rows (`Payload.apart`) in one batch, row ``positions[k][i]`` being
+    row i of ``parts[k]``'s (its values copied once more, in batch order)."""
+    if not parts or not parts[0].apart:
+        return {}
+    batch_order = np.argsort(np.concatenate(positions), kind="stable")
+    merged = {}
+    for key, (_, tensor_dtype) in parts[0].apart.items():
+        rows = [part.apart[key][0] for part in parts]
+        joined = stored_concat(rows) if isinstance(rows[0], RaggedRows) else np.concatenate(rows)
+        merged[key] = (joined[batch_order], tensor_dtype)
+    return merged
 
 
 def assemble_task(positions: list[np.ndarray], finish: Finish, *parts: Payload) -> tuple[int, ShippedBatch]:

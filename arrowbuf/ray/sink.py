@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from arrowbuf.errors import ArrowbufError, ShardError
+from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
@@ -203,6 +204,8 @@ class RaySink:
         return self._schema
 
     def set_schema(self, schema: Schema) -> None:
+        if self._shards.durable:
+            refuse_durable_apart(schema)
         if self._schema is None:
             self._schema = schema
 
