@@ -4,6 +4,8 @@ Modules, lowest first (each imports only those before it; tests/test_layers.py c
 that this list names every module here, in such an order):
 
 - `options`: `RayOptions`, index layout, the lazy ``import ray``;
+- `apart`: ragged and text fields in sealed blocks, and gathered into a batch beside the pooled ones;
+- `ranks`: a reader's share of each global batch for one data-parallel rank (token lengths from the blocks);
 - `handles`: the shard actors' handles and the sizes they last reported;
 - `blocks`: `BlockRing`, a shard's rows sealed into immutable blocks of the object store;
 - `lent`: `UnfilledRows`, lent episodes a shard placed without copying their rows until it reads them;
