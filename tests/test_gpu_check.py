@@ -22,7 +22,7 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess:
 
 def test_gpu_check_on_the_cpu_runs_the_arena_tests_and_the_torch_arena_bench_rows(tmp_path):
     # --select: a few of the arena tests (the suite runs them all itself), through the same steps
-    done = gpu_check("--device", "cpu", "--quick", "--min-time", "0.01", "--out", str(tmp_path),
+    done = gpu_check("--device", "cpu", "--quick", "--smoke", "--min-time", "0.01", "--out", str(tmp_path),
                      "--select", "numpy_arena_samples")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()

@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="the torch device to check (default cuda; cpu runs the same steps without a GPU)")
     parser.add_argument("--quick", action="store_true", help="the bench's quick sizes and 2 rounds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with --quick, the bench's smoke sizes (the suite's own test of this script)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds each step may take (default 270)")
     parser.add_argument("--min-time", type=float, default=None, metavar="SECONDS",
                         help="the bench's --min-time (default: the bench's own); the tests pass 0.01, as they check "
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_path = out / "bench.json"
     bench = [sys.executable, "tools/bench.py", "--only", "ONPOLICY", "--device", args.device, "--no-memory",
              "--json", str(saved_path), *(["--quick", "--rounds", "2"] if args.quick else ["--rounds", "3"]),
+             *(["--smoke"] if args.smoke and args.quick else []),
              *(["--min-time", str(args.min_time)] if args.min_time else [])]
     code, output, seconds = run(bench, args.timeout)
     (out / "bench.txt").write_text(output)

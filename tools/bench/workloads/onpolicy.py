@@ -180,4 +180,5 @@ register(Workload(
     "ONPOLICY", "on-policy PPO: whole-rollout sample and 4x8 minibatch epochs, WBC 4096x24 and VLA 32x160 rows",
     full=OnPolicySpec((wbc(4096), vla(32, 160))),
     quick=OnPolicySpec((wbc(256), vla(8, 40))),
+    smoke=OnPolicySpec((wbc(64), vla(4, 16))),
     run=run_onpolicy))
