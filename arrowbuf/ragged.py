@@ -267,7 +267,13 @@ def jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
         try:
             from torch.nested._internal.nested_tensor import NestedTensor
             _jagged_class = NestedTensor
-            if not _jagged(torch.zeros(2), torch.tensor([0, 1, 2]), 1, 1).offsets().tolist() == [0, 1, 2]:
+            # A probe of rows of 1 and 2 values: the private constructor is used only where it gives
+            # what the public function gives, offsets and recorded lengths alike.
+            probe, public = _jagged(torch.arange(3.0), torch.tensor([0, 1, 3]), 2, 1), \
+                torch.nested.nested_tensor_from_jagged(torch.arange(3.0), offsets=torch.tensor([0, 1, 3]))
+            if probe.offsets().tolist() != [0, 1, 3] or (probe._max_seqlen, probe._min_seqlen) != (2, 1) \
+                    or (public._max_seqlen, public._min_seqlen) != (2, 1) or not torch.equal(probe.values(),
+                                                                                             public.values()):
                 _jagged_class = False
         except Exception:   # noqa: BLE001  any failure of a private API: the public function instead
             _jagged_class = False
