@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import arrowbuf as ab
 from arrowbuf.compat import BatchedData, EnvRet, PolicyResponse, RolloutBuffer
 
 from support.compat_envs import VecWorker, as_bf16_bits, policy, rsl_rollout
@@ -119,4 +120,39 @@ def test_a_hook_that_returns_fields_of_different_lengths_is_refused_naming_them(
     buffer.add_transition(worker.env_id, env_ret, policy(env_ret))
     with pytest.raises(ValueError, match="postprocess_fn returned fields of different lengths"):
         buffer.truncate_one_episode(worker.env_id)
+    assert len(buffer) == 0
+
+
+def test_a_hook_may_return_token_lists_and_instructions_which_the_buffer_samples_as_ragged_and_text_fields():
+    # A VLA GRPO hook: each step's generated tokens (a list of arrays of varying length) and the
+    # episode's instruction (a list of str, one per step).
+    def tokens_and_instruction(episode_buffer):
+        steps = len(episode_buffer["action"])
+        out = {key: torch.stack(value) for key, value in episode_buffer.items() if key != "info"}
+        out["tokens"] = [np.arange(t % 4 + 1, dtype=np.int32) + 10 * t for t in range(steps)]
+        out["instruction"] = [f"reach goal {int(out['observation'][0, 0])}"] * steps
+        return out
+
+    buffer = RolloutBuffer({"type": "RolloutBuffer", "capacity": 100}, postprocess_fn=tokens_and_instruction, seed=0)
+    for t in range(4):
+        env_ret = EnvRet("e-0", np.full(2, t, np.float32), last_reward=np.float32(t))
+        buffer.add_transition("e-0", env_ret, PolicyResponse("e-0", action=np.int64(t)), truncated=t == 3)
+    batch = buffer[:]
+    assert batch["tokens"].is_nested and list(batch["instruction"]) == ["reach goal 0"] * len(batch["action"])
+    offsets, values = batch["tokens"].offsets().tolist(), batch["tokens"].values().tolist()
+    for i, step in enumerate(batch["action"].tolist()):
+        assert values[offsets[i]:offsets[i + 1]] == [10 * step + k for k in range(step % 4 + 1)]
+
+
+def test_a_hook_that_returns_a_list_of_values_no_field_takes_is_refused_naming_the_field():
+    def with_infos(episode_buffer):
+        out = {key: torch.stack(value) for key, value in episode_buffer.items() if key != "info"}
+        out["extra"] = [{"k": 1}] * len(episode_buffer["action"])
+        return out
+
+    buffer = RolloutBuffer({"type": "RolloutBuffer", "capacity": 100}, postprocess_fn=with_infos, seed=0)
+    buffer.add_transition("e-0", EnvRet("e-0", np.zeros(2, np.float32)), PolicyResponse("e-0", action=np.int64(0)))
+    with pytest.raises(ab.SchemaError, match="field 'extra'"):
+        buffer.add_transition("e-0", EnvRet("e-0", np.ones(2, np.float32), last_reward=np.float32(1)),
+                              PolicyResponse("e-0", action=np.int64(1)), truncated=True)
     assert len(buffer) == 0

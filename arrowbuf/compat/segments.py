@@ -399,7 +399,10 @@ class Segmenter:
         Raises:
             ValueError: fields of different lengths, naming them.
         """
-        shapes = {name: tuple(value.shape) if hasattr(value, "shape") else None for name, value in columns.items()}
+        # A list of T values (a ragged field's sequences, a text field's str: `arrowbuf.ragged`,
+        # `arrowbuf.text`) has T rows too.
+        shapes = {name: tuple(value.shape) if hasattr(value, "shape") else _list_shape(value)
+                  for name, value in columns.items()}
         bad = {name: shape for name, shape in shapes.items()
                if shape is None or not shape or (num_envs is not None and (len(shape) < 2 or shape[1] != num_envs))}
         if bad:
@@ -424,3 +427,9 @@ def _per_step(value: Any) -> list[Any]:
         steps = list(zip(*(_per_step(value[key]) for key in keys)))
         return [dict(zip(keys, step)) for step in steps]
     return list(torch.unbind(value, 0))
+
+
+def _list_shape(value: Any) -> tuple[int, ...] | None:
+    """(T,) of a non-empty list of T steps' values; None for others (a vector window's fields are
+    ``[T, num_envs, ...]`` arrays or tensors)."""
+    return (len(value),) if isinstance(value, (list, tuple)) and value else None
