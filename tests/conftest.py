@@ -29,6 +29,7 @@ LONGEST_FIRST = ("test_ray_dataplane.py", "test_corruption.py", "test_ray_backen
                  "test_ray_onramps.py", "test_durable.py", "test_docs.py", "test_notebooks.py", "test_contract.py",
                  "test_ray_lent_blocks.py", "test_capacity.py", "test_ray_piece_cutting.py", "test_dataset.py",
                  "test_bench.py", "test_ray_priorities.py", "test_compat_boundaries.py", "test_ray_writer_lifetime.py",
+                 "test_ray_ragged.py",
                  "test_encoded.py", "test_bench_columns.py", "test_gpu_check.py", "test_compat_refs.py",
                  "test_store.py", "test_lazy_torch.py", "test_writer_cases.py", "test_ring_occupancy.py",
                  "test_durable_damage.py", "test_compat_engines.py", "test_ray_bounds.py", "test_pieces.py",
