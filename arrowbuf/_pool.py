@@ -92,12 +92,46 @@ def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Calla
         (``torch._C._storage_Use_Count``); ``storage_handle(storage)``: the handle it
         takes (``UntypedStorage._cdata``); ``tensor_use_count(tensor)``: users of a
         tensor's C++ object (``Tensor._use_count``); ``entries(td)``: a TensorDict's own
-        dict of entries (``_tensordict``), the one O(1) way to see an entry replaced.
+        dict of entries (``_tensordict``), the one O(1) way to see an entry replaced;
+        ``jagged(values, offsets, max_seqlen, min_seqlen)``: a jagged nested tensor built by
+        ``torch.nested._internal.nested_tensor.NestedTensor`` (its lengths recorded in the
+        ``_metadata_cache`` as torch records them), used only where a probe of rows of 1 and 2
+        values gives the public ``nested_tensor_from_jagged``'s offsets, values and recorded
+        lengths (``_max_seqlen``, ``_min_seqlen``); otherwise the public function.
     """
     import torch
 
     return (torch._C._storage_Use_Count, lambda storage: storage._cdata, torch.Tensor._use_count,
-            lambda td: td._tensordict)
+            lambda td: td._tensordict, _jagged_constructor())
+
+
+def _public_jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
+    import torch
+
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=min_seqlen,
+                                                  max_seqlen=max_seqlen)
+
+
+def _jagged_constructor() -> Callable[[Any, Any, int, int], Any]:
+    """`torch_internals`' ``jagged`` (documented there)."""
+    import torch
+
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor
+
+        def private(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
+            # The lengths ride in the sizes of empty tensors (torch's own `_store_val_in_tensor`).
+            return NestedTensor(values, offsets, _metadata_cache={"max_seqlen": torch.zeros(max_seqlen, 0),
+                                                                  "min_seqlen": torch.zeros(min_seqlen, 0)})
+
+        values, offsets = torch.arange(3.0), torch.tensor([0, 1, 3])
+        probe, public = private(values, offsets, 2, 1), _public_jagged(values, offsets, 2, 1)
+        # (padding reads the recorded longest row)
+        same = probe.offsets().tolist() == [0, 1, 3] and torch.equal(probe.values(), public.values()) \
+            and torch.equal(probe.to_padded_tensor(-1.0), public.to_padded_tensor(-1.0))
+        return private if same else _public_jagged
+    except Exception:   # noqa: BLE001  any failure of a private API: the public function instead
+        return _public_jagged
 
 
 @dataclass(frozen=True)
@@ -219,7 +253,7 @@ class Slot:
     def __init__(self, spec: SlotSpec, hugepages: bool, pinned: bool = False) -> None:
         import torch
 
-        self._storage_use_count, storage_handle, self._tensor_use_count, self._entries = torch_internals()
+        self._storage_use_count, storage_handle, self._tensor_use_count, self._entries, _ = torch_internals()
         # The byte tensor all leaves view: kept so that the storage's use count
         # taken below stays the count of an unused slot.
         if pinned:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf import _lazy_torch
-from arrowbuf._pool import joined, nest
+from arrowbuf._pool import joined, nest, torch_internals
 from arrowbuf.byte_heap import HeapColumn
 from arrowbuf.errors import SchemaError, describe
 
@@ -248,47 +248,22 @@ def nested(rows: RaggedRows, tensor_dtype: str) -> Any:
     return jagged(values, torch.from_numpy(rows.offsets), int(lengths.max(initial=0)), int(lengths.min(initial=0)))
 
 
-_jagged_class: Any = None   # torch's NestedTensor class; False once it could not be used
+_jagged_maker: Any = None   # `arrowbuf._pool.torch_internals`' constructor, once asked for
 
 
 def jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
     """The jagged nested tensor of ``values`` (``[total, *tail]``) and ``offsets`` (int64 ``[n + 1]``),
     no copy, with its longest and shortest row recorded (what attention kernels read).
 
-    Built by torch's ``NestedTensor`` constructor: ``torch.nested.nested_tensor_from_jagged``
-    reaches it through a dispatch that took ~60 us of its ~85 here, as long as gathering 100
-    rows of tokens. Where that constructor is missing or refuses (another torch), the public
-    function builds it.
+    Built by torch's ``NestedTensor`` constructor where a probe finds it gives what the public
+    ``torch.nested.nested_tensor_from_jagged`` gives (`arrowbuf._pool.torch_internals`: the one
+    place that reads torch's private names): the public function reaches it through a dispatch
+    that took ~60 us of its ~85 here, as long as gathering 100 rows of tokens.
     """
-    global _jagged_class
-    import torch
-
-    if _jagged_class is None:
-        try:
-            from torch.nested._internal.nested_tensor import NestedTensor
-            _jagged_class = NestedTensor
-            # A probe of rows of 1 and 2 values: the private constructor is used only where it gives
-            # what the public function gives, offsets and recorded lengths alike.
-            probe, public = _jagged(torch.arange(3.0), torch.tensor([0, 1, 3]), 2, 1), \
-                torch.nested.nested_tensor_from_jagged(torch.arange(3.0), offsets=torch.tensor([0, 1, 3]))
-            if probe.offsets().tolist() != [0, 1, 3] or (probe._max_seqlen, probe._min_seqlen) != (2, 1) \
-                    or (public._max_seqlen, public._min_seqlen) != (2, 1) or not torch.equal(probe.values(),
-                                                                                             public.values()):
-                _jagged_class = False
-        except Exception:   # noqa: BLE001  any failure of a private API: the public function instead
-            _jagged_class = False
-    if _jagged_class is False:
-        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=min_seqlen,
-                                                      max_seqlen=max_seqlen)
-    return _jagged(values, offsets, max_seqlen, min_seqlen)
-
-
-def _jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
-    import torch
-
-    # The sequence lengths ride in the sizes of empty tensors (torch's own `_store_val_in_tensor`).
-    return _jagged_class(values, offsets, _metadata_cache={"max_seqlen": torch.zeros(max_seqlen, 0),
-                                                           "min_seqlen": torch.zeros(min_seqlen, 0)})
+    global _jagged_maker
+    if _jagged_maker is None:
+        _jagged_maker = torch_internals()[4]
+    return _jagged_maker(values, offsets, max_seqlen, min_seqlen)
 
 
 def padded(rows: RaggedRows, pad: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -243,3 +243,15 @@ def test_a_store_of_exactly_num_envs_x_t_holds_each_rollout_of_sequences_text_an
             seen += action.tolist()
         assert sorted(seen) == sorted(e * 100 + t for e in range(num_envs) for t in range(steps))
         store.clear()
+
+
+def test_a_sampled_jagged_tensor_records_its_longest_row_as_torch_s_own_constructor_does():
+    # (built by torch's private constructor where a probe allows it: `arrowbuf._pool.torch_internals`)
+    store = filled()
+    for _ in range(5):
+        batch = store.sample(6)["tokens"]
+        lengths = batch.offsets().diff()
+        padded = batch.to_padded_tensor(-1)   # its width is the recorded longest row
+        assert padded.shape[:2] == (6, int(lengths.max())), (padded.shape, lengths.tolist())
+        for i, n in enumerate(lengths.tolist()):
+            assert torch.equal(padded[i, :n], batch.values()[int(batch.offsets()[i]):int(batch.offsets()[i + 1])])
