@@ -35,6 +35,7 @@ from arrowbuf.video import VideoSpec
 
 EPISODES_IPC = "episodes.arrow"
 LEROBOT_INFO = Path("meta") / "info.json"
+LEROBOT_TASKS = Path("meta") / "tasks.parquet"
 
 
 def detect(path: Path) -> str:
@@ -192,9 +193,59 @@ def lerobot_fields(info: Mapping[str, Any], where: str) -> tuple[dict[str, tuple
 def lerobot_files(path: Path) -> tuple[list[Path], list[Path]]:
     """(files, hashed files) whose stat (and hash) say whether a cache is still that of the
     LeRobot dataset at ``path``: data, episode metadata, videos and ``info.json``."""
+    tasks = [path / LEROBOT_TASKS] if (path / LEROBOT_TASKS).is_file() else []
     files = [*sorted(path.glob("data/chunk-*/file-*.parquet")), *sorted(path.glob("meta/episodes/chunk-*/file-*.parquet")),
-             *sorted(path.glob("videos/*/chunk-*/file-*.mp4")), path / LEROBOT_INFO]
-    return files, [path / LEROBOT_INFO]
+             *sorted(path.glob("videos/*/chunk-*/file-*.mp4")), path / LEROBOT_INFO, *tasks]
+    return files, [path / LEROBOT_INFO, *tasks]
+
+
+def lerobot_tasks(path: Path) -> np.ndarray | None:
+    """Each task's string by its ``task_index`` (``meta/tasks.parquet``: the task strings, as
+    LeRobot writes them, a pandas index, beside ``task_index``), an object array with None
+    where no task has that index; None for a dataset without the file.
+
+    Raises:
+        FormatError: an unreadable file, no ``task_index`` or no one string column, nulls,
+            negative or repeated indices.
+    """
+    file = path / LEROBOT_TASKS
+    if not file.is_file():
+        return None
+    try:
+        table = pq.read_table(file)
+    except (pa.ArrowException, OSError) as err:
+        raise FormatError(f"{file}: unreadable ({err})") from None
+    text = [name for name, kind in zip(table.column_names, table.schema.types)
+            if name != "task_index" and (pa.types.is_string(kind) or pa.types.is_large_string(kind))]
+    text = ["task"] if "task" in text else text
+    if "task_index" not in table.column_names or len(text) != 1 or not pa.types.is_integer(
+            table.schema.field("task_index").type):
+        raise FormatError(f"{file}: expected an integer task_index column and one string column of the tasks, "
+                          f"got {table.schema}")
+    if table["task_index"].null_count or table[text[0]].null_count:
+        raise FormatError(f"{file}: null task_index or task")
+    index = table["task_index"].to_numpy()
+    if len(index) and (index.min() < 0 or len(np.unique(index)) != len(index) or index.max() > 1 << 24):
+        raise FormatError(f"{file}: task_index must be distinct integers in [0, 2**24], got {index.tolist()[:10]}")
+    tasks = np.full(int(index.max(initial=-1)) + 1, None, object)
+    tasks[index] = table[text[0]].to_pylist()
+    return tasks
+
+
+def _task_strings(tasks: np.ndarray, codes: np.ndarray, where: str) -> np.ndarray:
+    """The task string of each row's ``task_index`` (``codes``).
+
+    Raises:
+        FormatError: an index no task of ``meta/tasks.parquet`` has.
+    """
+    codes = np.asarray(codes).reshape(-1)
+    bad = (codes < 0) | (codes >= len(tasks))
+    if not bad.any():
+        found = tasks[codes]
+        bad = np.equal(found, None)
+        if not bad.any():
+            return found
+    raise FormatError(f"{where}: task_index {codes[bad][:5].tolist()} names no task of {LEROBOT_TASKS}")
 
 
 def lerobot_source(path: Path) -> Source:
@@ -210,7 +261,8 @@ def lerobot_source(path: Path) -> Source:
     features (``dtype: video``, RGB or gray) are uint8 (H, W, C) fields decoded when
     sampled (`arrowbuf.video`): the cache keeps each row's frame, the one shown at
     ``from_timestamp`` (its episode's start in its file, ``meta/episodes``) +
-    ``timestamp`` in its episode's file. Strings are left out
+    ``timestamp`` in its episode's file. ``task_index``'s strings (``meta/tasks.parquet``)
+    are a text field ``task``, the frame's instruction; other strings are left out
     (``dataset.info["skipped"]``). LeRobot stores no observation after an episode's
     last frame, so an episode of T frames has T - 1 transitions.
     """
@@ -226,7 +278,10 @@ def lerobot_source(path: Path) -> Source:
     data_files = sorted(path.glob("data/chunk-*/file-*.parquet"))
     if not data_files:
         raise FormatError(f"{path}: no data/chunk-XXX/file-XXX.parquet files")
-    schema = Schema(unflatten({name: spec for name, spec, _ in fields.values()}))
+    # The task strings, by each frame's task_index, as a text field "task" (an instruction for a VLA policy).
+    tasks = lerobot_tasks(path) if "task_index" in fields and "task" not in fields else None
+    schema = Schema(unflatten({**{name: spec for name, spec, _ in fields.values()},
+                               **({"task": Field("string")} if tasks is not None else {})}))
     episodes = _lerobot_episodes(data_files, fields)
     total = info.get("total_frames")
     if isinstance(total, int) and total != int(episodes["num_rows"].sum()):
@@ -252,6 +307,8 @@ def lerobot_source(path: Path) -> Source:
                         for column, name in videos.items():
                             out[name] = _frame_refs(segments[column], episode, time, specs[column].fps,
                                                     f"{file}: {column}")
+                    if tasks is not None:
+                        out["task"] = _task_strings(tasks, out[fields["task_index"][0]], str(file))
                     yield out
             except (pa.ArrowException, OSError) as err:
                 raise FormatError(f"{file}: unreadable ({err})") from None

@@ -72,7 +72,7 @@ def test_the_cache_keeps_each_video_rows_frame_reference_and_no_pixels(tmp_path)
     np.testing.assert_array_equal(refs, [[0, n] for n in range(sum(made.EPISODES))])   # the episodes back to back
     assert (cache / "rows.arrow").stat().st_size < FRAME_BYTES * 2   # 36 frames' pixels would be 331 KB
     manifest = json.loads((cache / "_dataset.json").read_text())
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4 and list(manifest["heaps"]) == ["task"]   # the task strings: a heap
     assert manifest["videos"][CAMERA] == {"key": CAMERA, "files": [str(VIDEO)], "fps": float(made.FPS),
                                           "shape": [made.HEIGHT, made.WIDTH, 3]}
 
@@ -238,13 +238,14 @@ def test_a_mixture_samples_the_dataset_and_an_online_store_of_the_same_image_sha
         "observation": {"images": {"front": ab.Field("uint8", camera.shape, observation=True, codec=codec)},
                         "state": ab.Field("float32", (4,), observation=True)},
         "action": ab.Field("float32", (2,)), "reward": "float32", "terminated": "bool", "timestamp": "float32",
-        "dataset_index": "int64", "task_index": "int64"})
+        "dataset_index": "int64", "task_index": "int64", "task": ab.Field("string")})
     T = 10
     images = np.random.default_rng(0).integers(0, 256, (T + 1, made.HEIGHT, made.WIDTH, 3), dtype=np.uint8)
     online.add_episode({"observation": {"images": {"front": images}, "state": np.full((T + 1, 4), -1, np.float32)},
                         "action": np.zeros((T, 2), np.float32), "reward": np.zeros(T, np.float32),
                         "terminated": np.arange(T) == T - 1, "timestamp": np.zeros(T, np.float32),
-                        "dataset_index": np.zeros(T, np.int64), "task_index": np.zeros(T, np.int64)})
+                        "dataset_index": np.zeros(T, np.int64), "task_index": np.zeros(T, np.int64),
+                        "task": ["stack the blocks"] * T})
     mixture = ab.Mixture({"demos": dataset, "online": online}, weights={"demos": 0.5, "online": 0.5}, seed=0)
     for kwargs in ({}, {"device": "cpu"}):          # one pooled batch, and each source's batch joined
         batch = mixture.sample(32, **kwargs)
@@ -302,3 +303,22 @@ def test_timestamps_that_are_not_frames_of_their_episodes_video_are_refused(tmp_
     pq.write_table(table.set_column(table.schema.get_field_index(name), name, moved), episodes)
     with pytest.raises(ab.FormatError, match=f"{re.escape(CAMERA)}: a row at timestamp .* {said}"):
         ab.open_dataset(root)
+
+
+def test_each_frame_carries_its_task_string_from_meta_tasks_as_a_text_field(tmp_path):
+    """The instruction a VLA policy reads: ``task_index``'s string in ``meta/tasks.parquet``."""
+    root = _copy(tmp_path)
+    dataset = ab.open_dataset(root, seed=0)
+    assert dataset.schema.fields["task"] == ab.Field("string")
+    for batch in (dataset.sample(32), dataset.gather(np.arange(len(dataset)))):
+        episode, _ = _episode_and_step(batch)
+        assert list(batch["task"]) == [made.TASKS[e] for e in episode]
+    assert dataset.to_arrow().column("task").to_pylist()[:3] == [made.TASKS[0]] * 3
+
+
+def test_a_task_index_that_names_no_task_is_a_format_error_naming_the_file(tmp_path):
+    root = _copy(tmp_path)
+    tasks = pq.read_table(root / "meta" / "tasks.parquet")
+    pq.write_table(tasks.slice(0, 1), root / "meta" / "tasks.parquet")   # task 1 gone: episode 1's frames name it
+    with pytest.raises(ab.FormatError, match=r"task_index \[1, 1, 1, 1, 1\] names no task of meta/tasks.parquet"):
+        ab.open_dataset(root, seed=0)
