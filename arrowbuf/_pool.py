@@ -102,7 +102,18 @@ def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Calla
     import torch
 
     return (torch._C._storage_Use_Count, lambda storage: storage._cdata, torch.Tensor._use_count,
-            lambda td: td._tensordict, _jagged_constructor())
+            lambda td: td._tensordict, _jagged)
+
+
+_jagged_made: list = []   # `_jagged_constructor`'s choice, made at the first jagged tensor
+
+
+def _jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
+    # Chosen at the first call, not when the pool asks for the internals: a process that never
+    # builds a jagged tensor never runs the probe (torch logs a warning at its first one).
+    if not _jagged_made:
+        _jagged_made.append(_jagged_constructor())
+    return _jagged_made[0](values, offsets, max_seqlen, min_seqlen)
 
 
 def _public_jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
