@@ -100,6 +100,10 @@ def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarr
         "first_index": col("first_index")[first],
         "first_step": col("first_step")[first],
     }
+    if not include_open and not columns["first_step"].any():
+        # Listed where a held episode starts past its first step: the columns follow what is held,
+        # not what the ring once held (a store loaded from its checkpoint lists the same).
+        del columns["first_step"]
     if include_open:
         columns["open"] = played.open[keep]
     meta = table.metadata() + [None] * (len(in_tail) - len(table))

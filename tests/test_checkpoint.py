@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
@@ -194,6 +194,9 @@ _OPERATIONS = st.lists(st.one_of(
 
 @settings(max_examples=30, deadline=None)
 @given(operations=_OPERATIONS, capacity=st.integers(13, 60))
+# CI's derandomized run found it: the first episode trimmed to a piece, then evicted whole; episodes()
+# listed first_step (all 0) while a loaded store did not.
+@example(operations=[("add", 12, True), ("add", 1, True), ("add", 1, True), ("add", 12, False)], capacity=13)
 def test_any_history_of_writes_and_incremental_saves_loads_bit_exact(operations, capacity):
     store = ab.ExperienceStore(capacity=capacity, seed=1, schema=schema_of("w1"), sampler=ab.PrioritizedSampler())
     rng = np.random.default_rng(0)

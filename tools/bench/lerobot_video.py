@@ -37,6 +37,7 @@ from .camera import Footage
 CAMERA = "observation.images.front"
 VIDEO = f"videos/{CAMERA}/chunk-000/file-000.mp4"
 FPS = 30
+TASK = "pan over the photo"   # the one task of the demos (meta/tasks.parquet), a text field "task" when read
 #: lerobot's default video settings (``encode_video_frames``): AV1 by SVT-AV1, 4:2:0, GOP 2, CRF 30.
 CODEC, GOP, CRF = "libsvtav1", 2, 30
 #: Encoders taken in this order where PyAV's FFmpeg lacks SVT-AV1 (the report names the one used).
@@ -115,7 +116,7 @@ def write_lerobot(root: str | Path, footage: Footage, fps: int = FPS) -> Path:
     pq.write_table(table, root / "data/chunk-000/file-000.parquet")
     video = f"videos/{CAMERA}"
     episodes = pa.table({
-        "episode_index": np.arange(len(lengths), dtype=np.int64), "tasks": [["pan over the photo"]] * len(lengths),
+        "episode_index": np.arange(len(lengths), dtype=np.int64), "tasks": [[TASK]] * len(lengths),
         "length": np.array(lengths, np.int64), "data/chunk_index": np.zeros(len(lengths), np.int64),
         "data/file_index": np.zeros(len(lengths), np.int64), "dataset_from_index": starts[:-1].astype(np.int64),
         "dataset_to_index": starts[1:].astype(np.int64), f"{video}/chunk_index": np.zeros(len(lengths), np.int64),
@@ -123,7 +124,7 @@ def write_lerobot(root: str | Path, footage: Footage, fps: int = FPS) -> Path:
         f"{video}/to_timestamp": starts[1:] / fps})
     (root / "meta/episodes/chunk-000").mkdir(parents=True, exist_ok=True)
     pq.write_table(episodes, root / "meta/episodes/chunk-000/file-000.parquet")
-    pq.write_table(pa.table({"task_index": [0], "task": ["pan over the photo"]}), root / "meta/tasks.parquet")
+    pq.write_table(pa.table({"task_index": [0], "task": [TASK]}), root / "meta/tasks.parquet")
     shape = list(frames[0].shape[1:])
     scalar = {"shape": [1], "names": None}
     info = {"codebase_version": "v3.0", "robot_type": None, "total_episodes": len(lengths), "total_frames": total,

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .camera import Footage
-from .lerobot_video import FPS, STATE, state
+from .lerobot_video import FPS, STATE, TASK, state
 
 
 def online_store(footage: Footage, capacity: int, codec: str | None, seed: int = 1) -> Any:
@@ -35,7 +35,7 @@ def online_store(footage: Footage, capacity: int, codec: str | None, seed: int =
         "observation": {"images": {"front": ab.Field("uint8", frame, observation=True, codec=codec)},
                         "state": ab.Field("float32", (STATE,), observation=True)},
         "action": ab.Field("float32", (2,)), "reward": "float32", "terminated": "bool", "timestamp": "float32",
-        "dataset_index": "int64", "task_index": "int64"})
+        "dataset_index": "int64", "task_index": "int64", "task": ab.Field("string")})
     added = 0
     while len(store) < capacity:
         source = added % len(footage.frames)
@@ -45,7 +45,7 @@ def online_store(footage: Footage, capacity: int, codec: str | None, seed: int =
                            "action": np.stack([np.sin(steps / 5), np.ones(T)], axis=1).astype(np.float32),
                            "reward": np.zeros(T, np.float32), "terminated": steps == T - 1,
                            "timestamp": (steps / FPS).astype(np.float32), "dataset_index": np.full(T, -1, np.int64),
-                           "task_index": np.zeros(T, np.int64)})
+                           "task_index": np.zeros(T, np.int64), "task": [TASK] * T})
         added += 1
     return store
 

@@ -163,8 +163,8 @@ def measure(spec: VLASpec, opts: Options, root: Path, footage, video, demos, jpe
                  "frame decoded last, into a preallocated batch")
     notes.append(f"  Mixture: {half['demos']} demo rows (video decoded, camera and next camera) + {half['online']} "
                  "online rows (jpeg:90 decoded on the codec pool, or raw) a batch, with observation.state, action, "
-                 "reward, terminated, timestamp, dataset_index, task_index; the halves alone are their sources' own "
-                 "sample of the same counts")
+                 "reward, terminated, timestamp, dataset_index, task_index, task (its string); the halves alone are "
+                 "their sources' own sample of the same counts")
     return metrics
 
 
