@@ -54,6 +54,7 @@ from arrowbuf._checks import check_bool, check_int
 from arrowbuf._mixed import MAX_PLANS, MixedPlan, in_process_source
 from arrowbuf._pool import SlotPool
 from arrowbuf.errors import describe
+from arrowbuf.ragged import RaggedRows, jagged
 from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.tensors import make_tensordict
 
@@ -339,9 +340,10 @@ def _join(values: list) -> Any:
     if isinstance(first, torch.Tensor) and not first.is_nested:
         return torch.cat(values)
     if isinstance(first, torch.Tensor):
-        offsets = [first.offsets()] + [v.offsets()[1:] + sum(int(u.offsets()[-1]) for u in values[:k])
-                                       for k, v in enumerate(values) if k]
-        return torch.nested.nested_tensor_from_jagged(torch.cat([v.values() for v in values]), torch.cat(offsets))
+        offsets = [first.offsets().cpu().numpy()]
+        for value in values[1:]:
+            offsets.append(value.offsets().cpu().numpy()[1:] + offsets[-1][-1])
+        return _jagged_like(first, torch.cat([v.values() for v in values]), np.concatenate(offsets))
     from tensordict import NonTensorStack
 
     return NonTensorStack.from_list([s for v in values for s in v.tolist()])
@@ -350,17 +352,22 @@ def _join(values: list) -> Any:
 def _take_apart(value: Any, order: np.ndarray) -> Any:
     """Rows ``order`` of a jagged tensor (its values gathered once) or of a text stack."""
     if isinstance(value, torch.Tensor):
-        offsets = value.offsets().numpy()
-        lengths = np.diff(offsets)[order]
-        starts = offsets[:-1][order]
-        ends = np.cumsum(lengths)
-        take = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(starts - (ends - lengths), lengths)
-        return torch.nested.nested_tensor_from_jagged(value.values()[torch.from_numpy(take)],
-                                                      torch.from_numpy(np.concatenate([[0], ends])))
+        offsets = value.offsets().cpu().numpy()
+        # where each taken row's values lie, and the new offsets (`RaggedRows` of the value positions)
+        at = RaggedRows(np.arange(int(offsets[-1])), offsets)[order]
+        return _jagged_like(value, value.values()[torch.from_numpy(at.values).to(value.device)], at.offsets)
     from tensordict import NonTensorStack
 
     texts = value.tolist()
     return NonTensorStack.from_list([texts[i] for i in order.tolist()])
+
+
+def _jagged_like(like: Any, values: Any, offsets: np.ndarray) -> Any:
+    """A jagged tensor of ``values`` and ``offsets`` on ``like``'s device, its longest and shortest
+    row recorded as a store's batch records them (`arrowbuf.ragged.jagged`: padding reads them)."""
+    lengths = np.diff(offsets)
+    return jagged(values, torch.from_numpy(np.ascontiguousarray(offsets, np.int64)).to(like.device),
+                  int(lengths.max(initial=0)), int(lengths.min(initial=0)))
 
 
 def _pad_on(leaves: list[dict], pad: Mapping) -> None:

@@ -104,3 +104,17 @@ def test_sources_whose_ragged_fields_differ_are_refused_naming_the_keys():
     mixture = ab.Mixture({"demos": filled(0, text=False), "online": filled(1)}, weights={"demos": 0.5, "online": 0.5})
     with pytest.raises(ValueError, match=r"different keys.*instr"):
         mixture.sample(8)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_joined_jagged_tensor_records_its_longest_row_as_a_store_s_batch_does(shuffle):
+    # to_padded_tensor (and attention kernels) read the recorded longest row, not the values
+    mixture = ab.Mixture({"demos": filled(0), "online": filled(1)}, weights={"demos": 0.5, "online": 0.5},
+                         shuffle=shuffle, seed=4)
+    for _ in range(5):
+        tokens = mixture.sample(12)["tokens"]
+        lengths = tokens.offsets().diff()
+        padded = tokens.to_padded_tensor(-1)
+        assert padded.shape == (12, int(lengths.max())), (padded.shape, lengths.tolist())
+        for i, n in enumerate(lengths.tolist()):
+            assert torch.equal(padded[i, :n], tokens.values()[int(tokens.offsets()[i]):int(tokens.offsets()[i + 1])])
