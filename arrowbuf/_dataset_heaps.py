@@ -225,7 +225,8 @@ class MappedHeap:
         Raises:
             FormatError: a row lies outside the file or cuts an item.
         """
-        bad = (size != 0) & ((addr < 0) | (size < 0) | (addr + size > len(self.data)) | (size % self.unit != 0))
+        # ``addr > len - size`` (with ``size >= 0``): ``addr + size`` of damaged refs can wrap past int64
+        bad = (size != 0) & ((addr < 0) | (size < 0) | (addr > len(self.data) - size) | (size % self.unit != 0))
         if bad.any():
             at = int(np.argmax(bad))
             self.view(int(addr[at]), int(size[at]))   # raises, naming the row's bytes

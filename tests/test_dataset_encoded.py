@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import arrowbuf as ab
+from arrowbuf._dataset_heaps import MappedHeap
 from arrowbuf import _dataset_cache
 from arrowbuf._persist import CHECKSUM, file_digest, write_manifest
 from arrowbuf.errors import FormatError
@@ -334,3 +335,12 @@ def test_a_cache_of_an_older_format_keeps_the_encoded_field_decoded_and_still_re
     assert old.nbytes > len(store) * SIDE * SIDE * 3
     index = np.arange(len(store))
     same(old.gather(index), store.gather(index))
+
+
+def test_a_damaged_heap_reference_whose_end_wraps_past_int64_is_a_format_error_not_an_empty_row(tmp_path):
+    # addr + size of such a reference wraps negative in int64: it must not read as a row of no bytes
+    heap = MappedHeap(np.arange(16, dtype=np.uint8), "pixels", tmp_path / "heap-0.bytes")
+    assert [bytes(v) for v in heap.views(np.array([0, 4]), np.array([4, 0]))] == [bytes([0, 1, 2, 3]), b""]
+    for addr, size in ((2**63 - 5, 10), (12, 8), (-1, 2)):
+        with pytest.raises(ab.FormatError, match="the cache is damaged"):
+            heap.views(np.array([0, addr], np.int64), np.array([4, size], np.int64))
