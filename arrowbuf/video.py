@@ -361,7 +361,7 @@ class VideoReader:
                 self._close_files()
             places, keys = [], []
             for request in requests:
-                refs = request.source.refs[request.rows]
+                refs = _checked_refs(request.source, request.rows)
                 keys.append(request.source.uids[refs[:, 0]] << 32 | refs[:, 1])
                 places.extend(request.out)   # each row's view
             keys = keys[0] if len(keys) == 1 else np.concatenate(keys)
@@ -424,6 +424,23 @@ class VideoReader:
         with self._lock:
             self._close_files()
             self.cache.clear()
+
+
+def _checked_refs(column: "VideoColumn", rows: np.ndarray) -> np.ndarray:
+    """The frame references of ``rows`` of ``column``, each naming one of its files and a frame.
+
+    Raises:
+        FormatError: a reference that does not (a damaged cache: a negative file index would read
+            another file's frame).
+    """
+    refs = np.asarray(column.refs[rows], np.int64)
+    bad = (refs[:, 0] < 0) | (refs[:, 0] >= len(column.files)) | (refs[:, 1] < 0)
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise FormatError(f"video field {column.name!r}: row {int(np.asarray(rows)[at])} refers to frame "
+                          f"{int(refs[at, 1])} of file {int(refs[at, 0])} of {len(column.files)}; the cache is "
+                          "damaged (open the source with verify=True, or delete the cache, to convert again)")
+    return refs
 
 
 class VideoColumn:

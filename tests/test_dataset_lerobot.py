@@ -322,3 +322,16 @@ def test_a_task_index_that_names_no_task_is_a_format_error_naming_the_file(tmp_p
     pq.write_table(tasks.slice(0, 1), root / "meta" / "tasks.parquet")   # task 1 gone: episode 1's frames name it
     with pytest.raises(ab.FormatError, match=r"task_index \[1, 1, 1, 1, 1\] names no task of meta/tasks.parquet"):
         ab.open_dataset(root, seed=0)
+
+
+@pytest.mark.parametrize("bad", [(-1, 0), (1, 0), (0, -3)], ids=["negative file", "file past the last", "negative frame"])
+def test_a_frame_reference_naming_no_file_or_frame_is_a_format_error_not_another_file_s_frame(tmp_path, bad):
+    # Damage the cache's references behind the recorded stat could leave (only verify=True hashes them):
+    # a negative file index would have read the last file's frame as numpy wraps it.
+    dataset = ab.open_dataset(_copy(tmp_path), seed=0, video_cache_bytes=0)
+    column = dataset.engine.shard.arena[CAMERA]
+    column.refs = np.array(column.refs)   # (a writable copy of the mapped references)
+    column.refs[5] = bad
+    with pytest.raises(ab.FormatError, match=rf"video field '{re.escape(CAMERA)}': row 5 refers to frame"):
+        dataset.gather(np.arange(len(dataset)))
+    assert dataset.gather(np.arange(3))[KEY].shape[0] == 3   # the other rows still read
