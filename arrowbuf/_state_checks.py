@@ -219,15 +219,16 @@ def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
     env_ids = state["env_ids"]
     if not isinstance(env_ids, list) or len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids):
         raise _bad(where, f"{field}.env_ids", env_ids, f"a list of {num_envs} strings")
+    grids = None
     for part, ndim in (("stage", 2), ("last_next", 1)):
         arrays = state[part]
         if part == "stage" and isinstance(arrays, dict):   # a ragged or text field's rows: its [envs, steps] grid
-            arrays = {name: _grid(a) for name, a in arrays.items()}
+            arrays = grids = {name: _grid(a) for name, a in arrays.items()}
         if not isinstance(arrays, dict) or not all(isinstance(a, np.ndarray) and a.ndim >= ndim and len(a) == num_envs
                                                    for a in arrays.values()):
             raise _bad(where, f"{field}.{part}", arrays, f"arrays with a row per env ({num_envs})"
                        + (" and a column per staged step" if part == "stage" else ""))
-    _open_steps(where, field, pos, {name: _grid(a) for name, a in state["stage"].items()}, state["last_next"])
+    _open_steps(where, field, pos, grids, state["last_next"])
     if not isinstance(state["pending"], list):
         raise _bad(where, f"{field}.pending", state["pending"], "a list of episodes")
 

@@ -62,17 +62,23 @@ class RowStage:
         if isinstance(value, RowStage):
             self.cells[key] = value.cells
             return
-        where = np.arange(self.cells.size).reshape(self.cells.shape)[key].reshape(-1).tolist()
-        if not where:
+        # the shape of the cells named (a step's: one per env), read off a view that holds nothing
+        shape = np.shape(np.broadcast_to(np.empty((), bool), self.cells.shape)[key])
+        count = int(np.prod(shape, dtype=np.int64))
+        if not count:
             return
         rows = self._rows(value)
         if len(rows) == 1:
-            rows = rows * len(where)
-        if len(rows) != len(where):
-            raise SchemaError(f"field {self.name!r}: {len(rows)} rows for {len(where)} steps")
-        flat = self.cells.reshape(-1)
-        for at, row in zip(where, rows):
-            flat[at] = row
+            rows = rows * count
+        if len(rows) != count:
+            raise SchemaError(f"field {self.name!r}: {len(rows)} rows for {count} steps")
+        if not shape:   # one cell: its row itself
+            self.cells[key] = rows[0]
+            return
+        cells = np.empty(count, object)
+        for at, row in enumerate(rows):   # one by one: an array row assigned by a slice would be broadcast
+            cells[at] = row
+        self.cells[key] = cells.reshape(shape)
 
     def __getitem__(self, key: Any) -> Any:
         """An env's steps ``stage[env, :n]``: the episode's column (`RaggedRows`, or ``str`` in an
