@@ -95,9 +95,10 @@ def torch_internals() -> tuple[Callable[[int], int], Callable[[Any], int], Calla
         dict of entries (``_tensordict``), the one O(1) way to see an entry replaced;
         ``jagged(values, offsets, max_seqlen, min_seqlen)``: a jagged nested tensor built by
         ``torch.nested._internal.nested_tensor.NestedTensor`` (its lengths recorded in the
-        ``_metadata_cache`` as torch records them), used only where a probe of rows of 1 and 2
-        values gives the public ``nested_tensor_from_jagged``'s offsets, values and recorded
-        lengths (``_max_seqlen``, ``_min_seqlen``); otherwise the public function.
+        ``_metadata_cache`` as torch records them), used only where a probe, at the first jagged
+        tensor, of rows of 1 and 2 values gives what the public ``nested_tensor_from_jagged`` gives:
+        offsets, values and the padded tensor, whose width is the recorded longest row; otherwise
+        the public function.
     """
     import torch
 

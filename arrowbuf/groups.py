@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -220,25 +220,28 @@ def rank_shares(engine: Any, indices: np.ndarray, world_size: int, balance: str 
 
 @dataclass(frozen=True)
 class RankSplit:
-    """Rank ``rank`` of ``world_size``'s share of each global batch: rows balanced by the tokens of
-    ragged field ``balance`` (None: by rows), groups of ``group_key`` kept whole (None: no groups).
-    Called as ``split(engine, indices)`` by an embedded store (`rank_share`); a Ray store's reader
-    reads the lengths from its blocks (`arrowbuf.ray.ranks`)."""
+    """Rank ``rank`` of ``world_size``'s share of each global batch (None: every rank's, a list: a
+    driver's view): rows balanced by the tokens of ragged field ``balance`` (None: by rows), groups
+    of ``group_key`` kept whole (None: no groups). Called as ``split(engine, indices)`` by an
+    embedded store (`rank_share`, `rank_shares`); a Ray store's reader reads the lengths from its
+    blocks (`arrowbuf.ray.ranks`)."""
 
     world_size: int
-    rank: int
+    rank: int | None
     balance: str | None
     group_key: str | None
 
-    def __call__(self, engine: Any, indices: np.ndarray) -> np.ndarray:
+    def __call__(self, engine: Any, indices: np.ndarray) -> np.ndarray | list[np.ndarray]:
+        if self.rank is None:
+            return rank_shares(engine, indices, self.world_size, self.balance, self.group_key)
         return rank_share(engine, indices, self.world_size, self.rank, self.balance, self.group_key)
 
 
-def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Callable | None:
+def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> RankSplit | None:
     """``iter_batches``' ``world_size``, ``rank`` and ``balance`` checked: None (every row to this
     process), or the `RankSplit` that gives ``rank`` its share of each global batch (`rank_share`),
-    or with no ``rank`` the ``split(engine, indices)`` that gives every rank's, a list (`rank_shares`:
-    a driver's view, embedded stores only); groups of the store's `GroupSampler` key kept whole.
+    or with no ``rank`` every rank's, a list (`rank_shares`: a driver's view, embedded stores only);
+    groups of the store's `GroupSampler` key kept whole.
 
     Raises:
         ValueError: a ``rank`` or ``balance`` without ``world_size``, a ``world_size`` below 1, a
@@ -267,10 +270,7 @@ def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> Callable
     if group_key is not None and store.backend != "local":
         raise ValueError(f"world_size on a Ray store with {sampler!r}: its epochs do not keep groups together yet; "
                          "split an embedded store's batches, or use a UniformSampler")
-    if rank is None:
-        if store.backend != "local":
-            raise ValueError("world_size without rank (every rank's share from one split, a list) splits an embedded "
-                             "store's batches; on Ray, each rank's process passes its rank=")
-        world_size = int(world_size)
-        return lambda engine, indices: rank_shares(engine, indices, world_size, balance, group_key)
-    return RankSplit(int(world_size), int(rank), balance, group_key)
+    if rank is None and store.backend != "local":
+        raise ValueError("world_size without rank (every rank's share from one split, a list) splits an embedded "
+                         "store's batches; on Ray, each rank's process passes its rank=")
+    return RankSplit(int(world_size), None if rank is None else int(rank), balance, group_key)

@@ -248,9 +248,6 @@ def nested(rows: RaggedRows, tensor_dtype: str) -> Any:
     return jagged(values, torch.from_numpy(rows.offsets), int(lengths.max(initial=0)), int(lengths.min(initial=0)))
 
 
-_jagged_maker: Any = None   # `arrowbuf._pool.torch_internals`' constructor, once asked for
-
-
 def jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
     """The jagged nested tensor of ``values`` (``[total, *tail]``) and ``offsets`` (int64 ``[n + 1]``),
     no copy, with its longest and shortest row recorded (what attention kernels read).
@@ -260,10 +257,7 @@ def jagged(values: Any, offsets: Any, max_seqlen: int, min_seqlen: int) -> Any:
     place that reads torch's private names): the public function reaches it through a dispatch
     that took ~60 us of its ~85 here, as long as gathering 100 rows of tokens.
     """
-    global _jagged_maker
-    if _jagged_maker is None:
-        _jagged_maker = torch_internals()[4]
-    return _jagged_maker(values, offsets, max_seqlen, min_seqlen)
+    return torch_internals()[4](values, offsets, max_seqlen, min_seqlen)
 
 
 def padded(rows: RaggedRows, pad: Any) -> tuple[np.ndarray, np.ndarray]:
