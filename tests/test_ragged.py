@@ -204,15 +204,22 @@ def test_ragged_rows_index_like_lists_of_their_rows(rows, data):
     assert isinstance(back, RaggedRows) and [r.tolist() for r in back.rows()] == rows
 
 
-def test_a_store_of_exactly_num_envs_x_t_holds_each_rollout_of_sequences_text_and_encoded_frames():
-    """The size PPO users choose, a new writer per rollout dropped without flush(), clear() between: every
-    transition kept, each with its own sequence, instruction and frame; pieces never show as episodes."""
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_store_of_exactly_num_envs_x_t_holds_each_rollout_of_sequences_text_and_encoded_frames(backend, request):
+    """The size PPO users choose, a new writer per rollout dropped without flush() (closed on Ray, whose
+    dropped writers tests/test_ray_writer_lifetime.py covers), clear() between: every transition kept,
+    each with its own sequence, instruction and frame; pieces never show as episodes."""
     pytest.importorskip("zstandard")
     num_envs, steps = 4, 25
     schema = {"obs": ab.Field("uint8", (8, 8, 3), observation=True, codec="zstd"), "tokens": ab.Field("int32", (None,)),
               "instruction": ab.Field("string"), "action": ab.Field("int64"), "reward": ab.Field("float32"),
               "terminated": ab.Field("bool"), "truncated": ab.Field("bool")}
-    store = ab.ExperienceStore(capacity=num_envs * steps, schema=schema, seed=0)
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+        store = ab.ExperienceStore(capacity=num_envs * steps, schema=schema, seed=0, backend="ray", num_shards=2)
+        request.addfinalizer(store.close)
+    else:
+        store = ab.ExperienceStore(capacity=num_envs * steps, schema=schema, seed=0)
 
     def frame(env: int, t: int) -> np.ndarray:
         return np.full((8, 8, 3), (7 * env + t) % 251, np.uint8)
@@ -227,6 +234,8 @@ def test_a_store_of_exactly_num_envs_x_t_holds_each_rollout_of_sequences_text_an
                        action=np.arange(num_envs) * 100 + t, reward=np.zeros(num_envs, np.float32),
                        terminated=done, truncated=np.zeros(num_envs, bool),
                        next_obs=np.stack([frame(e, t + 1) for e in range(num_envs)]))
+        if backend == "ray":
+            writer.close()
         del writer   # dropped without flush(): its open episodes are sealed, nothing lost
         assert len(store) == num_envs * steps
         played = sum(len(range(0, steps, 5 + e)) for e in range(num_envs))   # episodes each env began
