@@ -251,8 +251,7 @@ def text_column(name: str, refs: np.ndarray, heap: MappedHeap) -> TextColumn:
     Raises:
         FormatError: a reference outside the file, or bytes that are not UTF-8 (naming the row).
     """
-    column = TextColumn(len(refs))
-    column.name = name
+    column = TextColumn(len(refs), name)
     if not len(refs):
         return column
     keys = np.ascontiguousarray(refs, np.int64).view(np.dtype((np.void, 16))).reshape(-1)
@@ -265,5 +264,5 @@ def text_column(name: str, refs: np.ndarray, heap: MappedHeap) -> TextColumn:
         except UnicodeDecodeError as err:
             raise FormatError(f"{heap.file}: field {name!r}, row {row}: its bytes are not UTF-8 text ({err}); the "
                               "cache is damaged (open the source with verify=True, or delete the cache)") from None
-    column.codes[:] = column.code(strings)[inverse.reshape(-1)]
+    column.fill(strings, inverse.reshape(-1))
     return column

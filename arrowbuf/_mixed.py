@@ -114,7 +114,7 @@ class MixedPlan:
                     first = ahead.next * count
                     fill_drawn(plain, outs[start:stop], ahead.drawn, first, first + count)
                     ahead.next = (ahead.next + 1) % ahead.ahead
-                engine.counts.samples += count
+                engine.counted(samples=count)
             if account is not None:
                 account(count)
         outs[self.source_at][...] = self.source

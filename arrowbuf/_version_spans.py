@@ -172,15 +172,16 @@ def fresh_spans(shard: Shard, min_version: int) -> Spans | None:
         shard.table, bounds.low, bounds.high, bounds.sorted, min_version, episode_versions(shard)))
 
 
-def kept_spans(kept: dict, min_version: int, build: Callable[[], Spans | None]) -> Spans | None:
-    """The spans of ``min_version`` kept in ``kept`` (a shard's `EpisodeBounds.spans`, or a Ray
-    reader's view's), built by ``build()`` the first time; past `MAX_BOUNDS` bounds, all are dropped."""
-    if min_version in kept:
-        return kept[min_version]
+def kept_spans(kept: dict, key: Any, build: Callable[[], Any]) -> Any:
+    """The spans of bound ``key`` (a ``min_version``; or "runs", `arrowbuf.freshness.Runs`) kept in
+    ``kept`` (a shard's `EpisodeBounds.spans`, or a Ray reader's view's), built by ``build()`` the
+    first time; past `MAX_BOUNDS` bounds, all are dropped."""
+    if key in kept:
+        return kept[key]
     spans = build()
     if len(kept) >= MAX_BOUNDS:
         kept.clear()
-    kept[min_version] = spans
+    kept[key] = spans
     return spans
 
 

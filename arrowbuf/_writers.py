@@ -94,7 +94,7 @@ class WriterRegistry:
         claimed = self.claim(name, num_envs, autoreset_mode, env_ids) if name else None
         if claimed is not None:
             writer, sink = claimed
-            sink.timeout = timeout
+            sink.retime(timeout)
             return writer
         sink = make_sink(timeout, env_ids)
         name = name or self.new_name()

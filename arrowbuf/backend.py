@@ -42,6 +42,9 @@ class EpisodeSink(Protocol):
     def set_schema(self, schema: Schema) -> None:
         """Adopt ``schema`` if none is set yet."""
 
+    def retime(self, timeout: float | None) -> None:
+        """Each later write waits at most ``timeout`` (a claimed restored writer's)."""
+
     def write(self, episode: Episode) -> None:
         """Store one sealed episode (or queue it); raise what the store refuses."""
 

@@ -144,7 +144,7 @@ class HeapColumn:
     heap, whose ``view`` reads them (`arrowbuf._dataset_heaps.MappedHeap`).
     """
 
-    def __init__(self, rows: int, mapped: tuple[np.ndarray, Any] | None = None) -> None:
+    def __init__(self, rows: int, mapped: tuple[np.ndarray, Any] | None = None, name: str = "") -> None:
         if mapped is None:
             # np.zeros: pages the kernel gives zeroed on first touch; memory grows with the rows written.
             self.addr = np.zeros(rows, np.int64)
@@ -153,7 +153,7 @@ class HeapColumn:
         else:   # read-only rows of a dataset cache: (offset, size) per row, and the mapped file they lie in
             refs, self.heap = mapped
             self.addr, self.size = refs[:, 0], refs[:, 1]
-        self.name = ""   # the field's, for errors (set by its shard: `bind_heap_columns`)
+        self.name = name   # the field's, for errors (a shard's: set by `bind_heap_columns`)
         self.budget: int | None = None   # bytes held at most (`bound`)
         self._make_room: Any = None
 

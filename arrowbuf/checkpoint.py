@@ -199,7 +199,7 @@ def save_engine(engine: ShardEngine, path: str | Path, info: Mapping[str, Any],
             "state_file": {"path": state_file.name, **file_entry(state_file)}, "state": tree,
         })
     _remove_unlisted(path, {e["path"] for e in row_files} | {state_file.name})
-    engine.checkpoints[str(path.resolve())] = token
+    engine.remember_checkpoint(str(path.resolve()), token)
     return path
 
 
@@ -337,7 +337,7 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
                              storage_device=storage_device, whole_pieces=whole_pieces)
         engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
         loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
-    engine.checkpoints[str(path.resolve())] = token
+    engine.remember_checkpoint(str(path.resolve()), token)
     return loaded
 
 

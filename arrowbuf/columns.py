@@ -58,10 +58,9 @@ def mapped_column(spec: Any, name: str, refs: np.ndarray, heap: Any) -> Any:
     """The read-only column of an encoded or ragged field ``name`` whose rows lie in ``heap`` at
     ``refs`` (each row's offset and size): a dataset cache's (`arrowbuf._dataset_heaps`), of its kind."""
     mapped = (refs, heap)
-    column = EncodedColumn(spec.encoder, len(refs), spec.numpy_dtype, mapped) if spec.codec is not None \
-        else RaggedColumn(len(refs), spec.numpy_dtype, spec.shape[1:], mapped)
-    column.name = name
-    return column
+    if spec.codec is not None:
+        return EncodedColumn(spec.encoder, len(refs), spec.numpy_dtype, mapped, name)
+    return RaggedColumn(len(refs), spec.numpy_dtype, spec.shape[1:], mapped, name)
 
 
 def stored_rows(column: Any, start: int, stop: int) -> Any:

@@ -195,8 +195,9 @@ class EncodedColumn(HeapColumn):
         mapped: rows stored elsewhere, read-only (`arrowbuf.byte_heap.HeapColumn`): a dataset's.
     """
 
-    def __init__(self, codec: Codec, rows: int, dtype: np.dtype, mapped: tuple[np.ndarray, Any] | None = None) -> None:
-        super().__init__(rows, mapped)
+    def __init__(self, codec: Codec, rows: int, dtype: np.dtype, mapped: tuple[np.ndarray, Any] | None = None,
+                 name: str = "") -> None:
+        super().__init__(rows, mapped, name)
         self.codec = codec
         self.row_shape = tuple(codec.shape)
         self.dtype = np.dtype(dtype)

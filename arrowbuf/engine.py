@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._bounds import check_arena, check_batch
+from arrowbuf._owned_lock import OwnedLock
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.direct import sample_plain_uniform
@@ -115,6 +116,16 @@ class ShardEngine:
         self._direct = type(sampler) is UniformSampler and not self._limited
         if schema is not None:
             self._bind(self._make_shard(schema))
+
+    def counted(self, inserts: int = 0, samples: int = 0) -> None:
+        """Count transitions written or sampled by a path that writes or draws under this
+        engine's lock without its `add` or `sample` (a writer's in-place steps, a mixture)."""
+        self.counts.add(inserts, samples)
+
+    def remember_checkpoint(self, path: str, token: str) -> None:
+        """``path`` (resolved) holds the checkpoint ``token`` saved or loaded here: a save
+        there again writes only what is new (`arrowbuf.checkpoint`)."""
+        self.checkpoints[path] = token
 
     # -- shape ----------------------------------------------------------------------
 
@@ -220,7 +231,7 @@ class ShardEngine:
             episode_id = shard.add(episode, plan, rows)
             if sampler.tracks_rows:
                 sampler.on_add(int(shard.table.col("first_row")[-1]), transitions)
-            self.counts.inserts += transitions
+            self.counts.add(inserts=transitions)
             if self._limited:
                 self._changed.notify_all()
             return episode_id
@@ -279,7 +290,7 @@ class ShardEngine:
             direct = self.direct() if args.plain and device is None and not pin_memory else None
             if direct is not None:
                 batch = sample_plain_uniform(shard, self._rng, batch_size, keys, min_version)
-                self.counts.samples += batch_size
+                self.counts.add(samples=batch_size)
                 return batch
             selection = self._draw(batch_size, args, min_version=min_version)
             batch = self._gather(selection, args, device, pin_memory, keys)
@@ -304,7 +315,7 @@ class ShardEngine:
     def count_samples(self, count: int) -> None:
         """Count ``count`` items drawn elsewhere (by a Ray reader) as samples of this shard."""
         with self._changed:
-            self.counts.samples += count
+            self.counts.add(samples=count)
             if self._limited:
                 self._changed.notify_all()
 
@@ -329,7 +340,7 @@ class ShardEngine:
 
     def _sampled(self, selection: Selection) -> None:
         """Count a gathered selection (the limiter's counts, the rows' reuse)."""
-        self.counts.samples += selection.rows.size
+        self.counts.add(samples=selection.rows.size)
         shard = self._shard
         if shard.reuse is not None:
             shard.count_samples(selection.rows, selection.extra.get("mask"))
@@ -536,65 +547,3 @@ class ShardEngine:
             self._rng.bit_generator.state = state["rng"]
             self.counts = counts
 
-
-class OwnedLock:
-    """A reentrant lock that records which thread holds it: `held_here` tells a caller that may
-    run inside one of this thread's calls (a writer's finalizer, `arrowbuf.inplace`) not to wait
-    for it, and `defer` runs its work once that call lets the lock go. Usable with
-    `threading.Condition` (it releases and restores every level in `wait`)."""
-
-    __slots__ = ("_lock", "_owner", "_depth", "_deferred")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._owner: int | None = None   # written only by the thread that holds `_lock`
-        self._depth = 0
-        self._deferred: list[Callable[[], None]] = []
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if not self._lock.acquire(blocking, timeout):
-            return False
-        self._owner = threading.get_ident()
-        self._depth += 1
-        return True
-
-    __enter__ = acquire
-
-    def release(self) -> None:
-        self._depth -= 1
-        if not self._depth:
-            self._owner = None
-        self._lock.release()
-        while self._deferred and not self._depth:   # the outermost release: deferred work, outside the lock
-            try:
-                work = self._deferred.pop(0)
-            except IndexError:   # another thread took the last one
-                return
-            work()
-
-    def defer(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (which takes the lock itself) when the lock is next released by its
-        outermost holder: for work that must not run inside the holder's call."""
-        self._deferred.append(work)
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def held_here(self) -> bool:
-        """Whether the calling thread holds the lock (another thread only ever sees its own id here
-        while it holds it)."""
-        return self._owner == threading.get_ident()
-
-    # `threading.Condition` uses these when the lock has them: `wait` gives up every level.
-    _is_owned = held_here
-
-    def _release_save(self) -> int:
-        depth, self._depth, self._owner = self._depth, 0, None
-        for _ in range(depth):
-            self._lock.release()
-        return depth
-
-    def _acquire_restore(self, depth: int) -> None:
-        for _ in range(depth):
-            self._lock.acquire()
-        self._owner, self._depth = threading.get_ident(), depth

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from arrowbuf._version_spans import episode_versions, shard_bounds
+from arrowbuf._version_spans import episode_versions, kept_spans, shard_bounds
 from arrowbuf.errors import EmptyStoreError
 from arrowbuf.samplers import Sampler, Selection
 from arrowbuf.table import EpisodeTable
@@ -44,10 +44,9 @@ class Runs:
 def version_runs(shard: Any) -> Runs:
     """The runs of one version of ``shard``'s live sealed steps (kept until the table changes)."""
     bounds = shard_bounds(shard)
-    runs = bounds.spans.get("runs")   # dropped with the spans when the table changes
-    if runs is None:
-        runs = bounds.spans["runs"] = runs_of(shard.table, bounds.low, bounds.high, episode_versions(shard))
-    return runs
+    # dropped with the spans when the table changes
+    return kept_spans(bounds.spans, "runs", lambda: runs_of(shard.table, bounds.low, bounds.high,
+                                                             episode_versions(shard)))
 
 
 def runs_of(table: EpisodeTable, low: np.ndarray, high: np.ndarray, values_of: Callable[[int], np.ndarray]) -> Runs:

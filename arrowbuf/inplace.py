@@ -151,7 +151,7 @@ class InPlace:
                 at = cur[done[slots - self.base]] + 1
                 for name, array in final.items():
                     shard.scatter(name, at, array[ended - self.base])
-            regions.length[slots] += 1
+            regions.wrote(slots)
             if len(ended):
                 flags = {flag: _host_flags(step_cols[flag][0], self.num_envs)[ended - self.base]
                          if flag in step_cols else np.zeros(len(ended), bool) for flag in ("terminated", "truncated")}
@@ -169,8 +169,7 @@ class InPlace:
             slots = self.base + np.flatnonzero(regions.held[self.slots] & (regions.length[self.slots] > 0))
             if len(slots):
                 self._seal(slots, None, None, continues=False)
-            regions.first_step[self.slots] = 0
-            regions.prev[self.slots] = -1
+            regions.restart(self.slots)
             self.shard.publish_open()
             return len(slots)
 
@@ -227,10 +226,7 @@ class InPlace:
         with self.engine.lock:
             regions, shard = self.shard.regions, self.shard
             slots = self.slots
-            regions.held[slots] = False
-            regions.length[slots] = 0
-            regions.first_step[slots] = first_step
-            regions.prev[slots] = -1
+            checked = None
             if saved is not None:
                 held = np.asarray(saved["held"], bool)
                 start, end = np.asarray(saved["start"], np.int64), np.asarray(saved["end"], np.int64)
@@ -239,12 +235,13 @@ class InPlace:
                         held & ((start < 0) | (end > shard.rows) | (start + pos > room))):
                     raise ValueError(f"writer state has regions {saved!r} that do not fit its open steps {pos} "
                                      f"in a store of {shard.rows} rows")
-                regions.start[slots], regions.end[slots], regions.held[slots] = start, end, held
                 prev = np.asarray(saved.get("prev", np.full(self.num_envs, -1)), np.int64)
                 if prev.shape != (self.num_envs,) or np.any((prev < -1) | (prev >= shard.table.episodes_added)):
                     raise ValueError(f"writer state has pieces continued {prev!r}; expected {self.num_envs} serials "
                                      f"of pieces added to this store (< {shard.table.episodes_added}) or -1")
-                regions.prev[slots] = np.where(held, prev, -1)
+                checked = {"held": held, "start": start, "end": end, "prev": prev}
+            regions.restore(slots, first_step, checked)
+            if checked is not None:
                 shard.placement.adopt_regions()
             for i in np.flatnonzero(pos).tolist():
                 n = int(pos[i])
@@ -256,7 +253,7 @@ class InPlace:
                     shard.write_rows(name, a, rows[i, :n])
                 for name, row in last_next.items():
                     shard.write_rows(name, a + n, row[i:i + 1])
-                regions.length[slot] = n
+                regions.wrote(slot, n)
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------
@@ -285,15 +282,9 @@ class InPlace:
                          prev_piece=int(regions.prev[slot]))
             if sampler.tracks_rows:
                 sampler.on_add(a, n)
-        engine.counts.inserts += int(length.sum())
-        if continues:   # the next piece continues these: serials of the k-th added
-            regions.first_step[slots] += length
-            regions.prev[slots] = table.episodes_added - len(slots) + np.arange(len(slots))
-        else:
-            regions.first_step[slots] = 0
-            regions.prev[slots] = -1
-            regions.start[slots] = last + 1   # the env's next episode: right after, in the same region
-        regions.length[slots] = 0
+        engine.counted(inserts=int(length.sum()))
+        # continued: the next pieces continue these, serials of the k-th added
+        regions.sealed(slots, table.episodes_added - len(slots) + np.arange(len(slots)) if continues else None)
 
 
 def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:

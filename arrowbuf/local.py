@@ -29,7 +29,11 @@ class EngineSink:
 
     def __init__(self, engine: ShardEngine, timeout: float | None) -> None:
         self._engine = engine
-        self.timeout = timeout   # public: claiming a restored writer sets it
+        self.timeout = timeout   # of each write (`retime`: a claimed restored writer's own)
+
+    def retime(self, timeout: float | None) -> None:
+        """Each later write waits at most ``timeout`` (a claimed restored writer's)."""
+        self.timeout = timeout
 
     @property
     def schema(self) -> Schema | None:

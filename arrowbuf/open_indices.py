@@ -30,10 +30,11 @@ _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 class TailIndices:
     """Uids of an episode table's open tails and of the pieces they became, and the
-    translation between tokens and the table's indices (`arrowbuf.table.EpisodeTable` owns one)."""
+    translation between tokens and the table's indices (`arrowbuf.table.EpisodeTable` owns one;
+    a loaded table's starts with the uids of its pieces that were tails, ``sealed``, and the next uid)."""
 
-    def __init__(self) -> None:
-        self.next_uid = 0
+    def __init__(self, sealed: dict[int, int] | None = None, next_uid: int = 0) -> None:
+        self.next_uid = next_uid
         # The tails of the last publish: first rows (sorted), their first steps and uids.
         self._rows = np.zeros(0, np.int64)
         self._steps = np.zeros(0, np.int64)
@@ -41,7 +42,7 @@ class TailIndices:
         self._published_rows = np.zeros(0, np.int64)
         self._published_steps = np.zeros(0, np.int64)
         self._published_uids = np.zeros(0, np.int64)
-        self.sealed: dict[int, int] = {}   # uid -> serial of the piece it became
+        self.sealed: dict[int, int] = sealed or {}   # uid -> serial of the piece it became
 
     @property
     def any(self) -> bool:

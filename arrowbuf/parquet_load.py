@@ -151,8 +151,7 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
                                               "rows the episode table says")
                         if have == num_rows[k]:
                             episode = _episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k],
-                                               metadata[k], int(inserted[k]))
-                            episode.first_step = int(first_step[k])
+                                               metadata[k], int(inserted[k]), int(first_step[k]))
                             engine.add(episode, limited=False)
                             bar.update(have)
                             parts, have, added = [], 0, added + 1
@@ -179,14 +178,14 @@ def _resume_numbering(shard: Shard, episodes: pa.Table, store: Mapping[str, Any]
 
 
 def _episode(parts: list[dict[str, np.ndarray]], schema: Schema, num_rows: int, has_final: bool, env_id: str,
-             metadata: str | None, inserted_at: int) -> Episode:
+             metadata: str | None, inserted_at: int, first_step: int) -> Episode:
     steps = num_rows - int(has_final)
     columns = {}
     for name, spec in schema.fields.items():
         rows = parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts])
         columns[name] = rows if spec.observation else rows[:steps]
     return Episode(columns, steps, has_final, env_id, json.loads(metadata) if metadata else None,
-                   inserted_at=inserted_at)
+                   inserted_at=inserted_at, first_step=first_step)
 
 
 def _overlaps(entry: Mapping[str, Any], ids: np.ndarray) -> bool:

@@ -259,7 +259,7 @@ class Ring:
         if not self.ordered:
             for a, b in zip(used_to.tolist(), regions.end[slots].tolist()):
                 self.free.free(a, b)
-        regions.held[slots] = False
+        regions.drop(slots)
 
     def adopt_regions(self) -> None:
         """Regions were restored where a saved writer held them: free runs exclude them."""

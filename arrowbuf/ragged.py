@@ -203,8 +203,8 @@ class RaggedColumn(HeapColumn):
     (``mapped``: rows stored elsewhere, read-only, `arrowbuf.byte_heap.HeapColumn`: a dataset's)."""
 
     def __init__(self, rows: int, dtype: np.dtype, tail: tuple[int, ...],
-                 mapped: tuple[np.ndarray, Any] | None = None) -> None:
-        super().__init__(rows, mapped)
+                 mapped: tuple[np.ndarray, Any] | None = None, name: str = "") -> None:
+        super().__init__(rows, mapped, name)
         self.dtype, self.tail = np.dtype(dtype), tuple(tail)
         self.item_bytes = self.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
         self.shape = (rows, None, *self.tail)

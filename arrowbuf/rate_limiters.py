@@ -23,6 +23,11 @@ class Counts:
     inserts: int = 0
     samples: int = 0
 
+    def add(self, inserts: int = 0, samples: int = 0) -> None:
+        """Count ``inserts`` more transitions written and ``samples`` more drawn."""
+        self.inserts += inserts
+        self.samples += samples
+
 
 class RateLimiter:
     """The base class allows everything."""

@@ -92,6 +92,45 @@ class OpenRegions:
         self.length[base:base + n] = 0
         self.count -= n
 
+    def restore(self, slots: slice, first_step: np.ndarray, saved: dict | None) -> None:
+        """Slots ``slots`` start again from a saved writer state: empty open pieces at steps
+        ``first_step``, in the regions ``saved`` names (``held``, ``start``, ``end``, ``prev``:
+        checked by the caller against the store's rows), else in none."""
+        self.length[slots] = 0
+        self.first_step[slots] = first_step
+        self.prev[slots] = -1
+        self.held[slots] = False
+        if saved is not None:
+            self.start[slots], self.end[slots], self.held[slots] = saved["start"], saved["end"], saved["held"]
+            self.prev[slots] = np.where(saved["held"], saved["prev"], -1)
+
+    def wrote(self, slots: np.ndarray | slice, steps: int | np.ndarray = 1) -> None:
+        """The open pieces of ``slots`` gained ``steps`` completed transitions each."""
+        self.length[slots] += steps
+
+    def sealed(self, slots: np.ndarray, continued: np.ndarray | None) -> None:
+        """The open pieces of ``slots`` were sealed. ``continued``: their serials in the
+        episode table, where each episode goes on in a new region (its next piece continues
+        the sealed one); None: the episodes ended, and each env's next one starts right
+        after, in the same region."""
+        if continued is not None:
+            self.first_step[slots] += self.length[slots]
+            self.prev[slots] = continued
+        else:
+            self.first_step[slots] = 0
+            self.prev[slots] = -1
+            self.start[slots] += self.length[slots] + 1
+        self.length[slots] = 0
+
+    def restart(self, slots: slice) -> None:
+        """The envs of ``slots`` start new episodes (a writer's `flush`): nothing continues."""
+        self.first_step[slots] = 0
+        self.prev[slots] = -1
+
+    def drop(self, slots: np.ndarray) -> None:
+        """The regions of ``slots`` are full: the slots hold none until they reserve another."""
+        self.held[slots] = False
+
     def take(self, slots: np.ndarray) -> None:
         """Take the regions of ``slots``: their written steps are dropped, and each env's
         episode continues, from its next step, in a new region."""

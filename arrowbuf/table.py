@@ -440,10 +440,9 @@ class EpisodeTable:
         self.pieces = bool(np.any(self._cols["first_step"][:n]) or
                            np.any(self._cols["episode"][:n] != self._cols["episode_id"][:n]))
         self._tips = {}
-        self._tails = TailIndices()
         tails = self._cols["tail"][:n]
-        self._tails.sealed = {int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0}
-        self._tails.next_uid = int(tails.max()) + 1 if n else 0
+        self._tails = TailIndices({int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0},
+                                  int(tails.max()) + 1 if n else 0)
         self._unmatched = self.episodes_added
         self._longest.clear()
         self._lookup = self._played_count = None

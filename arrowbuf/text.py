@@ -59,13 +59,13 @@ def text_values(value: Any, name: str) -> np.ndarray | None:
 class TextColumn:
     """``rows`` rows of a text field: int32 codes into ``strings`` (code 0: ``""``)."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, name: str = "") -> None:
         self.codes = np.zeros(rows, np.int32)   # pages faulted in as rows are written
         self.strings: list[str] = [""]
         self._code_of: dict[str, int] = {"": 0}
         self._table: np.ndarray | None = None   # strings as an object array, for reads
         self.shape, self.ndim, self.dtype = (rows,), 1, np.dtype(object)
-        self.name = ""
+        self.name = name   # the field's, for errors
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -83,6 +83,10 @@ class TextColumn:
                 self.strings.append(text)
             codes[i] = found
         return codes[inverse.reshape(-1)]
+
+    def fill(self, strings: np.ndarray, index: np.ndarray) -> None:
+        """Every row at once: row i holds ``strings[index[i]]`` (strings checked by the caller)."""
+        self.codes[:] = self.code(strings)[index]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """Store ``value`` (strings: one per row of ``key``, or one for all; 0: ``""``) at ``key``."""

@@ -105,7 +105,7 @@ def test_gather_returns_the_live_indices_only_and_is_not_counted_by_the_rate_lim
 def test_the_engine_lock_knows_its_owner_and_a_condition_wait_gives_up_every_level():
     import threading
 
-    from arrowbuf.engine import OwnedLock
+    from arrowbuf._owned_lock import OwnedLock
 
     lock = OwnedLock()
     changed = threading.Condition(lock)

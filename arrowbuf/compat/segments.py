@@ -165,8 +165,8 @@ class Segmenter:
         if stage is None:
             n = self._num_envs(env_id)
             spare = self._spare.pop(env_id, None)
-            stage = Stage(env_id, n, n > 1, reuse=spare if spare is not None and spare.num_envs == n else None)
-            stage.same_step_seen = env_id in self._same_step_envs
+            stage = Stage(env_id, n, n > 1, reuse=spare if spare is not None and spare.num_envs == n else None,
+                          same_step_seen=env_id in self._same_step_envs)
             self._stages[env_id] = stage
         row = stage.write(*split_record(record))
         if not self.auto_truncate:
@@ -189,15 +189,15 @@ class Segmenter:
             # Same-step: this record starts the next episode; the ended one's last next observation
             # is the final one given, or not known.
             pieces += self._episodes(stage, ended, row, final, unknown=final is None)   # final: None or for all ended
-            stage.starts[ended] = row
+            stage.start_at(ended, row)
         elif self.autoreset_mode == "next_step":
             # This record holds the terminal observation; the next episode starts at the reset after it.
             pieces += self._episodes(stage, ended, row, None)
-            stage.starts[ended] = row + 1
-            stage.starts[opening] = row + 1
+            stage.start_at(ended, row + 1)
+            stage.start_at(opening, row + 1)
         else:   # auto: read at this sub-env's next record (`_settle`)
-            stage.pending[ended] = row
-            stage.pending[opening] = row
+            stage.defer(ended, row)
+            stage.defer(opening, row)
         return pieces
 
     def _settle(self, stage: Stage, row: int) -> list[Piece]:
@@ -223,12 +223,12 @@ class Segmenter:
         for subset, is_same in ((envs[same], True), (envs[~same], False)):
             if len(subset):
                 pieces += self._episodes(stage, subset, last, None, unknown=is_same)
-                stage.starts[subset] = last if is_same else last + 1
-        stage.pending[envs] = -1
+                stage.start_at(subset, last if is_same else last + 1)
+        stage.settle(envs)
         return pieces
 
     def _saw_same_step(self, stage: Stage) -> None:
-        stage.same_step_seen = True
+        stage.saw_same_step()
         self._same_step_envs.add(stage.env_id)
 
     @staticmethod
@@ -261,8 +261,8 @@ class Segmenter:
             return []
         i = np.array([int(index)])
         pieces = self._episodes(stage, i, stage.rows - 1, None, unknown=stage.pending[i] >= 0)
-        stage.starts[i] = stage.rows
-        stage.pending[i] = -1
+        stage.start_at(i, stage.rows)
+        stage.settle(i)
         return pieces
 
     # -- boundaries ---------------------------------------------------------------------

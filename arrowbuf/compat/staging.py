@@ -76,7 +76,8 @@ class Stage:
         dtypes: flat field -> dtype name.
     """
 
-    def __init__(self, env_id: str, num_envs: int, vector: bool, reuse: "Stage | None" = None) -> None:
+    def __init__(self, env_id: str, num_envs: int, vector: bool, reuse: "Stage | None" = None,
+                 same_step_seen: bool = False) -> None:
         self.env_id = env_id
         self.num_envs = num_envs
         self.vector = vector      # records lead with num_envs (else one unbatched env)
@@ -89,10 +90,28 @@ class Stage:
         # Per sub-env, the row of a done record whose reading (next- or same-step) waits for the
         # sub-env's next record (-1: none); and whether this worker has shown same-step resets.
         self.pending = np.full(num_envs, -1, np.int64)
-        self.same_step_seen = False
+        self.same_step_seen = same_step_seen
         self.infos: list[dict[str, Any]] = []   # per row: the record's *info* values, as sent (for hooks)
         # A finished stage of the same env whose columns fields of the same dtype and shape take over.
         self._reusable = dict(reuse.columns) if reuse is not None else {}
+
+    # -- episode boundaries (read by `arrowbuf.compat.segments.Segmenter`) --------------------
+
+    def start_at(self, envs: np.ndarray, row: int) -> None:
+        """The open episodes of sub-envs ``envs`` (indices or a mask) start at record ``row``."""
+        self.starts[envs] = row
+
+    def defer(self, envs: np.ndarray, row: int) -> None:
+        """The done record ``row`` of ``envs`` waits for their next record to be read."""
+        self.pending[envs] = row
+
+    def settle(self, envs: np.ndarray) -> None:
+        """The boundaries waiting for ``envs`` were read."""
+        self.pending[envs] = -1
+
+    def saw_same_step(self) -> None:
+        """This worker's env resets inside the step that ends an episode."""
+        self.same_step_seen = True
 
     def write(self, record: Mapping[str, Any], infos: dict[str, Any] | None = None) -> int:
         """Stage one record (a flat dict); returns its row number.

@@ -26,6 +26,7 @@ wait for the limiter waits here, in its concurrency group's thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,7 @@ class ShardServer:
                     lends = lent_rows is not None and block_fits(
                         lent_rows[2], episode.num_rows, engine.schema if engine.schema is not None else schema)
                     later = lends and self._fills_later
-                    episode.prev_piece = self.open_pieces.previous(owner, episode)
+                    episode = dataclasses.replace(episode, prev_piece=self.open_pieces.previous(owner, episode))
                     ids.append(engine.add(episode, schema, timeout, rows=not later))
                     if lends:
                         ref, part, columns = lent_rows

@@ -103,6 +103,20 @@ class BlockReads:
     # cache counts them against its bound (`arrowbuf.ray.cache.BlockCache.grew`)
     grown: Callable[[dict, int], None] | None = None
 
+    def layout(self, key: tuple, find: Callable[[], Any]) -> Any:
+        """The batch layout of ``key`` (gather, batch size, keys): ``find()``'s, kept for these
+        items' later batches (same extras, same layout)."""
+        known = self.layouts.get(key)
+        if known is None:
+            known = self.layouts[key] = find()
+        return known
+
+    def normalize_weights(self) -> None:
+        """Importance weights (a prioritized draw's ``"weight"``) over their largest, as a
+        prioritized sample of a local store gives them."""
+        if "weight" in self.extra:
+            self.extra["weight"] = self.extra["weight"] / self.extra["weight"].max()
+
     def fill(self, layout: Any, outs: list[np.ndarray], start: int, stop: int) -> None:
         """Gather the ordered items ``[start, stop)`` into a slot's views, as ``layout`` (an
         `arrowbuf.layout.Layout` of `arrowbuf.ray.gather.BlockGather`'s) says: per field,
@@ -335,7 +349,7 @@ def part_reads(view: Any, selection: Selection, block: np.ndarray | None, starts
 
 
 def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
-          scratch: dict) -> BlockReads:
+          scratch: dict, by_shard: np.ndarray | None = None) -> BlockReads:
     """Every part's items ordered block by block, with ``scratch`` (a reader's reusable arrays).
 
     Args:
@@ -345,6 +359,7 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
         places: the batch positions of each part's items (an epoch's chunk order, or
             a shuffle of the parts drawn by several shards); None: the parts follow
             each other, each in drawn order.
+        by_shard: items of each shard in each batch, [batches, shards] (a reader's draws), or None.
     """
     parts = same_width(parts)
     orders = [block_order(view.bases, selection.rows) for view, selection in parts]
@@ -364,7 +379,8 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
     if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
         order = orders[0][3]
         inv = None if order is None else placed(np.arange(offset), order)
-        return BlockReads(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+        return BlockReads(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew,
+                          drawn=by_shard)
     extra = {name: np.concatenate([e[name] for e in extras]) for name in extras[0]} if extras else {}
     ends = np.cumsum([0] + [len(selection.rows) for _, selection in parts]).tolist()
     drawn = np.concatenate([np.arange(lo, hi) if places is None else places[k]
@@ -378,7 +394,8 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
         extra = {name: placed(value, drawn) for name, value in extra.items()}
     if not (in_block_order == np.arange(offset)).all():   # batch position -> ordered position
         inv = placed(np.arange(offset), in_block_order)
-    return BlockReads(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew)
+    return BlockReads(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew,
+                          drawn=by_shard)
 
 
 def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:

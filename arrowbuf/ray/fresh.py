@@ -88,11 +88,7 @@ def view_spans(view: Any, min_version: int, cache: BlockCache) -> Spans | None:
 
 def view_runs(view: Any, cache: BlockCache) -> Runs:
     """The runs of one version of ``view``'s live steps (kept with the view, as its spans)."""
-    runs = view.spans.get("runs")
-    if runs is None:
-        low, high, _ = view.versions
-        runs = view.spans["runs"] = runs_of(view.table, low, high, _values_of(view, cache))
-    return runs
+    return kept_spans(view.spans, "runs", lambda: runs_of(view.table, *view.versions[:2], _values_of(view, cache)))
 
 
 def fresh_draw(rng: np.random.Generator, n: int, view: Any, min_version: int | None, cache: BlockCache,

@@ -152,14 +152,10 @@ class BlockGather:
         return layout.fill[1], layout.slot.nbytes
 
     def _layout_of(self, ordered: BlockReads, count: int, keys: frozenset | None) -> Layout:
-        known = ordered.layouts.get((self, count, keys))
-        if known is not None:   # the ordering's later batches: same extras, same layout
-            return known
         # Row shapes by role of a batch of ``count`` items: (step, obs, next), a frame axis on the last two.
         step, frames = (count, *ordered.item), (ordered.frames,) if ordered.frames > 1 else ()
         shapes = (step, (*step, *frames), (*step, *frames))
-        ordered.layouts[(self, count, keys)] = layout = self._layouts.find(shapes, keys, ordered.extra)
-        return layout
+        return ordered.layout((self, count, keys), lambda: self._layouts.find(shapes, keys, ordered.extra))
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
         def pack(chosen: list[FieldPlan]) -> dict[int, tuple]:

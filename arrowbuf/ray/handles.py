@@ -121,6 +121,10 @@ class ShardHandles:
             raise self.dead_error()
         return [s for s in range(len(self.handles)) if s not in self.dead]
 
+    def close(self) -> None:
+        """The actors were ended (or Ray was shut down): every later call is refused."""
+        self.closed = True
+
     def check_open(self) -> None:
         """Raises `ShardError` when the store is closed, or Ray was shut down (never starting it again)."""
         if self.closed:

@@ -402,9 +402,7 @@ class BlockReader:
             if batches > 1:
                 cells += np.arange(count) // batch_size * shards_count
             drawn = np.bincount(cells, minlength=batches * shards_count).reshape(batches, shards_count)
-        ordered = order_reads([(view, selection)], self.cache, args, None, scratch)
-        ordered.drawn = drawn
-        return ordered
+        return order_reads([(view, selection)], self.cache, args, None, scratch, drawn)
 
     def _drawn_by_shards(self, request: SampleRequest, pending: deque, scratch: dict) -> BlockReads:
         """One batch of ``request`` drawn by the shards, ordered with ``scratch``: the oldest of
@@ -412,8 +410,8 @@ class BlockReader:
         pending.extend(self._ask_shards(request, request.prefetch + 1 - len(pending)))
         parts, _ = self._collect(pending.popleft(), request)
         ordered = order_reads(parts, self.cache, request.args, self._mixed(parts), scratch)
-        if isinstance(self.sampler, PrioritizedSampler) and "weight" in ordered.extra:
-            ordered.extra["weight"] = ordered.extra["weight"] / ordered.extra["weight"].max()
+        if isinstance(self.sampler, PrioritizedSampler):
+            ordered.normalize_weights()
         return ordered
 
     def _ask_shards(self, request: SampleRequest, count: int, batch_size: int | None = None) -> list[tuple]:

@@ -253,7 +253,7 @@ class RayBackend:
         if self.shards.closed:
             return
         if not ray_module().is_initialized():   # ray.shutdown() ended the actors: nothing to release
-            self.shards.closed = True
+            self.shards.close()
             return
         try:
             self._sink.close()
@@ -266,7 +266,7 @@ class RayBackend:
                 release_durable(self.shards)
             for handle in self.shards.handles:
                 ray.kill(handle)
-            self.shards.closed = True
+            self.shards.close()
 
     def evict(self, min_version: int) -> int:
         """Free, on every shard, the oldest episodes whose steps are all older than ``min_version``

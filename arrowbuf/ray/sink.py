@@ -139,12 +139,16 @@ class RaySink:
         self._sizes = sizes
         self._loads = sizes.transitions.astype(np.float64)   # rows routed to each shard, for routing
         self._schema = schema
-        self.timeout = timeout   # public: claiming a restored writer sets it
+        self.timeout = timeout   # of each write (`retime`: a claimed restored writer's own)
         self._routes: dict[str, int] = {}
         self._node: str | None = None
         self._start_local()
         self._dropped = dropped
         self._new_writer()
+
+    def retime(self, timeout: float | None) -> None:
+        """Each later write waits at most ``timeout`` (a claimed restored writer's)."""
+        self.timeout = timeout
 
     def _start_local(self) -> None:
         """State that stays in this process (not pickled)."""
