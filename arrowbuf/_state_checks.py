@@ -132,9 +132,14 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> No
     for name, value in counters.items():
         _counter(where, f"shard.table.counters.{name}", value)
         _array(where, f"first_{name}", columns.get(f"first_{name}"), "i", n)
+    # A CUDA arena's rows (allocated at once, grown as needed: `arrowbuf.placement.Ring.grow_arena`)
+    arena = shard.get("rows")
+    if arena is not None:
+        arena = _int(where, "shard.rows", arena, min(arena_rows(capacity, lazy=False), rows_max), rows_max)
     reuse = shard.get("reuse")
-    if reuse is not None:
-        _array(where, "shard.reuse", reuse, "iu", rows_max if len(reuse) != capacity else capacity)
+    if reuse is not None:   # one count a row of the arena (of `capacity` rows before capacity counted transitions)
+        _array(where, "shard.reuse", reuse, "iu", len(reuse) if len(reuse) in (capacity, rows_max, arena)
+               else arena or rows_max)
     if not n:
         return
     if np.any(rows < 1) or np.any(first < 0) or np.any(first + rows > rows_max):

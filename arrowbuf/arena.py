@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -51,6 +52,8 @@ from arrowbuf.tensors import Gather, make_tensordict, pinned
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
+
+_log = logging.getLogger(__name__)
 
 
 def readable_tensor(array: np.ndarray) -> torch.Tensor:
@@ -185,12 +188,42 @@ class TorchShard(Shard):
         else:
             check_arena(schema, capacity)
         self.device = device
+        self._full_logged = False   # the warning of a full arena that cannot grow: once
         super().__init__(schema, capacity, mode, shard, num_shards, whole_pieces)
 
     @property
     def lazy_rows(self) -> bool:
         """A CPU tensor's pages are faulted in by the first write (numpy allocates it); a CUDA one's are not."""
         return self.device.type != "cuda"
+
+    def grow_arena(self, rows: int) -> int:
+        """Columns of ``rows`` rows replace the arena's, their rows copied on the device (a CUDA
+        arena, allocated at once, starts at an eighth over the capacity and grows as its pieces
+        need: `arrowbuf.placement.Ring`). Gives the rows after: the same when the device has no
+        room for the larger columns beside the current ones (then the oldest go early; logged once)."""
+        old = self.rows
+        needed = rows * self.schema.field_bytes   # the larger columns, while the current ones live
+        if self.device.type == "cuda" and needed > torch.cuda.mem_get_info(self.device)[0]:
+            if not self._full_logged:
+                self._full_logged = True
+                _log.warning("arrowbuf: the %s arena of %s rows is full and the device has no %.2f GiB free to "
+                             "grow it; the oldest steps go before the capacity (%s transitions) is reached",
+                             self.device, f"{old:,}", needed / 2**30, f"{self.capacity:,}")
+            return old
+        self.rows = rows
+        try:
+            grown = {}
+            for name, spec in self.schema.fields.items():
+                column = self.new_column(spec, zero=False)
+                column[:old].copy_(self.arena[name])
+                grown[name] = column
+        except torch.cuda.OutOfMemoryError:
+            self.rows = old
+            return old
+        self.arena = grown
+        self.rows_grown(old)
+        self.gatherer = self.make_gatherer(self.gather_columns())
+        return rows
 
     def new_column(self, spec: Field, zero: bool) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -16,6 +16,10 @@ place every write (an episode, or a writer's region):
   the first write). Only a ring that reached the arena's rows evicts by rows (every
   piece it overlaps and all before, the old FIFO), which a write of non-zero-length
   pieces never needs: ``2 x capacity`` rows hold ``capacity`` one-step episodes.
+  A CUDA arena, allocated at once, starts smaller and *grows* first (`Ring.grow_arena`,
+  the shard's: its columns copied into larger ones, up to the rows a lazy arena keeps),
+  so it evicts by rows only once it has as many rows as a lazy one, or when the device
+  has no memory left for the larger columns (logged).
 """
 
 from __future__ import annotations
@@ -136,12 +140,16 @@ class Ring:
         rewards: the sum of the rewards in arena rows ``[a, b)`` (a trimmed piece's return drops them).
         whole_pieces: evict whole pieces only (a Ray shard's sealed blocks hold whole episodes).
         write_pos: the row after the newest piece.
+        grow_arena: a non-lazy arena's (CUDA): asked for a number of rows, gives the arena's rows
+            after it grew (the same when it could not); None: the arena keeps `arena_rows` rows.
     """
 
     def __init__(self, table: Any, capacity: int, rows: int, mode: str,
                  rewards: Callable[[int, int], float] | None = None, whole_pieces: bool = False,
-                 write_pos: int = 0, released: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+                 write_pos: int = 0, released: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                 grow_arena: Callable[[int], int] | None = None) -> None:
         self.table = table
+        self.grow_arena = grow_arena
         self.released = released   # told (first row, rows) of each span evicted: its columns' bytes go back
         self.capacity = capacity
         self.rows = rows
@@ -185,6 +193,8 @@ class Ring:
         if not self.ordered:   # rows from the free runs once the count's evictions freed theirs (`apply`)
             return Plan(-1, popped, trim, left, self.ring)
         start, ring, pieces, jumped = plan_rows(self, rows, popped, trim)
+        if pieces > popped and self._more_rows(rows):   # the arena was full: it grew instead
+            start, ring, pieces, jumped = plan_rows(self, rows, popped, trim)
         if pieces > popped and self.mode == "fixed":
             raise CapacityError(
                 f"store is full: its {self.rows:,} rows hold {len(self):,} transitions in "
@@ -208,6 +218,8 @@ class Ring:
                 self.free.take_within(plan.start, rows)
             return plan.start
         start = self.free.find(rows)
+        if start is None and self.ring >= self.rows:
+            self._more_rows(rows)
         if start is None and self.ring < self.rows:   # grow: rows past the ring were never written
             grown = min(self.rows, max(self.ring + rows, self.ring + self.ring // 64))
             self.free.free(self.ring, grown)
@@ -231,6 +243,20 @@ class Ring:
             for a, b in zip(*self.regions.trim_oldest(open_trim)):
                 if not self.ordered:
                     self.free.free(int(a), int(b))
+
+    def _more_rows(self, rows: int) -> bool:
+        """A full arena that can grow (`grow_arena`) takes room for ``rows`` more rows past the
+        ring, an eighth more at least, up to the rows a lazy arena keeps; whether it grew."""
+        most = arena_rows(self.capacity)
+        if self.grow_arena is None or self.rows >= most:
+            return False
+        grown = self.grow_arena(min(most, max(self.ring + rows, self.rows + self.rows // 8)))
+        if grown <= self.rows:
+            return False
+        self.rows = grown
+        if self.listener is not None:
+            self.listener.on_grow(grown)
+        return True
 
     def _unorder(self) -> None:
         """Take rows from the free runs from now on: the runs between the live pieces and
@@ -346,7 +372,7 @@ class Ring:
         self.free.reset(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def state(self) -> dict[str, Any]:
-        return {"write_pos": self.write_pos, "ordered": self.ordered, "ring": self.ring}
+        return {"write_pos": self.write_pos, "ordered": self.ordered, "ring": self.ring, "rows": self.rows}
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore `state` (the table is loaded: the ring covers its pieces).
@@ -355,6 +381,14 @@ class Ring:
             ValueError: a write position or ring outside the arena.
         """
         ring = int(state.get("ring", self.ring))
+        saved_rows = int(state.get("rows", self.rows))
+        if self.grow_arena is not None and self.rows < saved_rows <= arena_rows(self.capacity):
+            # a grown CUDA arena's: as many rows again (its sampler's tree and reuse counts have them)
+            grown = self.grow_arena(saved_rows)
+            if grown > self.rows:
+                self.rows = grown
+                if self.listener is not None:
+                    self.listener.on_grow(grown)
         if not 0 <= int(state["write_pos"]) <= max(ring, self.capacity) <= self.rows:
             raise ValueError(f"shard state has write_pos {state['write_pos']} and ring {ring} outside "
                              f"0 <= write_pos <= ring <= {self.rows} (the arena's rows)")

@@ -117,6 +117,9 @@ class Sampler:
     def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
         """Episodes at ``first_rows`` (of ``num_rows`` rows each) were evicted."""
 
+    def on_grow(self, rows: int) -> None:
+        """The arena has ``rows`` rows now (a CUDA arena grew: `arrowbuf.placement.Ring.grow_arena`)."""
+
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         raise NotImplementedError
 
@@ -304,6 +307,12 @@ class PrioritizedSampler(Sampler):
         if self.tree is None:
             shard.index_rows()
             self.tree = SumTree(shard.rows)
+
+    def on_grow(self, rows: int) -> None:
+        if self.tree is not None and rows > self.tree.size:
+            grown = SumTree(rows)
+            grown.load_state_dict(self.tree.state_dict())   # the leaves held, in the first rows
+            self.tree = grown
 
     def on_add(self, first_row: int, length: int) -> None:
         self.tree.fill(first_row, first_row + length, float(self._leaves(np.float64(self.max_priority))))

@@ -140,7 +140,7 @@ class Shard:
                                 self.table, mode)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
         self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
-                              released=released)
+                              released=released, grow_arena=None if self.lazy_rows else self.grow_arena)
         # Packed vector fields as one opaque item per row, what `write_rows` copies into.
         self._items = {name: column_view(self.packed, offset, item_dtype(f.numpy_dtype, f.shape), ())
                        for name, offset in self._pack_offsets.items()
@@ -184,6 +184,21 @@ class Shard:
         self.schema = schema
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         self.gatherer = self.make_gatherer(self.gather_columns())
+
+    def grow_arena(self, rows: int) -> int:
+        """Take ``rows`` rows (more than now), every column's rows copied: the arena's rows after,
+        the same when it cannot grow. A lazy arena keeps all its rows from the start (never asked);
+        a CUDA one grows (`arrowbuf.arena.TorchShard.grow_arena`)."""
+        return self.rows
+
+    def rows_grown(self, old: int) -> None:
+        """The arena grew from ``old`` rows to `rows`: the per-row counts grow with it (zero)."""
+        for name in ("reuse", "_row_episode"):
+            counts = getattr(self, name)
+            if counts is not None:
+                grown = np.zeros(self.rows, counts.dtype)
+                grown[:old] = counts[:old]
+                setattr(self, name, grown)
 
     def gather_columns(self) -> dict:
         """The gather's columns: key -> (column, role, tensor dtype name, packed block or None)."""
