@@ -94,3 +94,22 @@ def test_a_grown_device_arena_keeps_priorities_reuse_counts_and_a_checkpoint(dev
     for key in ("obs", ("next", "obs"), "action", "reward"):
         assert torch.equal(again[key], here[key])
     assert (loaded.sample(256)["index"] == favourite).float().mean() > 0.99
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_store_of_num_envs_x_t_grows_its_arena_and_holds_every_transition():
+    num_envs, steps = 512, 24
+    store = ab.ExperienceStore(capacity=num_envs * steps, storage_device="cuda", seed=0)
+    rng = np.random.default_rng(3)
+    for k in range(3):
+        store.clear()
+        writer = store.writer(num_envs, autoreset_mode="disabled")
+        rollout(writer, num_envs, steps, 0.05, rng, tag=k)
+        writer.flush()
+        assert len(store) == num_envs * steps
+        obs = store.gather(np.arange(*store.engine.live_range()), device="cpu")["obs"].numpy()
+        assert (obs[:, 0] == k).all() and len({(int(e), int(t)) for e, t in obs[:, 1:]}) == num_envs * steps
+    shard = store.engine.shard
+    assert shard.rows > first_rows(num_envs * steps)
+    assert all(column.is_cuda and column.shape[0] == shard.rows for column in shard.arena.values())
