@@ -64,6 +64,7 @@ class TextColumn:
         self.strings: list[str] = [""]
         self._code_of: dict[str, int] = {"": 0}
         self._table: np.ndarray | None = None   # strings as an object array, for reads
+        self._arrow_strings: pa.Array | None = None   # strings as an Arrow array, for `stored`
         self.shape, self.ndim, self.dtype = (rows,), 1, np.dtype(object)
         self.name = name   # the field's, for errors
 
@@ -106,8 +107,9 @@ class TextColumn:
 
     def stored(self, start: int, stop: int) -> pa.Array:
         """Rows ``[start, stop)`` as an Arrow dictionary array: their codes (a copy) and the strings."""
-        return pa.DictionaryArray.from_arrays(pa.array(self.codes[start:stop]),
-                                              pa.array(self.strings, pa.large_string()))
+        if self._arrow_strings is None or len(self._arrow_strings) != len(self.strings):   # strings only grow
+            self._arrow_strings = pa.array(self.strings, pa.large_string())
+        return pa.DictionaryArray.from_arrays(pa.array(self.codes[start:stop]), self._arrow_strings)
 
     def batch_value(self, rows: np.ndarray, tensor_dtype: str = "string") -> Any:
         """Rows ``rows`` as a batch holds them: a tensordict ``NonTensorStack`` of ``str``."""

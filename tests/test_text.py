@@ -141,3 +141,17 @@ def test_open_dataset_samples_an_export_s_text_field_as_the_store_wrote_it(tmp_p
     dataset = ab.open_dataset(store.to_parquet(tmp_path / "export"), seed=0)
     assert dataset.to_arrow().column("instruction").to_pylist() == store.to_arrow().column("instruction").to_pylist()
     assert len(dataset.sample(8)["instruction"]) == 8   # (rows against their steps: tests/test_dataset_text.py)
+
+def test_arrow_reads_of_a_text_column_see_strings_added_after_an_earlier_read():
+    # `TextColumn.stored` keeps the dictionary as an Arrow array between reads (it converted every
+    # string on every sealed run before); a string added later must still be in the next read.
+    from arrowbuf.text import TextColumn
+
+    column = TextColumn(6, "instruction")
+    column[0:3] = np.array(["pick", "place", "pick"], object)
+    first = column.stored(0, 3)
+    assert first.to_pylist() == ["pick", "place", "pick"]
+    column[3:6] = np.array(["open the drawer", "pick", "stack"], object)
+    assert column.stored(0, 6).to_pylist() == ["pick", "place", "pick", "open the drawer", "pick", "stack"]
+    assert column.stored(3, 6).dictionary.to_pylist() == ["", "pick", "place", "open the drawer", "stack"]
+    assert first.to_pylist() == ["pick", "place", "pick"], "an earlier read keeps its values"
