@@ -12,7 +12,7 @@ import itertools
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
-from arrowbuf._checks import check_int, check_name
+from arrowbuf._checks import check_int, check_name, default_env_ids
 from arrowbuf.autoreset import EnvEnds, ResetCheck, writer_settings
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import EmptyStoreError
@@ -96,7 +96,8 @@ class WriterRegistry:
             writer, sink = claimed
             sink.timeout = timeout
             return writer
-        sink = make_sink(timeout, env_ids)
+        # The env ids the writer will have (its default ones too): a Ray store routes them now.
+        sink = make_sink(timeout, list(env_ids) if env_ids is not None else default_env_ids(num_envs))
         name = name or self.new_name()
         writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device,
                             reset_check=ResetCheck() if check_resets else None, name=name, ends=self.ends)

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._bounds import check_arena, check_batch
+from arrowbuf._owned_lock import OwnedLock
 from arrowbuf._stats import priority_histogram, reuse_summary
 from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
 from arrowbuf.direct import sample_plain_uniform
@@ -71,6 +72,8 @@ class ShardEngine:
             (episode ids are spaced by it; 0 and 1 for the embedded store).
         storage_device: the torch device of a torch arena (`arrowbuf.arena`); None: numpy columns.
         whole_pieces: evict whole pieces only (a Ray shard: see `arrowbuf.placement`).
+        room: the largest capacity `set_capacity` may give it (a Ray shard's: its store's
+            capacity, `arrowbuf.ray.shares`); default ``capacity``.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -88,8 +91,9 @@ class ShardEngine:
     def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
                  seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
                  shard: int = 0, num_shards: int = 1, storage_device: Any = None,
-                 whole_pieces: bool = False) -> None:
+                 whole_pieces: bool = False, room: int | None = None) -> None:
         self.capacity = capacity
+        self.room = max(capacity, room or 0)
         self.whole_pieces = whole_pieces
         self.storage_device = storage_device
         self.mode = mode
@@ -160,6 +164,21 @@ class ShardEngine:
             if self._shard is None:
                 self._bind(self._make_shard(schema))
 
+    def set_capacity(self, capacity: int) -> int:
+        """Hold ``capacity`` transitions from now on, in ``[0, room]``: a smaller one evicts the
+        oldest now (`Shard.set_capacity`); the capacity taken (a fixed store's shrinks no lower
+        than it holds).
+
+        Raises:
+            ValueError: a capacity outside ``[0, room]``.
+        """
+        with self.lock:
+            if not 0 <= capacity <= self.room:
+                raise ValueError(f"capacity must be in [0, {self.room}], got {capacity}")
+            self.capacity = self._shard.set_capacity(capacity) if self._shard is not None else capacity
+            self._changed.notify_all()   # a limiter's wait may now go on (or see a full fixed store)
+            return self.capacity
+
     def attach(self, shard: Shard) -> None:
         """Serve ``shard`` (a dataset's mapped rows, `arrowbuf.dataset`); the caller tells the sampler of its rows."""
         with self.lock:
@@ -168,7 +187,8 @@ class ShardEngine:
     def _make_shard(self, schema: Schema) -> Shard:
         if self.storage_device is None:   # the torch arena is imported only for one (`arrowbuf._lazy_torch`)
             check_arena(schema, self.capacity)
-            return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces)
+            return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces,
+                         room=self.room)
         from arrowbuf.arena import TorchShard
         return TorchShard(schema, self.capacity, self.mode, self.shard_index, self.num_shards,
                           device=self.storage_device, whole_pieces=self.whole_pieces)
@@ -535,66 +555,3 @@ class ShardEngine:
             self.sampler.load_state_dict(state["sampler"])
             self._rng.bit_generator.state = state["rng"]
             self.counts = counts
-
-
-class OwnedLock:
-    """A reentrant lock that records which thread holds it: `held_here` tells a caller that may
-    run inside one of this thread's calls (a writer's finalizer, `arrowbuf.inplace`) not to wait
-    for it, and `defer` runs its work once that call lets the lock go. Usable with
-    `threading.Condition` (it releases and restores every level in `wait`)."""
-
-    __slots__ = ("_lock", "_owner", "_depth", "_deferred")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._owner: int | None = None   # written only by the thread that holds `_lock`
-        self._depth = 0
-        self._deferred: list[Callable[[], None]] = []
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if not self._lock.acquire(blocking, timeout):
-            return False
-        self._owner = threading.get_ident()
-        self._depth += 1
-        return True
-
-    __enter__ = acquire
-
-    def release(self) -> None:
-        self._depth -= 1
-        if not self._depth:
-            self._owner = None
-        self._lock.release()
-        while self._deferred and not self._depth:   # the outermost release: deferred work, outside the lock
-            try:
-                work = self._deferred.pop(0)
-            except IndexError:   # another thread took the last one
-                return
-            work()
-
-    def defer(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (which takes the lock itself) when the lock is next released by its
-        outermost holder: for work that must not run inside the holder's call."""
-        self._deferred.append(work)
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def held_here(self) -> bool:
-        """Whether the calling thread holds the lock (another thread only ever sees its own id here
-        while it holds it)."""
-        return self._owner == threading.get_ident()
-
-    # `threading.Condition` uses these when the lock has them: `wait` gives up every level.
-    _is_owned = held_here
-
-    def _release_save(self) -> int:
-        depth, self._depth, self._owner = self._depth, 0, None
-        for _ in range(depth):
-            self._lock.release()
-        return depth
-
-    def _acquire_restore(self, depth: int) -> None:
-        for _ in range(depth):
-            self._lock.acquire()
-        self._owner, self._depth = threading.get_ident(), depth
