@@ -411,7 +411,7 @@ class ShardServer:
         from arrowbuf.checkpoint import save_engine
 
         engine = self._arena()
-        info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
+        info = {"capacity": engine.capacity, "room": engine.room, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
         with engine.lock:
             pieces = self.open_pieces.state(engine.table)

@@ -102,9 +102,11 @@ class RayBackend:
         self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
         self._updates = PriorityUpdates(shards, self._sizes)
         # Each shard's share of the capacity follows the envs of this process's writers; only the
-        # process that started the shards moves them (`arrowbuf.ray.shares`).
-        self._shares = CapacityShares(shards, self._sizes, capacity) if shards.started_here() \
-            else None
+        # process that started the shards moves them (`arrowbuf.ray.shares`), and only when they
+        # share one node or ignore nodes: with `node_affinity`, writers send an env to a shard of
+        # their own node, which only their first write knows.
+        affine = shards.options.node_affinity and len(set(shards.nodes)) > 1
+        self._shares = CapacityShares(shards, self._sizes, capacity) if shards.started_here() and not affine else None
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
     @classmethod
