@@ -26,7 +26,7 @@ from arrowbuf.ray.options import RayOptions, ray_module
 # keep their order; other calls run in the default group and never wait.
 # Without one nothing waits, and shards stay single-threaded (one call at a
 # time, no thread hand-off per call).
-GROUPS = {"add_episodes": "write", "set_capacity": "write", "select": "sample"}   # a new share: after the writes before it
+GROUPS = {"add_episodes": "write", "select": "sample"}
 CONCURRENCY_GROUPS = {"write": 1, "sample": 1}
 DEFAULT_CONCURRENCY = 4
 
