@@ -363,3 +363,43 @@ def test_a_fixed_ray_store_of_num_envs_x_t_takes_a_whole_rollout_and_refuses_the
         assert len(store) == ENVS * STEPS
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("whole_pieces", [False, True])
+def test_a_shard_given_a_smaller_share_evicts_its_oldest_now_and_a_larger_one_holds_more(whole_pieces):
+    from arrowbuf.engine import ShardEngine
+    from arrowbuf.episode_read import read_episode
+
+    engine = ShardEngine(12, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0, room=30,
+                         whole_pieces=whole_pieces)
+    for e in range(5):   # 4-step episodes: the newest 3 are held
+        episode, schema = read_episode(make_episode(e, 4), engine.schema)
+        engine.add(episode, schema)
+    assert len(engine) == 12
+    assert engine.set_capacity(5) == 5 and len(engine) == (4 if whole_pieces else 5)
+    assert int(engine.table.col("episode_id")[-1]) == 4   # the newest stay
+    assert engine.set_capacity(30) == 30
+    for e in range(5, 12):
+        episode, schema = read_episode(make_episode(e, 4), engine.schema)
+        engine.add(episode, schema)
+    held = 28 if whole_pieces else 30   # whole pieces: the oldest episode (4) went whole
+    assert len(engine) == held and engine.stats()["capacity"] == 30
+    with pytest.raises(ValueError, match=r"capacity must be in \[0, 30\]"):
+        engine.set_capacity(31)
+    assert len(engine) == held
+
+
+def test_a_fixed_shard_given_a_smaller_share_keeps_what_it_holds_and_refuses_more():
+    from arrowbuf.engine import ShardEngine
+    from arrowbuf.episode_read import read_episode
+
+    engine = ShardEngine(10, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0, room=20,
+                         mode="fixed")
+    episode, schema = read_episode(make_episode(0, 8), None)
+    engine.add(episode, schema)
+    assert engine.set_capacity(4) == 8 and len(engine) == 8   # never evicts: no lower than it holds
+    with pytest.raises(ab.CapacityError):
+        engine.add(*read_episode(make_episode(1, 1), engine.schema))
+    assert engine.set_capacity(20) == 20
+    engine.add(*read_episode(make_episode(1, 12), engine.schema))
+    assert len(engine) == 20
