@@ -110,7 +110,10 @@ class WriterRegistry:
         for name, state in states.items():
             num_envs = check_int("num_envs", int(state["num_envs"]), 1)
             mode = None if state.get("check_resets") else state["autoreset_mode"]   # None: checked, as saved
-            writer = self.open(make_sink, num_envs, mode, state["env_ids"], None, check_name(name), device)
+            # Its sink is made without env ids: it goes on by its saved routes (where its open pieces
+            # are), and a Ray store's shares do not count it (`arrowbuf.ray.shares`).
+            writer = self.open(lambda timeout, _: make_sink(timeout, None), num_envs, mode, state["env_ids"], None,
+                               check_name(name), device)
             writer.load_state_dict(state)
             self.hold(name)
 

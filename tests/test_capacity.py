@@ -332,9 +332,10 @@ def test_uniform_samples_of_a_ray_store_of_uneven_shards_are_uniform_over_its_tr
 def test_a_ray_checkpoint_keeps_uneven_shares_and_the_loaded_store_holds_a_whole_rollout(uneven_ray_store, tmp_path):
     store = uneven_ray_store
     store.clear()
-    with store.writer(ENVS, autoreset_mode="disabled") as writer:
-        rollout(writer, ENVS, STEPS, 0.03, np.random.default_rng(11), tag=2)
-    store.save(tmp_path / "ckpt")
+    writer = store.writer(ENVS, autoreset_mode="disabled", name="saved-open")
+    rollout(writer, ENVS, STEPS, 0.0, np.random.default_rng(11), tag=2)
+    store.save(tmp_path / "ckpt")   # its open episodes are saved as open pieces, its state restored unclaimed
+    writer.close()
     loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
     try:
         assert [s["capacity"] for s in loaded.stats()["shards"]] == [s["capacity"] for s in store.stats()["shards"]]
