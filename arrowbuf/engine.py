@@ -176,7 +176,6 @@ class ShardEngine:
             if not 0 <= capacity <= self.room:
                 raise ValueError(f"capacity must be in [0, {self.room}], got {capacity}")
             self.capacity = self._shard.set_capacity(capacity) if self._shard is not None else capacity
-            self._changed.notify_all()   # a limiter's wait may now go on (or see a full fixed store)
             return self.capacity
 
     def attach(self, shard: Shard) -> None:

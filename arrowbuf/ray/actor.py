@@ -371,8 +371,9 @@ class ShardServer:
     def set_capacity(self, capacity: int) -> tuple[int, Reading]:
         """This shard's share of its store's capacity from now on (`arrowbuf.ray.shares`): a
         smaller one evicts its oldest episodes now (whole, as every eviction here); the
-        capacity taken and the shard's size."""
-        engine = self._arena()
+        capacity taken and the shard's size (a durable shard does not log it: restarted, it has
+        its last checkpoint's share until its router moves the shares again)."""
+        engine = self.engine
         with engine.lock:
             taken = engine.set_capacity(capacity)
             self.unfilled.forget_evicted(engine.table)

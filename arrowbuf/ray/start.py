@@ -38,8 +38,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
     """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
 
     Each shard starts with ``capacity // num_shards`` transitions (the first ones one more
-    for the remainder), a share that may grow to ``capacity`` (`arrowbuf.ray.shares`), its own copies of the sampler and rate limiter, and a seed derived
-    from ``seed``. With a ``durable`` directory, shard k logs into
+    for the remainder), a share that may grow to ``capacity`` (`arrowbuf.ray.shares`), its
+    own copies of the sampler and rate limiter, and a seed derived from ``seed``. With a ``durable`` directory, shard k logs into
     ``durable/shard-<k>`` and Ray restarts it when it dies (``max_restarts``), retrying
     the calls in flight.
 
