@@ -171,6 +171,11 @@ def check_workers(batch_size: int, num_workers: Any) -> int | None:
     return num_workers
 
 
+def default_env_ids(num_envs: int) -> list[str]:
+    """The env ids of a writer given none: ``env-0`` .. ``env-<num_envs - 1>``."""
+    return [f"env-{i}" for i in range(num_envs)]
+
+
 def check_name(name: Any) -> str | None:
     """None, or a non-empty str (a writer's or a store's name)."""
     if name is not None and not (isinstance(name, str) and name):

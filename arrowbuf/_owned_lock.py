@@ -1,5 +1,5 @@
-"""`OwnedLock`: the lock of a `arrowbuf.engine.ShardEngine`, a reentrant lock that knows
-which thread holds it and runs deferred work when its outermost holder lets it go."""
+"""`OwnedLock`: a reentrant lock that knows whether the calling thread holds it (each
+`ShardEngine`'s lock, `arrowbuf.engine`)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,9 @@ def check_state(state: Mapping[str, Any], where: str) -> None:
         FormatError: the first value outside its domain.
     """
     info = state["store"]
-    capacity = _int(where, "store.capacity", info["capacity"], 1)
+    # A Ray shard's capacity is its share of the store's (0 or more), its arena made for ``room``.
+    capacity = _int(where, "store.capacity", info["capacity"], 0 if "room" in info else 1)
+    room = _int(where, "store.room", info.get("room", capacity), max(capacity, 1))
     _choice(where, "store.mode", info["mode"], MODES)
     if info["seed"] is not None:
         _int(where, "store.seed", info["seed"], 0)
@@ -43,7 +45,7 @@ def check_state(state: Mapping[str, Any], where: str) -> None:
     _number(where, "store.created_at", info["created_at"], 0.0)
     _generator(where, state["rng"])
     if state["shard"] is not None:
-        _shard(where, state["shard"], capacity, info["mode"])
+        _shard(where, state["shard"], capacity, info["mode"], room)
     _sampler(where, state["sampler"], state["shard"])
     _counter(where, "rate_limiter.inserts", state["rate_limiter"]["inserts"])
     _counter(where, "rate_limiter.samples", state["rate_limiter"]["samples"])
@@ -102,11 +104,12 @@ def _generator(where: str, state: Any) -> None:
         raise _bad(where, "rng", state, f"a loadable PCG64 state ({err})") from None
 
 
-def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str) -> None:
-    """The episode table against the arena: placement, order, ids, indices, write position."""
+def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str, room: int) -> None:
+    """The episode table against the arena (made for ``room`` transitions): placement, order, ids,
+    indices, write position."""
     if shard["capacity"] != capacity or shard["mode"] != mode:
         raise _bad(where, "shard.capacity/mode", (shard["capacity"], shard["mode"]), f"{(capacity, mode)}")
-    rows_max = arena_rows(capacity)   # the arena's rows: capacity counts transitions (`arrowbuf.placement`)
+    rows_max = arena_rows(room)   # the arena's rows: capacity counts transitions (`arrowbuf.placement`)
     write_pos = _int(where, "shard.write_pos", shard["write_pos"], 0, rows_max)
     table = shard["table"]
     columns = table["columns"]

@@ -12,7 +12,7 @@ import itertools
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
-from arrowbuf._checks import check_int, check_name
+from arrowbuf._checks import check_int, check_name, default_env_ids
 from arrowbuf.autoreset import EnvEnds, ResetCheck, writer_settings
 from arrowbuf.episodes import StepWriter
 from arrowbuf.errors import EmptyStoreError
@@ -96,7 +96,8 @@ class WriterRegistry:
             writer, sink = claimed
             sink.retime(timeout)
             return writer
-        sink = make_sink(timeout, env_ids)
+        # The env ids the writer will have (its default ones too): a Ray store routes them now.
+        sink = make_sink(timeout, list(env_ids) if env_ids is not None else default_env_ids(num_envs))
         name = name or self.new_name()
         writer = StepWriter(sink, num_envs, autoreset_mode, env_ids, device=device,
                             reset_check=ResetCheck() if check_resets else None, name=name, ends=self.ends)
@@ -109,7 +110,10 @@ class WriterRegistry:
         for name, state in states.items():
             num_envs = check_int("num_envs", int(state["num_envs"]), 1)
             mode = None if state.get("check_resets") else state["autoreset_mode"]   # None: checked, as saved
-            writer = self.open(make_sink, num_envs, mode, state["env_ids"], None, check_name(name), device)
+            # Its sink is made without env ids: it goes on by its saved routes (where its open pieces
+            # are), and a Ray store's shares do not count it (`arrowbuf.ray.shares`).
+            writer = self.open(lambda timeout, _: make_sink(timeout, None), num_envs, mode, state["env_ids"], None,
+                               check_name(name), device)
             writer.load_state_dict(state)
             self.hold(name)
 

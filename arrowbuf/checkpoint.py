@@ -293,7 +293,7 @@ def typed_errors(manifest_path: Path) -> Iterator[None]:
 
 
 def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, num_shards: int = 1,
-                storage_device: Any = "as saved", whole_pieces: bool = False) -> Loaded:
+                storage_device: Any = "as saved", whole_pieces: bool = False, room: int | None = None) -> Loaded:
     """The engine saved in ``path``, complete before it is returned.
 
     Nothing read is trusted before it is checked: the manifest's checksum, every
@@ -305,6 +305,8 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
         progress: a tqdm bar; None shows it when stderr is a terminal.
         shard, num_shards: the engine's place in a Ray store.
         whole_pieces: the engine evicts whole pieces only (a Ray shard's: `arrowbuf.placement`).
+        room: the largest capacity the engine may be given later (a Ray shard's: its store's
+            capacity, `arrowbuf.ray.shares`); default: the saved one (a Ray shard's ``room``), else its capacity.
         storage_device: a checked torch.device or None for the engine's columns;
             "as saved": the saved store's (``store.storage_device`` of the info).
 
@@ -334,7 +336,8 @@ def load_engine(path: str | Path, progress: bool | None = None, shard: int = 0, 
                              sampler=_build(SAMPLERS, state["sampler"], "sampler", manifest_path),
                              rate_limiter=_build(RATE_LIMITERS, state["rate_limiter"], "rate limiter", manifest_path),
                              track_reuse=bool(info["track_reuse"]), shard=shard, num_shards=num_shards,
-                             storage_device=storage_device, whole_pieces=whole_pieces)
+                             storage_device=storage_device, whole_pieces=whole_pieces,
+                             room=room if room is not None else info.get("room"))
         engine.load_state_dict(state, lambda restored: _fill(restored, path, row_files, progress))
         loaded = Loaded(engine, dict(info), dict(state["writers"]), manifest_path)
     engine.remember_checkpoint(str(path.resolve()), token)

@@ -72,6 +72,8 @@ class ShardEngine:
             (episode ids are spaced by it; 0 and 1 for the embedded store).
         storage_device: the torch device of a torch arena (`arrowbuf.arena`); None: numpy columns.
         whole_pieces: evict whole pieces only (a Ray shard: see `arrowbuf.placement`).
+        room: the largest capacity `set_capacity` may give it (a Ray shard's: its store's
+            capacity, `arrowbuf.ray.shares`); default ``capacity``.
 
     Example:
         >>> import numpy as np, arrowbuf as ab
@@ -89,8 +91,9 @@ class ShardEngine:
     def __init__(self, capacity: int, *, sampler: Sampler, rate_limiter: RateLimiter, mode: str = "circular",
                  seed: int | None = None, schema: Schema | None = None, track_reuse: bool = False,
                  shard: int = 0, num_shards: int = 1, storage_device: Any = None,
-                 whole_pieces: bool = False) -> None:
+                 whole_pieces: bool = False, room: int | None = None) -> None:
         self.capacity = capacity
+        self.room = max(capacity, room or 0)
         self.whole_pieces = whole_pieces
         self.storage_device = storage_device
         self.mode = mode
@@ -171,6 +174,20 @@ class ShardEngine:
             if self._shard is None:
                 self._bind(self._make_shard(schema))
 
+    def set_capacity(self, capacity: int) -> int:
+        """Hold ``capacity`` transitions from now on, in ``[0, room]``: a smaller one evicts the
+        oldest now (`Shard.set_capacity`); the capacity taken (a fixed store's shrinks no lower
+        than it holds).
+
+        Raises:
+            ValueError: a capacity outside ``[0, room]``.
+        """
+        with self.lock:
+            if not 0 <= capacity <= self.room:
+                raise ValueError(f"capacity must be in [0, {self.room}], got {capacity}")
+            self.capacity = self._shard.set_capacity(capacity) if self._shard is not None else capacity
+            return self.capacity
+
     def attach(self, shard: Shard) -> None:
         """Serve ``shard`` (a dataset's mapped rows, `arrowbuf.dataset`); the caller tells the sampler of its rows."""
         with self.lock:
@@ -179,7 +196,8 @@ class ShardEngine:
     def _make_shard(self, schema: Schema) -> Shard:
         if self.storage_device is None:   # the torch arena is imported only for one (`arrowbuf._lazy_torch`)
             check_arena(schema, self.capacity)
-            return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces)
+            return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces,
+                         room=self.room)
         from arrowbuf.arena import TorchShard
         return TorchShard(schema, self.capacity, self.mode, self.shard_index, self.num_shards,
                           device=self.storage_device, whole_pieces=self.whole_pieces)
@@ -546,4 +564,3 @@ class ShardEngine:
             self.sampler.load_state_dict(state["sampler"])
             self._rng.bit_generator.state = state["rng"]
             self.counts = counts
-

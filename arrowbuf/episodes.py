@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arrowbuf._checks import check_int
+from arrowbuf._checks import check_int, default_env_ids
 from arrowbuf.arena import host_copy, like_stage, owned_copy, owned_episode, stage_zeros, staged
 from arrowbuf.autoreset import inherited_resets, with_ended_rows
 from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
@@ -94,7 +94,7 @@ class StepWriter:
             raise ValueError(f"env_ids must be {num_envs} strings, got {env_ids!r}")
         self.num_envs = int(num_envs)
         self.autoreset_mode = autoreset_mode
-        self.env_ids = list(env_ids) if env_ids is not None else [f"env-{i}" for i in range(num_envs)]
+        self.env_ids = list(env_ids) if env_ids is not None else default_env_ids(num_envs)
         self._sink = sink
         self.name = name or "writer"   # the store's name for it (`arrowbuf._writers`), in errors
         self.closed = False            # after `close`: every write is refused

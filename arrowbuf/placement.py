@@ -317,6 +317,27 @@ class Ring:
             plan = self.plan(0, transitions)
             self._evict(plan.pieces, plan.trim, plan.open_trim)
 
+    def resize(self, capacity: int) -> int:
+        """Hold ``capacity`` transitions from now on (a Ray shard's share of its store,
+        `arrowbuf.ray.shares`), at most what the arena's rows were made for; a smaller one
+        evicts the oldest transitions past it now, so that the shards together never hold
+        more than their store's capacity. A ``mode="fixed"`` ring never evicts: it shrinks
+        no lower than what it holds. Returns the capacity taken.
+
+        Raises:
+            ValueError: a capacity below 0.
+        """
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 transitions, got {capacity}")
+        if self.mode == "fixed":
+            capacity = max(capacity, len(self))
+        self.capacity = capacity
+        excess = len(self) - capacity
+        if excess > 0:
+            popped, trim, left = oldest_transitions(self.table.col("length"), excess, self.whole_pieces)
+            self._evict(popped, trim, left)
+        return capacity
+
     def evict_oldest(self, pieces: int, trim: int = 0) -> None:
         """The one eviction routine: drop the ``pieces`` oldest live pieces, then ``trim``
         transitions off the front of the oldest left (its first step moves on); the

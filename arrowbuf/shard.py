@@ -105,6 +105,9 @@ class Shard:
         shard: this shard's number (Ray backend); ``num_shards`` spaces episode ids.
         whole_pieces: evict whole pieces only (a Ray shard: its sealed blocks hold
             whole episodes), never the front of one.
+        room: the largest capacity `set_capacity` may give it later (a Ray shard's
+            store capacity: its share may grow to it); the arena's rows are made for it,
+            and cost memory only once written. Default: ``capacity``.
 
     Raises:
         ValueError: a capacity below 1 or an unknown mode.
@@ -116,17 +119,18 @@ class Shard:
     lazy_rows = True
 
     def __init__(self, schema: Schema, capacity: int, mode: str = "circular", shard: int = 0,
-                 num_shards: int = 1, whole_pieces: bool = False) -> None:
-        if capacity < 1:
+                 num_shards: int = 1, whole_pieces: bool = False, room: int | None = None) -> None:
+        if capacity < (0 if room else 1):   # 0: a Ray shard's share may be none of its store (`room`)
             raise ValueError(f"capacity must be >= 1 transition, got {capacity}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.schema = schema
         self.capacity = capacity
+        self.room = max(capacity, room or 0)   # what `set_capacity` may grow the capacity to
         self.mode = mode
         # Rows of the arena: the ring laps over as many as its pieces need (`arrowbuf.placement`).
-        self.rows = arena_rows(capacity, self.lazy_rows)
-        self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=capacity)
+        self.rows = arena_rows(self.room, self.lazy_rows)
+        self.table = EpisodeTable(shard=shard, id_offset=shard, id_stride=num_shards, capacity=self.room)
         self.specs = {**schema.fields, **SYSTEM_SPECS}
         # User fields only: the system columns (episode_id, step, is_first, is_last)
         # follow from the episode table, and storing them would cost 14 bytes a row.
@@ -426,6 +430,20 @@ class Shard:
             else:
                 for name in short:
                     self.zero_rows(name, stop - 1, stop)
+
+    def set_capacity(self, capacity: int) -> int:
+        """Hold ``capacity`` transitions from now on (`arrowbuf.placement.Ring.resize`: a
+        smaller one evicts the oldest now; a fixed store's shrinks no lower than it holds);
+        the capacity taken.
+
+        Raises:
+            ValueError: a capacity outside ``[0, room]``.
+        """
+        if not 0 <= capacity <= self.room:
+            raise ValueError(f"capacity must be in [0, {self.room}] (the transitions this shard's arena was made "
+                             f"for), got {capacity}")
+        self.capacity = self.placement.resize(capacity)
+        return self.capacity
 
     def clear(self) -> None:
         """Drop every episode and open tail (the arena stays allocated for reuse); the

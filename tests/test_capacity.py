@@ -196,3 +196,211 @@ def test_a_row_snapshot_is_not_live_once_a_trim_frees_rows_of_its_oldest_episode
         assert rows.still_live(shard) == (held == 15)
         assert not changed or not rows.still_live(shard)
     assert changed, "the freed rows were written again: a view taken before holds other data now"
+
+
+# -- Ray: a shard's share of the capacity follows the envs routed to it (`arrowbuf.ray.shares`) --------
+
+ENVS, STEPS = 3, 41   # 3 envs on 2 shards, a capacity of 123: neither a multiple of the shard count
+
+
+def held_grid(store) -> tuple[set, set]:
+    """(tags, (env, step) pairs) of every transition the store holds, read in one epoch."""
+    tags, cells = set(), []
+    for batch in store.iter_batches(batch_size=1_024, shuffle=False):
+        obs = batch["obs"].numpy().astype(np.int64)
+        tags |= set(obs[:, 0].tolist())
+        cells += list(zip(obs[:, 1].tolist(), obs[:, 2].tolist()))
+    assert len(cells) == len(set(cells)), "a transition held twice"
+    return tags, set(cells)
+
+
+def check_whole_rollout(store, tag: int) -> None:
+    store.flush()
+    assert len(store) == ENVS * STEPS
+    tags, cells = held_grid(store)
+    assert tags == {tag} and cells == {(e, t) for e in range(ENVS) for t in range(STEPS)}
+    shards = store.stats()["shards"]
+    assert sum(s["capacity"] for s in shards) == store.capacity == ENVS * STEPS
+    assert all(s["transitions"] <= s["capacity"] for s in shards)
+
+
+@pytest.fixture(scope="module")
+def uneven_ray_store(ray_session):
+    store = ab.ExperienceStore(capacity=ENVS * STEPS, backend="ray", num_shards=2, seed=0)
+    yield store
+    store.close()
+
+
+def test_apportioned_shares_sum_to_the_capacity_each_within_one_of_its_quota():
+    from arrowbuf.ray.shares import apportion
+
+    @settings(max_examples=200, deadline=None)
+    @given(capacity=st.integers(0, 10_000), demand=st.lists(st.integers(0, 9), min_size=1, max_size=8))
+    def check(capacity, demand):
+        if not sum(demand):
+            return
+        shares = apportion(capacity, demand)
+        quota = np.array(demand) * capacity / sum(demand)
+        assert shares.sum() == capacity and (np.abs(shares - quota) < 1).all()
+        assert (shares[np.array(demand) == 0] == 0).all()
+
+    check()
+
+
+def test_a_ray_store_of_num_envs_x_t_holds_each_rollout_of_a_new_writer_when_envs_do_not_split_evenly(
+        uneven_ray_store):
+    store = uneven_ray_store
+    store.clear()
+    rng = np.random.default_rng(6)
+    for k in range(3):   # no clear(): each rollout replaces the one before
+        with store.writer(ENVS, autoreset_mode="disabled") as writer:
+            assert rollout(writer, ENVS, STEPS, 0.03, rng, tag=k) == ENVS * STEPS
+        check_whole_rollout(store, k)
+    assert sorted(s["capacity"] for s in store.stats()["shards"]) == [41, 82]   # 2 envs' share and 1 env's
+
+
+def test_a_ray_store_of_num_envs_x_t_holds_each_rollout_of_writers_rebound_or_dropped_unflushed(uneven_ray_store):
+    store = uneven_ray_store
+    store.clear()
+    rng = np.random.default_rng(7)
+    writer = None
+    for k in range(3):   # rebound: the previous writer is still open while the next one is made
+        writer = store.writer(ENVS, autoreset_mode="disabled")
+        rollout(writer, ENVS, STEPS, 0.03, rng, tag=10 + k)
+        writer.flush()
+        check_whole_rollout(store, 10 + k)
+    for k in range(3):   # dropped without flush(): its open episodes are cut and delivered
+        store.clear()
+        writer = store.writer(ENVS, autoreset_mode="disabled")
+        rollout(writer, ENVS, STEPS, 0.0, rng, tag=20 + k)
+        del writer
+        check_whole_rollout(store, 20 + k)
+
+
+def test_one_ray_writer_across_cleared_rollouts_keeps_every_transition_when_envs_do_not_split_evenly(
+        uneven_ray_store):
+    store = uneven_ray_store
+    writer = store.writer(ENVS, autoreset_mode="next_step")
+    rng = np.random.default_rng(8)
+    resetting = np.zeros(ENVS, bool)
+    for k in range(3):
+        store.clear()
+        played, resetting = rollout(writer, ENVS, STEPS, 0.05, rng, tag=k, resetting=resetting)
+        writer.flush()
+        store.flush()
+        assert len(store) == played
+        tags, cells = held_grid(store)
+        assert tags == {k} and len(cells) == played
+        assert float(store.gather(np.concatenate([np.arange(*r) for r in store.live_ranges()]))["reward"].min()) == 1.0
+    writer.close()
+
+
+def test_ray_writers_open_at_once_share_the_capacity_by_their_envs(uneven_ray_store):
+    store = uneven_ray_store
+    store.clear()
+    rng = np.random.default_rng(9)
+    pair = store.writer(2, autoreset_mode="disabled", env_ids=["pair-0", "pair-1"])
+    single = store.writer(1, autoreset_mode="disabled", env_ids=["single-0"])
+    for t in range(STEPS):   # tag, env (over both writers), step
+        for writer, envs in ((pair, [0, 1]), (single, [2])):
+            obs = np.array([[5, e, t] for e in envs], np.float32)
+            writer.add(obs=obs, action=np.zeros(len(envs), np.int64), reward=np.ones(len(envs), np.float32),
+                       terminated=rng.random(len(envs)) < 0.03, truncated=np.zeros(len(envs), bool),
+                       next_obs=obs + np.float32([0, 0, 1]))
+    pair.close()
+    single.close()
+    check_whole_rollout(store, 5)
+
+
+def test_uniform_samples_of_a_ray_store_of_uneven_shards_are_uniform_over_its_transitions(uneven_ray_store):
+    from scipy.stats import chisquare
+
+    store = uneven_ray_store
+    store.clear()
+    with store.writer(ENVS, autoreset_mode="disabled") as writer:
+        rollout(writer, ENVS, STEPS, 0.03, np.random.default_rng(10), tag=1)
+    check_whole_rollout(store, 1)
+    counts = np.zeros((ENVS, STEPS))
+    for _ in range(40):
+        obs = store.sample(256)["obs"].numpy().astype(np.int64)
+        np.add.at(counts, (obs[:, 1], obs[:, 2]), 1)
+    assert chisquare(counts.ravel()).pvalue > 1e-3   # each of the 123 transitions equally likely
+    per_shard = store.stats()["shards"]
+    assert sorted(s["transitions"] for s in per_shard) == [41, 82]
+
+
+def test_a_ray_checkpoint_keeps_uneven_shares_and_the_loaded_store_holds_a_whole_rollout(uneven_ray_store, tmp_path):
+    store = uneven_ray_store
+    store.clear()
+    writer = store.writer(ENVS, autoreset_mode="disabled", name="saved-open")
+    rollout(writer, ENVS, STEPS, 0.0, np.random.default_rng(11), tag=2)
+    store.save(tmp_path / "ckpt")   # its open episodes are saved as open pieces, its state restored unclaimed
+    writer.close()
+    loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
+    try:
+        assert [s["capacity"] for s in loaded.stats()["shards"]] == [s["capacity"] for s in store.stats()["shards"]]
+        check_whole_rollout(loaded, 2)
+        rng = np.random.default_rng(12)
+        for k in range(2):
+            with loaded.writer(ENVS, autoreset_mode="disabled") as writer:
+                rollout(writer, ENVS, STEPS, 0.03, rng, tag=30 + k)
+            check_whole_rollout(loaded, 30 + k)
+    finally:
+        loaded.close()
+
+
+def test_a_fixed_ray_store_of_num_envs_x_t_takes_a_whole_rollout_and_refuses_the_next_step(ray_session):
+    store = ab.ExperienceStore(capacity=ENVS * STEPS, backend="ray", num_shards=2, seed=0, mode="fixed")
+    try:
+        writer = store.writer(ENVS, autoreset_mode="disabled")
+        rollout(writer, ENVS, STEPS, 0.03, np.random.default_rng(13), tag=3)
+        writer.flush()
+        check_whole_rollout(store, 3)
+        obs = np.zeros((ENVS, 3), np.float32)
+        writer.add(obs=obs, action=np.zeros(ENVS, np.int64), reward=np.ones(ENVS, np.float32),
+                   terminated=np.ones(ENVS, bool), truncated=np.zeros(ENVS, bool), next_obs=obs)
+        with pytest.raises(ab.CapacityError, match="mode='fixed'"):
+            writer.flush()
+        assert len(store) == ENVS * STEPS
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("whole_pieces", [False, True])
+def test_a_shard_given_a_smaller_share_evicts_its_oldest_now_and_a_larger_one_holds_more(whole_pieces):
+    from arrowbuf.engine import ShardEngine
+    from arrowbuf.episode_read import read_episode
+
+    engine = ShardEngine(12, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0, room=30,
+                         whole_pieces=whole_pieces)
+    for e in range(5):   # 4-step episodes: the newest 3 are held
+        episode, schema = read_episode(make_episode(e, 4), engine.schema)
+        engine.add(episode, schema)
+    assert len(engine) == 12
+    assert engine.set_capacity(5) == 5 and len(engine) == (4 if whole_pieces else 5)
+    assert int(engine.table.col("episode_id")[-1]) == 4   # the newest stay
+    assert engine.set_capacity(30) == 30
+    for e in range(5, 12):
+        episode, schema = read_episode(make_episode(e, 4), engine.schema)
+        engine.add(episode, schema)
+    held = 28 if whole_pieces else 30   # whole pieces: the oldest episode (4) went whole
+    assert len(engine) == held and engine.stats()["capacity"] == 30
+    with pytest.raises(ValueError, match=r"capacity must be in \[0, 30\]"):
+        engine.set_capacity(31)
+    assert len(engine) == held
+
+
+def test_a_fixed_shard_given_a_smaller_share_keeps_what_it_holds_and_refuses_more():
+    from arrowbuf.engine import ShardEngine
+    from arrowbuf.episode_read import read_episode
+
+    engine = ShardEngine(10, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0, room=20,
+                         mode="fixed")
+    episode, schema = read_episode(make_episode(0, 8), None)
+    engine.add(episode, schema)
+    assert engine.set_capacity(4) == 8 and len(engine) == 8   # never evicts: no lower than it holds
+    with pytest.raises(ab.CapacityError):
+        engine.add(*read_episode(make_episode(1, 1), engine.schema))
+    assert engine.set_capacity(20) == 20
+    engine.add(*read_episode(make_episode(1, 12), engine.schema))
+    assert len(engine) == 20

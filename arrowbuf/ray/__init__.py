@@ -23,6 +23,7 @@ that this list names every module here, in such an order):
 - `views`: `ShardView`, a shard's blocks and episode table as a reader sees them;
 - `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn (or asked of the
   shards: PER, rate limiters) and gathered, one `DrawLoop` per request;
+- `shares`: `CapacityShares`, each shard's share of the capacity, following the writers' envs routed to it;
 - `priorities`: `PriorityUpdates`, priority updates waited for or left in flight, their errors kept;
 - `gae`: `compute_gae` across shards, the value function called by the caller;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).

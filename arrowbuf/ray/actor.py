@@ -80,12 +80,15 @@ class ShardServer:
             (`arrowbuf.ray.blocks`).
         holder: what names this shard in its durable directory's lock file (its
             store and driver), for the error another opener gets.
+        room: the store's capacity: the most this shard's share may grow to
+            (`set_capacity`, `arrowbuf.ray.shares`); its arena is made for it. Default: ``capacity``.
     """
 
     def __init__(self, capacity: int, shard: int, num_shards: int, seed: int, sampler: Any,
                  rate_limiter: RateLimiter, schema_json: str | None, mode: str, load_from: str | None = None,
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
-                 blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None) -> None:
+                 blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None,
+                 room: int | None = None) -> None:
         saved: dict = {}   # the checkpoint's info, when the engine is loaded from one
 
         def make_engine() -> ShardEngine:
@@ -93,13 +96,14 @@ class ShardServer:
                 from arrowbuf.checkpoint import load_engine
 
                 loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
-                                     whole_pieces=True)
+                                     whole_pieces=True, room=room)
                 saved.update(loaded.info, manifest=str(loaded.manifest))
                 return loaded.engine
             # Whole pieces: a sealed block holds whole episodes (`arrowbuf.ray.blocks`), so a
             # piece is evicted whole, never its front.
             return ShardEngine(capacity, sampler=sampler, rate_limiter=rate_limiter, mode=mode, seed=seed,
-                               track_reuse=track_reuse, shard=shard, num_shards=num_shards, whole_pieces=True)
+                               track_reuse=track_reuse, shard=shard, num_shards=num_shards, whole_pieces=True,
+                               room=room)
 
         if durable is not None:   # created private (`arrowbuf._dirlock`); one the user made is left as it is
             private_directory(Path(durable).parent, tighten=False)
@@ -112,6 +116,8 @@ class ShardServer:
         self._limiter_spec = type(engine.rate_limiter)(**engine.rate_limiter.config())
         self.shard = shard
         self.num_shards = num_shards
+        # The store's capacity: what the object store is checked for.
+        self.store_capacity = room if room is not None else capacity * num_shards
         self.index_base = shard << INDEX_SHIFT
         if schema_json is not None:
             engine.set_schema(Schema.from_json(schema_json))
@@ -149,7 +155,7 @@ class ShardServer:
 
     def config(self) -> dict:
         engine = self.engine
-        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": engine.capacity,
+        return {"shard": self.shard, "num_shards": self.num_shards, "capacity": engine.capacity, "room": engine.room,
                 "mode": engine.mode, "sampler": self._sampler_spec, "rate_limiter": self._limiter_spec,
                 "seed": engine.seed, "track_reuse": engine.track_reuse,
                 "schema": engine.schema.to_json() if engine.schema is not None else None}
@@ -212,7 +218,7 @@ class ShardServer:
             return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
         if self.engine.schema is None:
-            check_object_store(self.engine.capacity * self.num_shards, schema)
+            check_object_store(self.store_capacity, schema)
         if self.engine.schema is not None and self.engine.schema.input_fields != schema.input_fields:
             # Derived fields (compute_gae's) are the shard's own: writers need not know them.
             raise SchemaError(f"shard {self.shard} stores {self.engine.schema}, but the writer sent episodes "
@@ -363,6 +369,19 @@ class ShardServer:
                 self.blocks.evicted(engine)
         return count, self.size()
 
+    def set_capacity(self, capacity: int) -> tuple[int, Reading]:
+        """This shard's share of its store's capacity from now on (`arrowbuf.ray.shares`): a
+        smaller one evicts its oldest episodes now (whole, as every eviction here); the
+        capacity taken and the shard's size (a durable shard does not log it: restarted, it has
+        its last checkpoint's share until its router moves the shares again)."""
+        engine = self.engine
+        with engine.lock:
+            taken = engine.set_capacity(capacity)
+            self.unfilled.forget_evicted(engine.table)
+            if engine.shard is not None:
+                self.blocks.evicted(engine)
+        return taken, self.size()
+
     def clear(self) -> Reading:
         with self.engine.lock:
             self.engine.clear()
@@ -394,7 +413,7 @@ class ShardServer:
         from arrowbuf.checkpoint import save_engine
 
         engine = self._arena()
-        info = {"capacity": engine.capacity, "mode": engine.mode, "seed": engine.seed,
+        info = {"capacity": engine.capacity, "room": engine.room, "mode": engine.mode, "seed": engine.seed,
                 "track_reuse": engine.track_reuse, "created_at": 0.0}
         with engine.lock:
             pieces = self.open_pieces.state(engine.table)

@@ -50,6 +50,7 @@ from arrowbuf.ray.persist import save_ray_store, to_ray_dataset
 from arrowbuf.ray.priorities import PriorityUpdates
 from arrowbuf.ray.ranks import rank_indices
 from arrowbuf.ray.reader import BlockReader, SampleRequest
+from arrowbuf.ray.shares import CapacityShares
 from arrowbuf.ray.shipping import gather_refs, merge_payloads
 from arrowbuf.ray.sink import DroppedWriters, RaySink
 from arrowbuf.ray.start import find_shards, release_durable
@@ -86,7 +87,7 @@ class RayBackend:
     def __init__(self, shards: ShardHandles, *, capacity: int, sampler: Sampler, seed: int | None,
                  schema: Schema | None, schema_fixed: bool) -> None:
         self.shards = shards
-        self.capacity = capacity   # total rows; the smallest shard holds capacity // num_shards
+        self.capacity = capacity   # transitions of all shards together: the sum of their shares
         self.sampler = sampler
         self._rng = np.random.default_rng(seed)
         self._schema = schema
@@ -100,6 +101,12 @@ class RayBackend:
         self._reader = BlockReader(shards, self._sizes, sampler, self._rng, lambda: self.schema)
         self._reader.set_schema(schema)   # and every change of it: the reader never asks back while it knows one
         self._updates = PriorityUpdates(shards, self._sizes)
+        # Each shard's share of the capacity follows the envs of this process's writers; only the
+        # process that started the shards moves them (`arrowbuf.ray.shares`), and only when they
+        # share one node or ignore nodes: with `node_affinity`, writers send an env to a shard of
+        # their own node, which only their first write knows.
+        affine = shards.options.node_affinity and len(set(shards.nodes)) > 1
+        self._shares = CapacityShares(shards, self._sizes, capacity) if shards.started_here() and not affine else None
         self._added = 0   # episodes sent by `add` without an env id: their routing keys
 
     @classmethod
@@ -222,10 +229,14 @@ class RayBackend:
             self._reader.set_schema(None)
 
     def sink(self, timeout: float | None, env_ids: Sequence[str] | None) -> RaySink:
-        """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``."""
+        """A writer's sink: asynchronous, batched, delivered within ``RayOptions.delivery_latency``.
+        In the process that started the shards, its ``env_ids`` are routed now and the shards'
+        capacity shares follow them (`arrowbuf.ray.shares.CapacityShares.open`)."""
         sink = RaySink(self.shards, self._sizes, self.schema, timeout, self.capacity // self.num_shards, self._dropped,
                        balance_keys=True)
         self._writer_sinks.add(sink)
+        if self._shares is not None and env_ids is not None:   # not a reshard's sink: routed as it goes
+            self._shares.open(sink, list(env_ids))
         return sink
 
     def import_episodes(self, episodes: Iterable[Episode]) -> int:
@@ -244,6 +255,8 @@ class RayBackend:
         every episode stored so far is sampled here; priority updates left in flight are answered)."""
         self._sink.flush()
         self._dropped.wait()
+        if self._shares is not None:
+            self._shares.settle()
         self._updates.collect(block=True)
         self._sizes.refresh()
         self._reader.sync()

@@ -37,9 +37,9 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
                  durable: Path | None = None) -> ShardHandles:
     """Start the named shard actors of a store (``ray.init()`` first if no cluster runs).
 
-    Each shard gets ``capacity // num_shards`` rows (the first ones one more for the
-    remainder), its own copies of the sampler and rate limiter, and a seed derived
-    from ``seed``. With a ``durable`` directory, shard k logs into
+    Each shard starts with ``capacity // num_shards`` transitions (the first ones one more
+    for the remainder), a share that may grow to ``capacity`` (`arrowbuf.ray.shares`), its
+    own copies of the sampler and rate limiter, and a seed derived from ``seed``. With a ``durable`` directory, shard k logs into
     ``durable/shard-<k>`` and Ray restarts it when it dies (``max_restarts``), retrying
     the calls in flight.
 
@@ -78,7 +78,8 @@ def start_shards(name: str, capacity: int, num_shards: int, *, seed: int | None,
                 load_from[shard] if load_from is not None else None, track_reuse,
                 str(durable / f"shard-{shard}") if durable is not None else None, options.durable_sync,
                 (options.block_bytes, options.seal_latency),
-                f"shard {shard} of store {name!r}, started by pid {os.getpid()} on {socket.gethostname()!r}")
+                f"shard {shard} of store {name!r}, started by pid {os.getpid()} on {socket.gethostname()!r}",
+                room=capacity)
         except ValueError as err:   # Ray's ActorAlreadyExistsError: a store of that name started meanwhile
             for started in handles:
                 ray.kill(started)
