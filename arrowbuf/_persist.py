@@ -43,6 +43,7 @@ from arrowbuf.text import text_values
 from arrowbuf.fields import Field, arrow_to_numpy, export_array, narrow_bfloat16, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
 from arrowbuf.shard import position_runs
+from arrowbuf.shard_arrow import shard_columns
 
 logger = logging.getLogger("arrowbuf")
 
@@ -270,7 +271,7 @@ def take_rows(shard: Any, start: int, stop: int, schema: pa.Schema, copy: bool) 
     num = table.col("num_rows")[start:stop].copy()
     batches = []
     for a, b in position_runs(first, num):
-        columns = shard.columns(start + a, start + b)
+        columns = shard_columns(shard, start + a, start + b)
         arrays = [plain_array(spec, columns[name].copy() if copy else columns[name])
                   for name, spec in shard.specs.items()]
         batches.append(pa.RecordBatch.from_arrays(arrays, schema=schema))

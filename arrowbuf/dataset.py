@@ -58,6 +58,7 @@ from arrowbuf.schema import SYSTEM_SPECS, Schema
 from arrowbuf.placement import Ring
 from arrowbuf.ragged import check_pad, pad_batch
 from arrowbuf.shard import Shard
+from arrowbuf.shard_arrow import episode_view
 from arrowbuf.table import EpisodeTable
 from arrowbuf.video import VIDEO_CACHE_BYTES, FrameCache, VideoReader
 
@@ -230,7 +231,7 @@ class Dataset:
         found = np.flatnonzero(ids == episode_id) if isinstance(episode_id, (int, np.integer)) else []
         if not len(found):
             raise KeyError(f"episode {episode_id!r} is not in the dataset ({len(ids)} episodes)")
-        return self._engine.shard.episode_view(int(found[0]))
+        return episode_view(self._engine.shard, int(found[0]))
 
     def to_arrow(self) -> pa.Table:
         """Every row (system columns computed), zero-copy where the columns allow."""

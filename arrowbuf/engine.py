@@ -48,6 +48,7 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard, contiguous
+from arrowbuf.shard_arrow import episode_view, shard_table
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
@@ -487,14 +488,14 @@ class ShardEngine:
             if self._shard is not None and table.pieces:   # its held pieces, read as one
                 held = np.flatnonzero(table.col("episode") == episode_id)
                 if len(held) == 1:
-                    return self._shard.episode_view(int(held[0]))
+                    return episode_view(self._shard, int(held[0]))
                 if len(held):   # a piece's last row repeats the next one's first observation
-                    views = [self._shard.episode_view(int(k)) for k in held.tolist()]
+                    views = [episode_view(self._shard, int(k)) for k in held.tolist()]
                     return pa.concat_batches([v.slice(0, v.num_rows - 1) for v in views[:-1]] + views[-1:])
             elif self._shard is not None:
                 position = table.position_of(episode_id)
                 if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
-                    return self._shard.episode_view(int(position))
+                    return episode_view(self._shard, int(position))
             ids = table.col("episode")
             live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
             raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
@@ -502,7 +503,7 @@ class ShardEngine:
     def to_arrow(self) -> pa.Table:
         """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
         with self.lock:
-            return self._shard.to_arrow() if self._shard is not None else pa.table({})
+            return shard_table(self._shard) if self._shard is not None else pa.table({})
 
     def stats(self) -> dict:
         """Sizes, counts (totals and per second), limiter state, reuse and priorities."""

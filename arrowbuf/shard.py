@@ -22,17 +22,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import pyarrow as pa
 
 from arrowbuf.byte_heap import bind_heap_columns
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
 from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
-from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import frame_rows, n_step, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.placement import Plan, Ring, arena_rows
-from arrowbuf.played import group_played, played_rows
 from arrowbuf.regions import OpenRegions
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import SYSTEM_SPECS, Schema
@@ -564,52 +561,3 @@ class Shard:
             self.index_rows()
         head_serial = (self.table.episodes_added - len(self.table)) & 0xFFFFFFFF
         return (self._row_episode[rows].astype(np.int64) - head_serial) & 0xFFFFFFFF
-
-    def columns(self, first: int, stop: int) -> dict[str, np.ndarray]:
-        """Every column (system ones included) of the live episodes at positions
-        ``[first, stop)``, which must lie back to back in the arena.
-
-        User fields are views of the arena; the system columns are computed from
-        the episode table.
-        """
-        table = self.table
-        num_rows = table.col("num_rows")[first:stop]
-        start = int(table.col("first_row")[first])
-        total = int(num_rows.sum())
-        starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
-        local = np.arange(total, dtype=np.int64) - starts
-        step = local + np.repeat(table.col("first_step")[first:stop], num_rows) if table.pieces else local
-        step = step.astype(np.int32)   # within the episode (a piece that continues one starts past 0)
-        columns = {name: self.stored_rows(name, start, start + total) for name in self.schema.fields}
-        columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
-        columns["step"] = step
-        columns["is_first"] = step == 0
-        columns["is_last"] = local == np.repeat(num_rows - 1, num_rows)
-        return columns
-
-    def _batch(self, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
-        columns = self.columns(first, stop)
-        # What users read: the id of the played episode, not of the piece (`arrowbuf.played`).
-        columns["episode_id"] = np.repeat(self.table.col("episode")[first:stop], self.table.col("num_rows")[first:stop])
-        arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in self.specs.items()]
-        schema = self.schema.to_arrow()
-        return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))
-
-    def episode_view(self, position: int) -> pa.RecordBatch:
-        """The rows of the live episode at ``position`` (0 = oldest); data columns are zero-copy."""
-        has_final = bool(self.table.col("has_final")[position])
-        return self._batch(position, position + 1, {b"arrowbuf.has_final": b"1" if has_final else b"0"})
-
-    def to_arrow(self) -> pa.Table:
-        """Every live row, oldest episode first: one chunk per contiguous run (data columns
-        zero-copy). A played episode held in pieces reads as one run of its rows, in step order,
-        each row once (`arrowbuf.played.played_rows`; a copy of those rows)."""
-        table = self.table
-        runs = position_runs(table.col("first_row"), table.col("num_rows"))
-        rows = pa.Table.from_batches([self._batch(a, b) for a, b in runs], schema=self.schema.to_arrow())
-        if not table.pieces:
-            return rows
-        after = piece_chains(table).next[:len(table)]
-        if not np.any((after >= 0) & (after < len(table))):   # no piece continued by a held one
-            return rows
-        return played_rows(table, group_played(table, sealed_only=True), rows, table.col("num_rows").copy())[0]

@@ -12,6 +12,7 @@ import arrowbuf as ab
 from arrowbuf.errors import CapacityError
 from arrowbuf.placement import plan_write
 from arrowbuf.shard import Episode, Shard, position_runs
+from arrowbuf.shard_arrow import episode_view, shard_table
 
 from support.compare import column_numpy
 from support.episodes import tagged_obs
@@ -69,7 +70,7 @@ def test_an_episode_never_wraps_the_ring_the_ring_grows_while_the_count_allows()
     shard.add(shard_episode(1, 4))          # 5 rows: the tail [6, 10) has 4, row 0 is live: the ring grows
     assert shard.table.col("first_row").tolist() == [0, 6]
     assert (len(shard), shard.ring, shard.write_pos) == (9, 11, 11)
-    view = shard.episode_view(1)
+    view = episode_view(shard, 1)
     np.testing.assert_array_equal(column_numpy(view.column("obs")), tagged_obs(1, np.arange(5)))
 
 
@@ -160,7 +161,7 @@ def test_runs_merge_adjacent_episodes_and_split_at_the_wrap():
     # positions: episode 1 (its last step), episode 2, then episode 3 at the wrap: two runs
     assert shard.table.col("first_row").tolist() == [4, 6, 0]
     assert position_runs(shard.table.col("first_row"), shard.table.col("num_rows")) == [(0, 2), (2, 3)]
-    table = shard.to_arrow()
+    table = shard_table(shard)
     assert [len(b) for b in table.to_batches()] == [5, 4]
     assert column_numpy(table.column("episode_id")).tolist() == [1, 1, 2, 2, 2, 3, 3, 3, 3]
 
@@ -171,7 +172,7 @@ def test_episode_views_are_zero_copy_slices_of_the_arena_except_for_packed_small
     shard.add(shard_episode(1, 3))
     # action, flag, pixels (6 bytes) and x are small per-step fields: one row-packed block.
     assert sorted(shard._pack_offsets) == ["action", "flag", "pixels", "x"]
-    view = shard.episode_view(1)
+    view = episode_view(shard, 1)
     for name in ("obs", "action", "pixels", "x"):
         arena = shard.arena[name]
         column = view.column(name)
