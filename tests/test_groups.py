@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -220,3 +221,33 @@ def test_without_rank_each_global_batch_is_every_ranks_share_exactly_as_each_ran
             for share in batch:
                 values = share["tokens"].values()
                 assert values.untyped_storage().nbytes() == values.numel() * values.element_size()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_drivers_shares_hold_every_fields_rows_as_a_gather_of_their_indices_gives_them(shuffle):
+    rng = np.random.default_rng(5)
+    n = 300
+    store = ab.ExperienceStore(400, seed=1, schema={
+        "obs": ab.Field("float32", (2,), observation=True), "tokens": ab.Field("int32", (None,)),
+        "pairs": ab.Field("int16", (None, 2)), "task": ab.Field("string"), "terminated": "bool"})
+    store.add_episode({"obs": rng.normal(size=(n + 1, 2)).astype(np.float32),
+                       "tokens": [rng.integers(0, 99, int(k), dtype=np.int32) for k in rng.integers(0, 40, n)],
+                       "pairs": [rng.integers(0, 9, (int(k), 2), dtype=np.int16) for k in rng.integers(0, 5, n)],
+                       "task": [f"task {k % 7}" for k in range(n)], "terminated": np.r_[np.zeros(n - 1, bool), True]})
+    batches = list(store.iter_batches(64, world_size=5, balance="tokens", shuffle=shuffle))
+    assert sum(len(share) for shares in batches for share in shares) == n
+    for shares in batches:
+        for share in shares:
+            if not len(share):
+                continue
+            expected = store.gather(share["index"])   # the same rows, gathered on their own
+            assert set(share.keys(True, True)) == set(expected.keys(True, True))
+            for key in expected.keys(True, True):
+                a, b = share[key], expected[key]
+                if key == "task":
+                    assert a.tolist() == b.tolist()
+                elif a.is_nested:
+                    assert a.offsets().tolist() == b.offsets().tolist() and torch.equal(a.values(), b.values())
+                    assert a.values().untyped_storage().nbytes() == a.values().numel() * a.values().element_size()
+                else:
+                    assert torch.equal(a, b)
