@@ -143,8 +143,9 @@ class Gather:
         global batch, `arrowbuf.groups.gather_shares`), as `__call__` makes them; every part's
         ragged values are copied before any part's tensors are built: copying each part's
         half megabyte between the wrapping of the others evicts that Python's objects and code
-        from the caches (a 1M-token batch over 8 parts, split and gathered: 2.7-3.1 ms of CPU
-        time phased, 3.0-3.7 ms not, on a loaded 2-core machine)."""
+        from the caches (a 1M-token batch of a 200k-row store over 8 parts, split and gathered:
+        2.7-3.1 ms of CPU time phased, 3.0-3.7 ms not, on a loaded 2-core machine; of a 1M-row
+        store, where the copies' cache misses weigh more, the gain was within the noise)."""
         ragged = [key for key in self.apart_keys(keys) if isinstance(self._apart[key][0], RaggedColumn)] \
             if self.has_apart else []
         copied = [{key: self._apart[key][0].gather(rows.astype(np.int64, copy=False)) for key in ragged}
