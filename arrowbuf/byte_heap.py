@@ -45,6 +45,7 @@ class ByteHeap:
     def __init__(self, chunk_bytes: int | None = None) -> None:
         self.chunk_bytes = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
         self._chunks: dict[int, np.ndarray] = {}
+        self._buffers: dict[int, memoryview] = {}   # a memoryview of each chunk (`pieces`)
         self._live: dict[int, int] = {}
         self._current = -1          # the chunk being filled
         self._used = 0              # bytes of it written
@@ -77,13 +78,14 @@ class ByteHeap:
         chunk = self._next
         self._next += 1
         self._chunks[chunk] = np.empty(max(self.chunk_bytes, need), np.uint8)
+        self._buffers[chunk] = memoryview(self._chunks[chunk])
         self._live[chunk] = 0
         self.allocated += len(self._chunks[chunk])
         self._current, self._used = chunk, 0
 
     def _free(self, chunk: int) -> None:
         self.allocated -= len(self._chunks.pop(chunk))
-        del self._live[chunk]
+        del self._live[chunk], self._buffers[chunk]
 
     def view(self, addr: int, size: int) -> np.ndarray:
         """The bytes of the row at ``addr`` (a view: valid until the row is released)."""
@@ -96,6 +98,16 @@ class ByteHeap:
         chunks, start = self._chunks, addr & 0xFFFFFFFF
         return [chunks[c][a:b] if a < b else b"" for c, a, b in
                 zip((addr >> _SHIFT).tolist(), start.tolist(), (start + size).tolist())]
+
+    def pieces(self, addr: np.ndarray, size: np.ndarray) -> list[memoryview]:
+        """The bytes of each row of ``addr``, ``size`` (int64 arrays) that holds any, as memoryviews
+        (valid until the row is released): what `HeapColumn.packed` joins. A memoryview slice
+        costs about 2/3 of a numpy view's (~0.18 us a row against ~0.27)."""
+        held = size > 0
+        if not held.all():
+            addr, size = addr[held], size[held]
+        buffers, start = self._buffers, addr & 0xFFFFFFFF
+        return [buffers[c][a:b] for c, a, b in zip((addr >> _SHIFT).tolist(), start.tolist(), (start + size).tolist())]
 
     def release(self, addr: np.ndarray, size: np.ndarray) -> None:
         """The rows at ``addr`` (of ``size`` bytes; size 0: no row) are no longer held."""
@@ -226,9 +238,11 @@ class HeapColumn:
 
     def packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the bytes of ``rows`` one after another, uint8; their byte offsets, int64 [len(rows) + 1])."""
-        blobs = self.blobs(rows)   # first: a mapped heap checks each row's size before it is allocated
+        addr, size = self.addr[rows], self.size[rows]
+        # First: a mapped heap checks each row's size before it is allocated.
+        blobs = self.heap.pieces(addr, size) if isinstance(self.heap, ByteHeap) else self.heap.views(addr, size)
         offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(self.size[rows], out=offsets[1:])
+        np.cumsum(size, out=offsets[1:])
         # One copy, joined in C (a numpy slice assignment a row took 2.5x as long for 256 rows of ~3 KB).
         values = np.frombuffer(bytearray().join(blobs), np.uint8)
         return values, offsets

@@ -23,6 +23,10 @@ def column_with_chunks(rows: int) -> HeapColumn:
 def assert_rows_kept(column: HeapColumn, model: dict[int, bytes]) -> None:
     for row in range(len(column)):
         assert bytes(column.blobs(np.array([row]))[0]) == model.get(row, b""), f"row {row}"
+    rows = np.random.default_rng(len(model)).integers(0, len(column), 2 * len(column))   # repeats, empty rows
+    values, offsets = column.packed(rows)   # joined from the heap's memoryviews (`ByteHeap.pieces`)
+    assert values.tobytes() == b"".join(model.get(row, b"") for row in rows.tolist())
+    assert np.diff(offsets).tolist() == [len(model.get(row, b"")) for row in rows.tolist()]
     assert column.heap.live == int(column.size.sum()) == sum(len(b) for b in model.values())
 
 

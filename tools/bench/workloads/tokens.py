@@ -25,10 +25,12 @@ episodes of ``episode_len`` steps (one array a step). Measured:
   rank gets over the mean, worst of 20 global batches of ``rank_rows`` rows a round (target
   <= 1.02), and whether the shares unite to each global batch exactly; the token bytes a
   second of split + gather of a ``global_tokens`` global batch over W ranks, all in this
-  process, against the ideal's (one ``balanced_ranks`` split, each share copied as above).
-  Target >= 2 GB/s. A second row times a driver's split ("one split for all"): each global
-  batch split once for all W ranks (`arrowbuf.groups.rank_shares`, what ``iter_batches(...,
-  world_size=W)`` without ``rank`` yields), then each share gathered.
+  process, against the ideal's (one ``balanced_ranks`` split, each share copied as above: the
+  ideal splits with arrowbuf's own balance, the fastest we have, so that it stays a floor of
+  the same split rather than of a cheaper, worse one). Target >= 2 GB/s. A second row times a
+  driver's split ("one split for all"): each global batch split once for all W ranks
+  (`arrowbuf.groups.rank_shares`), then every share gathered (`arrowbuf.groups.gather_shares`):
+  what ``iter_batches(..., world_size=W)`` without ``rank`` yields.
 
 The store sizes are checked against the memory available first and scaled down (with a note)
 where they would not fit.
@@ -195,7 +197,7 @@ def sampled(spec: TokensSpec, opts: Options, notes: list[str]) -> list[Metric]:
 
 def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, notes: list[str]) -> list[Metric]:
     """Token balance over ranks, and split + gather of a global batch of ``global_tokens``."""
-    from arrowbuf.groups import balanced_ranks, rank_share, rank_shares
+    from arrowbuf.groups import balanced_ranks, gather_shares, rank_share, rank_shares
 
     W, engine = spec.world_size, store.store.engine
     lo, hi = engine.live_range()   # one lap: transition index lo + i holds source row i
@@ -228,9 +230,9 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
         shares(batches[next(turns["arrowbuf"]) % len(batches)])
 
     def driver_split() -> None:
-        """One split for every rank, as ``iter_batches(world_size=W)`` without ``rank`` does (`rank_shares`)."""
-        for share in rank_shares(engine, batches[next(turns["driver"]) % len(batches)], W, "tokens", None):
-            store.store.gather(share)
+        """One split for every rank, as ``iter_batches(world_size=W)`` without ``rank`` does (`rank_shares`,
+        then `gather_shares`)."""
+        gather_shares(engine, rank_shares(engine, batches[next(turns["driver"]) % len(batches)], W, "tokens", None))
 
     def ideal_split() -> None:
         source = batches[next(turns["ideal"]) % len(batches)] - lo
@@ -260,8 +262,9 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
                  f"that each would deliver {delivered / ms['step'] / 1e6:.2f} GB/s together. The first GB/s row runs "
                  f"all {W} ranks' steps in this process (each its own split, as each rank computes it: {W} "
                  "balances); the second ('one split for all') splits each global batch once for every rank, as "
-                 "iter_batches(world_size=W) without rank gives a driver (rank_shares, then a gather of each "
-                 "share into its own tensors); the ideal splits once")
+                 "iter_batches(world_size=W) without rank gives a driver (rank_shares, then gather_shares: "
+                 "every share into its own tensors, the look-ups made once); the ideal splits once, with "
+                 "arrowbuf's balanced_ranks")
     return [
         Metric(f"rank tokens max/mean, {spec.rank_rows} rows over {W} ranks", "x", {"arrowbuf": balance},
                target=f"arrowbuf <= {TARGETS['balance']} (worst of {BALANCE_BATCHES} global batches a round)",
