@@ -1,0 +1,274 @@
+"""A Ray reader's n-step returns, frame stacks and non-strict sequence windows run across an
+episode's held pieces (`arrowbuf.ray.across`), exactly as a loop over the whole played episode
+and as a local store given the same steps.
+
+Episodes are cut into pieces by the quarter-shard rule and the delivery timer of a small ring
+(`arrowbuf.piece_cutting`), sealed into small blocks, so that an episode's pieces lie in
+several blocks, and the ring evicts the oldest pieces. Two Ray stores serve the module (one
+draws transitions, one windows: a store has one sampler), each filled once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+ENVS, STEPS = 3, 300
+N, GAMMA, FRAMES, SEQ = 4, 0.9, 3, 6
+PATIENCE = 60.0   # seconds a poll waits: a bound on a hang, not a timing claim
+
+
+class Played:
+    """The episodes each env played, whole: obs [T + 1, 3] (env, episode, step), reward, flags."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.lengths = [rng.integers(12, 140, size=64) for _ in range(ENVS)]
+        self.truncates = [rng.random(64) < 0.3 for _ in range(ENVS)]
+        self.rewards = rng.normal(size=(ENVS, STEPS)).astype(np.float32)
+        self.episodes: dict[tuple[int, int], dict] = {}
+
+    def write(self, store: ab.ExperienceStore, env0: int = 0, pause: int | None = None) -> None:
+        """Every env's ``STEPS`` steps into a writer of ``store`` (pausing every ``pause`` steps,
+        so the delivery timer cuts pieces too), then ``flush``: each episode held whole or cut."""
+        writer = store.writer(num_envs=ENVS, autoreset_mode="disabled", env_ids=[f"env-{e}" for e in range(ENVS)])
+        ep, t = np.zeros(ENVS, np.int64), np.zeros(ENVS, np.int64)
+        for i in range(STEPS):
+            end = np.array([t[e] == self.lengths[e][ep[e]] - 1 for e in range(ENVS)])
+            trunc = end & np.array([self.truncates[e][ep[e]] for e in range(ENVS)])
+            obs = np.stack([ep * 0 + np.arange(ENVS) + env0, ep, t], axis=1).astype(np.float32)
+            nxt = obs.copy()
+            nxt[:, 2] += 1
+            writer.add(obs=obs, action=np.arange(ENVS), reward=self.rewards[:, i], terminated=end & ~trunc,
+                       truncated=trunc, next_obs=nxt)
+            for e in range(ENVS):
+                played = self.episodes.setdefault((e + env0, int(ep[e])), {"reward": [], "terminated": [],
+                                                                           "truncated": []})
+                played["reward"].append(self.rewards[e, i])
+                played["terminated"].append(bool(end[e] & ~trunc[e]))
+                played["truncated"].append(bool(trunc[e]))
+            t += 1
+            ep[end] += 1
+            t[end] = 0
+            if pause and i % pause == pause - 1:
+                time.sleep(0.03)
+        writer.flush()
+        store.flush()
+        writer.close()
+
+    def played(self, env: int, episode: int) -> dict:
+        return self.episodes[(env, episode)]
+
+
+def expected(played: Played, env: int, episode: int, t: int, held: tuple[int, int], n: int = N,
+             frames: int = FRAMES) -> dict:
+    """A loop over the whole played episode: the n-step return of step t, its bootstrap step,
+    its flags, and the frames of steps t and t + k, among the steps ``held`` ([first, end))."""
+    p = played.played(env, episode)
+    first, end = held
+    k = min(n, end - t)
+    reward = sum(GAMMA ** i * float(p["reward"][t + i]) for i in range(k))
+    return {"n_steps": k, "reward": reward, "discount": GAMMA ** k, "next_t": t + k,
+            "terminated": p["terminated"][t + k - 1], "truncated": p["truncated"][t + k - 1],
+            "frames": [max(t - j, first) for j in range(frames - 1, -1, -1)],
+            "next_frames": [max(t + k - j, first) for j in range(frames - 1, -1, -1)]}
+
+
+def held_ranges(store: ab.ExperienceStore) -> dict[int, tuple[int, int]]:
+    """[first held step, end) of each played episode, by episode id."""
+    table = store.episodes(include_open=True).to_pydict()
+    return {i: (f, f + n) for i, f, n in zip(table["episode_id"], table["first_step"], table["length"])}
+
+
+def items(batch) -> list[dict]:
+    """Every valid item of a batch (of windows: each step under ``mask``), as plain values."""
+    flat = batch.reshape(-1) if batch.ndim > 1 else batch
+    mask = flat["mask"].numpy() if "mask" in flat.keys() else np.ones(len(flat), bool)
+    obs, nxt = flat["obs"].numpy(), flat["next", "obs"].numpy()   # [B, frames, 3]
+    out = []
+    for k in np.flatnonzero(mask).tolist():
+        out.append({"env": int(obs[k, -1, 0]), "episode": int(obs[k, -1, 1]), "t": int(obs[k, -1, 2]),
+                    "step": int(flat["step"][k]), "episode_id": int(flat["episode_id"][k]),
+                    "n_steps": int(flat["n_steps"][k]), "reward": float(flat["reward"][k]),
+                    "discount": float(flat["discount"][k]), "terminated": bool(flat["terminated"][k]),
+                    "truncated": bool(flat["truncated"][k]),
+                    "frames": obs[k, :, 2].astype(int).tolist(), "next_frames": nxt[k, :, 2].astype(int).tolist(),
+                    "frame_envs": obs[k, :, :2].tolist(), "next_envs": nxt[k, :, :2].tolist()})
+    return out
+
+
+def check_item(item: dict, played: Played, held: tuple[int, int]) -> None:
+    want = expected(played, item["env"], item["episode"], item["t"], held)
+    assert item["step"] == item["t"]
+    assert item["n_steps"] == want["n_steps"], (item, want, held)
+    assert item["reward"] == pytest.approx(want["reward"], rel=1e-5, abs=1e-5), (item, want)
+    assert item["discount"] == pytest.approx(want["discount"], rel=1e-6)
+    assert (item["terminated"], item["truncated"]) == (want["terminated"], want["truncated"]), (item, want)
+    assert item["frames"] == want["frames"], (item, want, held)
+    assert item["next_frames"] == want["next_frames"], (item, want, held)
+    assert item["next_frames"][-1] == want["next_t"]
+    same = [[item["env"], item["episode"]]] * FRAMES   # every frame is of the item's own played episode
+    assert item["frame_envs"] == same and item["next_envs"] == same
+
+
+def local_values(store: ab.ExperienceStore, **args) -> dict[tuple[int, int, int], dict]:
+    """Every step's values as a local store samples them, by (env, episode, step)."""
+    found: dict[tuple[int, int, int], dict] = {}
+    for _ in range(20):
+        for item in items(store.sample(4096, n_step=N, gamma=GAMMA, frame_stack=FRAMES, **args)):
+            found[(item["env"], item["episode"], item["t"])] = item
+        if len(found) == len(store):
+            return found
+    raise AssertionError(f"local samples found {len(found)} of {len(store)} steps")
+
+
+def check_against_local(item: dict, local: dict, held: tuple[int, int]) -> None:
+    """The Ray item is the local store's (which holds every step): its n-step return, and its
+    frames where its stack reads no step the Ray ring evicted."""
+    mine = local[(item["env"], item["episode"], item["t"])]
+    for name in ("n_steps", "discount", "terminated", "truncated", "step"):
+        assert item[name] == mine[name], (name, item, mine)
+    assert item["reward"] == pytest.approx(mine["reward"], rel=1e-6, abs=1e-6)
+    if held[0] == 0:
+        assert item["frames"] == mine["frames"] and item["next_frames"] == mine["next_frames"], (item, mine)
+
+
+def piece_ends(store: ab.ExperienceStore) -> tuple[set, int]:
+    """((episode id, step) where a held piece ends and the next held one begins, blocks) as the
+    store's reader sees them: the setup's own check that episodes are cut and spread."""
+    reader = store._backend._reader
+    reader.sync()
+    ends, blocks = set(), 0
+    for view in reader.views.values():
+        table, blocks = view.table, blocks + len(view.blocks)
+        episode, first, length = table.col("episode"), table.col("first_step"), table.col("length")
+        starts = set(zip(episode.tolist(), first.tolist()))
+        ends |= {(e, f + n) for e, f, n in zip(episode.tolist(), first.tolist(), length.tolist())} & starts
+    return ends, blocks
+
+
+def ray_store(sampler: ab.Sampler, shards: int) -> ab.ExperienceStore:
+    # A ring of 2 x 240 transitions (a quarter of a shard: 60 steps a piece at most) below the
+    # 900 steps played; blocks of ~2 KiB, so pieces of one episode are sealed into several.
+    return ab.ExperienceStore(480, backend="ray", num_shards=shards, seed=0, sampler=sampler,
+                              ray_options=ab.RayOptions(block_bytes=2048, delivery_latency=0.02))
+
+
+@pytest.fixture(scope="module")
+def played() -> Played:
+    return Played(seed=3)
+
+
+@pytest.fixture(scope="module")
+def uniform(played: Played):
+    store = ray_store(ab.UniformSampler(), 2)
+    try:
+        played.write(store, pause=13)
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def windows(played: Played):
+    store = ray_store(ab.SequenceSampler(seq_len=SEQ, strict=False), 1)
+    try:
+        played.write(store, pause=11)
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def local(played: Played) -> dict:
+    """The local store's values of every step, given the same steps with room for all of them."""
+    store = ab.ExperienceStore(2 * ENVS * STEPS, seed=0)
+    Played(seed=3).write(store)
+    return local_values(store)
+
+
+def test_n_step_returns_and_frame_stacks_on_ray_run_across_an_episodes_pieces_as_over_the_played_episode(
+        uniform, played, local):
+    ends, blocks = piece_ends(uniform)
+    assert len(ends) > 5 and blocks > 2, (ends, blocks)   # the setup cuts episodes and spreads them
+    held = held_ranges(uniform)
+    ids: dict[tuple[int, int], int] = {}
+    crossed = padded = 0
+    for _ in range(4):
+        for item in items(uniform.sample(512, n_step=N, gamma=GAMMA, frame_stack=FRAMES)):
+            span = held[item["episode_id"]]
+            check_item(item, played, span)
+            check_against_local(item, local, span)
+            assert ids.setdefault((item["env"], item["episode"]), item["episode_id"]) == item["episode_id"]
+            crossed += any((item["episode_id"], b) in ends for b in range(item["t"] + 1, item["t"] + N))
+            padded += 0 < span[0] and item["t"] - FRAMES + 1 < span[0]   # a stack reaching an evicted piece
+    assert crossed > 50 and padded, (crossed, padded)
+
+
+def test_non_strict_windows_on_ray_go_on_into_an_episodes_next_pieces(windows, played, local):
+    ends, blocks = piece_ends(windows)
+    assert len(ends) > 5 and blocks > 2, (ends, blocks)
+    held = held_ranges(windows)
+    for args in ({}, {}, {"n_step": N, "gamma": GAMMA, "frame_stack": FRAMES}, {"n_step": N, "gamma": GAMMA,
+                                                                              "frame_stack": FRAMES}):
+        batch = windows.sample(128, **args)
+        assert batch.shape == (128, SEQ)
+        step = batch["step"].numpy()
+        obs, nxt = batch["obs"].numpy(), batch["next", "obs"].numpy()
+        if not args:   # each step's own row and next observation, the played ones
+            assert (obs[..., 2] == step).all() and (nxt[..., 2] == step + 1).all()
+            assert (obs[..., 1] == obs[:, :1, 1]).all() and (obs[..., 0] == obs[:, :1, 0]).all()
+        first = batch["step"][:, 0].numpy()
+        end = np.array([held[i][1] for i in batch["episode_id"][:, 0].tolist()])
+        # A window goes on to its episode's last held step, across pieces; mask False only after it.
+        assert (batch["mask"].numpy() == (first[:, None] + np.arange(SEQ) < end[:, None])).all()
+        assert (batch["episode_id"] == batch["episode_id"][:, :1]).all()
+        last = np.minimum(first[:, None] + np.arange(SEQ), end[:, None] - 1)
+        assert (step == last).all()   # past the end: the last held step repeated
+        if not args:
+            continue
+        for item in items(batch):
+            check_item(item, played, held[item["episode_id"]])
+            check_against_local(item, local, held[item["episode_id"]])
+
+
+def test_an_episodes_later_piece_not_yet_sealed_reads_as_an_open_tail_does_locally(uniform):
+    # Pieces reach a reader once sealed: until then, a look-up stops at the last step the
+    # reader holds and bootstraps from the observation after it (n_steps < n), as a local
+    # store's at an open tail's last written step.
+    writer = uniform.writer(num_envs=1, autoreset_mode="disabled", env_ids=["open"])
+    try:
+        obs = np.array([[7, 0, 0]], np.float32)
+        for t in range(12):   # one open episode, its steps shipped on the timer: several pieces
+            nxt = obs.copy()
+            nxt[0, 2] += 1
+            writer.add(obs=obs, action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
+                       terminated=np.zeros(1, bool), truncated=np.zeros(1, bool), next_obs=nxt)
+            obs = nxt
+            time.sleep(0.03)
+        deadline = time.monotonic() + PATIENCE
+        end = None
+        while end != 12:   # until this reader holds the 12 steps (sealed, in its manifest)
+            assert time.monotonic() < deadline, f"the reader held steps up to {end} of the 12 open steps"
+            batch = uniform.sample(512, n_step=N, gamma=1.0, frame_stack=FRAMES)
+            mine = batch["obs"][:, -1, 0].numpy() == 7
+            t, k = batch["obs"][mine, -1, 2].numpy().astype(int), batch["n_steps"][mine].numpy()
+            assert (batch["reward"][mine].numpy() == k).all() and (batch["next", "obs"][mine, -1, 2].numpy() == t + k).all()
+            assert not batch["terminated"][mine].any() and not batch["truncated"][mine].any()
+            # Within what the reader holds, a return goes across pieces, and stops (k < n) only at
+            # the last step it holds: every shorter one bootstraps from the same observation.
+            stops = set((t + k)[k < N].tolist())
+            assert len(stops) <= 1, (t, k)
+            end = stops.pop() if stops else None
+            if end is not None:
+                assert (k == np.minimum(N, end - t)).all(), (t, k, end)
+            assert (batch["obs"][mine, :, 2].numpy() == np.maximum(t[:, None] - np.arange(FRAMES - 1, -1, -1), 0)).all()
+        assert uniform.episodes(include_open=True).to_pydict()["open"][-1] is True
+    finally:
+        writer.close()
