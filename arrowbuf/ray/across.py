@@ -35,40 +35,48 @@ def blocks_of(bases: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 class ViewRows:
-    """Columns of a view's blocks, read at virtual rows: ``read(name)[rows]`` (any shape)
-    is the rows of column ``name``, each from its block. ``fetch(b)`` returns block ``b``'s
-    columns (fetched on first use, as `arrowbuf.ray.cache.BlockCache` serves them); block
-    ``home`` is one the read touches anyway (its fields are every block's)."""
+    """Columns of a view's blocks, read at virtual rows: ``read(name)[rows]`` is the rows of
+    column ``name``, each from its block. The items (the first axis of ``rows``) are in block
+    order: items ``starts[i]:starts[i + 1]`` were drawn in block ``touched[i]``, which holds
+    most of what they read (one take each); a row outside it (a look-up that goes on into a
+    piece sealed elsewhere) is read from its own block. ``fetch(b)`` returns block ``b``'s
+    columns (fetched on first use, as `arrowbuf.ray.cache.BlockCache` serves them)."""
 
-    def __init__(self, bases: np.ndarray, fetch: Callable[[int], dict], home: int) -> None:
+    def __init__(self, bases: np.ndarray, fetch: Callable[[int], dict], touched: list[int], starts: list[int]) -> None:
         self.bases = bases
         self.fetch = fetch
-        self.home = home
+        self.segments = list(zip(touched, starts[:-1], starts[1:]))
         self.dtypes: dict[str, np.dtype] = {}   # of each column read so far
 
     def read(self, name: str) -> "_Column | None":
         """Column ``name`` (None: the blocks have no such field)."""
-        return _Column(self, name) if name in self.fetch(self.home) else None
+        return _Column(self, name) if name in self.fetch(self.segments[0][0] if self.segments else 0) else None
 
     def take(self, name: str, rows: np.ndarray) -> np.ndarray:
-        flat = rows.reshape(-1)
-        block = blocks_of(self.bases, flat)
-        counts = np.bincount(block, minlength=len(self.bases)) if len(self.bases) > 1 else np.array([len(flat)])
-        touched = np.flatnonzero(counts).tolist() or [self.home]
-        if len(touched) == 1:
-            b = touched[0]
-            column = self.fetch(b)[name]
-            self.dtypes[name] = column.dtype
-            return column.take(flat - self.bases[b], axis=0).reshape(*rows.shape, *column.shape[1:])
         out = None
-        for b in touched:   # a few blocks: a mask each (cheaper than sorting the rows by block)
-            mine = block == b
-            part = self.fetch(b)[name].take(flat[mine] - self.bases[b], axis=0)
+        for b, lo, hi in self.segments:
+            column = self.fetch(b)[name]
+            local = rows[lo:hi] - self.bases[b]
             if out is None:
-                out = np.empty((len(flat), *part.shape[1:]), part.dtype)
-            out[mine] = part
+                out = np.empty((*rows.shape, *column.shape[1:]), column.dtype)
+            column.take(local, axis=0, out=out[lo:hi], mode="clip")
+            outside = (local < 0) | (local >= len(column))
+            if outside.any():
+                out[lo:hi][outside] = self.anywhere(name, rows[lo:hi][outside])
         self.dtypes[name] = out.dtype
-        return out.reshape(*rows.shape, *out.shape[1:])
+        return out
+
+    def anywhere(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Column ``name`` at 1-D virtual ``rows`` of any blocks."""
+        block = blocks_of(self.bases, rows)
+        out = None
+        for b in np.unique(block).tolist():
+            mine = block == b
+            part = self.fetch(b)[name].take(rows[mine] - self.bases[b], axis=0)
+            if out is None:
+                out = np.empty((len(rows), *part.shape[1:]), part.dtype)
+            out[mine] = part
+        return out
 
 
 class _Column:

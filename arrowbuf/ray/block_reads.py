@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from arrowbuf.indexing import look_ahead
-from arrowbuf.ray.across import JoinedItems, ViewRows, blocks_of, crossing
+from arrowbuf.ray.across import JoinedItems, ViewRows, crossing
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection
 
@@ -283,25 +283,23 @@ def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
     return out
 
 
-def part_reads(view: Any, selection: Selection, args: SampleArgs, fetch: Callable[[int], dict]
+def part_reads(view: Any, selection: Selection, args: SampleArgs, reads: ViewRows | None
                ) -> tuple[dict, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
     """(extras, virtual rows by role: step, observation, next observation) of one view's
-    selection, in drawn order; the observation rows are None where they are the step rows,
+    selection, in its order; the observation rows are None where they are the step rows,
     the next ones None where they are the rows after them.
 
     The look-ups are `arrowbuf.indexing.look_ahead`'s, as a local store's: across an
     episode's held pieces (the view's `arrowbuf.indexing.PieceChains`), in the view's virtual
-    rows, read from the blocks that hold them (`arrowbuf.ray.across.ViewRows`).
+    rows, read from the blocks that hold them (``reads``; None: no look-up).
 
     Args:
         view: the `arrowbuf.ray.reader.ShardView` the selection was made in.
         args: the n-step and frame-stack look-ups.
-        fetch: block ``b``'s columns (fetched on first use).
     """
     table = view.table
     rows, pos, step = selection.rows, selection.pos, selection.step
-    plain = args.n_step == 1 and args.frame_stack == 1   # (`SampleArgs.plain`, without a call per batch)
-    first = table.col("first_row").take(pos) if step is None or not plain else None
+    first = table.col("first_row").take(pos) if step is None or reads is not None else None
     base = view.index_base
     if step is None:   # a sampler's ``step`` is already within the episode (`Selection`); rows are not
         step = rows - first
@@ -309,27 +307,23 @@ def part_reads(view: Any, selection: Selection, args: SampleArgs, fetch: Callabl
             step = step + table.col("first_step").take(pos)
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
              "episode_id": table.col("episode").take(pos), "step": step.astype(np.int32), **selection.extra}
-    if plain:
+    if reads is None:
         return extra, (rows, None, None)
-    home = int(blocks_of(view.bases, rows.reshape(-1)[:1])[0]) if rows.size else 0
-    reads = ViewRows(view.bases, fetch, home)
     looked, obs_rows, next_rows = look_ahead(table, view.chains(), rows, pos, step, first, args, reads.read)
     extra.update(looked)
     return extra, (rows, obs_rows, next_rows)
 
 
-def block_rows(bases: np.ndarray, block: np.ndarray | None, order: np.ndarray | None,
+def block_rows(bases: np.ndarray, labels: np.ndarray | None, order: np.ndarray | None,
                roles: tuple[np.ndarray, np.ndarray | None, np.ndarray | None], joined: JoinedItems | None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each role's block-local rows, in block order, of items at virtual ``roles`` (`part_reads`)
-    in blocks ``block`` (`block_order`; the joined block's items: ``joined``'s rows)."""
-    if block is None:
-        base = bases[0]
-    else:
-        base = np.append(bases, 0).take(block)
+    """Each role's block-local rows of items at virtual ``roles`` (`part_reads`) in blocks
+    ``labels`` (the same order; ``len(bases)``: the joined block's, ``joined``'s rows; None:
+    one block), taken in ``order`` (None: as they are)."""
+    base = bases[0] if labels is None else np.append(bases, 0).take(labels)
 
     def local(rows: np.ndarray) -> np.ndarray:
-        out = rows - (base if block is None else base.reshape(len(base), *(1,) * (rows.ndim - 1)))
+        out = rows - (base if labels is None else base.reshape(len(base), *(1,) * (rows.ndim - 1)))
         if joined is not None:
             out = joined.local(rows, out)
         return out if order is None else out.take(order, axis=0)
@@ -339,12 +333,65 @@ def block_rows(bases: np.ndarray, block: np.ndarray | None, order: np.ndarray | 
     return step, step if obs_rows is None else local(obs_rows), step + 1 if next_rows is None else local(next_rows)
 
 
+def _chosen(selection: Selection, order: np.ndarray) -> Selection:
+    """``selection``'s items in ``order``."""
+    return Selection(selection.rows.take(order, axis=0), selection.indices.take(order, axis=0),
+                     selection.pos.take(order, axis=0), {k: v.take(order, axis=0) for k, v in selection.extra.items()},
+                     None if selection.step is None else selection.step.take(order, axis=0))
+
+
+def _ordered_part(view: Any, selection: Selection, args: SampleArgs, fetch: "_Fetcher") -> tuple:
+    """One part's (extras in drawn order, block-local rows by role in block order, touched
+    blocks, their starts in block order, ``order``: drawn position of each ordered item; None
+    when the same, the touched blocks' columns).
+
+    Plain items are ordered by the block of their rows (`block_order`). With look-ups the
+    items are put in block order first and looked up in it, so that their reads go block by
+    block (`arrowbuf.ray.across.ViewRows`); an item whose rows lie in several blocks (its
+    episode's pieces sealed apart) moves after the others, into the joined block of its rows
+    (`arrowbuf.ray.across.JoinedItems`).
+    """
+    bases, table = view.bases, view.table
+    looks = args.n_step > 1 or args.frame_stack > 1   # (`SampleArgs.plain`, without a call per batch)
+    pieces = table.pieces and (looks or selection.rows.ndim > 1)   # may read several pieces, and blocks
+    if looks:
+        block, touched, starts, order = block_order(bases, selection.rows)
+        chosen = selection if order is None else _chosen(selection, order)
+        labels = None if block is None else np.repeat(touched, np.diff(starts))   # block order
+        extra, virtual = part_reads(view, chosen, args, ViewRows(bases, fetch, touched.tolist(), starts.tolist()))
+        if order is not None:
+            extra = {name: placed(value, order) for name, value in extra.items()}
+    else:
+        chosen, labels = selection, None
+        extra, virtual = part_reads(view, selection, args, None)
+    joined = None
+    if pieces:
+        rows, obs_rows, next_rows = virtual
+        virtual = (rows, rows if obs_rows is None else obs_rows, rows + 1 if next_rows is None else next_rows)
+        home = chosen.pos if chosen.pos.ndim == 1 else chosen.pos[:, 0]   # the entry of each first step
+        across = crossing(bases, virtual, table.col("first_row").take(home), table.col("num_rows").take(home))
+        joined = None if across is None else JoinedItems(across, virtual, bases, fetch)
+    if not looks:   # in drawn order: ordered by block (the joined one last), then made block-local
+        block, touched, starts, order = block_order(bases, selection.rows, None if joined is None else joined.across)
+        local = block_rows(bases, block, order, virtual, joined)
+    elif joined is None:   # already in block order
+        local = block_rows(bases, labels, None, virtual, None)
+    else:   # in block order: the joined items move after the others
+        labels = np.repeat(touched, np.diff(starts)) if labels is None else labels
+        labels[joined.across] = len(bases)
+        moved = np.argsort(joined.across, kind="stable")
+        local = block_rows(bases, labels, moved, virtual, joined)
+        counts = np.bincount(labels, minlength=len(bases) + 1)
+        touched = np.flatnonzero(counts)
+        starts = np.zeros(len(touched) + 1, np.int64)
+        np.cumsum(counts.take(touched), out=starts[1:])
+        order = moved if order is None else order.take(moved)
+    return extra, local, touched, starts, order, fetch.many(touched.tolist(), joined)
+
+
 def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
           scratch: dict) -> BlockReads:
     """Every part's items ordered block by block, with ``scratch`` (a reader's reusable arrays).
-
-    An item whose rows lie in several blocks (its episode's pieces were sealed apart) is
-    read from a block of its own rows (`arrowbuf.ray.across.JoinedItems`), after the others.
 
     Args:
         parts: (`arrowbuf.ray.reader.ShardView`, its selection) of each part of the batches.
@@ -358,23 +405,11 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
     keep: set = set()   # the blocks of these batches: never dropped from the cache while they are read
     pieces, roles, extras, orders, offset = [], ([], [], []), [], [], 0
     for view, selection in parts:
-        fetch = _Fetcher(view, cache, keep)
-        extra, virtual = part_reads(view, selection, args, fetch)
-        joined = None
-        if view.table.pieces and (selection.rows.ndim > 1 or virtual[1] is not None or virtual[2] is not None):
-            # the items may read several pieces, sealed into several blocks
-            rows, obs_rows, next_rows = virtual
-            virtual = (rows, rows if obs_rows is None else obs_rows, rows + 1 if next_rows is None else next_rows)
-            home = selection.pos if selection.pos.ndim == 1 else selection.pos[:, 0]   # the entry of each first step
-            table = view.table
-            across = crossing(view.bases, virtual, table.col("first_row").take(home), table.col("num_rows").take(home))
-            joined = None if across is None else JoinedItems(across, virtual, view.bases, fetch)
-        block, touched, starts, order = block_order(view.bases, selection.rows,
-                                                    None if joined is None else joined.across)
+        extra, local, touched, starts, order, columns = _ordered_part(view, selection, args,
+                                                                      _Fetcher(view, cache, keep))
         orders.append(order)
-        columns = fetch.many(touched.tolist(), joined)
         extras.append(extra)
-        for role, part in zip(roles, block_rows(view.bases, block, order, virtual, joined)):
+        for role, part in zip(roles, local):
             role.append(part)
         pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
                                                                       starts[1:].tolist())]
