@@ -272,3 +272,66 @@ def test_an_episodes_later_piece_not_yet_sealed_reads_as_an_open_tail_does_local
         assert uniform.episodes(include_open=True).to_pydict()["open"][-1] is True
     finally:
         writer.close()
+
+
+def restart(store: ab.ExperienceStore, shard: int) -> None:
+    """Kill a shard actor (Ray restarts it: a durable store's) and wait until calls reach the new process."""
+    import os
+
+    import ray
+
+    handle = ray.get_actor(f"{store.name}:{shard}", namespace="arrowbuf")
+    pid = lambda: ray.get(handle.__ray_call__.remote(lambda server: os.getpid()))   # noqa: E731
+    old = pid()
+    ray.kill(handle, no_restart=False)
+    deadline = time.monotonic() + PATIENCE
+    while pid() == old:
+        assert time.monotonic() < deadline, "the killed shard did not restart"
+        time.sleep(0.1)
+
+
+def test_a_restarted_durable_shard_recovers_its_piece_links_from_its_log(tmp_path):
+    # A restarted shard rebuilt its episodes from its log without the links between pieces:
+    # each piece came back an episode of its own (its own id, counted in num_episodes).
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0, durable=tmp_path,
+                               ray_options=ab.RayOptions(delivery_latency=0.02))
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+
+        def play(t: int, done: np.ndarray) -> None:
+            obs = np.array([[0, 0, t], [1, 0, t]], np.float32)
+            writer.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2, np.float32), terminated=done,
+                       truncated=np.zeros(2, bool), next_obs=obs + np.float32([0, 0, 1]))
+            deadline = time.monotonic() + PATIENCE
+            while writer.open_steps.sum():   # shipped before the next step: a piece per step
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+        for t in range(6):   # env 0's episode ends at step 5, env 1's goes on: 6 pieces each
+            play(t, np.array([t == 5, False]))
+        store.flush()
+        before = store.episodes(include_open=True).to_pydict()
+        assert before["length"] == [6, 6] and before["open"] == [False, True] and store.num_episodes == 1
+        store.save(tmp_path / "checkpoint")   # the durable shard's own checkpoint too: its log is compacted
+        restart(store, 0)
+        after = store.episodes(include_open=True).to_pydict()
+        assert after == before and store.num_episodes == 1 and len(store) == 12
+        batch = store.sample(256, n_step=3, gamma=1.0)
+        t, k = batch["obs"][:, 2].numpy().astype(int), batch["n_steps"].numpy()
+        assert (k == np.minimum(3, 6 - t)).all()                 # across the recovered pieces
+        assert len(set(batch["episode_id"].tolist())) == 2
+        for t in range(6, 9):   # env 1's episode goes on after the restart, and ends
+            play(t, np.array([False, t == 8]))
+        store.flush()
+        table = store.episodes(include_open=True).to_pydict()
+        ended = [i for i, env in enumerate(table["env_id"]) if env == "env-1"]
+        assert [table["length"][i] for i in ended] == [9] and table["episode_id"][ended[0]] == before["episode_id"][1]
+        assert store.num_episodes == 2 and table["open"] == [False, False, True]   # env 0 plays a new one
+        assert table["env_id"][2] == "env-0" and table["length"][2] == 3
+        writer.flush()   # every step shipped already: the shard is told env 0's episode ended
+        restart(store, 0)   # from the checkpoint and the log after it
+        table = store.episodes(include_open=True).to_pydict()
+        assert table["length"] == [6, 9, 3] and not any(table["open"]) and store.num_episodes == 3
+        writer.close()
+    finally:
+        store.close()
