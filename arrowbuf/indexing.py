@@ -93,30 +93,19 @@ class PieceChains:
         (broadcast) along the chain; a step beyond the held ones is clamped to the nearest
         held observation. A transition step (one with a next observation) lands in the
         entry where it has its step fields (not a piece's final row)."""
-        # Each element starts at its entry (arrays of ``pos``, broadcast); only those that leave
-        # it move, a piece at a time: as many rounds as pieces crossed.
-        fs, length, first_row = self.first_step.take(pos), self.length.take(pos), self.first_row.take(pos)
-        go = ((steps < fs) & (self.prev.take(pos) >= 0)) | ((steps >= fs + length) & (self.next.take(pos) >= 0))
-        where = np.array(np.broadcast_to(pos, steps.shape))
-        rows = np.array(np.broadcast_to(first_row + (np.clip(steps, fs, fs + length) - fs), steps.shape))
-        if not go.any():
-            return rows, where
-        moved = np.flatnonzero(go)
-        s = np.broadcast_to(steps, go.shape).reshape(-1).take(moved)
-        at = where.reshape(-1).take(moved)
-        moving = np.arange(len(moved))
-        while len(moving):
-            here, k = at.take(moving), s.take(moving)
-            f = self.first_step.take(here)
-            back = (k < f) & (self.prev.take(here) >= 0)
-            ahead = (k >= f + self.length.take(here)) & (self.next.take(here) >= 0)
-            on = back | ahead
-            moving, here, back = moving[on], here[on], back[on]
-            at[moving] = np.where(back, self.prev.take(here), self.next.take(here))
-        f = self.first_step.take(at)
-        where.reshape(-1)[moved] = at
-        rows.reshape(-1)[moved] = self.first_row.take(at) + (np.clip(s, f, f + self.length.take(at)) - f)
-        return rows, where
+        pos = np.broadcast_to(pos, steps.shape).copy()
+        s = steps
+        while True:   # each element moves one way only, a piece at a time: as many rounds as pieces crossed
+            fs = self.first_step[pos]
+            end = fs + self.length[pos]
+            prev, nxt = self.prev[pos], self.next[pos]
+            back = (s < fs) & (prev >= 0)
+            ahead = (s >= end) & (nxt >= 0)
+            if not (back.any() or ahead.any()):
+                break
+            pos = np.where(back, prev, np.where(ahead, nxt, pos))
+        s = np.clip(s, fs, end)
+        return self.first_row[pos] + (s - fs), pos
 
     def frames(self, pos: np.ndarray, step: np.ndarray, frames: int) -> np.ndarray:
         """Observation rows of steps ``step - frames + 1 .. step`` (oldest first), [..., frames]:
@@ -137,7 +126,8 @@ class PieceChains:
         """`n_step` of the transitions at episode ``step`` of entries ``pos``, across pieces:
         windows stop at the last held step of the chain (an open tail's last written one)."""
         offsets = np.arange(n, dtype=np.int64)
-        fs, end = self.first_step.take(pos), self.first_step.take(pos) + self.length.take(pos)
+        fs = self.first_step.take(pos)
+        end = fs + self.length.take(pos)
         # Within its entry (most windows), as `n_step`; the windows that go on walk the chain.
         row = self.first_row.take(pos) + (step - fs)
         steps = np.minimum(n, end - step)   # k <= n held steps ahead
