@@ -259,7 +259,8 @@ def test_an_episodes_later_piece_not_yet_sealed_reads_as_an_open_tail_does_local
             batch = uniform.sample(512, n_step=N, gamma=1.0, frame_stack=FRAMES)
             mine = batch["obs"][:, -1, 0].numpy() == 7
             t, k = batch["obs"][mine, -1, 2].numpy().astype(int), batch["n_steps"][mine].numpy()
-            assert (batch["reward"][mine].numpy() == k).all() and (batch["next", "obs"][mine, -1, 2].numpy() == t + k).all()
+            assert (batch["reward"][mine].numpy() == k).all()
+            assert (batch["next", "obs"][mine, -1, 2].numpy() == t + k).all()
             assert not batch["terminated"][mine].any() and not batch["truncated"][mine].any()
             # Within what the reader holds, a return goes across pieces, and stops (k < n) only at
             # the last step it holds: every shorter one bootstraps from the same observation.
@@ -332,6 +333,43 @@ def test_a_restarted_durable_shard_recovers_its_piece_links_from_its_log(tmp_pat
         restart(store, 0)   # from the checkpoint and the log after it
         table = store.episodes(include_open=True).to_pydict()
         assert table["length"] == [6, 9, 3] and not any(table["open"]) and store.num_episodes == 3
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_text_and_ragged_fields_of_items_read_across_blocks_are_their_own_steps():
+    # An item whose look-ups cross blocks is read from a block of its own rows: its text and
+    # ragged fields (each block's dictionary and values of their own) come along, as its step's.
+    schema = {"obs": ab.Field("float32", (2,), observation=True), "action": ab.Field("int64"),
+              "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool"),
+              "note": ab.Field("string"), "tokens": ab.Field("int32", (None,))}
+    store = ab.ExperienceStore(480, backend="ray", num_shards=1, seed=0, schema=schema,
+                               ray_options=ab.RayOptions(block_bytes=2048, delivery_latency=0.02))
+    try:
+        writer = store.writer(num_envs=2, autoreset_mode="disabled")
+        for t in range(150):
+            obs = np.array([[0, t], [1, t]], np.float32)
+            writer.add(obs=obs, action=np.zeros(2, np.int64), reward=np.ones(2, np.float32),
+                       terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=obs + np.float32([0, 1]),
+                       note=[f"e0-{t}", f"e1-{t}"], tokens=[np.arange(t % 5 + 1, dtype=np.int32),
+                                                            np.arange(t % 3 + 1, dtype=np.int32)])
+            if t % 9 == 8:
+                time.sleep(0.03)
+        writer.flush()
+        store.flush()
+        ends, blocks = piece_ends(store)
+        assert len(ends) > 5 and blocks > 2, (ends, blocks)
+        held = held_ranges(store)
+        for _ in range(3):
+            batch = store.sample(256, n_step=N, gamma=1.0, frame_stack=FRAMES)
+            env, t = batch["obs"][:, -1].numpy().astype(int).T
+            k = batch["n_steps"].numpy()
+            end = np.array([held[i][1] for i in batch["episode_id"].tolist()])
+            assert (k == np.minimum(N, end - t)).all() and (batch["next", "obs"][:, -1, 1].numpy() == t + k).all()
+            assert list(batch["note"]) == [f"e{e}-{s}" for e, s in zip(env, t)]
+            for tokens, e, s in zip(batch["tokens"].unbind(0), env, t):
+                assert tokens.tolist() == list(range(s % (5 if e == 0 else 3) + 1))
         writer.close()
     finally:
         store.close()
