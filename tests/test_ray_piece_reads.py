@@ -4,8 +4,10 @@ and as a local store given the same steps.
 
 Episodes are cut into pieces by the quarter-shard rule and the delivery timer of a small ring
 (`arrowbuf.piece_cutting`), sealed into small blocks, so that an episode's pieces lie in
-several blocks, and the ring evicts the oldest pieces. Two Ray stores serve the module (one
-draws transitions, one windows: a store has one sampler), each filled once.
+several blocks, and the ring evicts the oldest pieces. Two Ray stores serve most tests (one
+draws transitions, one windows: a store has one sampler), each filled once per module; a
+durable one (restarts), one with text and ragged fields and one whose shards draw (PER) have
+a test each.
 """
 
 from __future__ import annotations
@@ -25,37 +27,40 @@ PATIENCE = 60.0   # seconds a poll waits: a bound on a hang, not a timing claim
 
 
 class Played:
-    """The episodes each env played, whole: obs [T + 1, 3] (env, episode, step), reward, flags."""
+    """Every env's ``STEPS`` steps, played once (seeded): each step's obs (env, episode, step),
+    reward and flags, and the episodes they make, whole (`played`)."""
 
     def __init__(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.lengths = [rng.integers(12, 140, size=64) for _ in range(ENVS)]
-        self.truncates = [rng.random(64) < 0.3 for _ in range(ENVS)]
-        self.rewards = rng.normal(size=(ENVS, STEPS)).astype(np.float32)
+        lengths = [rng.integers(12, 140, size=64) for _ in range(ENVS)]
+        truncates = [rng.random(64) < 0.3 for _ in range(ENVS)]
+        rewards = rng.normal(size=(ENVS, STEPS)).astype(np.float32)
+        self.steps = []   # (obs, reward, terminated, truncated) of every env, step by step
         self.episodes: dict[tuple[int, int], dict] = {}
-
-    def write(self, store: ab.ExperienceStore, env0: int = 0, pause: int | None = None) -> None:
-        """Every env's ``STEPS`` steps into a writer of ``store`` (pausing every ``pause`` steps,
-        so the delivery timer cuts pieces too), then ``flush``: each episode held whole or cut."""
-        writer = store.writer(num_envs=ENVS, autoreset_mode="disabled", env_ids=[f"env-{e}" for e in range(ENVS)])
         ep, t = np.zeros(ENVS, np.int64), np.zeros(ENVS, np.int64)
         for i in range(STEPS):
-            end = np.array([t[e] == self.lengths[e][ep[e]] - 1 for e in range(ENVS)])
-            trunc = end & np.array([self.truncates[e][ep[e]] for e in range(ENVS)])
-            obs = np.stack([ep * 0 + np.arange(ENVS) + env0, ep, t], axis=1).astype(np.float32)
-            nxt = obs.copy()
-            nxt[:, 2] += 1
-            writer.add(obs=obs, action=np.arange(ENVS), reward=self.rewards[:, i], terminated=end & ~trunc,
-                       truncated=trunc, next_obs=nxt)
+            end = np.array([t[e] == lengths[e][ep[e]] - 1 for e in range(ENVS)])
+            trunc = end & np.array([truncates[e][ep[e]] for e in range(ENVS)])
+            obs = np.stack([np.arange(ENVS), ep, t], axis=1).astype(np.float32)
+            self.steps.append((obs, rewards[:, i], end & ~trunc, trunc))
             for e in range(ENVS):
-                played = self.episodes.setdefault((e + env0, int(ep[e])), {"reward": [], "terminated": [],
-                                                                           "truncated": []})
-                played["reward"].append(self.rewards[e, i])
+                played = self.episodes.setdefault((e, int(ep[e])), {"reward": [], "terminated": [], "truncated": []})
+                played["reward"].append(rewards[e, i])
                 played["terminated"].append(bool(end[e] & ~trunc[e]))
                 played["truncated"].append(bool(trunc[e]))
             t += 1
             ep[end] += 1
             t[end] = 0
+
+    def write(self, store: ab.ExperienceStore, pause: int | None = None) -> None:
+        """Every step into a writer of ``store`` (pausing every ``pause`` steps, so the delivery
+        timer cuts pieces too), then ``flush``: each episode held whole or cut."""
+        writer = store.writer(num_envs=ENVS, autoreset_mode="disabled", env_ids=[f"env-{e}" for e in range(ENVS)])
+        for i, (obs, reward, terminated, truncated) in enumerate(self.steps):
+            nxt = obs.copy()
+            nxt[:, 2] += 1
+            writer.add(obs=obs, action=np.arange(ENVS), reward=reward, terminated=terminated, truncated=truncated,
+                       next_obs=nxt)
             if pause and i % pause == pause - 1:
                 time.sleep(0.03)
         writer.flush()
@@ -189,7 +194,7 @@ def windows(played: Played):
 def local(played: Played) -> dict:
     """The local store's values of every step, given the same steps with room for all of them."""
     store = ab.ExperienceStore(2 * ENVS * STEPS, seed=0)
-    Played(seed=3).write(store)
+    played.write(store)
     return local_values(store)
 
 
@@ -371,5 +376,19 @@ def test_text_and_ragged_fields_of_items_read_across_blocks_are_their_own_steps(
             for tokens, e, s in zip(batch["tokens"].unbind(0), env, t):
                 assert tokens.tolist() == list(range(s % (5 if e == 0 else 3) + 1))
         writer.close()
+    finally:
+        store.close()
+
+
+def test_items_the_shards_draw_read_across_pieces_too(played):
+    # Prioritized draws are made by the shards, answered with indices: the reader reads them
+    # across pieces as its own draws (several parts, one per shard, shuffled together).
+    store = ray_store(ab.PrioritizedSampler(), 2)
+    try:
+        played.write(store, pause=13)
+        held = held_ranges(store)
+        for _ in range(2):
+            for item in items(store.sample(256, n_step=N, gamma=GAMMA, frame_stack=FRAMES)):
+                check_item(item, played, held[item["episode_id"]])
     finally:
         store.close()
