@@ -188,12 +188,27 @@ class Record:
     def ids(self) -> list[int]:
         return [i for batch in self.batches for i in batch.column("episode_id").to_pylist()]
 
+    def owners(self) -> list:
+        """The owner (writer id, or None) of each episode's open pieces (`arrowbuf.ray.tails`)."""
+        pieces = self.meta.get("pieces")
+        return [p[2] for p in pieces] if pieces is not None else [None] * len(self.ids())
+
+    def closes(self) -> tuple[str | None, list[str], int] | None:
+        """(owner, env ids, the next episode id after this record's episodes) of the open episodes
+        that ended with this record; None: none did."""
+        closes = self.meta.get("closes")
+        return None if closes is None else (closes["owner"], list(closes["envs"]), int(closes["next_id"]))
+
     def episodes(self) -> Iterator[tuple[int, Episode]]:
-        """(logged id, episode) of each episode, columns as zero-copy views of the record."""
+        """(logged id, episode) of each episode, columns as zero-copy views of the record (with the
+        piece each continues and whether its episode goes on, where logged)."""
         first_steps = self.meta.get("first_steps")   # pieces that continue an episode; absent: none does
-        if first_steps is not None and len(first_steps) != sum(batch.num_rows for batch in self.batches):
-            raise FormatError(f"{self.where}: a malformed log record (first_steps has {len(first_steps)} entries "
-                              f"for {sum(batch.num_rows for batch in self.batches)} episodes)")
+        pieces = self.meta.get("pieces")   # [prev_piece, open, owner] of each; absent: no piece links
+        count = sum(batch.num_rows for batch in self.batches)
+        for name, listed in (("first_steps", first_steps), ("pieces", pieces)):
+            if listed is not None and len(listed) != count:
+                raise FormatError(f"{self.where}: a malformed log record ({name} has {len(listed)} entries "
+                                  f"for {count} episodes)")
         serial = 0
         for batch in self.batches:
             rows = {name: batch.column(name).to_pylist() for name in SYSTEM_COLUMNS.names}
@@ -222,7 +237,9 @@ class Record:
                 metadata = json.loads(rows["metadata"][k]) if rows["metadata"][k] is not None else None
                 yield episode_id, Episode(columns, steps, has_final, rows["env_id"][k], metadata, owned=True,
                                           inserted_at=rows["inserted_at"][k],
-                                          first_step=first_steps[serial] if first_steps is not None else 0)
+                                          first_step=first_steps[serial] if first_steps is not None else 0,
+                                          prev_piece=pieces[serial][0] if pieces is not None else -1,
+                                          open=pieces[serial][1] if pieces is not None else False)
                 serial += 1
 
 
@@ -262,6 +279,17 @@ def _meta_problem(meta: Any) -> str | None:
         first_steps = meta.get("first_steps", [])
         if not (isinstance(first_steps, list) and all(_is_int(v) and v >= 0 for v in first_steps)):
             return f"first_steps {first_steps!r:.80}, expected a list of ints >= 0"
+        pieces = meta.get("pieces", [])
+        if not (isinstance(pieces, list) and all(
+                isinstance(p, list) and len(p) == 3 and _is_int(p[0]) and p[0] >= -1 and isinstance(p[1], bool)
+                and (p[2] is None or isinstance(p[2], str)) for p in pieces)):
+            return f"pieces {pieces!r:.80}, expected [prev_piece >= -1, open, owner or null] per episode"
+        closes = meta.get("closes")
+        if closes is not None and not (isinstance(closes, dict) and (closes.get("owner") is None or isinstance(
+                closes.get("owner"), str)) and isinstance(closes.get("envs"), list)
+                and all(isinstance(e, str) for e in closes["envs"]) and _is_int(closes.get("next_id"))
+                and closes["next_id"] >= 0):
+            return f"closes {closes!r:.80}, expected {{owner, envs: [env ids], next_id >= 0}}"
     else:
         return f"kind {kind!r:.80}, expected 'start', 'clear' or 'episodes'"
     return None

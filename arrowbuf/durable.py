@@ -113,8 +113,12 @@ class DurableShard:
     def checkpoint_path(self) -> Path:
         return self.directory / "checkpoint"
 
-    def recover(self, make_engine: Callable[[], ShardEngine]) -> ShardEngine:
+    def recover(self, make_engine: Callable[[], ShardEngine], pieces: Any = None) -> ShardEngine:
         """The engine of the last checkpoint here (else ``make_engine()``) with the log replayed into it.
+
+        Args:
+            pieces: the shard's `arrowbuf.ray.tails.OpenPieces`, restored as they were: from the
+                checkpoint's info (``restore``), then the replayed pieces' (`EpisodeLog.replay`).
 
         Raises:
             FormatError: a damaged checkpoint or log.
@@ -122,11 +126,14 @@ class DurableShard:
         from arrowbuf.checkpoint import load_engine
 
         if (self.checkpoint_path / CHECKPOINT_MANIFEST).exists():
-            engine = load_engine(self.checkpoint_path, progress=False, shard=self.shard,
-                                 num_shards=self.num_shards, whole_pieces=True).engine   # a Ray shard's
+            loaded = load_engine(self.checkpoint_path, progress=False, shard=self.shard,
+                                 num_shards=self.num_shards, whole_pieces=True)   # a Ray shard's
+            engine = loaded.engine
+            if pieces is not None:
+                pieces.restore(loaded.info, engine.table, str(loaded.manifest))
         else:
             engine = make_engine()
-        replayed = self.log.replay(engine)
+        replayed = self.log.replay(engine, pieces)
         if replayed:
             logger.info("%s: %d logged episodes replayed after the last checkpoint", self.directory, replayed)
         return engine
@@ -139,13 +146,16 @@ class DurableShard:
         """The ids a `seen` batch was stored under (None: too old to be kept)."""
         return self.log.logged_ids(batch)
 
-    def commit(self, engine: ShardEngine, added: Sequence[tuple[int, Episode]], batch: Batch | None = None) -> None:
+    def commit(self, engine: ShardEngine, added: Sequence[tuple[int, Episode]], batch: Batch | None = None,
+               owner: str | None = None, closes: Sequence[str] | None = None) -> None:
         """Log episodes just stored in ``engine``, flushed to disk before it returns.
 
         Args:
             engine: the engine that stored them.
             added: (id `ShardEngine.add` returned, episode), in the order stored.
             batch: the write's (writer id, batch number), for `seen`.
+            owner, closes: whose open pieces they are, and the envs whose open episodes ended
+                with this write (`arrowbuf.ray.tails`): logged, so a restart links them again.
 
         Raises:
             ShardError: the log could not be written (now or at an earlier commit:
@@ -154,7 +164,7 @@ class DurableShard:
         """
         if self._failed is not None:
             raise ShardError(self._failed)
-        if not added:
+        if not added and not closes:
             return
         table = engine.table
         entries = []
@@ -165,7 +175,8 @@ class DurableShard:
             inserted = int(table.col("inserted_at")[position]) if live else int(episode.inserted_at or 0)
             entries.append((episode_id, episode, inserted))
         try:
-            self.log.append(entries, engine.schema, batch)
+            self.log.append(entries, engine.schema, batch, owner,
+                            (list(closes), next_episode_id(engine)) if closes else None)
         except BaseException as err:   # not only OSError: a MemoryError building the record leaves the same gap
             self._failed = (f"the durable log {self.directory} could not be written ({type(err).__name__}: {err}); "
                             "this shard refuses writes until it restarts (it then recovers every acknowledged write)")

@@ -283,21 +283,30 @@ class EpisodeLog:
         return self._batch_ids.get(batch)
 
     def append(self, episodes: Sequence[tuple[int, Episode, int]], schema: Schema,
-               batch: Batch | None = None) -> None:
+               batch: Batch | None = None, owner: str | None = None,
+               closes: tuple[list[str], int] | None = None) -> None:
         """Log stored episodes as one record and flush it to disk before returning.
 
         Args:
             episodes: (episode id, episode, inserted_at ns) in the order they were stored.
             schema: the engine's schema.
             batch: (writer id, batch number) of the write they came in, for `seen`.
+            owner: whose open pieces they are (`arrowbuf.ray.tails`: logged with each piece's
+                link, ``Episode.prev_piece``, and ``Episode.open``, so a replay links them again).
+            closes: (env ids, the engine's next episode id after the episodes) of ``owner``'s
+                open episodes that ended with this write.
         """
         if self._arrow_schema is None or self._arrow_schema[0] != schema:
             self._arrow_schema = (schema, episodes_schema(schema))
         arrow_schema = self._arrow_schema[1]
-        meta = {"kind": "episodes", "batch": list(batch) if batch is not None else None}
+        meta: dict[str, Any] = {"kind": "episodes", "batch": list(batch) if batch is not None else None}
         if any(e.first_step for _, e, _ in episodes):   # pieces that continue an episode (`arrowbuf.piece_cutting`)
             meta["first_steps"] = [int(e.first_step) for _, e, _ in episodes]
-        payload = stream(arrow_schema, meta, [episodes_batch(arrow_schema, schema, episodes)])
+        if any(e.open or e.prev_piece >= 0 for _, e, _ in episodes):   # linked pieces (`arrowbuf.ray.tails`)
+            meta["pieces"] = [[int(e.prev_piece), bool(e.open), owner] for _, e, _ in episodes]
+        if closes:
+            meta["closes"] = {"owner": owner, "envs": list(closes[0]), "next_id": int(closes[1])}
+        payload = stream(arrow_schema, meta, [episodes_batch(arrow_schema, schema, episodes)] if episodes else [])
         with self._lock:
             self._rotate_if_full()
             self._write(payload)
@@ -329,8 +338,12 @@ class EpisodeLog:
 
     # -- replay and compaction ------------------------------------------------------------
 
-    def replay(self, engine: ShardEngine) -> int:
+    def replay(self, engine: ShardEngine, pieces: Any = None) -> int:
         """Add the logged episodes the engine does not hold yet; returns how many.
+
+        ``pieces`` (an `arrowbuf.ray.tails.OpenPieces`) is told each replayed piece's owner
+        (``stored``) and the open episodes that ended after the engine's last held episode
+        (``close``): a shard's open pieces as they were.
 
         Episodes whose id is below the engine's next id are in it already (from
         its checkpoint) and skipped; the others must come in id order. A clear is
@@ -346,17 +359,20 @@ class EpisodeLog:
         with self._lock:
             records, self._records = self._records or [], None
         added, clear_at = 0, None   # the next id of a clear waiting for episodes logged after it
+        held = next_episode_id(engine)   # a close logged before it is in the engine's checkpoint
         for record in records:
             if record.kind == "clear":
                 mark = int(record.meta["next_id"])
                 if mark == next_episode_id(engine):
                     engine.clear()
+                    if pieces is not None:
+                        pieces.clear()
                 elif mark > next_episode_id(engine):
                     clear_at = mark
                 continue
             if record.kind != "episodes":
                 continue
-            for logged, episode in record.episodes():
+            for owner, (logged, episode) in zip(record.owners(), record.episodes()):
                 expected = next_episode_id(engine)
                 if logged < expected:
                     continue
@@ -371,11 +387,20 @@ class EpisodeLog:
                     raise FormatError(f"{record.where}: episode {logged} was stored as {stored}; the log belongs "
                                       "to another shard")
                 added += 1
+                if pieces is not None:
+                    pieces.stored(owner, episode, engine.table.episodes_added - 1)
                 if clear_at is not None and next_episode_id(engine) >= clear_at:
                     engine.clear()
+                    if pieces is not None:
+                        pieces.clear()
                     clear_at = None
+            closes = record.closes()
+            if pieces is not None and closes is not None and closes[2] >= held:
+                pieces.close(closes[0], closes[1])
         if clear_at is not None:
             engine.clear()
+            if pieces is not None:
+                pieces.clear()
         return added
 
     def compact(self, upto: int) -> int:

@@ -6,7 +6,8 @@ in storage): an n-step return sums rewards of rows t..t+k-1 and bootstraps from 
 observation of row t+k; a frame stack reads observation rows t-k+1..t, repeating the
 episode's first frame where the episode is younger than the stack. `PieceChains` does
 both across the held pieces of an episode that a step writer cut (and places sequence
-windows that cross them). `RunLookup` finds
+windows that cross them). `look_ahead` applies both to a sample's transitions, for the
+local store (arena rows) and a Ray reader (rows of its view's blocks) alike. `RunLookup` finds
 the episode of each drawn index in O(1), for episode tables that stay unchanged
 while they are sampled many times (a Ray reader's views).
 """
@@ -14,7 +15,11 @@ while they are sampled many times (a Ray reader's views).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
+
 import numpy as np
+
+from arrowbuf.sample_args import SampleArgs
 
 @dataclass
 class NStep:
@@ -106,16 +111,84 @@ class PieceChains:
         """Observation rows of steps ``step - frames + 1 .. step`` (oldest first), [..., frames]:
         before the earliest held step of the episode, its frame repeats."""
         back = np.arange(frames - 1, -1, -1, dtype=np.int64)
-        return self.locate(pos[..., None], step[..., None] - back)[0]
+        fs, length = self.first_step.take(pos), self.length.take(pos)
+        want = step[..., None] - back
+        # Within its entry (most stacks): clamped to it, as `frame_rows`; the others walk the chain.
+        rows = self.first_row.take(pos)[..., None] + (np.clip(want, fs[..., None], (fs + length)[..., None])
+                                                       - fs[..., None])
+        cross = ((step - frames + 1 < fs) & (self.prev.take(pos) >= 0)) | \
+            ((step >= fs + length) & (self.next.take(pos) >= 0))
+        if cross.any():
+            rows[cross] = self.locate(pos[cross][:, None], want[cross])[0]
+        return rows
 
     def n_step(self, pos: np.ndarray, step: np.ndarray, reward: np.ndarray, n: int, gamma: float) -> NStep:
         """`n_step` of the transitions at episode ``step`` of entries ``pos``, across pieces:
         windows stop at the last held step of the chain (an open tail's last written one)."""
-        target, at = self.locate(pos, step + n)
-        steps = self.first_step[at] + (target - self.first_row[at]) - step   # k <= n held steps ahead
-        window_steps = np.minimum(step[..., None] + np.arange(n, dtype=np.int64), (step + steps - 1)[..., None])
-        window = self.locate(pos[..., None], window_steps)[0]
+        offsets = np.arange(n, dtype=np.int64)
+        fs = self.first_step.take(pos)
+        end = fs + self.length.take(pos)
+        # Within its entry (most windows), as `n_step`; the windows that go on walk the chain.
+        row = self.first_row.take(pos) + (step - fs)
+        steps = np.minimum(n, end - step)   # k <= n held steps ahead
+        window = np.minimum(row[..., None] + offsets, (row + steps - 1)[..., None])
+        target = row + steps
+        cross = (step + n >= end) & (self.next.take(pos) >= 0)   # (a piece may lack a final row of its own)
+        if cross.any():
+            p, s = pos[cross], step[cross]
+            target[cross], at = self.locate(p, s + n)
+            steps[cross] = k = self.first_step.take(at) + (target[cross] - self.first_row.take(at)) - s
+            window[cross] = self.locate(p[:, None], np.minimum(s[:, None] + offsets, (s + k - 1)[:, None]))[0]
         return _discounted(window, steps, reward, gamma, target, window[..., -1])
+
+
+def look_ahead(table, chains: PieceChains | None, rows: np.ndarray, pos: np.ndarray, step: np.ndarray,
+               first: np.ndarray | None, args: SampleArgs, read: Callable[[str], Any]
+               ) -> tuple[dict, np.ndarray | None, np.ndarray | None]:
+    """The n-step targets and frame-stack rows of transitions at ``rows``, episode ``step`` of
+    the table's entries ``pos`` (``first``: their entries' first rows), as a sample reads them.
+
+    One mechanism for every reader: a local store's rows are its arena's, a Ray reader's
+    the rows of its view's blocks placed one after the other (`arrowbuf.ray.across`).
+    With ``chains`` (the table's `PieceChains`, when an episode is held in pieces) both go
+    across an episode's held pieces; otherwise they stay within each entry.
+
+    Args:
+        read: column ``name`` indexable by rows (``read(name)[rows]``), None for a field
+            the store lacks (``terminated``, ``truncated`` are read where present).
+
+    Returns:
+        (the n-step extras: ``reward``, ``discount``, ``n_steps`` and the flags of the
+        window's last step; the observation rows, None for ``rows``; the next-observation
+        rows, None for ``rows + 1``).
+    """
+    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
+    extra: dict[str, np.ndarray] = {}
+    obs_rows = next_rows = None
+    if chains is not None:
+        step = step.astype(np.int64, copy=False)
+    if n > 1:
+        if chains is not None:
+            ahead = chains.n_step(pos, step, read("reward"), n, gamma)
+        else:
+            # The last transition row of the episode (an open tail's last written step). Windows
+            # stop at their episode's end: past the longest live episode, a longer n changes
+            # nothing but the cost.
+            last = first + table.ecol("length").take(pos) - 1
+            ahead = n_step(rows, last, read("reward"), min(n, table.longest), gamma)
+        next_rows = ahead.next_rows
+        extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
+        for flag in ("terminated", "truncated"):
+            column = read(flag)
+            if column is not None:
+                extra[flag] = column[ahead.last_rows]
+    if frames > 1 and chains is not None:
+        obs_rows = chains.frames(pos, step, frames)
+        next_rows = chains.frames(pos, step + (ahead.steps if n > 1 else 1), frames)
+    elif frames > 1:
+        obs_rows = frame_rows(rows, first, frames)
+        next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+    return extra, obs_rows, next_rows
 
 
 def piece_chains(table) -> PieceChains:

@@ -27,7 +27,7 @@ from arrowbuf.byte_heap import bind_heap_columns
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
 from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
-from arrowbuf.indexing import frame_rows, n_step, piece_chains
+from arrowbuf.indexing import look_ahead, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
 from arrowbuf.placement import Plan, Ring, arena_rows
 from arrowbuf.regions import OpenRegions
@@ -286,6 +286,10 @@ class Shard:
         """Column ``name`` for reads by host index arrays (``reader(name)[rows]`` is numpy)."""
         return self.arena[name]
 
+    def _read(self, name: str) -> Any:
+        """`reader` of a field, None for a name that is none (the look-ups' flags)."""
+        return self.reader(name) if name in self.schema.fields else None
+
     def tensor_rows(self, name: str, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of column ``name`` as a torch tensor viewing the arena (a
         ragged field's: a jagged nested tensor of a copy)."""
@@ -503,7 +507,7 @@ class Shard:
         """(rows, extra arrays, observation rows, next-observation rows) of a selection of
         this shard's transitions, for the look-ups ``args``; ``index_base`` is added to the
         ``index`` extra."""
-        n, gamma, frames = args.n_step, args.gamma, args.frame_stack
+        n, frames = args.n_step, args.frame_stack
         table = self.table
         rows, pos = selection.rows, selection.pos
         # episode_id and step come from the episode table, not from per-row columns.
@@ -518,31 +522,10 @@ class Shard:
         extra = {"index": indices + index_base if index_base else indices,
                  "episode_id": table.ecol("episode").take(pos),
                  "step": step.astype(np.int32), **selection.extra}
-        obs_rows = next_rows = None
         # Pieces of one episode read as one episode where their rows are held (`PieceChains`).
-        chains = piece_chains(table) if table.pieces and (n > 1 or frames > 1) else None
-        if chains is not None:
-            step = step.astype(np.int64, copy=False)
-        if n > 1:
-            if chains is not None:
-                ahead = chains.n_step(pos, step, self.reader("reward"), n, gamma)
-            else:
-                # The last transition row of the episode (an open tail's last written step).
-                last = first + table.ecol("length").take(pos) - 1
-                # Windows stop at their episode's end: past the longest live episode, a
-                # longer n changes nothing but the cost.
-                ahead = n_step(rows, last, self.reader("reward"), min(n, table.longest), gamma)
-            next_rows = ahead.next_rows
-            extra.update(reward=ahead.reward, discount=ahead.discount, n_steps=ahead.steps)
-            for flag in ("terminated", "truncated"):
-                if flag in self.schema.fields:
-                    extra[flag] = self.reader(flag)[ahead.last_rows]
-        if frames > 1 and chains is not None:
-            obs_rows = chains.frames(pos, step, frames)
-            next_rows = chains.frames(pos, step + (ahead.steps if n > 1 else 1), frames)
-        elif frames > 1:
-            obs_rows = frame_rows(rows, first, frames)
-            next_rows = frame_rows(rows + 1 if next_rows is None else next_rows, first, frames)
+        chains = piece_chains(table) if table.pieces and not args.plain else None
+        looked, obs_rows, next_rows = look_ahead(table, chains, rows, pos, step, first, args, self._read)
+        extra.update(looked)
         return rows, extra, obs_rows, next_rows
 
     def index_rows(self) -> None:

@@ -229,3 +229,64 @@ def test_piece_chains_link_only_live_contiguous_pieces_of_one_env_added_before()
     chains = piece_chains(table)
     assert chains.prev.tolist() == [-1, -1, -1, -1, 0]
     assert chains.frames(np.array([0]), np.array([4]), 4).tolist() == [[4, 4, 4, 5]]
+
+
+@st.composite
+def chains(draw):
+    """A `PieceChains` of random pieces: episodes cut into runs of steps, some links missing (gaps)."""
+    from arrowbuf.indexing import PieceChains
+
+    lengths = draw(st.lists(st.integers(0, 6), min_size=1, max_size=12))
+    linked = draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths)))
+    first_row = np.cumsum([0] + [n + 1 for n in lengths[:-1]]).astype(np.int64)
+    first_step, prev = np.zeros(len(lengths), np.int64), np.full(len(lengths), -1, np.int64)
+    for i in range(1, len(lengths)):
+        if linked[i]:
+            first_step[i], prev[i] = first_step[i - 1] + lengths[i - 1], i - 1
+    nxt = np.full(len(lengths), -1, np.int64)
+    nxt[prev[prev >= 0]] = np.flatnonzero(prev >= 0)
+    return PieceChains(first_row, first_step, np.array(lengths, np.int64), prev, nxt)
+
+
+def walk(chain, at: int, s: int) -> tuple[int, int]:
+    """(entry, row) of episode step ``s`` from entry ``at``: one piece at a time, back or ahead
+    while a link goes on, then clamped to the entry's steps (its final observation included)."""
+    while True:
+        if s < chain.first_step[at] and chain.prev[at] >= 0:
+            at = int(chain.prev[at])
+        elif s >= chain.first_step[at] + chain.length[at] and chain.next[at] >= 0:
+            at = int(chain.next[at])
+        else:
+            break
+    clamped = min(max(s, chain.first_step[at]), chain.first_step[at] + chain.length[at])
+    return at, int(chain.first_row[at] + clamped - chain.first_step[at])
+
+
+@settings(max_examples=200, deadline=None)
+@given(chain=chains(), seed=st.integers(0, 2**32 - 1), width=st.integers(1, 4), n=st.integers(1, 9))
+def test_piece_chains_read_n_steps_and_frames_as_a_walk_along_the_chain_one_element_at_a_time(
+        chain, seed, width, n):
+    rng = np.random.default_rng(seed)
+    count = len(chain.first_row)
+    pos = rng.integers(0, count, size=(8, 1))
+    steps = chain.first_step[pos] + rng.integers(-8, 14, size=(8, width))
+    rows, where = chain.locate(pos, steps)
+    for k in range(8):
+        for j in range(width):
+            assert (where[k, j], rows[k, j]) == walk(chain, int(pos[k, 0]), int(steps[k, j]))
+    held = np.flatnonzero(chain.length > 0)
+    if not len(held):
+        return
+    at = rng.choice(held, size=8)
+    step = chain.first_step[at] + rng.integers(0, chain.length[at])   # transitions of each entry
+    reward = rng.normal(size=int(chain.first_row[-1] + chain.length[-1] + 1)).astype(np.float32)
+    ahead = chain.n_step(at, step, reward, n, 0.5)
+    stacked = chain.frames(at, step, width)
+    for i, (a, t) in enumerate(zip(at.tolist(), step.tolist())):
+        _, target = walk(chain, a, t + n)
+        end, _ = walk(chain, a, t + n)
+        k = int(chain.first_step[end] + target - chain.first_row[end] - t)
+        window = [walk(chain, a, t + m)[1] for m in range(k)]
+        assert (ahead.steps[i], ahead.next_rows[i], ahead.last_rows[i]) == (k, target, window[-1])
+        assert ahead.reward[i] == pytest.approx(sum(0.5 ** m * reward[r] for m, r in enumerate(window)), abs=1e-5)
+        assert stacked[i].tolist() == [walk(chain, a, t - b)[1] for b in range(width - 1, -1, -1)]

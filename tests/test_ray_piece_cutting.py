@@ -229,7 +229,7 @@ def test_a_continuing_task_streams_ten_times_the_capacity_through_a_ray_ring():
         assert first == sorted(first) and first[0] > 5 * capacity        # the oldest pieces were evicted
         assert all(table.column("open").to_pylist()) and store.num_episodes == 0
         assert sampled == 32 * (10 * capacity // 16 - 1)
-        batch = store.sample(64, n_step=5, gamma=1.0)                    # n-step stops at a piece's end
+        batch = store.sample(64, n_step=5, gamma=1.0)                    # n-step runs across pieces
         check_n_step(batch)
         writer.close()
     finally:

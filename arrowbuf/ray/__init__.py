@@ -18,6 +18,7 @@ that this list names every module here, in such an order):
 - `cache`: `BlockCache`, the blocks a reader fetched, within ``reader_cache_bytes``;
 - `fresh`: fresh steps (``policy_version >= v``, or weighted by a `FreshnessSampler`)
   drawn by a reader from its views;
+- `across`: reads that cross blocks: an episode's pieces sealed apart, read as one (`ViewRows`, `JoinedItems`);
 - `block_reads`: `BlockReads`, a draw's items planned block by block, in drawn order;
 - `gather`: `BlockGather`, ordered items of many blocks into one pooled TensorDict per batch;
 - `views`: `ShardView`, a shard's blocks and episode table as a reader sees them;

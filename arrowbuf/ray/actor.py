@@ -89,7 +89,7 @@ class ShardServer:
                  track_reuse: bool = False, durable: str | None = None, durable_sync: bool = True,
                  blocks: tuple[int, float] = (64 << 20, 0.1), holder: str | None = None,
                  room: int | None = None) -> None:
-        saved: dict = {}   # the checkpoint's info, when the engine is loaded from one
+        self.open_pieces = OpenPieces()   # stored pieces of episodes still open (`arrowbuf.ray.tails`)
 
         def make_engine() -> ShardEngine:
             if load_from is not None:
@@ -97,7 +97,8 @@ class ShardServer:
 
                 loaded = load_engine(load_from, progress=False, shard=shard, num_shards=num_shards,
                                      whole_pieces=True, room=room)
-                saved.update(loaded.info, manifest=str(loaded.manifest))
+                # Its open pieces, checked against its episode table (a durable shard's log goes on from them).
+                self.open_pieces.restore(loaded.info, loaded.engine.table, str(loaded.manifest))
                 return loaded.engine
             # Whole pieces: a sealed block holds whole episodes (`arrowbuf.ray.blocks`), so a
             # piece is evicted whole, never its front.
@@ -110,7 +111,8 @@ class ShardServer:
         # A restarted shard may start while its killed predecessor's process is still going away.
         self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT,
                                     holder=holder) if durable is not None else None
-        self.engine = self.durable.recover(make_engine) if self.durable is not None else make_engine()
+        self.engine = self.durable.recover(make_engine, self.open_pieces) if self.durable is not None \
+            else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
         self._limiter_spec = type(engine.rate_limiter)(**engine.rate_limiter.config())
@@ -134,9 +136,6 @@ class ShardServer:
         # and one could place an episode between another's fill and its read.
         self.unfilled = UnfilledRows()
         self._fills_later = not limits(rate_limiter)
-        self.open_pieces = OpenPieces()   # stored pieces of episodes still open (`arrowbuf.ray.tails`)
-        if saved.get(OPEN_PIECES) is not None:   # a checkpoint's, checked against its episode table
-            self.open_pieces.load(saved[OPEN_PIECES], engine.table, saved["manifest"])
 
     def _arena(self) -> ShardEngine:
         """The engine, with every live row in its arena."""
@@ -205,15 +204,15 @@ class ShardServer:
             owner = batch[0] if batch is not None else None
         if closes:   # after this request's episodes: its writer's episodes of these envs ended
             try:
-                return self._add_episodes(episodes, schema_json, timeout, batch, lent, owner)
+                return self._add_episodes(episodes, schema_json, timeout, batch, lent, owner, closes)
             finally:
                 with self.engine.lock:
                     self.open_pieces.close(owner, closes)
         return self._add_episodes(episodes, schema_json, timeout, batch, lent, owner)
 
     def _add_episodes(self, episodes: list[Episode], schema_json: str, timeout: float | None,
-                      batch: tuple[str, int] | None, lent: list | None, owner: str | None
-                      ) -> tuple[list[int], Reading]:
+                      batch: tuple[str, int] | None, lent: list | None, owner: str | None,
+                      closes: list[str] | None = None) -> tuple[list[int], Reading]:
         if self.durable is not None and self.durable.seen(batch):   # a retry: answered as the first time
             return self.durable.logged_ids(batch) or [], self.size()
         schema = Schema.from_json(schema_json)
@@ -254,8 +253,8 @@ class ShardServer:
                 added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:
                 refused.append(err)
-        if self.durable is not None:   # logged (and flushed) before the answer
-            self.durable.commit(self.engine, added, batch)
+        if self.durable is not None:   # logged (and flushed) before the answer, with the pieces' links
+            self.durable.commit(self.engine, added, batch, owner, closes)
         if added:
             with engine.lock:
                 self.unfilled.forget_evicted(engine.table)
@@ -419,8 +418,8 @@ class ShardServer:
             pieces = self.open_pieces.state(engine.table)
         save_engine(engine, path, {**info, OPEN_PIECES: pieces}, lambda: dict(writers or {}), progress=False,
                     base=base)
-        if self.durable is not None:   # its own checkpoint, then the log is compacted
-            self.durable.checkpoint(engine, info)
+        if self.durable is not None:   # its own checkpoint (with its open pieces), then the log is compacted
+            self.durable.checkpoint(engine, {**info, OPEN_PIECES: pieces})
         return path
 
     def plain_rows(self) -> pa.Table:

@@ -6,11 +6,14 @@ sampler drew them, so that any slice of a uniform batch is itself uniform (a
 trainer splitting a batch must not get sub-batches of the oldest rows). Blocks
 are separate buffers, so each field is read block by block:
 
-- `block_order` sorts a selection's items by block (``order``) and says where each
-  touched block's items start and stop in that order;
 - `part_reads` looks up, for one part of a batch (one view's selection), its
-  extras in drawn order (index, episode_id, step, n-step targets) and its
-  block-local rows by role (step, observation, next observation) in block order;
+  extras in drawn order (index, episode_id, step, n-step targets) and its view's
+  rows by role (step, observation, next observation), across an episode's pieces
+  as a local store does (`arrowbuf.indexing.look_ahead`);
+- `block_order` sorts a selection's items by block (``order``) and says where each
+  touched block's items start and stop in that order (items whose rows lie in
+  several blocks last, read from a block of their own rows: `arrowbuf.ray.across`),
+  and `block_rows` makes their rows block-local, in block order;
 - `order_reads` orders every part of one or several batches (parts of several shards
   padded to one width first: `same_width`) into a `BlockReads`: the blocks' columns
   with the ranges of ordered items they hold, the rows, the extras in batch order,
@@ -38,7 +41,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from arrowbuf.indexing import frame_rows, n_step
+from arrowbuf.indexing import look_ahead
+from arrowbuf.ray.across import JoinedItems, ViewRows, crossing
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.samplers import Selection
 
@@ -253,26 +257,31 @@ class BlockReads:
         return view
 
 
-def block_order(bases: np.ndarray, rows: np.ndarray
+def block_order(bases: np.ndarray, rows: np.ndarray, across: np.ndarray | None = None
                 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Where the items at virtual ``rows`` lie (``bases``: the first virtual row of each block):
-    (the block of each item, None when there is one block; the blocks touched; where each
-    one's items start and, last, stop in block order; and ``order``, the drawn position of
-    each item in block order, None when they already are in block order)."""
+    """Where the items at virtual ``rows`` lie (``bases``: the first virtual row of each block;
+    ``across``: items read from a joined block, `arrowbuf.ray.across.JoinedItems`, numbered
+    ``len(bases)``, after every block): (the block of each item, None when there is one block;
+    the blocks touched; where each one's items start and, last, stop in block order; and
+    ``order``, the drawn position of each item in block order, None when they already are
+    in block order)."""
     n = len(rows)
-    if len(bases) == 1:
+    if len(bases) == 1 and across is None:
         return None, np.zeros(1, np.int64), np.array([0, n]), None
     first = rows if rows.ndim == 1 else rows[:, 0]
-    if len(bases) == 2:   # two blocks (a shard's each, compacted): one comparison, no histogram
+    if len(bases) == 2 and across is None:   # two blocks (a shard's each, compacted): one comparison, no histogram
         block = (first >= bases[1]).view(np.uint8)
         upper = int(np.count_nonzero(block))
         if upper in (0, n):
             return block, np.array([int(upper > 0)]), np.array([0, n]), None
         order = None if not block[:n - upper].any() else np.argsort(block, kind="stable")
         return block, np.array([0, 1]), np.array([0, n - upper, n]), order
+    count = len(bases) + (across is not None)
     # As small ints, the stable argsort below is a radix sort.
-    block = (np.searchsorted(bases, first, side="right") - 1).astype(np.int16 if len(bases) < 1 << 15 else np.int64)
-    counts = np.bincount(block, minlength=len(bases))
+    block = (np.searchsorted(bases, first, side="right") - 1).astype(np.int16 if count < 1 << 15 else np.int64)
+    if across is not None:
+        block[across] = len(bases)
+    counts = np.bincount(block, minlength=count)
     touched = np.flatnonzero(counts)
     starts = np.zeros(len(touched) + 1, np.int64)
     np.cumsum(counts.take(touched), out=starts[1:])
@@ -288,21 +297,23 @@ def placed(value: np.ndarray, where: np.ndarray) -> np.ndarray:
     return out
 
 
-def part_reads(view: Any, selection: Selection, block: np.ndarray | None, starts: np.ndarray,
-               order: np.ndarray | None, columns: list[Mapping[str, np.ndarray]], args: SampleArgs
-               ) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(extras in drawn order, block-local rows by role in block order) of one view's selection.
+def part_reads(view: Any, selection: Selection, args: SampleArgs, reads: ViewRows | None
+               ) -> tuple[dict, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    """(extras, virtual rows by role: step, observation, next observation) of one view's
+    selection, in its order; the observation rows are None where they are the step rows,
+    the next ones None where they are the rows after them.
+
+    The look-ups are `arrowbuf.indexing.look_ahead`'s, as a local store's: across an
+    episode's held pieces (the view's `arrowbuf.indexing.PieceChains`), in the view's virtual
+    rows, read from the blocks that hold them (``reads``; None: no look-up).
 
     Args:
         view: the `arrowbuf.ray.reader.ShardView` the selection was made in.
-        block, starts, order: the selection's `block_order`.
-        columns: the columns of each touched block.
         args: the n-step and frame-stack look-ups.
     """
-    n, gamma, frames = args.n_step, args.gamma, args.frame_stack
     table = view.table
     rows, pos, step = selection.rows, selection.pos, selection.step
-    first = table.col("first_row").take(pos) if step is None or n > 1 or frames > 1 else None
+    first = table.col("first_row").take(pos) if step is None or reads is not None else None
     base = view.index_base
     if step is None:   # a sampler's ``step`` is already within the episode (`Selection`); rows are not
         step = rows - first
@@ -310,42 +321,86 @@ def part_reads(view: Any, selection: Selection, block: np.ndarray | None, starts
             step = step + table.col("first_step").take(pos)
     extra = {"index": selection.indices + (base if isinstance(base, int) else base.take(pos)),
              "episode_id": table.col("episode").take(pos), "step": step.astype(np.int32), **selection.extra}
-    base = view.bases.take(block) if block is not None else int(view.bases[0])
-    if rows.ndim == 2 and block is not None:
-        base = base[:, None]
-    local = rows - base
-    if first is not None:
-        first = first - base
-    if order is not None:   # from here on, block order
-        local = local.take(order, axis=0)
-        first = None if first is None else first.take(order, axis=0)
-        if n > 1:
-            pos = pos.take(order)
-    if n == 1 and frames == 1:
-        return extra, (local, local, local + 1)
-    next_rows = local + 1
-    if n > 1:   # rewards summed inside each item's block
-        last = first + table.col("length").take(pos) - 1
-        looked: dict[str, list] = {}
-        ahead_rows = []
-        for block, lo, hi in zip(columns, starts[:-1].tolist(), starts[1:].tolist()):
-            ahead = n_step(local[lo:hi], last[lo:hi], block["reward"], min(n, table.longest), gamma)
-            ahead_rows.append(ahead.next_rows)
-            looked.setdefault("reward", []).append(ahead.reward)
-            looked.setdefault("discount", []).append(ahead.discount)
-            looked.setdefault("n_steps", []).append(ahead.steps)
-            for flag in ("terminated", "truncated"):
-                if flag in block:
-                    looked.setdefault(flag, []).append(block[flag][ahead.last_rows])
-        next_rows = np.concatenate(ahead_rows)
-        for name, values in looked.items():   # back to drawn order
-            value = np.concatenate(values)
-            extra[name] = value if order is None else placed(value, order)
-    obs_rows = local
-    if frames > 1:
-        obs_rows = frame_rows(local, first, frames)
-        next_rows = frame_rows(next_rows, first, frames)
-    return extra, (local, obs_rows, next_rows)
+    if reads is None:
+        return extra, (rows, None, None)
+    looked, obs_rows, next_rows = look_ahead(table, view.chains(), rows, pos, step, first, args, reads.read)
+    extra.update(looked)
+    return extra, (rows, obs_rows, next_rows)
+
+
+def block_rows(bases: np.ndarray, labels: np.ndarray | None, order: np.ndarray | None,
+               roles: tuple[np.ndarray, np.ndarray | None, np.ndarray | None], joined: JoinedItems | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each role's block-local rows of items at virtual ``roles`` (`part_reads`) in blocks
+    ``labels`` (the same order; ``len(bases)``: the joined block's, ``joined``'s rows; None:
+    one block), taken in ``order`` (None: as they are)."""
+    base = bases[0] if labels is None else np.append(bases, 0).take(labels)
+
+    def local(rows: np.ndarray) -> np.ndarray:
+        out = rows - (base if labels is None else base.reshape(len(base), *(1,) * (rows.ndim - 1)))
+        if joined is not None:
+            out = joined.local(rows, out)
+        return out if order is None else out.take(order, axis=0)
+
+    rows, obs_rows, next_rows = roles
+    step = local(rows)
+    return step, step if obs_rows is None else local(obs_rows), step + 1 if next_rows is None else local(next_rows)
+
+
+def _chosen(selection: Selection, order: np.ndarray) -> Selection:
+    """``selection``'s items in ``order``."""
+    return Selection(selection.rows.take(order, axis=0), selection.indices.take(order, axis=0),
+                     selection.pos.take(order, axis=0), {k: v.take(order, axis=0) for k, v in selection.extra.items()},
+                     None if selection.step is None else selection.step.take(order, axis=0))
+
+
+def _ordered_part(view: Any, selection: Selection, args: SampleArgs, fetch: "_Fetcher") -> tuple:
+    """One part's (extras in drawn order, block-local rows by role in block order, touched
+    blocks, their starts in block order, ``order``: drawn position of each ordered item; None
+    when the same, the touched blocks' columns).
+
+    Plain items are ordered by the block of their rows (`block_order`). With look-ups the
+    items are put in block order first and looked up in it, so that their reads go block by
+    block (`arrowbuf.ray.across.ViewRows`); an item whose rows lie in several blocks (its
+    episode's pieces sealed apart) moves after the others, into the joined block of its rows
+    (`arrowbuf.ray.across.JoinedItems`).
+    """
+    bases, table = view.bases, view.table
+    looks = args.n_step > 1 or args.frame_stack > 1   # (`SampleArgs.plain`, without a call per batch)
+    pieces = table.pieces and (looks or selection.rows.ndim > 1)   # may read several pieces, and blocks
+    if looks:
+        block, touched, starts, order = block_order(bases, selection.rows)
+        chosen = selection if order is None else _chosen(selection, order)
+        labels = None if block is None else np.repeat(touched, np.diff(starts))   # block order
+        extra, virtual = part_reads(view, chosen, args, ViewRows(bases, fetch, touched.tolist(), starts.tolist()))
+        if order is not None:
+            extra = {name: placed(value, order) for name, value in extra.items()}
+    else:
+        chosen, labels = selection, None
+        extra, virtual = part_reads(view, selection, args, None)
+    joined = None
+    if pieces:
+        rows, obs_rows, next_rows = virtual
+        virtual = (rows, rows if obs_rows is None else obs_rows, rows + 1 if next_rows is None else next_rows)
+        home = chosen.pos if chosen.pos.ndim == 1 else chosen.pos[:, 0]   # the entry of each first step
+        across = crossing(bases, virtual, table.col("first_row").take(home), table.col("num_rows").take(home))
+        joined = None if across is None else JoinedItems(across, virtual, bases, fetch)
+    if not looks:   # in drawn order: ordered by block (the joined one last), then made block-local
+        block, touched, starts, order = block_order(bases, selection.rows, None if joined is None else joined.across)
+        local = block_rows(bases, block, order, virtual, joined)
+    elif joined is None:   # already in block order
+        local = block_rows(bases, labels, None, virtual, None)
+    else:   # in block order: the joined items move after the others
+        labels = np.repeat(touched, np.diff(starts)) if labels is None else labels
+        labels[joined.across] = len(bases)
+        moved = np.argsort(joined.across, kind="stable")
+        local = block_rows(bases, labels, moved, virtual, joined)
+        counts = np.bincount(labels, minlength=len(bases) + 1)
+        touched = np.flatnonzero(counts)
+        starts = np.zeros(len(touched) + 1, np.int64)
+        np.cumsum(counts.take(touched), out=starts[1:])
+        order = moved if order is None else order.take(moved)
+    return extra, local, touched, starts, order, fetch.many(touched.tolist(), joined)
 
 
 def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
@@ -362,14 +417,14 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
         by_shard: items of each shard in each batch, [batches, shards] (a reader's draws), or None.
     """
     parts = same_width(parts)
-    orders = [block_order(view.bases, selection.rows) for view, selection in parts]
-    keep = {view.keys[b] for (view, _), (_, touched, _, _) in zip(parts, orders) for b in touched.tolist()}
-    pieces, roles, extras, offset = [], ([], [], []), [], 0
-    for (view, selection), (block, touched, starts, order) in zip(parts, orders):
-        columns = cache.columns([(view.keys[b], view.blocks[b]) for b in touched.tolist()], keep)
-        extra, rows = part_reads(view, selection, block, starts, order, columns, args)
+    keep: set = set()   # the blocks of these batches: never dropped from the cache while they are read
+    pieces, roles, extras, orders, offset = [], ([], [], []), [], [], 0
+    for view, selection in parts:
+        extra, local, touched, starts, order, columns = _ordered_part(view, selection, args,
+                                                                      _Fetcher(view, cache, keep))
+        orders.append(order)
         extras.append(extra)
-        for role, part in zip(roles, rows):
+        for role, part in zip(roles, local):
             role.append(part)
         pieces += [(c, offset + lo, offset + hi) for c, lo, hi in zip(columns, starts[:-1].tolist(),
                                                                       starts[1:].tolist())]
@@ -377,7 +432,7 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
     rows = tuple(r[0] if len(r) == 1 else np.concatenate(r or [np.zeros(0, np.int64)]) for r in roles)
     item = tuple(parts[0][1].rows.shape[1:]) if parts else ()
     if places is None and len(parts) == 1:   # one part in drawn order: a plain sample's
-        order = orders[0][3]
+        order = orders[0]
         inv = None if order is None else placed(np.arange(offset), order)
         return BlockReads(pieces, rows, extras[0], inv, offset, item, args.frame_stack, scratch, grown=cache.grew,
                           drawn=by_shard)
@@ -387,7 +442,7 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
                             for k, (lo, hi) in enumerate(zip(ends[:-1], ends[1:]))] or [np.zeros(0, np.int64)])
     # the batch position of each ordered item: its part's block order of its drawn positions
     in_block_order = np.concatenate([drawn[lo:hi] if order is None else drawn[lo:hi].take(order)
-                                     for (lo, hi), (_, _, _, order) in zip(zip(ends[:-1], ends[1:]), orders)]
+                                     for (lo, hi), order in zip(zip(ends[:-1], ends[1:]), orders)]
                                     or [np.zeros(0, np.int64)])
     inv = None
     if not (drawn == np.arange(offset)).all():
@@ -396,6 +451,31 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
         inv = placed(np.arange(offset), in_block_order)
     return BlockReads(pieces, rows, extra, inv, offset, item, args.frame_stack, scratch, grown=cache.grew,
                           drawn=by_shard)
+
+
+class _Fetcher:
+    """``fetch(b)``: the columns of ``view``'s block ``b``, from ``cache``, fetched once (and kept
+    in the cache while these batches are read: added to ``keep``)."""
+
+    def __init__(self, view: Any, cache: Any, keep: set) -> None:
+        self.view, self.cache, self.keep = view, cache, keep
+        self.fetched: dict[int, dict] = {}
+
+    def __call__(self, b: int) -> dict:
+        columns = self.fetched.get(b)
+        return columns if columns is not None else self.many([b], None)[0]
+
+    def many(self, blocks: list[int], joined: JoinedItems | None) -> list[dict]:
+        """The columns of ``blocks`` (one cache call for those not fetched yet); the block after
+        the view's last is ``joined``'s."""
+        view, fetched = self.view, self.fetched
+        new = [b for b in blocks if b not in fetched and b < len(view.blocks)]
+        if new:
+            keys = [view.keys[b] for b in new]
+            self.keep.update(keys)
+            for b, columns in zip(new, self.cache.columns([(k, view.blocks[b]) for k, b in zip(keys, new)], self.keep)):
+                fetched[b] = columns
+        return [fetched[b] if b < len(view.blocks) else joined.columns for b in blocks]
 
 
 def same_width(parts: list[tuple[Any, Selection]]) -> list[tuple[Any, Selection]]:

@@ -16,7 +16,9 @@ An episode whose pieces go on counts as transitions (``len(store)``) but not as 
 ``num_episodes`` and ``episodes()`` leave it out, ``episodes(include_open=True)`` lists it
 with ``open=True``, as a local store lists its writers' open episodes. Eviction drops its
 pieces as any piece (first in, first out). A shard's checkpoint keeps which are open
-(`state`, `load`); a durable shard restarted from its log forgets it.
+(`state`, `load`), and a durable shard's log each piece's link, whether its episode goes
+on, its owner and the ends (`arrowbuf.episode_log`): a restarted durable shard replays
+them (`stored`, `close`) and keeps its pieces one episode, open where they were.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class OpenPieces:
                                   f"serials of live pieces in [{head}, {added})] per open episode")
         self.serials = {(owner, env): [int(s) for s in serials] for owner, env, serials in state}
         self.newest = {key: serials[-1] for key, serials in self.serials.items()}   # a loaded writer's next piece links on
+
+    def restore(self, info: dict, table: EpisodeTable, where: str) -> None:
+        """`load` the state a checkpoint's ``info`` holds, if it holds one."""
+        if info.get(OPEN_PIECES) is not None:
+            self.load(info[OPEN_PIECES], table, where)
 
     def live(self, table: EpisodeTable) -> np.ndarray:
         """Serials of the live open pieces (evicted ones are forgotten)."""

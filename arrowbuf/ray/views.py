@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.fresh import join_versions, view_versions
 from arrowbuf.ray.options import INDEX_SHIFT
@@ -52,10 +53,18 @@ class ShardView:
     versions: tuple = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
     spans: dict = field(default_factory=dict)
     newest: int = field(init=False)   # the newest version of its live steps (-1: none), read once
+    _chains: PieceChains | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         high = self.versions[1]
         self.newest = int(high.max()) if len(high) else -1
+
+    def chains(self) -> PieceChains | None:
+        """The table's `PieceChains` (None: no entry continues another), found on first use:
+        the view never changes."""
+        if self._chains is None and self.table.pieces:
+            self._chains = piece_chains(self.table)
+        return self._chains
 
 
 def view_table(columns: dict, episodes_added: int, stop_index: int, sampler: Sampler | None, shard: int = 0,
@@ -98,10 +107,12 @@ def shard_view(shard: int, manifest: Manifest, chunks: dict, sampler: Sampler, n
 
 
 def joined_view(views: list[ShardView], sampler: Sampler) -> ShardView:
-    """One view of several shards' ``views``: their transitions numbered one after the other
-    (``sampler`` bound to it when every view has a copy of its own)."""
+    """One view of several shards' ``views``: their transitions numbered one after the other,
+    each piece linked to the one it continues by its place in the joined table (its
+    ``prev_piece``: `arrowbuf.indexing.piece_chains`), ``sampler`` bound to it when every
+    view has a copy of its own."""
     columns: dict[str, list] = {name: [] for name in _TEMPLATE}
-    bases, index_base, owners, rows, indices = [], [], [], 0, 0
+    bases, index_base, owners, rows, indices, entries = [], [], [], 0, 0, 0
     for view in views:
         first, stop = view.table.live_range()
         for name in columns:
@@ -110,8 +121,12 @@ def joined_view(views: list[ShardView], sampler: Sampler) -> ShardView:
                 part = part + rows
             elif name == "first_index":
                 part = part - first + indices
+            elif name == "prev_piece":   # a shard's serial -> the position in the joined table (its serial)
+                head = view.table.episodes_added - len(view.table)
+                part = np.where(part >= head, part - head + entries, -1)
             columns[name].append(part)
         count = len(view.columns["first_row"])
+        entries += count
         index_base.append(np.full(count, (view.shard << INDEX_SHIFT) + first - indices, np.int64))
         owners.append(np.full(count, view.shard, np.int64))
         bases.append(view.bases + rows)
