@@ -170,24 +170,24 @@ def played() -> Played:
     return Played(seed=3)
 
 
-@pytest.fixture(scope="module")
-def uniform(played: Played):
-    store = ray_store(ab.UniformSampler(), 2)
+def written(played: Played, sampler: ab.Sampler, num_shards: int, pause: int):
+    """A Ray store of ``sampler`` holding the played steps (closed when the module's tests end)."""
+    store = ray_store(sampler, num_shards)
     try:
-        played.write(store, pause=13)
+        played.write(store, pause=pause)
         yield store
     finally:
         store.close()
+
+
+@pytest.fixture(scope="module")
+def uniform(played: Played):
+    yield from written(played, ab.UniformSampler(), 2, pause=13)
 
 
 @pytest.fixture(scope="module")
 def windows(played: Played):
-    store = ray_store(ab.SequenceSampler(seq_len=SEQ, strict=False), 1)
-    try:
-        played.write(store, pause=11)
-        yield store
-    finally:
-        store.close()
+    yield from written(played, ab.SequenceSampler(seq_len=SEQ, strict=False), 1, pause=11)
 
 
 @pytest.fixture(scope="module")
