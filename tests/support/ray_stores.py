@@ -1,0 +1,44 @@
+"""Ray stores a test module shares: one per configuration, emptied for each test that asks.
+
+Each Ray store starts a process per shard (about a second of CPU each, the largest cost
+of the suite), so tests that need an empty store of the same configuration, and nothing
+a fresh store has beyond that (ids or serials from 0, a shard never written, routes never
+taken), take it from a module-scoped `SharedStores`.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import arrowbuf as ab
+
+
+class SharedStores:
+    """The Ray stores of one test module: started at first use, closed by `close`."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, ab.ExperienceStore] = {}
+
+    def get(self, **kwargs) -> ab.ExperienceStore:
+        """An empty ``ExperienceStore(backend="ray", **kwargs)``: the one an earlier test of the
+        module started with these arguments, emptied (`empty`), else a new one."""
+        key = repr(sorted(kwargs.items()))   # samplers' and RayOptions' reprs name their settings
+        store = self.started.get(key)
+        if store is None:
+            store = self.started[key] = ab.ExperienceStore(backend="ray", **kwargs)
+        else:
+            empty(store)
+        return store
+
+    def close(self) -> None:
+        for store in self.started.values():
+            store.close()
+
+
+def empty(store: ab.ExperienceStore) -> None:
+    """Empty ``store`` for the next test: the episodes that writers earlier tests dropped
+    without closing cut and deliver are stored first (`flush` waits for them), then cleared."""
+    gc.collect()   # a dropped writer delivers from its finalizer
+    store.flush()
+    store.clear()
+    assert len(store) == 0 and store.episodes(include_open=True).num_rows == 0, "the shared store was not emptied"
