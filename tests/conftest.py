@@ -72,6 +72,17 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_stores(ray_session):
+    """The Ray stores the tests of one module share, one per configuration (`support.ray_stores`):
+    each Ray store starts a process per shard."""
+    from support.ray_stores import SharedStores
+
+    shared = SharedStores()
+    yield shared
+    shared.close()
+
+
 @pytest.fixture(scope="session")
 def fake_train_workers(ray_session):
     """Two RLightning-like train worker actors (`support.compat_envs.fake_train_worker`), shared by the

@@ -14,7 +14,6 @@ import arrowbuf as ab
 from arrowbuf import RayOptions
 from arrowbuf.ray.options import INDEX_SHIFT
 
-from support.ray_stores import SharedStores
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Ray workers cannot import this test module by name: its functions travel by value.
@@ -24,14 +23,6 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 #: Work is bounded by counts, never by seconds: a loaded machine gives the same verdicts.
 STRESS_EPISODES = int(os.environ.get("ARROWBUF_STRESS_EPISODES", "55"))
 STRESS_CAPACITY = 2_000   # two writers of STRESS_EPISODES episodes of >= 20 steps fill it more than once
-
-
-@pytest.fixture(scope="module")
-def stores():
-    """The Ray stores this module's tests share, one per configuration (`support.ray_stores`)."""
-    shared = SharedStores()
-    yield shared
-    shared.close()
 
 
 def checksum(key: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -153,8 +144,8 @@ class Reader:
         return rows
 
 
-def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another(stores):
-    store = stores.get(capacity=10_000, num_shards=2, seed=0)
+def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another(ray_stores):
+    store = ray_stores.get(capacity=10_000, num_shards=2, seed=0)
     for key in range(4):
         store.add_episode(keyed_episode(key, 10 + key), env_id=f"e{key}")
     reader = Reader.remote(store.name)
@@ -172,10 +163,10 @@ def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another(store
 
 
 @pytest.fixture
-def slow_seal_store(stores) -> ab.ExperienceStore:
+def slow_seal_store(ray_stores) -> ab.ExperienceStore:
     """An empty 2-shard store whose shards seal by latency only after 30 s: what a process
     reads before that, it reads because it wrote it."""
-    return stores.get(capacity=10_000, num_shards=2, seed=0, ray_options=RayOptions(seal_latency=30.0))
+    return ray_stores.get(capacity=10_000, num_shards=2, seed=0, ray_options=RayOptions(seal_latency=30.0))
 
 
 def test_a_process_samples_its_own_add_episode_at_once(slow_seal_store):
@@ -238,8 +229,8 @@ def test_close_releases_every_block_of_the_object_store():
     assert free() >= before - 100_000
 
 
-def test_keys_gather_only_the_named_fields_on_ray(stores):
-    store = stores.get(capacity=10_000, num_shards=2, seed=0)
+def test_keys_gather_only_the_named_fields_on_ray(ray_stores):
+    store = ray_stores.get(capacity=10_000, num_shards=2, seed=0)
     for key in range(4):
         store.add_episode(keyed_episode(key, 20), env_id=f"e{key}")
     batch = store.sample(32, keys=["action"])

@@ -13,7 +13,6 @@ import arrowbuf as ab
 from arrowbuf.ray.options import NAMESPACE
 
 from support.actors import kill_and_wait
-from support.ray_stores import SharedStores
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -36,24 +35,16 @@ def step(writer: ab.StepWriter, t: int, done: np.ndarray | None = None, **extra)
                       next_obs=np.stack([played_obs(e, t + 1) for e in envs]), **extra)
 
 
-@pytest.fixture(scope="module")
-def stores():
-    """The Ray stores this module's tests share, one per configuration (`support.ray_stores`)."""
-    shared = SharedStores()
-    yield shared
-    shared.close()
-
-
 @pytest.fixture
-def one_shard(stores) -> ab.ExperienceStore:
+def one_shard(ray_stores) -> ab.ExperienceStore:
     """An empty store of 1,000 rows on one shard (seed 0), shared by the tests that take it."""
-    return stores.get(capacity=1_000, num_shards=1, seed=0)
+    return ray_stores.get(capacity=1_000, num_shards=1, seed=0)
 
 
 @pytest.fixture
-def two_shards(stores) -> ab.ExperienceStore:
+def two_shards(ray_stores) -> ab.ExperienceStore:
     """An empty store of 1,000 rows on two shards (seed 0), shared by the tests that take it."""
-    return stores.get(capacity=1_000, num_shards=2, seed=0, sampler=ab.UniformSampler())
+    return ray_stores.get(capacity=1_000, num_shards=2, seed=0, sampler=ab.UniformSampler())
 
 
 def wait_for(condition, what: str) -> None:
@@ -113,10 +104,10 @@ def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int, start: int = 0) 
 
 
 @pytest.mark.parametrize("sampler", [ab.UniformSampler(), ab.PrioritizedSampler()], ids=["uniform", "prioritized"])
-def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler, stores):
+def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler, ray_stores):
     # A reader drawing itself (uniform) once added a piece's first_step to a step that
     # already held it: step 2 t instead of t; a shard's draw (prioritized) read it once.
-    store = stores.get(capacity=1_000, num_shards=2, seed=0, sampler=sampler)
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0, sampler=sampler)
     writer = store.writer(num_envs=2, autoreset_mode="disabled")
     step_one_piece_at_a_time(writer, 8)
     wait_for(lambda: len(store) == 16, "the 16 shipped steps")

@@ -10,7 +10,6 @@ import arrowbuf as ab
 from arrowbuf.ray.options import INDEX_SHIFT
 
 from support.actors import kill_and_wait
-from support.ray_stores import SharedStores
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -33,18 +32,11 @@ def filled(store: ab.ExperienceStore) -> ab.ExperienceStore:
     return store
 
 
-@pytest.fixture(scope="module")
-def stores():
-    """The Ray stores this module's tests share, one per configuration (`support.ray_stores`)."""
-    shared = SharedStores()
-    yield shared
-    shared.close()
-
-
 @pytest.fixture
-def shared(stores) -> ab.ExperienceStore:
+def shared(ray_stores) -> ab.ExperienceStore:
     """`prioritized()`'s store and episodes, on one store shared by the tests that leave its shards alive."""
-    return filled(stores.get(capacity=1_000, num_shards=2, seed=0, sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0)))
+    return filled(ray_stores.get(capacity=1_000, num_shards=2, seed=0,
+                                 sampler=ab.PrioritizedSampler(alpha=1.0, beta=1.0)))
 
 
 def live_indices(store: ab.ExperienceStore) -> np.ndarray:

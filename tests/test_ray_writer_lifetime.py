@@ -12,17 +12,8 @@ import pytest
 import arrowbuf as ab
 
 from support.actors import kill_and_wait
-from support.ray_stores import SharedStores
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-@pytest.fixture(scope="module")
-def stores():
-    """The Ray stores this module's tests share, one per configuration (`support.ray_stores`)."""
-    shared = SharedStores()
-    yield shared
-    shared.close()
 
 SLOW = ab.RayOptions(delivery_latency=3_600.0)   # nothing ships on the timer: steps stay staged
 
@@ -51,8 +42,8 @@ def played(store: ab.ExperienceStore) -> list[tuple[int, int]]:
     return sorted(zip(tags.tolist(), t.tolist()))
 
 
-def test_a_closed_ray_writer_refuses_add_and_stores_nothing(stores):
-    store = stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=None)
+def test_a_closed_ray_writer_refuses_add_and_stores_nothing(ray_stores):
+    store = ray_stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=None)
     writer = store.writer(2, autoreset_mode="disabled")
     step(writer, 0, 0, done=np.ones(2, bool))
     writer.close()
@@ -67,10 +58,10 @@ def test_a_closed_ray_writer_refuses_add_and_stores_nothing(stores):
 
 
 @pytest.mark.parametrize("options", [SLOW, None], ids=["slower-than-rollouts", "default-latency"])
-def test_a_ray_writer_dropped_without_flush_keeps_every_step_it_wrote(options, stores):
+def test_a_ray_writer_dropped_without_flush_keeps_every_step_it_wrote(options, ray_stores):
     # Each rollout's writer was dropped by the next one: its staged steps were lost (600 of 600
     # when rollouts outpace delivery_latency).
-    store = stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=options)
+    store = ray_stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=options)
     expected = []
     for rollout in range(3):
         writer = store.writer(4, autoreset_mode="disabled")   # the previous one is dropped here

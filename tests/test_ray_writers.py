@@ -13,18 +13,9 @@ import arrowbuf as ab
 from arrowbuf.ray.options import NAMESPACE
 
 from support.actors import kill_and_wait
-from support.ray_stores import SharedStores
 
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-@pytest.fixture(scope="module")
-def stores():
-    """The Ray stores this module's tests share, one per configuration (`support.ray_stores`)."""
-    shared = SharedStores()
-    yield shared
-    shared.close()
 
 
 def finish(writer: ab.StepWriter, value: float = 0.0) -> int:
@@ -54,8 +45,8 @@ def write_and_return(writer: ab.StepWriter) -> int:
                       terminated=np.ones(3, bool), truncated=np.zeros(3, bool), next_obs=obs + 1)
 
 
-def test_finished_episodes_reach_another_process_without_flush(stores):
-    store = stores.get(capacity=1_000, num_shards=2, seed=0)
+def test_finished_episodes_reach_another_process_without_flush(ray_stores):
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0)
     writer = store.writer(num_envs=3, autoreset_mode="disabled")
     finish(writer)   # three finished episodes, never flushed; the writer stays open
     assert ray.get(count_elsewhere.remote(store.name, 3, patience=60.0)) == 3
@@ -117,10 +108,10 @@ def sizes_elsewhere(name: str) -> tuple[int, int]:
     return len(store), store.num_episodes
 
 
-def test_len_and_num_episodes_are_exact_once_the_writers_flush_returned_in_any_process(stores):
+def test_len_and_num_episodes_are_exact_once_the_writers_flush_returned_in_any_process(ray_stores):
     # They summed the sizes the shards last reported: right after two writer tasks had
     # flushed, both read 0 here, and right only about a second later.
-    store = stores.get(capacity=1_000, num_shards=2, seed=0)   # 280 rows written
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0)   # 280 rows written
     assert (len(store), store.num_episodes) == (0, 0)   # a reading of the empty store, cached here
     tasks = [write_rounds.remote(store.writer(num_envs=4, autoreset_mode="disabled"), 10, 3 + k)
              for k in range(2)]

@@ -1,9 +1,10 @@
 """Ray stores a test module shares: one per configuration, emptied for each test that asks.
 
-Each Ray store starts a process per shard (about a second of CPU each, the largest cost
-of the suite), so tests that need an empty store of the same configuration, and nothing
-a fresh store has beyond that (ids or serials from 0, a shard never written, routes never
-taken), take it from a module-scoped `SharedStores`.
+Each Ray store starts a process per shard (0.6-0.7 s of CPU each, importing Ray: the
+largest cost of the suite), so tests that need an empty store of the same configuration,
+and nothing a fresh store has beyond that (ids or serials from 0, a schema not yet fixed,
+`add_episode` routes never taken, counters such as ``stats()["samples"]`` at 0), take it
+from a module-scoped `SharedStores` (the ``ray_stores`` fixture of ``conftest.py``).
 """
 
 from __future__ import annotations
