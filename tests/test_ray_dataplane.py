@@ -14,6 +14,7 @@ import arrowbuf as ab
 from arrowbuf import RayOptions
 from arrowbuf.ray.options import INDEX_SHIFT
 
+
 pytestmark = pytest.mark.usefixtures("ray_session")
 # Ray workers cannot import this test module by name: its functions travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -143,41 +144,36 @@ class Reader:
         return rows
 
 
-def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another():
-    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0)
-    try:
-        for key in range(4):
-            store.add_episode(keyed_episode(key, 10 + key), env_id=f"e{key}")
-        reader = Reader.remote(store.name)
-        assert set(ray.get(reader.sample.remote(256)).tolist()) <= {0, 1, 2, 3}   # the reader has its blocks
-        ray.get(write_and_flush.remote(store.name, 100))
-        # A long seal_latency: the reader polls no manifest on its own; its epoch syncs.
-        rows = ray.get(reader.epoch.remote())
-        expected = [(key, t) for key in range(4) for t in range(10 + key)] + \
-                   [(100, t) for t in range(25)] + [(101, t) for t in range(17)]
-        assert sorted(rows) == sorted(expected)   # every transition once, the new ones included
-        deadline = time.monotonic() + 60   # this process sees them within about seal_latency (0.1 s); generous
-        while not {100, 101} <= set(store.sample(4096)["action"].tolist()):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    finally:
-        store.close()
+def test_an_episode_flushed_in_one_process_is_read_exactly_once_in_another(ray_stores):
+    store = ray_stores.get(capacity=10_000, num_shards=2, seed=0)
+    for key in range(4):
+        store.add_episode(keyed_episode(key, 10 + key), env_id=f"e{key}")
+    reader = Reader.remote(store.name)
+    assert set(ray.get(reader.sample.remote(256)).tolist()) <= {0, 1, 2, 3}   # the reader has its blocks
+    ray.get(write_and_flush.remote(store.name, 100))
+    # A long seal_latency: the reader polls no manifest on its own; its epoch syncs.
+    rows = ray.get(reader.epoch.remote())
+    expected = [(key, t) for key in range(4) for t in range(10 + key)] + \
+               [(100, t) for t in range(25)] + [(101, t) for t in range(17)]
+    assert sorted(rows) == sorted(expected)   # every transition once, the new ones included
+    deadline = time.monotonic() + 60   # this process sees them within about seal_latency (0.1 s); generous
+    while not {100, 101} <= set(store.sample(4096)["action"].tolist()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
-def slow_seal_store() -> ab.ExperienceStore:
-    """A 2-shard store whose shards seal by latency only after 30 s: what a process
+@pytest.fixture
+def slow_seal_store(ray_stores) -> ab.ExperienceStore:
+    """An empty 2-shard store whose shards seal by latency only after 30 s: what a process
     reads before that, it reads because it wrote it."""
-    return ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0, ray_options=RayOptions(seal_latency=30.0))
+    return ray_stores.get(capacity=10_000, num_shards=2, seed=0, ray_options=RayOptions(seal_latency=30.0))
 
 
-def test_a_process_samples_its_own_add_episode_at_once():
-    store = slow_seal_store()
-    try:
-        for key in range(6):
-            store.add_episode(keyed_episode(key, 5), env_id=f"e{key}")
-            assert (store.sample(512)["action"].numpy() == key).any()
-    finally:
-        store.close()
+def test_a_process_samples_its_own_add_episode_at_once(slow_seal_store):
+    store = slow_seal_store
+    for key in range(6):
+        store.add_episode(keyed_episode(key, 5), env_id=f"e{key}")
+        assert (store.sample(512)["action"].numpy() == key).any()
 
 
 def test_the_reader_cache_stays_within_its_bound_and_fetches_again():
@@ -233,37 +229,31 @@ def test_close_releases_every_block_of_the_object_store():
     assert free() >= before - 100_000
 
 
-def test_keys_gather_only_the_named_fields_on_ray():
-    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
-    try:
-        for key in range(4):
-            store.add_episode(keyed_episode(key, 20), env_id=f"e{key}")
-        batch = store.sample(32, keys=["action"])
-        assert sorted(batch.keys()) == ["action", "episode_id", "index", "step"]
-        batch = store.sample(32, keys=["obs", ("next", "obs")])
-        np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), batch["step"].numpy() + 1)
-        assert "action" not in batch.keys()
-        epoch = list(store.iter_batches(30, keys=["check"]))
-        assert sum(b.batch_size[0] for b in epoch) == 80 and sorted(epoch[0].keys()) == \
-            ["check", "episode_id", "index", "step"]
-        samples = store.stats()["samples"]
-        with pytest.raises(ValueError, match="no field 'nope'"):
-            store.sample(8, keys=["nope"])
-        assert store.stats()["samples"] == samples   # nothing drawn
-    finally:
-        store.close()
+def test_keys_gather_only_the_named_fields_on_ray(ray_stores):
+    store = ray_stores.get(capacity=10_000, num_shards=2, seed=0)
+    for key in range(4):
+        store.add_episode(keyed_episode(key, 20), env_id=f"e{key}")
+    batch = store.sample(32, keys=["action"])
+    assert sorted(batch.keys()) == ["action", "episode_id", "index", "step"]
+    batch = store.sample(32, keys=["obs", ("next", "obs")])
+    np.testing.assert_array_equal(batch["next", "obs"][:, 1].numpy(), batch["step"].numpy() + 1)
+    assert "action" not in batch.keys()
+    epoch = list(store.iter_batches(30, keys=["check"]))
+    assert sum(b.batch_size[0] for b in epoch) == 80 and sorted(epoch[0].keys()) == \
+        ["check", "episode_id", "index", "step"]
+    samples = store.stats()["samples"]
+    with pytest.raises(ValueError, match="no field 'nope'"):
+        store.sample(8, keys=["nope"])
+    assert store.stats()["samples"] == samples   # nothing drawn
 
 
-def test_rows_gathered_across_many_blocks_match_the_shards_own_gather():
-    options = RayOptions(block_bytes=400)
-    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options)
-    seq = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=options,
+def test_rows_gathered_across_many_blocks_match_the_shards_own_gather(many_blocks):
+    store, lengths = many_blocks
+    seq = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=0, ray_options=RayOptions(block_bytes=400),
                              sampler=ab.SequenceSampler(seq_len=4))
     try:
-        for key in range(30):
-            for s in (store, seq):
-                s.add_episode(keyed_episode(key, 10 + key % 7), env_id=f"e{key % 5}")
-        store.flush()
+        for key, steps in lengths.items():
+            seq.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
         assert store.stats()["reader"]["blocks"] > 15
         batch = store.sample(300, n_step=3, gamma=0.5, frame_stack=2)
         again = store.gather(batch["index"].numpy())   # the shards' own gather, from their arenas
@@ -278,7 +268,6 @@ def test_rows_gathered_across_many_blocks_match_the_shards_own_gather():
         assert (windows["obs"][:, :, 0].numpy() == windows["obs"][:, :1, 0].numpy()).all()
         assert set((batch["index"].numpy() >> INDEX_SHIFT).tolist()) == {0, 1}
     finally:
-        store.close()
         seq.close()
 
 
@@ -300,15 +289,18 @@ def test_samples_carry_the_advantages_compute_gae_wrote_after_the_blocks_were_se
         store.close()
 
 
-def many_block_store(seed: int) -> tuple[ab.ExperienceStore, dict[int, int]]:
-    """A 2-shard store of 30 keyed episodes (key -> steps) sealed into more than 15 small blocks."""
-    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=seed, ray_options=RayOptions(block_bytes=400))
+@pytest.fixture(scope="module")
+def many_blocks() -> tuple[ab.ExperienceStore, dict[int, int]]:
+    """A 2-shard store of 30 keyed episodes (key -> steps) sealed into more than 15 small blocks,
+    shared by the tests that only read it."""
+    store = ab.ExperienceStore(50_000, backend="ray", num_shards=2, seed=1, ray_options=RayOptions(block_bytes=400))
     lengths = {key: 10 + key % 7 for key in range(30)}
     for key, steps in lengths.items():
         store.add_episode(keyed_episode(key, steps), env_id=f"e{key % 5}")
     store.flush()
     assert store.stats()["reader"]["blocks"] > 15
-    return store, lengths
+    yield store, lengths
+    store.close()
 
 
 def assert_keys_drawn_by_length(keys: list[np.ndarray], lengths: dict[int, int]) -> None:
@@ -321,20 +313,17 @@ def assert_keys_drawn_by_length(keys: list[np.ndarray], lengths: dict[int, int])
     assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-4, counts.tolist()
 
 
-def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_items_are_uniform_too():
+def test_a_batch_drawn_across_many_blocks_keeps_the_drawn_order_so_its_first_items_are_uniform_too(many_blocks):
     # Items are gathered block by block; were they left in block order, the first
     # items of a batch would always come from the oldest blocks.
-    store, lengths = many_block_store(seed=1)
-    try:
-        first = []
-        for _ in range(1500):
-            batch = store.sample(64)
-            check_rows(batch, {})
-            first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
-        assert not (np.diff(batch["index"].numpy()) >= 0).all()
-        assert_keys_drawn_by_length(first, lengths)
-    finally:
-        store.close()
+    store, lengths = many_blocks
+    first = []
+    for _ in range(1500):
+        batch = store.sample(64)
+        check_rows(batch, {})
+        first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
+    assert not (np.diff(batch["index"].numpy()) >= 0).all()
+    assert_keys_drawn_by_length(first, lengths)
 
 
 def test_batches_drawn_by_several_shards_and_epoch_minibatches_mix_the_shards_items():
@@ -362,40 +351,34 @@ def test_batches_drawn_by_several_shards_and_epoch_minibatches_mix_the_shards_it
         per.close()
 
 
-def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_order():
+def test_sample_iter_draws_batches_together_yet_each_is_a_uniform_draw_in_drawn_order(many_blocks):
     # sample_iter stages several batches per draw: each must still hold its own items
     # (no two batches of a draw alike), in drawn order (first items uniform), and a
     # batch kept must not be overwritten by the next ones.
-    store, lengths = many_block_store(seed=3)
-    try:
-        iterator = store.sample_iter(64, batches_per_request=4)
-        first, kept, seen, previous = [], [], {}, None
-        for k in range(1200):
-            batch = next(iterator)
-            check_rows(batch, seen)
-            first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
-            index = batch["index"].numpy().copy()
-            assert previous is None or not np.array_equal(index, previous)
-            previous = index
-            if k % 97 == 0:
-                kept.append((batch, index))
-        for batch, index in kept:
-            np.testing.assert_array_equal(batch["index"].numpy(), index)
-            check_rows(batch, seen)
-        assert_keys_drawn_by_length(first, lengths)
-    finally:
-        store.close()
+    store, lengths = many_blocks
+    iterator = store.sample_iter(64, batches_per_request=4)
+    first, kept, seen, previous = [], [], {}, None
+    for k in range(1200):
+        batch = next(iterator)
+        check_rows(batch, seen)
+        first.append(batch["obs"][:4, 0].numpy().astype(np.int64))
+        index = batch["index"].numpy().copy()
+        assert previous is None or not np.array_equal(index, previous)
+        previous = index
+        if k % 97 == 0:
+            kept.append((batch, index))
+    for batch, index in kept:
+        np.testing.assert_array_equal(batch["index"].numpy(), index)
+        check_rows(batch, seen)
+    assert_keys_drawn_by_length(first, lengths)
 
 
-def test_an_iterator_samples_its_own_add_episode_at_once():
-    store = slow_seal_store()
-    try:
-        store.add_episode(keyed_episode(0, 5), env_id="e0")
-        iterator = store.sample_iter(256, batches_per_request=4)
-        samples = store.stats()["samples"]
-        assert set(next(iterator)["action"].tolist()) == {0}
-        assert store.stats()["samples"] == samples + 256   # counted when returned, not when drawn ahead
-        store.add_episode(keyed_episode(1, 500), env_id="e1")   # 100 times the first: any batch holds it
-        assert 1 in set(next(iterator)["action"].tolist())
-    finally:
-        store.close()
+def test_an_iterator_samples_its_own_add_episode_at_once(slow_seal_store):
+    store = slow_seal_store
+    store.add_episode(keyed_episode(0, 5), env_id="e0")
+    iterator = store.sample_iter(256, batches_per_request=4)
+    samples = store.stats()["samples"]
+    assert set(next(iterator)["action"].tolist()) == {0}
+    assert store.stats()["samples"] == samples + 256   # counted when returned, not when drawn ahead
+    store.add_episode(keyed_episode(1, 500), env_id="e1")   # 100 times the first: any batch holds it
+    assert 1 in set(next(iterator)["action"].tolist())

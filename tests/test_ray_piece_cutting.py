@@ -35,6 +35,18 @@ def step(writer: ab.StepWriter, t: int, done: np.ndarray | None = None, **extra)
                       next_obs=np.stack([played_obs(e, t + 1) for e in envs]), **extra)
 
 
+@pytest.fixture
+def one_shard(ray_stores) -> ab.ExperienceStore:
+    """An empty store of 1,000 rows on one shard (seed 0), shared by the tests that take it."""
+    return ray_stores.get(capacity=1_000, num_shards=1, seed=0)
+
+
+@pytest.fixture
+def two_shards(ray_stores) -> ab.ExperienceStore:
+    """An empty store of 1,000 rows on two shards (seed 0), shared by the tests that take it."""
+    return ray_stores.get(capacity=1_000, num_shards=2, seed=0, sampler=ab.UniformSampler())
+
+
 def wait_for(condition, what: str) -> None:
     deadline = time.monotonic() + PATIENCE
     while not condition():
@@ -53,25 +65,22 @@ def check_rows(batch, envs: int) -> None:
     assert np.array_equal(nxt, np.stack([played_obs(e, k + 1) for e, k in zip(env, t)]))
 
 
-def test_open_steps_become_sampleable_without_flush_or_episode_end():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
-    try:
-        writer = store.writer(num_envs=3, autoreset_mode="disabled")
-        for t in range(20):
-            step(writer, t)
-        wait_for(lambda: len(store) == 60, "the 60 completed open steps reaching the shards")
-        assert store.num_episodes == 0                       # nothing sealed
-        assert store.episodes().num_rows == 0
-        table = store.episodes(include_open=True)
-        assert table.num_rows >= 3 and all(table.column("open").to_pylist())
-        assert sum(table.column("length").to_pylist()) == 60
-        batch = store.sample(256)
-        check_rows(batch, 3)
-        assert not batch["terminated"].any()
-        assert sorted(set(batch["step"].tolist())) == list(range(20))   # 256 draws of 60 rows: every step
-        writer.close()
-    finally:
-        store.close()
+def test_open_steps_become_sampleable_without_flush_or_episode_end(two_shards):
+    store = two_shards
+    writer = store.writer(num_envs=3, autoreset_mode="disabled")
+    for t in range(20):
+        step(writer, t)
+    wait_for(lambda: len(store) == 60, "the 60 completed open steps reaching the shards")
+    assert store.num_episodes == 0                       # nothing sealed
+    assert store.episodes().num_rows == 0
+    table = store.episodes(include_open=True)
+    assert table.num_rows >= 3 and all(table.column("open").to_pylist())
+    assert sum(table.column("length").to_pylist()) == 60
+    batch = store.sample(256)
+    check_rows(batch, 3)
+    assert not batch["terminated"].any()
+    assert sorted(set(batch["step"].tolist())) == list(range(20))   # 256 draws of 60 rows: every step
+    writer.close()
 
 
 def check_episode_ids(store: ab.ExperienceStore, batch) -> None:
@@ -95,27 +104,24 @@ def step_one_piece_at_a_time(writer: ab.StepWriter, steps: int, start: int = 0) 
 
 
 @pytest.mark.parametrize("sampler", [ab.UniformSampler(), ab.PrioritizedSampler()], ids=["uniform", "prioritized"])
-def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler):
+def test_a_reader_samples_the_played_step_of_a_piece_that_continues_an_open_episode(sampler, ray_stores):
     # A reader drawing itself (uniform) once added a piece's first_step to a step that
     # already held it: step 2 t instead of t; a shard's draw (prioritized) read it once.
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0, sampler=sampler)
-    try:
-        writer = store.writer(num_envs=2, autoreset_mode="disabled")
-        step_one_piece_at_a_time(writer, 8)
-        wait_for(lambda: len(store) == 16, "the 16 shipped steps")
-        listed = store.episodes(include_open=True)   # 8 pieces an env, one played episode each
-        assert listed.column("open").to_pylist() == [True, True] and listed.column("length").to_pylist() == [8, 8]
-        for args in ({}, {"n_step": 3, "gamma": 1.0}):
-            batch = store.sample(128, **args)
-            obs = batch["obs"].numpy()
-            assert (batch["step"].numpy() == obs[:, 1]).all()
-            assert (batch["action"].numpy() == 10 * obs[:, 1] + obs[:, 0]).all()
-            check_episode_ids(store, batch)
-        check_rows(store.sample(128), 2)   # and the next observation of each: played step t + 1
-        assert store.num_episodes == 0
-        writer.close()
-    finally:
-        store.close()
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0, sampler=sampler)
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    step_one_piece_at_a_time(writer, 8)
+    wait_for(lambda: len(store) == 16, "the 16 shipped steps")
+    listed = store.episodes(include_open=True)   # 8 pieces an env, one played episode each
+    assert listed.column("open").to_pylist() == [True, True] and listed.column("length").to_pylist() == [8, 8]
+    for args in ({}, {"n_step": 3, "gamma": 1.0}):
+        batch = store.sample(128, **args)
+        obs = batch["obs"].numpy()
+        assert (batch["step"].numpy() == obs[:, 1]).all()
+        assert (batch["action"].numpy() == 10 * obs[:, 1] + obs[:, 0]).all()
+        check_episode_ids(store, batch)
+    check_rows(store.sample(128), 2)   # and the next observation of each: played step t + 1
+    assert store.num_episodes == 0
+    writer.close()
 
 
 def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
@@ -138,68 +144,59 @@ def test_pieces_of_an_open_episode_keep_each_steps_policy_version():
         store.close()
 
 
-def test_a_writer_restored_from_a_state_continues_its_open_episodes_at_the_step_they_reached():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
-    try:
-        first = store.writer(num_envs=2, autoreset_mode="disabled")
-        step_one_piece_at_a_time(first, 3)
-        step(first, 3)   # staged, maybe not shipped yet: the state holds it or its piece went
-        state = first.state_dict()
-        later = store.writer(num_envs=2, autoreset_mode="disabled")
-        later.load_state_dict(state)
-        for t in range(4, 7):
-            step(later, t)
-        later.flush()
-        # 14 steps; 16 when the first writer's timer also shipped step 3 after the state was taken.
-        wait_for(lambda: len(store) in (14, 16), "the 14 steps")
-        batch = store.sample(256)
-        check_rows(batch, 2)   # step t is step t, on either side of the restore
-        assert sorted(set(batch["step"].tolist())) == list(range(7))
-        later.close()
-    finally:
-        store.close()
+def test_a_writer_restored_from_a_state_continues_its_open_episodes_at_the_step_they_reached(one_shard):
+    store = one_shard
+    first = store.writer(num_envs=2, autoreset_mode="disabled")
+    step_one_piece_at_a_time(first, 3)
+    step(first, 3)   # staged, maybe not shipped yet: the state holds it or its piece went
+    state = first.state_dict()
+    later = store.writer(num_envs=2, autoreset_mode="disabled")
+    later.load_state_dict(state)
+    for t in range(4, 7):
+        step(later, t)
+    later.flush()
+    # 14 steps; 16 when the first writer's timer also shipped step 3 after the state was taken.
+    wait_for(lambda: len(store) in (14, 16), "the 14 steps")
+    batch = store.sample(256)
+    check_rows(batch, 2)   # step t is step t, on either side of the restore
+    assert sorted(set(batch["step"].tolist())) == list(range(7))
+    later.close()
 
 
-def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
-    try:
-        writer = store.writer(num_envs=2, autoreset_mode="disabled")
-        for t in range(4):
-            step(writer, t)
-        wait_for(lambda: len(store) == 8, "the open steps")
-        assert store.num_episodes == 0
-        step(writer, 4, done=np.array([True, False]))        # env 0's episode ends; env 1's goes on
-        wait_for(lambda: len(store) == 10, "env 0's last piece and env 1's open step")
-        table = store.episodes(include_open=True).to_pydict()
-        # Pieces are storage: one row per played episode, its pieces summed.
-        assert table["env_id"] == ["env-0", "env-1"] and table["length"] == [5, 5] and table["first_step"] == [0, 0]
-        assert table["open"] == [False, True] and table["terminated"] == [True, False]
-        # An episode counts once its end is stored; an open one's pieces count only as transitions.
-        assert store.num_episodes == 1 == store.episodes().num_rows
-        assert "open" not in store.episodes().column_names
-        assert writer.open_steps.sum() == 0                   # every step shipped: flush sends a close
-        writer.flush()                                        # cuts env 1's episode: no open piece left
-        assert store.num_episodes == 2
-        assert not any(store.episodes(include_open=True).column("open").to_pylist())
-        assert len(store) == 10
-        writer.close()
-    finally:
-        store.close()
+def test_len_and_episodes_count_open_pieces_as_transitions_not_episodes(two_shards):
+    store = two_shards
+    writer = store.writer(num_envs=2, autoreset_mode="disabled")
+    for t in range(4):
+        step(writer, t)
+    wait_for(lambda: len(store) == 8, "the open steps")
+    assert store.num_episodes == 0
+    step(writer, 4, done=np.array([True, False]))        # env 0's episode ends; env 1's goes on
+    wait_for(lambda: len(store) == 10, "env 0's last piece and env 1's open step")
+    table = store.episodes(include_open=True).to_pydict()
+    # Pieces are storage: one row per played episode, its pieces summed.
+    assert table["env_id"] == ["env-0", "env-1"] and table["length"] == [5, 5] and table["first_step"] == [0, 0]
+    assert table["open"] == [False, True] and table["terminated"] == [True, False]
+    # An episode counts once its end is stored; an open one's pieces count only as transitions.
+    assert store.num_episodes == 1 == store.episodes().num_rows
+    assert "open" not in store.episodes().column_names
+    assert writer.open_steps.sum() == 0                   # every step shipped: flush sends a close
+    writer.flush()                                        # cuts env 1's episode: no open piece left
+    assert store.num_episodes == 2
+    assert not any(store.episodes(include_open=True).column("open").to_pylist())
+    assert len(store) == 10
+    writer.close()
 
 
-def test_flush_after_a_shipped_piece_with_no_new_step_closes_the_episode():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
-    try:
-        writer = store.writer(num_envs=1, autoreset_mode="disabled")
-        step(writer, 0)
-        wait_for(lambda: len(store) == 1, "the open step")
-        wait_for(lambda: writer.open_steps.sum() == 0, "the writer's piece leaving its staging")
-        writer.flush()   # nothing staged since the piece: the shard is told the episode ended
-        assert store.num_episodes == 1 and len(store) == 1
-        assert store.episodes(include_open=True).column("open").to_pylist() == [False]
-        writer.close()
-    finally:
-        store.close()
+def test_flush_after_a_shipped_piece_with_no_new_step_closes_the_episode(one_shard):
+    store = one_shard
+    writer = store.writer(num_envs=1, autoreset_mode="disabled")
+    step(writer, 0)
+    wait_for(lambda: len(store) == 1, "the open step")
+    wait_for(lambda: writer.open_steps.sum() == 0, "the writer's piece leaving its staging")
+    writer.flush()   # nothing staged since the piece: the shard is told the episode ended
+    assert store.num_episodes == 1 and len(store) == 1
+    assert store.episodes(include_open=True).column("open").to_pylist() == [False]
+    writer.close()
 
 
 def test_a_continuing_task_streams_ten_times_the_capacity_through_a_ray_ring():
@@ -282,24 +279,22 @@ def test_a_dead_shard_met_by_the_timer_shipping_open_steps_is_raised_by_the_writ
         store.close()
 
 
-def test_an_error_of_the_timers_cut_is_raised_by_the_writers_next_call_not_dropped():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
+def test_an_error_of_the_timers_cut_is_raised_by_the_writers_next_call_not_dropped(one_shard):
+    store = one_shard
     writer = store.writer(num_envs=1, autoreset_mode="disabled")
-    try:
-        def broken(min_steps: int = 1) -> list:
-            raise RuntimeError("staging broke")
 
-        writer.take_open_pieces = broken   # the timer's cut fails in its thread
-        with pytest.raises(RuntimeError, match="staging broke"):
-            t = 0
-            deadline = time.monotonic() + PATIENCE
-            while time.monotonic() < deadline:
-                step(writer, t)
-                t += 1
-                time.sleep(0.02)
-        assert len(store) == 0
-    finally:
-        store.close()
+    def broken(min_steps: int = 1) -> list:
+        raise RuntimeError("staging broke")
+
+    writer.take_open_pieces = broken   # the timer's cut fails in its thread
+    with pytest.raises(RuntimeError, match="staging broke"):
+        t = 0
+        deadline = time.monotonic() + PATIENCE
+        while time.monotonic() < deadline:
+            step(writer, t)
+            t += 1
+            time.sleep(0.02)
+    assert len(store) == 0
 
 
 @ray.remote
@@ -315,17 +310,14 @@ def stream_in_a_task(writer: ab.StepWriter, steps: int) -> int:
     return int(writer.open_steps.sum())
 
 
-def test_a_writer_in_a_task_ships_its_open_steps():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
-    try:
-        assert ray.get(stream_in_a_task.remote(store.writer(num_envs=1, autoreset_mode="disabled"), 7)) == 0
-        wait_for(lambda: len(store) == 7, "the task's open steps")
-        # The task's copy of the writer is dropped when the task ends: its episode is cut there, as
-        # flush() would (it once stayed open for ever: no copy can go on with another's pieces).
-        wait_for(lambda: store.num_episodes == 1, "the dropped writer's cut")
-        assert len(store) == 7
-    finally:
-        store.close()
+def test_a_writer_in_a_task_ships_its_open_steps(one_shard):
+    store = one_shard
+    assert ray.get(stream_in_a_task.remote(store.writer(num_envs=1, autoreset_mode="disabled"), 7)) == 0
+    wait_for(lambda: len(store) == 7, "the task's open steps")
+    # The task's copy of the writer is dropped when the task ends: its episode is cut there, as
+    # flush() would (it once stayed open for ever: no copy can go on with another's pieces).
+    wait_for(lambda: store.num_episodes == 1, "the dropped writer's cut")
+    assert len(store) == 7
 
 
 def check_one_chain_per_env(store: ab.ExperienceStore, envs: int, steps: int) -> None:
@@ -343,56 +335,50 @@ def check_one_chain_per_env(store: ab.ExperienceStore, envs: int, steps: int) ->
     assert len(store) == envs * steps
 
 
-def test_a_restored_writer_ends_the_open_episode_its_state_was_taken_in():
+def test_a_restored_writer_ends_the_open_episode_its_state_was_taken_in(two_shards):
     # The shard notes a piece open by (writer, env): a restored writer was a new writer, so
     # its state's earlier pieces stayed open (steps but no episode) until evicted.
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
-    try:
-        first = store.writer(num_envs=2, autoreset_mode="disabled")
-        step_one_piece_at_a_time(first, 3)   # steps 0 .. 2 stored as open pieces; nothing staged
-        wait_for(lambda: len(store) == 6, "the 6 shipped steps")
-        state = first.state_dict()
-        later = store.writer(num_envs=2, autoreset_mode="disabled")
-        later.load_state_dict(state)
-        step_one_piece_at_a_time(later, 6, start=3)
-        step(later, 6, done=np.ones(2, bool))
-        later.flush()
-        check_one_chain_per_env(store, 2, 7)
-        check_rows(store.sample(256), 2)
-        later.close()
-    finally:
-        store.close()
+    store = two_shards
+    first = store.writer(num_envs=2, autoreset_mode="disabled")
+    step_one_piece_at_a_time(first, 3)   # steps 0 .. 2 stored as open pieces; nothing staged
+    wait_for(lambda: len(store) == 6, "the 6 shipped steps")
+    state = first.state_dict()
+    later = store.writer(num_envs=2, autoreset_mode="disabled")
+    later.load_state_dict(state)
+    step_one_piece_at_a_time(later, 6, start=3)
+    step(later, 6, done=np.ones(2, bool))
+    later.flush()
+    check_one_chain_per_env(store, 2, 7)
+    check_rows(store.sample(256), 2)
+    later.close()
 
 
-def test_a_restored_writer_ships_its_open_episode_to_the_shard_of_its_earlier_pieces():
+def test_a_restored_writer_ships_its_open_episode_to_the_shard_of_its_earlier_pieces(two_shards):
     # A restored writer's sink routed its envs anew (to the least loaded shard): the episode's
     # end went to a shard that never held its earlier pieces, which stayed open there.
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
-    try:
-        first = store.writer(num_envs=1, autoreset_mode="disabled")
-        step_one_piece_at_a_time(first, 3)   # env-0's pieces on shard 0 (both empty: the first)
-        wait_for(lambda: len(store) == 3, "the 3 shipped steps")
-        state = first.state_dict()
-        # Another env's episode of 20 steps on shard 0: a new route for env-0 is shard 1.
-        store.add_episode({"obs": np.stack([played_obs(1, t) for t in range(21)]), "action": 10 * np.arange(20) + 1,
-                           "reward": np.arange(20, dtype=np.float32), "terminated": np.arange(20) == 19,
-                           "truncated": np.zeros(20, bool)}, env_id="filler", shard=0)
-        later = store.writer(num_envs=1, autoreset_mode="disabled")
-        later.load_state_dict(state)
-        step_one_piece_at_a_time(later, 6, start=3)
-        step(later, 6, done=np.ones(1, bool))
-        later.flush()
-        table = store.episodes(include_open=True).to_pydict()
-        assert set(s for s, e in zip(table["shard"], table["env_id"]) if e == "env-0") == {0}, table
-        filler = table["env_id"].index("filler")
-        for name in table:
-            del table[name][filler]
-        assert not any(table["open"]) and store.num_episodes == len(table["env_id"]) + 1
-        assert sorted(zip(table["first_step"], table["length"])) == [(0, 7)]   # its 7 pieces: one episode
-        assert len(store) == 27
-        later.close()
-    finally:
-        store.close()
+    store = two_shards
+    first = store.writer(num_envs=1, autoreset_mode="disabled")
+    step_one_piece_at_a_time(first, 3)   # env-0's pieces on shard 0 (both empty: the first)
+    wait_for(lambda: len(store) == 3, "the 3 shipped steps")
+    state = first.state_dict()
+    # Another env's episode of 20 steps on shard 0: a new route for env-0 is shard 1.
+    store.add_episode({"obs": np.stack([played_obs(1, t) for t in range(21)]), "action": 10 * np.arange(20) + 1,
+                       "reward": np.arange(20, dtype=np.float32), "terminated": np.arange(20) == 19,
+                       "truncated": np.zeros(20, bool)}, env_id="filler", shard=0)
+    later = store.writer(num_envs=1, autoreset_mode="disabled")
+    later.load_state_dict(state)
+    step_one_piece_at_a_time(later, 6, start=3)
+    step(later, 6, done=np.ones(1, bool))
+    later.flush()
+    table = store.episodes(include_open=True).to_pydict()
+    assert set(s for s, e in zip(table["shard"], table["env_id"]) if e == "env-0") == {0}, table
+    filler = table["env_id"].index("filler")
+    for name in table:
+        del table[name][filler]
+    assert not any(table["open"]) and store.num_episodes == len(table["env_id"]) + 1
+    assert sorted(zip(table["first_step"], table["length"])) == [(0, 7)]   # its 7 pieces: one episode
+    assert len(store) == 27
+    later.close()
 
 
 def test_a_local_writer_restored_from_a_state_ends_its_open_episode_once():

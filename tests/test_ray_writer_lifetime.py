@@ -42,46 +42,40 @@ def played(store: ab.ExperienceStore) -> list[tuple[int, int]]:
     return sorted(zip(tags.tolist(), t.tolist()))
 
 
-def test_a_closed_ray_writer_refuses_add_and_stores_nothing():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
-    try:
-        writer = store.writer(2, autoreset_mode="disabled")
-        step(writer, 0, 0, done=np.ones(2, bool))
-        writer.close()
-        with pytest.raises(ab.WriterClosedError, match="is closed.*store.writer"):
-            step(writer, 0, 1, done=np.ones(2, bool))
-        with pytest.raises(ab.WriterClosedError, match="is closed"):
-            step(writer, 0, 2)
-        del writer
-        gc.collect()
-        store.flush()
-        assert played(store) == [(0, 0), (1, 0)] and store.num_episodes == 2
-    finally:
-        store.close()
+def test_a_closed_ray_writer_refuses_add_and_stores_nothing(ray_stores):
+    store = ray_stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=None)
+    writer = store.writer(2, autoreset_mode="disabled")
+    step(writer, 0, 0, done=np.ones(2, bool))
+    writer.close()
+    with pytest.raises(ab.WriterClosedError, match="is closed.*store.writer"):
+        step(writer, 0, 1, done=np.ones(2, bool))
+    with pytest.raises(ab.WriterClosedError, match="is closed"):
+        step(writer, 0, 2)
+    del writer
+    gc.collect()
+    store.flush()
+    assert played(store) == [(0, 0), (1, 0)] and store.num_episodes == 2
 
 
 @pytest.mark.parametrize("options", [SLOW, None], ids=["slower-than-rollouts", "default-latency"])
-def test_a_ray_writer_dropped_without_flush_keeps_every_step_it_wrote(options):
+def test_a_ray_writer_dropped_without_flush_keeps_every_step_it_wrote(options, ray_stores):
     # Each rollout's writer was dropped by the next one: its staged steps were lost (600 of 600
     # when rollouts outpace delivery_latency).
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0, ray_options=options)
-    try:
-        expected = []
-        for rollout in range(3):
-            writer = store.writer(4, autoreset_mode="disabled")   # the previous one is dropped here
-            t = np.zeros(4, np.int64)   # each env's step in its episode: episodes of 10, 13, 16 and 19 steps
-            for _ in range(50):
-                done = t == 9 + 3 * np.arange(4)
-                step(writer, 10 * rollout, t, done)
-                expected += [(10 * rollout + e, int(t[e])) for e in range(4)]
-                t = np.where(done, 0, t + 1)
-        del writer
-        gc.collect()
-        store.flush()
-        assert len(store) == 600 and played(store) == sorted(expected)
-        assert not any(store.episodes(include_open=True).column("open").to_pylist())   # cut, as flush cuts
-    finally:
-        store.close()
+    store = ray_stores.get(capacity=1_000, num_shards=1, seed=0, ray_options=options)
+    expected = []
+    for rollout in range(3):
+        writer = store.writer(4, autoreset_mode="disabled")   # the previous one is dropped here
+        t = np.zeros(4, np.int64)   # each env's step in its episode: episodes of 10, 13, 16 and 19 steps
+        for _ in range(50):
+            done = t == 9 + 3 * np.arange(4)
+            step(writer, 10 * rollout, t, done)
+            expected += [(10 * rollout + e, int(t[e])) for e in range(4)]
+            t = np.where(done, 0, t + 1)
+    del writer
+    gc.collect()
+    store.flush()
+    assert len(store) == 600 and played(store) == sorted(expected)
+    assert not any(store.episodes(include_open=True).column("open").to_pylist())   # cut, as flush cuts
 
 
 def test_a_dropped_ray_writer_whose_shard_died_logs_the_loss_and_the_store_raises_it(caplog):

@@ -45,15 +45,12 @@ def write_and_return(writer: ab.StepWriter) -> int:
                       terminated=np.ones(3, bool), truncated=np.zeros(3, bool), next_obs=obs + 1)
 
 
-def test_finished_episodes_reach_another_process_without_flush():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
-    try:
-        writer = store.writer(num_envs=3, autoreset_mode="disabled")
-        finish(writer)   # three finished episodes, never flushed; the writer stays open
-        assert ray.get(count_elsewhere.remote(store.name, 3, patience=60.0)) == 3
-        assert writer.pending == 0
-    finally:
-        store.close()
+def test_finished_episodes_reach_another_process_without_flush(ray_stores):
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0)
+    writer = store.writer(num_envs=3, autoreset_mode="disabled")
+    finish(writer)   # three finished episodes, never flushed; the writer stays open
+    assert ray.get(count_elsewhere.remote(store.name, 3, patience=60.0)) == 3
+    assert writer.pending == 0
 
 
 def test_a_task_that_returns_without_flush_still_delivers_its_episodes():
@@ -111,17 +108,14 @@ def sizes_elsewhere(name: str) -> tuple[int, int]:
     return len(store), store.num_episodes
 
 
-def test_len_and_num_episodes_are_exact_once_the_writers_flush_returned_in_any_process():
+def test_len_and_num_episodes_are_exact_once_the_writers_flush_returned_in_any_process(ray_stores):
     # They summed the sizes the shards last reported: right after two writer tasks had
     # flushed, both read 0 here, and right only about a second later.
-    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0)
-    try:
-        assert (len(store), store.num_episodes) == (0, 0)   # a reading of the empty store, cached here
-        tasks = [write_rounds.remote(store.writer(num_envs=4, autoreset_mode="disabled"), 10, 3 + k)
-                 for k in range(2)]
-        rows = sum(ray.get(tasks))   # both flushed: every episode acknowledged
-        assert (len(store), store.num_episodes) == (rows, 80)
-        assert ray.get(sizes_elsewhere.remote(store.name)) == (rows, 80)
-        assert store.cached_size == (rows, 80)   # the figure that never waits, refreshed by the calls above
-    finally:
-        store.close()
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0)   # 280 rows written
+    assert (len(store), store.num_episodes) == (0, 0)   # a reading of the empty store, cached here
+    tasks = [write_rounds.remote(store.writer(num_envs=4, autoreset_mode="disabled"), 10, 3 + k)
+             for k in range(2)]
+    rows = sum(ray.get(tasks))   # both flushed: every episode acknowledged
+    assert (len(store), store.num_episodes) == (rows, 80)
+    assert ray.get(sizes_elsewhere.remote(store.name)) == (rows, 80)
+    assert store.cached_size == (rows, 80)   # the figure that never waits, refreshed by the calls above

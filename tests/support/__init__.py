@@ -12,5 +12,6 @@ Test modules import these as ``support.<module>`` (pytest puts ``tests/`` on
 | `compat_envs.py` | fake RLightning env workers, policies and engine call sequences |
 | `persist_data.py` | the stores the export and checkpoint tests round-trip, and a checkpoint editor |
 | `actors.py` | waiting for a killed Ray actor to be gone |
+| `ray_stores.py` | Ray stores a test module shares, one per configuration, emptied for each test |
 | `hops.py` | module hops: the calls of a code path from one arrowbuf module into another (`sys.setprofile`) |
 """
