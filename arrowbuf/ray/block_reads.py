@@ -101,25 +101,9 @@ class BlockReads:
     # (piece of each item in batch order, its block-local rows by role in batch order, each
     # piece's bytes of a column by column), for `rows_into`
     _where: tuple[list, dict, dict] | None = None
-    # batch layouts found for these items, by (gather, batch size, keys): found once, not per batch
-    layouts: dict = field(default_factory=dict)
     # told (block's columns, bytes) when records are kept in a block's dict: the reader's
     # cache counts them against its bound (`arrowbuf.ray.cache.BlockCache.grew`)
     grown: Callable[[dict, int], None] | None = None
-
-    def layout(self, key: tuple, find: Callable[[], Any]) -> Any:
-        """The batch layout of ``key`` (gather, batch size, keys): ``find()``'s, kept for these
-        items' later batches (same extras, same layout)."""
-        known = self.layouts.get(key)
-        if known is None:
-            known = self.layouts[key] = find()
-        return known
-
-    def normalize_weights(self) -> None:
-        """Importance weights (a prioritized draw's ``"weight"``) over their largest, as a
-        prioritized sample of a local store gives them."""
-        if "weight" in self.extra:
-            self.extra["weight"] = self.extra["weight"] / self.extra["weight"].max()
 
     def fill(self, layout: Any, outs: list[np.ndarray], start: int, stop: int) -> None:
         """Gather the ordered items ``[start, stop)`` into a slot's views, as ``layout`` (an
@@ -404,7 +388,7 @@ def _ordered_part(view: Any, selection: Selection, args: SampleArgs, fetch: "_Fe
 
 
 def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
-          scratch: dict, by_shard: np.ndarray | None = None) -> BlockReads:
+          scratch: dict, by_shard: np.ndarray | None = None, weights_over_max: bool = False) -> BlockReads:
     """Every part's items ordered block by block, with ``scratch`` (a reader's reusable arrays).
 
     Args:
@@ -415,7 +399,17 @@ def order_reads(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs
             a shuffle of the parts drawn by several shards); None: the parts follow
             each other, each in drawn order.
         by_shard: items of each shard in each batch, [batches, shards] (a reader's draws), or None.
+        weights_over_max: divide the ``"weight"`` extra by its largest (a prioritized draw's,
+            as a local store's prioritized sample gives them).
     """
+    ordered = _ordered(parts, cache, args, places, scratch, by_shard)
+    if weights_over_max and "weight" in ordered.extra:
+        ordered.extra["weight"] = ordered.extra["weight"] / ordered.extra["weight"].max()
+    return ordered
+
+
+def _ordered(parts: list[tuple[Any, Selection]], cache: Any, args: SampleArgs, places: list[np.ndarray] | None,
+             scratch: dict, by_shard: np.ndarray | None) -> BlockReads:
     parts = same_width(parts)
     keep: set = set()   # the blocks of these batches: never dropped from the cache while they are read
     pieces, roles, extras, orders, offset = [], ([], [], []), [], [], 0

@@ -40,6 +40,7 @@ scratch, straight from the blocks, in records) is this module's (`BlockGather._l
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,6 +97,9 @@ class BlockGather:
             self.entries += [FieldPlan(k, name, ROLES.index(role), np.dtype(f.numpy_dtype), tuple(f.shape),
                                        f.dtype) for k, role in roles]
         self._layouts = Layouts(self._layout)
+        # The layouts found for the items of the last ordering (`BlockReads`), by (batch size, keys): its
+        # later batches (same extras) take them again; a new ordering starts afresh.
+        self._known: tuple[Any, dict] = (None, {})
         self._pool = SlotPool()
         self._parted: dict[tuple, Layout] = {}   # (a layout, parts) -> its layout of that many batches
 
@@ -155,7 +159,13 @@ class BlockGather:
         # Row shapes by role of a batch of ``count`` items: (step, obs, next), a frame axis on the last two.
         step, frames = (count, *ordered.item), (ordered.frames,) if ordered.frames > 1 else ()
         shapes = (step, (*step, *frames), (*step, *frames))
-        return ordered.layout((self, count, keys), lambda: self._layouts.find(shapes, keys, ordered.extra))
+        of, known = self._known
+        if of is None or of() is not ordered:
+            self._known = (weakref.ref(ordered), known := {})
+        layout = known.get((count, keys))
+        if layout is None:
+            layout = known[(count, keys)] = self._layouts.find(shapes, keys, ordered.extra)
+        return layout
 
     def _layout(self, shapes: tuple, keys: frozenset | None, every_extra: tuple) -> Layout:
         def pack(chosen: list[FieldPlan]) -> dict[int, tuple]:

@@ -409,9 +409,8 @@ class BlockReader:
         the index requests in flight in ``pending``, which keeps ``request.prefetch`` more."""
         pending.extend(self._ask_shards(request, request.prefetch + 1 - len(pending)))
         parts, _ = self._collect(pending.popleft(), request)
-        ordered = order_reads(parts, self.cache, request.args, self._mixed(parts), scratch)
-        if isinstance(self.sampler, PrioritizedSampler):
-            ordered.normalize_weights()
+        ordered = order_reads(parts, self.cache, request.args, self._mixed(parts), scratch,
+                              weights_over_max=isinstance(self.sampler, PrioritizedSampler))
         return ordered
 
     def _ask_shards(self, request: SampleRequest, count: int, batch_size: int | None = None) -> list[tuple]:
