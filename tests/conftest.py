@@ -26,18 +26,15 @@ if os.environ.get("CI"):
 #: whichever worker is free, in collection order (with ``--no-loadscope-reorder``: xdist otherwise puts
 #: the files with the most tests first), so starting with the longest keeps one worker from running a
 #: long file alone at the end.
-LONGEST_FIRST = ("test_ray_dataplane.py", "test_ray_backend.py", "test_corruption.py", "test_ray_lent_blocks.py",
-                 "test_notebooks.py", "test_bench_workloads.py", "test_docs.py", "test_ray_onramps.py",
-                 "test_writer_cases.py", "test_contract.py", "test_bench.py", "test_dataset.py",
-                 "test_ring_occupancy.py", "test_durable.py", "test_compat_refs.py", "test_ray_piece_cutting.py",
-                 "test_bench_columns.py", "test_gpu_check.py", "test_compat_boundaries.py", "test_compat_engines.py",
-                 "test_capacity.py", "test_pieces.py", "test_lazy_torch.py", "test_ray_ragged.py",
-                 "test_ray_priorities.py", "test_cli.py", "test_layers.py", "test_durable_damage.py",
-                 "test_ray_writer_lifetime.py", "test_ray_writers.py", "test_ray_reader_loop.py",
-                 "test_versions_ray.py", "test_versions.py", "test_samplers.py", "test_freshness_ray.py",
-                 "test_inplace.py", "test_ray_bounds.py", "test_encoded.py", "test_ray_errors.py",
-                 "test_dataset_lerobot.py", "test_mixture.py", "test_store.py", "test_ragged.py", "test_parquet.py",
-                 "test_demo.py", "test_checkpoint.py", "test_compat_seed_parity.py", "test_compat_gae.py")
+LONGEST_FIRST = ("test_ray_backend.py", "test_ray_dataplane.py", "test_bench_workloads.py", "test_corruption.py",
+                 "test_notebooks.py", "test_docs.py", "test_ray_lent_blocks.py", "test_capacity.py",
+                 "test_contract.py", "test_ray_onramps.py", "test_ray_piece_cutting.py", "test_writer_cases.py",
+                 "test_bench.py", "test_dataset.py", "test_ray_piece_reads.py", "test_bench_columns.py",
+                 "test_compat_boundaries.py", "test_durable.py", "test_gpu_check.py", "test_compat_refs.py",
+                 "test_compat_engines.py", "test_ray_priorities.py", "test_ring_occupancy.py", "test_lazy_torch.py",
+                 "test_durable_damage.py", "test_pieces.py", "test_ray_ragged.py", "test_cli.py",
+                 "test_ray_writer_lifetime.py", "test_layers.py", "test_ray_reader_loop.py", "test_versions.py",
+                 "test_encoded.py", "test_versions_ray.py", "test_ray_writers.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
