@@ -134,10 +134,11 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in rows if line.startswith("| metric |")]
-    assert len(headers) == 2 and len(rows) == 2 + 6 + 12
+    assert len(headers) == 2 and len(rows) == 2 + 6 + 13
     assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
     assert "| VLA native ingest vs one copy of its bytes env-steps/s |" in run.stdout
     assert "| VLA first rollout into a fresh store (construction included) s |" in run.stdout
+    assert "| WBC first rollout into a fresh store (construction included) s |" in run.stdout
     assert "| VLA rollout sample, torch arena (" in run.stdout
     assert "Command: `python tools/bench.py --quick --only ONPOLICY" in run.stdout
 
