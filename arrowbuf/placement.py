@@ -248,9 +248,14 @@ class Ring:
         """A full arena that can grow (`grow_arena`) takes room for ``rows`` more rows past the
         ring, an eighth more at least, up to the rows a lazy arena keeps; whether it grew."""
         most = arena_rows(self.capacity)
-        if self.grow_arena is None or self.rows >= most:
+        return self.rows < most and self._grow_to(min(most, max(self.ring + rows, self.rows + self.rows // 8)))
+
+    def _grow_to(self, rows: int) -> bool:
+        """Ask `grow_arena` for ``rows`` rows (more than now); the listening sampler is told of
+        the rows it got. Whether the arena grew."""
+        if self.grow_arena is None or rows <= self.rows:
             return False
-        grown = self.grow_arena(min(most, max(self.ring + rows, self.rows + self.rows // 8)))
+        grown = self.grow_arena(rows)
         if grown <= self.rows:
             return False
         self.rows = grown
@@ -403,13 +408,9 @@ class Ring:
         """
         ring = int(state.get("ring", self.ring))
         saved_rows = int(state.get("rows", self.rows))
-        if self.grow_arena is not None and self.rows < saved_rows <= arena_rows(self.capacity):
+        if saved_rows <= arena_rows(self.capacity):
             # a grown CUDA arena's: as many rows again (its sampler's tree and reuse counts have them)
-            grown = self.grow_arena(saved_rows)
-            if grown > self.rows:
-                self.rows = grown
-                if self.listener is not None:
-                    self.listener.on_grow(grown)
+            self._grow_to(saved_rows)
         if not 0 <= int(state["write_pos"]) <= max(ring, self.capacity) <= self.rows:
             raise ValueError(f"shard state has write_pos {state['write_pos']} and ring {ring} outside "
                              f"0 <= write_pos <= ring <= {self.rows} (the arena's rows)")
