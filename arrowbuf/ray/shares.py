@@ -46,12 +46,6 @@ from arrowbuf.ray.handles import ShardHandles, SizeCache
 logger = logging.getLogger(__name__)
 
 
-def even_shares(capacity: int, num_shards: int) -> np.ndarray:
-    """The shares shards start with (`arrowbuf.ray.start`): ``capacity // num_shards`` each,
-    the first ``capacity % num_shards`` one more."""
-    return np.array([capacity // num_shards + (s < capacity % num_shards) for s in range(num_shards)], np.int64)
-
-
 def apportion(capacity: int, demand: Sequence[int]) -> np.ndarray:
     """``capacity`` split in proportion to ``demand`` (envs per shard, not all 0): each shard
     gets the floor of its quota, and the transitions left go one each to the largest
