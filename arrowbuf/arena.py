@@ -204,12 +204,7 @@ class TorchShard(Shard):
         old = self.rows
         needed = rows * self.schema.field_bytes   # the larger columns, while the current ones live
         if self.device.type == "cuda" and needed > torch.cuda.mem_get_info(self.device)[0]:
-            if not self._full_logged:
-                self._full_logged = True
-                _log.warning("arrowbuf: the %s arena of %s rows is full and the device has no %.2f GiB free to "
-                             "grow it; the oldest steps go before the capacity (%s transitions) is reached",
-                             self.device, f"{old:,}", needed / 2**30, f"{self.capacity:,}")
-            return old
+            return self._cannot_grow(needed)
         self.rows = rows
         try:
             grown = {}
@@ -219,11 +214,20 @@ class TorchShard(Shard):
                 grown[name] = column
         except torch.cuda.OutOfMemoryError:
             self.rows = old
-            return old
+            return self._cannot_grow(needed)
         self.arena = grown
         self.rows_grown(old)
         self.gatherer = self.make_gatherer(self.gather_columns())
         return rows
+
+    def _cannot_grow(self, needed: int) -> int:
+        """The rows kept (the device has no room for ``needed`` bytes of larger columns), logged once."""
+        if not self._full_logged:
+            self._full_logged = True
+            _log.warning("arrowbuf: the %s arena of %s rows is full and the device has no %.2f GiB free to "
+                         "grow it; the oldest steps go before the capacity (%s transitions) is reached",
+                         self.device, f"{self.rows:,}", needed / 2**30, f"{self.capacity:,}")
+        return self.rows
 
     def new_column(self, spec: Field, zero: bool) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -150,6 +150,7 @@ class Ring:
                  grow_arena: Callable[[int], int] | None = None) -> None:
         self.table = table
         self.grow_arena = grow_arena
+        self._grow_refused = False   # the device had no room to grow: not asked again until `clear`
         self.released = released   # told (first row, rows) of each span evicted: its columns' bytes go back
         self.capacity = capacity
         self.rows = rows
@@ -253,10 +254,11 @@ class Ring:
     def _grow_to(self, rows: int) -> bool:
         """Ask `grow_arena` for ``rows`` rows (more than now); the listening sampler is told of
         the rows it got. Whether the arena grew."""
-        if self.grow_arena is None or rows <= self.rows:
+        if self.grow_arena is None or rows <= self.rows or self._grow_refused:
             return False
         grown = self.grow_arena(rows)
         if grown <= self.rows:
+            self._grow_refused = True
             return False
         self.rows = grown
         if self.listener is not None:
@@ -393,6 +395,7 @@ class Ring:
         """Nothing is held: the head goes back to row 0; the ring keeps the rows it grew
         to (their pages are faulted in already)."""
         self.regions.clear()
+        self._grow_refused = False
         self.write_pos = 0
         self.ordered = True
         self.free.reset(np.zeros(0, np.int64), np.zeros(0, np.int64))

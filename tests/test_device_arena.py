@@ -113,3 +113,27 @@ def test_a_cuda_store_of_num_envs_x_t_grows_its_arena_and_holds_every_transition
     shard = store.engine.shard
     assert shard.rows > first_rows(num_envs * steps)
     assert all(column.is_cuda and column.shape[0] == shard.rows for column in shard.arena.values())
+
+
+def test_a_device_arena_that_cannot_grow_is_asked_once_until_cleared(device_like, monkeypatch):
+    # A device without room for larger columns: the oldest go early, and the store does not ask for
+    # (and allocate) larger columns again on every write after that.
+    asked = []
+
+    def refuse(self, rows):
+        asked.append(rows)
+        return self.rows
+
+    monkeypatch.setattr(TorchShard, "grow_arena", refuse)
+    num_envs, steps = 16, 64
+    store = ab.ExperienceStore(capacity=num_envs * steps, storage_device="cpu", seed=0)
+    writer = store.writer(num_envs, autoreset_mode="disabled")
+    rng = np.random.default_rng(5)
+    for k in range(3):
+        rollout(writer, num_envs, steps, 0.2, rng, tag=k)
+        writer.flush()
+    assert len(asked) == 1 and len(store) <= num_envs * steps
+    store.clear()
+    rollout(writer, num_envs, steps, 0.2, rng, tag=3)
+    writer.flush()
+    assert len(asked) == 2, "a cleared store may ask again"
