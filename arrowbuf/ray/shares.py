@@ -102,9 +102,6 @@ class CapacityShares:
             sink.pin(env_id, shard)
         weakref.finalize(sink, _gone, weakref.ref(self), writer)
         self.move(wait=True)
-        shares = self.shares[sorted(set(routes.values()))]
-        if (shares >= 0).all():   # known (moved here once): else the smallest shard's, as the sink has it
-            sink.capacity = max(1, int(shares.min()))
 
     def route(self, env_ids: Sequence[str], loads: np.ndarray, live: Sequence[int]) -> dict[tuple[str, int], int]:
         """The route of each of ``env_ids``, by key (env id, k): k is the first that no open
@@ -155,8 +152,10 @@ class CapacityShares:
 
     def move(self, wait: bool) -> None:
         """Send the shards whose share changes their new share (`plan`), the shrinking ones
-        first, so that the shards never hold more than the capacity together. ``wait=False``
-        (a finalizer's) leaves the answers for `settle`."""
+        first, so that the shards never hold more than the capacity together; then tell every
+        open writer's sink the longest episode its shards now take. ``wait=False`` (a
+        finalizer's) sends both at once and leaves the answers for `settle`: until the shrinking
+        shards answer, the shards may hold more than the capacity together."""
         with self._lock:
             plan, live = self.plan(), set(self._shards.live())
             for part in ({s: n for s, n in plan.items() if n < self.shares[s] and s in live},
@@ -167,6 +166,15 @@ class CapacityShares:
                 else:
                     self._unsettled.append(refs)
                     self.shares[list(part)] = list(part.values())
+            self._tell_sinks()
+
+    def _tell_sinks(self) -> None:
+        """Each open writer's sink takes episodes up to the smallest share among its envs' shards
+        (a share not known yet, -1: the sink keeps what it has)."""
+        for sink, routes in self._open.values():
+            shares = self.shares[sorted(set(routes.values()))]
+            if sink() is not None and len(shares) and (shares >= 0).all():
+                sink().capacity = max(1, int(shares.min()))
 
     def settle(self) -> None:
         """Wait for the moves sent without waiting; raise the first error met."""
@@ -174,6 +182,7 @@ class CapacityShares:
             pending, self._unsettled = self._unsettled, []
             for refs in pending:
                 self._taken(self._shards.get(refs))
+            self._tell_sinks()
 
     def _taken(self, answers: Mapping[int, tuple[int, Any]]) -> None:
         """The shards' answers to new shares: the share each took (a fixed store's shrinks no
