@@ -403,3 +403,33 @@ def test_a_local_writer_restored_from_a_state_ends_its_open_episode_once():
     assert store.num_episodes == 4 and len(store) == 20
     check_rows(store.sample(256), 2)
     assert sorted(set(store.sample(256)["step"].tolist())) == list(range(7))
+
+
+def test_a_parquet_export_of_shards_with_and_without_pieces_loads_every_episode_once(ray_session, tmp_path):
+    # One shard holds a played episode in pieces (its episode table lists `first_step`), the other only
+    # whole episodes (its table lists none): the export joins the two tables of different columns.
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0,
+                               ray_options=ab.RayOptions(delivery_latency=0.01))
+    try:
+        writer = store.writer(num_envs=1, autoreset_mode="disabled")
+        for t in range(30):   # shipped on the timer: several pieces of one episode
+            step(writer, t)
+            time.sleep(0.005)
+        step(writer, 30, done=np.array([True]))
+        writer.close()
+        shards = [s["transitions"] for s in store.stats()["shards"]]
+        empty = shards.index(0)
+        for k in range(2):   # whole episodes, to the shard the writer left empty
+            obs = np.stack([played_obs(100 + k, t) for t in range(6)])
+            store.add_episode({"obs": obs, "action": np.arange(5), "reward": np.ones(5, np.float32),
+                               "terminated": np.arange(5) == 4, "truncated": np.zeros(5, bool)})
+        assert store.stats()["shards"][empty]["transitions"] >= 5, "no demo reached the other shard"
+        listed = store.episodes()
+        if "first_step" in listed.column_names:   # 0 for the whole episodes, never a null
+            assert listed.column("first_step").null_count == 0
+        store.to_parquet(tmp_path / "export")
+        loaded = ab.ExperienceStore.from_parquet(tmp_path / "export")
+        episodes = loaded.episodes().to_pydict()
+        assert sorted(episodes["length"]) == [5, 5, 31] and loaded.num_episodes == 3 and len(loaded) == 41
+    finally:
+        store.close()

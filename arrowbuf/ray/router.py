@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from arrowbuf._bounds import check_batch
@@ -501,7 +502,7 @@ class RayBackend:
     def episodes(self, include_open: bool = False) -> pa.Table:
         # Open episodes' shipped pieces are stored as pieces, marked open by their shard (`arrowbuf.ray.tails`).
         tables = list(self.shards.broadcast("episodes", include_open).values())
-        return pa.concat_tables(tables, promote_options="permissive") if tables else EpisodeTable().to_arrow()
+        return joined_episodes(tables) if tables else EpisodeTable().to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
         shard = episode_id % self.num_shards
@@ -526,7 +527,7 @@ class RayBackend:
         # Shard by shard, in the order of the files: an import reads them in that order.
         tables = [results[s][0] for s in sorted(results) if results[s][0].num_rows]
         entries = [entry for s in sorted(results) for entry in results[s][1]]
-        return (pa.concat_tables(tables) if tables else EpisodeTable().to_arrow()), entries
+        return (joined_episodes(tables) if tables else EpisodeTable().to_arrow()), entries
 
     def save(self, path: str | Path, info: Mapping[str, Any], writer_states: Callable[[], dict],
              progress: bool | None) -> Path:
@@ -541,3 +542,13 @@ class RayBackend:
 
     def to_ray_dataset(self) -> Any:
         return to_ray_dataset(self.shards)
+
+
+def joined_episodes(tables: list[pa.Table]) -> pa.Table:
+    """The shards' episode tables as one: a shard that holds pieces lists ``first_step``
+    (`arrowbuf.played.episodes_arrow`), one that holds none does not; its episodes start at step 0."""
+    joined = pa.concat_tables(tables, promote_options="permissive")
+    if "first_step" in joined.column_names and joined.column("first_step").null_count:
+        at = joined.column_names.index("first_step")
+        joined = joined.set_column(at, "first_step", pc.fill_null(joined.column("first_step"), 0))
+    return joined
