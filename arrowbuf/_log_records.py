@@ -191,7 +191,7 @@ class Record:
     def owners(self) -> list:
         """The owner (writer id, or None) of each episode's open pieces (`arrowbuf.ray.tails`)."""
         pieces = self.meta.get("pieces")
-        return [p[2] for p in pieces] if pieces is not None else [None] * len(self.ids())
+        return [p[2] for p in pieces] if pieces is not None else [None] * sum(b.num_rows for b in self.batches)
 
     def closes(self) -> tuple[str | None, list[str], int] | None:
         """(owner, env ids, the next episode id after this record's episodes) of the open episodes

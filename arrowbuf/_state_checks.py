@@ -141,8 +141,9 @@ def _shard(where: str, shard: Mapping[str, Any], capacity: int, mode: str, room:
         arena = _int(where, "shard.rows", arena, min(arena_rows(capacity, lazy=False), rows_max), rows_max)
     reuse = shard.get("reuse")
     if reuse is not None:   # one count a row of the arena (of `capacity` rows before capacity counted transitions)
-        _array(where, "shard.reuse", reuse, "iu", len(reuse) if len(reuse) in (capacity, rows_max, arena)
-               else arena or rows_max)
+        _array(where, "shard.reuse", reuse, "iu")
+        if len(reuse) not in {capacity, rows_max, arena}:
+            raise _bad(where, "shard.reuse", reuse, f"one count a row of the arena ({arena or rows_max} rows)")
     if not n:
         return
     if np.any(rows < 1) or np.any(first < 0) or np.any(first + rows > rows_max):
