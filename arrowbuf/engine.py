@@ -402,16 +402,40 @@ class ShardEngine:
         Reads by index, as `iter_batches` does: counted in the rows' reuse, not as a sample for
         the rate limiter. ``views``: contiguous rows come as views of the arena (`Shard.view_batch`).
         """
+        return self.gather_each([indices], device, keys, views)[0]
+
+    def gather_each(self, shares: list[np.ndarray], device: Any = None, keys: Any = None,
+                    views: bool = False) -> list[TensorDict | None]:
+        """`gather` of each of ``shares`` (a driver's shares of one global batch,
+        `arrowbuf.groups.rank_shares`; None for each before the first write): the look-ups made
+        once for all, every share's ragged values copied before any share's tensors are built
+        (`arrowbuf.tensors.Gather.each`)."""
         with self.lock:
             shard = self._shard
             if shard is None:
-                return None
-            indices = shard.table.resolve(indices)   # kept indices of open steps: where those steps are now
-            selection = select_indices(shard.table, indices[shard.table.is_sampleable(indices)])
-            batch = self._gather(selection, PLAIN, device, False, keys, views)
+                return [None] * len(shares)
+            table = shard.table
+            indices = table.resolve(np.concatenate(shares))   # kept indices of open steps: where those steps are now
+            held = table.is_sampleable(indices)
+            selection = select_indices(table, indices[held])
+            rows, extra, _, _ = shard.lookups(selection, PLAIN)   # (plain: no frame or n-step rows)
+            ends = np.cumsum([np.count_nonzero(part) for part in np.split(held, np.cumsum([len(s) for s in shares])[:-1])])
+            parts = [(rows[a:b], {name: array[a:b] for name, array in extra.items()})
+                     for a, b in zip([0, *ends[:-1].tolist()], ends.tolist())]
+            batches: list[Any] = [None] * len(parts)
+            gathered = []
+            for k, (part, part_extra) in enumerate(parts):
+                if views and contiguous(part):   # no copy: views of the arena
+                    batches[k] = shard.view_batch(int(part[0]), int(part[-1]) + 1,
+                                                  {name: array.copy() for name, array in part_extra.items()}, keys,
+                                                  device)
+                else:
+                    gathered.append(k)
+            for k, batch in zip(gathered, shard.gatherer.each([parts[k] for k in gathered], device, keys)):
+                batches[k] = batch
             if shard.reuse is not None:
                 shard.count_samples(selection.rows)
-            return batch
+            return batches
 
     def gather_payload(self, indices: np.ndarray, index_base: int = 0) -> Payload | None:
         """`gather` into a `Payload` (what a Ray shard sends); None when none is live."""

@@ -1,6 +1,7 @@
 """GRPO's groups: `GroupSampler` draws whole groups of rows or episodes sharing a key, and
 `balanced_ranks` splits a global batch over data-parallel ranks by tokens, groups kept whole
-(`rank_share`: one rank's share, `rank_shares` and `gather_shares`: every rank's, a driver's).
+(`rank_share`: one rank's share, `rank_shares`: every rank's, a driver's, gathered by
+`arrowbuf.engine.ShardEngine.gather_each`).
 
 GRPO scores each rollout against the others of its group (the G answers to one prompt,
 the G episodes of one task), so a batch must hold every member of each group it holds.
@@ -32,9 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from arrowbuf.errors import EmptyStoreError
-from arrowbuf.sample_args import PLAIN
 from arrowbuf.samplers import Sampler, Selection, episode_selection, epoch_batches, select_indices
-from arrowbuf.shard import contiguous
 
 if TYPE_CHECKING:
     from arrowbuf.table import EpisodeTable
@@ -262,40 +261,6 @@ def rank_shares(engine: Any, indices: np.ndarray, world_size: int, balance: str 
     owner = rank_owners(engine, indices, world_size, balance, group_key)
     order = np.argsort(owner, kind="stable")   # each rank's indices together, in the batch's order
     return np.split(indices[order], np.cumsum(np.bincount(owner, minlength=world_size))[:-1])
-
-
-def gather_shares(engine: Any, shares: list[np.ndarray], device: Any = None, keys: Any = None,
-                  views: bool = False) -> list[Any]:
-    """What ``engine.gather`` gives for each of a driver's ``shares`` (`rank_shares`): the live
-    ones of each share's transition indices, in their order, a TensorDict each (owning its
-    values; None for every share before the first write). The look-ups are made once for the
-    whole global batch, not once a share, and every share's ragged values are copied before
-    any share's tensors are built (`arrowbuf.tensors.Gather.each`)."""
-    with engine.lock:
-        shard = engine.shard
-        if shard is None:
-            return [None] * len(shares)
-        table = shard.table
-        indices = table.resolve(np.concatenate(shares))   # kept indices of open steps: where those steps are now
-        held = table.is_sampleable(indices)
-        selection = select_indices(table, indices[held])
-        rows, extra, _, _ = shard.lookups(selection, PLAIN)   # (plain: no frame or n-step rows)
-        ends = np.cumsum([np.count_nonzero(part) for part in np.split(held, np.cumsum([len(s) for s in shares])[:-1])])
-        parts = [(rows[a:b], {name: array[a:b] for name, array in extra.items()})
-                 for a, b in zip([0, *ends[:-1].tolist()], ends.tolist())]
-        batches: list[Any] = [None] * len(parts)
-        gathered = []
-        for k, (part, part_extra) in enumerate(parts):
-            if views and contiguous(part):   # no copy: views of the arena, as `engine.gather` gives them
-                batches[k] = shard.view_batch(int(part[0]), int(part[-1]) + 1,
-                                              {name: array.copy() for name, array in part_extra.items()}, keys, device)
-            else:
-                gathered.append(k)
-        for k, batch in zip(gathered, shard.gatherer.each([parts[k] for k in gathered], device, keys)):
-            batches[k] = batch
-        if shard.reuse is not None:
-            shard.count_samples(selection.rows)
-        return batches
 
 
 @dataclass(frozen=True)

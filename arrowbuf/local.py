@@ -15,7 +15,6 @@ import pyarrow as pa
 
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import ArrowbufError, refused_in_batch
-from arrowbuf.groups import gather_shares
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -175,12 +174,12 @@ class LocalBackend:
         """`ShardEngine.gather` each chunk of indices (an epoch), skipping those evicted meanwhile;
         ``split(engine, indices)``: this rank's share of each (`arrowbuf.groups.rank_share`), or
         every rank's, a list of shares (`arrowbuf.groups.rank_shares`; empty ones included),
-        gathered together (`arrowbuf.groups.gather_shares`)."""
+        gathered together (`ShardEngine.gather_each`)."""
         for indices in chunks:
             if split is not None:
                 indices = split(self.engine, indices)
             if isinstance(indices, list):
-                shares = gather_shares(self.engine, indices, device, keys, views)
+                shares = self.engine.gather_each(indices, device, keys, views)
                 if any(share.batch_size[0] for share in shares):
                     yield shares
                 continue

@@ -251,3 +251,25 @@ def test_a_drivers_shares_hold_every_fields_rows_as_a_gather_of_their_indices_gi
                     assert a.values().untyped_storage().nbytes() == a.values().numel() * a.values().element_size()
                 else:
                     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_drivers_shares_of_a_torch_arena_store_are_a_numpy_stores_shares(shuffle):
+    # A store with a storage_device gathers with its torch arena's gatherer, which holds no ragged
+    # field: a driver's split (world_size, no rank) reached it with ragged copies it does not take.
+    rng = np.random.default_rng(2)
+    n = 120
+    steps = {"obs": rng.normal(size=(n + 1, 3)).astype(np.float32), "action": rng.integers(0, 4, n),
+             "terminated": np.r_[np.zeros(n - 1, bool), True]}
+    stores = [ab.ExperienceStore(200, seed=3, **kwargs) for kwargs in ({}, {"storage_device": "cpu"})]
+    for store in stores:
+        store.add_episode(steps)
+    numpy_batches, torch_batches = (list(s.iter_batches(32, world_size=3, shuffle=shuffle)) for s in stores)
+    assert len(numpy_batches) == len(torch_batches) == 4
+    for expected, got in zip(numpy_batches, torch_batches):
+        assert [len(share) for share in got] == [len(share) for share in expected]
+        for a, b in zip(got, expected):
+            for key in b.keys(True, True):
+                assert torch.equal(a[key], b[key]), key
+    assert sorted(torch.cat([share["index"] for shares in torch_batches for share in shares]).tolist()) == \
+        sorted(torch.cat([share["index"] for shares in numpy_batches for share in shares]).tolist())

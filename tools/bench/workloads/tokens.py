@@ -29,7 +29,7 @@ episodes of ``episode_len`` steps (one array a step). Measured:
   ideal splits with arrowbuf's own balance, the fastest we have, so that it stays a floor of
   the same split rather than of a cheaper, worse one). Target >= 2 GB/s. A second row times a
   driver's split ("one split for all"): each global batch split once for all W ranks
-  (`arrowbuf.groups.rank_shares`), then every share gathered (`arrowbuf.groups.gather_shares`):
+  (`arrowbuf.groups.rank_shares`), then every share gathered (`ShardEngine.gather_each`):
   what ``iter_batches(..., world_size=W)`` without ``rank`` yields.
 
 The store sizes are checked against the memory available first and scaled down (with a note)
@@ -197,7 +197,7 @@ def sampled(spec: TokensSpec, opts: Options, notes: list[str]) -> list[Metric]:
 
 def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, notes: list[str]) -> list[Metric]:
     """Token balance over ranks, and split + gather of a global batch of ``global_tokens``."""
-    from arrowbuf.groups import balanced_ranks, gather_shares, rank_share, rank_shares
+    from arrowbuf.groups import balanced_ranks, rank_share, rank_shares
 
     W, engine = spec.world_size, store.store.engine
     lo, hi = engine.live_range()   # one lap: transition index lo + i holds source row i
@@ -231,8 +231,8 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
 
     def driver_split() -> None:
         """One split for every rank, as ``iter_batches(world_size=W)`` without ``rank`` does (`rank_shares`,
-        then `gather_shares`)."""
-        gather_shares(engine, rank_shares(engine, batches[next(turns["driver"]) % len(batches)], W, "tokens", None))
+        then `ShardEngine.gather_each`)."""
+        engine.gather_each(rank_shares(engine, batches[next(turns["driver"]) % len(batches)], W, "tokens", None))
 
     def ideal_split() -> None:
         source = batches[next(turns["ideal"]) % len(batches)] - lo
@@ -262,7 +262,7 @@ def ranks(spec: TokensSpec, opts: Options, store: TokenStore, tokens: Tokens, no
                  f"that each would deliver {delivered / ms['step'] / 1e6:.2f} GB/s together. The first GB/s row runs "
                  f"all {W} ranks' steps in this process (each its own split, as each rank computes it: {W} "
                  "balances); the second ('one split for all') splits each global batch once for every rank, as "
-                 "iter_batches(world_size=W) without rank gives a driver (rank_shares, then gather_shares: "
+                 "iter_batches(world_size=W) without rank gives a driver (rank_shares, then the engine's gather_each: "
                  "every share into its own tensors, the look-ups made once); the ideal splits once, with "
                  "arrowbuf's balanced_ranks")
     return [
