@@ -404,3 +404,27 @@ def test_a_fixed_shard_given_a_smaller_share_keeps_what_it_holds_and_refuses_mor
     assert engine.set_capacity(20) == 20
     engine.add(*read_episode(make_episode(1, 12), engine.schema))
     assert len(engine) == 20
+
+
+def test_add_episodes_too_long_for_one_shards_share_stores_none_of_them(uneven_ray_store):
+    # Shares of 82 and 41 (an open writer of 3 envs): an episode of 50 fits a shard of an even
+    # split (61) and the larger share but not the smaller. Refused whole, before any shard stores.
+    store = uneven_ray_store
+    store.clear()
+    writer = store.writer(ENVS, autoreset_mode="disabled")
+    small = int(np.argmin([s["capacity"] for s in store.stats()["shards"]]))
+    assert sorted(s["capacity"] for s in store.stats()["shards"]) == [41, 82]
+    store.pin_env("fits", 1 - small)
+    store.pin_env("too-long", small)
+    steps = 50
+    episodes = {"obs": np.zeros((2, steps + 1, 3), np.float32), "action": np.zeros((2, steps), np.int64),
+                "reward": np.ones((2, steps), np.float32), "terminated": np.arange(steps) == np.full((2, 1), steps - 1),
+                "truncated": np.zeros((2, steps), bool)}
+    with pytest.raises(ab.CapacityError, match=f"shard {small}'s share .* 41 transitions.*nothing was stored"):
+        store.add_episodes(episodes, lengths=[30, steps], env_ids=["fits", "too-long"])
+    store.flush()
+    assert len(store) == 0 and [s["episodes"] for s in store.stats()["shards"]] == [0, 0]
+    assert len(store.add_episodes(episodes, lengths=[30, steps], env_ids=["fits", "fits"])) == 2   # 80 of 82
+    store.flush()
+    assert len(store) == 30 + steps
+    writer.close()

@@ -10,6 +10,7 @@ that this list names every module here, in such an order):
 - `blocks`: `BlockRing`, a shard's rows sealed into immutable blocks of the object store;
 - `lent`: `UnfilledRows`, lent episodes a shard placed without copying their rows until it reads them;
 - `tails`: `OpenPieces`, a shard's stored pieces of episodes still open (transitions, not episodes);
+- `dropped`: `DroppedWriters`, the deliveries of writers dropped without flush or close, their errors kept;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
 - `persist`: what exports, checkpoints and Ray Data share (the shards write their own files);
 - `shipping`: batches for train workers kept in the object store (refs, `resolve`);

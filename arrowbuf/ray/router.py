@@ -53,7 +53,8 @@ from arrowbuf.ray.ranks import rank_indices
 from arrowbuf.ray.reader import BlockReader, SampleRequest
 from arrowbuf.ray.shares import CapacityShares
 from arrowbuf.ray.shipping import gather_refs, merge_payloads
-from arrowbuf.ray.sink import DroppedWriters, RaySink
+from arrowbuf.ray.dropped import DroppedWriters
+from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, release_durable
 from arrowbuf.ragged import RaggedRows, nested
 from arrowbuf.sample_args import PLAIN, SampleArgs
@@ -206,7 +207,8 @@ class RayBackend:
         self._added += 1
         keys = [e.env_id if e.env_id != "default" else f"episode-{self._added}-{k}" for k, e in enumerate(episodes)]
         try:
-            ids = self._sink.write_many_now(episodes, keys, timeout, shard)
+            shares = self._shares.known() if self._shares is not None else None
+            ids = self._sink.write_many_now(episodes, keys, timeout, shard, shares)
             for written in {i % self.num_shards for i in ids}:
                 self._reader.wrote(written)   # read your own writes, as `add`
             return ids

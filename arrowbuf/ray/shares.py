@@ -184,6 +184,13 @@ class CapacityShares:
                 self._taken(self._shards.get(refs))
             self._tell_sinks()
 
+    def known(self) -> np.ndarray | None:
+        """Each shard's share once the moves sent are answered (`settle`), a copy; None while
+        one is not known yet (no move sent)."""
+        self.settle()
+        with self._lock:
+            return self.shares.copy() if (self.shares >= 0).all() else None
+
     def _taken(self, answers: Mapping[int, tuple[int, Any]]) -> None:
         """The shards' answers to new shares: the share each took (a fixed store's shrinks no
         lower than it holds), and its size."""

@@ -22,7 +22,7 @@ writer dropped without `flush` or `close` cuts its open episodes into its sink,
 which delivers them on a thread of its own (`dropped`): a finalizer never waits
 for a shard. What that delivery fails to store is logged as an error, and raised
 by the next `flush`, `save` or `close` of the store that made the writer
-(`DroppedWriters`).
+(`arrowbuf.ray.dropped.DroppedWriters`).
 
 In the process that started the shards, an episode of an eighth of a block or
 more is put once and lent to its shard, which seals that object as its block
@@ -42,9 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from arrowbuf.errors import ArrowbufError, ShardError
+from arrowbuf.errors import ArrowbufError, CapacityError, ShardError
 from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.blocks import block_columns
+from arrowbuf.ray.dropped import DroppedWriters
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
 from arrowbuf.schema import Schema
@@ -72,45 +73,6 @@ def _deliver(sink_ref: weakref.ref, stop: threading.Event, period: float) -> Non
             return
         sink.tick()
         del sink   # hold the sink only while ticking: it may be garbage collected
-
-
-class DroppedWriters:
-    """Deliveries of the sinks of writers dropped without `flush` or `close`, each on its own
-    daemon thread (`RaySink.dropped`): their router waits for them (`wait`) and raises the
-    first error one met (which was logged when it happened)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._errors: list[BaseException] = []
-
-    def start(self, sink: "RaySink") -> None:
-        thread = threading.Thread(target=self._deliver, args=(sink,), name="arrowbuf-dropped-writer", daemon=True)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def _deliver(self, sink: "RaySink") -> None:
-        queued = sink.queued
-        try:
-            sink.close()
-        except Exception as err:   # logged now, raised by the store's next flush: never dropped
-            logger.error("an arrowbuf writer of store %r was dropped without flush() or close(), and storing its "
-                         "%d open or queued episodes failed: %s", sink.store_name, queued, err)
-            with self._lock:
-                self._errors.append(err)
-
-    def wait(self) -> None:
-        """Wait until every dropped writer's steps are delivered; raise the first error met."""
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join()
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
 
 
 class RaySink:
@@ -336,11 +298,14 @@ class RaySink:
             return ids[0]
 
     def write_many_now(self, episodes: list[Episode], route_keys: list[str], timeout: float | None,
-                       shard: int | None = None) -> list[int]:
+                       shard: int | None = None, capacities: np.ndarray | None = None) -> list[int]:
         """Send episodes at once, one request per shard (``shard``, or each key's route), and wait
-        for the answers: their ids, in order (`add_episodes`).
+        for the answers: their ids, in order (`add_episodes`). ``capacities``: each shard's
+        capacity where the caller knows it (its share, `arrowbuf.ray.shares`), checked first.
 
         Raises:
+            CapacityError: an episode longer than its shard's capacity in ``capacities``
+                (nothing sent).
             ShardError: a shard died before answering (its episodes are lost).
             The first refusal of a shard (the others' episodes are stored).
         """
@@ -354,6 +319,8 @@ class RaySink:
                 s = shard if shard is not None else self._route(key)
                 self._loads[s] += episodes[k].num_rows
                 groups.setdefault(s, []).append(k)
+            if capacities is not None:
+                self._check_fit(episodes, groups, capacities)
             # One put for the lent episodes of every shard: a put costs per object as well as per byte.
             sent, lent = self._outgoing(episodes)
             refs = {}
@@ -375,6 +342,20 @@ class RaySink:
                 for k, episode_id in zip(members, stored):
                     ids[k] = episode_id
             return ids
+
+    def _check_fit(self, episodes: list[Episode], groups: dict[int, list[int]], capacities: np.ndarray) -> None:
+        """Raise CapacityError, the loads of ``groups`` taken back, where an episode is longer
+        than its shard's capacity: no shard stores any (one that refused would leave the
+        others' stored)."""
+        for s, members in groups.items():
+            longest = max(episodes[k].num_rows - int(episodes[k].has_final) for k in members)
+            if longest > capacities[s]:
+                for t, routed in groups.items():
+                    self._loads[t] -= sum(episodes[k].num_rows for k in routed)
+                raise CapacityError(f"an episode of {longest} transitions is longer than shard {s}'s share of the "
+                                    f"store's capacity, {int(capacities[s])} transitions (shares follow the open "
+                                    "writers' envs); nothing was stored: route it to another shard (pin_env), "
+                                    "raise the capacity or cut the episode")
 
     def pin(self, key: str, shard: int) -> None:
         """Route ``key``'s episodes to ``shard`` unless it already has a route."""
