@@ -312,16 +312,20 @@ class Schema:
 
     @functools.cached_property
     def _json(self) -> str:
-        """`to_json`, encoded once (Ray writers send it with every request)."""
+        """`to_json`, encoded once (Ray writers send it with every request). A field's codec and
+        ``max_bytes`` go in a 5th entry where either is set (``max_bytes`` of a ragged field
+        without a codec was left out: a Ray shard and a loaded checkpoint held it unbounded)."""
+        def options(f: Field) -> dict:
+            return {k: v for k, v in (("codec", f.codec), ("max_bytes", f.max_bytes)) if v is not None}
+
         return json.dumps({n: [f.dtype, list(f.shape), f.observation,
-                               *([f.derived, {"codec": f.codec, "max_bytes": f.max_bytes}] if f.codec
-                                 else [True] if f.derived else [])]
+                               *([f.derived, options(f)] if options(f) else [True] if f.derived else [])]
                            for n, f in self.fields.items()})
 
     @classmethod
     def from_json(cls, text: str) -> "Schema":
         """The schema of `to_json` (a 4th entry per field, when present, marks it derived; a 5th
-        holds its codec)."""
+        holds its codec and ``max_bytes``)."""
         return cls(unflatten({n: Field(spec[0], tuple(spec[1]), *spec[2:4], **(spec[4] if len(spec) > 4 else {}))
                               for n, spec in json.loads(text).items()}))
 

@@ -157,6 +157,31 @@ def test_max_bytes_bounds_the_values_held():
     check_batch(store.sample(32))
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_max_bytes_of_a_ragged_field_binds_in_a_loaded_checkpoint_and_on_ray(backend, tmp_path, request):
+    # The schema's JSON (checkpoints, Ray shards) kept max_bytes only beside a codec: a loaded
+    # store and every Ray shard held a ragged field's values unbounded.
+    kwargs = {"backend": "ray", "num_shards": 2} if backend == "ray" else {}
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    field = ab.Field("int32", (None,), max_bytes=4 * 200)
+    store = ab.ExperienceStore(capacity=1000, schema={**SCHEMA, "tokens": field}, seed=0, **kwargs)
+    try:
+        for e in range(6):
+            store.add_episode(episode(e, 10))
+        store.save(tmp_path / "saved")
+        again = store if backend == "ray" else ab.ExperienceStore.load(tmp_path / "saved")
+        assert again.schema.fields["tokens"] == field
+        for e in range(6, 40):
+            again.add_episode(episode(e, 10))
+        again.flush()
+        held = again.gather(np.concatenate([np.arange(*r) for r in again.live_ranges()]))["tokens"]
+        assert 0 < held.values().numel() * 4 <= 800 and len(again) < 200
+    finally:
+        if backend == "ray":
+            store.close()
+
+
 def test_bad_sequences_are_refused_naming_the_field_and_leave_the_store_as_it_was():
     store = filled()
     before = store.to_arrow()
