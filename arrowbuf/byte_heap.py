@@ -177,10 +177,12 @@ class HeapColumn:
         """Bytes held: the heap's chunks, and 16 a row of addresses."""
         return self.heap.allocated + self.addr.nbytes + self.size.nbytes
 
-    def bound(self, budget: int, make_room: Callable[["HeapColumn", int], None]) -> None:
+    def bound(self, budget: int, make_room: Callable[["HeapColumn", int], None] | None = None) -> None:
         """Hold at most ``budget`` bytes: before rows are stored, ``make_room(self, nbytes)``
-        evicts the oldest until their ``nbytes`` fit."""
-        self.budget, self._make_room = budget, make_room
+        (None: the one given before) evicts the oldest until their ``nbytes`` fit; a smaller
+        budget evicts the oldest now until what is held fits."""
+        self.budget, self._make_room = budget, make_room or self._make_room
+        self._make_room(self, 0)
 
     def rows_of(self, key: Any) -> np.ndarray:
         """The rows (int64) a key names: a slice, an index or an index array (negative from the end)."""
@@ -248,12 +250,13 @@ class HeapColumn:
         return values, offsets
 
 
-def bind_heap_columns(arena: dict, fields: dict, num_shards: int, evict_oldest: Callable[[int], None],
+def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_oldest: Callable[[int], None],
                       table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
     """Set up a shard's heap columns: each named (for its errors) and bounded by its share of
-    its field's ``max_bytes`` (a write evicts the oldest pieces, ``evict_oldest(1)``, while the
-    shard's ``table`` holds one, until its rows fit). Returns the hook its ring calls with the
-    spans it evicts (their bytes go back: memory follows the rows held); None without heap columns.
+    its field's ``max_bytes`` (`share_budgets`; a write evicts the oldest pieces,
+    ``evict_oldest(1)``, while the shard's ``table`` holds one, until its rows fit). Returns the
+    hook its ring calls with the spans it evicts (their bytes go back: memory follows the rows
+    held); None without heap columns.
 
     Raises:
         ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
@@ -272,11 +275,21 @@ def bind_heap_columns(arena: dict, fields: dict, num_shards: int, evict_oldest: 
 
     for name, column in columns.items():
         column.name = name
-        if fields[name].max_bytes is not None:
-            column.bound(fields[name].max_bytes // num_shards, make_room)
+    share_budgets(arena, fields, *share, make_room)
 
     def released(first: np.ndarray, rows: np.ndarray) -> None:
         for column in columns.values():
             column.release_spans(first, rows)
 
     return released
+
+
+def share_budgets(arena: dict, fields: dict, capacity: int, total: int,
+                  make_room: Callable[[HeapColumn, int], None] | None = None) -> None:
+    """Bound each heap column of a field with ``max_bytes`` by the shard's part of it, as its
+    ``capacity`` is of the store's ``total`` (a Ray shard's capacity share, `arrowbuf.ray.shares`:
+    bytes follow the transitions a shard holds); a smaller budget evicts the oldest now.
+    ``make_room``: the eviction of a column not bound yet (`bind_heap_columns`)."""
+    for name, column in arena.items():
+        if isinstance(column, HeapColumn) and fields[name].max_bytes is not None:
+            column.bound(fields[name].max_bytes * capacity // max(total, 1), make_room)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from arrowbuf.byte_heap import bind_heap_columns
+from arrowbuf.byte_heap import bind_heap_columns, share_budgets
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
 from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
@@ -137,8 +137,9 @@ class Shard:
         self.arena = {name: self._packed_column(name, f) if name in self._pack_offsets
                       else self.new_column(f, zero=False) for name, f in schema.fields.items()}
         # Encoded columns: named, bounded by their share of max_bytes, emptied of what is evicted.
-        released = bind_heap_columns(self.arena, schema.fields, num_shards, lambda n: self.placement.evict_oldest(n),
-                                self.table, mode)
+        self._total = room or capacity * num_shards   # the store's capacity, of which this shard's is a share
+        released = bind_heap_columns(self.arena, schema.fields, (capacity, self._total),
+                                     lambda n: self.placement.evict_oldest(n), self.table, mode)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
         self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
                               released=released, grow_arena=None if self.lazy_rows else self.grow_arena)
@@ -444,6 +445,7 @@ class Shard:
             raise ValueError(f"capacity must be in [0, {self.room}] (the transitions this shard's arena was made "
                              f"for), got {capacity}")
         self.capacity = self.placement.resize(capacity)
+        share_budgets(self.arena, self.schema.fields, self.capacity, self._total)   # bytes follow the share
         return self.capacity
 
     def clear(self) -> None:

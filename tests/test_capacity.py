@@ -428,3 +428,28 @@ def test_add_episodes_too_long_for_one_shards_share_stores_none_of_them(uneven_r
     store.flush()
     assert len(store) == 30 + steps
     writer.close()
+
+
+def test_a_fields_max_bytes_follows_the_capacity_shares_and_a_whole_rollout_stays_held(ray_session):
+    # 10 tokens a step, max_bytes of exactly a rollout's tokens: split evenly, the shard of the
+    # 82-transition share would have room for 61 steps' tokens and evict the rest of its rollout.
+    tokens = 10
+    store = ab.ExperienceStore(capacity=ENVS * STEPS, backend="ray", num_shards=2, seed=0, schema={
+        "obs": ab.Field("float32", (3,), observation=True), "action": "int64", "reward": "float32",
+        "terminated": "bool", "truncated": "bool", "tokens": ab.Field("int32", (None,), max_bytes=ENVS * STEPS * tokens * 4)})
+    try:
+        for k in range(2):
+            with store.writer(ENVS, autoreset_mode="disabled") as writer:
+                obs = np.zeros((ENVS, 3), np.float32)
+                for t in range(STEPS):
+                    writer.add(obs=obs, action=np.zeros(ENVS, np.int64), reward=np.ones(ENVS, np.float32),
+                               terminated=np.zeros(ENVS, bool), truncated=np.zeros(ENVS, bool), next_obs=obs,
+                               tokens=[np.full(tokens, 1000 * k + 10 * e + t % 10, np.int32) for e in range(ENVS)])
+            store.flush()
+            assert sorted(s["capacity"] for s in store.stats()["shards"]) == [41, 82]
+            assert len(store) == ENVS * STEPS
+            batch = store.gather(np.concatenate([np.arange(*r) for r in store.live_ranges()]))
+            values = batch["tokens"].values().view(-1, tokens)
+            assert values.shape[0] == ENVS * STEPS and set((values[:, 0] // 1000).tolist()) == {k}
+    finally:
+        store.close()
