@@ -249,8 +249,8 @@ class Schema:
             if f.codec is not None:   # a binary column of encoded rows: the codec and the decoded shape
                 meta[_CODEC_KEY] = f.codec.encode()
                 meta[_SHAPE_KEY] = json.dumps(list(f.shape)).encode()
-                if f.max_bytes is not None:
-                    meta[_MAX_BYTES_KEY] = str(f.max_bytes).encode()
+            if f.max_bytes is not None:   # an encoded or a ragged field's
+                meta[_MAX_BYTES_KEY] = str(f.max_bytes).encode()
             fields.append(pa.field(name, f.arrow_type(), nullable=False, metadata=meta))
         if system:
             for name, f in SYSTEM_SPECS.items():
@@ -302,8 +302,10 @@ class Schema:
                     raise SchemaError(f"column {field.name!r} has Arrow type {field.type}, "
                                       "which arrowbuf cannot store") from None
             try:
-                fields[field.name] = Field(dtype, shape, observation, meta.get(_ROLE_KEY) == b"derived")
-            except SchemaError as err:
+                max_bytes = int(meta[_MAX_BYTES_KEY]) if _MAX_BYTES_KEY in meta else None
+                fields[field.name] = Field(dtype, shape, observation, meta.get(_ROLE_KEY) == b"derived",
+                                           max_bytes=max_bytes)
+            except (SchemaError, ValueError) as err:
                 raise SchemaError(f"column {field.name!r}: {err}") from None
         return cls(unflatten(fields))
 

@@ -77,13 +77,19 @@ NESTED_SCHEMA = Schema({"obs": {"pixels": ab.Field("uint8", (2, 2), True), "stat
                         "action": ab.Field("int64"), "policy": {"log_prob": ab.Field("float32")}})
 
 
-@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA], ids=["flat", "nested"])
+APART_SCHEMA = Schema({"tokens": ab.Field("int32", (None,), max_bytes=4000), "pairs": ab.Field("int16", (None, 2)),
+                       "task": ab.Field("string"), "adv": ab.Field("float32", derived=True),
+                       "cam": ab.Field("uint8", (8, 8, 3), True, codec="png", max_bytes=1 << 20),
+                       "obs": ab.Field("float32", (3,), observation=True)})
+
+
+@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA, APART_SCHEMA], ids=["flat", "nested", "apart"])
 def test_arrow_schema_round_trips(schema):
     assert Schema.from_arrow(schema.to_arrow()) == schema
     assert Schema.from_arrow(schema.to_arrow(system=False)) == schema
 
 
-@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA], ids=["flat", "nested"])
+@pytest.mark.parametrize("schema", [FLAT_SCHEMA, NESTED_SCHEMA, APART_SCHEMA], ids=["flat", "nested", "apart"])
 def test_json_schema_round_trips(schema):
     assert Schema.from_json(schema.to_json()) == schema
 
@@ -229,3 +235,12 @@ def test_as_array_refuses_unsupported_dtypes_with_the_field_name():
     assert as_array(np.array(["a", "b"]), "t")[1] == "string"   # a text field's values (tests/test_text.py)
     with pytest.raises(ab.SchemaError, match="field 'z'"):
         as_array(torch.zeros(2, dtype=torch.complex64), "z")
+
+
+@pytest.mark.parametrize("value", [b"lots", b"-3", b"1e9"])
+def test_a_ragged_columns_bad_max_bytes_metadata_is_a_schema_error_naming_the_column(value):
+    arrow = APART_SCHEMA.to_arrow()
+    i = arrow.get_field_index("tokens")
+    bad = arrow.set(i, arrow.field(i).with_metadata({**arrow.field(i).metadata, b"arrowbuf.max_bytes": value}))
+    with pytest.raises(ab.SchemaError, match="column 'tokens'"):
+        Schema.from_arrow(bad)
