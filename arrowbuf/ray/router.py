@@ -503,7 +503,8 @@ class RayBackend:
 
     def episodes(self, include_open: bool = False) -> pa.Table:
         # Open episodes' shipped pieces are stored as pieces, marked open by their shard (`arrowbuf.ray.tails`).
-        tables = list(self.shards.broadcast("episodes", include_open).values())
+        tables = [store_indices(table, shard)
+                  for shard, table in self.shards.broadcast("episodes", include_open).items()]
         return joined_episodes(tables) if tables else EpisodeTable().to_arrow()
 
     def episode(self, episode_id: int) -> pa.RecordBatch:
@@ -544,6 +545,16 @@ class RayBackend:
 
     def to_ray_dataset(self) -> Any:
         return to_ray_dataset(self.shards)
+
+
+def store_indices(table: pa.Table, shard: int) -> pa.Table:
+    """A shard's episode table with its ``first_index`` in the store's indices (``shard << 48 | local``:
+    what `gather`, `episode_spans` and a batch's ``"index"`` use), as a local store's table gives them."""
+    if not shard or "first_index" not in table.column_names:
+        return table
+    at = table.column_names.index("first_index")
+    return table.set_column(at, "first_index", pc.add(table.column("first_index"),
+                                                      pa.scalar(shard << INDEX_SHIFT, pa.int64())))
 
 
 def joined_episodes(tables: list[pa.Table]) -> pa.Table:
