@@ -57,6 +57,8 @@ class GroupSampler(Sampler):
             another unit.
     """
 
+    reads_values = True   # the key of each row (or episode) it draws from
+
     def __init__(self, key: str, group_size: int, unit: str = "step") -> None:
         super().__init__()
         if not isinstance(key, str) or not key:
@@ -291,7 +293,7 @@ def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> RankSpli
     Raises:
         ValueError: a ``rank`` or ``balance`` without ``world_size``, a ``world_size`` below 1, a
             ``rank`` outside ``[0, world_size)``, a ``balance`` that is not a ragged field, or a
-            Ray store with a `GroupSampler` (its epochs do not keep groups together yet).
+            Ray store with a `GroupSampler` (its rank shares do not keep groups together yet).
     """
     if world_size is None:
         if rank is not None or balance is not None:
@@ -313,8 +315,8 @@ def rank_split(world_size: Any, rank: Any, balance: Any, store: Any) -> RankSpli
     sampler = store.sampler
     group_key = sampler.key if isinstance(sampler, GroupSampler) and sampler.unit == "step" else None
     if group_key is not None and store.backend != "local":
-        raise ValueError(f"world_size on a Ray store with {sampler!r}: its epochs do not keep groups together yet; "
-                         "split an embedded store's batches, or use a UniformSampler")
+        raise ValueError(f"world_size on a Ray store with {sampler!r}: its rank shares do not keep groups together "
+                         "yet; split an embedded store's batches, or use a UniformSampler")
     if rank is None and store.backend != "local":
         raise ValueError("world_size without rank (every rank's share from one split, a list) splits an embedded "
                          "store's batches; on Ray, each rank's process passes its rank=")

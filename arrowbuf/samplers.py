@@ -92,6 +92,7 @@ class Sampler:
 
     tracks_rows = False   # whether on_add / on_evict do anything (the engine skips the spans otherwise)
     draws_open = False    # whether it draws open tails (`EpisodeTable.sample_range`), or sealed episodes only
+    reads_values = False  # whether a draw reads stored values (a group's key): a Ray shard copies lent rows in first
 
     def __init__(self) -> None:
         self._shard = None

@@ -295,7 +295,8 @@ class ShardServer:
         Drawn rows that are not sealed yet are sealed before the answer, so the
         manifest sent with it holds every drawn index.
         """
-        engine = self.engine
+        # A sampler that reads values (a GroupSampler's keys) reads them from the arena: lent rows copied in first.
+        engine = self._arena() if self.engine.sampler.reads_values else self.engine
         selection = engine.select(n, args, population, timeout)
         with engine.lock:
             manifest = self.blocks.manifest(engine)
@@ -304,6 +305,16 @@ class ShardServer:
                 manifest = self.blocks.manifest(engine)
             known = manifest.token == token and manifest.version == version
             return selection.indices, selection.extra, (None if known else manifest), self.size()
+
+    def epoch(self, batch_size: int, shuffle: bool, drop_last: bool) -> list[np.ndarray]:
+        """`iter_batches`' order as this shard's sampler draws it (a `GroupSampler`'s: complete groups
+        only, each whole), in local indices; the rows it names are sealed before the answer, so the
+        manifest a reader fetches next holds them."""
+        engine = self._arena()   # a group's key is read from its rows
+        chunks = engine.epoch(batch_size, shuffle, drop_last)
+        with engine.lock:
+            self.blocks.seal(engine)
+        return chunks
 
     def live_range(self) -> tuple[int, int]:
         return self.engine.live_range()

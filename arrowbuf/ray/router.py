@@ -58,6 +58,7 @@ from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, release_durable
 from arrowbuf.ragged import RaggedRows, nested
 from arrowbuf.sample_args import PLAIN, SampleArgs
+from arrowbuf.groups import GroupSampler
 from arrowbuf.samplers import Sampler, epoch_batches
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
@@ -382,6 +383,8 @@ class RayBackend:
             EmptyStoreError: no transition of ``min_version`` (naming the newest version held).
         """
         keys = self._check_keys(keys)
+        if isinstance(self.sampler, GroupSampler) and min_version is None:   # one shard (`new_backend`)
+            return self._group_epoch(batch_size, shuffle, drop_last, keys, device)
         self._reader.sync()
         views = dict(self._reader.views)   # this epoch's snapshot: its blocks stay readable
         if min_version is None:
@@ -393,6 +396,15 @@ class RayBackend:
         index = np.concatenate([part + (shard << INDEX_SHIFT) for shard, part in zip(sorted(views), parts)]
                                or [np.zeros(0, np.int64)])
         return self._epoch(epoch_batches(self._rng, index, batch_size, shuffle, drop_last), views, keys, device, split)
+
+    def _group_epoch(self, batch_size: int, shuffle: bool, drop_last: bool, keys: Any, device: Any
+                     ) -> Iterator[TensorDict]:
+        """A `GroupSampler`'s epoch, ordered by the shard's sampler as a local store's (complete groups,
+        each whole, ``batch_size`` a multiple of the group size: ValueError raised here), gathered here."""
+        epochs = self.shards.broadcast("epoch", batch_size, shuffle, drop_last)
+        self._reader.sync()   # after the shard sealed the rows its epoch names
+        chunks = [chunk + (shard << INDEX_SHIFT) for shard, each in epochs.items() for chunk in each]
+        return self._epoch(chunks, dict(self._reader.views), keys, device)
 
     def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any,
                split: Any = None) -> Iterator[TensorDict]:
