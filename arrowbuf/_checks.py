@@ -341,12 +341,12 @@ def check_shard(shard: Any, num_shards: int) -> int | None:
     """None, or a shard number in [0, num_shards).
 
     Raises:
-        ValueError: anything else (a local store has the one shard 0).
+        ValueError: anything else (a local store, or a Ray store of one shard, has the one shard 0).
     """
     if shard is None:
         return None
     if not is_int(shard) or not 0 <= shard < num_shards:
-        where = "a local store has one shard, 0" if num_shards == 1 else f"the store has {num_shards} shards"
+        where = "the store has one shard, 0" if num_shards == 1 else f"the store has {num_shards} shards"
         raise ValueError(f"shard must be an int in [0, {num_shards}) or None, got {shard!r} ({where})")
     return int(shard)
 

@@ -250,6 +250,15 @@ class HeapColumn:
         return values, offsets
 
 
+def check_bounded_mode(fields: dict, mode: str) -> None:
+    """Raises ValueError for fields with ``max_bytes`` in a store of ``mode`` other than "circular"
+    (checked by each shard, and by a Ray store before it starts its shards)."""
+    bounded = [name for name, f in fields.items() if f.max_bytes is not None]
+    if bounded and mode != "circular":
+        raise ValueError(f"fields {bounded} have max_bytes, which evicts the oldest episodes to stay within it; "
+                         f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
+
+
 def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_oldest: Callable[[int], None],
                       table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
     """Set up a shard's heap columns: each named (for its errors) and bounded by its share of
@@ -261,10 +270,7 @@ def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_o
     Raises:
         ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
     """
-    bounded = [name for name, f in fields.items() if f.max_bytes is not None]
-    if bounded and mode != "circular":
-        raise ValueError(f"fields {bounded} have max_bytes, which evicts the oldest episodes to stay within it; "
-                         f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
+    check_bounded_mode(fields, mode)
     columns = {name: column for name, column in arena.items() if isinstance(column, HeapColumn)}
     if not columns:
         return None

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 from arrowbuf._checks import check_bool, check_choice, check_int, check_name, check_storage_device
 from arrowbuf.backend import Backend
+from arrowbuf.byte_heap import check_bounded_mode
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import describe
 from arrowbuf.local import LocalBackend
@@ -107,6 +108,9 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
                          "different times; use num_shards=1, or iter_batches() for epochs across shards")
     if directory is not None:
         refuse_durable_apart(schema)
+    store.sampler.check_unused()   # as a local store's first bind would: the shards get copies of it
+    if schema is not None:   # as a local store's shard refuses it, before any actor starts (not its death)
+        check_bounded_mode(schema.fields, store.mode)
     shards = start_shards(name, store.capacity, num_shards, seed=store.seed, sampler=store.sampler,
                           rate_limiter=store.rate_limiter, schema=schema, mode=store.mode,
                           track_reuse=store.track_reuse, options=ray_options, durable=directory)

@@ -108,9 +108,15 @@ class Sampler:
         Raises:
             ValueError: the sampler is already bound to another shard.
         """
-        if self._shard is not None and self._shard is not shard:
-            raise ValueError(f"{self!r} is already used by another store; create one sampler per store")
+        if self._shard is not shard:
+            self.check_unused()
         self._shard = shard
+
+    def check_unused(self) -> None:
+        """Raises ValueError when a store uses this sampler already (a Ray store checks it before its
+        shards copy the sampler: one bound to a local store's shard does not copy)."""
+        if self._shard is not None:
+            raise ValueError(f"{self!r} is already used by another store; create one sampler per store")
 
     def on_add(self, first_row: int, length: int) -> None:
         """Transitions at arena rows ``[first_row, first_row + length)`` were written."""
