@@ -459,7 +459,8 @@ class ShardEngine:
     def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._shard.lookups(selection, args)
-        if views and contiguous(rows):   # no copy: views of the arena
+        # No copy: views of the arena (a text field's strings are no view: such a batch is gathered).
+        if views and contiguous(rows) and not any(f.text for f in self._shard.schema.fields.values()):
             return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gatherer(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)
