@@ -27,7 +27,7 @@ if os.environ.get("CI"):
 #: the files with the most tests first), so starting with the longest keeps one worker from running a
 #: long file alone at the end.
 LONGEST_FIRST = ("test_ray_backend.py", "test_ray_dataplane.py", "test_bench_workloads.py", "test_corruption.py",
-                 "test_notebooks.py", "test_docs.py", "test_ray_lent_blocks.py", "test_capacity.py",
+                 "test_notebooks.py", "test_docs.py", "test_ray_lent_blocks.py", "test_capacity.py", "test_ray_parity.py",
                  "test_contract.py", "test_ray_onramps.py", "test_ray_piece_cutting.py", "test_writer_cases.py",
                  "test_bench.py", "test_dataset.py", "test_ray_piece_reads.py", "test_bench_columns.py",
                  "test_compat_boundaries.py", "test_durable.py", "test_gpu_check.py", "test_compat_refs.py",
