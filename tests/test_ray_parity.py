@@ -379,6 +379,24 @@ def test_writers_store_the_same_episodes_in_each_autoreset_mode(ray_stores, num_
     assert seen(local) == seen(remote, inserts)
 
 
+def test_a_store_flush_counts_its_writers_open_steps_as_a_local_store(ray_stores, num_shards):
+    local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
+    inserts = remote.stats()["inserts"]
+    writers = [store.writer(num_envs=2, autoreset_mode="disabled") for store in (local, remote)]
+    for store, writer in zip((local, remote), writers):
+        for t in range(3):   # no episode ends
+            writer.add(obs=np.full((2, 2), t), action=np.array([t, 100 + t]), reward=np.ones(2),
+                       terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1))
+        store.flush()
+        assert (len(store), store.num_episodes, store.episodes(include_open=True).num_rows) == (6, 0, 2)
+    tables = [sorted((row["env_id"], row["length"], row["first_step"], row["open"])
+                     for row in store.episodes(include_open=True).to_pylist()) for store in (local, remote)]
+    assert tables[0] == tables[1] == [("env-0", 3, 0, True), ("env-1", 3, 0, True)]   # the open episodes
+    for writer in writers:
+        writer.close()
+    assert seen(local) == seen(remote, inserts)
+
+
 def test_a_writer_dropped_without_flush_keeps_its_steps_alike(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
     inserts = remote.stats()["inserts"]

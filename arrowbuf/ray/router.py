@@ -256,7 +256,11 @@ class RayBackend:
     def flush(self) -> None:
         """Wait for this backend's writes, have every shard seal its open episodes, and
         refresh the sizes and this process's manifests (``len`` is exact after it, and
-        every episode stored so far is sampled here; priority updates left in flight are answered)."""
+        every episode stored so far is sampled here; priority updates left in flight are answered).
+        This process's writers ship their staged steps first, as pieces: ``len`` counts every step
+        they wrote, as a local store's does."""
+        for sink in list(self._writer_sinks):
+            sink.ship_open()
         self._sink.flush()
         self._dropped.wait()
         if self._shares is not None:
@@ -550,9 +554,7 @@ class RayBackend:
         pieces; this process's writers ship their staged steps first (`RaySink.ship_open`),
         and shard 0's checkpoint keeps their states (``writer_states()``): where their open
         episodes go on."""
-        for sink in list(self._writer_sinks):
-            sink.ship_open()
-        self.flush()
+        self.flush()   # this process's writers ship their staged steps first
         return save_ray_store(self.shards, Path(path), dict(info), writer_states())
 
     def to_ray_dataset(self) -> Any:
