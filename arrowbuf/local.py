@@ -18,6 +18,7 @@ from arrowbuf.errors import ArrowbufError, refused_in_batch
 from arrowbuf.sample_args import SampleArgs
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
+from arrowbuf.tensors import empty_batch
 from arrowbuf.versions import VERSION, VERSION_FIELD, ensure_version_column
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class LocalBackend:
         if found != len(index):
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
-        return batch
+        return batch if batch is not None else empty_batch(None, device)   # no schema yet: nothing to gather
 
     def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
         """Refs of batches in Ray's object store: a Ray store's (its shards put them there)."""

@@ -389,6 +389,29 @@ def make_tensordict(tensors: Mapping[tuple[str, ...], torch.Tensor], batch_shape
     return make_td(nest(tensors), torch.Size(batch_shape), device)
 
 
+def empty_batch(schema: Any, device: torch.device | None = None) -> TensorDict:
+    """A gather of no indices: ``schema``'s fields (observations also under ``"next"``; None: no
+    schema yet, none), ``index``, ``episode_id`` and ``step``, each with 0 rows (both backends')."""
+    import torch
+    from tensordict import NonTensorStack
+
+    tensors = {("index",): torch.zeros(0, dtype=torch.int64, device=device),
+               ("episode_id",): torch.zeros(0, dtype=torch.int64, device=device),
+               ("step",): torch.zeros(0, dtype=torch.int32, device=device)}
+    for name, spec in (schema.fields.items() if schema is not None else ()):
+        path = tuple(name.split("."))
+        if spec.text:
+            tensors[path] = NonTensorStack.from_list([])
+        elif spec.ragged:
+            rows = RaggedRows(np.zeros((0, *spec.shape[1:]), spec.numpy_dtype), np.zeros(1, np.int64))
+            tensors[path] = nested(rows, spec.dtype).to(device)
+        else:
+            tensors[path] = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype, device=device)
+        if spec.observation:
+            tensors[("next", *path)] = tensors[path]
+    return make_tensordict(tensors, (0,), device)
+
+
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     # Arrays from Ray's object store are read-only views of shared memory; torch
     # warns because it has no read-only tensors. The store documents that such

@@ -239,6 +239,18 @@ def test_ragged_and_text_fields_keep_max_bytes_values_keys_and_pad_alike(ray_sto
     assert epochs[0] == epochs[1]
 
 
+def test_a_gather_of_no_indices_has_the_same_fields_on_both_backends(ray_stores):
+    local, remote = twins(ray_stores, 1, capacity=200, schema=RAGGED)
+    for store in (local, remote):
+        store.add_episode(ragged_episode(0, 3), env_id="env-0")
+    empty = [store.gather(np.zeros(0, np.int64)) for store in (local, remote)]
+    assert sorted(map(str, empty[0].keys(include_nested=True))) == sorted(map(str, empty[1].keys(include_nested=True)))
+    assert {"instruction", "tokens", ("next", "obs"), "index"} <= set(empty[1].keys(include_nested=True))
+    assert empty[0].batch_size == empty[1].batch_size == (0,)
+    unwritten = ab.ExperienceStore(10).gather(np.zeros(0, np.int64))   # no schema yet (a Ray store's, as well)
+    assert sorted(unwritten.keys()) == ["episode_id", "index", "step"] and unwritten.batch_size == (0,)
+
+
 def test_n_step_and_frame_stack_treat_ragged_fields_alike(ray_stores):
     local, remote = twins(ray_stores, 1, capacity=200, schema=RAGGED)
     for store in (local, remote):

@@ -56,7 +56,6 @@ from arrowbuf.ray.shipping import gather_refs, merge_payloads
 from arrowbuf.ray.dropped import DroppedWriters
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, release_durable
-from arrowbuf.ragged import RaggedRows, nested
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.groups import GroupSampler
 from arrowbuf.samplers import Sampler, epoch_batches
@@ -64,7 +63,7 @@ from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 from arrowbuf.table import EpisodeTable
 from arrowbuf.versions import no_fresh
-from arrowbuf.tensors import Payload, make_tensordict, pinned
+from arrowbuf.tensors import Payload, empty_batch, pinned
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -449,28 +448,10 @@ class RayBackend:
             raise KeyError(f"{len(index) - found} of the {len(index)} indices are not live "
                            "(evicted, cleared, or never written)")
         if not parts:   # nothing asked for: every field, empty, as the local store's gather
-            return self._empty_gather(device)
+            return empty_batch(self.schema, device)
         # Into one new buffer (the parts are views of Ray's read-only shared memory: the caller may
         # write in place), ragged and text rows with them, in the order of ``index``.
         return merge_payloads([p for p, _ in parts], [where for _, where in parts]).to_tensordict(device)
-
-    def _empty_gather(self, device: torch.device | None) -> TensorDict:
-        """A gather of no indices: the schema's fields (observations also under ``"next"``), ``index``,
-        ``episode_id`` and ``step``, each with 0 rows."""
-        tensors = {("index",): torch.zeros(0, dtype=torch.int64, device=device),
-                   ("episode_id",): torch.zeros(0, dtype=torch.int64, device=device),
-                   ("step",): torch.zeros(0, dtype=torch.int32, device=device)}
-        schema = self.schema
-        for name, spec in (schema.fields.items() if schema is not None else ()):
-            path = tuple(name.split("."))
-            if spec.text:   # a NonTensorStack of no str cannot be made
-                continue
-            tensors[path] = nested(RaggedRows(np.zeros((0, *spec.shape[1:]), spec.numpy_dtype), np.zeros(1, np.int64)),
-                                   spec.dtype).to(device) if spec.ragged else \
-                torch.zeros((0, *spec.shape), dtype=spec.torch_dtype, device=device)
-            if spec.observation:
-                tensors[("next", *path)] = tensors[path]
-        return make_tensordict(tensors, (0,), device)
 
     def gather_refs(self, indices: list[np.ndarray], extras: list[dict], flat_next: bool) -> list:
         """One ObjectRef per index array, of its transitions as a TensorDict; the data never
