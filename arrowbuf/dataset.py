@@ -41,7 +41,7 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
+from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities, check_progress,
                               check_sample_args, to_numpy)
 from arrowbuf._dataset_cache import (MappedRows, cache_videos, check_cache_files, fingerprint, read_cache_manifest,
                                      read_episodes, source_changed, stored_schema, write_cache)
@@ -412,7 +412,7 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
                          f"got {describe(sampler)}")
     if seed is not None:
         seed = check_int("seed", seed, 0)
-    rebuild, verify = check_bool("rebuild", rebuild), check_bool("verify", verify)
+    rebuild, verify, progress = check_bool("rebuild", rebuild), check_bool("verify", verify), check_progress(progress)
     resident_limit = check_optional_int("resident_limit", resident_limit, 0)
     video_cache_bytes = check_int("video_cache_bytes", video_cache_bytes, 0)
     if not path.is_dir():
