@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from arrowbuf._checks import check_int
+from arrowbuf._checks import check_bool, check_int
 from arrowbuf._sumtree import SumTree
 from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.table import EpisodeTable
@@ -203,6 +203,9 @@ class WithoutReplacementSampler(Sampler):
     Args:
         drop_last: skip the short last batch of each epoch.
 
+    Raises:
+        ValueError: ``drop_last`` is not True or False.
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, sampler=ab.WithoutReplacementSampler(), seed=0)
@@ -213,7 +216,7 @@ class WithoutReplacementSampler(Sampler):
 
     def __init__(self, drop_last: bool = False) -> None:
         super().__init__()
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
         self._order = np.empty(0, np.int64)
         self._cursor = 0
         self.epoch = 0
