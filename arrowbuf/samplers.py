@@ -101,14 +101,21 @@ class Sampler:
         """The shard `bind` gave this sampler (None before)."""
         return self._shard
 
+    def check_schema(self, schema: Any) -> None:
+        """Raise ValueError when this sampler cannot select from a store of ``schema`` (`GroupSampler`:
+        its key); checked when a shard is made for it, before anything is stored."""
+
     def bind(self, shard) -> None:
         """Attach to the shard whose episodes this sampler selects from.
 
         Raises:
-            ValueError: the sampler is already bound to another shard.
+            ValueError: the sampler is already bound to another shard, or cannot select from
+                its schema (`check_schema`).
         """
         if self._shard is not None and self._shard is not shard:
             raise ValueError(f"{self!r} is already used by another store; create one sampler per store")
+        if getattr(shard, "schema", None) is not None:   # (a Ray reader's view binds a copy to its table only)
+            self.check_schema(shard.schema)
         self._shard = shard
 
     def on_add(self, first_row: int, length: int) -> None:
@@ -293,11 +300,12 @@ class PrioritizedSampler(Sampler):
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6) -> None:
         super().__init__()
-        if not (np.isfinite(alpha) and alpha >= 0):
+        real = (int, float, np.integer, np.floating)   # numbers, not bools (np.isfinite("x") was a TypeError)
+        if isinstance(alpha, bool) or not isinstance(alpha, real) or not (np.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-        if not (0 <= beta <= 1):
+        if isinstance(beta, bool) or not isinstance(beta, real) or not (0 <= beta <= 1):
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-        if not (np.isfinite(eps) and eps > 0):
+        if isinstance(eps, bool) or not isinstance(eps, real) or not (np.isfinite(eps) and eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
         self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
         self.max_priority = 1.0
@@ -421,7 +429,7 @@ class SequenceSampler(Sampler):
         if seq_len is None:
             raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
         self.seq_len = check_int("seq_len", seq_len, 1)
-        self.strict = bool(strict)
+        self.strict = check_bool("strict", strict)
         self.draws_open = not self.strict   # strict windows: within sealed episodes
         self._counter = f"windows{self.seq_len}"
 
