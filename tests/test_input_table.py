@@ -24,7 +24,7 @@ import arrowbuf as ab
 
 T = 4
 SCHEMA = {"obs": ab.Field("float32", (2,), observation=True), "action": "int64", "reward": "float32",
-          "terminated": "bool", "truncated": "bool", "answer": ab.Field("int64", (None,)),
+          "terminated": "bool", "truncated": "bool", "answer": ab.Field("int64", (None,), max_bytes=4096),
           "text": ab.Field("string")}
 
 
@@ -131,6 +131,9 @@ PLAIN = [
     # 26b9928: NaN and Infinity were kept as such in the episode table's JSON, which no JSON reader parses.
     ("add-episode-metadata-nan", lambda s: s.add_episode(episode(7), metadata={"score": math.nan}), ValueError,
      r"metadata must be JSON-serializable.*'score': nan"),
+    # 26b9928: the write evicted every episode held, then kept the new one over the budget anyway.
+    ("add-episode-over-max-bytes", lambda s: s.add_episode(episode(7, answer=[np.arange(1000)] * T)),
+     ab.CapacityError, r"field 'answer': an episode of 32,000 bytes of values, more than the 4,096 bytes"),
     ("add-episode-env-id-int", lambda s: s.add_episode(episode(7), env_id=3), ValueError,
      r"env_id must be a str, got 3"),
     ("add-episode-shard", lambda s: s.add_episode(episode(7), shard=1), ValueError, r"shard must be.*got 1"),
@@ -219,6 +222,12 @@ def test_a_refused_text_value_leaves_the_store_readable_everywhere(tmp_path):
     (lambda: ab.WithoutReplacementSampler(drop_last="no"), ValueError, r"drop_last must be True or False, got 'no'"),
     (lambda: ab.GroupSampler("prompt", group_size=0), ValueError, r"group_size.*0"),
     (lambda: ab.PrioritizedSampler(alpha=-1), ValueError, r"alpha.*-1"),
+    # 26b9928: numpy's "ufunc 'isfinite' not supported for the input types", naming no argument.
+    (lambda: ab.PrioritizedSampler(alpha="0.6"), ValueError, r"alpha must be a finite number >= 0, got '0\.6'"),
+    (lambda: ab.PrioritizedSampler(beta=None), ValueError, r"beta must be in \[0, 1\], got None"),
+    (lambda: ab.PrioritizedSampler(eps="small"), ValueError, r"eps must be a finite number > 0, got 'small'"),
+    # 26b9928: SequenceSampler(strict="no") was strict.
+    (lambda: ab.SequenceSampler(seq_len=4, strict="no"), ValueError, r"strict must be True or False, got 'no'"),
     (lambda: ab.ExperienceStore(0), ValueError, r"capacity must be an int >= 1, got 0"),
     (lambda: ab.ExperienceStore(10, mode="ring"), ValueError, r"mode.*'ring'"),
 ])
@@ -303,6 +312,34 @@ def test_an_encoded_field_refuses_values_of_another_dtype_or_shape(field, value,
         store.add_episode(encoded_episode(**{field: value}))
     assert (len(store), store.episodes().to_pylist(), store.to_arrow().to_pylist()) == before
     assert store.sample(4)["index"].tolist() == twin.sample(4)["index"].tolist()
+
+
+def test_a_group_sampler_whose_key_is_not_a_field_is_refused_before_the_first_write():
+    # 26b9928: the store was made and filled; the error came at its first sample.
+    no_key = {"obs": ab.Field("float32", (1,), observation=True), "reward": "float32", "terminated": "bool"}
+    with pytest.raises(ValueError, match=r"GroupSampler key 'prompt' must be a scalar field of the store; its fields "
+                                         r"are \{'obs': \(1,\), 'reward': \(\), 'terminated': \(\)\}"):
+        ab.ExperienceStore(64, sampler=ab.GroupSampler("prompt", group_size=2), schema=no_key)
+    store = ab.ExperienceStore(64, seed=0, sampler=ab.GroupSampler("prompt", group_size=2))
+    steps = {"obs": np.zeros((5, 1), np.float32), "reward": np.ones(4, np.float32), "terminated": np.arange(4) == 3}
+    with pytest.raises(ValueError, match=r"GroupSampler key 'prompt' must be a scalar field"):
+        store.add_episode(steps)
+    with pytest.raises(ValueError, match=r"GroupSampler key 'prompt' must be a scalar field"):
+        store.add_episode({**steps, "prompt": np.zeros((4, 3), np.int64)})   # a vector: not a key
+    writer = store.writer(1, "next_step")
+    with pytest.raises(ValueError, match=r"GroupSampler key 'prompt' must be a scalar field"):
+        writer.add(obs=np.zeros((1, 1), np.float32), action=np.zeros(1, np.int64), reward=np.ones(1, np.float32),
+                   terminated=np.ones(1, bool), truncated=np.zeros(1, bool), next_obs=np.ones((1, 1), np.float32))
+    assert store.schema is None and len(store) == 0   # nothing recorded, not even the schema
+    store.add_episode({**steps, "prompt": np.array([0, 0, 1, 1])})
+    groups = store.sample(4)["prompt"].view(2, 2)
+    assert (groups[:, 0] == groups[:, 1]).all()   # whole groups
+
+
+def test_a_ray_store_refuses_a_group_key_it_lacks_at_construction_not_with_a_dead_actor(ray_session):
+    # 26b9928: made; (with the check in the shards alone) each shard actor died in its constructor.
+    with pytest.raises(ValueError, match=r"GroupSampler key 'prompt' must be a scalar field"):
+        ab.ExperienceStore(64, backend="ray", sampler=ab.GroupSampler("prompt", group_size=2), schema=SCHEMA)
 
 
 # -- properties ------------------------------------------------------------------------------------------
@@ -450,6 +487,9 @@ RAY = [
     ("text-surrogate", lambda s: s.add_episode(episode(7, text=["\ud800"] * T)), ab.SchemaError,
      r"field 'text': '\\ud800' is not valid Unicode text"),
     ("pin-env-shard", lambda s: s.pin_env("env-9", 2), ValueError, r"shard must be an int in \[0, 2\).*got 2"),
+    # Raised in the shard actor (26b9928: stored, after evicting the shard's every episode).
+    ("over-max-bytes", lambda s: s.add_episode(episode(7, answer=[np.arange(1000)] * T), env_id="env-0"),
+     ab.CapacityError, r"field 'answer': an episode of 32,000 bytes of values, more than the 2,048 bytes"),
     ("priorities-nan", lambda s: s.update_priorities([0], [math.nan]), ValueError,
      r"priority must be finite and >= 0, got \[nan\]"),
     ("priorities-nan-no-wait", lambda s: s.update_priorities([0], [math.nan], wait=False), ValueError,
