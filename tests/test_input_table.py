@@ -157,6 +157,13 @@ PLAIN = [
     # 26b9928: the writer stored the step (see above for what that did to the store).
     ("writer-text-surrogate", lambda s: s.writer(2, "next_step").add(**step(text=["ok", "\ud83d"])),
      ab.SchemaError, r"field 'text': '\\ud83d' is not valid Unicode text"),
+    # 26b9928: accepted and dropped: the step stored next_obs (a same-step env's reset observation) as final.
+    ("writer-final-obs-next-step", lambda s: s.writer(2, "next_step").add(**step(), final_obs=np.ones((2, 2))),
+     ValueError, r"final_obs is for autoreset_mode='same_step'.*this writer is in 'next_step' mode"),
+    ("writer-final-obs-disabled", lambda s: s.writer(2, "disabled").add(**step(), final_obs=np.ones((2, 2))),
+     ValueError, r"final_obs is for autoreset_mode='same_step'.*this writer is in 'disabled' mode"),
+    ("writer-final-obs-no-mode", lambda s: s.writer(2).add(**step(), final_obs=np.ones((2, 2))),
+     ab.AutoresetModeError, r"writer got final_obs"),
     ("compute-gae-gamma", lambda s: s.compute_gae(gamma=1.5), ValueError, r"gamma must be a number in \[0, 1\]"),
     ("episodes-include-open", lambda s: s.episodes(include_open=1), ValueError, r"include_open must be a bool"),
 ]
