@@ -349,6 +349,29 @@ def test_a_ray_store_refuses_a_group_key_it_lacks_at_construction_not_with_a_dea
         ab.ExperienceStore(64, backend="ray", sampler=ab.GroupSampler("prompt", group_size=2), schema=SCHEMA)
 
 
+@pytest.mark.parametrize("returned, pattern", [
+    # 26b9928: numpy's "could not convert string to float: np.str_('x')", naming no argument.
+    (lambda td: "x", r"bootstrap_value returned 'x'; expected 3 finite values"),
+    (lambda td: np.ones(3) * 1j, r"bootstrap_value returned ndarray of dtype complex128.*expected 3 finite values"),
+    (lambda td: torch.zeros(4), r"bootstrap_value returned Tensor .* shape \(4,\); expected 3 finite values"),
+    (lambda td: torch.full((3,), math.nan), r"expected 3 finite values"),
+])
+def test_compute_gae_refuses_a_bad_bootstrap_value_and_writes_nothing(returned, pattern):
+    def cut():
+        store = ab.ExperienceStore(capacity=100, seed=0)
+        for _ in range(3):   # truncated: each bootstraps from its final observation's value
+            store.add_episode({"obs": np.zeros((5, 2), np.float32), "reward": np.ones(4, np.float32),
+                               "value": np.zeros(4, np.float32), "terminated": np.zeros(4, bool),
+                               "truncated": np.arange(4) == 3})
+        return store
+
+    store, twin = cut(), cut()
+    with pytest.raises(ValueError, match=pattern):
+        store.compute_gae(value_key="value", bootstrap_value=returned)
+    assert "advantage" not in store.schema.fields and store.to_arrow().equals(twin.to_arrow())
+    assert store.compute_gae(value_key="value", bootstrap_value=lambda td: torch.ones(td.shape[0])) == 12
+
+
 # -- properties ------------------------------------------------------------------------------------------
 
 QUICK = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
