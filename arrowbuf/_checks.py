@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -69,6 +71,17 @@ def check_progress(progress: Any) -> bool | None:
     if progress is not None and not isinstance(progress, (bool, np.bool_)):
         raise ValueError(f"progress must be None (a bar when stderr is a terminal), True or False, got {progress!r}")
     return None if progress is None else bool(progress)
+
+
+def check_path(name: str, path: Any) -> Path:
+    """``path`` (a str or os.PathLike) as a `pathlib.Path`.
+
+    Raises:
+        TypeError: anything else, naming the argument (pathlib's own error named none).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {describe(path)}")
+    return Path(path)
 
 
 #: Parquet compressions pyarrow writes (names as `pyarrow.parquet.write_table` takes them, any case).

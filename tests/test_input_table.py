@@ -275,6 +275,13 @@ def test_bad_arguments_of_load_and_open_are_refused(tmp_path):
         ab.ExperienceStore.load(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"capacity.*-1"):
         ab.ExperienceStore.from_parquet(export, capacity=-1)
+    # 26b9928: pathlib's "expected str, bytes or os.PathLike object, not int", naming no argument.
+    for call in (lambda: store.save(3), lambda: store.to_parquet(None), lambda: ab.ExperienceStore.load(3),
+                 lambda: ab.ExperienceStore.from_parquet(3), lambda: ab.open_dataset(3)):
+        with pytest.raises(TypeError, match=r"path must be a path \(a str or os.PathLike\), got (3|None)"):
+            call()
+    with pytest.raises(TypeError, match=r"cache_dir must be a path \(a str or os.PathLike\), got 3"):
+        ab.open_dataset(export, cache_dir=3)
     assert ab.ExperienceStore.load(saved, progress=False).to_arrow().equals(store.to_arrow())
 
 
