@@ -536,6 +536,10 @@ RAY = [
      r"pad: the value for 'answer' must be a whole number .*got 0\.25"),
     ("writer-env-count", lambda s: s.writer(2, "next_step").add(**step(3)), ab.SchemaError,
      r"leading dims.*expected 2 envs"),
+    ("writer-text-surrogate", lambda s: s.writer(2, "next_step").add(**step(text=["ok", "\udfff"])),
+     ab.SchemaError, r"field 'text': '\\udfff' is not valid Unicode text"),
+    ("world-size-without-rank", lambda s: next(s.iter_batches(4, world_size=2, balance="answer")), ValueError,
+     r"rank"),
 ]
 
 
