@@ -433,6 +433,25 @@ def test_a_batch_size_that_is_not_a_positive_int_is_refused_everywhere(shared_pa
         assert_refused(store, twin, call, ValueError, rf"batch_size must be an int >= 1, got {re.escape(repr(batch_size))}")
 
 
+@QUICK
+@given(index=st.lists(st.integers(-2 ** 63, 2 ** 63 - 1) | st.integers(-3, 15), min_size=1, max_size=6),
+       bad=st.sampled_from([None, math.nan, -0.5, math.inf, -math.inf]), where=st.integers(0, 5))
+def test_priorities_of_any_indices_apply_to_the_live_ones_or_are_refused_whole(index, bad, where):
+    store, twin = make(ab.PrioritizedSampler(alpha=1.0)), make(ab.PrioritizedSampler(alpha=1.0))
+    priority = np.full(len(index), 3.0)
+    if bad is not None:
+        priority[where % len(index)] = bad
+        total = store.sampler.tree.total
+        assert_refused(store, twin, lambda s: s.update_priorities(index, priority), ValueError,
+                       r"priority must be finite and >= 0, got \[")
+        assert store.sampler.tree.total == total
+        return
+    live = sum(0 <= i < len(store) for i in index)   # 3 episodes of 4 transitions: indices 0..11, none evicted
+    assert store.update_priorities(np.array(index, np.int64), priority) == live
+    assert twin.update_priorities(np.array(index, np.int64), priority) == live
+    assert store.sample(8)["index"].tolist() == twin.sample(8)["index"].tolist()
+
+
 # -- mixtures ---------------------------------------------------------------------------------------------
 
 
