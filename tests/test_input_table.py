@@ -379,6 +379,29 @@ def test_compute_gae_refuses_a_bad_bootstrap_value_and_writes_nothing(returned, 
     assert store.compute_gae(value_key="value", bootstrap_value=lambda td: torch.ones(td.shape[0])) == 12
 
 
+@pytest.mark.parametrize("dtype, pad, expected", [
+    ("float32", 0.5, 0.5), ("float32", math.nan, math.nan), ("float32", -math.inf, -math.inf),
+    ("float32", 1e39, r"pad: the value for 'a' overflows the field's float32"),   # 26b9928: inf, silently
+    ("float16", 70000, r"pad: the value for 'a' overflows the field's float16"),
+    ("uint8", 255, 255), ("uint8", 256, r"whole number in \[0, 255\] \(the field is uint8\), got 256"),
+    ("uint8", -1, r"whole number in \[0, 255\].*got -1"),   # 26b9928: padded with 255
+    ("bool", 1, True), ("bool", 2, r"whole number in \[0, 1\] \(the field is bool\), got 2"),
+])
+def test_a_pad_value_is_checked_against_its_fields_dtype(dtype, pad, expected):
+    store = ab.ExperienceStore(capacity=50, seed=0, schema={"obs": ab.Field("float32", (1,), observation=True),
+                                                            "a": ab.Field(dtype, (None,)), "terminated": "bool"})
+    store.add_episode({"obs": np.zeros((4, 1), np.float32), "a": [np.ones(n + 1, dtype) for n in range(3)],
+                       "terminated": np.arange(3) == 2})
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            store.sample(3, pad={"a": pad})
+        assert store.stats()["samples"] == 0
+        return
+    batch, = store.iter_batches(3, shuffle=False, pad={"a": pad})   # rows of 1, 2 and 3 values
+    assert batch["a_length"].tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(batch["a"][:2, 2].double().numpy(), np.full(2, float(expected)))
+
+
 # -- properties ------------------------------------------------------------------------------------------
 
 QUICK = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
