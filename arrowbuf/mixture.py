@@ -50,11 +50,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import check_bool, check_int, check_priorities, real_numbers
+from arrowbuf._checks import check_bool, check_int, check_priorities, check_sample_args, real_numbers
 from arrowbuf._mixed import MAX_PLANS, MixedPlan, in_process_source
 from arrowbuf._pool import SlotPool
 from arrowbuf.errors import EmptyStoreError, describe
-from arrowbuf.ragged import RaggedRows, jagged
+from arrowbuf.ragged import RaggedRows, check_pad, jagged
 from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.tensors import make_tensordict
 
@@ -190,6 +190,7 @@ class Mixture:
                 return batch[torch.from_numpy(self._rng.permutation(batch_size))] if self.shuffle else batch
         counts = split_counts(self._weights, check_int("batch_size", batch_size, 1))
         self._refuse_empty(counts)
+        self._check_args(counts, kwargs)
         parts = [(k, self._sources[name].sample(int(n), **kwargs))
                  for k, (name, n) in enumerate(zip(self.names, counts)) if n]
         return self._combine(parts, kwargs.get("pad"))
@@ -206,6 +207,22 @@ class Mixture:
                 raise EmptyStoreError(f"Mixture.sample: source {name!r} holds 0 transitions and its weight "
                                       f"{self.weights[name]:g} asks it for {n} rows; nothing was drawn from any "
                                       f"source: add to it first, or set_weights it to 0")
+
+    def _check_args(self, counts: np.ndarray, kwargs: dict) -> None:
+        """The options that depend on a source's schema (n-step returns need a scalar reward, ``pad``
+        names ragged fields), checked against every source asked for rows before any draws: a
+        later source's refusal came after the earlier ones had drawn and counted their rows."""
+        n_step, pad = kwargs.get("n_step", 1), kwargs.get("pad")
+        for name, n in zip(self.names, counts.tolist()):
+            schema = getattr(self._sources[name], "schema", None) if n else None
+            if schema is None:
+                continue
+            try:
+                check_sample_args(n_step, kwargs.get("gamma", 0.99), kwargs.get("frame_stack", 1),
+                                  schema if n_step != 1 else None)
+                check_pad(pad, schema)
+            except ValueError as err:
+                raise ValueError(f"source {name!r}: {err}; nothing was drawn from any source") from None
 
     def _sample_direct(self, batch_size: int) -> TensorDict | None:
         """A batch of `arrowbuf._mixed`'s pooled path, through a new plan for ``batch_size``

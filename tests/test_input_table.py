@@ -494,6 +494,24 @@ def test_a_mixture_with_an_empty_source_draws_from_none_of_them():
     assert mixture.sample(8)["source"].tolist() == [0] * 4 + [1] * 4
 
 
+def test_mixture_options_a_later_source_refuses_are_refused_before_any_source_draws():
+    # 26b9928: the first source drew and counted its rows, then the second refused n_step (no reward) or pad.
+    first, twin = make(), make()
+    second = ab.ExperienceStore(capacity=50, seed=0, schema={"obs": ab.Field("float32", (2,), observation=True),
+                                                             "action": "int64", "terminated": "bool"})
+    second.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.zeros(3, np.int64),
+                        "terminated": np.arange(3) == 2})
+    mixture = ab.Mixture({"a": first, "b": second}, weights={"a": 0.5, "b": 0.5}, seed=0)
+    before = snapshot(first)
+    with pytest.raises(ValueError, match=r"source 'b': n_step > 1 needs a 'reward' field.*nothing was drawn"):
+        mixture.sample(8, n_step=2)
+    with pytest.raises(ValueError, match=r"source 'b': pad: 'answer' is not a ragged field.*nothing was drawn"):
+        mixture.sample(8, pad={"answer": 0})
+    assert snapshot(first) == before and second.stats()["samples"] == 0
+    assert first.sample(4)["index"].tolist() == twin.sample(4)["index"].tolist()
+    assert mixture.sample(8, keys=["obs"])["source"].tolist() == [0] * 4 + [1] * 4
+
+
 def test_mixture_priorities_are_checked_for_every_source_before_any_is_updated():
     # 26b9928: the first source's priorities were set, then the second's NaN refused.
     per = ab.PrioritizedSampler(alpha=1.0)
