@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -58,6 +60,47 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
+
+
+def check_progress(progress: Any) -> bool | None:
+    """A progress-bar switch: None (shown when stderr is a terminal), True or False.
+
+    Raises:
+        ValueError: anything else (a truthy ``"no"`` would otherwise show the bar).
+    """
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise ValueError(f"progress must be None (a bar when stderr is a terminal), True or False, got {progress!r}")
+    return None if progress is None else bool(progress)
+
+
+def check_path(name: str, path: Any) -> Path:
+    """``path`` (a str or os.PathLike) as a `pathlib.Path`.
+
+    Raises:
+        TypeError: anything else, naming the argument (pathlib's own error named none).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {describe(path)}")
+    return Path(path)
+
+
+#: Parquet compressions pyarrow writes (names as `pyarrow.parquet.write_table` takes them, any case).
+PARQUET_COMPRESSIONS = ("none", "snappy", "gzip", "brotli", "lz4", "lz4_raw", "zstd")
+
+
+def check_compression(compression: Any) -> str:
+    """A Parquet compression codec's name, checked before any file is written.
+
+    Raises:
+        ValueError: not one of `PARQUET_COMPRESSIONS`, or one this pyarrow was built without.
+    """
+    import pyarrow as pa
+
+    if not isinstance(compression, str) or compression.lower() not in PARQUET_COMPRESSIONS:
+        raise ValueError(f"compression must be one of {PARQUET_COMPRESSIONS}, got {compression!r}")
+    if compression.lower() != "none" and not pa.Codec.is_available(compression.lower()):
+        raise ValueError(f"compression {compression!r}: this pyarrow was built without it; use 'zstd' or 'snappy'")
+    return compression.lower()
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> Any:
@@ -144,16 +187,17 @@ def check_metadata(metadata: Any) -> dict | None:
     """None, or a JSON-serializable mapping (kept in the episode table).
 
     Raises:
-        ValueError: not a mapping, or not JSON-serializable.
+        ValueError: not a mapping, or not JSON-serializable (NaN and infinities included).
     """
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
         raise ValueError(f"metadata must be a dict or None, got {describe(metadata)}")
-    try:
-        json.dumps(dict(metadata))
+    try:   # allow_nan=False: NaN and Infinity are not JSON, and no other reader of the table parses them
+        json.dumps(dict(metadata), allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"metadata must be JSON-serializable: {err}") from None
+        raise ValueError(f"metadata must be JSON-serializable (finite numbers), got {describe(metadata)}: "
+                         f"{err}") from None
     return dict(metadata)
 
 

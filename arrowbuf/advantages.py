@@ -321,8 +321,10 @@ def bootstrap_values(bootstrap_value: Callable[[TensorDict], Any] | None, observ
                          "flush at the end of a rollout) and bootstrap from its value: pass "
                          "bootstrap_value=fn, fn(final_obs: TensorDict[n]) -> values [n]")
     result = bootstrap_value(observations)
-    values = real_numbers(result, "bootstrap_value's result").astype(np.float64)
-    if values.size != count or not np.isfinite(values).all():
+    values = real_numbers(result, "bootstrap_value's result")
+    real = np.issubdtype(values.dtype, np.integer) or np.issubdtype(values.dtype, np.floating)   # not str, complex
+    values = values.astype(np.float64) if real else values
+    if not real or values.size != count or not np.isfinite(values).all():
         raise ValueError(f"bootstrap_value returned {describe(result)}; expected {count} finite values, "
                          "one per final observation")
     return values.reshape(count)

@@ -41,8 +41,8 @@ import pyarrow as pa
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_priorities,
-                              check_sample_args, to_numpy)
+from arrowbuf._checks import (check_bool, check_device, check_int, check_optional_int, check_path, check_priorities,
+                              check_progress, check_sample_args, to_numpy)
 from arrowbuf._dataset_cache import (MappedRows, cache_videos, check_cache_files, fingerprint, read_cache_manifest,
                                      read_episodes, source_changed, stored_schema, write_cache)
 from arrowbuf._dataset_heaps import cache_heaps, heap_column
@@ -405,14 +405,14 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
             cache with ``rebuild=False``.
         ValueError: a bad argument.
     """
-    path = Path(path)
+    path = check_path("path", path)
     sampler = UniformSampler() if sampler is None else sampler
     if not isinstance(sampler, Sampler):
         raise ValueError(f"sampler must be an arrowbuf Sampler (UniformSampler(), PrioritizedSampler(), ...), "
                          f"got {describe(sampler)}")
     if seed is not None:
         seed = check_int("seed", seed, 0)
-    rebuild, verify = check_bool("rebuild", rebuild), check_bool("verify", verify)
+    rebuild, verify, progress = check_bool("rebuild", rebuild), check_bool("verify", verify), check_progress(progress)
     resident_limit = check_optional_int("resident_limit", resident_limit, 0)
     video_cache_bytes = check_int("video_cache_bytes", video_cache_bytes, 0)
     if not path.is_dir():
@@ -420,7 +420,7 @@ def open_dataset(path: str | Path, *, sampler: Sampler | None = None, seed: int 
     kind = detect(path)
     if kind == "cache":
         return Dataset(path, read_cache_manifest(path), sampler, seed, resident_limit, verify, video_cache_bytes)
-    cache = Path(cache_dir) if cache_dir is not None else path / CACHE_DIR
+    cache = check_path("cache_dir", cache_dir) if cache_dir is not None else path / CACHE_DIR
     files, hashed = source_files(kind, path)
     if cache.exists():
         manifest = read_cache_manifest(cache)

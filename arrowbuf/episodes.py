@@ -101,7 +101,7 @@ class StepWriter:
         self.device = device   # where steps are staged: None (numpy) or a torch device
         self._stage: dict[str, np.ndarray] = {}
         self._last_next: dict[str, np.ndarray] = {}
-        self._reader = StepReader(self.num_envs, device, autoreset_mode)   # a step's arrays, as checked columns
+        self._reader = StepReader(self.num_envs, device, autoreset_mode if reset_check is None else None)
         self._pos = np.zeros(num_envs, np.int64)      # steps in each env's open episode
         self._skip = np.zeros(num_envs, bool)         # next_step mode: the coming step is a reset
         # An episode that outgrew the capacity was refused: the rest of it is skipped,
@@ -184,8 +184,8 @@ class StepWriter:
             ObservationMismatchError: an env's ``obs`` differs from its last
                 ``next_obs`` mid-episode (observation t + 1 is stored once, as the
                 ``next_obs`` of step t); nothing is recorded.
-            ValueError: a bad, decreasing or out-of-range ``policy_version``; nothing
-                is recorded.
+            ValueError: a bad, decreasing or out-of-range ``policy_version``, or ``final_obs``
+                in another mode than ``same_step``; nothing is recorded.
             WriterClosedError: the writer is closed; nothing is recorded.
             CapacityError: an env's open episode outgrew the store's capacity at
                 this step (its steps and final observation need more rows than a

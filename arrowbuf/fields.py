@@ -80,7 +80,8 @@ class Field:
 
     Raises:
         SchemaError: an unknown dtype or codec, a codec the dtype or shape cannot
-            take, or a shape with negative or non-integer sizes.
+            take, a shape with negative or non-integer sizes, or an ``observation`` or
+            ``derived`` that is not a bool.
     """
 
     dtype: str
@@ -95,10 +96,17 @@ class Field:
         try:
             given = tuple(self.shape)
             ragged = bool(given) and given[0] is None
+            # Ints only: int(2.5) would silently make the field (2,).
+            if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in given[ragged:]):
+                raise TypeError
             shape = tuple(int(s) for s in given[ragged:])
         except (TypeError, ValueError):
             raise SchemaError(f"shape must be a tuple of ints (the first may be None: a ragged field), "
                               f"got {self.shape!r}") from None
+        for flag in ("observation", "derived"):
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                raise SchemaError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+            object.__setattr__(self, flag, bool(getattr(self, flag)))
         if any(s < 1 for s in shape):
             raise SchemaError(f"shape must have positive sizes, got {given} (Arrow's fixed-shape tensors need them)")
         if ragged and (self.observation or self.codec is not None or len(shape) > 1):

@@ -69,6 +69,15 @@ class GroupSampler(Sampler):
             raise ValueError(f"GroupSampler unit must be one of {UNITS}, got {unit!r}")
         self.key, self.group_size, self.unit = key, int(group_size), unit
 
+    def check_schema(self, schema: Any) -> None:
+        """Raise ValueError unless the key is a scalar field of ``schema`` (checked when the store
+        gets its schema, before its first write: not at its first sample, after the data is in)."""
+        spec = schema.fields.get(self.key) if schema is not None else None
+        if spec is None or spec.shape != ():
+            fields = {name: f.shape for name, f in schema.fields.items()} if schema is not None else {}
+            raise ValueError(f"GroupSampler key {self.key!r} must be a scalar field of the store; its fields are "
+                             f"{fields}")
+
     def check_batch_size(self, batch_size: int) -> None:
         """Raises ValueError when ``batch_size`` is not a multiple of the group size, naming the nearest ones."""
         g = self.group_size
@@ -127,11 +136,7 @@ class GroupSampler(Sampler):
             ValueError: the key is not a scalar field of the store.
         """
         shard = self.bound_shard
-        spec = shard.schema.fields.get(self.key) if shard is not None and shard.schema is not None else None
-        if spec is None or spec.shape != ():
-            fields = {name: f.shape for name, f in shard.schema.fields.items()} if shard is not None else {}
-            raise ValueError(f"GroupSampler key {self.key!r} must be a scalar field of the store; its fields are "
-                             f"{fields}")
+        self.check_schema(shard.schema if shard is not None else None)
         first, length = table.col("first_row"), table.col("length")
         if not len(first):
             return None

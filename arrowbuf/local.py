@@ -151,10 +151,25 @@ class LocalBackend:
     def sample(self, batch_size: int, args: SampleArgs, device: Any, pin_memory: bool, timeout: float | None,
                num_workers: int | None, worker_nodes: Sequence[str] | None,
                keys: Any = None, min_version: int | None = None) -> TensorDict | list[TensorDict]:
+        if num_workers is not None:
+            self._refuse_jagged_split(keys)
         batch = self.engine.sample(batch_size, args, device, pin_memory, timeout, keys, min_version)
         if num_workers is None:
             return batch
         return list(batch.split(batch_size // num_workers, dim=0))
+
+    def _refuse_jagged_split(self, keys: Any) -> None:
+        """Raise ValueError, before anything is drawn, when a ``num_workers`` sample would hold a
+        ragged field: its jagged tensor cannot be split along the batch (torch raised a RuntimeError
+        after the draw was counted)."""
+        schema = self.engine.schema
+        wanted = self.engine.check_keys(keys)
+        ragged = [name for name, f in (schema.fields.items() if schema is not None else ())
+                  if f.ragged and (wanted is None or tuple(name.split(".")) in wanted)]
+        if ragged:
+            raise ValueError(f"num_workers: the ragged fields {ragged} are jagged tensors, which cannot be split "
+                             "into the workers' batches yet; sample each worker's batch on its own "
+                             "(sample(batch_size // num_workers)), or leave them out with keys=")
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
                     batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:

@@ -50,11 +50,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import check_bool, check_int
+from arrowbuf._checks import check_bool, check_int, check_priorities, check_sample_args, real_numbers
 from arrowbuf._mixed import MAX_PLANS, MixedPlan, in_process_source
 from arrowbuf._pool import SlotPool
-from arrowbuf.errors import describe
-from arrowbuf.ragged import RaggedRows, jagged
+from arrowbuf.errors import EmptyStoreError, describe
+from arrowbuf.ragged import RaggedRows, check_pad, jagged
 from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.tensors import make_tensordict
 
@@ -189,9 +189,40 @@ class Mixture:
             if batch is not None:
                 return batch[torch.from_numpy(self._rng.permutation(batch_size))] if self.shuffle else batch
         counts = split_counts(self._weights, check_int("batch_size", batch_size, 1))
+        self._refuse_empty(counts)
+        self._check_args(counts, kwargs)
         parts = [(k, self._sources[name].sample(int(n), **kwargs))
                  for k, (name, n) in enumerate(zip(self.names, counts)) if n]
         return self._combine(parts, kwargs.get("pad"))
+
+    def _refuse_empty(self, counts: np.ndarray) -> None:
+        """Raise `EmptyStoreError` before any source draws when a source asked for rows holds none:
+        the sources before it would have drawn (their generators, sample and reuse counts moved)
+        for a batch that is never returned. In-process sources only (a Ray store's size is a round
+        trip: its shards refuse for themselves)."""
+        for name, n in zip(self.names, counts.tolist()):
+            source = self._sources[name]
+            if n and getattr(source, "backend", "local") == "local" and hasattr(source, "__len__") \
+                    and len(source) == 0:
+                raise EmptyStoreError(f"Mixture.sample: source {name!r} holds 0 transitions and its weight "
+                                      f"{self.weights[name]:g} asks it for {n} rows; nothing was drawn from any "
+                                      f"source: add to it first, or set_weights it to 0")
+
+    def _check_args(self, counts: np.ndarray, kwargs: dict) -> None:
+        """The options that depend on a source's schema (n-step returns need a scalar reward, ``pad``
+        names ragged fields), checked against every source asked for rows before any draws: a
+        later source's refusal came after the earlier ones had drawn and counted their rows."""
+        n_step, pad = kwargs.get("n_step", 1), kwargs.get("pad")
+        for name, n in zip(self.names, counts.tolist()):
+            schema = getattr(self._sources[name], "schema", None) if n else None
+            if schema is None:
+                continue
+            try:
+                check_sample_args(n_step, kwargs.get("gamma", 0.99), kwargs.get("frame_stack", 1),
+                                  schema if n_step != 1 else None)
+                check_pad(pad, schema)
+            except ValueError as err:
+                raise ValueError(f"source {name!r}: {err}; nothing was drawn from any source") from None
 
     def _sample_direct(self, batch_size: int) -> TensorDict | None:
         """A batch of `arrowbuf._mixed`'s pooled path, through a new plan for ``batch_size``
@@ -244,23 +275,27 @@ class Mixture:
             Per prioritized source with rows in the batch, how many of its indices were live.
 
         Raises:
-            ValueError: ``priority`` does not have one value per row.
+            ValueError: not a batch of this mixture, or ``priority`` does not have one value per row,
+                or holds values a source refuses (every source's are checked before any is sent).
         """
-        source = batch["source"]
-        priority = torch.as_tensor(priority).reshape(-1) if not isinstance(priority, np.ndarray) \
-            else torch.from_numpy(np.ascontiguousarray(priority).reshape(-1))
+        if not all(key in batch.keys() for key in ("source", "index")):
+            raise ValueError(f"batch must be a batch of this mixture (with 'source' and 'index'), got keys "
+                             f"{sorted(map(str, batch.keys()))}")
+        source, index = batch["source"].cpu().numpy(), batch["index"].cpu().numpy()
+        priority = real_numbers(priority, "priority").reshape(-1)
         if priority.shape[0] != source.shape[0]:
             raise ValueError(f"priority must have one value per row of the batch ({source.shape[0]}), "
                              f"got {priority.shape[0]}")
-        applied = {}
-        for k, name in enumerate(self.names):
+        updates = []
+        for k, name in enumerate(self.names):   # every source's part checked before any is sent
             target = self._sources[name]
-            if not isinstance(getattr(target, "sampler", None), PrioritizedSampler):
-                continue
+            sampler = getattr(target, "sampler", None)
             rows = source == k
-            if bool(rows.any()):
-                applied[name] = target.update_priorities(batch["index"][rows], priority[rows])
-        return applied
+            if isinstance(sampler, PrioritizedSampler) and rows.any():
+                check_priorities(index[rows], priority[rows], sampler.alpha, sampler.eps,
+                                 getattr(target, "capacity", None) or max(len(target), 1))
+                updates.append((name, target, rows))
+        return {name: target.update_priorities(index[rows], priority[rows]) for name, target, rows in updates}
 
     def _combine(self, parts: list[tuple[int, TensorDict]], pad: Any = None) -> TensorDict:
         """One batch of the sources' batches, rows in order, with ``"source"``: ragged fields

@@ -74,6 +74,8 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     """The backend of a new store, from its checked settings (``store.capacity``, ``.seed``, ...)."""
     if schema is not None and not isinstance(schema, Schema):
         schema = Schema(schema)
+    if schema is not None:   # here: a Ray shard refusing it in its constructor dies (ActorDiedError)
+        store.sampler.check_schema(schema)
     if store.backend == "local":
         if num_shards != 1 or name is not None or ray_options is not None:
             raise ValueError(f"num_shards={num_shards!r}, name={name!r} and ray_options={ray_options!r} "

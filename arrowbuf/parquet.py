@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from arrowbuf._checks import is_int
+from arrowbuf._checks import check_bool, check_compression, check_progress, is_int
 from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
                                check_hash_entry, check_size, file_entry, none_freed, plain_schema, progress_bar, read_manifest,
@@ -251,9 +251,12 @@ def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]],
     (the backend's; see `export_shard`) and returns (episode table, file entries).
 
     Raises:
-        ValueError: the store has no schema yet, or a bad ``rows_per_file``.
+        ValueError: the store has no schema yet, or a bad ``compression``, ``rows_per_file``,
+            ``progress`` or ``overwrite``.
         FileExistsError: ``path`` exists and is not empty, and ``overwrite`` is False.
     """
+    compression, progress = check_compression(compression), check_progress(progress)
+    overwrite = check_bool("overwrite", overwrite)
     if rows_per_file is not None and not is_int(rows_per_file, 1):
         raise ValueError(f"rows_per_file must be an int >= 1 or None, got {rows_per_file!r}")
     rows_per_file = int(rows_per_file) if rows_per_file is not None else None

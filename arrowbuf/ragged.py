@@ -277,7 +277,7 @@ def check_pad(pad: Any, schema: Any) -> dict[tuple[str, ...], Any] | None:
 
     Raises:
         ValueError: ``pad`` is not a mapping, names a field that is not ragged (or no field),
-            or gives a value that is not a number.
+            or gives a value that is not a number of the field's dtype (`_pad_value`).
     """
     if pad is None:
         return None
@@ -290,8 +290,34 @@ def check_pad(pad: Any, schema: Any) -> dict[tuple[str, ...], Any] | None:
             raise ValueError(f"pad: {name!r} is not a ragged field; the ragged fields are {ragged}")
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise ValueError(f"pad: the value for {name!r} must be a number, got {value!r}")
-        checked[tuple(name.split("."))] = value
+        checked[tuple(name.split("."))] = _pad_value(name, value, schema.fields[name].dtype)
     return checked
+
+
+def _pad_value(name: str, value: Any, dtype: str) -> Any:
+    """``value`` as the field's dtype, checked to be that number: the pad is filled with numpy's
+    unsafe cast, which made 0.5 a 0 of an int field, NaN an arbitrary int, and 2**70 an OverflowError
+    after the batch was drawn.
+
+    Raises:
+        ValueError: a value the field's dtype cannot hold exactly (an int field: not a whole number in
+            its range; a float field: a finite number beyond its range, which would become inf).
+    """
+    kind = np.dtype(dtype).kind if dtype != "bfloat16" else "f"
+    if kind in "iub":
+        info = np.iinfo(dtype) if kind != "b" else None
+        whole = isinstance(value, (int, np.integer)) or (np.isfinite(value) and float(value).is_integer())
+        low, high = (0, 1) if info is None else (info.min, info.max)
+        if not whole or not low <= int(value) <= high:
+            raise ValueError(f"pad: the value for {name!r} must be a whole number in [{low}, {high}] (the field is "
+                             f"{dtype}), got {value!r}")
+        return int(value)
+    if dtype != "bfloat16" and np.isfinite(value):
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.dtype(dtype).type(value)):
+                raise ValueError(f"pad: the value for {name!r} overflows the field's {dtype} (largest "
+                                 f"{np.finfo(dtype).max}), got {value!r}")
+    return value
 
 
 def pad_batch(batch: Any, pad: dict[tuple[str, ...], Any] | None) -> Any:

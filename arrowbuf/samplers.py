@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from arrowbuf._checks import check_int
+from arrowbuf._checks import check_bool, check_int
 from arrowbuf._sumtree import SumTree
 from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.table import EpisodeTable
@@ -102,14 +102,21 @@ class Sampler:
         """The shard `bind` gave this sampler (None before)."""
         return self._shard
 
+    def check_schema(self, schema: Any) -> None:
+        """Raise ValueError when this sampler cannot select from a store of ``schema`` (`GroupSampler`:
+        its key); checked when a shard is made for it, before anything is stored."""
+
     def bind(self, shard) -> None:
         """Attach to the shard whose episodes this sampler selects from.
 
         Raises:
-            ValueError: the sampler is already bound to another shard.
+            ValueError: the sampler is already bound to another shard, or cannot select from
+                its schema (`check_schema`).
         """
         if self._shard is not shard:
             self.check_unused()
+        if getattr(shard, "schema", None) is not None:   # (a Ray reader's view binds a copy to its table only)
+            self.check_schema(shard.schema)
         self._shard = shard
 
     def check_unused(self) -> None:
@@ -210,6 +217,9 @@ class WithoutReplacementSampler(Sampler):
     Args:
         drop_last: skip the short last batch of each epoch.
 
+    Raises:
+        ValueError: ``drop_last`` is not True or False.
+
     Example:
         >>> import numpy as np, arrowbuf as ab
         >>> store = ab.ExperienceStore(capacity=100, sampler=ab.WithoutReplacementSampler(), seed=0)
@@ -220,7 +230,7 @@ class WithoutReplacementSampler(Sampler):
 
     def __init__(self, drop_last: bool = False) -> None:
         super().__init__()
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
         self._order = np.empty(0, np.int64)
         self._cursor = 0
         self.epoch = 0
@@ -297,11 +307,12 @@ class PrioritizedSampler(Sampler):
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6) -> None:
         super().__init__()
-        if not (np.isfinite(alpha) and alpha >= 0):
+        real = (int, float, np.integer, np.floating)   # numbers, not bools (np.isfinite("x") was a TypeError)
+        if isinstance(alpha, bool) or not isinstance(alpha, real) or not (np.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-        if not (0 <= beta <= 1):
+        if isinstance(beta, bool) or not isinstance(beta, real) or not (0 <= beta <= 1):
             raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-        if not (np.isfinite(eps) and eps > 0):
+        if isinstance(eps, bool) or not isinstance(eps, real) or not (np.isfinite(eps) and eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
         self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
         self.max_priority = 1.0
@@ -425,7 +436,7 @@ class SequenceSampler(Sampler):
         if seq_len is None:
             raise TypeError("SequenceSampler needs seq_len, the steps per window (an int >= 1)")
         self.seq_len = check_int("seq_len", seq_len, 1)
-        self.strict = bool(strict)
+        self.strict = check_bool("strict", strict)
         self.draws_open = not self.strict   # strict windows: within sealed episodes
         self._counter = f"windows{self.seq_len}"
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from arrowbuf.errors import SchemaError
+from arrowbuf.errors import SchemaError, describe
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.fields import Field, arrow_to_numpy, check_column, dtype_name
 
@@ -112,10 +112,13 @@ class Schema:
             nested mappings flatten to dotted names.
 
     Raises:
-        SchemaError: a reserved or malformed name, a bad spec, or no step field.
+        SchemaError: not a mapping, a reserved or malformed name, a bad spec, or no step field.
     """
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
+        if not isinstance(fields, Mapping):
+            raise SchemaError(f"a schema is a mapping name -> Field (or dtype name, or (dtype, shape)), "
+                              f"got {describe(fields)}")
         flat = flatten(fields) if fields else {}
         if not flat:
             raise SchemaError("a schema needs at least one field, got none")

@@ -25,7 +25,7 @@ import numpy as np
 
 from arrowbuf.byte_heap import bind_heap_columns, share_budgets
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
-from arrowbuf.ragged import nested
+from arrowbuf.ragged import RaggedRows, nested, ragged_rows
 from arrowbuf.errors import CapacityError
 from arrowbuf.indexing import look_ahead, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
@@ -348,7 +348,24 @@ class Shard:
             raise CapacityError(
                 f"episode of {episode.num_steps} steps holds {length} transitions, more than the shard "
                 f"capacity of {self.capacity:,} transitions; raise the capacity or cut the episode")
+        self._check_budgets(episode)
         return self.placement.plan(episode.num_rows, length)
+
+    def _check_budgets(self, episode: Episode) -> None:
+        """`CapacityError` for an episode whose ragged field's values alone exceed the field's byte
+        budget (this shard's part of ``max_bytes``): storing it evicted every episode held and then
+        kept it over the budget anyway."""
+        for name, column in self.arena.items():
+            data = episode.columns.get(name)
+            if getattr(column, "budget", None) is None or not self.schema.fields[name].ragged or data is None:
+                continue
+            rows = data if isinstance(data, RaggedRows) else ragged_rows(data, name, column.tail)
+            nbytes = int(rows.offsets[-1] - rows.offsets[0]) * column.item_bytes
+            if nbytes > column.budget:
+                raise CapacityError(
+                    f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the "
+                    f"{column.budget:,} bytes its max_bytes={self.schema.fields[name].max_bytes:,} gives this "
+                    "shard; raise max_bytes or cut the episode")
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(first row, rows) of the ``count`` oldest episodes."""

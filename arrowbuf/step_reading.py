@@ -28,7 +28,8 @@ from arrowbuf.versions import as_version_schema, writer_fields
 
 
 class StepReader:
-    """Reads the steps of a writer of ``num_envs`` envs (staged on ``device``, in ``autoreset_mode``)."""
+    """Reads the steps of a writer of ``num_envs`` envs (staged on ``device``, in ``autoreset_mode``:
+    None for a writer given no mode, whose `arrowbuf.autoreset.ResetCheck` reads its steps' resets)."""
 
     def __init__(self, num_envs: int, device: torch.device | None, autoreset_mode: str) -> None:
         self.num_envs = num_envs
@@ -128,9 +129,14 @@ class StepReader:
         ``same_step`` mode the checked ``final_obs``.
 
         Raises:
-            ValueError: ``same_step`` mode and an episode ends without ``final_obs``.
+            ValueError: ``same_step`` mode and an episode ends without ``final_obs``, or ``final_obs``
+                given in another mode (dropped, it would store next_obs in its place).
             SchemaError: ``final_obs`` of other fields, dtypes or shapes than ``next_obs``.
         """
+        if self.autoreset_mode != "same_step" and final_obs is not None and self.autoreset_mode is not None:
+            raise ValueError(f"final_obs is for autoreset_mode='same_step' (envs that reset within the step); this "
+                             f"writer is in {self.autoreset_mode!r} mode, where next_obs is the final observation "
+                             "and final_obs would be dropped: open the writer with autoreset_mode='same_step'")
         if self.autoreset_mode != "same_step" or not done.any():
             return {n: a for n, (a, _) in next_cols.items()}
         if final_obs is None:

@@ -20,9 +20,9 @@ import pyarrow as pa
 import torch
 
 from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_gae_args,
-                              check_index_batches, check_int, check_metadata, check_name, check_priorities,
-                              check_sample_args, check_shard, check_storage_device, check_timeout, check_worker_nodes,
-                              check_workers, to_numpy)
+                              check_index_batches, check_int, check_metadata, check_name, check_path,
+                              check_priorities, check_progress, check_sample_args, check_shard, check_storage_device,
+                              check_timeout, check_worker_nodes, check_workers, to_numpy)
 from arrowbuf._stats import store_html
 from arrowbuf import torchrl_layout as trl
 from arrowbuf._writers import WriterRegistry
@@ -498,7 +498,7 @@ class ExperienceStore:
         Raises ValueError (no schema yet, a bad argument), FileExistsError (without ``overwrite``)."""
         from arrowbuf.parquet import export_store
 
-        return export_store(self, self._backend.export_steps, path, compression=compression,
+        return export_store(self, self._backend.export_steps, check_path("path", path), compression=compression,
                             rows_per_file=rows_per_file, progress=progress, overwrite=overwrite)
 
     @classmethod
@@ -512,12 +512,14 @@ class ExperienceStore:
         """
         from arrowbuf.parquet_load import load_store
 
-        return load_store(cls, path, capacity, episode_filter, progress, **store_kwargs)
+        return load_store(cls, check_path("path", path), capacity, episode_filter, check_progress(progress),
+                          **store_kwargs)
 
     def save(self, path: str | Path, progress: bool | None = None) -> Path:
         """Checkpoint the store (rows, sampler, limiter, generator, writers' open episodes)
         into directory ``path``, writing only what changed (`arrowbuf.checkpoint`); FileExistsError
-        when ``path`` is a file or holds a foreign manifest.json."""
+        when ``path`` is a file or holds a foreign manifest.json, ValueError for a bad ``progress``."""
+        path, progress = check_path("path", path), check_progress(progress)
         info = {"capacity": self.capacity, "mode": self.mode, "seed": self.seed, "track_reuse": self.track_reuse,
                 "created_at": self.created_at}
         if self.storage_device is not None:   # rows are saved from host copies; the device is restored
@@ -535,7 +537,8 @@ class ExperienceStore:
         Raises FormatError (naming the file: missing, incomplete, truncated, newer) or
         ValueError (Ray arguments for a local checkpoint).
         """
-        return cls._opened(load_backend(path, progress, num_shards, name, ray_options, storage_device))
+        return cls._opened(load_backend(check_path("path", path), check_progress(progress), num_shards, name,
+                                        ray_options, storage_device))
 
     def to_ray_dataset(self) -> Any:
         """Ray only: the rows as a `ray.data.Dataset` built by the shards (`arrowbuf.ray.persist`)."""

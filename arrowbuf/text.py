@@ -31,7 +31,8 @@ def text_values(value: Any, name: str) -> np.ndarray | None:
     ``str``, a numpy string array, an Arrow string or dictionary array); None otherwise.
 
     Raises:
-        SchemaError: naming the field, for a list that mixes strings with other values.
+        SchemaError: naming the field, for a list that mixes strings with other values, or a
+            string that is not valid Unicode text (`_utf8`).
     """
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         kind = value.type.value_type if pa.types.is_dictionary(value.type) else value.type
@@ -42,9 +43,9 @@ def text_values(value: Any, name: str) -> np.ndarray | None:
         return np.array(value.to_pylist(), dtype=object)
     if isinstance(value, np.ndarray):
         if value.dtype.kind == "U":
-            return value.astype(object)
+            return _utf8(value.astype(object), name)
         if value.dtype == object and value.size and all(isinstance(v, str) for v in value.reshape(-1).tolist()):
-            return value
+            return _utf8(value, name)
         return None
     if isinstance(value, (list, tuple)) and value and any(isinstance(v, str) for v in value):
         if not all(isinstance(v, str) for v in value):
@@ -52,8 +53,35 @@ def text_values(value: Any, name: str) -> np.ndarray | None:
                               "field takes one str per step (or per env)")
         array = np.empty(len(value), object)
         array[:] = value
-        return array
+        return _utf8(array, name)
     return None
+
+
+def _utf8(strings: np.ndarray, name: str) -> np.ndarray:
+    """``strings``, checked to be valid Unicode text: a lone surrogate (``"\\ud800"``, as a bad
+    ``surrogateescape`` decode leaves) has no UTF-8 bytes, so Arrow, exports and Ray blocks could
+    never read the column again once its dictionary held one.
+
+    Raises:
+        SchemaError: naming the field and the first such string.
+    """
+    flat = strings.reshape(-1).tolist()
+    try:
+        "".join(flat).encode("utf-8")   # one pass; Python never pairs surrogates across strings
+    except UnicodeEncodeError:
+        bad = next(text for text in flat if not _encodes(text))
+        raise SchemaError(f"field {name!r}: {bad!r} is not valid Unicode text (it holds a lone surrogate, which "
+                          "UTF-8 cannot encode); expected str values that encode as UTF-8 (decode bytes with "
+                          "errors='replace' rather than 'surrogateescape')") from None
+    return strings
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class TextColumn:

@@ -37,14 +37,14 @@ import copy
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arrowbuf._checks import is_int
+from arrowbuf._checks import check_bool, is_int
 from arrowbuf.compat.config import BufferSettings, parse_config
 from arrowbuf.compat.ingest import Ingest, parse_env_meta, truncation_list
 from arrowbuf.compat.placement import Placement, check_env_nodes, driver_node, resolve_placement
@@ -300,8 +300,12 @@ class DataBuffer:
         """`truncate_one_episode` for each item (env ids or objects with ``env_id``).
 
         Raises:
-            TypeError: an item without an env id (checked before any is truncated).
+            TypeError: an item without an env id (checked before any is truncated), or a single
+                str (read as a list, each of its characters would be an env id with nothing open).
         """
+        if isinstance(items, str) or not isinstance(items, Iterable):
+            raise TypeError(f"truncate_episodes takes a list of env ids (or objects with env_id), got "
+                            f"{items!r}; for one env use truncate_one_episode({items!r})")
         self._ingest.truncate(items)
 
     @_locked
@@ -380,10 +384,12 @@ class DataBuffer:
         Raises:
             ValueError: ``batch_size`` larger than the stored items (except for
                 sampler 'all'), missing for 'uniform' / 'batch', not an int >= 1,
-                or too small for the train workers with ``drop_last``.
+                or too small for the train workers with ``drop_last``; ``shuffle`` or
+                ``drop_last`` not a bool.
         """
         if batch_size is not None and not is_int(batch_size, 1):
             raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
+        shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
         with self._timers.timed("sample"):
             total = self.size()
             self._check_batch(batch_size, total)

@@ -71,10 +71,14 @@ def default_preprocess_fn(transition_dict: dict, env_ret: Any = None, policy_res
 
     Raises:
         ValueError: neither is given, or their env ids differ.
+        TypeError: not an EnvRet / PolicyResponse (from the default inner hooks).
     """
     if env_ret is None and policy_resp is None:
         raise ValueError("at least one of env_ret or policy_resp must be given")
-    if env_ret is not None and policy_resp is not None and env_ret.env_id != policy_resp.env_id:
+    # getattr: a value of the wrong type is named by its hook's TypeError below, not an AttributeError here.
+    if env_ret is not None and policy_resp is not None \
+            and getattr(env_ret, "env_id", None) != getattr(policy_resp, "env_id", None) \
+            and hasattr(env_ret, "env_id") and hasattr(policy_resp, "env_id"):
         raise ValueError(f"env_ret and policy_resp are for different envs: {env_ret.env_id!r} and "
                          f"{policy_resp.env_id!r}")
     if env_ret is not None:
