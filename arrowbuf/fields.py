@@ -249,7 +249,7 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
 
         if value.is_nested:
             rows = ragged_rows(value, name)
-            return rows, _NUMPY_NAMES.get(rows.dtype, "")
+            return rows, _ragged_name(value, rows, name)
         tensor = tensor_on_cpu(value, f"field {name!r}")
         if tensor.dtype == torch.bfloat16:   # a same-size view: strided tensors need no copy
             return tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
@@ -266,7 +266,7 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
         return arrow_to_numpy(value, name), ""
     if isinstance(value, RaggedRows) or (isinstance(value, (list, tuple)) and _uneven(value)):
         rows = ragged_rows(value, name)
-        return rows, _NUMPY_NAMES.get(rows.dtype, "")
+        return rows, _ragged_name(value, rows, name)
     try:
         array = np.asarray(value)
     except ValueError as err:   # nested lists of uneven lengths below the first level
@@ -279,6 +279,22 @@ def as_array(value: Any, name: str) -> tuple[np.ndarray, str]:
             f"expected one of {sorted(_DTYPES)}"
         )
     return array, dtype
+
+
+def _ragged_name(value: Any, rows: RaggedRows, name: str) -> str:
+    """The dtype name of ragged ``rows`` read from ``value``: "bfloat16" for bfloat16 tensors
+    (read as their uint16 bits), else the rows' numpy dtype's.
+
+    Raises:
+        SchemaError: naming the field, for rows of bfloat16 tensors beside rows of another
+            dtype (their bits would pass for uint16 values).
+    """
+    given = [row for row in value if len(row)] if isinstance(value, (list, tuple)) else [value]
+    bf16 = [_lazy_torch.is_tensor(row) and _lazy_torch.name_of(row.dtype) == "bfloat16" for row in given]
+    if any(bf16) and not all(bf16):
+        raise SchemaError(f"field {name!r}: rows of bfloat16 tensors beside rows of other dtypes; a ragged field's "
+                          "rows share one dtype")
+    return "bfloat16" if given and all(bf16) else _NUMPY_NAMES.get(rows.dtype, "")
 
 
 def _uneven(value: list | tuple) -> bool:

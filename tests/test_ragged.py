@@ -289,3 +289,37 @@ def test_a_sampled_jagged_tensor_records_its_longest_row_as_torch_s_own_construc
         assert padded.shape[:2] == (6, int(lengths.max())), (padded.shape, lengths.tolist())
         for i, n in enumerate(lengths.tolist()):
             assert torch.equal(padded[i, :n], batch.values()[int(batch.offsets()[i]):int(batch.offsets()[i + 1])])
+
+
+@pytest.mark.parametrize("form", ["list", "nested", "inferred", "writer"])
+def test_bfloat16_ragged_rows_given_as_torch_tensors_are_stored_bit_for_bit(form):
+    # bfloat16 tensors are read as their uint16 bits: a (None,) bfloat16 field refused them as uint16,
+    # and inference named no dtype.
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(k, generator=gen).to(torch.bfloat16) for k in (2, 5, 1, 3)]
+    schema = {**SCHEMA, "tokens": ab.Field("bfloat16", (None,))}
+    store = ab.ExperienceStore(capacity=50, schema=None if form == "inferred" else schema, seed=0)
+    if form == "writer":
+        writer = store.writer(2, autoreset_mode="disabled")
+        for t in range(2):
+            writer.add(obs=np.zeros((2, 2), np.float32), next_obs=np.zeros((2, 2), np.float32), action=np.arange(2),
+                       reward=np.zeros(2, np.float32), terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
+                       tokens=rows[2 * t:2 * t + 2])
+        writer.flush()
+    else:
+        given = torch.nested.nested_tensor(rows, layout=torch.jagged) if form == "nested" else rows
+        store.add_episode({**episode(0, 4), "tokens": given})
+    assert store.schema.fields["tokens"] == ab.Field("bfloat16", (None,)) and len(store) == 4
+    values = store.gather(np.concatenate([np.arange(*r) for r in store.live_ranges()]))["tokens"]
+    assert values.dtype == torch.bfloat16   # every row held, bit for bit (lengths are distinct: order by length)
+    assert [t.view(torch.int16).tolist() for t in sorted(values.unbind(), key=len)] == \
+        [t.view(torch.int16).tolist() for t in sorted(rows, key=len)]
+
+
+def test_bfloat16_tensor_rows_beside_rows_of_another_dtype_are_refused():
+    store = ab.ExperienceStore(capacity=50, schema={**SCHEMA, "tokens": ab.Field("bfloat16", (None,))}, seed=0)
+    mixed = [torch.ones(2, dtype=torch.bfloat16), np.ones(3, np.uint16), torch.ones(1, dtype=torch.bfloat16),
+             torch.ones(1, dtype=torch.bfloat16)]
+    with pytest.raises(SchemaError, match="field 'tokens': rows of bfloat16 tensors beside rows of other dtypes"):
+        store.add_episode({**episode(0, 4), "tokens": mixed})
+    assert len(store) == 0
