@@ -453,3 +453,26 @@ def test_a_fields_max_bytes_follows_the_capacity_shares_and_a_whole_rollout_stay
             assert values.shape[0] == ENVS * STEPS and set((values[:, 0] // 1000).tolist()) == {k}
     finally:
         store.close()
+
+
+def test_add_episodes_with_too_many_bytes_for_one_shards_part_of_max_bytes_stores_none_of_them(ray_session):
+    # max_bytes of 2,000 bytes over 2 even shards: 1,000 each. An episode of 1,200 bytes of tokens fits
+    # the store's budget but no shard's part: refused whole, before the other shard stores its episode.
+    store = ab.ExperienceStore(capacity=100, backend="ray", num_shards=2, seed=0, schema={
+        "obs": ab.Field("float32", (3,), observation=True), "action": "int64", "terminated": "bool",
+        "tokens": ab.Field("int32", (None,), max_bytes=2000)})
+    try:
+        store.writer(2, autoreset_mode="disabled").close()   # the shares are known: the process that started it
+        store.pin_env("small", 0)
+        store.pin_env("large", 1)
+        steps = 3
+        episodes = {"obs": np.zeros((2, steps + 1, 3), np.float32), "action": np.zeros((2, steps), np.int64),
+                    "terminated": np.arange(steps) == np.full((2, 1), steps - 1),
+                    "tokens": [[np.zeros(10, np.int32)] * steps, [np.zeros(100, np.int32)] * steps]}
+        with pytest.raises(ab.CapacityError, match="field 'tokens': an episode of 1,200 bytes.*shard 1.*nothing was "
+                                                   "stored"):
+            store.add_episodes(episodes, env_ids=["small", "large"])
+        store.flush()
+        assert len(store) == 0 and [s["episodes"] for s in store.stats()["shards"]] == [0, 0]
+    finally:
+        store.close()

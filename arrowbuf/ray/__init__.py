@@ -10,6 +10,8 @@ that this list names every module here, in such an order):
 - `blocks`: `BlockRing`, a shard's rows sealed into immutable blocks of the object store;
 - `lent`: `UnfilledRows`, lent episodes a shard placed without copying their rows until it reads them;
 - `tails`: `OpenPieces`, a shard's stored pieces of episodes still open (transitions, not episodes);
+- `shares`: `CapacityShares`, each shard's share of the capacity, following the writers' envs routed to it, and
+  whether episodes fit their shards' shares (`unfit`);
 - `dropped`: `DroppedWriters`, the deliveries of writers dropped without flush or close, their errors kept;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
 - `persist`: what exports, checkpoints and Ray Data share (the shards write their own files);
@@ -25,7 +27,6 @@ that this list names every module here, in such an order):
 - `views`: `ShardView`, a shard's blocks and episode table as a reader sees them;
 - `reader`: `BlockReader`, a process's views of the shards' blocks, where samples are drawn (or asked of the
   shards: PER, rate limiters) and gathered, one `DrawLoop` per request;
-- `shares`: `CapacityShares`, each shard's share of the capacity, following the writers' envs routed to it;
 - `priorities`: `PriorityUpdates`, priority updates waited for or left in flight, their errors kept;
 - `gae`: `compute_gae` across shards, the value function called by the caller;
 - `router`: `RayBackend`, what `ExperienceStore(backend="ray")` holds (and loads).

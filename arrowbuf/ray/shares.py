@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from arrowbuf.ragged import RaggedRows, ragged_rows
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 
 logger = logging.getLogger(__name__)
@@ -210,3 +211,30 @@ def _gone(shares: "weakref.ref[CapacityShares]", writer: int) -> None:
         owner.gone(writer)
     except Exception as err:   # a finalizer cannot raise: the shares stay as they were
         logger.error("an arrowbuf store could not move its shards' capacity shares after a writer went away: %s", err)
+
+
+def unfit(episodes: list[Any], groups: Mapping[int, list[int]], capacities: np.ndarray, schema: Any) -> str | None:
+    """Why an episode of ``episodes`` (``groups``: shard -> the indices of those routed to it)
+    does not fit its shard's share, ``capacities`` (transitions, summing to the store's): more
+    transitions than the share, or more values of a ragged field than the share's part of its
+    ``max_bytes`` (as each shard bounds it, `arrowbuf.byte_heap.share_budgets`); None when
+    every one fits. (An encoded field's bytes are known only once encoded, in the shard.)"""
+    total = max(int(capacities.sum()), 1)
+    bounded = {name: f.max_bytes for name, f in schema.fields.items() if f.ragged and f.max_bytes is not None} \
+        if schema is not None else {}
+    for s, members in groups.items():
+        for k in members:
+            episode = episodes[k]
+            if episode.num_rows - int(episode.has_final) > capacities[s]:
+                return (f"an episode of {episode.num_rows - int(episode.has_final)} transitions is longer than "
+                        f"shard {s}'s share of the store's capacity, {int(capacities[s])} transitions (shares "
+                        "follow the open writers' envs)")
+            for name, max_bytes in bounded.items():
+                data = episode.columns.get(name)
+                rows = data if data is None or isinstance(data, RaggedRows) else ragged_rows(data, name)
+                nbytes = int(rows.offsets[-1] - rows.offsets[0]) * rows.values[:1].nbytes if rows is not None else 0
+                if nbytes > max_bytes * int(capacities[s]) // total:
+                    return (f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the "
+                            f"{max_bytes * int(capacities[s]) // total:,} bytes of max_bytes={max_bytes:,} that "
+                            f"shard {s}'s share of the capacity gives it")
+    return None

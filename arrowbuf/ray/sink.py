@@ -48,6 +48,7 @@ from arrowbuf.ray.blocks import block_columns
 from arrowbuf.ray.dropped import DroppedWriters
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
+from arrowbuf.ray.shares import unfit
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode
 
@@ -344,18 +345,15 @@ class RaySink:
             return ids
 
     def _check_fit(self, episodes: list[Episode], groups: dict[int, list[int]], capacities: np.ndarray) -> None:
-        """Raise CapacityError, the loads of ``groups`` taken back, where an episode is longer
-        than its shard's capacity: no shard stores any (one that refused would leave the
-        others' stored)."""
-        for s, members in groups.items():
-            longest = max(episodes[k].num_rows - int(episodes[k].has_final) for k in members)
-            if longest > capacities[s]:
-                for t, routed in groups.items():
-                    self._loads[t] -= sum(episodes[k].num_rows for k in routed)
-                raise CapacityError(f"an episode of {longest} transitions is longer than shard {s}'s share of the "
-                                    f"store's capacity, {int(capacities[s])} transitions (shares follow the open "
-                                    "writers' envs); nothing was stored: route it to another shard (pin_env), "
-                                    "raise the capacity or cut the episode")
+        """Raise CapacityError, the loads of ``groups`` taken back, where an episode does not fit
+        its shard's share (`arrowbuf.ray.shares.unfit`): no shard stores any (one that refused
+        would leave the others' stored)."""
+        reason = unfit(episodes, groups, capacities, self._schema)
+        if reason is not None:
+            for t, routed in groups.items():
+                self._loads[t] -= sum(episodes[k].num_rows for k in routed)
+            raise CapacityError(f"{reason}; nothing was stored: route it to another shard (pin_env), raise the "
+                                "capacity or cut the episode")
 
     def pin(self, key: str, shard: int) -> None:
         """Route ``key``'s episodes to ``shard`` unless it already has a route."""
