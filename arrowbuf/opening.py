@@ -219,5 +219,6 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
         reshard = ray.remote(reshard_task)
         ray.get([reshard.remote(str(d), backend.sink(None, None)) for d in dirs])
         backend.flush()
-    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, time.time(), loaded.writers,
+    created_at = float(manifest.get("created_at", time.time()))   # the saved store's, as a local load keeps it
+    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, created_at, loaded.writers,
                   loaded.typed_errors)

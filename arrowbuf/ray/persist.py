@@ -27,6 +27,8 @@ episodes exactly.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -171,6 +173,10 @@ def checkpoint_dirs(path: Path) -> tuple[dict, list[Path]]:
         int(manifest["capacity"]), manifest["mode"], manifest["seed"]   # present, the capacity an int
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path / RAY_MANIFEST}: incomplete manifest ({err!r})") from None
+    created = manifest.get("created_at", 0.0)   # the store's creation time (absent before it was kept)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not np.isfinite(created):
+        raise FormatError(f"{path / RAY_MANIFEST}: created_at is {created!r}; expected the store's creation time "
+                          "(seconds since the epoch)")
     generation = generation_dir(path, manifest)
     dirs = [shard_dir(generation, s) for s in range(saved)]
     for directory in dirs:
@@ -187,8 +193,13 @@ def reshard_task(directory: str, sink: "RaySink") -> int:
     engine = load_engine(directory, progress=False).engine
     table = engine.episodes()
     ids = table.column("episode_id").to_pylist()
-    for episode_id, env_id in zip(ids, table.column("env_id").to_pylist()):
-        episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id)
+    # Each episode keeps its env id, metadata and insertion time (its id is the new store's).
+    inserted = table.column("inserted_at").cast(pa.int64()).to_pylist()
+    for episode_id, env_id, metadata, at in zip(ids, table.column("env_id").to_pylist(),
+                                                table.column("metadata").to_pylist(), inserted):
+        episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id,
+                                  json.loads(metadata) if metadata else None)
+        episode = dataclasses.replace(episode, inserted_at=at)
         sink.write(episode, route_key=f"{directory}:{episode_id}")   # spread episodes, not envs
         sink.commit()
     sink.close()
