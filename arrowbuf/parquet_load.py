@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from arrowbuf._persist import batch_columns, check_file, progress_bar
+from arrowbuf._persist import batch_columns, check_file, join_rows, progress_bar
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import CapacityError, FormatError
 from arrowbuf.parquet import EPISODES, STEPS, Export, group_rows, open_export
@@ -220,7 +220,7 @@ def _episode(parts: list[dict[str, np.ndarray]], schema: Schema, num_rows: int, 
     steps = num_rows - int(has_final)
     columns = {}
     for name, spec in schema.fields.items():
-        rows = parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts])
+        rows = join_rows([p[name] for p in parts])
         columns[name] = rows if spec.observation else rows[:steps]
     return Episode(columns, steps, has_final, env_id, json.loads(metadata) if metadata else None,
                    inserted_at=inserted_at, first_step=first_step)

@@ -37,8 +37,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, remove
-from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_json, schema_of, take_rows,
-                               write_manifest)
+from arrowbuf._persist import (batch_columns, check_format, join_rows, plain_schema, read_json, schema_of,
+                               take_rows, write_manifest)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.ray.handles import unwrapped
@@ -244,7 +244,7 @@ def episodes_of_dataset(dataset: Any) -> tuple[Schema, Iterator[Episode]]:
 
 
 def _episode(parts: list[dict[str, np.ndarray]], schema: Schema) -> Episode:
-    columns = {name: np.concatenate([p[name] for p in parts]) for name in [*schema.fields, FINAL]}
+    columns = {name: join_rows([p[name] for p in parts]) for name in [*schema.fields, FINAL]}
     has_final = bool(columns.pop(FINAL)[-1])
     num_steps = len(columns[next(iter(schema.fields))]) - int(has_final)
     for name, spec in schema.fields.items():
