@@ -299,3 +299,54 @@ def test_a_damaged_writer_version_in_a_checkpoint_is_a_format_error_naming_it(ve
     edit_checkpoint(tmp_path / "ckpt", damage)
     with pytest.raises(ab.FormatError, match="runner.*versions"):
         ab.ExperienceStore.load(tmp_path / "ckpt")
+
+
+# -- damaged schema entries ---------------------------------------------------------------------------
+
+
+DAMAGED_ENTRIES = {   # field -> its damaged to_json entry
+    "max_bytes below 1": ("tokens", ["int32", [None], False, False, {"max_bytes": -5}]),
+    "max_bytes a string": ("tokens", ["int32", [None], False, False, {"max_bytes": "abc"}]),
+    "max_bytes a bool": ("tokens", ["int32", [None], False, False, {"max_bytes": True}]),
+    "options not a mapping": ("pairs", ["int16", [None, 2], False, False, [40_000]]),
+    "an unknown option": ("pairs", ["int16", [None, 2], False, False, {"max_byte": 40_000}]),
+    "a string role": ("reward", ["float32", [], "no"]),
+    "a codec on a ragged field": ("tokens", ["int32", [None], False, False, {"codec": "zstd"}]),
+}
+
+
+@pytest.fixture(scope="module")
+def damaged_sources(tmp_path_factory):
+    """An export and a checkpoint of one store, to damage copies of."""
+    root = tmp_path_factory.mktemp("damaged")
+    store = ab.ExperienceStore(capacity=400, seed=0, schema=SCHEMA)
+    fill(store, 3)
+    return store.to_parquet(root / "export"), store.save(root / "ckpt")
+
+
+@pytest.mark.parametrize("damage", DAMAGED_ENTRIES)
+@pytest.mark.parametrize("path", ["from_parquet", "open_dataset", "load"])
+def test_a_damaged_field_entry_is_a_format_error_naming_the_field(damaged_sources, tmp_path, damage, path):
+    # Before, the error named no field, and a role "no" (a truthy string) made a step field an observation.
+    import shutil
+
+    from support.persist_data import edit_checkpoint
+
+    name, entry = DAMAGED_ENTRIES[damage]
+    export, ckpt = damaged_sources
+    if path == "load":
+        copy = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+
+        def edit(state: dict) -> None:
+            state["schema"] = json.dumps({**json.loads(state["schema"]), name: entry})
+
+        edit_checkpoint(copy, edit)
+        opener = ab.ExperienceStore.load
+    else:
+        copy = Path(shutil.copytree(export, tmp_path / "export"))
+        manifest = json.loads((copy / "_arrowbuf.json").read_text())
+        manifest["schema"][name] = entry
+        _persist.write_manifest(copy / "_arrowbuf.json", {k: v for k, v in manifest.items() if k != _persist.CHECKSUM})
+        opener = ab.ExperienceStore.from_parquet if path == "from_parquet" else ab.open_dataset
+    with pytest.raises(ab.FormatError, match=f"field '{name}'"):
+        opener(copy)
