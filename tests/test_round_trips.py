@@ -350,3 +350,61 @@ def test_a_damaged_field_entry_is_a_format_error_naming_the_field(damaged_source
         opener = ab.ExperienceStore.from_parquet if path == "from_parquet" else ab.open_dataset
     with pytest.raises(ab.FormatError, match=f"field '{name}'"):
         opener(copy)
+
+
+# -- durable shards restarting --------------------------------------------------------------------------
+
+
+def test_a_restarted_durable_shard_keeps_its_capacity_share_and_every_step(ray_session, tmp_path):
+    # A restarted shard started from the even split it was made with (62 of 123, not 82) and replayed
+    # its log into it: it evicted its oldest pieces (96 of the rollout's 123 steps were left).
+    import os
+    import time
+
+    import ray
+
+    store = ab.ExperienceStore(capacity=123, backend="ray", num_shards=2, seed=0, durable=tmp_path / "logs")
+    try:
+        writer = store.writer(num_envs=3)
+        obs = np.zeros((3, 2), np.float32)
+        for t in range(41):   # one rollout of 3 envs x 41 steps: shares of 82 and 41
+            writer.add(obs=obs, action=np.zeros(3, np.int64), reward=np.full(3, t, np.float32),
+                       terminated=np.full(3, t == 40), truncated=np.zeros(3, bool), next_obs=obs + 1)
+            obs = obs + 1
+        writer.flush()
+        shares = [s["capacity"] for s in store.stats()["shards"]]
+        before = played(store)
+        assert sorted(shares) == [41, 82] and len(store) == 123
+        for k in range(2):
+            handle = ray.get_actor(f"{store.name}:{k}", namespace="arrowbuf")
+            old = ray.get(handle.__ray_call__.remote(lambda server: os.getpid()))
+            ray.kill(handle, no_restart=False)
+            deadline = time.monotonic() + 60
+            while ray.get(handle.__ray_call__.remote(lambda server: os.getpid())) == old:
+                assert time.monotonic() < deadline, "the shard actor was not restarted"
+                time.sleep(0.1)
+        assert [s["capacity"] for s in store.stats()["shards"]] == shares
+        assert len(store) == 123
+        assert_same_episodes(before, played(store))
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("content", ['{"capacity": -1}', '{"capacity": "82"}', '{"capacity": 500}', "82", "{"])
+def test_a_damaged_share_file_of_a_durable_shard_is_a_format_error_naming_it(tmp_path, content):
+    from arrowbuf.durable import SHARE, DurableShard
+    from arrowbuf.engine import ShardEngine
+
+    shard = DurableShard(tmp_path / "shard-0")
+    try:
+        shard.remember_share(82)
+        assert shard.saved_share() == 82
+        (tmp_path / "shard-0" / SHARE).write_text(content)
+        make = lambda: ShardEngine(62, sampler=ab.UniformSampler(), rate_limiter=ab.RateLimiter(), seed=0,  # noqa: E731
+                                   room=123)
+        with pytest.raises(ab.FormatError, match="shard-0/share"):
+            shard.recover(make, restarted=True)
+        assert shard.recover(make).capacity == 62   # a new store's shard: an earlier run's share is not its own
+        assert shard.saved_share() is None
+    finally:
+        shard.close()
