@@ -408,3 +408,18 @@ def test_a_damaged_share_file_of_a_durable_shard_is_a_format_error_naming_it(tmp
         assert shard.saved_share() is None
     finally:
         shard.close()
+
+
+@pytest.mark.parametrize("setting, value", [("mode", "bogus"), ("capacity", 0), ("capacity", -5)])
+@pytest.mark.parametrize("opener", ["from_parquet", "open_dataset"])
+def test_damaged_store_settings_of_an_export_are_a_format_error_naming_the_manifest(damaged_sources, tmp_path,
+                                                                                   setting, value, opener):
+    # from_parquet raised a plain ValueError that blamed an argument the caller never passed.
+    import shutil
+
+    copy = Path(shutil.copytree(damaged_sources[0], tmp_path / "export"))
+    manifest = json.loads((copy / "_arrowbuf.json").read_text())
+    manifest["store"][setting] = value
+    _persist.write_manifest(copy / "_arrowbuf.json", {k: v for k, v in manifest.items() if k != _persist.CHECKSUM})
+    with pytest.raises(ab.FormatError, match=f"_arrowbuf.json: store settings .*{setting}={value!r}"):
+        (ab.ExperienceStore.from_parquet if opener == "from_parquet" else ab.open_dataset)(copy)
