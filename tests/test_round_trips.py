@@ -423,3 +423,20 @@ def test_damaged_store_settings_of_an_export_are_a_format_error_naming_the_manif
     _persist.write_manifest(copy / "_arrowbuf.json", {k: v for k, v in manifest.items() if k != _persist.CHECKSUM})
     with pytest.raises(ab.FormatError, match=f"_arrowbuf.json: store settings .*{setting}={value!r}"):
         (ab.ExperienceStore.from_parquet if opener == "from_parquet" else ab.open_dataset)(copy)
+
+
+@pytest.mark.parametrize("sampler", [ab.GroupSampler("prompt", group_size=2), ab.EpisodeSampler(),
+                                     ab.WithoutReplacementSampler()], ids=lambda s: type(s).__name__)
+def test_a_one_shard_checkpoint_of_a_sampler_shards_cannot_split_refuses_more_shards(ray_session, tmp_path, sampler):
+    # Loaded into 2 shards it made the store `ExperienceStore(num_shards=2, sampler=...)` refuses
+    # (groups split over shards, episodes padded differently, epochs per shard).
+    store = ab.ExperienceStore(capacity=100, backend="ray", num_shards=1, seed=0, sampler=sampler)
+    try:
+        for k in range(2):
+            store.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.zeros(3, np.int64),
+                               "prompt": ["p", "p", "q"], "terminated": np.arange(3) == 2})
+        store.save(tmp_path / "ckpt")
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match=f"{type(sampler).__name__}.*num_shards=1"):
+        ab.ExperienceStore.load(tmp_path / "ckpt", num_shards=2)
