@@ -195,8 +195,8 @@ def reshard_task(directory: str, sink: "RaySink") -> int:
     ids = table.column("episode_id").to_pylist()
     # Each episode keeps its env id, metadata and insertion time (its id is the new store's).
     inserted = table.column("inserted_at").cast(pa.int64()).to_pylist()
-    for episode_id, env_id, metadata, at in zip(ids, table.column("env_id").to_pylist(),
-                                                table.column("metadata").to_pylist(), inserted):
+    metadata_of = table.column("metadata").to_pylist() if "metadata" in table.column_names else [None] * len(ids)
+    for episode_id, env_id, metadata, at in zip(ids, table.column("env_id").to_pylist(), metadata_of, inserted):
         episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id,
                                   json.loads(metadata) if metadata else None)
         episode = dataclasses.replace(episode, inserted_at=at)
