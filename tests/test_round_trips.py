@@ -440,3 +440,23 @@ def test_a_one_shard_checkpoint_of_a_sampler_shards_cannot_split_refuses_more_sh
         store.close()
     with pytest.raises(ValueError, match=f"{type(sampler).__name__}.*num_shards=1"):
         ab.ExperienceStore.load(tmp_path / "ckpt", num_shards=2)
+
+
+def test_a_checkpoint_of_columns_on_a_torch_device_loads_there_or_where_asked(tmp_path):
+    fixed = ab.Schema(schema.unflatten({n: f for n, f in SCHEMA.fields.items()   # what a torch arena takes
+                                        if not (f.ragged or f.text or f.codec)}))
+    store = ab.ExperienceStore(capacity=40, seed=3, schema=fixed, storage_device="cpu", track_reuse=True,
+                               sampler=ab.PrioritizedSampler(alpha=0.7, beta=0.5, eps=1e-3))
+    rng = np.random.default_rng(0)
+    for k in range(14):
+        data = schema.flatten(episode(rng, int(rng.integers(2, 7)), k // 3))
+        data = schema.unflatten({n: v for n, v in data.items() if n in fixed.fields})
+        store.add_episode(data, env_id=f"env-{k % 3}", metadata={"k": k} if k % 2 else None)
+    store.sample(4, keys=["reward"])
+    store.save(tmp_path / "ckpt")
+    for loaded, device in ((ab.ExperienceStore.load(tmp_path / "ckpt"), "cpu"),   # as saved, or where asked
+                           (ab.ExperienceStore.load(tmp_path / "ckpt", storage_device=None), "None")):
+        assert str(loaded.storage_device) == device
+        assert settings(loaded) == settings(store)
+        assert loaded.stats()["reuse"] == store.stats()["reuse"]
+        assert_same_episodes(played(store), played(loaded))
