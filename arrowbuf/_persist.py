@@ -38,7 +38,7 @@ import pyarrow as pa
 from arrowbuf._version import __version__
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.errors import FormatError, SchemaError
-from arrowbuf.ragged import ragged_rows
+from arrowbuf.ragged import RaggedRows, ragged_rows
 from arrowbuf.text import text_values
 from arrowbuf.fields import Field, arrow_to_numpy, export_array, narrow_bfloat16, numpy_to_arrow
 from arrowbuf.schema import SCHEMA_VERSION, SYSTEM_SPECS, Schema
@@ -463,6 +463,21 @@ def split_arrays(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
         return value
 
     return walk(tree), arrays
+
+
+def join_rows(parts: list[Any]) -> Any:
+    """One field's rows read in several batches (an episode across row groups), joined: numpy
+    rows concatenated, `EncodedRows` and `RaggedRows` (which have no dense form) joined as such."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, EncodedRows):
+        return EncodedRows.concat(parts)
+    if isinstance(first, RaggedRows):
+        offsets = np.zeros(sum(len(p) for p in parts) + 1, np.int64)
+        np.cumsum(np.concatenate([p.lengths for p in parts]), out=offsets[1:])
+        return RaggedRows(np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts]), offsets)
+    return np.concatenate(parts)
 
 
 def join_arrays(tree: Any, arrays: Mapping[str, np.ndarray]) -> Any:

@@ -225,6 +225,8 @@ def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
     if np.any(pos < 0):
         raise _bad(where, f"{field}.pos", pos, "step counts >= 0")
     _array(where, f"{field}.skip", state["skip"], "b", num_envs)
+    if "versions" in state and np.any(_array(where, f"{field}.versions", state["versions"], "i", num_envs) < 0):
+        raise _bad(where, f"{field}.versions", state["versions"], "each env's last policy_version, ints >= 0")
     env_ids = state["env_ids"]
     if not isinstance(env_ids, list) or len(env_ids) != num_envs or not all(isinstance(e, str) for e in env_ids):
         raise _bad(where, f"{field}.env_ids", env_ids, f"a list of {num_envs} strings")

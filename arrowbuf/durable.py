@@ -33,18 +33,22 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from arrowbuf._dirlock import private_tree
+from arrowbuf._dirlock import FILE_MODE, private_tree
+from arrowbuf._filesink import fsync
 from arrowbuf._log_records import Batch
 from arrowbuf._persist import CHECKPOINT_MANIFEST
 from arrowbuf.engine import ShardEngine
 from arrowbuf.episode_log import EpisodeLog, next_episode_id
-from arrowbuf.errors import ShardError
+from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.shard import Episode
+
+SHARE = "share"   # a shard's share of its store's capacity, as last moved (`DurableShard.remember_share`)
 
 logger = logging.getLogger("arrowbuf")
 
@@ -113,15 +117,19 @@ class DurableShard:
     def checkpoint_path(self) -> Path:
         return self.directory / "checkpoint"
 
-    def recover(self, make_engine: Callable[[], ShardEngine], pieces: Any = None) -> ShardEngine:
+    def recover(self, make_engine: Callable[[], ShardEngine], pieces: Any = None,
+                restarted: bool = False) -> ShardEngine:
         """The engine of the last checkpoint here (else ``make_engine()``) with the log replayed into it.
 
         Args:
             pieces: the shard's `arrowbuf.ray.tails.OpenPieces`, restored as they were: from the
                 checkpoint's info (``restore``), then the replayed pieces' (`EpisodeLog.replay`).
+            restarted: the shard's actor was restarted (Ray reconstructed it): it takes the share
+                of its store's capacity it had (`remember_share`) before the log is replayed, so
+                a replay keeps what the shard held.
 
         Raises:
-            FormatError: a damaged checkpoint or log.
+            FormatError: a damaged checkpoint, log or share file.
         """
         from arrowbuf.checkpoint import load_engine
 
@@ -133,10 +141,49 @@ class DurableShard:
                 pieces.restore(loaded.info, engine.table, str(loaded.manifest))
         else:
             engine = make_engine()
+        if not restarted:   # a new store's shares start where its router starts them, not at an earlier run's
+            (self.directory / SHARE).unlink(missing_ok=True)
+        share = self.saved_share() if restarted else None
+        if share is not None and share != engine.capacity:
+            try:
+                engine.set_capacity(share)
+            except ValueError as err:
+                raise FormatError(f"{self.directory / SHARE}: {err}") from None
         replayed = self.log.replay(engine, pieces)
         if replayed:
             logger.info("%s: %d logged episodes replayed after the last checkpoint", self.directory, replayed)
         return engine
+
+    def remember_share(self, capacity: int) -> None:
+        """Keep this shard's share of its store's capacity (`arrowbuf.ray.shares`) on disk, so that a
+        restarted shard starts from it (`recover`), not from the even split it was made with."""
+        path = self.directory / SHARE
+        staged = path.with_name(SHARE + ".new")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with os.fdopen(fd, "w") as file:
+            file.write(json.dumps({"capacity": int(capacity)}))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staged, path)
+        fsync(self.directory)
+
+    def saved_share(self) -> int | None:
+        """The share `remember_share` kept (None: never moved).
+
+        Raises:
+            FormatError: a damaged share file, naming it.
+        """
+        path = self.directory / SHARE
+        if not path.exists():
+            return None
+        try:
+            value = json.loads(path.read_text())["capacity"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"{path}: unreadable share of the store's capacity ({type(err).__name__}: {err})") from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FormatError(f"{path}: capacity {value!r}; expected this shard's share of its store's capacity, "
+                              "an int >= 0")
+        return value
 
     def seen(self, batch: Batch | None) -> bool:
         """Whether a write with this (writer id, batch number) is logged already (a retry)."""

@@ -329,6 +329,18 @@ class EncodedRows:
     def nbytes(self) -> int:
         return self.array.nbytes
 
+    def copy(self) -> "EncodedRows":
+        """The same rows in buffers of their own (a view of a store's rows may be overwritten)."""
+        if not len(self.array):
+            return EncodedRows(pa.array([], pa.large_binary()), self.codec)
+        array = self.array if pa.types.is_large_binary(self.array.type) else self.array.cast(pa.large_binary())
+        offsets = np.frombuffer(array.buffers()[1], np.int64)[array.offset:array.offset + len(array) + 1]
+        data = array.buffers()[2]
+        values = np.frombuffer(data, np.uint8)[offsets[0]:offsets[-1]] if data is not None else np.zeros(0, np.uint8)
+        own = pa.Array.from_buffers(pa.large_binary(), len(array),
+                                    [None, pa.py_buffer(offsets - offsets[0]), pa.py_buffer(values.copy())])
+        return EncodedRows(own, self.codec)
+
     def check(self, field: str) -> None:
         """`Codec.check` every row (rows written elsewhere, before they are stored).
 

@@ -413,7 +413,7 @@ class StepWriter:
                  "first_step": np.zeros(self.num_envs, np.int64)}
             state["last_next"] = with_ended_rows(state["last_next"], self._skip, self._last_next)   # reset checks'
             return {"num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
-                    "episodes_written": self.episodes_written, "skip": self._skip.copy(),
+                    "episodes_written": self.episodes_written, "skip": self._skip.copy(), "versions": self._versions.copy(),
                     "refused": self._refused.copy(), "check_resets": self.reset_check is not None, "pending": [],
                     **state}
         with self.lock:   # a Ray writer's timer may be cutting pieces
@@ -425,7 +425,7 @@ class StepWriter:
             "num_envs": self.num_envs, "autoreset_mode": self.autoreset_mode, "env_ids": list(self.env_ids),
             "episodes_written": self.episodes_written, "pos": self._pos.copy(), "skip": self._skip.copy(),
             "refused": self._refused.copy(), "check_resets": self.reset_check is not None,
-            "first_step": self._first_step.copy(),   # where the staged steps start: after a Ray writer's pieces
+            "first_step": self._first_step.copy(), "versions": self._versions.copy(),   # first_step: after shipped pieces
             "stage": {name: host_copy(stage[:, :steps]) for name, stage in self._stage.items()},
             "last_next": {name: host_copy(last) for name, last in self._last_next.items()},
             "pending": [{"columns": {n: host_copy(a) for n, a in e.columns.items()}, "num_steps": e.num_steps,
@@ -435,8 +435,7 @@ class StepWriter:
             **({"shipping": self._sink.open_state()} if self._ships is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict` into a writer of the same ``num_envs`` and mode
-        whose sink has the schema the state was taken with.
+        """Restore a `state_dict` into a writer of the same ``num_envs`` and mode, its sink of the schema it had.
 
         Raises:
             ValueError: another number of envs or autoreset mode, or staged data
@@ -451,6 +450,7 @@ class StepWriter:
         self._pos = np.array(state["pos"], np.int64)
         self._skip[...] = np.array(state["skip"], bool)
         self._refused = np.array(state.get("refused", np.zeros(self.num_envs, bool)), bool)   # older states lack it
+        self._versions[...] = np.array(state.get("versions", self._versions), np.int64)   # each env's last policy_version
         if self._inplace is not None:
             if state["stage"] and self._sink.schema is None:
                 raise ValueError("writer state holds staged steps but the store has no schema")

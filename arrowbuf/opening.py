@@ -98,16 +98,7 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
     name = check_name(name) or RayBackend.new_name()
     directory = durable_directory(durable, name)
     ray_options = as_ray_options(ray_options)
-    if isinstance(store.sampler, GroupSampler) and num_shards > 1:
-        raise ValueError("GroupSampler draws whole groups, which shards drawing their own shares would split; "
-                         "use num_shards=1")
-    if isinstance(store.sampler, EpisodeSampler) and num_shards > 1:
-        raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
-                         "cannot agree on; use num_shards=1 or a SequenceSampler")
-    check_fresh_shards(store.sampler, num_shards, store.rate_limiter, store.track_reuse)
-    if isinstance(store.sampler, WithoutReplacementSampler) and num_shards > 1:
-        raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
-                         "different times; use num_shards=1, or iter_batches() for epochs across shards")
+    check_shard_settings(store.sampler, num_shards, store.rate_limiter, store.track_reuse)
     if directory is not None:
         refuse_durable_apart(schema)
     store.sampler.check_unused()   # as a local store's first bind would: the shards get copies of it
@@ -118,6 +109,25 @@ def new_backend(store: Any, schema: Any, num_shards: int, name: Any, ray_options
                           track_reuse=store.track_reuse, options=ray_options, durable=directory)
     return RayBackend(shards, capacity=store.capacity, sampler=store.sampler, seed=store.seed, schema=schema,
                       schema_fixed=schema is not None)
+
+
+def check_shard_settings(sampler: Sampler, num_shards: int, rate_limiter: RateLimiter, track_reuse: bool) -> None:
+    """A Ray store's sampler on ``num_shards`` shards, made or loaded from a checkpoint.
+
+    Raises:
+        ValueError: a sampler that several shards cannot draw (whole groups, padded episodes,
+            epochs without replacement, `check_fresh_shards`).
+    """
+    if isinstance(sampler, GroupSampler) and num_shards > 1:
+        raise ValueError("GroupSampler draws whole groups, which shards drawing their own shares would split; "
+                         "use num_shards=1")
+    if isinstance(sampler, EpisodeSampler) and num_shards > 1:
+        raise ValueError("EpisodeSampler returns episodes padded to the longest one, which shards "
+                         "cannot agree on; use num_shards=1 or a SequenceSampler")
+    check_fresh_shards(sampler, num_shards, rate_limiter, track_reuse)
+    if isinstance(sampler, WithoutReplacementSampler) and num_shards > 1:
+        raise ValueError("WithoutReplacementSampler keeps one epoch per shard, and shards end their epochs at "
+                         "different times; use num_shards=1, or iter_batches() for epochs across shards")
 
 
 def check_fresh_shards(sampler: Sampler, num_shards: int, rate_limiter: RateLimiter, track_reuse: bool) -> None:
@@ -214,7 +224,7 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
     sampler = type(first.sampler)(**first.sampler.config())
     limiter = type(first.rate_limiter)(**first.rate_limiter.config())
     capacity, mode, seed = int(manifest["capacity"]), manifest["mode"], manifest["seed"]
-    check_fresh_shards(sampler, num_shards, limiter, first.track_reuse)
+    check_shard_settings(sampler, num_shards, limiter, first.track_reuse)   # as a new store of them would be
     shards = start_shards(name or RayBackend.new_name(), capacity, num_shards, seed=seed, sampler=sampler,
                           rate_limiter=limiter, schema=first.schema, mode=mode, track_reuse=first.track_reuse,
                           options=options, load_from=[str(d) for d in dirs] if num_shards == len(dirs) else None)
@@ -225,5 +235,6 @@ def _load_ray(path: Path, num_shards: int | None, name: str | None, options: Any
         reshard = ray.remote(reshard_task)
         ray.get([reshard.remote(str(d), backend.sink(None, None)) for d in dirs])
         backend.flush()
-    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, time.time(), loaded.writers,
+    created_at = float(manifest.get("created_at", time.time()))   # the saved store's, as a local load keeps it
+    return Opened(backend, capacity, seed, sampler, mode, limiter, first.track_reuse, created_at, loaded.writers,
                   loaded.typed_errors)

@@ -68,7 +68,7 @@ from arrowbuf.errors import FormatError
 from arrowbuf.fields import export_array, export_type
 from arrowbuf.played import Played, episodes_arrow, group_played, played_rows
 from arrowbuf.schema import Schema
-from arrowbuf.shard import Shard
+from arrowbuf.shard import MODES, Shard
 
 FORMAT = "arrowbuf.parquet"
 # 2: page checksums, content hashes of every file and of the manifest; 3: final_observation;
@@ -346,6 +346,10 @@ def open_export(path: str | Path) -> Export:
         _check_entry(manifest["store"], _STORE_ENTRY, manifest_path)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{manifest_path}: incomplete manifest ({err!r})") from None
+    store = manifest["store"]
+    if store["capacity"] < 1 or store["mode"] not in MODES:   # what `from_parquet` makes its store with
+        raise FormatError(f"{manifest_path}: store settings capacity={store['capacity']!r}, mode={store['mode']!r}; "
+                          f"expected a capacity >= 1 and a mode of {MODES}")
     expected = step_schema(schema, manifest["format_version"])
     for entry in files:
         file = path / entry["path"]

@@ -10,15 +10,16 @@ SHA-256 the manifest recorded first, and its page checksums as it is read.
 
 from __future__ import annotations
 
+import heapq
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from arrowbuf._persist import batch_columns, check_file, progress_bar
+from arrowbuf._persist import batch_columns, check_file, join_rows, progress_bar
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import CapacityError, FormatError
 from arrowbuf.parquet import EPISODES, STEPS, Export, group_rows, open_export
@@ -91,20 +92,38 @@ def newest_that_fit(length: np.ndarray, selected: np.ndarray, capacity: int, mod
     return kept
 
 
-def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progress: bool | None = None) -> None:
-    """Stream the kept episodes' rows into an empty ``engine``, oldest first.
+def insertion_order(episodes: pa.Table) -> np.ndarray:
+    """The positions of an export's episode table in the order its episodes were stored.
+
+    A one-shard export lists them so already; a Ray store's lists each shard's in turn
+    (each shard's files hold its own, oldest first), so its shards' lists are merged by
+    ``inserted_at``, each keeping its own order.
+    """
+    shards = episodes.column("shard").to_numpy() if "shard" in episodes.column_names else np.zeros(0)
+    if len(np.unique(shards)) < 2:
+        return np.arange(episodes.num_rows)
+    inserted = episodes.column("inserted_at").cast(pa.int64()).to_numpy()
+    lists = [[(int(inserted[p]), p) for p in np.flatnonzero(shards == k).tolist()] for k in np.unique(shards)]
+    return np.fromiter((p for _, p in heapq.merge(*lists)), np.int64, episodes.num_rows)
+
+
+def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progress: bool | None = None,
+                  order: np.ndarray | None = None) -> None:
+    """Stream the kept episodes' rows into an empty ``engine``, oldest first (in ``order``, default
+    `insertion_order`: the files of a Ray store's shards are read side by side).
 
     Reads row group by row group (about 64 MiB each), skipping files and row groups
     without kept episodes. Episode ids and indices are kept when the kept episodes
-    are consecutive (no filter, or only the oldest dropped); otherwise they are
-    renumbered from 0.
+    are consecutive (no filter, or only the oldest dropped, of a one-shard store);
+    otherwise they are renumbered from 0.
 
     Raises:
         FormatError: rows that disagree with the episode table.
     """
-    episodes = export.episodes.filter(pa.array(kept))
+    order = insertion_order(export.episodes) if order is None else order
+    episodes = export.episodes.take(pa.array(order[kept[order]]))
     ids = episodes.column("episode_id").to_numpy()
-    info = {int(i): k for k, i in enumerate(ids)}
+    rank = {int(i): k for k, i in enumerate(ids)}
     num_rows = episodes.column("num_rows").to_numpy()
     has_final = episodes.column("has_final").to_numpy(zero_copy_only=False)
     env_ids = episodes.column("env_id").to_pylist()
@@ -118,48 +137,67 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
     if "first_step" in export.episodes.column_names:   # its entries were pieces: so are this store's
         shard.table.mark_pieces()
     schema = export.schema
-    specs = {**schema.fields, **SYSTEM_SPECS}
-    group = group_rows(schema.row_bytes)
+    shards = (episodes.column("shard").to_numpy() if "shard" in episodes.column_names
+              else np.zeros(len(ids), np.int64))
+    streams = []
+    for k in np.unique(shards).tolist():   # each shard's kept episodes, in its files' order
+        mine = np.flatnonzero(shards == k)
+        files = [e for e in export.files if e["episodes"] and _overlaps(e, ids[mine])]
+        streams.append(_stream(export, files, ids[mine], num_rows[mine], rank))
     added = 0
-    parts: list[dict[str, np.ndarray]] = []
-    have = 0
     with progress_bar(progress, int(num_rows.sum()), f"import {export.path.name}") as bar:
-        for entry in export.files:
-            if not len(ids) or entry["episodes"] == 0 or not _overlaps(entry, ids):
-                continue
-            file = export.path / entry["path"]
-            check_file(file, entry, export.manifest["format_version"] >= 2)
-            try:
-                reader = pq.ParquetFile(file, page_checksum_verification=True)
-                groups = _row_groups(reader, int(ids.min()), int(ids.max()))
-                batches = reader.iter_batches(batch_size=group, row_groups=groups)
-                for batch in batches:
-                    columns = batch_columns(batch, specs, str(file))
-                    episode_ids = columns["episode_id"]
-                    cuts = np.flatnonzero(episode_ids[1:] != episode_ids[:-1]) + 1
-                    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(episode_ids)]):
-                        k = info.get(int(episode_ids[a]))
-                        if k is None:
-                            continue
-                        if k != added:
-                            raise FormatError(f"{file}: rows of episode {int(episode_ids[a])} come before those "
-                                              f"of episode {int(ids[added])}, or it has too few rows")
-                        parts.append({name: array[a:b] for name, array in columns.items()})
-                        have += b - a
-                        if have > num_rows[k]:
-                            raise FormatError(f"{file}: episode {int(ids[k])} has more than the {int(num_rows[k])} "
-                                              "rows the episode table says")
-                        if have == num_rows[k]:
-                            episode = _episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k],
-                                               metadata[k], int(inserted[k]), int(first_step[k]))
-                            engine.add(episode, limited=False)
-                            bar.update(have)
-                            parts, have, added = [], 0, added + 1
-            except (pa.ArrowException, OSError) as err:
-                raise FormatError(f"{file}: unreadable ({err}); the file is truncated or corrupted") from None
+        for k, parts in heapq.merge(*streams):
+            if k != added:
+                raise FormatError(f"{export.path}: rows of episode {int(ids[k])} come before those of episode "
+                                  f"{int(ids[added])}, which was stored before it")
+            engine.add(_episode(parts, schema, int(num_rows[k]), bool(has_final[k]), env_ids[k], metadata[k],
+                                int(inserted[k]), int(first_step[k])), limited=False)
+            bar.update(int(num_rows[k]))
+            added += 1
     if added != len(ids):
-        raise FormatError(f"{export.path}: episode {int(ids[added])} of {EPISODES} has "
-                          f"{'only some of its' if have else 'no'} rows in {STEPS}/")
+        raise FormatError(f"{export.path}: episode {int(ids[added])} of {EPISODES} has no or only some of its rows "
+                          f"in {STEPS}/")
+
+
+def _stream(export: Export, files: list[Mapping[str, Any]], ids: np.ndarray, num_rows: np.ndarray,
+            rank: Mapping[int, int]) -> Iterator[tuple[int, list[dict[str, np.ndarray]]]]:
+    """The rows of episodes ``ids`` (in this order) read from ``files``: (rank, parts) per episode.
+
+    Raises:
+        FormatError: an episode's rows out of order, more than ``num_rows``, or unreadable.
+    """
+    specs = {**export.schema.fields, **SYSTEM_SPECS}
+    group = group_rows(export.schema.row_bytes)
+    mine = {int(i): k for k, i in enumerate(ids)}
+    parts: list[dict[str, np.ndarray]] = []
+    have = done = 0
+    for entry in files:
+        file = export.path / entry["path"]
+        check_file(file, entry, export.manifest["format_version"] >= 2)
+        try:
+            reader = pq.ParquetFile(file, page_checksum_verification=True)
+            groups = _row_groups(reader, int(ids.min()), int(ids.max()))
+            for batch in reader.iter_batches(batch_size=group, row_groups=groups):
+                columns = batch_columns(batch, specs, str(file))
+                episode_ids = columns["episode_id"]
+                cuts = np.flatnonzero(episode_ids[1:] != episode_ids[:-1]) + 1
+                for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(episode_ids)]):
+                    k = mine.get(int(episode_ids[a]))
+                    if k is None:
+                        continue
+                    if k != done:
+                        raise FormatError(f"{file}: rows of episode {int(episode_ids[a])} come before those "
+                                          f"of episode {int(ids[done])}, or it has too few rows")
+                    parts.append({name: array[a:b] for name, array in columns.items()})
+                    have += b - a
+                    if have > num_rows[k]:
+                        raise FormatError(f"{file}: episode {int(ids[k])} has more than the {int(num_rows[k])} "
+                                          "rows the episode table says")
+                    if have == num_rows[k]:
+                        yield rank[int(ids[k])], parts
+                        parts, have, done = [], 0, done + 1
+        except (pa.ArrowException, OSError) as err:
+            raise FormatError(f"{file}: unreadable ({err}); the file is truncated or corrupted") from None
 
 
 def _resume_numbering(shard: Shard, episodes: pa.Table, store: Mapping[str, Any]) -> None:
@@ -182,7 +220,7 @@ def _episode(parts: list[dict[str, np.ndarray]], schema: Schema, num_rows: int, 
     steps = num_rows - int(has_final)
     columns = {}
     for name, spec in schema.fields.items():
-        rows = parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts])
+        rows = join_rows([p[name] for p in parts])
         columns[name] = rows if spec.observation else rows[:steps]
     return Episode(columns, steps, has_final, env_id, json.loads(metadata) if metadata else None,
                    inserted_at=inserted_at, first_step=first_step)
@@ -217,6 +255,9 @@ def load_store(cls: type, path: str | Path, capacity: int | None = None,
     mode = store_kwargs.setdefault("mode", export.store.get("mode", "circular"))
     store = cls(capacity, schema=export.schema, **store_kwargs)
     selected = select_episodes(export.episodes, episode_filter)
-    kept = newest_that_fit(export.episodes.column("length").to_numpy(), selected, store.capacity, mode)
-    load_episodes(store.engine, export, kept, progress)
+    order = insertion_order(export.episodes)   # the newest that fit: by when they were stored
+    kept = np.empty_like(selected)
+    kept[order] = newest_that_fit(export.episodes.column("length").to_numpy()[order], selected[order],
+                                  store.capacity, mode)
+    load_episodes(store.engine, export, kept, progress, order)
     return store

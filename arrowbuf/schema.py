@@ -331,8 +331,7 @@ class Schema:
     def from_json(cls, text: str) -> "Schema":
         """The schema of `to_json` (a 4th entry per field, when present, marks it derived; a 5th
         holds its codec and ``max_bytes``)."""
-        return cls(unflatten({n: Field(spec[0], tuple(spec[1]), *spec[2:4], **(spec[4] if len(spec) > 4 else {}))
-                              for n, spec in json.loads(text).items()}))
+        return cls(unflatten({n: _json_field(n, spec) for n, spec in json.loads(text).items()}))
 
     # -- inference and checks ------------------------------------------------------
 
@@ -469,6 +468,16 @@ def _encoded_field(field: pa.Field, meta: Mapping[bytes, bytes], observation: bo
     except (SchemaError, KeyError, ValueError, TypeError, UnicodeDecodeError) as err:
         raise SchemaError(f"column {field.name!r} is an encoded field whose metadata does not describe one: "
                           f"{err}") from None
+
+
+def _json_field(name: str, spec: Any) -> Field:
+    """The field of one entry of `Schema.to_json` (a damaged one: a SchemaError naming it)."""
+    try:
+        if not all(isinstance(flag, bool) for flag in spec[2:4]):   # a truthy string is no role
+            raise SchemaError(f"observation and derived are bools, got {spec[2:4]!r}")
+        return Field(spec[0], tuple(spec[1]), *spec[2:4], **(spec[4] if len(spec) > 4 else {}))
+    except (SchemaError, TypeError, ValueError, IndexError, KeyError) as err:
+        raise SchemaError(f"field {name!r}: {err} (its entry {spec!r})") from None
 
 
 def _as_field(spec: Any, name: str) -> Field:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,17 @@ Reading = tuple[float, int, int, float]   # (sampling mass, transitions, episode
 LOCK_WAIT = 5.0   # seconds a shard waits for its durable directory's lock (a killed predecessor's)
 #: Stateless samplers: readers draw them (a FreshnessSampler from its views' version bounds).
 READER_SAMPLERS = (UniformSampler, SequenceSampler, EpisodeSampler, FreshnessSampler)
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this shard actor (`RayOptions.max_restarts`), rather than made it
+    (False outside an actor: a shard served in this process)."""
+    ray = ray_module()
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():   # Ray's own property reads its deprecated actor_id
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 class ShardServer:
@@ -111,7 +123,7 @@ class ShardServer:
         # A restarted shard may start while its killed predecessor's process is still going away.
         self.durable = DurableShard(durable, shard, num_shards, durable_sync, lock_wait=LOCK_WAIT,
                                     holder=holder) if durable is not None else None
-        self.engine = self.durable.recover(make_engine, self.open_pieces) if self.durable is not None \
+        self.engine = self.durable.recover(make_engine, self.open_pieces, _restarted()) if self.durable is not None \
             else make_engine()
         engine = self.engine
         self._sampler_spec = type(engine.sampler)(**engine.sampler.config())   # unbound copies, for `attach`
@@ -382,14 +394,16 @@ class ShardServer:
     def set_capacity(self, capacity: int) -> tuple[int, Reading]:
         """This shard's share of its store's capacity from now on (`arrowbuf.ray.shares`): a
         smaller one evicts its oldest episodes now (whole, as every eviction here); the
-        capacity taken and the shard's size (a durable shard does not log it: restarted, it has
-        its last checkpoint's share until its router moves the shares again)."""
+        capacity taken and the shard's size (a durable shard keeps it in its directory: restarted,
+        it starts from it)."""
         engine = self.engine
         with engine.lock:
             taken = engine.set_capacity(capacity)
             self.unfilled.forget_evicted(engine.table)
             if engine.shard is not None:
                 self.blocks.evicted(engine)
+            if self.durable is not None:
+                self.durable.remember_share(taken)
         return taken, self.size()
 
     def clear(self) -> Reading:

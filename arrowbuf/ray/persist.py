@@ -27,6 +27,8 @@ episodes exactly.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -35,8 +37,8 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._filesink import STAGING_PREFIX, ManifestSink, remove
-from arrowbuf._persist import (batch_columns, check_format, plain_schema, read_json, schema_of, take_rows,
-                               write_manifest)
+from arrowbuf._persist import (batch_columns, check_format, join_rows, plain_schema, read_json, schema_of,
+                               take_rows, write_manifest)
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, ShardError
 from arrowbuf.ray.handles import unwrapped
@@ -171,6 +173,10 @@ def checkpoint_dirs(path: Path) -> tuple[dict, list[Path]]:
         int(manifest["capacity"]), manifest["mode"], manifest["seed"]   # present, the capacity an int
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path / RAY_MANIFEST}: incomplete manifest ({err!r})") from None
+    created = manifest.get("created_at", 0.0)   # the store's creation time (absent before it was kept)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not np.isfinite(created):
+        raise FormatError(f"{path / RAY_MANIFEST}: created_at is {created!r}; expected the store's creation time "
+                          "(seconds since the epoch)")
     generation = generation_dir(path, manifest)
     dirs = [shard_dir(generation, s) for s in range(saved)]
     for directory in dirs:
@@ -187,8 +193,13 @@ def reshard_task(directory: str, sink: "RaySink") -> int:
     engine = load_engine(directory, progress=False).engine
     table = engine.episodes()
     ids = table.column("episode_id").to_pylist()
-    for episode_id, env_id in zip(ids, table.column("env_id").to_pylist()):
-        episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id)
+    # Each episode keeps its env id, metadata and insertion time (its id is the new store's).
+    inserted = table.column("inserted_at").cast(pa.int64()).to_pylist()
+    metadata_of = table.column("metadata").to_pylist() if "metadata" in table.column_names else [None] * len(ids)
+    for episode_id, env_id, metadata, at in zip(ids, table.column("env_id").to_pylist(), metadata_of, inserted):
+        episode, _ = read_episode(engine.episode(episode_id), engine.schema, env_id,
+                                  json.loads(metadata) if metadata else None)
+        episode = dataclasses.replace(episode, inserted_at=at)
         sink.write(episode, route_key=f"{directory}:{episode_id}")   # spread episodes, not envs
         sink.commit()
     sink.close()
@@ -233,7 +244,7 @@ def episodes_of_dataset(dataset: Any) -> tuple[Schema, Iterator[Episode]]:
 
 
 def _episode(parts: list[dict[str, np.ndarray]], schema: Schema) -> Episode:
-    columns = {name: np.concatenate([p[name] for p in parts]) for name in [*schema.fields, FINAL]}
+    columns = {name: join_rows([p[name] for p in parts]) for name in [*schema.fields, FINAL]}
     has_final = bool(columns.pop(FINAL)[-1])
     num_steps = len(columns[next(iter(schema.fields))]) - int(has_final)
     for name, spec in schema.fields.items():
