@@ -30,7 +30,7 @@ LONGEST_FIRST = ("test_ray_backend.py", "test_ray_dataplane.py", "test_bench_wor
                  "test_notebooks.py", "test_docs.py", "test_ray_lent_blocks.py", "test_capacity.py", "test_ray_parity.py",
                  "test_contract.py", "test_ray_onramps.py", "test_ray_piece_cutting.py", "test_writer_cases.py",
                  "test_bench.py", "test_dataset.py", "test_ray_piece_reads.py", "test_bench_columns.py",
-                 "test_compat_boundaries.py", "test_input_table.py", "test_durable.py", "test_gpu_check.py", "test_compat_refs.py",
+                 "test_compat_boundaries.py", "test_round_trips.py", "test_input_table.py", "test_durable.py", "test_gpu_check.py", "test_compat_refs.py",
                  "test_compat_engines.py", "test_ray_priorities.py", "test_ring_occupancy.py", "test_lazy_torch.py",
                  "test_durable_damage.py", "test_pieces.py", "test_ray_ragged.py", "test_cli.py",
                  "test_ray_writer_lifetime.py", "test_layers.py", "test_ray_reader_loop.py", "test_versions.py",
