@@ -332,6 +332,7 @@ def test_group_sampler_draws_the_keys_of_lent_episodes(ray_session):
 # -- samplers, limiters, versions -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("num_shards", [2], ids=["2-shards"])   # (1 shard: the same path, minus the split)
 def test_prioritized_draws_follow_updated_priorities_alike(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA,
                           sampler=lambda: ab.PrioritizedSampler(alpha=1.0, beta=0.4))
@@ -423,6 +424,7 @@ def test_a_writer_dropped_without_flush_keeps_its_steps_alike(ray_stores, num_sh
     assert (len(local), local.num_episodes) == (8, 2)
 
 
+@pytest.mark.parametrize("num_shards", [2], ids=["2-shards"])   # (1 shard: the same path, minus the split)
 def test_compute_gae_writes_the_same_advantages(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=VALUED)
     for store in (local, remote):

@@ -108,7 +108,7 @@ def ray_saved(ray_session, tmp_path_factory):
     store.close()
 
 
-@pytest.mark.parametrize("num_shards", [None, 1, 3])
+@pytest.mark.parametrize("num_shards", [None, 1])   # (into 3 shards: test_ray_backend's reshard test)
 def test_a_ray_checkpoint_loads_every_setting_and_episode_into_any_number_of_shards(ray_saved, num_shards):
     # Into another number of shards an encoded field crashed the load (AttributeError in a reshard
     # task), and every episode lost its metadata and insertion time; in any number, created_at
