@@ -30,7 +30,7 @@ On a store (``compute_gae`` writes the ``"advantage"`` and ``"value_target"`` co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -278,25 +278,40 @@ def _cut(table: Any) -> np.ndarray:
 
 
 def final_observations(shard: Shard, rows: np.ndarray, views: bool = False) -> TensorDict:
-    """The observation fields at arena ``rows`` as a TensorDict [len(rows)]: copies, or with
-    ``views`` (for a callable run here and now, never to pickle: a view pickles its whole
-    column) strided views of a numpy arena where ``rows`` are evenly spaced, as a
-    rollout's episodes of equal length lie (WBC's 4,096 final observations: a 7.3 MB
-    gather, half of `write_advantages`' time, saved)."""
-    import torch
+    """The observation fields at arena ``rows`` as a TensorDict [len(rows)] (`observation_arrays`,
+    `as_observations`)."""
+    return as_observations(observation_arrays(shard, rows, views), shard.schema, len(rows))
 
+
+def observation_arrays(shard: Shard, rows: np.ndarray, views: bool = False) -> dict[str, np.ndarray]:
+    """The observation fields at arena ``rows``, by field name: numpy copies (what a Ray shard
+    sends, without importing torch), or with ``views`` (for a callable run here and now, never
+    to pickle: a view pickles its whole column) strided views of a numpy arena where ``rows``
+    are evenly spaced, as a rollout's episodes of equal length lie (WBC's 4,096 final
+    observations: a 7.3 MB gather, half of `write_advantages`' time, saved)."""
     step = _spacing(rows) if views else None
-    observations = {}
+    arrays = {}
     for name in shard.schema.observation_names:
-        spec = shard.schema.fields[name]
         column = shard.reader(name)
         if step is not None and type(column) is np.ndarray:
-            array = column[rows[0]:rows[-1] + 1:step]
+            arrays[name] = column[rows[0]:rows[-1] + 1:step]
         else:
-            array = column[rows]
-        tensor = torch.from_numpy(array)
+            arrays[name] = column[rows]
+    return arrays
+
+
+def as_observations(arrays: Mapping[str, np.ndarray], schema: Any, count: int) -> TensorDict:
+    """`observation_arrays`' ``arrays`` (``count`` rows each) as a TensorDict [count] of tensors
+    viewing them (bfloat16 from its bits; copies of read-only ones, a Ray shard's as they
+    arrive), keyed as ``schema`` nests them."""
+    import torch
+
+    observations = {}
+    for name, array in arrays.items():
+        spec = schema.fields[name]
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         observations[tuple(name.split("."))] = tensor.view(spec.torch_dtype) if spec.dtype == "bfloat16" else tensor
-    return make_tensordict(observations, (len(rows),))
+    return make_tensordict(observations, (count,))
 
 
 def _spacing(rows: np.ndarray) -> int | None:

@@ -40,7 +40,7 @@ import pyarrow as pa
 from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._owned_lock import OwnedLock
 from arrowbuf._stats import priority_histogram, reuse_summary
-from arrowbuf.advantages import check_gae_fields, cut_episodes, final_observations, write_advantages
+from arrowbuf.advantages import check_gae_fields, cut_episodes, observation_arrays, write_advantages
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
 from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
@@ -485,16 +485,16 @@ class ShardEngine:
                 return 0
             return write_advantages(self._shard, gamma, lam, value_key, bootstrap_value, final_values)
 
-    def final_observations(self, value_key: str) -> tuple[np.ndarray, TensorDict | None]:
-        """(episode ids, final observations) of the episodes that bootstrap from their final
-        observation's value (`arrowbuf.advantages.cut_episodes`); a Ray shard's first step of
-        `compute_gae`. Raises ValueError as `compute_gae` does for missing fields."""
+    def final_observations(self, value_key: str) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+        """(episode ids, final observations by field: numpy, a shard never imports torch) of the episodes
+        that bootstrap from their final observation's value (`arrowbuf.advantages.cut_episodes`); a Ray
+        shard's first step of `compute_gae`. Raises ValueError as `compute_gae` does for missing fields."""
         with self.lock:
             if self._shard is None:
                 return np.zeros(0, np.int64), None
             check_gae_fields(self._shard, value_key)
             ids, rows = cut_episodes(self._shard)
-            return ids, final_observations(self._shard, rows)
+            return ids, observation_arrays(self._shard, rows)
 
     # -- views ----------------------------------------------------------------------
 

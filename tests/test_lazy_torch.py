@@ -120,3 +120,32 @@ def test_a_process_that_writes_saves_loads_and_exports_never_imports_tensordict(
     done = subprocess.run([sys.executable, "-c", LOCAL_WITHOUT_TENSORDICT], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_compute_gae_on_ray_bootstraps_cut_episodes_without_torch_in_the_shards(ray_session):
+    # The shards sent their final observations as a TensorDict: the first GAE of a store imported
+    # torch and tensordict in every shard (~3 s each), even with no episode to bootstrap.
+    schema = {"obs": ab.Field("float32", (3,), observation=True), "action": "int64", "reward": "float32",
+              "terminated": "bool", "truncated": "bool", "value": "float32"}
+    stores = [ab.ExperienceStore(capacity=200, schema=schema, **kwargs)
+              for kwargs in ({}, {"backend": "ray", "num_shards": 2})]
+    try:
+        for store in stores:
+            for k in range(4):   # episodes 1 and 3 are truncated: they bootstrap from their final observation
+                steps = 5 + k
+                store.add_episode({"obs": np.arange((steps + 1) * 3, dtype=np.float32).reshape(-1, 3) + k,
+                                   "action": np.zeros(steps, np.int64), "reward": np.ones(steps, np.float32),
+                                   "terminated": (np.arange(steps) == steps - 1) & (k % 2 == 0),
+                                   "truncated": (np.arange(steps) == steps - 1) & (k % 2 == 1),
+                                   "value": np.full(steps, 0.5, np.float32)}, env_id=f"env{k}")
+            store.flush()
+            assert store.compute_gae(0.9, 0.8, bootstrap_value=lambda obs: obs["obs"].sum(-1)) == 4 * 5 + 6
+        local, remote = stores
+        assert _torch_in_actors(remote) == [False, False]
+        by_obs = [{tuple(o): a for o, a in zip(s.gather(np.concatenate([np.arange(*r) for r in s.live_ranges()]))["obs"]
+                                                .tolist(), s.gather(np.concatenate([np.arange(*r) for r in
+                                                                                    s.live_ranges()]))["advantage"]
+                                                .tolist())} for s in stores]
+        assert by_obs[0] == pytest.approx(by_obs[1])
+    finally:
+        stores[1].close()

@@ -17,15 +17,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from arrowbuf.advantages import bootstrap_values
+from arrowbuf.advantages import as_observations, bootstrap_values
 from arrowbuf.ray.handles import ShardHandles
 from arrowbuf.schema import Schema
 
 
 def compute_gae(shards: ShardHandles, gamma: float, lam: float, value_key: str,
-                bootstrap_value: Callable | None) -> tuple[int, Schema | None]:
-    """Advantages and value targets on every shard: (transitions written, the schema with the
-    derived fields, or None when no shard holds data).
+                bootstrap_value: Callable | None, schema: Schema) -> tuple[int, Schema | None]:
+    """Advantages and value targets on every shard (``schema``: the store's): (transitions written,
+    the schema with the derived fields, or None when no shard holds data).
 
     An episode cut after a final observation that is stored between the two
     steps has no value: its shard raises ValueError (the others have written;
@@ -41,7 +41,10 @@ def compute_gae(shards: ShardHandles, gamma: float, lam: float, value_key: str,
     cut = {shard: ids for shard, (ids, _) in found.items() if len(ids)}
     values: dict[int, np.ndarray] = {}
     if cut:
-        observations = torch.cat([found[shard][1] for shard in cut], dim=0)
+        # The shards send numpy arrays (a shard never imports torch: the first GAE of a new store took
+        # ~3 s a shard to import torch and tensordict there); the TensorDict is made here.
+        observations = torch.cat([as_observations(found[shard][1], schema, len(ids)) for shard, ids in cut.items()],
+                                 dim=0)
         every = bootstrap_values(bootstrap_value, observations)
         bounds = np.cumsum([len(ids) for ids in cut.values()])[:-1]
         values = dict(zip(cut, np.split(every, bounds)))

@@ -489,7 +489,7 @@ class RayBackend:
 
     def compute_gae(self, gamma: float, lam: float, value_key: str, bootstrap_value: Any) -> int:
         """GAE on every shard, ``bootstrap_value`` called in this process (`arrowbuf.ray.gae`)."""
-        written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value)
+        written, schema = compute_gae(self.shards, gamma, lam, value_key, bootstrap_value, self.schema)
         if schema is not None:
             self._schema = schema   # now with the derived fields
             self._reader.set_schema(schema)
