@@ -47,7 +47,7 @@ from arrowbuf.rate_limiters import Counts, RateLimiter, limits, scope
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, select_indices
 from arrowbuf.schema import Schema
-from arrowbuf.shard import Episode, Shard, contiguous
+from arrowbuf.shard import Episode, Shard
 from arrowbuf.shard_arrow import episode_view, shard_table
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
@@ -428,7 +428,7 @@ class ShardEngine:
             sizes = [np.count_nonzero(part) for part in np.split(held, np.cumsum([len(s) for s in shares])[:-1])]
             bounds = np.cumsum([0, *sizes]).tolist()
             parts = [(rows[a:b], {name: array[a:b] for name, array in extra.items()}) for a, b in zip(bounds, bounds[1:])]
-            viewed = {k for k, (part, _) in enumerate(parts) if views and contiguous(part)}   # no copy: arena views
+            viewed = {k for k, (part, _) in enumerate(parts) if views and shard.viewable(part)}   # arena views
             copied = iter(shard.gatherer.each([part for k, part in enumerate(parts) if k not in viewed], device, keys))
             batches = [shard.view_batch(int(part[0]), int(part[-1]) + 1, {n: a.copy() for n, a in part_extra.items()},
                                         keys, device) if k in viewed else next(copied)
@@ -459,8 +459,7 @@ class ShardEngine:
     def _gather(self, selection: Selection, args: SampleArgs, device: Any, pin_memory: bool,
                 keys: Any = None, views: bool = False) -> TensorDict:
         rows, extra, obs_rows, next_rows = self._shard.lookups(selection, args)
-        # No copy: views of the arena (a text field's strings are no view: such a batch is gathered).
-        if views and contiguous(rows) and not any(f.text for f in self._shard.schema.fields.values()):
+        if views and self._shard.viewable(rows):   # no copy: views of the arena
             return self._shard.view_batch(int(rows[0]), int(rows[-1]) + 1, extra, keys, device)
         return self._shard.gatherer(rows, extra, device, pin_memory, obs_rows=obs_rows, next_rows=next_rows,
                                   keys=keys)

@@ -308,6 +308,11 @@ class Shard:
 
         return torch.from_numpy(array)
 
+    def viewable(self, rows: np.ndarray) -> bool:
+        """Whether `view_batch` can give arena ``rows``: contiguous, in a shard with no text field
+        (a text field's strings are no view of the arena: such a batch is gathered)."""
+        return contiguous(rows) and not any(f.text for f in self.schema.fields.values())
+
     def view_batch(self, start: int, stop: int, extra: Mapping[str, np.ndarray],
                    keys: frozenset | None = None, device: Any = None) -> TensorDict:
         """The transitions at the contiguous arena rows ``[start, stop)`` as a TensorDict of

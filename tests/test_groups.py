@@ -273,3 +273,15 @@ def test_a_drivers_shares_of_a_torch_arena_store_are_a_numpy_stores_shares(shuff
                 assert torch.equal(a[key], b[key]), key
     assert sorted(torch.cat([share["index"] for shares in torch_batches for share in shares]).tolist()) == \
         sorted(torch.cat([share["index"] for shares in numpy_batches for share in shares]).tolist())
+
+
+def test_a_drivers_unshuffled_shares_of_a_store_with_a_text_field_are_gathered_not_viewed():
+    # Contiguous shares are given as views of the arena, which a text field's strings are not: the
+    # driver's split raised TypeError where a rank's own split (engine.gather) had been mended.
+    store = ab.ExperienceStore(100, seed=0)
+    store.add_episode({"obs": np.zeros((11, 2), np.float32), "action": np.arange(10),
+                       "task": [f"task {t % 3}" for t in range(10)], "terminated": np.r_[np.zeros(9, bool), True]})
+    shares = [share for batch in store.iter_batches(4, world_size=2, shuffle=False) for share in batch]
+    actions = [a for share in shares for a in share["action"].tolist()]
+    assert sorted(actions) == list(range(10))
+    assert [t for share in shares for t in list(share["task"])] == [f"task {a % 3}" for a in actions]
