@@ -298,4 +298,9 @@ def share_budgets(arena: dict, fields: dict, capacity: int, total: int,
     ``make_room``: the eviction of a column not bound yet (`bind_heap_columns`)."""
     for name, column in arena.items():
         if isinstance(column, HeapColumn) and fields[name].max_bytes is not None:
-            column.bound(fields[name].max_bytes * capacity // max(total, 1), make_room)
+            column.bound(budget_part(fields[name].max_bytes, capacity, total), make_room)
+
+
+def budget_part(max_bytes: int, capacity: int, total: int) -> int:
+    """A shard's part of a field's ``max_bytes``: as its ``capacity`` is of the store's ``total``."""
+    return max_bytes * capacity // max(total, 1)

@@ -158,6 +158,13 @@ def ragged_rows(value: Any, name: str, tail: tuple[int, ...] | None = None) -> R
     return rows
 
 
+def value_bytes(data: Any, name: str, tail: tuple[int, ...] | None = None) -> int:
+    """Bytes of the values of ragged rows ``data`` (`RaggedRows` or any form `ragged_rows` reads):
+    what they take of a field's ``max_bytes``."""
+    rows = data if isinstance(data, RaggedRows) else ragged_rows(data, name, tail)
+    return int(rows.offsets[-1] - rows.offsets[0]) * rows.values[:1].nbytes
+
+
 def _host(value: Any, name: str) -> np.ndarray:
     """One row (or a nested tensor's values) as host numpy; bfloat16 as its uint16 bits.
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from arrowbuf.byte_heap import bind_heap_columns, share_budgets
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
-from arrowbuf.ragged import RaggedRows, nested, ragged_rows
+from arrowbuf.ragged import nested, value_bytes
 from arrowbuf.errors import CapacityError
 from arrowbuf.indexing import look_ahead, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
@@ -364,8 +364,7 @@ class Shard:
             data = episode.columns.get(name)
             if getattr(column, "budget", None) is None or not self.schema.fields[name].ragged or data is None:
                 continue
-            rows = data if isinstance(data, RaggedRows) else ragged_rows(data, name, column.tail)
-            nbytes = int(rows.offsets[-1] - rows.offsets[0]) * column.item_bytes
+            nbytes = value_bytes(data, name, column.tail)
             if nbytes > column.budget:
                 raise CapacityError(
                     f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the "

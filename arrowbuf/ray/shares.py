@@ -41,7 +41,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from arrowbuf.ragged import RaggedRows, ragged_rows
+from arrowbuf.byte_heap import budget_part
+from arrowbuf.ragged import value_bytes
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def unfit(episodes: list[Any], groups: Mapping[int, list[int]], capacities: np.n
     transitions than the share, or more values of a ragged field than the share's part of its
     ``max_bytes`` (as each shard bounds it, `arrowbuf.byte_heap.share_budgets`); None when
     every one fits. (An encoded field's bytes are known only once encoded, in the shard.)"""
-    total = max(int(capacities.sum()), 1)
+    total = int(capacities.sum())
     bounded = {name: f.max_bytes for name, f in schema.fields.items() if f.ragged and f.max_bytes is not None} \
         if schema is not None else {}
     for s, members in groups.items():
@@ -231,10 +232,9 @@ def unfit(episodes: list[Any], groups: Mapping[int, list[int]], capacities: np.n
                         "follow the open writers' envs)")
             for name, max_bytes in bounded.items():
                 data = episode.columns.get(name)
-                rows = data if data is None or isinstance(data, RaggedRows) else ragged_rows(data, name)
-                nbytes = int(rows.offsets[-1] - rows.offsets[0]) * rows.values[:1].nbytes if rows is not None else 0
-                if nbytes > max_bytes * int(capacities[s]) // total:
-                    return (f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the "
-                            f"{max_bytes * int(capacities[s]) // total:,} bytes of max_bytes={max_bytes:,} that "
-                            f"shard {s}'s share of the capacity gives it")
+                nbytes, budget = value_bytes(data, name) if data is not None else 0, \
+                    budget_part(max_bytes, int(capacities[s]), total)
+                if nbytes > budget:
+                    return (f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the {budget:,} "
+                            f"bytes of max_bytes={max_bytes:,} that shard {s}'s share of the capacity gives it")
     return None
