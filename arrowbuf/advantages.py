@@ -303,7 +303,8 @@ def observation_arrays(shard: Shard, rows: np.ndarray, views: bool = False) -> d
 def as_observations(arrays: Mapping[str, np.ndarray], schema: Any, count: int) -> TensorDict:
     """`observation_arrays`' ``arrays`` (``count`` rows each) as a TensorDict [count] of tensors
     viewing them (bfloat16 from its bits; copies of read-only ones, a Ray shard's as they
-    arrive), keyed as ``schema`` nests them."""
+    arrive: they go to the user's value function, which may write them), keyed as ``schema``
+    nests them."""
     import torch
 
     observations = {}

@@ -140,11 +140,12 @@ class Gather:
     def each(self, parts: list[tuple[np.ndarray, Mapping[str, np.ndarray]]], device: Any = None,
              keys: frozenset | None = None) -> list[TensorDict]:
         """A batch of each of ``parts`` ((1-D rows, extra arrays) each: a driver's shares of one
-        global batch, `arrowbuf.engine.ShardEngine.gather_each`), as `__call__` makes them; every part's
-        ragged values are copied in one copy, before any part's tensors are built, into one
+        global batch, `arrowbuf.engine.ShardEngine.gather_each`), as `__call__` makes them; every
+        part's ragged values are copied in one copy, before any part's tensors are built, into one
         buffer whose slices the parts' nested tensors view (a part kept alone keeps the whole
-        buffer alive; its tensors' storage, which pickling and sending move, is its own rows). Copying each part's half megabyte between the wrapping of the others evicts
-        that Python's objects and code from the caches (a 1M-token batch of a 200k-row store
+        buffer alive; its tensors' storage, which pickling and sending move, is its own rows).
+        Copying each part's half megabyte between the wrapping of the others evicts that
+        Python's objects and code from the caches (a 1M-token batch of a 200k-row store
         over 8 parts, split and gathered: 2.7-3.1 ms of CPU time phased, 3.0-3.7 ms not, on a
         loaded 2-core machine); one copy for all parts rather than one a part saved 3-5% more
         of a 1M-row store's split and gather (1.85-1.87 ms against 1.92-1.96, quiet)."""
