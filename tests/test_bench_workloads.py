@@ -33,6 +33,10 @@ def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report
         ratios = headline_ratios(saved, name)
         assert ratios, f"{name} reported no ratio"
         assert all(r > 0 for rounds in ratios.values() for r in rounds), name
+    # The smoke run probes arrowbuf's memory in its first workload only, in a fresh process.
+    w1, = [w for w in saved["workloads"] if w["name"] == "W1"]
+    memory, = [m for m in w1["metrics"] if m["name"] == "peak RSS / raw bytes"]
+    assert memory["values"]["arrowbuf"] > 0 and memory["values"]["torchrl"] is None, memory
 
 
 def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(tmp_path_factory):

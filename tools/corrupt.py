@@ -6,7 +6,8 @@ compression and one with zstd. Each corruption is a single byte replaced at a
 sampled offset of one file (seeded), or a file cut short. Loads run in worker
 subprocesses, many corruptions per worker, so a crash (SIGSEGV, SIGABRT) shows
 as a negative return code and is counted against the corruption being loaded;
-the worker is then restarted on a fresh copy for the rest. Every outcome is one of:
+the worker is then restarted on a fresh copy for the rest. One worker runs the
+corruptions of every fixture (each worker imports torch, for the sampled batch). Every outcome is one of:
 
 - ``rejected``: `arrowbuf.FormatError` (what a corrupted file must give);
 - ``same``: the load succeeded and gave exactly the saved data (rows, episode
@@ -168,15 +169,19 @@ def _reseal(manifest_path: Path, changed: str) -> None:
         _persist.write_manifest(manifest_path, manifest)
 
 
-def worker(fixture: str, pristine: Path, work: Path, jobs_file: Path, reseal: bool) -> None:
-    """Load ``work`` once per corruption of ``jobs_file``; one outcome per line on stdout."""
+def worker(pristine: Path, work: Path, jobs_file: Path, reseal: bool) -> None:
+    """Load the fixture of each corruption of ``jobs_file`` (``work/<fixture>``, a copy of
+    ``pristine/<fixture>``) once it is applied; one outcome per line on stdout."""
     import arrowbuf as ab
 
-    expected = fingerprint(fixture, pristine)
+    expected: dict[str, str] = {}
     for job in json.loads(jobs_file.read_text()):
-        originals = _apply(work, job, reseal)
+        fixture = job["fixture"]
+        if fixture not in expected:
+            expected[fixture] = fingerprint(fixture, pristine / fixture)
+        originals = _apply(work / fixture, job, reseal)
         try:
-            outcome = "same" if fingerprint(fixture, work) == expected else "wrong"
+            outcome = "same" if fingerprint(fixture, work / fixture) == expected[fixture] else "wrong"
         except ab.FormatError:
             outcome = "rejected"
         except Exception as err:   # anything else is what the campaign looks for
@@ -186,43 +191,46 @@ def worker(fixture: str, pristine: Path, work: Path, jobs_file: Path, reseal: bo
         print(json.dumps(outcome), flush=True)
 
 
-def run_fixture(fixture: str, pristine: Path, jobs: list[dict[str, Any]], scratch: Path, reseal: bool = False,
-                batch: int = 400) -> dict[str, Any]:
-    """Run ``jobs`` against one fixture in worker subprocesses; the counts and examples."""
-    counts = dict.fromkeys(OUTCOMES, 0)
-    examples: list[str] = []
-    by_file: dict[str, int] = {}   # untyped or wrong loads per kind of file
+def run_jobs(pristine: Path, jobs: list[dict[str, Any]], scratch: Path, reseal: bool = False,
+             batch: int = 400) -> dict[str, dict[str, Any]]:
+    """Run ``jobs`` (each naming its fixture, a directory of ``pristine``) in worker subprocesses,
+    one at a time (each imports torch: seconds); the counts and examples of each fixture."""
+    fixtures = list(dict.fromkeys(job["fixture"] for job in jobs))
+    results = {f: {**dict.fromkeys(OUTCOMES, 0), "examples": [], "untyped_or_wrong_by_file": {}} for f in fixtures}
     done = 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
     while done < len(jobs):
-        work = scratch / f"work-{fixture}"
+        work = scratch / "work"
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(pristine, work)
         todo = jobs[done:done + batch]
-        jobs_file = scratch / f"jobs-{fixture}.json"
+        jobs_file = scratch / "jobs.json"
         jobs_file.write_text(json.dumps(todo))
-        proc = subprocess.run([sys.executable, __file__, "--worker", fixture, str(pristine), str(work),
-                               str(jobs_file), *(["--reseal"] if reseal else [])],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(pristine), str(work), str(jobs_file),
+                               *(["--reseal"] if reseal else [])], capture_output=True, text=True, env=env)
         outcomes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('"')]
         for job, outcome in zip(todo, outcomes):
             kind = outcome.split(" ", 1)[0]
-            counts[kind] += 1
+            result = results[job["fixture"]]
+            result[kind] += 1
             if kind in ("untyped", "wrong"):
-                examples.append(f"{job}: {outcome}")
+                result["examples"].append(f"{job}: {outcome}")
+                by_file = result["untyped_or_wrong_by_file"]
                 by_file[job["file"].split("-")[0]] = by_file.get(job["file"].split("-")[0], 0) + 1
         done += len(outcomes)
         if len(outcomes) < len(todo):
             if proc.returncode >= 0:    # the harness failed, not the load: no signal killed the worker
-                raise RuntimeError(f"worker for {fixture} failed (return code {proc.returncode}):\n"
-                                   f"{proc.stderr[-2000:]}")
-            counts["crash"] += 1
-            examples.append(f"{todo[len(outcomes)]}: crash (return code {proc.returncode})")
+                raise RuntimeError(f"worker failed (return code {proc.returncode}):\n{proc.stderr[-2000:]}")
+            crashed = todo[len(outcomes)]
+            results[crashed["fixture"]]["crash"] += 1
+            results[crashed["fixture"]]["examples"].append(f"{crashed}: crash (return code {proc.returncode})")
             done += 1
-    truncations = sum("truncate" in job for job in jobs)
-    return {"tried": len(jobs), "flips": len(jobs) - truncations, "truncations": truncations, **counts,
-            "examples": examples, "untyped_or_wrong_by_file": by_file}
+    for fixture, result in results.items():
+        mine = [job for job in jobs if job["fixture"] == fixture]
+        truncations = sum("truncate" in job for job in mine)
+        result.update(tried=len(mine), flips=len(mine) - truncations, truncations=truncations)
+    return results
 
 
 def campaign(flips: int, seed: int = 0, root: Path | None = None, reseal: bool = False,
@@ -238,10 +246,9 @@ def campaign(flips: int, seed: int = 0, root: Path | None = None, reseal: bool =
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(root or tmp)
         paths = write_fixtures(base / "pristine")
-        results = {}
-        for k, fixture in enumerate(fixtures):
-            jobs = plan(paths[fixture], flips // len(fixtures) + (k < flips % len(fixtures)), seed + k)
-            results[fixture] = run_fixture(fixture, paths[fixture], jobs, base, reseal)
+        jobs = [{"fixture": fixture, **job} for k, fixture in enumerate(fixtures)
+                for job in plan(paths[fixture], flips // len(fixtures) + (k < flips % len(fixtures)), seed + k)]
+        results = run_jobs(base / "pristine", jobs, base, reseal)
         total = {key: sum(r[key] for r in results.values()) for key in COUNTS}
         return {"fixtures": results, "total": total}
 
@@ -254,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--reseal", action="store_true",
                         help="make the manifest match each corruption (tests the checks behind the hashes)")
-    parser.add_argument("--worker", nargs=4, metavar=("FIXTURE", "PRISTINE", "WORK", "JOBS"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("PRISTINE", "WORK", "JOBS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        fixture, pristine, work, jobs = args.worker
-        worker(fixture, Path(pristine), Path(work), Path(jobs), args.reseal)
+        pristine, work, jobs = args.worker
+        worker(Path(pristine), Path(work), Path(jobs), args.reseal)
         return 0
     result = campaign(args.flips, args.seed, reseal=args.reseal)
     if args.json:
