@@ -64,13 +64,13 @@ def test_a_quick_seed_run_prints_compat_over_native_for_wbc_ingest_and_vla_inges
     run, saved = seed
     assert "SEED: the real seed vs arrowbuf.compat vs the native writer" in run.stdout
     ratios = headline_ratios(saved, "SEED")
-    for metric in ("WBC ingest", "VLA ingest", "VLA sample(320)"):
+    for metric in ("WBC ingest", "VLA ingest", "VLA sample(64)"):
         assert metric in run.stdout
         assert len(ratios[metric, "compat/native"]) == 2 and all(r > 0 for r in ratios[metric, "compat/native"])
-    assert "WBC: native stores 6,144 of 6,144 env steps" in run.stdout
+    assert "WBC: native stores 1,536 of 1,536 env steps" in run.stdout
     # IsaacLab / RSL-RL send no final observation: compat still keeps every env step (issue 25 item 4)
-    assert "WBC: compat with info={} (no final observation, default autoreset_mode) stores 6,144 of 6,144" in run.stdout
-    metric = "WBC add_episodes(256 episodes)"   # one add_episodes of the rollout against one add_episode per env
+    assert "WBC: compat with info={} (no final observation, default autoreset_mode) stores 1,536 of 1,536" in run.stdout
+    metric = "WBC add_episodes(64 episodes)"   # one add_episodes of the rollout against one add_episode per env
     assert metric in run.stdout and "store.add_episode x E" in run.stdout
     assert len(ratios[metric, "batched/single"]) == 2 and all(r > 0 for r in ratios[metric, "batched/single"])
 
@@ -135,7 +135,7 @@ def test_a_saved_run_renders_as_markdown_tables_with_a_row_per_metric(onpolicy, 
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ")]
     headers = [line for line in rows if line.startswith("| metric |")]
     assert len(headers) == 2 and len(rows) == 2 + 6 + 13
-    assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(320) ms |" in run.stdout
+    assert "| WBC rollout sample ms |" in run.stdout and "| VLA sample(64) ms |" in run.stdout
     assert "| VLA native ingest vs one copy of its bytes env-steps/s |" in run.stdout
     assert "| VLA first rollout into a fresh store (construction included) s |" in run.stdout
     assert "| WBC first rollout into a fresh store (construction included) s |" in run.stdout

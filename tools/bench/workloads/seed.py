@@ -336,4 +336,5 @@ register(Workload(
     "SEED", "RLightning compat vs native: WBC 4096x24 ingest (async, auto-truncate), VLA 32x160 ingest + sample",
     full=SeedSpec(wbc(4096, terminations=1 / 500), vla(32, 160)),
     quick=SeedSpec(wbc(256, terminations=1 / 500), vla(8, 40)),
+    smoke=SeedSpec(wbc(64, terminations=1 / 500), vla(4, 16)),
     run=run_seed))
