@@ -30,7 +30,7 @@ def play(store: ab.ExperienceStore, writer, steps: int, end_rate: float, seed: i
 
 
 @pytest.mark.parametrize("num_envs, capacity, end_rate, rows", [
-    (1, 6_000, 0.01, 1.1), (8, 6_000, 0.02, 1.2), (64, 24_000, 0.01, 1.2)])
+    (1, 2_000, 0.01, 1.1), (8, 6_000, 0.02, 1.2), (64, 24_000, 0.01, 1.2)])
 def test_a_ring_streamed_for_many_laps_keeps_its_capacity_sampleable(num_envs, capacity, end_rate, rows):
     store = ab.ExperienceStore(capacity, seed=0)
     writer = store.writer(num_envs=num_envs, autoreset_mode="disabled")
