@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -374,6 +375,27 @@ def test_policy_versions_bound_samples_epochs_and_evictions_alike(ray_stores, nu
         assert (len(store), store.num_episodes) == (10, 2)
     refused_alike(local, remote, "min_version 9 newest", lambda s: s.sample(4, min_version=9))
 
+
+
+def test_a_declared_policy_version_field_takes_the_keyword_on_both_backends(ray_stores):
+    # 1b3f084: the episode was read against the declared schema before the keyword gave its column,
+    # and refused with "missing ['policy_version']" (on both backends).
+    local, remote = twins(ray_stores, 1, schema={**EPISODE_SCHEMA.fields, "policy_version": ab.Field("int64")})
+    for store in (local, remote):
+        store.add_episode(make_episode(0, 3), policy_version=4)
+        store.add_episodes(batch_of([1, 2], 3), policy_version=[5, 6])
+        store.add_episode({**make_episode(3, 3), "policy_version": np.full(3, 7)})   # the field in the data
+        store.flush()
+    refused_alike(local, remote, "policy_version field policy_version= give one",
+                  lambda s: s.add_episode({**make_episode(4, 3), "policy_version": np.full(3, 7)}, policy_version=8))
+    refused_alike(local, remote, "policy_version -1", lambda s: s.add_episode(make_episode(4, 3), policy_version=-1))
+    assert seen(local) == seen(remote)
+    for store in (local, remote):
+        rows = store.to_arrow().filter(pc.invert(pc.field("is_last")))   # a final row holds only its observation
+        held = {(int(a) // 1000, int(v)) for a, v in zip(rows.column("action").to_numpy(),
+                                                         rows.column("policy_version").to_numpy())}
+        assert held == {(0, 4), (1, 5), (2, 6), (3, 7)}
+        assert set(store.sample(32, min_version=6)["policy_version"].tolist()) == {6, 7}
 
 # -- writers, advantages, exports ----------------------------------------------------------------------
 
