@@ -240,6 +240,37 @@ def test_ragged_and_text_fields_keep_max_bytes_values_keys_and_pad_alike(ray_sto
     assert epochs[0] == epochs[1]
 
 
+
+def _framed(tag: int, steps: int) -> dict:
+    """`make_episode` with a step field of 64 random (incompressible) bytes a step, encoded by zstd."""
+    frames = np.random.default_rng(tag).integers(0, 256, (steps, 64), dtype=np.uint8)
+    return {**make_episode(tag, steps), "frame": frames}
+
+
+def test_an_encoded_episode_over_max_bytes_is_refused_before_anything_is_evicted_alike(ray_stores):
+    # 1b3f084: its bytes were known only once encoded, in the write: it evicted every episode held
+    # first, then was stored over the budget anyway (local, and in a Ray shard).
+    from arrowbuf.codecs import encode_rows, parse_codec
+
+    row = len(encode_rows(parse_codec("zstd", "uint8", (64,), "frame"), _framed(0, 1)["frame"])[0])
+    budget = 5 * row   # exactly one episode of 5 steps
+    local, remote = twins(ray_stores, 1, capacity=40, schema={
+        **EPISODE_SCHEMA.fields, "frame": ab.Field("uint8", (64,), codec="zstd", max_bytes=budget)})
+    for store in (local, remote):
+        for tag in range(3):   # each evicts the one before: the budget holds one
+            store.add_episode(_framed(tag, 5), env_id=f"env-{tag}")
+        store.flush()
+        assert store.num_episodes == 1
+    held = seen(local)
+    assert held == seen(remote) and held["len"] == 5
+    for call in (lambda s: s.add_episode(_framed(7, 6)),
+                 lambda s: s.add_episodes({k: np.stack([v]) for k, v in _framed(8, 6).items()})):
+        refused_alike(local, remote, f"'frame' {6 * row:,} {budget:,} max_bytes", call)
+        assert seen(local) == seen(remote) == held   # nothing evicted
+    for store in (local, remote):   # the one held reads back whole
+        batch = store.sample(16)
+        np.testing.assert_array_equal(batch["frame"].numpy(), _framed(2, 5)["frame"][batch["step"].numpy()])
+
 def test_a_gather_of_no_indices_has_the_same_fields_on_both_backends(ray_stores):
     local, remote = twins(ray_stores, 1, capacity=200, schema=RAGGED)
     for store in (local, remote):
