@@ -296,7 +296,7 @@ def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], free_ol
 
 
 def check_budget(column: HeapColumn, nbytes: int, pinned: np.ndarray, what: str, max_bytes: int,
-                 fix: str = "raise max_bytes or cut the episode (nothing was stored)") -> None:
+                 fix: str = "raise max_bytes or cut the episode") -> None:
     """Raise `CapacityError` when a write of ``nbytes`` into ``column`` (bounded: its field's
     ``max_bytes`` or a shard's part of it) cannot fit in its budget beside the bytes of rows
     ``pinned``, which no eviction frees (`arrowbuf.placement.Ring.pinned_rows`): before anything

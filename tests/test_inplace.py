@@ -213,6 +213,39 @@ def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(
         check_store(store, rollouts, evicts=capacity < 100_000, whole=whole)   # 100k rows: room for all
 
 
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["tokens", "obs"]), mode=st.sampled_from(MODES), budget=st.integers(400, 2_000),
+       capacity=st.one_of(st.integers(8, 80), st.just(100_000)), lengths=st.tuples(EPISODE_LENGTHS, EPISODE_LENGTHS),
+       ops=OPS)
+@example(kind="obs", mode="same_step", budget=400, capacity=100_000, lengths=([[12, 12], [12], [12]], [[12]] * 4),
+         ops=[(0, 9, False), (1, 9, True), (0, 9, False)])
+def test_in_place_writers_hold_max_bytes_and_every_step_they_keep_under_any_interleaving(kind, mode, budget, capacity,
+                                                                                         lengths, ops):
+    # 1b3f084: writers' open tails were never evicted for max_bytes: they held a few times the budget.
+    field = ab.Field("int64", (None,), max_bytes=budget) if kind == "tokens" else \
+        ab.Field("float64", (2,), observation=True, codec="zstd", max_bytes=budget)
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema={**EPISODE_SCHEMA.fields, kind: field})
+    column = store.engine.shard.arena[kind]
+    rollouts = [FakeVectorRollout(lengths[k], mode, first_tag=1000 * k) for k in range(2)]
+    writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
+    for which, count, flag in ops:
+        if which == "episode":
+            continue
+        for _ in range(count):
+            step = rollouts[which].step_arrays()
+            if kind == "tokens":   # 8 tokens a step (64 bytes), read back from the action
+                step["tokens"] = [np.full(8, action) for action in step["action"].tolist()]
+            writers[which].add(**step)
+            assert column.heap.live <= budget
+        if flag:
+            writers[which].flush()
+            cut(rollouts[which])
+        check_store(store, rollouts, evicts=True)
+        if kind == "tokens" and len(store):
+            batch = store.sample(16)
+            np.testing.assert_array_equal(batch["tokens"].values().numpy(), np.repeat(batch["action"].numpy(), 8))
+
 @settings(max_examples=15, deadline=None)
 @given(capacity=st.integers(12, 60), lengths=st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=3),
                                                     min_size=1, max_size=3), num_steps=st.integers(1, 80))
