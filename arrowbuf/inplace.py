@@ -54,7 +54,6 @@ class InPlace:
         self.num_envs = len(env_ids)
         self.shard = None
         self.base = 0
-        self._bounded: list[str] = []
 
     def bind(self) -> None:
         """Take slots in the engine's shard (made by the first step's schema, if not before)."""
@@ -66,8 +65,6 @@ class InPlace:
         codes = np.array([shard.table.env_code(e) for e in self.env_ids], np.int32)
         self.base = shard.regions.allocate(codes)
         self.shard = shard
-        # Fields with a byte budget (`max_bytes`), fixed when the shard was made: each step checks them.
-        self._bounded = [name for name, column in shard.arena.items() if getattr(column, "budget", None) is not None]
         # A writer dropped without `close` seals its open pieces (as `flush` does) and gives its
         # slots back when it is collected: it keeps every step it wrote.
         self._finalizer = weakref.finalize(self, _release, self.engine, shard, self.base, self.env_ids)
@@ -276,7 +273,7 @@ class InPlace:
             CapacityError: naming the field, before anything changed.
         """
         shard = self.shard
-        if not self._bounded:
+        if not shard.bounded:
             return step_cols, next_cols, final
         regions, envs = shard.regions, slots - self.base
         # The envs whose obs row this step writes: a new piece (none held, no step yet, or a full region).
@@ -285,7 +282,7 @@ class InPlace:
         ends = envs[done[envs]] if final is not None else envs[:0]
         step_cols, next_cols, final = dict(step_cols), dict(next_cols), dict(final) if final is not None else None
         pinned = shard.placement.pinned_rows()
-        for name in self._bounded:
+        for name in shard.bounded:
             column = shard.arena[name]
             nbytes, encoded = 0, isinstance(column, EncodedColumn)
             for cols, rows in ((step_cols, envs), (next_cols, np.setdiff1d(envs, ends)), (final, ends)):

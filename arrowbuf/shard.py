@@ -141,6 +141,8 @@ class Shard:
         self._total = room or capacity * num_shards   # the store's capacity, of which this shard's is a share
         released = bind_heap_columns(self.arena, schema.fields, (capacity, self._total),
                                      lambda fraction: self.placement.free_oldest(fraction), mode)
+        # Fields with a byte budget (max_bytes): each write checks its rows of them before evicting.
+        self.bounded = tuple(name for name, c in self.arena.items() if getattr(c, "budget", None) is not None)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
         self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
                               released=released, grow_arena=None if self.lazy_rows else self.grow_arena)
@@ -361,18 +363,19 @@ class Shard:
         """`CapacityError` for an episode whose rows of a field with a byte budget (this shard's part
         of ``max_bytes``; ragged values, or encoded rows as `encoded` made them) do not fit in it
         (`byte_heap.check_budget`): storing it evicted every episode held first."""
-        for name, column in self.arena.items():
-            data = episode.columns.get(name)
-            if getattr(column, "budget", None) is not None and data is not None:
+        for name in self.bounded:
+            column, data = self.arena[name], episode.columns.get(name)
+            if data is not None:
                 check_budget(column, column.bytes_of(data), self.placement.pinned_rows(), "an episode of",
                              self.schema.fields[name].max_bytes)
 
     def encoded(self, episode: Episode) -> Episode:
         """``episode`` with its rows of encoded fields with a byte budget encoded (`EncodedRows`, stored
         as they are): their bytes are known only once encoded, and `check_fits` checks them first."""
-        encoded = {name: self.arena[name].encode(data) for name, data in episode.columns.items()
-                   if isinstance(self.arena.get(name), EncodedColumn) and self.arena[name].budget is not None
-                   and not (isinstance(data, EncodedRows) and data.codec.spec == self.arena[name].codec.spec)}
+        encoded = {name: column.encode(data) for name in self.bounded
+                   for column, data in [(self.arena[name], episode.columns.get(name))]
+                   if isinstance(column, EncodedColumn) and data is not None
+                   and not (isinstance(data, EncodedRows) and data.codec.spec == column.codec.spec)}
         return replace(episode, columns={**episode.columns, **encoded}) if encoded else episode
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
