@@ -312,7 +312,9 @@ class EncodedRows:
         offsets = np.zeros(len(blobs) + 1, np.int64)
         np.cumsum([len(b) for b in blobs], out=offsets[1:])
         values = pa.py_buffer(b"".join(blobs))
-        return cls(pa.Array.from_buffers(pa.large_binary(), len(blobs), [None, pa.py_buffer(offsets), values]), codec)
+        rows = cls(pa.Array.from_buffers(pa.large_binary(), len(blobs), [None, pa.py_buffer(offsets), values]), codec)
+        rows._rows = list(blobs)   # the same bytes: a store of them takes these, not views of the array
+        return rows
 
     def __len__(self) -> int:
         return len(self.array)
