@@ -30,6 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from arrowbuf.errors import CapacityError
+
 #: Bytes of a chunk (a row larger than this gets a chunk of its own).
 CHUNK_BYTES = 4 << 20
 _SHIFT = 32
@@ -167,6 +169,7 @@ class HeapColumn:
             self.addr, self.size = refs[:, 0], refs[:, 1]
         self.name = name   # the field's, for errors (a shard's: set by `bind_heap_columns`)
         self.budget: int | None = None   # bytes held at most (`bound`)
+        self.bytes_word = "bytes"   # what a row's bytes are, for errors ("bytes of values", "bytes encoded")
         self._make_room: Any = None
 
     def __len__(self) -> int:
@@ -259,13 +262,14 @@ def check_bounded_mode(fields: dict, mode: str) -> None:
                          f"a mode={mode!r} store never evicts: use mode='circular', or no max_bytes")
 
 
-def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_oldest: Callable[[int], None],
-                      table: Any, mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
+def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], free_oldest: Callable[[float], bool],
+                      mode: str = "circular") -> Callable[[np.ndarray, np.ndarray], None] | None:
     """Set up a shard's heap columns: each named (for its errors) and bounded by its share of
-    its field's ``max_bytes`` (`share_budgets`; a write evicts the oldest pieces,
-    ``evict_oldest(1)``, while the shard's ``table`` holds one, until its rows fit). Returns the
-    hook its ring calls with the spans it evicts (their bytes go back: memory follows the rows
-    held); None without heap columns.
+    its field's ``max_bytes`` (`share_budgets`; a write evicts the oldest, ``free_oldest(the
+    fraction of the bytes held that must go)``: `arrowbuf.placement.Ring.free_oldest`, until its
+    rows fit or nothing is left to evict; the writes check first that they can fit:
+    `check_budget`). Returns the hook its ring calls with the spans it evicts (their bytes go
+    back: memory follows the rows held); None without heap columns.
 
     Raises:
         ValueError: ``max_bytes`` in a ``mode="fixed"`` store, which never evicts.
@@ -276,8 +280,9 @@ def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_o
         return None
 
     def make_room(column: HeapColumn, nbytes: int) -> None:
-        while column.heap.live + nbytes > column.budget and len(table):
-            evict_oldest(1)
+        while column.heap.live + nbytes > column.budget:
+            if not free_oldest((column.heap.live + nbytes - column.budget) / max(column.heap.live, 1)):
+                break
 
     for name, column in columns.items():
         column.name = name
@@ -288,6 +293,21 @@ def bind_heap_columns(arena: dict, fields: dict, share: tuple[int, int], evict_o
             column.release_spans(first, rows)
 
     return released
+
+
+def check_budget(column: HeapColumn, nbytes: int, pinned: np.ndarray, what: str, max_bytes: int,
+                 fix: str = "raise max_bytes or cut the episode") -> None:
+    """Raise `CapacityError` when a write of ``nbytes`` into ``column`` (bounded: its field's
+    ``max_bytes`` or a shard's part of it) cannot fit in its budget beside the bytes of rows
+    ``pinned``, which no eviction frees (`arrowbuf.placement.Ring.pinned_rows`): before anything
+    is evicted for it (which made room by evicting everything, then held it over the budget)."""
+    held = int(column.size[pinned].sum()) if len(pinned) else 0
+    if nbytes + held > column.budget:
+        beside = f" beside the {held:,} bytes of the open episodes' last observations" if held else ""
+        raise CapacityError(f"field {column.name!r}: {what} {nbytes:,} {column.bytes_word}, more than the "
+                            f"{column.budget:,} bytes "
+                            f"its max_bytes={max_bytes:,} gives this {'shard' if column.budget != max_bytes else 'store'}"
+                            f"{beside}; {fix}")
 
 
 def share_budgets(arena: dict, fields: dict, capacity: int, total: int,

@@ -199,6 +199,7 @@ class EncodedColumn(HeapColumn):
                  name: str = "") -> None:
         super().__init__(rows, mapped, name)
         self.codec = codec
+        self.bytes_word = "bytes encoded"
         self.row_shape = tuple(codec.shape)
         self.dtype = np.dtype(dtype)
         self.shape = (rows, *self.row_shape)
@@ -218,10 +219,26 @@ class EncodedColumn(HeapColumn):
         values = np.asarray(value)
         if values.dtype != self.dtype:
             values = values.astype(self.dtype)
-        values = np.broadcast_to(values, (len(rows), *self.row_shape))
-        zero = ~values.reshape(len(rows), -1).any(axis=1)
+        self.store(rows, self._blobs(np.broadcast_to(values, (len(rows), *self.row_shape))))
+
+    def _blobs(self, values: np.ndarray) -> list:
+        """Rows ``values`` (of this column's dtype) as stored: each encoded, an all-zero row as no bytes."""
+        zero = ~values.reshape(len(values), -1).any(axis=1)
         encoded = encode_rows(self.codec, values)
-        self.store(rows, [b"" if z else data for z, data in zip(zero.tolist(), encoded)])
+        return [b"" if z else data for z, data in zip(zero.tolist(), encoded)]
+
+    def encode(self, values: Any) -> "EncodedRows":
+        """Rows ``values`` encoded as this column stores them (`EncodedRows`, which a write of
+        them stores as they are): for a write whose bytes are checked before it is made (the
+        field's ``max_bytes``: `arrowbuf.shard.Shard.check_fits`, `arrowbuf.inplace`)."""
+        values = np.asarray(values)
+        values = values.astype(self.dtype, copy=False).reshape(len(values), *self.row_shape)
+        return EncodedRows.of_blobs(self._blobs(values), self.codec)
+
+    def bytes_of(self, data: Any) -> int:
+        """The bytes rows ``data`` take of the field's ``max_bytes`` once stored (encoded)."""
+        rows = data if isinstance(data, EncodedRows) and data.codec.spec == self.codec.spec else self.encode(data)
+        return int(rows.sizes().sum())
 
     @property
     def lossy(self) -> bool:
@@ -289,8 +306,22 @@ class EncodedRows:
         self._rows: list | None = None
         self.dtype = np.dtype(np.uint16 if codec.dtype == "bfloat16" else codec.dtype)
 
+    @classmethod
+    def of_blobs(cls, blobs: Sequence, codec: Codec) -> "EncodedRows":
+        """Rows whose bytes are ``blobs`` (encoded by ``codec``), copied into one Arrow array."""
+        offsets = np.zeros(len(blobs) + 1, np.int64)
+        np.cumsum([len(b) for b in blobs], out=offsets[1:])
+        values = pa.py_buffer(b"".join(blobs))
+        rows = cls(pa.Array.from_buffers(pa.large_binary(), len(blobs), [None, pa.py_buffer(offsets), values]), codec)
+        rows._rows = list(blobs)   # the same bytes: a store of them takes these, not views of the array
+        return rows
+
     def __len__(self) -> int:
         return len(self.array)
+
+    def sizes(self) -> np.ndarray:
+        """Each row's bytes (int64)."""
+        return np.fromiter(map(len, self.rows()), np.int64, len(self))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -232,8 +232,8 @@ class ShardEngine:
         """
         with self._changed:
             shard = self._shard if self._shard is not None else self._make_shard(schema)
-            plan = shard.check_fits(episode)
-            transitions = shard.transitions_of(episode)
+            episode = shard.encoded(episode)   # bounded encoded fields: bytes checked before anything is evicted
+            plan, transitions = shard.check_fits(episode), shard.transitions_of(episode)
             if self._limited and limited:
                 limiter, counts = self.rate_limiter, self.counts
                 self._wait(lambda: limiter.can_insert(transitions, counts), timeout,

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from arrowbuf.arena import stage_zeros
+from arrowbuf.byte_heap import check_budget
+from arrowbuf.encoded import EncodedColumn
 from arrowbuf.row_stage import RowStage
 from arrowbuf.schema import Schema
 from arrowbuf.shard import total_reward
@@ -116,7 +118,8 @@ class InPlace:
 
         Raises:
             CapacityError: the store's arena cannot give every env a region of
-                `MIN_REGION` rows at once.
+                `MIN_REGION` rows at once, or the step's rows of a field with ``max_bytes``
+                cannot fit in it (`_budgeted`); nothing changed.
         """
         self.bind()
         engine, shard = self.engine, self.shard
@@ -124,6 +127,7 @@ class InPlace:
             regions = shard.regions
             slots = self.base + np.flatnonzero(recorded)
             everyone = len(slots) == self.num_envs
+            step_cols, next_cols, final = self._budgeted(slots, obs_cols, step_cols, next_cols, final, done)
             shard.placement.admit(len(slots))   # the oldest transitions past the capacity go first
             # Regions without room for this step (its row and the next observation's):
             # seal the piece written so far, and continue the episode in a new region.
@@ -257,6 +261,46 @@ class InPlace:
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------
+
+    def _budgeted(self, slots: np.ndarray, obs_cols: dict, step_cols: dict, next_cols: dict, final: dict | None,
+                  done: np.ndarray) -> tuple[dict, dict, dict | None]:
+        """The step's columns, its rows of encoded fields with a byte budget encoded once (their
+        bytes are known only encoded; the writes store them as they are), once each such field's
+        rows that the step writes are known to fit in its budget beside the open tails' last
+        observations (`byte_heap.check_budget`): the writes then evict the oldest to make room.
+
+        Raises:
+            CapacityError: naming the field, before anything changed.
+        """
+        shard = self.shard
+        if not shard.bounded:
+            return step_cols, next_cols, final
+        regions, envs = shard.regions, slots - self.base
+        # The envs whose obs row this step writes: a new piece (none held, no step yet, or a full region).
+        starts = envs[~regions.held[slots] | (regions.length[slots] == 0)
+                      | (regions.start[slots] + regions.length[slots] + 1 >= regions.end[slots])]
+        ends = envs[done[envs]] if final is not None else envs[:0]
+        step_cols, next_cols, final = dict(step_cols), dict(next_cols), dict(final) if final is not None else None
+        pinned = shard.placement.pinned_rows()
+        for name in shard.bounded:
+            column = shard.arena[name]
+            nbytes, encoded = 0, isinstance(column, EncodedColumn)
+            for cols, rows in ((step_cols, envs), (next_cols, np.setdiff1d(envs, ends)), (final, ends)):
+                if cols is None or name not in cols:
+                    continue
+                array = cols[name][0] if cols is not final else cols[name]
+                if encoded:   # every env's row, as the writes index them
+                    array = column.encode(array)
+                    cols[name] = (array, cols[name][1]) if cols is not final else array
+                    nbytes += int(array.sizes()[rows].sum())
+                else:
+                    nbytes += column.bytes_of(array if len(rows) == self.num_envs else array[rows])
+            if name in obs_cols and len(starts):
+                nbytes += column.bytes_of(np.asarray(obs_cols[name][0])[starts])
+            check_budget(column, nbytes, pinned, f"a step of {len(envs)} env(s) writes",
+                         shard.schema.fields[name].max_bytes,
+                         "raise max_bytes, or write fewer envs or smaller rows a step (nothing of it was written)")
+        return step_cols, next_cols, final
 
     def _seal(self, slots: np.ndarray, terminated: np.ndarray | None, truncated: np.ndarray | None,
               continues: bool) -> None:

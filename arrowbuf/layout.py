@@ -267,6 +267,17 @@ def check_keys(keys: Any, fields: Iterable[tuple[str, ...]]) -> frozenset | None
     return frozenset(selected)
 
 
+def schema_keys(schema: Any) -> list[tuple[str, ...]]:
+    """The keys a store of ``schema`` gathers (what ``keys`` may name, besides `ALWAYS`): each
+    field's, and ``("next", ...)`` of each observation field, as the gathers lay them out."""
+    keys = []
+    for name, f in schema.fields.items():
+        keys.append(field_key(name))
+        if f.observation:
+            keys.append(("next", *field_key(name)))
+    return keys
+
+
 def available_keys(fields: Iterable[tuple[str, ...]]) -> list:
     """Every key ``keys`` can name: the fields (and their ``("next", ...)``), and the extras always there."""
     return [key[0] if len(key) == 1 else key for key in [*fields, *ALWAYS]]

@@ -54,6 +54,7 @@ from arrowbuf._checks import check_bool, check_int, check_priorities, check_samp
 from arrowbuf._mixed import MAX_PLANS, MixedPlan, in_process_source
 from arrowbuf._pool import SlotPool
 from arrowbuf.errors import EmptyStoreError, describe
+from arrowbuf.layout import check_keys, schema_keys
 from arrowbuf.ragged import RaggedRows, check_pad, jagged
 from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.tensors import make_tensordict
@@ -210,9 +211,10 @@ class Mixture:
 
     def _check_args(self, counts: np.ndarray, kwargs: dict) -> None:
         """The options that depend on a source's schema (n-step returns need a scalar reward, ``pad``
-        names ragged fields), checked against every source asked for rows before any draws: a
-        later source's refusal came after the earlier ones had drawn and counted their rows."""
-        n_step, pad = kwargs.get("n_step", 1), kwargs.get("pad")
+        names ragged fields, ``keys`` names gathered fields), checked against every source asked for
+        rows before any draws: a later source's refusal came after the earlier ones had drawn and
+        counted their rows."""
+        n_step, pad, keys = kwargs.get("n_step", 1), kwargs.get("pad"), kwargs.get("keys")
         for name, n in zip(self.names, counts.tolist()):
             schema = getattr(self._sources[name], "schema", None) if n else None
             if schema is None:
@@ -221,6 +223,7 @@ class Mixture:
                 check_sample_args(n_step, kwargs.get("gamma", 0.99), kwargs.get("frame_stack", 1),
                                   schema if n_step != 1 else None)
                 check_pad(pad, schema)
+                check_keys(keys, schema_keys(schema))
             except ValueError as err:
                 raise ValueError(f"source {name!r}: {err}; nothing was drawn from any source") from None
 
@@ -248,12 +251,14 @@ class Mixture:
         is restarted when `set_weights` changes its count.
 
         Raises:
-            ValueError: a bad argument.
+            ValueError: a bad argument (checked against every source before any starts drawing).
         """
         batch_size = check_int("batch_size", batch_size, 1)
         streams: dict[int, tuple[int, Iterator[TensorDict]]] = {}
         while True:
             counts = split_counts(self._weights, batch_size)
+            if any(n and streams.get(k, (0,))[0] != n for k, n in enumerate(counts.tolist())):
+                self._check_args(counts, kwargs)   # before a new stream's first draw
             parts = []
             for k, (name, n) in enumerate(zip(self.names, counts.tolist())):
                 if not n:

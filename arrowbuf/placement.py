@@ -241,9 +241,32 @@ class Ring:
         if pieces or trim:
             self.evict_oldest(pieces, trim)
         if open_trim:
-            for a, b in zip(*self.regions.trim_oldest(open_trim)):
+            starts, stops = self.regions.trim_oldest(open_trim)
+            for a, b in zip(starts, stops):
                 if not self.ordered:
                     self.free.free(int(a), int(b))
+            if self.released is not None and len(starts):   # their bytes go back too
+                self.released(starts, stops - starts)
+
+    def free_oldest(self, fraction: float) -> bool:
+        """Evict for a field's byte budget (`arrowbuf.byte_heap.bind_heap_columns`): the oldest
+        sealed piece, else about ``fraction`` of the open tails' transitions (at least one) off
+        their fronts, as the count's eviction cuts them; False when nothing is left to evict
+        (each open tail keeps the observation its next step starts from)."""
+        if len(self.table):
+            self.evict_oldest(1)
+            return True
+        regions = self.regions
+        held = int(regions.length[regions.held].sum())
+        if not held:
+            return False
+        self._evict(0, 0, max(1, min(held, int(np.ceil(held * fraction)))))
+        return True
+
+    def pinned_rows(self) -> np.ndarray:
+        """The rows no eviction frees: each open tail's last observation, its next step's start."""
+        regions = self.regions
+        return (regions.start + regions.length)[regions.held]
 
     def _more_rows(self, rows: int) -> bool:
         """A full arena that can grow (`grow_arena`) takes room for ``rows`` more rows past the

@@ -213,6 +213,7 @@ class RaggedColumn(HeapColumn):
                  mapped: tuple[np.ndarray, Any] | None = None, name: str = "") -> None:
         super().__init__(rows, mapped, name)
         self.dtype, self.tail = np.dtype(dtype), tuple(tail)
+        self.bytes_word = "bytes of values"
         self.item_bytes = self.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
         self.shape = (rows, None, *self.tail)
         self.ndim = len(self.shape)
@@ -233,6 +234,10 @@ class RaggedColumn(HeapColumn):
     def __getitem__(self, key: Any) -> RaggedRows:
         """The rows ``key`` (a copy of their values)."""
         return self.gather(self.rows_of(key))
+
+    def bytes_of(self, data: Any) -> int:
+        """The bytes ragged rows ``data`` take of the field's ``max_bytes`` (`value_bytes`)."""
+        return value_bytes(data, self.name, self.tail)
 
     def gather(self, rows: np.ndarray) -> RaggedRows:
         """Rows ``rows`` (flat int64), their values copied once into one array."""

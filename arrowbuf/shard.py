@@ -18,14 +18,15 @@ The embedded store and each Ray shard actor run this same code.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from arrowbuf.byte_heap import bind_heap_columns, share_budgets
+from arrowbuf.byte_heap import bind_heap_columns, check_budget, share_budgets
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
-from arrowbuf.ragged import nested, value_bytes
+from arrowbuf.encoded import EncodedColumn, EncodedRows
+from arrowbuf.ragged import nested
 from arrowbuf.errors import CapacityError
 from arrowbuf.indexing import look_ahead, piece_chains
 from arrowbuf.packing import column_view, item_dtype, pack_layout
@@ -139,7 +140,9 @@ class Shard:
         # Encoded columns: named, bounded by their share of max_bytes, emptied of what is evicted.
         self._total = room or capacity * num_shards   # the store's capacity, of which this shard's is a share
         released = bind_heap_columns(self.arena, schema.fields, (capacity, self._total),
-                                     lambda n: self.placement.evict_oldest(n), self.table, mode)
+                                     lambda fraction: self.placement.free_oldest(fraction), mode)
+        # Fields with a byte budget (max_bytes): each write checks its rows of them before evicting.
+        self.bounded = tuple(name for name, c in self.arena.items() if getattr(c, "budget", None) is not None)
         # Where rows go and what is evicted: the head, the ring, the writers' open regions.
         self.placement = Ring(self.table, capacity, self.rows, mode, self.reward_sum, whole_pieces,
                               released=released, grow_arena=None if self.lazy_rows else self.grow_arena)
@@ -357,19 +360,23 @@ class Shard:
         return self.placement.plan(episode.num_rows, length)
 
     def _check_budgets(self, episode: Episode) -> None:
-        """`CapacityError` for an episode whose ragged field's values alone exceed the field's byte
-        budget (this shard's part of ``max_bytes``): storing it evicted every episode held and then
-        kept it over the budget anyway."""
-        for name, column in self.arena.items():
-            data = episode.columns.get(name)
-            if getattr(column, "budget", None) is None or not self.schema.fields[name].ragged or data is None:
-                continue
-            nbytes = value_bytes(data, name, column.tail)
-            if nbytes > column.budget:
-                raise CapacityError(
-                    f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the "
-                    f"{column.budget:,} bytes its max_bytes={self.schema.fields[name].max_bytes:,} gives this "
-                    "shard; raise max_bytes or cut the episode")
+        """`CapacityError` for an episode whose rows of a field with a byte budget (this shard's part
+        of ``max_bytes``; ragged values, or encoded rows as `encoded` made them) do not fit in it
+        (`byte_heap.check_budget`): storing it evicted every episode held first."""
+        for name in self.bounded:
+            column, data = self.arena[name], episode.columns.get(name)
+            if data is not None:
+                check_budget(column, column.bytes_of(data), self.placement.pinned_rows(), "an episode of",
+                             self.schema.fields[name].max_bytes)
+
+    def encoded(self, episode: Episode) -> Episode:
+        """``episode`` with its rows of encoded fields with a byte budget encoded (`EncodedRows`, stored
+        as they are): their bytes are known only once encoded, and `check_fits` checks them first."""
+        encoded = {name: column.encode(data) for name in self.bounded
+                   for column, data in [(self.arena[name], episode.columns.get(name))]
+                   if isinstance(column, EncodedColumn) and data is not None
+                   and not (isinstance(data, EncodedRows) and data.codec.spec == column.codec.spec)}
+        return replace(episode, columns={**episode.columns, **encoded}) if encoded else episode
 
     def evicted_spans(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(first row, rows) of the ``count`` oldest episodes."""

@@ -39,7 +39,8 @@ from arrowbuf.rate_limiters import RateLimiter
 from arrowbuf.ray.options import RayOptions
 from arrowbuf.samplers import PrioritizedSampler, WithoutReplacementSampler
 from arrowbuf.schema import Schema
-from arrowbuf.versions import attach_versions, check_fresh_iter, epochs_fresh, evict_older, sample_fresh
+from arrowbuf.versions import (attach_versions, check_fresh_iter, epochs_fresh, evict_older, keyword_schema,
+                               sample_fresh)
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -208,7 +209,8 @@ class ExperienceStore:
         """
         timeout, env_id, metadata = check_timeout(timeout), check_env_id(env_id), check_metadata(metadata)
         shard = check_shard(shard, self.num_shards)
-        read = read_episode(episode, self.schema, env_id, metadata, keep_tensors=self.storage_device is not None)
+        read = read_episode(episode, keyword_schema(self.schema, policy_version), env_id, metadata,
+                            keep_tensors=self.storage_device is not None)
         checked, schema = attach_versions(self, *read, policy_version)
         if shard is None:
             return self._backend.add(checked, schema, timeout)
@@ -230,7 +232,8 @@ class ExperienceStore:
         """
         timeout = check_timeout(timeout)
         shard = check_shard(shard, self.num_shards)
-        checked, schema = attach_versions(self, *read_episodes(episodes, self.schema, lengths, env_ids, metadata,
+        checked, schema = attach_versions(self, *read_episodes(episodes, keyword_schema(self.schema, policy_version),
+                                                               lengths, env_ids, metadata,
                                                                keep_tensors=self.storage_device is not None,
                                                                observations=observations),
                                           policy_version, per_episode=True)

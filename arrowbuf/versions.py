@@ -184,6 +184,23 @@ def ensure_version_column(engine: Any, schema: Schema) -> None:
             shard.add_fields(shard.schema.extended({VERSION: VERSION_FIELD}))
 
 
+def keyword_schema(schema: Schema | None, version: Any) -> Schema | None:
+    """The schema an episode given ``policy_version=`` is read against: ``schema``, where a
+    declared ``policy_version`` field is not asked of the data (the keyword fills it,
+    `with_version`); ``schema`` itself without the keyword.
+
+    Raises:
+        ValueError: the declared field is not int64 scalars, which versions are.
+    """
+    if version is None or schema is None or VERSION not in schema.fields or schema.fields[VERSION].derived:
+        return schema
+    field = schema.fields[VERSION]
+    if field.dtype != "int64" or field.shape:
+        raise ValueError(f"policy_version={version!r} fills the store's policy_version field, declared as {field}; "
+                         "versions are int64 scalars per step: declare it Field('int64')")
+    return as_version_schema(schema)
+
+
 def attach_versions(store: Any, episodes: Episode | list[Episode], schema: Schema, version: Any,
                     per_episode: bool = False) -> tuple[Episode | list[Episode], Schema]:
     """``store``'s read episode (or list of them, with ``per_episode``) with its

@@ -9,6 +9,7 @@ checks hold for any placement of regions and pieces, with evictions, wraps and o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -211,6 +212,39 @@ def test_in_place_writers_store_exactly_the_played_steps_under_any_interleaving(
             cut(rollouts[which])
         check_store(store, rollouts, evicts=capacity < 100_000, whole=whole)   # 100k rows: room for all
 
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["tokens", "obs"]), mode=st.sampled_from(MODES), budget=st.integers(400, 2_000),
+       capacity=st.one_of(st.integers(8, 80), st.just(100_000)), lengths=st.tuples(EPISODE_LENGTHS, EPISODE_LENGTHS),
+       ops=OPS)
+@example(kind="obs", mode="same_step", budget=400, capacity=100_000, lengths=([[12, 12], [12], [12]], [[12]] * 4),
+         ops=[(0, 9, False), (1, 9, True), (0, 9, False)])
+def test_in_place_writers_hold_max_bytes_and_every_step_they_keep_under_any_interleaving(kind, mode, budget, capacity,
+                                                                                         lengths, ops):
+    # 1b3f084: writers' open tails were never evicted for max_bytes: they held a few times the budget.
+    field = ab.Field("int64", (None,), max_bytes=budget) if kind == "tokens" else \
+        ab.Field("float64", (2,), observation=True, codec="zstd", max_bytes=budget)
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema={**EPISODE_SCHEMA.fields, kind: field})
+    column = store.engine.shard.arena[kind]
+    rollouts = [FakeVectorRollout(lengths[k], mode, first_tag=1000 * k) for k in range(2)]
+    writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
+    for which, count, flag in ops:
+        if which == "episode":
+            continue
+        for _ in range(count):
+            step = rollouts[which].step_arrays()
+            if kind == "tokens":   # 8 tokens a step (64 bytes), read back from the action
+                step["tokens"] = [np.full(8, action) for action in step["action"].tolist()]
+            writers[which].add(**step)
+            assert column.heap.live <= budget
+        if flag:
+            writers[which].flush()
+            cut(rollouts[which])
+        check_store(store, rollouts, evicts=True)
+        if kind == "tokens" and len(store):
+            batch = store.sample(16)
+            np.testing.assert_array_equal(batch["tokens"].values().numpy(), np.repeat(batch["action"].numpy(), 8))
 
 @settings(max_examples=15, deadline=None)
 @given(capacity=st.integers(12, 60), lengths=st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=3),
@@ -500,3 +534,78 @@ def test_a_writer_state_with_regions_past_the_capacity_rows_loads():
     restored = store.writer(2, autoreset_mode="disabled")
     restored.load_state_dict(state)
     assert restored.open_steps.tolist() == writer.open_steps.tolist()
+
+
+# -- byte budgets (max_bytes) -------------------------------------------------------------------------
+
+
+def _frame(env: int, episode: int, t: int) -> np.ndarray:
+    """Observation t of an env's episode: 64 random (incompressible) bytes, made again from its tag."""
+    return np.random.default_rng([env, episode, t]).integers(0, 256, 64, dtype=np.uint8)
+
+
+def _tag(env: Any, episode: Any, t: Any) -> Any:
+    return env * 10_000 + episode * 100 + t
+
+
+@pytest.mark.parametrize("kind", ["ragged", "zstd"])
+@pytest.mark.parametrize("num_envs", [1, 4])
+def test_an_in_place_writer_holds_a_fields_max_bytes_of_one_episode_and_refuses_a_larger_step(kind, num_envs):
+    # 1b3f084: writers' open tails were never evicted for max_bytes (4 envs held 4 times a budget of
+    # one episode's bytes), and a step larger than the whole budget evicted everything, then was
+    # stored over it.
+    T = 10
+    from arrowbuf.codecs import encode_rows, parse_codec
+
+    row = len(encode_rows(parse_codec("zstd", "uint8", (64,), "obs"), _frame(0, 0, 0)[None])[0])
+    budget = (T + 1) * row if kind == "zstd" else T * 64   # one episode: 11 encoded rows, or 10 x 8 int64 tokens
+    fields = {"obs": ab.Field("uint8", (64,), observation=True, codec="zstd" if kind == "zstd" else None,
+                              max_bytes=budget if kind == "zstd" else None),
+              "action": ab.Field("int64"), "reward": ab.Field("float32"), "terminated": ab.Field("bool"),
+              "truncated": ab.Field("bool")}
+    if kind == "ragged":
+        fields["tokens"] = ab.Field("int64", (None,), max_bytes=budget)
+    store = ab.ExperienceStore(capacity=1_000, schema=fields, seed=0)
+    column = store.engine.shard.arena["obs" if kind == "zstd" else "tokens"]
+    writer = store.writer(num_envs=num_envs, autoreset_mode="same_step")
+    envs = np.arange(num_envs)
+
+    def step(episode: int, t: int, tokens: list | None = None) -> dict:
+        tags = _tag(envs, episode, t)
+        end = t == T - 1
+        return {"obs": np.stack([_frame(e, episode, t) for e in envs]), "action": tags,
+                "reward": np.ones(num_envs, np.float32), "terminated": np.full(num_envs, end), "truncated": np.zeros(num_envs, bool),
+                "next_obs": np.stack([_frame(e, episode + end, 0 if end else t + 1) for e in envs]),
+                "final_obs": np.stack([_frame(e, episode, T) for e in envs]) if end else None,
+                **({"tokens": tokens or [np.full(8, tag) for tag in tags]} if kind == "ragged" else {})}
+
+    for episode in range(3):
+        for t in range(T):
+            writer.add(**step(episode, t))
+            assert column.heap.live <= budget
+        batch = store.sample(64)
+        tags = batch["action"].numpy()
+        env, ep, t = tags // 10_000, tags // 100 % 100, tags % 100
+        np.testing.assert_array_equal(batch["obs"].numpy(), [_frame(*key) for key in zip(env, ep, t)])
+        np.testing.assert_array_equal(batch["next", "obs"].numpy(), [_frame(*key) for key in zip(env, ep, t + 1)])
+        if kind == "ragged":
+            np.testing.assert_array_equal(batch["tokens"].values().numpy(), np.repeat(tags, 8))
+    # The budget holds the newest steps it can: an episode's tokens, or its rows less the open tails'
+    # last observations (one an env), which no eviction frees.
+    assert len(store) >= (T if kind == "ragged" else T + 1 - num_envs)
+    before = len(store), store.episodes(include_open=True).to_pylist(), column.heap.live
+    if kind == "ragged":   # one row of more tokens than the budget holds
+        big = [np.zeros(T * 8 + 1, np.int64)] + [np.zeros(1, np.int64)] * (num_envs - 1)
+        with pytest.raises(ab.CapacityError, match=rf"field 'tokens': a step of {num_envs} env\(s\) writes "
+                                                   rf"{(T * 8 + num_envs) * 8:,} bytes of values, more than the "
+                                                   rf"{budget:,} bytes its max_bytes={budget:,} gives this store"):
+            writer.add(**step(3, 0, big))
+        assert (len(store), store.episodes(include_open=True).to_pylist(), column.heap.live) == before
+        writer.add(**step(3, 0))
+    small = ab.ExperienceStore(capacity=100, schema={**fields, "obs": ab.Field(
+        "uint8", (64,), observation=True, codec="zstd", max_bytes=row - 1)} if kind == "zstd" else fields)
+    if kind == "zstd":   # one encoded row more than the whole budget
+        with pytest.raises(ab.CapacityError, match=rf"field 'obs': a step of {num_envs} env\(s\) writes "
+                                                   rf"{2 * num_envs * row:,} bytes encoded, more than the {row - 1:,}"):
+            small.writer(num_envs=num_envs, autoreset_mode="same_step").add(**step(0, 0))
+        assert len(small) == 0 and small.episodes(include_open=True).num_rows == 0

@@ -512,6 +512,31 @@ def test_mixture_options_a_later_source_refuses_are_refused_before_any_source_dr
     assert mixture.sample(8, keys=["obs"])["source"].tolist() == [0] * 4 + [1] * 4
 
 
+def test_mixture_keys_a_later_source_lacks_are_refused_before_any_source_draws(ray_stores):
+    # 1b3f084: the first source (local, or Ray) drew and counted its rows, then the second refused
+    # keys naming a field it lacks (and sample_iter's n_step: the first stream drew before the second started).
+    first, twin = make(), make()
+    second = ab.ExperienceStore(capacity=50, seed=0, schema={"obs": ab.Field("float32", (2,), observation=True),
+                                                             "action": "int64", "terminated": "bool"})
+    second.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.zeros(3, np.int64),
+                        "terminated": np.arange(3) == 2})
+    remote = ray_store(ray_stores)
+
+    def seen(source):
+        return snapshot(source) if source is first else (*ray_snapshot(source), source.stats()["samples"])
+
+    for source in (first, remote):
+        mixture = ab.Mixture({"a": source, "b": second}, weights={"a": 0.5, "b": 0.5}, seed=0)
+        before, drawn = seen(source), second.stats()["samples"]
+        with pytest.raises(ValueError, match=r"source 'b': keys: no field 'answer'.*nothing was drawn"):
+            mixture.sample(8, keys=["obs", "answer"])
+        with pytest.raises(ValueError, match=r"source 'b': n_step > 1 needs a 'reward' field.*nothing was drawn"):
+            next(mixture.sample_iter(8, n_step=2))   # (sample_iter takes no keys): its streams started in turn
+        assert seen(source) == before and second.stats()["samples"] == drawn
+        if source is first:   # no draw was spent: it goes on as its twin
+            assert first.sample(4)["index"].tolist() == twin.sample(4)["index"].tolist()
+        assert mixture.sample(8, keys=["obs"])["source"].tolist() == [0] * 4 + [1] * 4
+
 def test_mixture_priorities_are_checked_for_every_source_before_any_is_updated():
     # 26b9928: the first source's priorities were set, then the second's NaN refused.
     per = ab.PrioritizedSampler(alpha=1.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -239,6 +240,37 @@ def test_ragged_and_text_fields_keep_max_bytes_values_keys_and_pad_alike(ray_sto
     assert epochs[0] == epochs[1]
 
 
+
+def _framed(tag: int, steps: int) -> dict:
+    """`make_episode` with a step field of 64 random (incompressible) bytes a step, encoded by zstd."""
+    frames = np.random.default_rng(tag).integers(0, 256, (steps, 64), dtype=np.uint8)
+    return {**make_episode(tag, steps), "frame": frames}
+
+
+def test_an_encoded_episode_over_max_bytes_is_refused_before_anything_is_evicted_alike(ray_stores):
+    # 1b3f084: its bytes were known only once encoded, in the write: it evicted every episode held
+    # first, then was stored over the budget anyway (local, and in a Ray shard).
+    from arrowbuf.codecs import encode_rows, parse_codec
+
+    row = len(encode_rows(parse_codec("zstd", "uint8", (64,), "frame"), _framed(0, 1)["frame"])[0])
+    budget = 5 * row   # exactly one episode of 5 steps
+    local, remote = twins(ray_stores, 1, capacity=40, schema={
+        **EPISODE_SCHEMA.fields, "frame": ab.Field("uint8", (64,), codec="zstd", max_bytes=budget)})
+    for store in (local, remote):
+        for tag in range(3):   # each evicts the one before: the budget holds one
+            store.add_episode(_framed(tag, 5), env_id=f"env-{tag}")
+        store.flush()
+        assert store.num_episodes == 1
+    held = seen(local)
+    assert held == seen(remote) and held["len"] == 5
+    for call in (lambda s: s.add_episode(_framed(7, 6)),
+                 lambda s: s.add_episodes({k: np.stack([v]) for k, v in _framed(8, 6).items()})):
+        refused_alike(local, remote, f"'frame' {6 * row:,} {budget:,} max_bytes", call)
+        assert seen(local) == seen(remote) == held   # nothing evicted
+    for store in (local, remote):   # the one held reads back whole
+        batch = store.sample(16)
+        np.testing.assert_array_equal(batch["frame"].numpy(), _framed(2, 5)["frame"][batch["step"].numpy()])
+
 def test_a_gather_of_no_indices_has_the_same_fields_on_both_backends(ray_stores):
     local, remote = twins(ray_stores, 1, capacity=200, schema=RAGGED)
     for store in (local, remote):
@@ -374,6 +406,27 @@ def test_policy_versions_bound_samples_epochs_and_evictions_alike(ray_stores, nu
         assert (len(store), store.num_episodes) == (10, 2)
     refused_alike(local, remote, "min_version 9 newest", lambda s: s.sample(4, min_version=9))
 
+
+
+def test_a_declared_policy_version_field_takes_the_keyword_on_both_backends(ray_stores):
+    # 1b3f084: the episode was read against the declared schema before the keyword gave its column,
+    # and refused with "missing ['policy_version']" (on both backends).
+    local, remote = twins(ray_stores, 1, schema={**EPISODE_SCHEMA.fields, "policy_version": ab.Field("int64")})
+    for store in (local, remote):
+        store.add_episode(make_episode(0, 3), policy_version=4)
+        store.add_episodes(batch_of([1, 2], 3), policy_version=[5, 6])
+        store.add_episode({**make_episode(3, 3), "policy_version": np.full(3, 7)})   # the field in the data
+        store.flush()
+    refused_alike(local, remote, "policy_version field policy_version= give one",
+                  lambda s: s.add_episode({**make_episode(4, 3), "policy_version": np.full(3, 7)}, policy_version=8))
+    refused_alike(local, remote, "policy_version -1", lambda s: s.add_episode(make_episode(4, 3), policy_version=-1))
+    assert seen(local) == seen(remote)
+    for store in (local, remote):
+        rows = store.to_arrow().filter(pc.invert(pc.field("is_last")))   # a final row holds only its observation
+        held = {(int(a) // 1000, int(v)) for a, v in zip(rows.column("action").to_numpy(),
+                                                         rows.column("policy_version").to_numpy())}
+        assert held == {(0, 4), (1, 5), (2, 6), (3, 7)}
+        assert set(store.sample(32, min_version=6)["policy_version"].tolist()) == {6, 7}
 
 # -- writers, advantages, exports ----------------------------------------------------------------------
 

@@ -171,6 +171,18 @@ def test_bad_versions_and_ray_stores_are_refused_and_leave_the_store_unchanged()
             store.evict(min_version=bad)
 
 
+
+def test_a_declared_policy_version_field_of_another_dtype_refuses_the_keyword_naming_it():
+    # 1b3f084: "missing ['policy_version']", as if the keyword had not been given.
+    schema = {"obs": ab.Field("float32", (2,), observation=True), "action": ab.Field("int64"),
+              "terminated": ab.Field("bool"), "policy_version": ab.Field("int32")}
+    store = ab.ExperienceStore(capacity=100, schema=schema)
+    store.add_episode({**_plain(3), "policy_version": np.full(3, 2, np.int32)})
+    before = store.to_arrow()
+    with pytest.raises(ValueError, match=r"policy_version=5 fills .* declared as .*int32.*Field\('int64'\)"):
+        store.add_episode(_plain(3), policy_version=5)
+    assert store.to_arrow().equals(before) and store.num_episodes == 1
+
 @pytest.mark.usefixtures("ray_session")
 def test_a_ray_store_stores_versions_from_every_write_path():
     store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
