@@ -302,6 +302,35 @@ def test_group_sampler_epochs_walk_complete_groups_whole_as_a_local_store(ray_st
         assert (np.bincount(batch["prompt"].numpy()) % 3 == 0).all()
 
 
+def test_group_epochs_skip_only_the_rows_evicted_meanwhile_as_a_local_store(ray_stores, monkeypatch):
+    """Rows evicted between an epoch's order and its gathers are skipped, the rest of their batch kept: a
+    Ray store dropped every batch that named one of them. 10 episodes of 6 rows fill 60, groups of 3
+    (2 an episode); an episode of 6 more evicts the oldest, groups 0 and 1."""
+    local, remote = twins(ray_stores, 1, capacity=60, schema=GROUPED,
+                          sampler=lambda: ab.GroupSampler("prompt", group_size=3))
+    for store in (local, remote):
+        for tag in range(10):
+            store.add_episode({**make_episode(tag, 6), "prompt": (np.arange(6) + 6 * tag) // 3}, env_id="env-0")
+
+    def evict(store):
+        store.add_episode({**make_episode(10, 6), "prompt": np.full(6, 99)}, env_id="env-0")
+
+    reader = remote._backend._reader   # a Ray epoch reads the blocks it syncs to once the shard drew its order:
+    synced = reader.sync               # the eviction comes between the two (locally: before the lazy gathers)
+    monkeypatch.setattr(reader, "sync", lambda *args, **kwargs: (evict(remote), synced(*args, **kwargs))[1])
+    epochs = []
+    for store in (local, remote):
+        batches = store.iter_batches(6, shuffle=True)
+        if store is local:
+            evict(local)
+        epochs.append([b["prompt"].tolist() for b in batches])
+    for batches in epochs:
+        prompts = sorted(p for b in batches for p in b)
+        assert prompts == sorted(list(range(2, 20)) * 3), batches   # groups 0 and 1 alone are gone
+        for b in batches:   # the groups kept are whole
+            assert (np.bincount(b) % 3 == 0).all(), batches
+
+
 def test_group_sampler_episode_epochs_are_refused_alike(ray_stores):
     local, remote = twins(ray_stores, 1, capacity=60, schema=GROUPED,
                           sampler=lambda: ab.GroupSampler("prompt", group_size=2, unit="episode"))
