@@ -113,6 +113,21 @@ def test_a_store_at_exact_capacity_holds_evicts_and_refuses_as_a_local_one(ray_s
         assert remote_seen["table"] == [row for row in local_seen["table"] if "'first_step': 5" not in row]
 
 
+def test_a_full_fixed_store_names_the_stores_capacity_and_what_to_do_on_every_shard(ray_stores, num_shards):
+    """Users see the store: a shard's refusal names the store's capacity (not the shard's share) and the
+    local store's remedies, and a refused single episode is not called one of a batch."""
+    local, remote = twins(ray_stores, num_shards, mode="fixed", schema=EPISODE_SCHEMA)
+    for store in (local, remote):
+        store.add_episodes(batch_of([0, 1, 2, 3], 10), env_ids=[f"env-{e}" for e in range(4)])
+    for env in range(4):   # whichever shard the env's episodes go to
+        messages = [outcome(lambda s: s.add_episode(make_episode(9, 2), env_id=f"env-{env}"), s) for s in (local, remote)]
+        assert messages[0][0] is messages[1][0] is ab.CapacityError, messages
+        for _, message in messages:
+            assert "capacity=40" in message and "the 2 transition(s) were not written" in message, message
+            assert message.endswith("Sample or clear() the store, raise the capacity, or use mode='circular'"), message
+        assert "capacity=20" not in messages[1][1] and "of the 1 episodes" not in messages[1][1], messages
+
+
 def test_bad_arguments_are_refused_alike_naming_the_argument_and_change_nothing(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
     inserts = remote.stats()["inserts"]
