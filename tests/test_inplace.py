@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -423,7 +422,9 @@ def test_a_checkpoint_keeps_open_tails_sampleable_and_the_loaded_writer_continue
     check_store(loaded, [twin], evicts=True)
 
 
-def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_path):
+def test_parquet_exports_every_written_step_of_a_store_with_open_episodes(tmp_path):
+    # The export holds what to_arrow() reads, as a Ray store's does: an open episode up to its last
+    # written step and the observation after it (it held the sealed pieces only, cut where the ring was).
     store = ab.ExperienceStore(capacity=50, seed=0, schema=EPISODE_SCHEMA)
     rollout = FakeVectorRollout([[7], [70]], "disabled")
     writer = store.writer(num_envs=2, autoreset_mode="disabled")
@@ -435,13 +436,13 @@ def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_pat
     store.to_parquet(tmp_path / "out")
     loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
     listed = store.episodes(include_open=True)
-    stored = listed.filter(pc.greater_equal(listed.column("episode_id"), 0))   # episodes with a sealed piece
-    assert len(loaded) == len(store) - open_steps
-    # One row per played episode, its sealed pieces read as one (an open one: up to its open tail);
+    assert len(loaded) == len(store) and loaded.to_arrow().num_rows == store.to_arrow().num_rows
+    # One row per played episode, its pieces read as one (an open one: up to its last written step);
     # ids are renumbered on import (they are not consecutive: an id is an episode's first piece's).
     exported = loaded.episodes()
-    assert exported.num_rows == stored.num_rows
-    assert exported.column("first_step").to_pylist() == stored.column("first_step").to_pylist()
+    assert exported.num_rows == listed.num_rows
+    assert exported.column("first_step").to_pylist() == listed.column("first_step").to_pylist()
+    assert exported.column("return").to_pylist() == listed.column("return").to_pylist()
     for episode_id in exported.column("episode_id").to_pylist():
         rows = loaded.episode(episode_id)
         tag, step = decode(np.asarray(column_numpy(rows.column("obs"))))

@@ -454,6 +454,37 @@ def test_a_store_flush_counts_its_writers_open_steps_as_a_local_store(ray_stores
     assert seen(local) == seen(remote, inserts)
 
 
+def test_open_episodes_list_read_and_export_their_written_steps_alike(ray_stores, num_shards, tmp_path):
+    """An episode still being written shows what is written of it on both backends: in
+    ``episodes(include_open=True)`` its return so far and its last observation (``has_final``, ``num_rows``),
+    in ``to_arrow()`` and exports every written step and the observation after the last. Locally a demo
+    first makes the writer's regions small, so its episodes are a sealed piece and an open tail."""
+    local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
+    inserts = remote.stats()["inserts"]
+    writers = [store.writer(num_envs=2, autoreset_mode="disabled") for store in (local, remote)]
+    for store, writer in zip((local, remote), writers):
+        store.add_episode(make_episode(0, 4), env_id="env-9")
+        for t in range(3):   # no episode ends
+            writer.add(obs=np.full((2, 2), t), action=np.array([t, 100 + t]), reward=np.array([1.0, 2.0]),
+                       terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1))
+        store.flush()
+        listed = [row for row in store.episodes(include_open=True).to_pylist() if row["open"]]
+        assert sorted((row["env_id"], row["length"], row["num_rows"], row["has_final"], row["return"])
+                      for row in listed) == [("env-0", 3, 4, True, 3.0), ("env-1", 3, 4, True, 6.0)]
+        rows = store.to_arrow().to_pylist()
+        for env, opened in enumerate(sorted(listed, key=lambda row: row["env_id"])):
+            held = [row for row in rows if row["episode_id"] == opened["episode_id"]]
+            assert [(row["action"], row["obs"], row["is_last"]) for row in held] == \
+                [(100 * env + t, [t, t], False) for t in range(3)] + [(0, [3.0, 3.0], True)], held
+        store.to_parquet(tmp_path / ("local" if store is local else "ray"))
+    assert seen(local) == seen(remote, inserts)
+    back = [ab.ExperienceStore.from_parquet(tmp_path / name) for name in ("local", "ray")]
+    assert seen(back[0]) == seen(back[1])
+    assert (len(back[0]), back[0].num_episodes) == (10, 3)
+    for writer in writers:
+        writer.close()
+
+
 def test_a_writer_dropped_without_flush_keeps_its_steps_alike(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
     inserts = remote.stats()["inserts"]
