@@ -255,6 +255,8 @@ class InPlace:
                 for name, row in last_next.items():
                     shard.write_rows(name, a + n, row[i:i + 1])
                 regions.wrote(slot, n)
+            if saved is None:   # a staged writer's open steps, counted by no store yet (in place: at `add`)
+                self.engine.counted(inserts=int(pos.sum()))
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------

@@ -454,6 +454,19 @@ def test_parquet_exports_every_written_step_of_a_store_with_open_episodes(tmp_pa
     np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
 
 
+
+def test_a_step_counts_as_an_insert_once_written_whether_written_or_loaded_in_place():
+    # As a Ray shard counts a shipped piece's steps: stats()["inserts"] counted them only once sealed.
+    stores = [ab.ExperienceStore(40, seed=0, schema=EPISODE_SCHEMA, mode=mode) for mode in ("fixed", "circular")]
+    writers = [store.writer(num_envs=2, autoreset_mode="disabled") for store in stores]
+    rollout = FakeVectorRollout([[30], [30]], "disabled")
+    for _ in range(3):
+        writers[0].add(**rollout.step_arrays())   # fixed: staged, not in the store
+    assert len(stores[0]) == stores[0].stats()["inserts"] == 0
+    writers[1].load_state_dict(writers[0].state_dict())   # the staged steps, written in place
+    writers[1].add(**rollout.step_arrays())
+    assert len(stores[1]) == stores[1].stats()["inserts"] == 8 and stores[1].num_episodes == 0
+
 @pytest.mark.parametrize("sampler", [lambda: ab.PrioritizedSampler(), lambda: ab.SequenceSampler(2),
                                      lambda: ab.EpisodeSampler(), lambda: ab.WithoutReplacementSampler()])
 def test_samplers_of_sealed_episodes_wait_for_a_seal_and_never_draw_open_tails(sampler):
