@@ -48,7 +48,7 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
-from arrowbuf.shard_arrow import episode_view, shard_table
+from arrowbuf.shard_arrow import episode_table, episode_view, shard_table
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
@@ -502,7 +502,7 @@ class ShardEngine:
         """The episode table: one row per played episode, oldest first (`EpisodeTable.to_arrow`);
         ``open_pieces(table)``: the mask of stored pieces whose episode goes on (a Ray shard's)."""
         with self.lock:
-            return self.table.to_arrow(include_open, open_pieces(self.table) if open_pieces else None)
+            return episode_table(self._shard, self.table, include_open, open_pieces and open_pieces(self.table))
 
     def episode_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first index, transitions) of every live episode, oldest first (copies)."""
@@ -533,7 +533,7 @@ class ShardEngine:
             raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
 
     def to_arrow(self) -> pa.Table:
-        """Every stored row, oldest episode first, as zero-copy chunks of the arena."""
+        """Every stored row, oldest episode first, as zero-copy chunks of the arena (open tails: copies)."""
         with self.lock:
             return shard_table(self._shard) if self._shard is not None else pa.table({})
 

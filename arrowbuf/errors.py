@@ -82,8 +82,11 @@ class FormatError(ArrowbufError, ValueError):
 
 def refused_in_batch(refused: list[Exception], total: int, where: str) -> Exception:
     """The first of a write's refused episodes' errors, saying how many of the ``total``
-    were refused (dropped) and that the others were stored (``where``: "shard 1", ...)."""
+    were refused (dropped) and that the others were stored (``where``: "shard 1", ...); the
+    error as it is when the write was of that one episode."""
     err = refused[0]
+    if total == 1:
+        return err
     err.args = (f"{err.args[0] if err.args else err} [{where} refused {len(refused)} of the {total} episodes of "
                 "this write (they are dropped); it stored the others]", *err.args[1:])
     return err

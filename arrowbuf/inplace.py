@@ -156,6 +156,7 @@ class InPlace:
                 for name, array in final.items():
                     shard.scatter(name, at, array[ended - self.base])
             regions.wrote(slots)
+            engine.counted(inserts=len(slots))   # a step counts once written (sampleable), not when sealed
             if len(ended):
                 flags = {flag: _host_flags(step_cols[flag][0], self.num_envs)[ended - self.base]
                          if flag in step_cols else np.zeros(len(ended), bool) for flag in ("terminated", "truncated")}
@@ -258,6 +259,8 @@ class InPlace:
                 for name, row in last_next.items():
                     shard.write_rows(name, a + n, row[i:i + 1])
                 regions.wrote(slot, n)
+            if saved is None:   # a staged writer's open steps, counted by no store yet (in place: at `add`)
+                self.engine.counted(inserts=int(pos.sum()))
             shard.publish_open()
 
     # -- internals -------------------------------------------------------------------
@@ -326,7 +329,6 @@ class InPlace:
                          prev_piece=int(regions.prev[slot]))
             if sampler.tracks_rows:
                 sampler.on_add(a, n)
-        engine.counted(inserts=int(length.sum()))
         # continued: the next pieces continue these, serials of the k-th added
         regions.sealed(slots, table.episodes_added - len(slots) + np.arange(len(slots)) if continues else None)
 

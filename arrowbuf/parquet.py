@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -60,7 +60,8 @@ import pyarrow.parquet as pq
 from arrowbuf._checks import check_bool, check_compression, check_progress, is_int
 from arrowbuf._filesink import DirectorySink, aside_copies
 from arrowbuf._persist import (EXPORT_MANIFEST, EpisodeRows, check_columns, check_file, check_format,
-                               check_hash_entry, check_size, file_entry, none_freed, plain_schema, progress_bar, read_manifest,
+                               check_hash_entry, check_size, file_entry, none_freed, plain_array, plain_schema,
+                               progress_bar, read_manifest,
                                schema_of, snapshot_and_write,
                                take_rows, tensor_schema, write_manifest)
 from arrowbuf._version import __version__
@@ -69,6 +70,7 @@ from arrowbuf.fields import export_array, export_type
 from arrowbuf.played import Played, episodes_arrow, group_played, played_rows
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Shard
+from arrowbuf.shard_arrow import finish_open_tails, open_returns, shard_columns
 
 FORMAT = "arrowbuf.parquet"
 # 2: page checksums, content hashes of every file and of the manifest; 3: final_observation;
@@ -207,6 +209,10 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
     def take(copy: bool) -> tuple[EpisodeRows, pa.Table, Any]:
         table = shard.table
         rows = take_rows(shard, 0, len(table), schema, copy)
+        if table.num_open:   # open episodes: their written steps too, as to_arrow() reads them
+            rows, played = with_open_tails(shard, rows, schema)
+            return merged_rows(table, played, rows), episodes_arrow(
+                table, True, played=played, open_returns=open_returns(shard)).drop(["open"]), rows.mark
         if table.pieces:   # pieces are storage: one episode, its rows once, as a whole one
             played = group_played(table, sealed_only=True)
             return merged_rows(table, played, rows), episodes_arrow(table, True, played=played).drop(["open"]), \
@@ -234,11 +240,33 @@ def export_shard(shard: Shard, lock: Any, steps_dir: Path, schema: pa.Schema, *,
 
 
 def merged_rows(table: Any, played: Played, rows: EpisodeRows) -> EpisodeRows:
-    """``rows`` (of every sealed entry of ``table``, in its order) as one run per played
-    episode (`arrowbuf.played.played_rows`)."""
+    """``rows`` (of every sealed entry of ``table``, in its order, then of its open tails where
+    ``rows`` holds them) as one run per played episode (`arrowbuf.played.played_rows`)."""
     merged, per_episode = played_rows(table, played, pa.Table.from_batches(rows.batches), rows.num_rows)
-    return EpisodeRows(played.episode.copy(), table.col("first_row")[played.first].copy(), per_episode,
+    return EpisodeRows(played.episode.copy(), table.ecol("first_row")[played.first].copy(), per_episode,
                        merged.combine_chunks().to_batches())
+
+
+def with_open_tails(shard: Shard, rows: EpisodeRows, schema: pa.Schema) -> tuple[EpisodeRows, Played]:
+    """``rows`` (of the sealed entries) followed by the open tails' written rows, copied
+    (`arrowbuf.shard_arrow.open_tail_batches`), and the entries grouped by played episode; an
+    open episode none of whose pieces is sealed yet (no id) is numbered after the store's newest."""
+    table = shard.table
+    finish_open_tails(shard)
+    tails = []
+    for k in range(len(table), len(table) + table.num_open):
+        columns = shard_columns(shard, k, k + 1)
+        tails.append(pa.RecordBatch.from_arrays(
+            [plain_array(spec, columns[name].copy() if isinstance(columns[name], np.ndarray) else columns[name])
+             for name, spec in shard.specs.items()], schema=schema))
+    played = group_played(table)
+    unknown = np.flatnonzero(played.episode < 0)
+    episode = played.episode.copy()
+    episode[unknown] = [table.episode_id_of(table.episodes_added + k) for k in range(len(unknown))]
+    n = len(table) + table.num_open
+    rows = EpisodeRows(table.ecol("episode_id")[:n].copy(), table.ecol("first_row")[:n].copy(),
+                       table.ecol("num_rows")[:n].copy(), rows.batches + tails, rows.mark)
+    return rows, replace(played, episode=episode)
 
 
 def export_store(store: Any, export_steps: Callable[..., tuple[pa.Table, list]], path: str | Path, *,

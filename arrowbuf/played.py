@@ -64,13 +64,14 @@ def group_played(table: Any, open_pieces: np.ndarray | None = None, sealed_only:
 
 
 def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarray | None = None,
-                   played: Played | None = None) -> pa.Table:
+                   played: Played | None = None, open_returns: np.ndarray | None = None) -> pa.Table:
     """`EpisodeTable.to_arrow`: one row per played episode whose end is stored; with
-    ``include_open``, the episodes that go on too (``open`` True; return NaN while an open
-    tail holds steps; episode_id -1 before their first piece is stored). ``played``: the
-    grouping to list (`group_played`'s, by default)."""
+    ``include_open``, the episodes that go on too (``open`` True; episode_id -1 before their
+    first piece is stored; ``has_final`` and ``num_rows`` count the observation after the last
+    written step, which an open tail holds; its return needs ``open_returns``, the open tails'
+    reward sums, else NaN). ``played``: the grouping to list (`group_played`'s, by default)."""
     if played is None and not table.pieces and open_pieces is None:
-        return entries_arrow(table, include_open)
+        return entries_arrow(table, include_open, open_returns)
     played = played or group_played(table, open_pieces)
     keep = np.ones(len(played.episode), bool) if include_open else ~played.open
     first, last = played.first[keep], played.last[keep]
@@ -78,9 +79,9 @@ def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarr
     col = lambda name: table.ecol(name)[:len(in_tail)]   # noqa: E731
     length = np.bincount(played.group, weights=col("length"), minlength=len(keep)).astype(np.int64)[keep]
     ret = col("return").astype(np.float64)
-    ret[in_tail] = np.nan   # an open tail's reward sum is not kept
+    ret[in_tail] = np.nan if open_returns is None else open_returns   # not kept in the table: summed when asked
     total = np.bincount(played.group, weights=ret, minlength=len(keep))[keep]
-    has_final = col("has_final")[last]
+    has_final = col("has_final")[last] | in_tail[last]   # an open tail's last row: the observation after its last step
     inserted = col("inserted_at")[last].copy()
     inserted[in_tail[last]] = time.time_ns()
     columns = {
@@ -89,8 +90,9 @@ def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarr
         "shard": np.full(len(first), table.shard, np.int32),
         "first_row": col("first_row")[first],
         # Rows: its transitions, and the observation row after its last one if stored (a final
-        # observation, or an episode added without one whose last step has no next observation).
-        "num_rows": length + np.where(in_tail[last], has_final, (col("num_rows") - col("length"))[last]),
+        # observation, an open tail's next one, or an episode added without one whose last step
+        # has no next observation).
+        "num_rows": length + (col("num_rows") - col("length"))[last],
         "length": length,
         "has_final": has_final,
         "terminated": col("terminated")[last],
@@ -110,16 +112,19 @@ def episodes_arrow(table: Any, include_open: bool = False, open_pieces: np.ndarr
     return _table(columns, [meta[k] for k in first.tolist()])
 
 
-def entries_arrow(table: Any, include_open: bool = False) -> pa.Table:
+def entries_arrow(table: Any, include_open: bool = False, open_returns: np.ndarray | None = None) -> pa.Table:
     """The table's entries as they are stored, one row each (a whole episode, or a piece:
     ``episode_id`` is then the piece's own id), oldest first: `episodes_arrow` of a table
     whose entries are whole episodes. With ``include_open``, the open tails follow
-    (episode_id -1, ``open`` True, return NaN, provisional first_index)."""
+    (episode_id -1, ``open`` True, ``has_final`` True, return ``open_returns`` or NaN,
+    provisional first_index)."""
     col = table.ecol if include_open else table.col
     sealed = len(table)
     n = sealed + (table.num_open if include_open else 0)
     ret = col("return").copy()
-    ret[sealed:] = np.nan
+    ret[sealed:] = np.nan if open_returns is None else open_returns
+    has_final = col("has_final").copy()
+    has_final[sealed:] = True
     inserted = col("inserted_at").copy()
     inserted[sealed:] = time.time_ns()
     columns = {
@@ -129,7 +134,7 @@ def entries_arrow(table: Any, include_open: bool = False) -> pa.Table:
         "first_row": col("first_row"),
         "num_rows": col("num_rows"),
         "length": col("length"),
-        "has_final": col("has_final"),
+        "has_final": has_final,
         "terminated": col("terminated"),
         "truncated": col("truncated"),
         "return": ret,

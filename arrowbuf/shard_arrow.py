@@ -1,7 +1,8 @@
 """Arrow views of a `arrowbuf.shard.Shard`'s live rows: an episode's record batch (data
 columns zero-copy), every live row as a table (played episodes held in pieces read as one
-run each), and the columns of back-to-back episodes with the system columns (episode_id,
-step, is_first, is_last) computed from the episode table."""
+run each, open tails' written rows included), the columns of back-to-back episodes with the
+system columns (episode_id, step, is_first, is_last) computed from the episode table, and
+the episode table with the open tails' returns summed from the arena."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from arrowbuf.fields import numpy_to_arrow
 from arrowbuf.indexing import piece_chains
 from arrowbuf.played import group_played, played_rows
 from arrowbuf.shard import Shard, position_runs
+from arrowbuf.table import EpisodeTable
 
 
 def shard_columns(shard: Shard, first: int, stop: int) -> dict[str, np.ndarray]:
@@ -22,25 +24,29 @@ def shard_columns(shard: Shard, first: int, stop: int) -> dict[str, np.ndarray]:
     the episode table.
     """
     table = shard.table
-    num_rows = table.col("num_rows")[first:stop]
-    start = int(table.col("first_row")[first])
+    col = table.ecol   # positions past the sealed ones: open tails (`EpisodeTable.publish_open`)
+    num_rows = col("num_rows")[first:stop]
+    start = int(col("first_row")[first])
     total = int(num_rows.sum())
     starts = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
     local = np.arange(total, dtype=np.int64) - starts
-    step = local + np.repeat(table.col("first_step")[first:stop], num_rows) if table.pieces else local
+    step = local + np.repeat(col("first_step")[first:stop], num_rows) if table.pieces else local
     step = step.astype(np.int32)   # within the episode (a piece that continues one starts past 0)
     columns = {name: shard.stored_rows(name, start, start + total) for name in shard.schema.fields}
-    columns["episode_id"] = np.repeat(table.col("episode_id")[first:stop], num_rows)
+    columns["episode_id"] = np.repeat(col("episode_id")[first:stop], num_rows)
     columns["step"] = step
     columns["is_first"] = step == 0
     columns["is_last"] = local == np.repeat(num_rows - 1, num_rows)
     return columns
 
 
-def _batch(shard: Shard, first: int, stop: int, metadata: dict[bytes, bytes] | None = None) -> pa.RecordBatch:
+def _batch(shard: Shard, first: int, stop: int, metadata: dict[bytes, bytes] | None = None,
+           copy: bool = False) -> pa.RecordBatch:
     columns = shard_columns(shard, first, stop)
+    if copy:   # (the columns of `APART` fields are copies already)
+        columns = {name: c.copy() if isinstance(c, np.ndarray) else c for name, c in columns.items()}
     # What users read: the id of the played episode, not of the piece (`arrowbuf.played`).
-    columns["episode_id"] = np.repeat(shard.table.col("episode")[first:stop], shard.table.col("num_rows")[first:stop])
+    columns["episode_id"] = np.repeat(shard.table.ecol("episode")[first:stop], shard.table.ecol("num_rows")[first:stop])
     arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in shard.specs.items()]
     schema = shard.schema.to_arrow()
     return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))
@@ -54,14 +60,57 @@ def episode_view(shard: Shard, position: int) -> pa.RecordBatch:
 
 def shard_table(shard: Shard) -> pa.Table:
     """Every live row, oldest episode first: one chunk per contiguous run (data columns
-    zero-copy). A played episode held in pieces reads as one run of its rows, in step order,
-    each row once (`arrowbuf.played.played_rows`; a copy of those rows)."""
+    zero-copy), then the open tails' written rows, copied (`open_tail_batches`). A played
+    episode held in pieces reads as one run of its rows, in step order, each row once
+    (`arrowbuf.played.played_rows`; a copy of those rows)."""
     table = shard.table
     runs = position_runs(table.col("first_row"), table.col("num_rows"))
-    rows = pa.Table.from_batches([_batch(shard, a, b) for a, b in runs], schema=shard.schema.to_arrow())
+    batches = [_batch(shard, a, b) for a, b in runs] + open_tail_batches(shard)
+    rows = pa.Table.from_batches(batches, schema=shard.schema.to_arrow())
     if not table.pieces:
         return rows
-    after = piece_chains(table).next[:len(table)]
-    if not np.any((after >= 0) & (after < len(table))):   # no piece continued by a held one
+    n = len(table) + table.num_open
+    after = piece_chains(table).next[:n]
+    if not np.any((after >= 0) & (after < n)):   # no piece continued by a held one
         return rows
-    return played_rows(table, group_played(table, sealed_only=True), rows, table.col("num_rows").copy())[0]
+    return played_rows(table, group_played(table), rows, table.ecol("num_rows")[:n].copy())[0]
+
+
+def open_tail_batches(shard: Shard) -> list[pa.RecordBatch]:
+    """The rows of each open tail (`EpisodeTable.publish_open`) as a batch of its own, copied
+    (its writer goes on writing them): its written steps and the observation after the last,
+    whose step fields read zero, as once the tail is sealed (`finish_open_tails`)."""
+    table = shard.table
+    if not table.num_open:
+        return []
+    finish_open_tails(shard)
+    return [_batch(shard, k, k + 1, copy=True) for k in range(len(table), len(table) + table.num_open)]
+
+
+def finish_open_tails(shard: Shard) -> None:
+    """Zero the step fields of each open tail's last row, the observation after its last
+    written step, as sealing the tail does (`arrowbuf.inplace`): the next step its writer
+    adds writes them; nothing reads them before."""
+    table = shard.table
+    n = len(table)
+    last = table.ecol("first_row")[n:] + table.ecol("length")[n:]
+    for name, spec in shard.schema.fields.items():
+        if not spec.observation:
+            shard.zero_at(name, last)
+
+
+def open_returns(shard: Shard | None) -> np.ndarray | None:
+    """The reward sum of each open tail's written steps (`EpisodeTable.publish_open`'s order;
+    None without open tails): the episode table keeps a return only once a piece is sealed."""
+    if shard is None or not shard.table.num_open:
+        return None
+    table, n = shard.table, len(shard.table)
+    spans = zip(table.ecol("first_row")[n:].tolist(), table.ecol("length")[n:].tolist())
+    return np.array([shard.reward_sum(a, a + length) for a, length in spans], np.float64)
+
+
+def episode_table(shard: Shard | None, table: EpisodeTable, include_open: bool = False,
+                  open_pieces: np.ndarray | None = None) -> pa.Table:
+    """`EpisodeTable.to_arrow` of ``table`` (``shard``'s, or an empty one), the open episodes'
+    returns summed over their written steps with ``include_open``."""
+    return table.to_arrow(include_open, open_pieces, open_returns(shard) if include_open else None)

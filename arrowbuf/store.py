@@ -467,10 +467,10 @@ class ExperienceStore:
     # -- views and statistics ------------------------------------------------------------
 
     def episodes(self, include_open: bool = False) -> pa.Table:
-        """The episode table (one row per live episode, oldest first). A local store's
-        writers seal long episodes in pieces (rows linked by env and ``first_step``);
-        ``include_open`` adds the open episodes' written parts (``open`` True,
-        ``episode_id`` -1; docs/guide.md). ValueError if ``include_open`` is not a bool."""
+        """The episode table (one row per played episode, oldest first). ``include_open`` adds
+        the episodes that go on (``open`` True; length and return over their written steps;
+        ``episode_id`` -1 until a piece of one is sealed; docs/guide.md). ValueError if
+        ``include_open`` is not a bool."""
         if not isinstance(include_open, bool):
             raise ValueError(f"include_open must be a bool, got {include_open!r}")
         return self._backend.episodes(include_open)

@@ -575,10 +575,11 @@ class EpisodeTable:
             self._played_count = (key, int(np.count_nonzero(~group_played(self, open_pieces).open)))
         return self._played_count[1]
 
-    def to_arrow(self, include_open: bool = False, open_pieces: np.ndarray | None = None) -> pa.Table:
+    def to_arrow(self, include_open: bool = False, open_pieces: np.ndarray | None = None,
+                 open_returns: np.ndarray | None = None) -> pa.Table:
         """The live episodes as an Arrow table (a snapshot), one row per played episode
-        (`arrowbuf.played.episodes_arrow`)."""
-        return episodes_arrow(self, include_open, open_pieces)
+        (`arrowbuf.played.episodes_arrow`; ``open_returns``: the open tails' reward sums)."""
+        return episodes_arrow(self, include_open, open_pieces, open_returns=open_returns)
 
     def _grow(self, needed: int) -> None:
         """Room for ``needed`` entries from ``head`` (open tails published after the sealed ones)."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -457,7 +456,9 @@ def test_a_checkpoint_keeps_open_tails_sampleable_and_the_loaded_writer_continue
     check_store(loaded, [twin], evicts=True)
 
 
-def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_path):
+def test_parquet_exports_every_written_step_of_a_store_with_open_episodes(tmp_path):
+    # The export holds what to_arrow() reads, as a Ray store's does: an open episode up to its last
+    # written step and the observation after it (it held the sealed pieces only, cut where the ring was).
     store = ab.ExperienceStore(capacity=50, seed=0, schema=EPISODE_SCHEMA)
     rollout = FakeVectorRollout([[7], [70]], "disabled")
     writer = store.writer(num_envs=2, autoreset_mode="disabled")
@@ -469,13 +470,13 @@ def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_pat
     store.to_parquet(tmp_path / "out")
     loaded = ab.ExperienceStore.from_parquet(tmp_path / "out")
     listed = store.episodes(include_open=True)
-    stored = listed.filter(pc.greater_equal(listed.column("episode_id"), 0))   # episodes with a sealed piece
-    assert len(loaded) == len(store) - open_steps
-    # One row per played episode, its sealed pieces read as one (an open one: up to its open tail);
+    assert len(loaded) == len(store) and loaded.to_arrow().num_rows == store.to_arrow().num_rows
+    # One row per played episode, its pieces read as one (an open one: up to its last written step);
     # ids are renumbered on import (they are not consecutive: an id is an episode's first piece's).
     exported = loaded.episodes()
-    assert exported.num_rows == stored.num_rows
-    assert exported.column("first_step").to_pylist() == stored.column("first_step").to_pylist()
+    assert exported.num_rows == listed.num_rows
+    assert exported.column("first_step").to_pylist() == listed.column("first_step").to_pylist()
+    assert exported.column("return").to_pylist() == listed.column("return").to_pylist()
     for episode_id in exported.column("episode_id").to_pylist():
         rows = loaded.episode(episode_id)
         tag, step = decode(np.asarray(column_numpy(rows.column("obs"))))
@@ -486,6 +487,19 @@ def test_parquet_exports_the_sealed_pieces_of_a_store_with_open_episodes(tmp_pat
     np.testing.assert_array_equal(np.asarray(batch["next", "obs"]), tagged_obs(tag, step + 1))
     np.testing.assert_array_equal(batch["action"].numpy(), tagged_action(tag, step))
 
+
+
+def test_a_step_counts_as_an_insert_once_written_whether_written_or_loaded_in_place():
+    # As a Ray shard counts a shipped piece's steps: stats()["inserts"] counted them only once sealed.
+    stores = [ab.ExperienceStore(40, seed=0, schema=EPISODE_SCHEMA, mode=mode) for mode in ("fixed", "circular")]
+    writers = [store.writer(num_envs=2, autoreset_mode="disabled") for store in stores]
+    rollout = FakeVectorRollout([[30], [30]], "disabled")
+    for _ in range(3):
+        writers[0].add(**rollout.step_arrays())   # fixed: staged, not in the store
+    assert len(stores[0]) == stores[0].stats()["inserts"] == 0
+    writers[1].load_state_dict(writers[0].state_dict())   # the staged steps, written in place
+    writers[1].add(**rollout.step_arrays())
+    assert len(stores[1]) == stores[1].stats()["inserts"] == 8 and stores[1].num_episodes == 0
 
 @pytest.mark.parametrize("sampler", [lambda: ab.PrioritizedSampler(), lambda: ab.SequenceSampler(2),
                                      lambda: ab.EpisodeSampler(), lambda: ab.WithoutReplacementSampler()])

@@ -114,6 +114,21 @@ def test_a_store_at_exact_capacity_holds_evicts_and_refuses_as_a_local_one(ray_s
         assert remote_seen["table"] == [row for row in local_seen["table"] if "'first_step': 5" not in row]
 
 
+def test_a_full_fixed_store_names_the_stores_capacity_and_what_to_do_on_every_shard(ray_stores, num_shards):
+    """Users see the store: a shard's refusal names the store's capacity (not the shard's share) and the
+    local store's remedies, and a refused single episode is not called one of a batch."""
+    local, remote = twins(ray_stores, num_shards, mode="fixed", schema=EPISODE_SCHEMA)
+    for store in (local, remote):
+        store.add_episodes(batch_of([0, 1, 2, 3], 10), env_ids=[f"env-{e}" for e in range(4)])
+    for env in range(4):   # whichever shard the env's episodes go to
+        messages = [outcome(lambda s: s.add_episode(make_episode(9, 2), env_id=f"env-{env}"), s) for s in (local, remote)]
+        assert messages[0][0] is messages[1][0] is ab.CapacityError, messages
+        for _, message in messages:
+            assert "capacity=40" in message and "the 2 transition(s) were not written" in message, message
+            assert message.endswith("Sample or clear() the store, raise the capacity, or use mode='circular'"), message
+        assert "capacity=20" not in messages[1][1] and "of the 1 episodes" not in messages[1][1], messages
+
+
 def test_bad_arguments_are_refused_alike_naming_the_argument_and_change_nothing(ray_stores, num_shards):
     local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
     inserts = remote.stats()["inserts"]
@@ -334,6 +349,35 @@ def test_group_sampler_epochs_walk_complete_groups_whole_as_a_local_store(ray_st
         assert (np.bincount(batch["prompt"].numpy()) % 3 == 0).all()
 
 
+def test_group_epochs_skip_only_the_rows_evicted_meanwhile_as_a_local_store(ray_stores, monkeypatch):
+    """Rows evicted between an epoch's order and its gathers are skipped, the rest of their batch kept: a
+    Ray store dropped every batch that named one of them. 10 episodes of 6 rows fill 60, groups of 3
+    (2 an episode); an episode of 6 more evicts the oldest, groups 0 and 1."""
+    local, remote = twins(ray_stores, 1, capacity=60, schema=GROUPED,
+                          sampler=lambda: ab.GroupSampler("prompt", group_size=3))
+    for store in (local, remote):
+        for tag in range(10):
+            store.add_episode({**make_episode(tag, 6), "prompt": (np.arange(6) + 6 * tag) // 3}, env_id="env-0")
+
+    def evict(store):
+        store.add_episode({**make_episode(10, 6), "prompt": np.full(6, 99)}, env_id="env-0")
+
+    reader = remote._backend._reader   # a Ray epoch reads the blocks it syncs to once the shard drew its order:
+    synced = reader.sync               # the eviction comes between the two (locally: before the lazy gathers)
+    monkeypatch.setattr(reader, "sync", lambda *args, **kwargs: (evict(remote), synced(*args, **kwargs))[1])
+    epochs = []
+    for store in (local, remote):
+        batches = store.iter_batches(6, shuffle=True)
+        if store is local:
+            evict(local)
+        epochs.append([b["prompt"].tolist() for b in batches])
+    for batches in epochs:
+        prompts = sorted(p for b in batches for p in b)
+        assert prompts == sorted(list(range(2, 20)) * 3), batches   # groups 0 and 1 alone are gone
+        for b in batches:   # the groups kept are whole
+            assert (np.bincount(b) % 3 == 0).all(), batches
+
+
 def test_group_sampler_episode_epochs_are_refused_alike(ray_stores):
     local, remote = twins(ray_stores, 1, capacity=60, schema=GROUPED,
                           sampler=lambda: ab.GroupSampler("prompt", group_size=2, unit="episode"))
@@ -461,6 +505,37 @@ def test_a_store_flush_counts_its_writers_open_steps_as_a_local_store(ray_stores
     for writer in writers:
         writer.close()
     assert seen(local) == seen(remote, inserts)
+
+
+def test_open_episodes_list_read_and_export_their_written_steps_alike(ray_stores, num_shards, tmp_path):
+    """An episode still being written shows what is written of it on both backends: in
+    ``episodes(include_open=True)`` its return so far and its last observation (``has_final``, ``num_rows``),
+    in ``to_arrow()`` and exports every written step and the observation after the last. Locally a demo
+    first makes the writer's regions small, so its episodes are a sealed piece and an open tail."""
+    local, remote = twins(ray_stores, num_shards, schema=EPISODE_SCHEMA)
+    inserts = remote.stats()["inserts"]
+    writers = [store.writer(num_envs=2, autoreset_mode="disabled") for store in (local, remote)]
+    for store, writer in zip((local, remote), writers):
+        store.add_episode(make_episode(0, 4), env_id="env-9")
+        for t in range(3):   # no episode ends
+            writer.add(obs=np.full((2, 2), t), action=np.array([t, 100 + t]), reward=np.array([1.0, 2.0]),
+                       terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1))
+        store.flush()
+        listed = [row for row in store.episodes(include_open=True).to_pylist() if row["open"]]
+        assert sorted((row["env_id"], row["length"], row["num_rows"], row["has_final"], row["return"])
+                      for row in listed) == [("env-0", 3, 4, True, 3.0), ("env-1", 3, 4, True, 6.0)]
+        rows = store.to_arrow().to_pylist()
+        for env, opened in enumerate(sorted(listed, key=lambda row: row["env_id"])):
+            held = [row for row in rows if row["episode_id"] == opened["episode_id"]]
+            assert [(row["action"], row["obs"], row["is_last"]) for row in held] == \
+                [(100 * env + t, [t, t], False) for t in range(3)] + [(0, [3.0, 3.0], True)], held
+        store.to_parquet(tmp_path / ("local" if store is local else "ray"))
+    assert seen(local) == seen(remote, inserts)
+    back = [ab.ExperienceStore.from_parquet(tmp_path / name) for name in ("local", "ray")]
+    assert seen(back[0]) == seen(back[1])
+    assert (len(back[0]), back[0].num_episodes) == (10, 3)
+    for writer in writers:
+        writer.close()
 
 
 def test_a_writer_dropped_without_flush_keeps_its_steps_alike(ray_stores, num_shards):

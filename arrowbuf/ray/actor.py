@@ -46,6 +46,7 @@ from arrowbuf.ray.blocks import BlockRing, Manifest, block_fits, check_object_st
 from arrowbuf.ray.lent import UnfilledRows
 from arrowbuf.ray.options import INDEX_SHIFT, ray_module
 from arrowbuf.ray.persist import plain_rows
+from arrowbuf.ray.shares import store_full
 from arrowbuf.ray.shipping import ShippedBatch
 from arrowbuf.ray.tails import OPEN_PIECES, OpenPieces
 from arrowbuf.sample_args import SampleArgs
@@ -264,7 +265,9 @@ class ShardServer:
                     self.open_pieces.stored(owner, episode, engine.table.episodes_added - 1)
                 added.append((ids[-1], episode))
             except (ArrowbufError, ValueError) as err:
-                refused.append(err)
+                refused.append(store_full(err, self.shard, self.num_shards, len(engine), engine.capacity,
+                                          self.store_capacity, engine.shard.transitions_of(episode)
+                                          if engine.shard is not None else episode.num_steps))
         if self.durable is not None:   # logged (and flushed) before the answer, with the pieces' links
             self.durable.commit(self.engine, added, batch, owner, closes)
         if added:

@@ -56,6 +56,7 @@ from arrowbuf.ray.shipping import gather_refs, merge_payloads
 from arrowbuf.ray.dropped import DroppedWriters
 from arrowbuf.ray.sink import RaySink
 from arrowbuf.ray.start import find_shards, release_durable
+from arrowbuf.ray.views import held_in
 from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.groups import GroupSampler
 from arrowbuf.samplers import Sampler, epoch_batches
@@ -411,18 +412,19 @@ class RayBackend:
 
     def _epoch(self, chunks: list[np.ndarray], views: dict, keys: Any, device: Any,
                split: Any = None) -> Iterator[TensorDict]:
+        """Each chunk of the store's indices gathered from ``views`` as one batch: rows they no longer
+        hold (evicted between a shard's drawing of a `GroupSampler` epoch and the sync after it)
+        skipped and the rest kept, as a local store's epoch skips rows evicted meanwhile; no empty
+        batch. ``split``: this rank's share of each (`arrowbuf.ray.ranks`)."""
         for chunk in chunks:
-            if split is not None:
+            chunk = chunk[held_in(views, chunk)]
+            if split is not None and len(chunk):
                 chunk = rank_indices(chunk, views, self._reader.cache, split)
-                if not len(chunk):   # every row to other ranks (as a local store, no empty batch)
-                    continue
+            if not len(chunk):   # every row gone, or to other ranks (as a local store, no empty batch)
+                continue
             shards = chunk >> INDEX_SHIFT
             located = [(self._reader.select_in(views[s], chunk[shards == s] & LOCAL_MASK, {}),
                         np.flatnonzero(shards == s)) for s in np.unique(shards).tolist()]
-            located = [(part, where) for part, where in located if part is not None]
-            if len(located) < len(np.unique(shards)):   # rows of a shard gone: the survivors close ranks
-                kept = np.sort(np.concatenate([where for _, where in located] or [np.zeros(0, np.int64)]))
-                located = [(part, np.searchsorted(kept, where)) for part, where in located]
             yield self._reader.gather([part for part, _ in located], PLAIN, keys, device,
                                       places=[where for _, where in located])
 

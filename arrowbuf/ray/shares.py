@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from arrowbuf.byte_heap import budget_part
+from arrowbuf.errors import CapacityError
 from arrowbuf.ragged import value_bytes
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 
@@ -238,3 +239,18 @@ def unfit(episodes: list[Any], groups: Mapping[int, list[int]], capacities: np.n
                     return (f"field {name!r}: an episode of {nbytes:,} bytes of values, more than the {budget:,} "
                             f"bytes of max_bytes={max_bytes:,} that shard {s}'s share of the capacity gives it")
     return None
+
+
+def store_full(err: Exception, shard: int, num_shards: int, held: int, share: int, capacity: int,
+               transitions: int) -> Exception:
+    """``err`` as the store's users read it: a full ``mode="fixed"`` shard's `CapacityError` (the
+    retryable kind) names the store's ``capacity`` and the local store's remedies, beside the shard
+    and its ``share`` that refused (``held`` transitions, ``transitions`` not written); any other
+    error, or one of a store of one shard (its share is the capacity), as it is."""
+    if not (isinstance(err, CapacityError) and err.retryable) or num_shards == 1:
+        return err
+    return CapacityError(
+        f"store is full: shard {shard} of its {num_shards}, where this episode goes, holds {held:,} transitions, "
+        f"its share ({share:,}) of the store's capacity={capacity:,}, and mode='fixed' refuses to evict; the "
+        f"{transitions} transition(s) were not written. Sample or clear() the store, raise the capacity, or use "
+        "mode='circular'", retryable=True)

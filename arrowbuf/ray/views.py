@@ -20,7 +20,7 @@ import numpy as np
 from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.ray.blocks import BlockInfo, Manifest
 from arrowbuf.ray.fresh import join_versions, view_versions
-from arrowbuf.ray.options import INDEX_SHIFT
+from arrowbuf.ray.options import INDEX_SHIFT, LOCAL_MASK
 from arrowbuf.samplers import Sampler
 from arrowbuf.table import EpisodeTable
 
@@ -138,3 +138,16 @@ def joined_view(views: list[ShardView], sampler: Sampler) -> ShardView:
     return ShardView(-1, None, tuple(b for v in views for b in v.blocks), np.concatenate(bases), table,
                      copy, mass, columns, np.concatenate(index_base), np.concatenate(owners),
                      tuple(key for v in views for key in v.keys), join_versions(views))
+
+
+def held_in(views: dict[int, ShardView], index: np.ndarray) -> np.ndarray:
+    """Which of the store's ``index`` (shard << INDEX_SHIFT | the shard's own) ``views`` (by shard)
+    hold: an epoch's rows evicted since it drew them, or of a shard gone, are not held."""
+    shards = index >> INDEX_SHIFT
+    held = np.zeros(len(index), bool)
+    for shard in np.unique(shards).tolist():
+        view = views.get(shard)
+        if view is not None:
+            at = shards == shard
+            held[at] = view.table.is_live(index[at] & LOCAL_MASK)
+    return held
