@@ -55,7 +55,17 @@ def close(buffer: ReplayBuffer) -> None:
         buffer.store.close()
 
 
-@pytest.mark.parametrize("name, autoreset, final_key, engine", PATTERNS, ids=[p[0] for p in PATTERNS])
+#: Every pattern locally; on Ray (where each buffer starts its shard actors, a second or two of the suite)
+#: each way an episode reaches the sink: cut at a next-step reset, at a same-step reset with and without
+#: its final observation, and the RSL engine's re-added records. The key a final observation comes under
+#: and the RSL engine's other styles are read before the sink, the same on both backends.
+TRUNCATED = [("local", *p) for p in PATTERNS] + [("ray", *p) for p in PATTERNS if p[0] in (
+    "next-step", "same-step, final observation", "same-step, no final observation",
+    "RSL re-added records, same-step, final observation")]
+
+
+@pytest.mark.parametrize("backend, name, autoreset, final_key, engine", TRUNCATED,
+                         ids=[f"{b}-{name}" for b, name, *_ in TRUNCATED], indirect=["backend"])
 def test_auto_truncation_loses_no_transition_in_any_boundary_pattern(backend, name, autoreset, final_key, engine):
     buffer, workers = play(backend, autoreset, final_key, engine)
     try:
