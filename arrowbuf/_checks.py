@@ -86,6 +86,9 @@ def check_path(name: str, path: Any) -> Path:
 
 #: Parquet compressions pyarrow writes (names as `pyarrow.parquet.write_table` takes them, any case).
 PARQUET_COMPRESSIONS = ("none", "snappy", "gzip", "brotli", "lz4", "lz4_raw", "zstd")
+#: A step writer's autoreset modes (`arrowbuf.autoreset`); here, where loading a checkpoint's writer
+#: states checks them without importing the writers (and torch) into a Ray shard.
+AUTORESET_MODES = ("next_step", "same_step", "disabled")
 
 
 def check_compression(compression: Any) -> str:

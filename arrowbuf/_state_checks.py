@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from arrowbuf._checks import is_int
+from arrowbuf._checks import AUTORESET_MODES, is_int
 from arrowbuf.errors import FormatError, describe
 from arrowbuf.placement import arena_rows
 from arrowbuf.shard import MODES
@@ -212,10 +212,6 @@ def _tree(where: str, tree: Mapping[str, Any], shard: Mapping[str, Any] | None) 
 
 
 def _writer(where: str, field: str, state: Mapping[str, Any]) -> None:
-    # Imported here: the writers (and torch, which they stage into) load only where a
-    # checkpoint holds writer states, not in every Ray shard that saves (`arrowbuf._lazy_torch`).
-    from arrowbuf.episodes import AUTORESET_MODES
-
     num_envs = _int(where, f"{field}.num_envs", state["num_envs"], 1)
     _choice(where, f"{field}.autoreset_mode", state["autoreset_mode"], AUTORESET_MODES)
     if not isinstance(state.get("check_resets", False), bool):

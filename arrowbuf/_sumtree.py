@@ -9,15 +9,19 @@ The tree has no root: its top level is the widest one with at most ``TOP_NODES``
 nodes (for a million leaves and K = 32: 1,024 nodes, then 32,768, then the leaves).
 A search starts with one prefix sum over the top and one ``searchsorted`` for all
 queries, which costs less than walking the two levels above it, and an update has
-two fewer levels to refresh. Prefix sums and per-node searches use torch, whose
-CPU ``cumsum`` is a plain sequential loop (several times faster than numpy's on
-short rows) and therefore monotone for non-negative values: a query never lands on
-a zero-priority child.
+two fewer levels to refresh. Prefix sums are sequential loops (torch's CPU
+``cumsum``, numpy's ``add.accumulate``), and therefore monotone for non-negative
+values: a query never lands on a zero-priority child. Where torch is loaded (the
+process that makes tensors) the prefix sums and per-node searches use it: ~5x
+numpy's on rows of `ARITY`. Elsewhere (a Ray shard, which makes no tensor and would
+pay ~2 CPU s and a few hundred MB to import torch: `arrowbuf._lazy_torch`) they use
+numpy, with the same sums, in the same order.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
@@ -103,14 +107,19 @@ class SumTree:
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index holding each prefix ``mass`` in ``[0, total)``; never a zero leaf."""
-        import torch   # imported here: a Ray shard of a uniform store never needs it (`arrowbuf._lazy_torch`)
-
         mass = np.array(mass, np.float64)
-        node = _choose(torch.cumsum(torch.from_numpy(self.levels[0]), 0).numpy(), mass)
+        node = _choose(_cumsum(self.levels[0]), mass)
         for level in self.levels[1:]:
-            children = torch.from_numpy(level.reshape(-1, ARITY).take(node, axis=0))
-            node = node * ARITY + _choose(torch.cumsum(children, 1).numpy(), mass)
+            node = node * ARITY + _choose(_cumsum(level.reshape(-1, ARITY).take(node, axis=0)), mass)
         return node
+
+
+def _cumsum(values: np.ndarray) -> np.ndarray:
+    """Inclusive prefix sums along the last axis, in order: torch's where it is loaded, else numpy's."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return np.cumsum(values, axis=-1)
+    return torch.cumsum(torch.from_numpy(values), values.ndim - 1).numpy()
 
 
 def _choose(cumulative: np.ndarray, mass: np.ndarray) -> np.ndarray:
@@ -126,10 +135,12 @@ def _choose(cumulative: np.ndarray, mass: np.ndarray) -> np.ndarray:
         choice = np.searchsorted(cumulative, mass, side="right")
         before = cumulative.take(choice - 1)
     else:
-        import torch
-
-        choice = torch.searchsorted(torch.from_numpy(cumulative), torch.from_numpy(mass[:, None]),
-                                    right=True).numpy().reshape(-1)
+        torch = sys.modules.get("torch")
+        if torch is None:   # each row's count of prefix sums <= its query: searchsorted(side="right")
+            choice = np.count_nonzero(cumulative <= mass[:, None], axis=1)
+        else:
+            choice = torch.searchsorted(torch.from_numpy(cumulative), torch.from_numpy(mass[:, None]),
+                                        right=True).numpy().reshape(-1)
         before = cumulative.reshape(-1).take(_row_starts(len(mass), cumulative.shape[1]) + choice)
     mass -= before * (choice > 0)   # choice 0 reads the previous row's last entry: zeroed
     return choice

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arrowbuf._checks import check_int, default_env_ids
+from arrowbuf._checks import AUTORESET_MODES, check_int, default_env_ids
 from arrowbuf.arena import host_copy, like_stage, owned_copy, owned_episode, stage_zeros, staged
 from arrowbuf.autoreset import inherited_resets, with_ended_rows
 from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
@@ -31,7 +31,6 @@ from arrowbuf.shard import Episode
 from arrowbuf.step_reading import StepReader, check_obs_chain, done_flags, passed_on
 from arrowbuf.versions import commit_versions, read_schema, step_versions, writer_fields
 
-AUTORESET_MODES = ("next_step", "same_step", "disabled")
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:

@@ -1,5 +1,7 @@
 """The sum tree against a plain numpy reference: updates, fills, totals and searches."""
 
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -122,3 +124,20 @@ def test_fill_then_clear_a_range_leaves_the_rest_untouched():
 def test_a_tree_needs_at_least_one_leaf():
     with pytest.raises(ValueError, match="size must be >= 1, got 0"):
         SumTree(0)
+
+
+@pytest.mark.parametrize("size", [37, TOP_NODES * ARITY + 77])
+def test_a_process_without_torch_finds_the_same_leaves_with_numpy(size, monkeypatch):
+    """A Ray shard never imports torch (`arrowbuf._lazy_torch`): its searches use numpy's prefix sums
+    and per-row counts, which must land every query on the leaf torch's cumsum and searchsorted give."""
+    rng = np.random.default_rng(size)
+    tree = SumTree(size)
+    priorities = rng.lognormal(0.0, 2.0, size) * (rng.random(size) < 0.8)   # zeros among them
+    tree.update(np.arange(size), priorities)
+    mass = rng.random(4096) * tree.total
+    mass[:3] = [0.0, np.nextafter(tree.total, 0.0), tree.total]   # the ends, and the rounding guard
+    with_torch = tree.find(mass)
+    monkeypatch.delitem(sys.modules, "torch")
+    without = tree.find(mass)
+    np.testing.assert_array_equal(without, with_torch)
+    assert (priorities[without] > 0).all()
