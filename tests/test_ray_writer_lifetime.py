@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +133,36 @@ def test_a_ray_checkpoint_keeps_open_writers_steps_and_the_loaded_writer_goes_on
             assert starts == [0, *np.cumsum(lengths)[:-1].tolist()] and sum(lengths) == steps, pieces
     finally:
         loaded.close()
+
+
+EXITS_OPEN = textwrap.dedent("""
+    import sys, numpy as np, ray, arrowbuf as ab
+    sys.path.insert(0, sys.argv[2])
+    from test_ray_writer_lifetime import SLOW, step
+    ray.init(address=sys.argv[3], logging_level="ERROR")
+    store = ab.ExperienceStore(1000, backend="ray", num_shards=1, durable=sys.argv[1], ray_options=SLOW)
+    writer = store.writer(num_envs=3, autoreset_mode="disabled")
+    for t in range(5):
+        step(writer, 0, t)
+    print("wrote", flush=True)
+""")   # and ends, its writer neither flushed nor closed, its steps staged (SLOW: no timer ships them)
+
+
+def test_a_process_that_exits_with_an_open_writer_ends_and_its_steps_reach_the_store(tmp_path):
+    """A script's last line with a writer still open: the process exits (its writer's finalizer
+    waited for ever on a delivery thread that never starts at interpreter exit: the process hung),
+    and every staged step was shipped at exit: a durable store opened on its directory holds them."""
+    import ray
+
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", EXITS_OPEN, str(tmp_path), str(tests),
+                           ray.get_runtime_context().gcs_address], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tests.parent)})
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr[-3000:]
+    assert "still open when the interpreter exited" in done.stderr
+    store = ab.ExperienceStore(1000, backend="ray", num_shards=1, durable=tmp_path,
+                               ray_options=ab.RayOptions(resume=True))
+    try:
+        assert played(store) == sorted((e, t) for e in range(3) for t in range(5))
+    finally:
+        store.close()

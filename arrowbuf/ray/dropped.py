@@ -5,12 +5,21 @@ A writer dropped without `flush` or `close` cuts its open episodes into its sink
 finalizer never waits for a shard. What that delivery fails to store is logged as an error
 when it happens, and raised by the next `flush`, `save` or `close` of the store that made
 the writer (its router `wait`s here).
+
+A process that ends with writers neither flushed nor closed (a script's last line) ships
+their steps when it exits (`ship_at_exit`: an ``atexit`` hook, which runs before Ray's own
+shutdown hook), as their delivery timer would have. Later, when the interpreter clears
+the writers, no thread can start any more: a dropped writer's finalizer then logs what
+it could not deliver instead of waiting for ever on a thread that never runs.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import threading
+import weakref
 from typing import Any
 
 logger = logging.getLogger("arrowbuf.ray.sink")   # the logger named in docs/ray.md, as before this module
@@ -28,6 +37,11 @@ class DroppedWriters:
 
     def start(self, sink: Any) -> None:
         """Deliver ``sink``'s episodes (a `arrowbuf.ray.sink.RaySink`: its `close`) on a thread of its own."""
+        if sys.is_finalizing():   # a thread started now never runs, and Ray has shut down
+            logger.warning("an arrowbuf writer of store %r was still open when the interpreter exited: its steps "
+                           "were shipped at exit as open episodes, not ended as flush() ends them; flush() or "
+                           "close() writers before the process ends", sink.store_name)
+            return
         thread = threading.Thread(target=self._deliver, args=(sink,), name="arrowbuf-dropped-writer", daemon=True)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -54,3 +68,23 @@ class DroppedWriters:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+
+_exiting: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the sinks of this process, for `_ship_all`
+_hooked = False
+
+
+def ship_at_exit(sink: Any) -> None:
+    """Ship ``sink``'s staged and queued steps (`arrowbuf.ray.sink.RaySink.ship_open`) if it is
+    still open when this process exits. The hook is registered with the first sink, made after
+    ``ray.init``, so it runs before Ray's shutdown hook (``atexit`` runs the newest first)."""
+    global _hooked
+    _exiting.add(sink)
+    if not _hooked:
+        _hooked = True
+        atexit.register(_ship_all)
+
+
+def _ship_all() -> None:
+    for sink in list(_exiting):
+        sink.ship_if_open()

@@ -45,7 +45,7 @@ import numpy as np
 from arrowbuf.errors import ArrowbufError, CapacityError, ShardError
 from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.blocks import block_columns
-from arrowbuf.ray.dropped import DroppedWriters
+from arrowbuf.ray.dropped import DroppedWriters, ship_at_exit
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
 from arrowbuf.ray.shares import unfit
@@ -127,6 +127,7 @@ class RaySink:
         self._open: weakref.ref | None = None             # its writer's `PieceCutter`: the timer ships open steps
         self._closes: dict[int, list[str]] = {}           # shard -> envs whose open pieces' episode ended
         self._dropped: DroppedWriters | None = None       # its router's: set in the process that made it
+        ship_at_exit(self)
 
     def __getstate__(self) -> dict:
         local = ("_batches", "_waiting_bytes", "_oldest", "_in_flight", "_error", "_lock", "_stop", "_timer",
@@ -263,6 +264,17 @@ class RaySink:
         if shipping is not None:
             shipping.ship_all()
         self.flush()
+
+    def ship_if_open(self) -> None:
+        """At this process's exit (`arrowbuf.ray.dropped.ship_at_exit`): `ship_open`, unless its
+        writer or store was closed; a failure is logged (an exit hook cannot raise)."""
+        if self.closed or self._shards.closed or self._error is not None:
+            return
+        try:
+            self.ship_open()
+        except Exception as err:
+            logger.error("an arrowbuf writer of store %r was still open when this process exited, and storing "
+                         "its %d staged or queued episodes failed: %s", self.store_name, self.queued, err)
 
     def dropped(self) -> None:
         """Its writer was dropped without `flush` or `close` (and cut its open episodes into
