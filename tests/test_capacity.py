@@ -97,7 +97,7 @@ def test_eviction_takes_exactly_the_oldest_transitions(capacity, lengths):
             assert got == held
 
 
-@pytest.mark.parametrize("num_envs, capacity, end_rate", [(1, 6_000, 0.01), (8, 6_000, 0.02), (4, 8, 0.1),
+@pytest.mark.parametrize("num_envs, capacity, end_rate", [(1, 2_000, 0.01), (8, 6_000, 0.02), (4, 8, 0.1),
                                                           (4, 16, 0.1), (6, 64, 0.05), (8, 64, 0.1)])
 def test_a_stream_through_a_full_ring_holds_exactly_its_capacity(num_envs, capacity, end_rate):
     """Writers streaming for many laps (small rings too: regions of 2 rows): len is the
