@@ -267,8 +267,9 @@ class RaySink:
 
     def ship_if_open(self) -> None:
         """At this process's exit (`arrowbuf.ray.dropped.ship_at_exit`): `ship_open`, unless its
-        writer or store was closed; a failure is logged (an exit hook cannot raise)."""
-        if self.closed or self._shards.closed or self._error is not None:
+        writer or store was closed; a failure, or an error its timer met before, is logged (an
+        exit hook cannot raise)."""
+        if self.closed or self._shards.closed:
             return
         try:
             self.ship_open()
