@@ -142,7 +142,9 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
     streams = []
     for k in np.unique(shards).tolist():   # each shard's kept episodes, in its files' order
         mine = np.flatnonzero(shards == k)
-        files = [e for e in export.files if e["episodes"] and _overlaps(e, ids[mine])]
+        # A Ray store numbers episodes across its shards in turn: every shard's id range spans
+        # the others' files, which would then be hashed and decoded once per shard.
+        files = [e for e in export.files if e["episodes"] and e.get("shard", k) == k and _overlaps(e, ids[mine])]
         streams.append(_stream(export, files, ids[mine], num_rows[mine], rank))
     added = 0
     with progress_bar(progress, int(num_rows.sum()), f"import {export.path.name}") as bar:

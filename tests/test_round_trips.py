@@ -147,12 +147,18 @@ def test_a_damaged_creation_time_in_a_ray_checkpoint_manifest_is_a_format_error_
 # -- Parquet exports of a Ray store ------------------------------------------------------------------
 
 
-def test_an_import_of_a_ray_export_holds_its_episodes_in_the_order_they_were_stored(ray_saved, tmp_path):
+def test_an_import_of_a_ray_export_holds_its_episodes_in_the_order_they_were_stored(ray_saved, tmp_path,
+                                                                                     monkeypatch):
     # The shards' episode lists were read one after the other, so the import held every episode of
     # shard 0 before any of shard 1, and a smaller store kept shard 1's episodes, not the newest.
+    from arrowbuf import parquet_load
+
     store, _ = ray_saved
     export = store.to_parquet(tmp_path / "export")
+    checked = []   # each file is hashed (and read) by its own shard's stream only: it was by every shard's
+    monkeypatch.setattr(parquet_load, "check_file", lambda file, *args: checked.append(file.name))
     whole = ab.ExperienceStore.from_parquet(export)
+    assert sorted(checked) == sorted(p.name for p in (export / "steps").iterdir()) and len(checked) >= 2
     assert settings(whole)["schema"] == settings(store)["schema"]
     assert_same_episodes(played(store), played(whole))
     times = whole.episodes().column("inserted_at").cast("int64").to_numpy()
