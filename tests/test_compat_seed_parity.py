@@ -126,3 +126,15 @@ def test_every_buffer_and_cluster_config_rlightnings_examples_ship_loads():
         warned += [(path.name, str(w.message).split("'")[1]) for w in caught if w.category is ClusterKeyWarning]
     assert warned == [("1train_1eval.yaml", "remote_storge")]   # the one misspelt key; CLUSTER_KEYS has the rest
     assert "remote_storage" in CLUSTER_KEYS
+
+
+def test_a_compat_draw_of_nothing_has_every_field_of_a_store_with_sequences_and_text():
+    """compat's empty batch is the store's (`arrowbuf.tensors.empty_batch`) in the seed's keys: its own
+    copy made ``torch.zeros((0, None))`` for a ragged field (TypeError) and a tensor for a text one."""
+    from arrowbuf.compat.reading import empty_batch
+
+    schema = ab.Schema({"obs": ab.Field("float32", (3,), observation=True), "tokens": ab.Field("int32", (None,)),
+                        "instruction": ab.Field("string", ())})
+    batch = empty_batch(schema, None)
+    assert set(batch.keys()) == {"obs", "next_obs", "tokens", "instruction", "index", "episode_id", "step"}
+    assert batch.batch_size == (0,) and batch["obs"].shape == (0, 3) and batch["tokens"].is_nested

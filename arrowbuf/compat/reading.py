@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from arrowbuf import tensors
 from arrowbuf.ray.options import ray_module
 from arrowbuf.store import ExperienceStore
 
@@ -67,20 +68,9 @@ def positions(item: Any, count: int, unit: str) -> tuple[np.ndarray, bool]:
 
 
 def empty_batch(schema: Any, device: Any) -> TensorDict:
-    """A batch of no transitions with every field of ``schema`` (what a draw of nothing returns),
-    in the seed's keys: observation fields also as ``next_<name>``."""
-    fields = {"index": torch.zeros(0, dtype=torch.int64), "episode_id": torch.zeros(0, dtype=torch.int64),
-              "step": torch.zeros(0, dtype=torch.int32)}
-    for name, spec in (schema.fields.items() if schema is not None else ()):
-        empty = torch.zeros((0, *spec.shape), dtype=spec.torch_dtype)
-        *parents, leaf = name.split(".")
-        fields[tuple(parents) + (leaf,)] = empty
-        if spec.observation:
-            fields[("next", *parents, leaf)] = empty
-    batch = TensorDict({}, batch_size=[0])
-    for key, value in fields.items():
-        batch.set(key, value)
-    return to_seed_keys(batch.to(device) if device is not None else batch)
+    """A batch of no transitions with every field of ``schema`` (what a draw of nothing returns,
+    `arrowbuf.tensors.empty_batch`), in the seed's keys: observation fields also as ``next_<name>``."""
+    return to_seed_keys(tensors.empty_batch(schema, device))
 
 
 class Reader:
