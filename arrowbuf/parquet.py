@@ -70,7 +70,7 @@ from arrowbuf.fields import export_array, export_type
 from arrowbuf.played import Played, episodes_arrow, group_played, played_rows
 from arrowbuf.schema import Schema
 from arrowbuf.shard import MODES, Shard
-from arrowbuf.shard_arrow import finish_open_tails, open_returns, shard_columns
+from arrowbuf.shard_arrow import open_returns, open_tail_columns
 
 FORMAT = "arrowbuf.parquet"
 # 2: page checksums, content hashes of every file and of the manifest; 3: final_observation;
@@ -249,16 +249,11 @@ def merged_rows(table: Any, played: Played, rows: EpisodeRows) -> EpisodeRows:
 
 def with_open_tails(shard: Shard, rows: EpisodeRows, schema: pa.Schema) -> tuple[EpisodeRows, Played]:
     """``rows`` (of the sealed entries) followed by the open tails' written rows, copied
-    (`arrowbuf.shard_arrow.open_tail_batches`), and the entries grouped by played episode; an
+    (`arrowbuf.shard_arrow.open_tail_columns`), and the entries grouped by played episode; an
     open episode none of whose pieces is sealed yet (no id) is numbered after the store's newest."""
     table = shard.table
-    finish_open_tails(shard)
-    tails = []
-    for k in range(len(table), len(table) + table.num_open):
-        columns = shard_columns(shard, k, k + 1)
-        tails.append(pa.RecordBatch.from_arrays(
-            [plain_array(spec, columns[name].copy() if isinstance(columns[name], np.ndarray) else columns[name])
-             for name, spec in shard.specs.items()], schema=schema))
+    tails = [pa.RecordBatch.from_arrays([plain_array(spec, columns[name]) for name, spec in shard.specs.items()],
+                                        schema=schema) for columns in open_tail_columns(shard)]
     played = group_played(table)
     unknown = np.flatnonzero(played.episode < 0)
     episode = played.episode.copy()

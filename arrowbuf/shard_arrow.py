@@ -6,6 +6,8 @@ the episode table with the open tails' returns summed from the arena."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -41,10 +43,8 @@ def shard_columns(shard: Shard, first: int, stop: int) -> dict[str, np.ndarray]:
 
 
 def _batch(shard: Shard, first: int, stop: int, metadata: dict[bytes, bytes] | None = None,
-           copy: bool = False) -> pa.RecordBatch:
-    columns = shard_columns(shard, first, stop)
-    if copy:   # (the columns of `APART` fields are copies already)
-        columns = {name: c.copy() if isinstance(c, np.ndarray) else c for name, c in columns.items()}
+           columns: dict[str, Any] | None = None) -> pa.RecordBatch:
+    columns = shard_columns(shard, first, stop) if columns is None else columns
     # What users read: the id of the played episode, not of the piece (`arrowbuf.played`).
     columns["episode_id"] = np.repeat(shard.table.ecol("episode")[first:stop], shard.table.ecol("num_rows")[first:stop])
     arrays = [numpy_to_arrow(spec, columns[name]) for name, spec in shard.specs.items()]
@@ -77,14 +77,22 @@ def shard_table(shard: Shard) -> pa.Table:
 
 
 def open_tail_batches(shard: Shard) -> list[pa.RecordBatch]:
-    """The rows of each open tail (`EpisodeTable.publish_open`) as a batch of its own, copied
-    (its writer goes on writing them): its written steps and the observation after the last,
-    whose step fields read zero, as once the tail is sealed (`finish_open_tails`)."""
+    """The rows of each open tail (`EpisodeTable.publish_open`) as a batch of its own (`open_tail_columns`)."""
+    n = len(shard.table)
+    return [_batch(shard, n + k, n + k + 1, columns=columns) for k, columns in enumerate(open_tail_columns(shard))]
+
+
+def open_tail_columns(shard: Shard) -> list[dict[str, Any]]:
+    """The columns (`shard_columns`) of each open tail, copied (its writer goes on writing them):
+    its written steps and the observation after the last, whose step fields read zero, as once the
+    tail is sealed (`finish_open_tails`). `to_arrow` and exports read open tails through this."""
     table = shard.table
     if not table.num_open:
         return []
     finish_open_tails(shard)
-    return [_batch(shard, k, k + 1, copy=True) for k in range(len(table), len(table) + table.num_open)]
+    return [{name: c.copy() if isinstance(c, np.ndarray) else c   # (`APART` fields' columns are copies already)
+             for name, c in shard_columns(shard, k, k + 1).items()}
+            for k in range(len(table), len(table) + table.num_open)]
 
 
 def finish_open_tails(shard: Shard) -> None:
