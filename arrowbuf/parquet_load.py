@@ -107,10 +107,10 @@ def insertion_order(episodes: pa.Table) -> np.ndarray:
     return np.fromiter((p for _, p in heapq.merge(*lists)), np.int64, episodes.num_rows)
 
 
-def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progress: bool | None = None,
-                  order: np.ndarray | None = None) -> None:
-    """Stream the kept episodes' rows into an empty ``engine``, oldest first (in ``order``, default
-    `insertion_order`: the files of a Ray store's shards are read side by side).
+def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progress: bool | None,
+                  order: np.ndarray) -> None:
+    """Stream the kept episodes' rows into an empty ``engine``, oldest first (in ``order``,
+    `insertion_order`'s: the files of a Ray store's shards are read side by side).
 
     Reads row group by row group (about 64 MiB each), skipping files and row groups
     without kept episodes. Episode ids and indices are kept when the kept episodes
@@ -120,7 +120,6 @@ def load_episodes(engine: ShardEngine, export: Export, kept: np.ndarray, progres
     Raises:
         FormatError: rows that disagree with the episode table.
     """
-    order = insertion_order(export.episodes) if order is None else order
     episodes = export.episodes.take(pa.array(order[kept[order]]))
     ids = episodes.column("episode_id").to_numpy()
     rank = {int(i): k for k, i in enumerate(ids)}
