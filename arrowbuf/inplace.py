@@ -148,11 +148,19 @@ class InPlace:
                     shard.scatter(name, cur[fresh], array[slots[fresh] - self.base])
             for name, (array, _) in step_cols.items():
                 shard.scatter(name, cur, array if everyone else array[slots - self.base])
+            ends = done[slots - self.base]
+            ended = slots[ends]
+            # An ended env's row after its step takes its final observation: its next_obs (the new
+            # episode's first, written again as that step's obs) is not written there first.
+            going = np.flatnonzero(~ends) if final is not None and len(ended) else None
             for name, (array, _) in next_cols.items():
-                shard.scatter(name, cur + 1, array if everyone else array[slots - self.base])
-            ended = slots[done[slots - self.base]]
+                rows = array if everyone else array[slots - self.base]
+                if going is not None and name in final:
+                    shard.scatter(name, cur[going] + 1, rows[going])
+                else:
+                    shard.scatter(name, cur + 1, rows)
             if len(ended) and final is not None:
-                at = cur[done[slots - self.base]] + 1
+                at = cur[ends] + 1
                 for name, array in final.items():
                     shard.scatter(name, at, array[ended - self.base])
             regions.wrote(slots)
@@ -288,7 +296,8 @@ class InPlace:
         for name in shard.bounded:
             column = shard.arena[name]
             nbytes, encoded = 0, isinstance(column, EncodedColumn)
-            for cols, rows in ((step_cols, envs), (next_cols, np.setdiff1d(envs, ends)), (final, ends)):
+            going = np.setdiff1d(envs, ends) if final is not None and name in final else envs   # as `add` writes
+            for cols, rows in ((step_cols, envs), (next_cols, going), (final, ends)):
                 if cols is None or name not in cols:
                     continue
                 array = cols[name][0] if cols is not final else cols[name]
