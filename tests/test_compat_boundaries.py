@@ -149,3 +149,38 @@ def test_the_n_step_next_observation_of_a_step_whose_next_is_unknown_is_its_own(
     assert blind.any()
     assert (batch["next", "observation"][blind] == batch["observation"][blind]).all()
     assert (batch["n_steps"][blind] == 1).all()
+
+
+def stored_rows(buffer: ReplayBuffer) -> list[tuple]:
+    """Every stored transition with its env and step, its next observation and whether that is known
+    (not its episode id or index: those number episodes in the order they were written)."""
+    batch = buffer[:]
+    episodes = buffer.store.episodes()
+    env_of = dict(zip(episodes.column("episode_id").to_pylist(), episodes.column("env_id").to_pylist()))
+    envs = [env_of[e] for e in batch["episode_id"].tolist()]
+    return sorted(zip(envs, batch["step"].tolist(),
+                      map(tuple, batch["observation"].tolist()), batch["action"].tolist(), batch["reward"].tolist(),
+                      map(tuple, batch["next_observation"].tolist()), batch["terminated"].tolist(),
+                      batch["truncated"].tolist(), batch["next_observation_valid"].tolist()))
+
+
+@pytest.mark.parametrize("name, autoreset, final_key, engine", PATTERNS, ids=[p[0] for p in PATTERNS])
+def test_sub_envs_cut_together_are_written_as_one_window_that_stores_what_their_pieces_store(
+        name, autoreset, final_key, engine, monkeypatch):
+    """Sub-envs whose episodes start at one record and end at another go to the store in one
+    ``add_episodes`` call (the WBC ingest: 4,096 episodes cut at a rollout's end); what that stores,
+    row by row, is what one ``add_episode`` a sub-env stores, in every boundary pattern (final
+    observations given, not known, or both in one window)."""
+    import arrowbuf.compat.segments as segments
+    from arrowbuf.store import ExperienceStore
+
+    batched = []
+    add_episodes = ExperienceStore.add_episodes
+    monkeypatch.setattr(ExperienceStore, "add_episodes",
+                        lambda self, episodes, **kw: batched.append(1) or add_episodes(self, episodes, **kw))
+    windows, _ = play("local", autoreset, final_key, engine)
+    assert batched, "no sub-envs were cut together"
+    monkeypatch.setattr(segments, "_WINDOW_ENVS", 10 ** 9)   # one add_episode per sub-env, as before
+    pieces, _ = play("local", autoreset, final_key, engine)
+    assert stored_rows(windows) == stored_rows(pieces)
+    assert windows.store.num_episodes == pieces.store.num_episodes

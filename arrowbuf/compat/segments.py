@@ -76,6 +76,9 @@ AUTORESET_MODES = ("auto", "next_step", "same_step")
 #: Step field of auto-truncated episodes: False where the step's next observation is not known.
 VALID = "next_observation_valid"
 _FINAL_KEYS = ("final_observation", "final_obs")
+#: Runs of consecutive sub-envs of one worker whose episodes end together from one start row that go
+#: to the store as one window (`Segmenter._window`, one ``add_episodes``), not an ``add_episode`` each.
+_WINDOW_ENVS = 2
 
 
 @dataclass
@@ -333,8 +336,17 @@ class Segmenter:
             clash = sorted({f for f in fields if fields.count(f) > 1})
             raise ValueError(f"env {stage.env_id!r}: fields {clash} come from two keys each (e.g. 'reward' and "
                              "'last_reward'); rename one of them")
-        pieces = []
-        for env_id, i, s, blind in zip(ids, envs.tolist(), starts.tolist(), unknown.tolist()):
+        pieces: list[Piece | Window] = []
+        single = np.ones(len(envs), bool)
+        if stage.vector:   # runs of sub-envs whose episodes start at one row: one window, one `add_episodes`
+            cuts = np.flatnonzero((np.diff(envs) != 1) | (np.diff(starts) != 0)) + 1
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(envs)]):
+                if b - a >= _WINDOW_ENVS:
+                    single[a:b] = False
+                    pieces.append(self._window(stage, int(envs[a]), b - a, int(starts[a]), last, final,
+                                               unknown[a:b], ids[a:b], names, fields))
+        for k in np.flatnonzero(single).tolist():
+            env_id, i, s, blind = ids[k], int(envs[k]), int(starts[k]), bool(unknown[k])
             columns = {}
             for name, field in zip(names, fields):
                 if is_observation(name):
@@ -353,6 +365,37 @@ class Segmenter:
             columns[VALID] = valid
             pieces.append(Piece(env_id, columns, last - s))
         return pieces
+
+    @staticmethod
+    def _window(stage: Stage, first: int, count: int, s: int, last: int, final: dict | None, unknown: np.ndarray,
+                ids: list[str], names: list[str], fields: list[str]) -> Window:
+        """The episodes of sub-envs ``first .. first + count - 1``, all from row ``s`` to record ``last``,
+        as one `Window` of columns ``[T, count, ...]``: views of the stage, but for observation
+        fields whose last row takes a final observation or repeats the one before (copies). What
+        each episode stores is what `_episodes` gives its `Piece`."""
+        envs = slice(first, first + count)
+        blind = np.flatnonzero(unknown)
+        given = np.flatnonzero(~unknown) if final is not None else blind[:0]
+        base, steps = stage.base, last - s
+        columns = {}
+        for name, field in zip(names, fields):
+            if is_observation(name):
+                a, b = s, last + 1
+            elif name.startswith("last_"):
+                a, b = s + 1, last + 1
+            else:
+                a, b = s, last
+            block = stage.columns[name][a - base:b - base, envs]
+            if is_observation(name) and (len(blind) or len(given)):
+                block = block.copy()
+                block[-1, blind] = block[-2, blind]   # not known: the last step's observation again
+                if len(given):
+                    block[-1, given] = final[name][first + given]
+            columns[field] = to_tensor(block, "bfloat16", False) if stage.dtypes[name] == "bfloat16" else block
+        valid = np.ones((steps, count), bool)
+        valid[-1] = ~unknown
+        columns[VALID] = valid
+        return Window(ids, list(range(count)), columns, steps)
 
     def _processed(self, stage: Stage, envs: np.ndarray, starts: np.ndarray, last: int, final: dict | None,
                    ids: list[str], unknown: np.ndarray) -> list[Piece | Window]:
