@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from arrowbuf.samplers import PrioritizedSampler
 from arrowbuf.schema import SYSTEM_SPECS, Schema
 
 PRIORITY_BINS = 10
@@ -85,3 +86,12 @@ def store_html(title: str, schema: Schema | None, stats: Mapping[str, Any]) -> s
         parts.append(_table("shards", keys, [[_value(s.get(k)) for k in keys] for s in shards]))
     parts.append("</div>")
     return "".join(parts)
+
+
+def sampler_priorities(sampler: Any, shard: Any) -> dict | None:
+    """`priority_histogram` of the priorities a `PrioritizedSampler` holds for ``shard``'s
+    transitions; None for other samplers, or before the first write."""
+    if not isinstance(sampler, PrioritizedSampler) or shard is None:
+        return None
+    leaves = sampler.tree.leaves[shard.transition_rows()]   # p^alpha
+    return priority_histogram(leaves ** (1 / sampler.alpha) if sampler.alpha else leaves)

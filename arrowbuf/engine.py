@@ -39,7 +39,8 @@ import pyarrow as pa
 
 from arrowbuf._bounds import check_arena, check_batch
 from arrowbuf._owned_lock import OwnedLock
-from arrowbuf._stats import priority_histogram, reuse_summary
+from arrowbuf._stats import reuse_summary, sampler_priorities
+from arrowbuf.block_add import add_block
 from arrowbuf.advantages import check_gae_fields, cut_episodes, observation_arrays, write_advantages
 from arrowbuf.direct import sample_plain_uniform
 from arrowbuf.errors import EmptyStoreError, RateLimited, SchemaError
@@ -48,7 +49,7 @@ from arrowbuf.sample_args import PLAIN, SampleArgs
 from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, UniformSampler, select_indices
 from arrowbuf.schema import Schema
 from arrowbuf.shard import Episode, Shard
-from arrowbuf.shard_arrow import episode_table, episode_view, shard_table
+from arrowbuf.shard_arrow import episode_table, played_episode, shard_table
 from arrowbuf.table import EpisodeTable
 from arrowbuf.tensors import Payload
 from arrowbuf.versions import evict_stale, fresh_indices, fresh_selection
@@ -254,6 +255,24 @@ class ShardEngine:
             if self._limited:
                 self._changed.notify_all()
             return episode_id
+
+    def add_block(self, episodes: list[Episode], schema: Schema | None = None) -> list[int] | None:
+        """Copy checked ``episodes`` (one `add_episodes` batch) into the shard as one block
+        (`arrowbuf.block_add`); their ids, or None (nothing changed) where they do not form one or a
+        rate limiter judges each insert: the caller then adds them one by one."""
+        if self._limited:
+            return None
+        with self._changed:
+            shard = self._shard if self._shard is not None else self._make_shard(schema)
+            ids = add_block(shard, episodes)
+            if ids is not None:
+                if self._shard is None:
+                    self._bind(shard)
+                first, lengths = shard.table.col("first_row")[-len(ids):], shard.table.col("length")[-len(ids):]
+                for row, length in zip(first.tolist(), lengths.tolist()) if self.sampler.tracks_rows else ():
+                    self.sampler.on_add(row, length)
+                self.counts.add(inserts=int(lengths.sum()))
+            return ids
 
     def clear(self) -> None:
         """Remove every episode; indices keep counting, so indices sampled before stay stale."""
@@ -516,21 +535,7 @@ class ShardEngine:
             KeyError: no live episode has this id.
         """
         with self.lock:
-            table = self.table
-            if self._shard is not None and table.pieces:   # its held pieces, read as one
-                held = np.flatnonzero(table.col("episode") == episode_id)
-                if len(held) == 1:
-                    return episode_view(self._shard, int(held[0]))
-                if len(held):   # a piece's last row repeats the next one's first observation
-                    views = [episode_view(self._shard, int(k)) for k in held.tolist()]
-                    return pa.concat_batches([v.slice(0, v.num_rows - 1) for v in views[:-1]] + views[-1:])
-            elif self._shard is not None:
-                position = table.position_of(episode_id)
-                if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
-                    return episode_view(self._shard, int(position))
-            ids = table.col("episode")
-            live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
-            raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
+            return played_episode(self._shard, self.table, episode_id)
 
     def to_arrow(self) -> pa.Table:
         """Every stored row, oldest episode first, as zero-copy chunks of the arena (open tails: copies)."""
@@ -549,15 +554,8 @@ class ShardEngine:
                 "sample_to_insert_ratio": counts.samples / counts.inserts if counts.inserts else 0.0,
                 "rate_limiter": self.rate_limiter.state(counts),
                 "reuse": reuse_summary(self._shard.reuse_counts()) if self._shard is not None else None,
-                "priorities": self._priorities(),
+                "priorities": sampler_priorities(self.sampler, self._shard),
             }
-
-    def _priorities(self) -> dict | None:
-        sampler = self.sampler
-        if not isinstance(sampler, PrioritizedSampler) or self._shard is None:
-            return None
-        leaves = sampler.tree.leaves[self._shard.transition_rows()]   # p^alpha
-        return priority_histogram(leaves ** (1 / sampler.alpha) if sampler.alpha else leaves)
 
     # -- state ----------------------------------------------------------------------
 

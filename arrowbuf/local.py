@@ -125,6 +125,9 @@ class LocalBackend:
         raised saying how many were refused.
         """
         engine = self.engine
+        ids = engine.add_block(episodes, schema)
+        if ids is not None:
+            return ids
         ids, refused = [], []
         for episode in episodes:
             try:

@@ -203,6 +203,20 @@ class Ring:
                 "were not written", retryable=True)
         return Plan(start, pieces, trim if pieces == popped else 0, left, ring, jumped)
 
+    def plan_block(self, rows: int, transitions: int) -> Plan | None:
+        """`plan` for one run of ``rows`` rows holding many episodes' ``transitions`` (`arrowbuf.block_add`),
+        or None (nothing changes) where their episodes written one by one could differ: a ring whose
+        live pieces are not in order, a block past the capacity or a full fixed store (evicting or
+        refusing part-way), or rows the run takes that would evict more than the count does."""
+        excess = len(self) + transitions - self.capacity
+        if not self.ordered or transitions > self.capacity or (excess > 0 and self.mode == "fixed"):
+            return None
+        popped, trim, left = oldest_transitions(self.table.col("length"), excess, self.whole_pieces)
+        if left:
+            return None
+        start, ring, pieces, jumped = plan_rows(self, rows, popped, trim)
+        return Plan(start, pieces, trim, 0, ring, jumped) if pieces == popped else None
+
     def apply(self, plan: Plan, rows: int) -> int:
         """Evict what ``plan`` says, then take ``rows`` rows; their first row.
 

@@ -249,6 +249,16 @@ class Shard:
         else:
             self.arena[name][start:start + len(data)] = data
 
+    def write_block(self, name: str, start: int, rows: int, block: np.ndarray) -> None:
+        """Copy ``block`` ``[E, n, ...]`` (n <= ``rows``) into column ``name`` as E runs of ``rows`` rows
+        from row ``start`` (`arrowbuf.block_add`); each run's rows past n are zeroed."""
+        column = self.arena[name][start:start + len(block) * rows]
+        runs = np.lib.stride_tricks.as_strided(column, (len(block), rows, *column.shape[1:]),
+                                               (rows * column.strides[0], *column.strides))
+        runs[:, :block.shape[1]] = block
+        if block.shape[1] < rows:
+            runs[:, block.shape[1]:] = 0
+
     def zero_rows(self, name: str, start: int, stop: int) -> None:
         """Zero rows ``[start, stop)`` of column ``name``."""
         self.arena[name][start:stop] = 0

@@ -52,6 +52,29 @@ def _batch(shard: Shard, first: int, stop: int, metadata: dict[bytes, bytes] | N
     return pa.RecordBatch.from_arrays(arrays, schema=schema.with_metadata({**schema.metadata, **(metadata or {})}))
 
 
+def played_episode(shard: Shard | None, table: Any, episode_id: int) -> pa.RecordBatch:
+    """The rows of live episode ``episode_id`` (its held pieces read as one: a piece's last row
+    repeats the next one's first observation); zero-copy for an episode of one piece.
+
+    Raises:
+        KeyError: no live episode has this id.
+    """
+    if shard is not None and table.pieces:
+        held = np.flatnonzero(table.col("episode") == episode_id)
+        if len(held) == 1:
+            return episode_view(shard, int(held[0]))
+        if len(held):
+            views = [episode_view(shard, int(k)) for k in held.tolist()]
+            return pa.concat_batches([v.slice(0, v.num_rows - 1) for v in views[:-1]] + views[-1:])
+    elif shard is not None:
+        position = table.position_of(episode_id)
+        if 0 <= position < len(table) and table.col("episode_id")[position] == episode_id:
+            return episode_view(shard, int(position))
+    ids = table.col("episode")
+    live = f"{ids[0]}..{ids[-1]}" if len(ids) else "none"
+    raise KeyError(f"episode {episode_id!r} is not in the store (live episode ids: {live})")
+
+
 def episode_view(shard: Shard, position: int) -> pa.RecordBatch:
     """The rows of the live episode at ``position`` (0 = oldest); data columns are zero-copy."""
     has_final = bool(shard.table.col("has_final")[position])

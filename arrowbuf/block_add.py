@@ -1,0 +1,61 @@
+"""Many episodes of one `ExperienceStore.add_episodes` batch placed and copied as one block.
+
+`arrowbuf.episode_batch.read_episodes` cuts a batch of E episodes shaped ``[E, T, ...]``
+into `Episode` views, each added on its own by `ShardEngine.add`: a plan, a copy per
+field and a table entry an episode. Where the E episodes have one length and their
+columns are the rows of one array per field (a rollout of E envs, the episodes
+`arrowbuf.compat` cuts together at a rollout's end), `add_block` places all their rows
+as one run of the ring (`Ring.plan_block`), copies each field once (`Shard.write_block`)
+and appends their table entries: what E single adds store, in the same order, with the
+same evictions (`EpisodeBatch.blocks`: the episodes as read, none replaced since). Anything else (ragged, text or encoded fields, a byte budget, episodes
+of other lengths, a ring whose run would evict more than the count does) returns None,
+and the caller adds the episodes one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import numpy as np
+
+from arrowbuf.episode_batch import EpisodeBatch
+from arrowbuf.shard import Episode, Shard, total_reward
+
+
+def add_block(shard: Shard, episodes: list[Episode]) -> list[int] | None:
+    """Add checked ``episodes`` (oldest first) to ``shard`` as one block; their ids, or None
+    (nothing changed) where they do not form one (see the module docstring)."""
+    first = episodes[0]
+    rows, steps = first.num_rows, first.num_steps
+    if len(episodes) < 2 or shard.bounded or any(
+            e.num_rows != rows or e.has_final != first.has_final or e.first_step or e.prev_piece >= 0 or e.open
+            or e.columns.keys() != first.columns.keys() for e in episodes):
+        return None
+    blocks = episodes.blocks() if isinstance(episodes, EpisodeBatch) else None
+    if blocks is None or not all(type(shard.arena.get(name)) is np.ndarray and type(block) is np.ndarray
+                                 for name, block in blocks.items()):
+        return None
+    count, length = len(episodes), shard.transitions_of(first)
+    plan = shard.placement.plan_block(count * rows, count * length)
+    if plan is None:
+        return None
+    flags = {flag: blocks[flag][:, steps - 1].reshape(count, -1)[:, 0].astype(bool).tolist()
+             if flag in blocks else [False] * count for flag in ("terminated", "truncated")}
+    returns = ([total_reward(e.columns["reward"]) for e in episodes] if "reward" in blocks
+               else [float("nan")] * count)
+    start = shard.placement.apply(plan, count * rows)
+    for name in shard.schema.fields:
+        if name in blocks:
+            shard.write_block(name, start, rows, blocks[name])
+        else:   # a derived field the batch left out: zero until computed
+            shard.zero_rows(name, start, start + count * rows)
+    ids = []
+    for k, episode in enumerate(episodes):
+        a = start + k * rows
+        shard.own_rows(a, a + rows)
+        ids.append(shard.table.append(
+            first_row=a, num_rows=rows, length=length, has_final=episode.has_final,
+            terminated=flags["terminated"][k], truncated=flags["truncated"][k], ret=returns[k],
+            env_id=episode.env_id, metadata=json.dumps(episode.metadata) if episode.metadata is not None else None,
+            inserted_at=episode.inserted_at))
+    return ids
+
