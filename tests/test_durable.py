@@ -583,3 +583,29 @@ def test_a_reader_that_meets_blocks_of_a_restarted_shard_reads_its_manifest_agai
                 time.sleep(0.05)
     finally:
         store.close()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_share_the_disk_refuses_is_not_taken(tmp_path, monkeypatch):
+    """A durable shard keeps its share of the capacity on disk; when that write fails the shard
+    raises and stays at the share its store knows (before, it held the new one while the store,
+    which never got an answer, kept the old)."""
+    from arrowbuf.durable import DurableShard
+    from arrowbuf.ray.actor import ShardServer
+
+    server = ShardServer(200, 0, 1, 3, ab.UniformSampler(), ab.RateLimiter(), EPISODE_SCHEMA.to_json(), "circular",
+                         durable=str(tmp_path), blocks=(64 << 20, 3600.0))
+    episodes = [read_episode(make_episode(tag, 9), EPISODE_SCHEMA)[0] for tag in range(12)]
+    server.add_episodes(episodes, EPISODE_SCHEMA.to_json(), None, ("driver-a", 1))
+
+    def full(self, capacity):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DurableShard, "remember_share", full)
+    with pytest.raises(OSError, match="No space"):
+        server.set_capacity(50)
+    assert server.engine.capacity == 200 and server.durable.saved_share() is None
+    assert len(server.engine) <= 50   # what the smaller share evicted stays gone
+    monkeypatch.undo()
+    assert server.set_capacity(150)[0] == 150 and server.durable.saved_share() == 150
+    server.durable.close()

@@ -398,15 +398,21 @@ class ShardServer:
         """This shard's share of its store's capacity from now on (`arrowbuf.ray.shares`): a
         smaller one evicts its oldest episodes now (whole, as every eviction here); the
         capacity taken and the shard's size (a durable shard keeps it in its directory: restarted,
-        it starts from it)."""
+        it starts from it). A share that cannot be kept on disk (OSError, raised) is not taken:
+        the shard goes back to the share its store knows (what a smaller one evicted stays gone)."""
         engine = self.engine
         with engine.lock:
+            before = engine.capacity
             taken = engine.set_capacity(capacity)
             self.unfilled.forget_evicted(engine.table)
             if engine.shard is not None:
                 self.blocks.evicted(engine)
             if self.durable is not None:
-                self.durable.remember_share(taken)
+                try:
+                    self.durable.remember_share(taken)
+                except OSError:
+                    engine.set_capacity(before)
+                    raise
         return taken, self.size()
 
     def clear(self) -> Reading:
