@@ -215,12 +215,13 @@ class StepWriter:
         self._check_chain(obs_cols, schema, ~skip)
         if self._sink.schema is None:
             self._sink.set_schema(schema)   # only once the whole step is known to be good
-        commit_versions(self._versions, versions, self._sink)
+        commit_versions(self._versions if self._inplace is None else None, versions, self._sink)
         schema = self._sink.schema
         self._inherited[:] = False
         self._given_next = next_cols   # held, so that its memory is not reused before the next step
-        if self._inplace is not None:
-            return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
+        if self._inplace is not None:   # its versions recorded once written: a refused step writes nothing
+            ended = self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
+            return commit_versions(self._versions, versions, self._sink) or ended
         with self.lock:
             return self._add_staged(schema, obs_cols, next_cols, step_cols, final, done, skip)
 

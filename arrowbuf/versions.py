@@ -342,14 +342,15 @@ def read_schema(schema: Schema | None, versions: np.ndarray | None) -> Schema | 
     return schema.extended({VERSION: VERSION_FIELD})
 
 
-def commit_versions(writer_versions: np.ndarray, versions: np.ndarray | None, sink: Any) -> None:
-    """Record a good step's ``versions`` (from `step_versions`) as each env's last, and give the
-    store the column if it lacks it."""
+def commit_versions(writer_versions: np.ndarray | None, versions: np.ndarray | None, sink: Any) -> None:
+    """Record a good step's ``versions`` (from `step_versions`) as each env's last (not with
+    ``writer_versions`` None), and give the store the column if it lacks it."""
     if versions is None:
         return
     if VERSION not in sink.schema.fields:
         sink.add_version_column()
-    writer_versions[...] = versions
+    if writer_versions is not None:
+        writer_versions[...] = versions
 
 
 def next_versions(value: Any, last: np.ndarray) -> np.ndarray:

@@ -377,3 +377,27 @@ def test_observations_passed_on_as_views_copies_or_one_reused_buffer_are_no_mism
     w.flush()
     w2.flush()
     assert len(store) == 20
+
+
+def test_an_in_place_step_the_byte_budget_refuses_records_no_version():
+    """An in-place writer's step that a field's max_bytes refuses writes nothing; its versions were
+    recorded all the same (445c707), so the corrected retry with the version it meant was refused as
+    decreasing."""
+    fields = {"obs": ab.Field("float32", (2,), observation=True), "action": ab.Field("int64"),
+              "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool"),
+              "tokens": ab.Field("int64", (None,), max_bytes=256), "policy_version": ab.Field("int64")}
+    store = ab.ExperienceStore(capacity=100, schema=fields, seed=0)
+    w = store.writer(2, autoreset_mode="same_step")
+    assert w._inplace is not None   # the in-place path (a plain local circular store)
+
+    def add(t: int, tokens: int, version: int) -> None:
+        w.add(obs=np.full((2, 2), t, np.float32), action=np.zeros(2, np.int64), reward=np.zeros(2, np.float32),
+              terminated=np.zeros(2, bool), truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1, np.float32),
+              tokens=[np.zeros(tokens, np.int64)] * 2, policy_version=version)
+
+    add(0, 2, 1)
+    with pytest.raises(ab.CapacityError, match="tokens"):
+        add(1, 40, 7)   # 2 x 320 bytes of tokens: more than the whole budget
+    add(1, 2, 2)        # the retry, at the version it meant
+    w.flush()
+    assert sorted(store.sample(64)["policy_version"].unique().tolist()) == [1, 2] and len(store) == 4
