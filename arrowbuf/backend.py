@@ -123,9 +123,11 @@ class Backend(Protocol):
         of ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
-                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+                    batches_per_request: int | None, min_version: int | None = None,
+                    keys: Any = None) -> Iterator[TensorDict]:
         """Endless batches as `sample` gives them (Ray: requests kept in flight); of steps of
-        ``policy_version >= min_version`` only, when given (`arrowbuf.versions`)."""
+        ``policy_version >= min_version`` only, when given (`arrowbuf.versions`); ``keys``
+        (checked before it returns) as in `sample`."""
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:

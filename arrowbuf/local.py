@@ -7,6 +7,8 @@ same ones over shard actors. Arguments arrive checked by the facade.
 
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -175,11 +177,13 @@ class LocalBackend:
                              "(sample(batch_size // num_workers)), or leave them out with keys=")
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: Any, prefetch: int,
-                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+                    batches_per_request: int | None, min_version: int | None = None,
+                    keys: Any = None) -> Iterator[TensorDict]:
         """Endless samples (of ``policy_version >= min_version`` when given): in-process there
         is no round trip to hide, so no prefetch."""
-        while True:
-            yield self.engine.sample(batch_size, args, device, min_version=min_version)
+        self.engine.check_keys(keys)   # now, not at the first batch
+        return (self.engine.sample(batch_size, args, device, keys=keys, min_version=min_version)
+                for _ in itertools.count())
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: Any,
                      keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:

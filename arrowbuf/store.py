@@ -347,8 +347,9 @@ class ExperienceStore:
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
-                    device: torch.device | str | None = None, min_version: int | None = None) -> Iterator[TensorDict]:
-        """Endless batches, as `sample` gives them (ValueError for a bad argument; ``min_version`` as in `sample`).
+                    device: torch.device | str | None = None, min_version: int | None = None,
+                    keys: list | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` gives them (ValueError for a bad argument; ``min_version``, ``keys`` as in `sample`).
 
         On Ray, ``prefetch`` index requests stay in flight when the shards draw
         (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
@@ -362,7 +363,7 @@ class ExperienceStore:
         args = check_sample_args(n_step, gamma, frame_stack, self.schema)
         min_version = check_fresh_iter(self, min_version)
         return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request,
-                                         min_version)
+                                         min_version, keys)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,

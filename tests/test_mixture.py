@@ -99,6 +99,22 @@ def test_a_dataset_and_a_store_mix(tmp_path):
     assert torch.bincount(next(stream)["source"]).tolist() == [16, 16]
 
 
+def test_sample_iter_takes_keys_as_sample_does_on_every_kind_of_source(tmp_path):
+    """``keys=`` reached each source's ``sample_iter``, which took no such argument (TypeError); a bad
+    key is refused when the stream is made, not at its first batch."""
+    demos = ab.open_dataset(_store(3, 4).to_parquet(tmp_path / "demos"), seed=0)
+    online = _store(4, 6)
+    mixture = ab.Mixture({"demos": demos, "online": online}, weights={"demos": 0.5, "online": 0.5})
+    batch = next(mixture.sample_iter(16, keys=["obs", "reward"]))
+    assert set(batch.keys()) == {"obs", "reward", "index", "episode_id", "step", "source"}
+    for source in (demos, online):
+        assert set(next(source.sample_iter(8, keys=["action"])).keys()) == {"action", "index", "episode_id", "step"}
+        with pytest.raises(ValueError, match="nope"):
+            source.sample_iter(8, keys=["nope"])
+    with pytest.raises(ValueError, match="batch_size"):
+        demos.sample_iter(0)   # checked when called: its generator checked at the first batch
+
+
 def test_the_pooled_path_gives_each_sources_own_draws_and_never_overwrites_a_kept_batch(tmp_path):
     export = _store(3, 4).to_parquet(tmp_path / "demos")
     demos, online = ab.open_dataset(export, seed=0), _store(4, 6)

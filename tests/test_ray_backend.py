@@ -277,6 +277,9 @@ def test_ray_entry_points_check_their_arguments(two_shard_store):
             store.sample(4, **kwargs)
     with pytest.raises(ValueError, match="device"):
         store.sample_iter(4, device=3.5)
+    with pytest.raises(ValueError, match="nope"):
+        store.sample_iter(4, keys=["nope"])
+    assert set(next(store.sample_iter(4, keys=["reward"])).keys()) == {"reward", "index", "episode_id", "step"}
     with pytest.raises(ValueError, match="device"):
         store.iter_batches(4, device="gpu")
     with pytest.raises(ValueError, match="timeout"):

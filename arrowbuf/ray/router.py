@@ -365,14 +365,16 @@ class RayBackend:
         return batch.pin_memory() if on_cpu and pinned(pin_memory, device) else batch
 
     def sample_iter(self, batch_size: int, args: SampleArgs, device: torch.device | None, prefetch: int,
-                    batches_per_request: int | None, min_version: int | None = None) -> Iterator[TensorDict]:
+                    batches_per_request: int | None, min_version: int | None = None,
+                    keys: Any = None) -> Iterator[TensorDict]:
         """Endless batches. Draws made here need no round trip: ``batches_per_request``
         batches (default: as many as `READ_BYTES` hold, at most `MAX_READ_BATCHES`) are drawn
         and ordered at once; draws made by the shards keep ``prefetch`` index requests
         in flight. ``min_version``: as in `sample` (drawn here)."""
         if min_version is not None:
             check_fresh_sampler(self.sampler, self._reader.draws_here())
-        return self._reader.batches(SampleRequest(batch_size, args, None, device, None, batches_per_request,
+        return self._reader.batches(SampleRequest(batch_size, args, self._check_keys(keys), device, None,
+                                                  batches_per_request,
                                                   min_version, prefetch))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
