@@ -57,6 +57,22 @@ def test_a_store_of_num_envs_x_t_holds_every_transition_of_each_rollout_with_a_n
     assert store.engine.shard.ring <= 1.7 * num_envs * steps   # rows beyond the capacity: final obs, regions
 
 
+@pytest.mark.parametrize("num_envs, steps", [(4, 150), (64, 32)])
+def test_one_writer_flushed_at_each_rollouts_end_keeps_exactly_the_last_rollout(num_envs, steps):
+    """No clear(), one writer: flush() seals every open tail, and the next rollout's evictions take
+    every older piece before any of its own (docs/internals.md: without the flush, pieces of one
+    generation span the same steps and leave 1-2% of the older rollout in)."""
+    store = ab.ExperienceStore(capacity=num_envs * steps, seed=0)
+    writer = store.writer(num_envs, autoreset_mode="disabled")
+    rng = np.random.default_rng(3)
+    for k in range(3):
+        rollout(writer, num_envs, steps, 0.02, rng, tag=k)
+        writer.flush()
+        assert len(store) == num_envs * steps
+        batch = store.gather(np.arange(*store.engine.live_range()))
+        assert (batch["obs"][:, 0] == k).all() and (batch["action"].bincount(minlength=steps) == num_envs).all()
+
+
 @pytest.mark.parametrize("num_envs, steps", SHAPES)
 @pytest.mark.parametrize("end_rate", [0.02, 0.05])
 def test_one_writer_across_cleared_rollouts_keeps_every_transition_and_no_reset_step(num_envs, steps, end_rate):
