@@ -57,5 +57,7 @@ def add_block(shard: Shard, episodes: list[Episode]) -> list[int] | None:
             terminated=flags["terminated"][k], truncated=flags["truncated"][k], ret=returns[k],
             env_id=episode.env_id, metadata=json.dumps(episode.metadata) if episode.metadata is not None else None,
             inserted_at=episode.inserted_at))
+    if shard.regions.count:   # an append drops the open tails published: the writers' are published again
+        shard.publish_open()
     return ids
 

@@ -13,6 +13,7 @@ from arrowbuf.engine import ShardEngine
 
 
 def batch(rng: np.random.Generator, envs: int, steps: int, final: bool, tag: int) -> dict:
+    """E episodes of T steps as [E, T, ...] arrays (obs [E, T + 1, ...] with final observations)."""
     return {"obs": rng.standard_normal((envs, steps + int(final), 3)).astype(np.float32) + tag,
             "action": rng.integers(0, 9, (envs, steps)), "reward": rng.standard_normal((envs, steps)).astype(np.float32),
             "terminated": rng.random((envs, steps)) < 0.3, "truncated": np.zeros((envs, steps), bool),
@@ -87,3 +88,30 @@ def test_a_prioritized_sampler_is_told_of_every_blocked_row(monkeypatch):
     assert set(drawn["index"].tolist()) == set(expected["index"].tolist())
     # (the draws themselves differ: the sum tree is over arena rows, which the block places otherwise)
     assert set(drawn["weight"].tolist()) == set(expected["weight"].tolist()) == {1.0}   # every row at the max priority
+
+
+@pytest.mark.parametrize("capacity", [40, 400])
+def test_batches_beside_a_live_writer_store_what_single_adds_store(capacity, monkeypatch):
+    """Demos added as batches while a writer's episodes are open (published, sampleable): the same
+    rows, episodes and open tails either way, through evictions (capacity 40). (A writer's regions
+    leave the ring's pieces out of order: `Ring.plan_block` then declines, and the batches go one
+    episode at a time; the test holds whichever path a change takes.)"""
+    def run() -> tuple:
+        store = ab.ExperienceStore(capacity=capacity, seed=0)
+        writer = store.writer(num_envs=2, autoreset_mode="same_step")
+        rng = np.random.default_rng(5)
+        obs = np.zeros((2, 3), np.float32)
+        for t in range(30):
+            nxt = obs + 1
+            writer.add(obs=obs, action=np.full(2, t), reward=np.ones(2, np.float32), terminated=np.zeros(2, bool),
+                       truncated=np.zeros(2, bool), next_obs=nxt)
+            obs = nxt
+            if t % 7 == 3:
+                demos = batch(rng, 3, 4, True, t)
+                demos.pop("log_prob")
+                store.add_episodes(demos, env_ids="demo")
+        return contents(store), store.episodes(include_open=True).drop_columns(["inserted_at", "first_row"]).to_pydict()
+
+    blocked = run()
+    monkeypatch.setattr(ShardEngine, "add_block", lambda self, episodes, schema=None: None)
+    assert blocked == run()
