@@ -265,15 +265,17 @@ class Dataset:
 
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
-                    device: torch.device | str | None = None, keys: list | None = None) -> Iterator[TensorDict]:
+                    device: torch.device | str | None = None, keys: list | None = None,
+                    pad: dict | None = None) -> Iterator[TensorDict]:
         """Endless `sample` batches (``prefetch`` and ``batches_per_request`` are a Ray
         store's and are ignored here); its arguments are checked when it is called."""
         batch_size = check_int("batch_size", batch_size, 1)
         check_sample_args(n_step, gamma, frame_stack, self.schema)
         check_device(device)
         self._engine.check_keys(keys)
-        return (self.sample(batch_size, n_step=n_step, gamma=gamma, frame_stack=frame_stack, device=device, keys=keys)
-                for _ in itertools.count())
+        check_pad(pad, self.schema)
+        return (self.sample(batch_size, n_step=n_step, gamma=gamma, frame_stack=frame_stack, device=device, keys=keys,
+                            pad=pad) for _ in itertools.count())
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None,

@@ -348,8 +348,9 @@ class ExperienceStore:
     def sample_iter(self, batch_size: int, prefetch: int = 4, batches_per_request: int | None = None, *,
                     n_step: int = 1, gamma: float = 0.99, frame_stack: int = 1,
                     device: torch.device | str | None = None, min_version: int | None = None,
-                    keys: list | None = None) -> Iterator[TensorDict]:
-        """Endless batches, as `sample` gives them (ValueError for a bad argument; ``min_version``, ``keys`` as in `sample`).
+                    keys: list | None = None, pad: dict | None = None) -> Iterator[TensorDict]:
+        """Endless batches, as `sample` gives them (ValueError for a bad argument; ``min_version``, ``keys``,
+        ``pad`` as in `sample`).
 
         On Ray, ``prefetch`` index requests stay in flight when the shards draw
         (prioritized, rate-limited samplers), and ``batches_per_request`` batches are
@@ -362,8 +363,10 @@ class ExperienceStore:
             batches_per_request = check_int("batches_per_request", batches_per_request, 1)
         args = check_sample_args(n_step, gamma, frame_stack, self.schema)
         min_version = check_fresh_iter(self, min_version)
-        return self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request,
-                                         min_version, keys)
+        pad = check_pad(pad, self.schema)
+        batches = self._backend.sample_iter(batch_size, args, check_device(device), prefetch, batches_per_request,
+                                            min_version, keys)
+        return batches if pad is None else (pad_batch(batch, pad) for batch in batches)
 
     def iter_batches(self, batch_size: int, shuffle: bool = True, drop_last: bool = False, *,
                      epochs: int = 1, device: torch.device | str | None = None, keys: list | None = None,

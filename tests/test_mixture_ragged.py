@@ -83,6 +83,22 @@ def test_pad_pads_every_source_to_the_longest_row_of_the_whole_batch():
         check_rows(mixture.sample(6, pad={"tokens": -7}), padded=-7)
 
 
+def test_sample_iter_pads_as_sample_does_over_stores_and_datasets(tmp_path):
+    """``pad=`` reached each source's sample_iter, which took no such argument (TypeError)."""
+    dataset = ab.open_dataset(filled(0, text=False).to_parquet(tmp_path / "demos", progress=False), seed=0,
+                              progress=False)
+    mixture = ab.Mixture({"demos": dataset, "online": filled(1, text=False)}, weights={"demos": 0.5, "online": 0.5},
+                         seed=1)
+    stream = mixture.sample_iter(6, pad={"tokens": -7})
+    for _ in range(5):
+        check_rows(next(stream), padded=-7)
+    alone = next(filled(2).sample_iter(5, pad={"tokens": -1}))
+    alone["source"] = torch.full((5,), 2)
+    check_rows(alone, padded=-1)
+    with pytest.raises(ValueError, match="pad"):
+        dataset.sample_iter(4, pad={"obs": 0})   # not a ragged field: refused when called
+
+
 def test_keys_leave_ragged_and_text_fields_out_and_sample_iter_joins_them_too():
     mixture = ab.Mixture({"demos": filled(0), "online": filled(1)}, weights={"demos": 0.5, "online": 0.5}, seed=2)
     plain = mixture.sample(8, keys=["obs", "action"])
