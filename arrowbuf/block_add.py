@@ -15,15 +15,18 @@ and the caller adds the episodes one by one.
 from __future__ import annotations
 
 import json
+from typing import Callable
 import numpy as np
 
 from arrowbuf.episode_batch import EpisodeBatch
 from arrowbuf.shard import Episode, Shard, total_reward
 
 
-def add_block(shard: Shard, episodes: list[Episode]) -> list[int] | None:
+def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] | None = None) -> list[int] | None:
     """Add checked ``episodes`` (oldest first) to ``shard`` as one block; their ids, or None
-    (nothing changed) where they do not form one (see the module docstring)."""
+    (nothing changed) where they do not form one (see the module docstring). ``before`` is
+    called once they are known to, before anything changes (a new shard's sampler binds to it
+    there, as `ShardEngine.add` binds it before the first episode goes in)."""
     first = episodes[0]
     rows, steps = first.num_rows, first.num_steps
     if len(episodes) < 2 or shard.bounded or any(
@@ -42,6 +45,8 @@ def add_block(shard: Shard, episodes: list[Episode]) -> list[int] | None:
              if flag in blocks else [False] * count for flag in ("terminated", "truncated")}
     returns = ([total_reward(e.columns["reward"]) for e in episodes] if "reward" in blocks
                else [float("nan")] * count)
+    if before is not None:
+        before()
     start = shard.placement.apply(plan, count * rows)
     for name in shard.schema.fields:
         if name in blocks:

@@ -264,10 +264,8 @@ class ShardEngine:
             return None
         with self._changed:
             shard = self._shard if self._shard is not None else self._make_shard(schema)
-            ids = add_block(shard, episodes)
+            ids = add_block(shard, episodes, (lambda: self._bind(shard)) if self._shard is None else None)
             if ids is not None:
-                if self._shard is None:
-                    self._bind(shard)
                 first, lengths = shard.table.col("first_row")[-len(ids):], shard.table.col("length")[-len(ids):]
                 for row, length in zip(first.tolist(), lengths.tolist()) if self.sampler.tracks_rows else ():
                     self.sampler.on_add(row, length)

@@ -115,3 +115,17 @@ def test_batches_beside_a_live_writer_store_what_single_adds_store(capacity, mon
     blocked = run()
     monkeypatch.setattr(ShardEngine, "add_block", lambda self, episodes, schema=None: None)
     assert blocked == run()
+
+
+@pytest.mark.parametrize("sampler", [lambda: ab.SequenceSampler(3, strict=True), lambda: ab.PrioritizedSampler(alpha=0.6)],
+                         ids=["sequence", "prioritized"])
+def test_a_first_write_of_a_batch_binds_the_sampler_before_its_episodes_are_appended(sampler, monkeypatch):
+    """A new store's first write as a batch: its sampler binds to the shard before the episodes go
+    in, as for a single add (a strict sequence sampler's windows and a prioritized one's row map
+    then count every episode), and holds what single adds give it."""
+    writes = [(5, 6, True, None), (4, 6, True, None)]
+    reference, _ = play(writes, 100, sampler(), blocks=False, monkeypatch=monkeypatch)
+    blocked, _ = play(writes, 100, sampler())
+    assert contents(blocked) == contents(reference)
+    assert blocked.sampler.mass(blocked.engine.table) == reference.sampler.mass(reference.engine.table) > 0
+    assert blocked.sample(16)["obs"].shape[:2] == reference.sample(16)["obs"].shape[:2]
