@@ -183,4 +183,34 @@ def test_sub_envs_cut_together_are_written_as_one_window_that_stores_what_their_
     monkeypatch.setattr(segments, "_WINDOW_ENVS", 10 ** 9)   # one add_episode per sub-env, as before
     pieces, _ = play("local", autoreset, final_key, engine)
     assert stored_rows(windows) == stored_rows(pieces)
-    assert windows.store.num_episodes == pieces.store.num_episodes
+    assert played_order(windows) == played_order(pieces)
+
+
+def played_order(buffer: ReplayBuffer) -> list:
+    """The stored episodes in the order they were written (their ids number them so)."""
+    return buffer.store.episodes().select(["episode_id", "env_id", "length", "return"]).to_pylist()
+
+
+@pytest.mark.parametrize("capacity, mode", [(14, "circular"), (9, "fixed")])
+def test_windows_keep_the_sub_env_order_of_pieces_through_evictions_and_a_full_fixed_buffer(capacity, mode, monkeypatch):
+    """Windows written before the single sub-envs of the same records gave other ids, so a small
+    ring evicted other episodes and a fixed buffer filled with others (a reviewer's case)."""
+    import arrowbuf.compat.segments as segments
+    from arrowbuf.compat.sink import BufferFullError
+
+    def play_small() -> tuple:
+        worker = VecWorker(0, num_envs=3, autoreset="next_step", seed=8, final_key=None)
+        buffer = ReplayBuffer({"type": "ReplayBuffer", "capacity": capacity, "auto_truncate_episode": True,
+                               "storage": {"mode": mode}}, seed=0, backend="local")
+        buffer.init([worker.meta()])
+        refused = 0
+        for _ in range(2):
+            try:
+                sync_rollout(buffer, [worker], steps=6)
+            except BufferFullError:
+                refused += 1
+        return played_order(buffer), stored_rows(buffer), refused
+
+    windows = play_small()
+    monkeypatch.setattr(segments, "_WINDOW_ENVS", 10 ** 9)
+    assert windows == play_small() and (windows[2] > 0) == (mode == "fixed")

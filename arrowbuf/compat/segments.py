@@ -336,35 +336,41 @@ class Segmenter:
             clash = sorted({f for f in fields if fields.count(f) > 1})
             raise ValueError(f"env {stage.env_id!r}: fields {clash} come from two keys each (e.g. 'reward' and "
                              "'last_reward'); rename one of them")
+        # Runs of consecutive sub-envs whose episodes start at one row: one window each (one
+        # `add_episodes`), in sub-env order as the pieces would be (ids, evictions, a fixed buffer's fill).
+        cuts = (np.flatnonzero((np.diff(envs) != 1) | (np.diff(starts) != 0)) + 1).tolist() if stage.vector else []
         pieces: list[Piece | Window] = []
-        single = np.ones(len(envs), bool)
-        if stage.vector:   # runs of sub-envs whose episodes start at one row: one window, one `add_episodes`
-            cuts = np.flatnonzero((np.diff(envs) != 1) | (np.diff(starts) != 0)) + 1
-            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(envs)]):
-                if b - a >= _WINDOW_ENVS:
-                    single[a:b] = False
-                    pieces.append(self._window(stage, int(envs[a]), b - a, int(starts[a]), last, final,
-                                               unknown[a:b], ids[a:b], names, fields))
-        for k in np.flatnonzero(single).tolist():
-            env_id, i, s, blind = ids[k], int(envs[k]), int(starts[k]), bool(unknown[k])
-            columns = {}
-            for name, field in zip(names, fields):
-                if is_observation(name):
-                    column = stage.rows_of(name, s, last + 1, i)
-                    if blind:
-                        column = np.concatenate([column[:-1], column[-2:-1]])
-                    elif final is not None:
-                        column = np.concatenate([column[:-1], final[name][i][None]])
-                elif name.startswith("last_"):
-                    column = stage.rows_of(name, s + 1, last + 1, i)
-                else:
-                    column = stage.rows_of(name, s, last, i)
-                columns[field] = to_tensor(column, "bfloat16", False) if stage.dtypes[name] == "bfloat16" else column
-            valid = np.ones(last - s, bool)
-            valid[-1] = not blind
-            columns[VALID] = valid
-            pieces.append(Piece(env_id, columns, last - s))
+        for a, b in zip([0, *cuts], [*cuts, len(envs)]):
+            if b - a >= _WINDOW_ENVS:
+                pieces.append(self._window(stage, int(envs[a]), b - a, int(starts[a]), last, final, unknown[a:b],
+                                           ids[a:b], names, fields))
+            else:
+                pieces += [self._piece(stage, ids[k], int(envs[k]), int(starts[k]), last, final, bool(unknown[k]),
+                                       names, fields) for k in range(a, b)]
         return pieces
+
+    @staticmethod
+    def _piece(stage: Stage, env_id: str, i: int, s: int, last: int, final: dict | None, blind: bool,
+               names: list[str], fields: list[str]) -> Piece:
+        """Sub-env ``i``'s episode from row ``s`` to record ``last`` (views of the stage, but for a
+        last observation row taken from ``final`` or repeated: ``blind``)."""
+        columns = {}
+        for name, field in zip(names, fields):
+            if is_observation(name):
+                column = stage.rows_of(name, s, last + 1, i)
+                if blind:
+                    column = np.concatenate([column[:-1], column[-2:-1]])
+                elif final is not None:
+                    column = np.concatenate([column[:-1], final[name][i][None]])
+            elif name.startswith("last_"):
+                column = stage.rows_of(name, s + 1, last + 1, i)
+            else:
+                column = stage.rows_of(name, s, last, i)
+            columns[field] = to_tensor(column, "bfloat16", False) if stage.dtypes[name] == "bfloat16" else column
+        valid = np.ones(last - s, bool)
+        valid[-1] = not blind
+        columns[VALID] = valid
+        return Piece(env_id, columns, last - s)
 
     @staticmethod
     def _window(stage: Stage, first: int, count: int, s: int, last: int, final: dict | None, unknown: np.ndarray,
