@@ -110,6 +110,7 @@ class ShardEngine:
         self._changed = threading.Condition(self.lock)   # wakes callers waiting on the rate limiter
         self._rng = np.random.default_rng(seed)
         self._shard: Shard | None = None
+        self._unbound: Shard | None = None   # made for a first write that `add_block` declined: `_make_shard`
         self._empty_table = EpisodeTable()
         self._created = time.monotonic()
         # Checkpoint directory -> token of the save made or loaded here: a save into
@@ -196,6 +197,9 @@ class ShardEngine:
             self._bind(shard)
 
     def _make_shard(self, schema: Schema) -> Shard:
+        spare, self._unbound = self._unbound, None
+        if spare is not None and spare.schema == schema:   # one arena, never two (a CUDA one is allocated at once)
+            return spare
         if self.storage_device is None:   # the torch arena is imported only for one (`arrowbuf._lazy_torch`)
             check_arena(schema, self.capacity)
             return Shard(schema, self.capacity, self.mode, self.shard_index, self.num_shards, self.whole_pieces,
@@ -257,15 +261,16 @@ class ShardEngine:
             return episode_id
 
     def add_block(self, episodes: list[Episode], schema: Schema | None = None) -> list[int] | None:
-        """Copy checked ``episodes`` (one `add_episodes` batch) into the shard as one block
-        (`arrowbuf.block_add`); their ids, or None (nothing changed) where they do not form one or a
-        rate limiter judges each insert: the caller then adds them one by one."""
+        """Copy checked ``episodes`` (one `add_episodes` batch) in as one block (`arrowbuf.block_add`); their ids,
+        or None (nothing changed: the caller adds them one by one) where they do not form one, or a limiter judges."""
         if self._limited:
             return None
         with self._changed:
             shard = self._shard if self._shard is not None else self._make_shard(schema)
             ids = add_block(shard, episodes, (lambda: self._bind(shard)) if self._shard is None else None)
-            if ids is not None:
+            if ids is None and self._shard is None:
+                self._unbound = shard   # unchanged: the single adds that follow take it
+            elif ids is not None:
                 first, lengths = shard.table.col("first_row")[-len(ids):], shard.table.col("length")[-len(ids):]
                 for row, length in zip(first.tolist(), lengths.tolist()) if self.sampler.tracks_rows else ():
                     self.sampler.on_add(row, length)

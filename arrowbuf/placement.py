@@ -206,10 +206,11 @@ class Ring:
     def plan_block(self, rows: int, transitions: int) -> Plan | None:
         """`plan` for one run of ``rows`` rows holding many episodes' ``transitions`` (`arrowbuf.block_add`),
         or None (nothing changes) where their episodes written one by one could differ: a ring whose
-        live pieces are not in order, a block past the capacity or a full fixed store (evicting or
-        refusing part-way), or rows the run takes that would evict more than the count does."""
+        live pieces are not in order, a block past the capacity or the arena's rows (one-row episodes
+        without a transition) or a full fixed store (evicting or refusing part-way), or rows the run
+        takes that would evict more than the count does."""
         excess = len(self) + transitions - self.capacity
-        if not self.ordered or transitions > self.capacity or (excess > 0 and self.mode == "fixed"):
+        if not self.ordered or transitions > self.capacity or rows > self.rows or (excess > 0 and self.mode == "fixed"):
             return None
         popped, trim, left = oldest_transitions(self.table.col("length"), excess, self.whole_pieces)
         if left:

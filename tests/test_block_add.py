@@ -129,3 +129,37 @@ def test_a_first_write_of_a_batch_binds_the_sampler_before_its_episodes_are_appe
     assert contents(blocked) == contents(reference)
     assert blocked.sampler.mass(blocked.engine.table) == reference.sampler.mass(reference.engine.table) > 0
     assert blocked.sample(16)["obs"].shape[:2] == reference.sample(16)["obs"].shape[:2]
+
+
+def one_row_episodes(count: int) -> dict:
+    """``count`` one-step episodes without final observations: a row each and no transition."""
+    return {"obs": np.zeros((count, 1, 2), np.float32), "action": np.arange(count)[:, None],
+            "reward": np.ones((count, 1), np.float32), "terminated": np.ones((count, 1), bool),
+            "truncated": np.zeros((count, 1), bool)}
+
+
+@pytest.mark.parametrize("count", [90, 200])
+def test_a_batch_of_more_rows_than_the_arena_goes_one_by_one(count, monkeypatch):
+    """A reviewer's case: E one-row episodes (no transition, so no eviction by count) past the
+    arena's 89 rows were placed as one run beyond the arena's end (a wrong table, then heap
+    corruption); they go one by one, as single adds place them."""
+    def run() -> tuple:
+        store = ab.ExperienceStore(capacity=10, seed=0)
+        store.add_episodes(one_row_episodes(count), observations=["obs"])
+        return store.engine.shard.rows, store.num_episodes, store.to_arrow().to_pydict()
+
+    blocked = run()
+    monkeypatch.setattr(ShardEngine, "add_block", lambda self, episodes, schema=None: None)
+    assert blocked == run() and blocked[1] <= blocked[0] == 89
+
+
+def test_a_first_batch_the_block_declines_makes_one_arena(monkeypatch):
+    """A first write that add_block declines (a torch arena always does) took a second arena: the one
+    it made stayed alive beside the one the single adds made (a CUDA arena is allocated at once)."""
+    made = []
+    make = ShardEngine._make_shard
+    monkeypatch.setattr(ShardEngine, "_make_shard", lambda self, schema: made.append(make(self, schema)) or made[-1])
+    store = ab.ExperienceStore(capacity=100, seed=0, storage_device="cpu")
+    rng = np.random.default_rng(0)
+    store.add_episodes(batch(rng, 4, 5, True, 0))
+    assert len({id(shard) for shard in made}) == 1 and store.num_episodes == 4
