@@ -608,4 +608,16 @@ def test_a_share_the_disk_refuses_is_not_taken(tmp_path, monkeypatch):
     assert len(server.engine) <= 50   # what the smaller share evicted stays gone
     monkeypatch.undo()
     assert server.set_capacity(150)[0] == 150 and server.durable.saved_share() == 150
+    # The share file moved in place, then the directory's fsync failed (a reviewer's case): the file
+    # is put back to the share the shard keeps, so that a restart takes what the store knows.
+    import arrowbuf.durable as durable
+
+    def fsync_fails(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(durable, "fsync", fsync_fails)
+    with pytest.raises(OSError, match="Input/output"):
+        server.set_capacity(60)
+    monkeypatch.undo()
+    assert server.engine.capacity == 150 and server.durable.saved_share() == 150
     server.durable.close()

@@ -412,6 +412,10 @@ class ShardServer:
                     self.durable.remember_share(taken)
                 except OSError:
                     engine.set_capacity(before)
+                    try:   # the file may hold the new share already (a failed directory fsync after it moved)
+                        self.durable.remember_share(before)
+                    except OSError:
+                        pass
                     raise
         return taken, self.size()
 
