@@ -44,7 +44,7 @@ def _torch_in_actors(store: ab.ExperienceStore) -> list[bool]:
 def test_a_ray_shard_serves_writes_draws_gathers_and_exports_without_importing_torch(ray_session, tmp_path, sampler):
     made = ab.PrioritizedSampler(alpha=0.6, beta=0.4) if sampler == "prioritized" else None
     kwargs = {"sampler": made} if made is not None else {}
-    store = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=1, **kwargs)   # a shard: each runs the same code
+    store = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=1, **kwargs)
     try:
         for k in range(6):
             store.add_episode(_episode(40 + 7 * k, k), env_id=f"env{k}")
