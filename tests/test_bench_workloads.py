@@ -1,8 +1,9 @@
 """tools/bench.py: the quick GAE, replay (W1-W3, PER, PARQUET) and MIX workloads run and report
 every ratio (a file of their own, so that pytest-xdist spreads the bench's runs over both workers).
 
-Each run is a subprocess of the real entry (``python tools/bench.py``), with the numbers it
-measures checked for shape only: performance is reported, never asserted.
+They run in one subprocess of the real entry (``python tools/bench.py --only W1,...,MIX``): a
+process that imports torch and TorchRL costs seconds of the suite. The numbers it measures are
+checked for shape only: performance is reported, never asserted.
 """
 
 from __future__ import annotations
@@ -11,9 +12,18 @@ import pytest
 
 from support.bench_runs import ROOT, headline_ratios, quick_run
 
+#: The workloads of the one run, W1 first: a smoke run probes the memory of its first workload only.
+REPLAY = ["W1", "W2", "W3", "PER", "PARQUET"]
+NAMES = [*REPLAY, "GAE", "MIX"]
 
-def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_agrees_with_them(tmp_path_factory):
-    run, saved = quick_run("GAE", tmp_path_factory)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return quick_run(",".join(NAMES), tmp_path_factory)
+
+
+def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_agrees_with_them(runs):
+    run, saved = runs
     assert "BUG?" not in run.stdout   # the store's advantages equal the loop's
     ratios = headline_ratios(saved, "GAE")
     for shape, transitions in (("WBC", "6,144"), ("WBC resets", "6,144"), ("VLA", "320")):
@@ -22,14 +32,13 @@ def test_a_quick_gae_run_times_compute_gae_against_the_loops_and_the_seeds_and_a
             assert len(rounds) == 2 and all(r > 0 for r in rounds)
 
 
-def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report_every_ratio(tmp_path_factory):
+def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report_every_ratio(runs):
     # Not run elsewhere in CI (RAY starts its own cluster; it runs in the published bench):
     # a workload broken by a change to the store (W3's fields lacked the terminal flags a
     # store now asks for) shows here, not in the next published run.
-    names = ["W1", "W2", "W3", "PER", "PARQUET"]
-    run, saved = quick_run(",".join(names), tmp_path_factory)
-    assert [w["name"] for w in saved["workloads"]] == names
-    for name in names:
+    run, saved = runs
+    assert [w["name"] for w in saved["workloads"]] == NAMES
+    for name in REPLAY:
         ratios = headline_ratios(saved, name)
         assert ratios, f"{name} reported no ratio"
         assert all(r > 0 for rounds in ratios.values() for r in rounds), name
@@ -39,8 +48,8 @@ def test_the_quick_replay_sequence_priority_and_parquet_workloads_run_and_report
     assert memory["values"]["arrowbuf"] > 0 and memory["values"]["torchrl"] is None, memory
 
 
-def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(tmp_path_factory):
-    run, saved = quick_run("MIX", tmp_path_factory)
+def test_a_quick_mix_run_reports_the_mixture_the_fresh_sample_and_the_open(runs):
+    run, saved = runs
     ratios = headline_ratios(saved, "MIX")
     for metric, col in (("sample", "mixture/online"), ("sample", "dataset/online"),
                         ("sample(min_version), 3/4 qualify", "fresh/plain")):

@@ -131,12 +131,23 @@ def test_inspect_refuses_a_plot_path_it_cannot_write_before_reading(store, tmp_p
     assert message in _error_line(captured.err) and captured.out == ""
 
 
-def test_version_prints_the_package_version():
-    run = _run_cli("--version")
-    assert run.returncode == 0 and run.stdout.strip() == f"arrowbuf {ab.__version__}"
+def _exit_and_stdout(args: list[str], capsys) -> tuple[int, str]:
+    """``main(args)``'s exit status and what it printed, in this process (a subprocess of the entry
+    is test_a_bad_argument_in_a_subprocess_prints_no_traceback's: each costs a second of imports)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    return exited.value.code, capsys.readouterr().out
 
 
-def test_help_shows_every_default():
-    demo_help = _run_cli("demo", "--help").stdout
+def test_version_prints_the_package_version(capsys):
+    code, out = _exit_and_stdout(["--version"], capsys)
+    assert code == 0 and out.strip() == f"arrowbuf {ab.__version__}"
+
+
+def test_help_shows_every_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")   # argparse's width, as in a subprocess without a terminal
+    code, demo_help = _exit_and_stdout(["demo", "--help"], capsys)
+    assert code == 0
     for text in ("--steps STEPS", "(default: 50000)", "(default: 4)", "--overwrite", "(default: None)"):
         assert text in demo_help

@@ -92,7 +92,7 @@ def test_episode_unit_refs_resolve_to_padded_episodes_with_their_mask():
 
 
 def test_native_gather_refs_checks_its_arguments_and_reports_dead_indices():
-    store = ab.ExperienceStore(100, backend="ray", num_shards=2, seed=0)
+    store = ab.ExperienceStore(100, backend="ray", num_shards=1, seed=0)
     store.add_episode({"obs": np.zeros((4, 2), np.float32), "action": np.arange(3),
                        "terminated": np.array([False, False, True])})
     index = np.arange(*store.live_ranges()[0]) if store.live_ranges()[0][1] else np.arange(*store.live_ranges()[1])

@@ -317,15 +317,19 @@ def test_a_ray_save_that_fails_on_one_shard_leaves_the_previous_checkpoint_loadi
             loaded.close()
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_a_damaged_row_file_of_shard_1_of_a_ray_checkpoint_raises_format_error_not_a_ray_error(tmp_path):
+@pytest.fixture(scope="module")
+def two_shard_store(ray_session):
+    """A 2-shard Ray store of 8 episodes, 4 a shard (each test saves it where it needs)."""
     store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
-    try:
-        for key in range(6):
-            store.add_episode(_episode(key, 6), env_id=f"env-{key % 2}")
-        store.save(tmp_path / "ckpt")
-    finally:
-        store.close()
+    for key in range(8):
+        store.add_episode(_episode(key, 6), env_id=f"env-{key % 2}")
+    yield store
+    store.close()
+
+
+def test_a_damaged_row_file_of_shard_1_of_a_ray_checkpoint_raises_format_error_not_a_ray_error(
+        two_shard_store, tmp_path):
+    two_shard_store.save(tmp_path / "ckpt")
     generation = json.loads((tmp_path / "ckpt" / "ray_checkpoint.json").read_text())["generation"]
     row_file = next((tmp_path / "ckpt" / generation / "shard-1").glob("rows-*"))
     data = bytearray(row_file.read_bytes())
@@ -335,13 +339,10 @@ def test_a_damaged_row_file_of_shard_1_of_a_ray_checkpoint_raises_format_error_n
         ab.ExperienceStore.load(tmp_path / "ckpt")
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_a_second_ray_save_is_a_new_generation_that_writes_only_the_new_episodes(tmp_path):
-    store = ab.ExperienceStore(2_000, backend="ray", num_shards=2, seed=0)
+def test_a_second_ray_save_is_a_new_generation_that_writes_only_the_new_episodes(two_shard_store, tmp_path):
+    store = two_shard_store   # its 8 episodes; the 4 added here, after the other test's save
     loaded = None
     try:
-        for key in range(8):
-            store.add_episode(_episode(key, 6), env_id=f"env-{key % 2}")
         store.save(tmp_path / "ckpt")
         first = json.loads((tmp_path / "ckpt" / "ray_checkpoint.json").read_text())["generation"]
         first_files = {s: {p.name for p in (tmp_path / "ckpt" / first / f"shard-{s}").glob("rows-*")}
@@ -359,7 +360,6 @@ def test_a_second_ray_save_is_a_new_generation_that_writes_only_the_new_episodes
         loaded = ab.ExperienceStore.load(tmp_path / "ckpt")
         assert _rows(loaded) == _rows(store)
     finally:
-        store.close()
         if loaded is not None:
             loaded.close()
 

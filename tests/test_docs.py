@@ -6,10 +6,13 @@ Conventions for the Markdown pages (README.md and every ``docs/*.md`` page):
   the names an earlier block of the same page defined (``store``, ``batch``...), never a
   name from another page. Each page runs in a fresh temporary directory (also its ``$HOME``,
   so ``durable=True`` logs and ``out/`` exports land there). Pages run as a user pastes them:
-  nothing is handed in. A page whose code mentions ``ray`` runs in a fresh ``python`` of its
-  own (one process per page, `run_pasted`), so it starts its own cluster with ``ray.init``
-  as a user must (the test session's cluster is never lent); other pages run in this
-  process, and stores they leave in the namespace are closed afterwards.
+  nothing is handed in. The pages whose code mentions ``ray`` run in a fresh ``python`` apart
+  from this process (`run_pasted`), one page after the other in one process (each a python that
+  imports torch costs seconds of the suite), each in a namespace and working directory of its own
+  (their ``$HOME`` is one: Ray keeps its auth token there for the process), so each starts its own
+  cluster with ``ray.init`` as a user must (the test session's cluster is never lent) and
+  `ray.shutdown` ends it after the page; other pages run in this process, and
+  stores they leave in the namespace are closed afterwards.
 - Other languages (```` ```bash ````, ```` ```text ````...) are not run.
 - A python block opts out only with the comment ``<!-- no-run: REASON -->`` on the line
   just before its fence, REASON being one of `REASONS` (a GPU, several nodes). Opt-outs are
@@ -108,31 +111,69 @@ def close_stores(namespace: dict) -> None:
 RUNNABLE = [p for p in PAGES if any(b.no_run is None for b in python_blocks(p))]
 
 
-# The blocks of a page, pasted one after the other into one fresh interpreter (warnings are errors,
-# as in this suite); each padded so that a traceback names the block's real line in the page.
-PASTE = ("import json, sys\n"
-         "namespace = {'__name__': '__main__'}\n"
-         "for path, line, code in json.load(open(sys.argv[1])):\n"
-         "    exec(compile('\\n' * (line - 1) + code, path, 'exec'), namespace)\n")
+def mentions_ray(blocks: list[Block]) -> bool:
+    return any(re.search(r"\bray\b", b.code) for b in blocks)
 
 
-def run_pasted(page: Path, blocks: list[Block], directory: Path) -> subprocess.CompletedProcess:
-    """Run ``blocks`` of ``page`` in a fresh ``python -W error`` whose working directory and ``$HOME`` are
-    ``directory``, with this checkout's arrowbuf and no Ray address: what a user pasting the page gets."""
-    pasted = directory / "blocks.json"
-    pasted.write_text(json.dumps([(str(page), b.line, b.code) for b in blocks]))
+def runnable_blocks(page: Path) -> list[Block]:
+    return [b for b in python_blocks(page) if b.no_run is None]
+
+
+# The pages' blocks, pasted one after the other into one fresh interpreter (warnings are errors, as
+# in this suite): each page in a namespace and a working directory of its own, each
+# block padded so that a traceback names its real line in the page. A page's error is written down
+# and the next page runs; Ray is shut down after each page, as a user's process would end.
+PASTE = ("import json, os, sys, traceback\n"
+         "failed = {}\n"
+         "with open(sys.argv[1]) as pasted:\n"
+         "    pages = json.load(pasted)\n"
+         "for page, directory, blocks in pages:\n"
+         "    os.chdir(directory)\n"
+         "    namespace = {'__name__': '__main__'}\n"
+         "    try:\n"
+         "        for line, code in blocks:\n"
+         "            exec(compile('\\n' * (line - 1) + code, page, 'exec'), namespace)\n"
+         "    except BaseException:\n"
+         "        failed[page] = traceback.format_exc()\n"
+         "    finally:\n"
+         "        if 'ray' in sys.modules and sys.modules['ray'].is_initialized():\n"
+         "            sys.modules['ray'].shutdown()\n"
+         "with open(sys.argv[2], 'w') as out:\n"
+         "    json.dump(failed, out)\n")
+
+
+def run_pasted(pages: dict[Path, Path], directory: Path) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """Run the runnable blocks of each page (-> its working directory) in one fresh ``python -W error``
+    whose ``$HOME`` is ``directory``, with this checkout's arrowbuf and no Ray address, what a user
+    pasting the pages gets: the process, and the traceback of each page that failed."""
+    pasted, failed = directory / "blocks.json", directory / "failed.json"
+    pasted.write_text(json.dumps([(str(page), str(home), [(b.line, b.code) for b in runnable_blocks(page)])
+                                  for page, home in pages.items()]))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(HOME=str(directory), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-W", "error", "-c", PASTE, str(pasted)], cwd=directory, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-W", "error", "-c", PASTE, str(pasted), str(failed)], cwd=directory,
+                          env=env, capture_output=True, text=True, timeout=600)
+    return done, json.loads(failed.read_text()) if failed.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def pasted_ray_pages(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """The pages whose code mentions ``ray``, run as pasted (`run_pasted`), each in a directory of its own."""
+    root = tmp_path_factory.mktemp("ray-pages")
+    pages = {}
+    for i, page in enumerate(p for p in RUNNABLE if mentions_ray(runnable_blocks(p))):
+        pages[page] = root / f"page-{i}"
+        pages[page].mkdir()
+    return run_pasted(pages, root)
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=relative)
-def test_the_python_blocks_of_each_page_run_in_order_in_one_namespace(page, tmp_path, monkeypatch):
-    blocks = [b for b in python_blocks(page) if b.no_run is None]
-    if any(re.search(r"\bray\b", b.code) for b in blocks):   # starts its own cluster, as pasted
-        done = run_pasted(page, blocks, tmp_path)
-        assert done.returncode == 0, f"{relative(page)} failed as pasted into a fresh python:\n{done.stderr[-6000:]}"
+def test_the_python_blocks_of_each_page_run_in_order_in_one_namespace(page, tmp_path, monkeypatch, request):
+    blocks = runnable_blocks(page)
+    if mentions_ray(blocks):   # starts its own cluster, as pasted
+        done, failed = request.getfixturevalue("pasted_ray_pages")
+        assert done.returncode == 0 and str(page) not in failed, \
+            f"{relative(page)} failed as pasted into a fresh python:\n{failed.get(str(page), done.stderr[-6000:])}"
         return
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -208,7 +208,7 @@ def test_bad_weights_and_sources_are_refused_and_change_nothing():
 @pytest.mark.usefixtures("ray_session")
 def test_a_ray_store_mixes_with_a_dataset(tmp_path):
     demos = ab.open_dataset(_store(7, 4).to_parquet(tmp_path / "demos"), seed=0)
-    online = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=2, seed=0)
+    online = ab.ExperienceStore(capacity=2_000, backend="ray", num_shards=1, seed=0)
     try:
         rng = np.random.default_rng(0)
         for _ in range(6):

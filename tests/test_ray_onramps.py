@@ -97,7 +97,7 @@ class _Learner:
 
 
 def test_a_store_passed_to_a_ray_task_or_actor_arrives_as_an_attached_handle(ray_session):
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
     try:
         store.add_episodes({k: np.stack([v, v]) for k, v in episode().items()})
         store.flush()
@@ -203,7 +203,7 @@ def test_a_ray_store_extends_collector_batches_and_samples_them_in_torchrl_layou
     td = TensorDict({"observation": obs, "action": torch.ones(2, steps, dtype=torch.long),
                      "next": {"observation": obs + 1, "reward": torch.ones(2, steps, 1), "done": done,
                               "terminated": done, "truncated": torch.zeros_like(done)}}, batch_size=[2, steps])
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0)
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0)
     try:
         assert len(store.extend(td)) == 3
         store.flush()
@@ -220,7 +220,7 @@ def test_a_ray_writer_given_no_mode_keeps_the_steps_of_envs_the_user_resets(ray_
 
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 2,
                                     autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-    store = ab.ExperienceStore(10_000, backend="ray", num_shards=2, seed=0)
+    store = ab.ExperienceStore(10_000, backend="ray", num_shards=1, seed=0)
     try:
         writer = store.writer(2)   # no mode: next_step assumed, and checked
         obs, _ = envs.reset(seed=0)

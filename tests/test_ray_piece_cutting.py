@@ -243,7 +243,7 @@ def check_n_step(batch) -> None:
 
 
 def test_sampling_with_nothing_sampleable_raises_and_never_waits():
-    store = ab.ExperienceStore(1_000, backend="ray", num_shards=2, seed=0,
+    store = ab.ExperienceStore(1_000, backend="ray", num_shards=1, seed=0,
                                ray_options=ab.RayOptions(delivery_latency=3_600.0))
     try:
         with pytest.raises(ab.EmptyStoreError):

@@ -34,26 +34,32 @@ def filled_store(num_shards: int = 2, **options) -> ab.ExperienceStore:
     return store
 
 
-def test_the_first_batch_of_a_ray_sample_iter_stays_in_the_reader_and_its_parts():
+@pytest.fixture(scope="module")
+def uniform_store():
+    """A uniform 2-shard `filled_store`, shared by the tests that do not close it (each shard starts a process)."""
     store = filled_store()
-    try:
-        # A fresh batch shape: its layout is planned in this batch, still never through the router.
-        cold = crossings(lambda: next(store.sample_iter(24)))
-        assert back_into_router(cold) == [], cold
-        # The first batch of an iterator once the layouts are known: draw, order, gather.
-        iterator = store.sample_iter(24)
-        warm = crossings(lambda: next(iterator))
-        assert [c for c in warm if c[1] == ROUTER] == [], warm
-        assert len(warm) <= 15, warm
-        assert {callee for _, callee, _ in warm} <= {
-            "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.block_reads",
-            "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool", "arrowbuf.ray.reader"}, warm
-        # A plain sample takes the same loop.
-        store.sample(24)
-        plain = crossings(lambda: store.sample(24))
-        assert back_into_router(plain) == [], plain
-    finally:
-        store.close()
+    yield store
+    store.close()
+
+
+def test_the_first_batch_of_a_ray_sample_iter_stays_in_the_reader_and_its_parts(uniform_store):
+    store = uniform_store
+    # A fresh batch shape (no other test draws 24 from this store): its layout is planned in this
+    # batch, still never through the router.
+    cold = crossings(lambda: next(store.sample_iter(24)))
+    assert back_into_router(cold) == [], cold
+    # The first batch of an iterator once the layouts are known: draw, order, gather.
+    iterator = store.sample_iter(24)
+    warm = crossings(lambda: next(iterator))
+    assert [c for c in warm if c[1] == ROUTER] == [], warm
+    assert len(warm) <= 15, warm
+    assert {callee for _, callee, _ in warm} <= {
+        "arrowbuf.ray.handles", "arrowbuf.samplers", "arrowbuf.table", "arrowbuf.indexing", "arrowbuf.ray.block_reads",
+        "arrowbuf.ray.cache", "arrowbuf.ray.gather", "arrowbuf.layout", "arrowbuf._pool", "arrowbuf.ray.reader"}, warm
+    # A plain sample takes the same loop.
+    store.sample(24)
+    plain = crossings(lambda: store.sample(24))
+    assert back_into_router(plain) == [], plain
 
 
 def test_the_first_batch_of_a_prioritized_sample_iter_runs_the_readers_loop_in_few_hops():
@@ -78,25 +84,23 @@ def test_the_first_batch_of_a_prioritized_sample_iter_runs_the_readers_loop_in_f
         store.close()
 
 
-def test_plain_samples_are_handed_out_of_draws_ahead_and_counted_when_handed_out():
-    store = filled_store()
-    try:
-        draws = []
-        for _ in range(40):
-            draws += [c for c in crossings(lambda: store.sample(16)) if c[1:] == ("arrowbuf.samplers", "sample")]
-        # The first draw of a request is one batch, the next ones several (`READ_BYTES`).
-        assert 2 <= len(draws) <= 5, len(draws)
-        assert store.stats()["samples"] == 40 * 16   # handed out, not drawn ahead
-        # Requests of other keys or sizes get their own loops, each batch its own keys.
-        for _ in range(3):
-            assert set(store.sample(16, keys=["obs"]).keys()) == {"obs", "index", "episode_id", "step"}
-            assert store.sample(8)["action"].shape == (8, 2)
-            assert "action" in store.sample(16).keys()
-        # A write of this process drops the draws ahead: the very next batch is drawn again,
-        # and the new episode holds about half the rows (1 in 2**16 batches holds none of it).
-        store.sample(16)
-        store.add_episode({"obs": np.full((601, 4), -1, np.float32), "action": np.zeros((600, 2), np.float32),
-                           "reward": np.ones(600, np.float32), "terminated": np.arange(600) == 599}, env_id="new")
-        assert (store.sample(16)["obs"] == -1).any()
-    finally:
-        store.close()
+def test_plain_samples_are_handed_out_of_draws_ahead_and_counted_when_handed_out(uniform_store):
+    store = uniform_store
+    samples = store.stats()["samples"]   # another test's samples
+    draws = []
+    for _ in range(40):
+        draws += [c for c in crossings(lambda: store.sample(16)) if c[1:] == ("arrowbuf.samplers", "sample")]
+    # The first draw of a request is one batch, the next ones several (`READ_BYTES`).
+    assert 2 <= len(draws) <= 5, len(draws)
+    assert store.stats()["samples"] - samples == 40 * 16   # handed out, not drawn ahead
+    # Requests of other keys or sizes get their own loops, each batch its own keys.
+    for _ in range(3):
+        assert set(store.sample(16, keys=["obs"]).keys()) == {"obs", "index", "episode_id", "step"}
+        assert store.sample(8)["action"].shape == (8, 2)
+        assert "action" in store.sample(16).keys()
+    # A write of this process drops the draws ahead: the very next batch is drawn again,
+    # and the new episode holds about half the rows (1 in 2**16 batches holds none of it).
+    store.sample(16)
+    store.add_episode({"obs": np.full((601, 4), -1, np.float32), "action": np.zeros((600, 2), np.float32),
+                       "reward": np.ones(600, np.float32), "terminated": np.arange(600) == 599}, env_id="new")
+    assert (store.sample(16)["obs"] == -1).any()

@@ -256,7 +256,7 @@ def _step_writer_store(backend: str) -> tuple[ab.ExperienceStore, Any]:
               "reward": ab.Field("float32"), "terminated": ab.Field("bool"), "truncated": ab.Field("bool"),
               "policy_version": ab.Field("int64")}
     store = ab.ExperienceStore(capacity=200, seed=1, schema=fields, backend=backend,
-                               **({"num_shards": 2} if backend == "ray" else {}))
+                               **({"num_shards": 1} if backend == "ray" else {}))
     writer = store.writer(num_envs=3, env_ids=["a", "b", "c"], name="runner")
     for t in range(4):
         writer.add(**_step(t), policy_version=[t, t + 1, 5])

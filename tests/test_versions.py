@@ -185,7 +185,7 @@ def test_a_declared_policy_version_field_of_another_dtype_refuses_the_keyword_na
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_ray_store_stores_versions_from_every_write_path():
-    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1, seed=0)
     late = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1)
     try:
         store.add_episode(_full(3), policy_version=1)
@@ -202,7 +202,7 @@ def test_a_ray_store_stores_versions_from_every_write_path():
         held = store.to_arrow().column("policy_version").to_numpy()
         assert sorted(set(held.tolist())) == [0, 1, 2, 3]
         assert set(store.sample(64)["policy_version"].tolist()) <= {0, 1, 2, 3}
-        fresh = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2, seed=0)
+        fresh = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=1, seed=0)
         try:   # a writer's versions on a fresh store: a step field of every write
             writer = fresh.writer(num_envs=2)
             for version in (4, 5):

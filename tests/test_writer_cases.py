@@ -244,14 +244,26 @@ def test_a_new_writer_per_rollout_stores_what_one_flushed_writer_stores_in_every
                                                                                                pattern):
     if mode == "same_step" and not told:
         pytest.skip("a same-step env given no mode is refused (tests/test_autoreset.py)")
-    reference, played = rollouts(mode, told, "one")
+    want, want_bogus, played, reference_size = flushed_reference(mode, told)
     store, again = rollouts(mode, told, pattern)
     assert again == played
-    want, want_bogus = stored(reference)
     got, bogus = stored(store)
     assert want == played and want_bogus == 0
     assert bogus == 0
-    assert got == want and len(store) == len(reference)
+    assert got == want and len(store) == reference_size
+
+
+#: (mode, told) -> what one flushed writer's rollouts stored: the reference of both patterns
+#: ("with", "dropped"), played once (seeded: the same rollouts each time).
+_REFERENCES: dict[tuple[str, bool], tuple[Counter, int, Counter, int]] = {}
+
+
+def flushed_reference(mode: str, told: bool) -> tuple[Counter, int, Counter, int]:
+    """``stored`` of the "one" pattern's store, the transitions played, and the store's size."""
+    if (mode, told) not in _REFERENCES:
+        reference, played = rollouts(mode, told, "one")
+        _REFERENCES[mode, told] = (*stored(reference), played, len(reference))
+    return _REFERENCES[mode, told]
 
 
 def one_step(writer: ab.StepWriter, obs: float, reward: float, done: bool, next_obs: float) -> None:
