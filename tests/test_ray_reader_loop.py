@@ -36,8 +36,11 @@ def filled_store(num_shards: int = 2, **options) -> ab.ExperienceStore:
 
 @pytest.fixture(scope="module")
 def uniform_store():
-    """A uniform 2-shard `filled_store`, shared by the tests that do not close it (each shard starts a process)."""
-    store = filled_store()
+    """A uniform 2-shard `filled_store`, shared by the tests that do not close it (each shard starts a process).
+    Its reader polls the shards' manifests once an hour, not every 0.1 s: a poll due in the middle of a
+    traced batch added its hops to it (22 where the loop takes 15), so the hop count hung on timing
+    (the file alone, or after test_ray_writers, failed)."""
+    store = filled_store(ray_options=ab.RayOptions(seal_latency=3600.0))
     yield store
     store.close()
 
