@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import arrowbuf as ab
-from arrowbuf import _filesink, parquet
+from arrowbuf import _filesink
 from arrowbuf.ray.options import NAMESPACE
 
 from support.compare import assert_same_store
