@@ -15,11 +15,41 @@ and the caller adds the episodes one by one.
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Any, Callable
+
 import numpy as np
 
-from arrowbuf.episode_batch import EpisodeBatch
 from arrowbuf.shard import Episode, Shard, total_reward
+
+
+class EpisodeBatch(list):
+    """The episodes `read_episodes` cut, and the ``[E, T, ...]`` arrays they are views of, for
+    `add_block` to copy each field of them at once.
+
+    Attributes:
+        arrays: field -> the batch's array (episode e's column is ``array[e, :rows]``); None
+            where a field's rows are apart (ragged, text).
+        cuts: each episode's columns as cut: an episode whose columns were replaced since
+            (encoded, versioned, copied) no longer has them, and is not read from ``arrays``.
+    """
+
+    arrays: dict[str, Any] | None = None
+    cuts: list[Any] = []
+
+    def keep_arrays(self, arrays: dict[str, Any]) -> None:
+        """The batch's arrays its episodes (all appended) are views of, as they are now."""
+        self.arrays, self.cuts = arrays, [episode.columns for episode in self]
+
+    def blocks(self) -> dict[str, Any] | None:
+        """Field -> ``[E, rows, ...]`` view of the batch's rows, when every episode is as cut and
+        all have one length; else None."""
+        if self.arrays is None or len(self.cuts) != len(self) or not self:
+            return None
+        first = self[0]
+        if any(episode.columns is not cut or episode.num_steps != first.num_steps
+               for episode, cut in zip(self, self.cuts)):
+            return None
+        return {name: array[:, :len(first.columns[name])] for name, array in self.arrays.items()}
 
 
 def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] | None = None) -> list[int] | None:

@@ -34,6 +34,7 @@ from arrowbuf.arena import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
+from arrowbuf.block_add import EpisodeBatch
 from arrowbuf.shard import Episode
 
 
@@ -104,35 +105,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
         cut.update({name: values[e][0][:length] for name, values in apart.items()})
         episodes.append(Episode(cut, length, has_final, ids[e], metas[e]))
     if not apart:
-        episodes.arrays = {name: array for name, (array, _) in columns.items()}
-        episodes.cuts = [episode.columns for episode in episodes]
+        episodes.keep_arrays({name: array for name, (array, _) in columns.items()})
     return episodes, schema
-
-
-class EpisodeBatch(list):
-    """The episodes `read_episodes` cut, and the ``[E, T, ...]`` arrays they are views of, for
-    `arrowbuf.block_add` to copy each field of them at once.
-
-    Attributes:
-        arrays: field -> the batch's array (episode e's column is ``array[e, :rows]``); None
-            where a field's rows are apart (ragged, text).
-        cuts: each episode's columns as cut: an episode whose columns were replaced since
-            (encoded, versioned, copied) no longer has them, and is not read from ``arrays``.
-    """
-
-    arrays: dict[str, Any] | None = None
-    cuts: list[Any] = []
-
-    def blocks(self) -> dict[str, Any] | None:
-        """Field -> ``[E, rows, ...]`` view of the batch's rows, when every episode is as cut and
-        all have one length; else None."""
-        if self.arrays is None or len(self.cuts) != len(self) or not self:
-            return None
-        first = self[0]
-        if any(episode.columns is not cut or episode.num_steps != first.num_steps
-               for episode, cut in zip(self, self.cuts)):
-            return None
-        return {name: array[:, :len(first.columns[name])] for name, array in self.arrays.items()}
 
 
 def _apart_value(value: Any, name: str, schema: Schema | None) -> bool:
