@@ -64,7 +64,8 @@ class StoreSink:
         return store
 
     def write(self, pieces: list[Piece | Window]) -> None:
-        """Store finished episodes; on Ray, flushed so a shard's error surfaces here.
+        """Store finished episodes (on Ray each write waits for its shard's answer, so a shard's
+        error surfaces here; the reads flush first: `arrowbuf.compat.reading.Reader.space`).
 
         A `Window` (a vector env's rollout window) is stored with one ``add_episodes``
         call when all of it fits; otherwise episode by episode, as its pieces.
@@ -73,22 +74,18 @@ class StoreSink:
             BufferFullError: a full fixed-mode buffer (episodes before it are kept).
             SchemaError: an episode that does not match the stored fields.
         """
-        wrote = False
         for piece in pieces:
             if isinstance(piece, Window):
                 if piece.steps < 1 or not piece.envs:
                     continue
                 if self._fits_whole(piece):
                     self._write_window(piece)
-                    wrote = True
                     continue
                 parts = piece.pieces()
             else:
                 parts = [piece]
             for part in parts:
-                wrote = self._write_piece(part) or wrote
-        if wrote and self.placement.backend == "ray":
-            self.store.flush()
+                self._write_piece(part)
 
     def _fits_whole(self, window: Window) -> bool:
         """Whether every episode of ``window`` is stored as given (no capacity cut, no fixed-mode refusal)."""
