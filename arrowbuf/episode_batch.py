@@ -35,6 +35,7 @@ from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten
 from arrowbuf.block_add import EpisodeBatch
+from arrowbuf.episode_read import read_columns, read_episode
 from arrowbuf.shard import Episode
 
 
@@ -50,6 +51,8 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
             observations) or [E, T, ...] for observation fields; a ragged or text field
             also as a list of E values, one per episode, each any form of its rows (a list
             of sequences or of str, a jagged nested tensor, an Arrow array) with a row per step.
+            Or a list of E episodes, each as `arrowbuf.episode_read.read_episode` reads one (any
+            lengths; then no ``lengths``): each is checked, an error names it.
         lengths: None (every episode has T steps) or E ints in [1, T]: episode e
             is its first ``lengths[e]`` steps (and observations up to its final
             one, row ``lengths[e]``); later rows are padding, never read.
@@ -68,11 +71,13 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
             whose leading dims differ (named).
         ValueError: bad ``lengths``, ``env_ids`` or ``metadata``.
     """
+    if isinstance(data, (list, tuple)) and data and all(isinstance(e, Mapping) or is_tensordict(e) for e in data):
+        return _read_list(data, schema, lengths, env_ids, metadata, keep_tensors, observations)
     if is_tensordict(data):
         data = data.to_dict()
     if not isinstance(data, Mapping) or not data:
-        raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, got "
-                          f"{describe(data)}")
+        raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, or a list of "
+                          f"episodes (dicts or TensorDicts, any lengths), got {describe(data)}")
     read = step_tensor if keep_tensors else as_array
     flat = flatten(data)
     # Ragged and text fields given as E values, one per episode (`_per_episode`); the rest [E, T, ...].
@@ -106,6 +111,28 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
         episodes.append(Episode(cut, length, has_final, ids[e], metas[e]))
     if not apart:
         episodes.keep_arrays({name: array for name, (array, _) in columns.items()})
+    return episodes, schema
+
+
+def _read_list(data: Sequence[Any], schema: Schema | None, lengths: Any, env_ids: Any, metadata: Any,
+               keep_tensors: bool, observations: Any) -> tuple[list[Episode], Schema]:
+    """`read_episodes` of a list of E episodes of any lengths: each read and checked in turn
+    against the schema (the first one's, inferred, when None)."""
+    if lengths is not None:
+        raise ValueError(f"lengths is for [E, T, ...] arrays; a list of episodes gives each its own length, "
+                         f"got lengths={describe(lengths)}")
+    count = len(data)
+    ids, metas = _env_ids(env_ids, count), _metadata(metadata, count)
+    if schema is None and observations is not None:   # the first episode's fields, named observations
+        columns, _, _ = read_columns(data[0], keep_tensors)
+        schema = Schema.infer(columns, _observation_names(observations, columns))
+    episodes = []
+    for e, episode in enumerate(data):
+        try:
+            read, schema = read_episode(episode, schema, ids[e], metas[e], keep_tensors)
+        except SchemaError as err:
+            raise SchemaError(f"episode {e} of the list: {err}") from None
+        episodes.append(read)
     return episodes, schema
 
 

@@ -219,7 +219,8 @@ class ExperienceStore:
     def add_episodes(self, episodes: Any, *, lengths: Any = None, env_ids: Any = None, metadata: Any = None,
                      timeout: float | None = None, shard: int | None = None, policy_version: Any = None,
                      observations: Sequence[str] | None = None) -> list[int]:
-        """Add E episodes given as arrays shaped [E, T, ...] (one check, then views); their ids.
+        """Add E episodes given as arrays shaped [E, T, ...] (one check, then views), or as a list of E
+        episodes of any lengths (each as `add_episode` takes one); their ids. On Ray, one request a shard.
 
         ``episodes``: step fields [E, T, ...], observation fields [E, T + 1, ...] or [E, T, ...]; a
         ragged or text field also as E values, one per episode (a list of sequences or of str each);

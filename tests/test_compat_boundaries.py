@@ -214,3 +214,24 @@ def test_windows_keep_the_sub_env_order_of_pieces_through_evictions_and_a_full_f
     windows = play_small()
     monkeypatch.setattr(segments, "_WINDOW_ENVS", 10 ** 9)
     assert windows == play_small() and (windows[2] > 0) == (mode == "fixed")
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_ray_buffer_stores_each_write_of_episodes_with_one_request(monkeypatch):
+    """A circular Ray buffer sends the episodes a record (or a rollout's end) finishes with one
+    ``add_episodes`` (one request a shard): an ``add_episode`` each was a round trip each (WBC,
+    4,096 envs on 2 shards: 1.8 s a rollout's end, against 0.13 s locally)."""
+    from arrowbuf.store import ExperienceStore
+
+    calls = []
+    add_episodes = ExperienceStore.add_episodes
+    monkeypatch.setattr(ExperienceStore, "add_episodes",
+                        lambda self, episodes, **kw: calls.append(len(episodes)) or add_episodes(self, episodes, **kw))
+    monkeypatch.setattr(ExperienceStore, "add_episode", lambda *a, **kw: pytest.fail("an add_episode per episode"))
+    buffer, workers = play("ray", "same_step", "final_observation", "sync")
+    try:
+        counts = losses(buffer[:], workers)
+        assert counts["lost"] == counts["extra"] == counts["wrong_next"] == 0
+        assert sum(calls) == buffer.store.num_episodes and max(calls) > 1
+    finally:
+        close(buffer)

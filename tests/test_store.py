@@ -561,3 +561,28 @@ def test_an_episode_table_already_returned_does_not_change_after_clear_and_new_w
     store.clear()
     store.add_episode(make_episode(1, 9))
     assert table.equals(copy)
+
+
+def _episode_of(steps: int, tag: float) -> dict:
+    return {"obs": np.full((steps + 1, 2), tag, np.float32), "action": np.arange(steps),
+            "reward": np.ones(steps, np.float32), "terminated": np.arange(steps) == steps - 1,
+            "truncated": np.zeros(steps, bool)}
+
+
+def test_add_episodes_takes_a_list_of_episodes_of_any_lengths():
+    store = ab.ExperienceStore(capacity=100, seed=0)
+    ids = store.add_episodes([_episode_of(3, 0.0), _episode_of(5, 1.0), TensorDict(_episode_of(1, 2.0))],
+                             env_ids=["a", "b", "c"], metadata=[{"k": 1}, None, None])
+    assert ids == [0, 1, 2] and len(store) == 9
+    table = store.episodes()
+    assert table.column("length").to_pylist() == [3, 5, 1] and table.column("env_id").to_pylist() == ["a", "b", "c"]
+    assert store.episode(1).column("obs").to_pylist()[0] == [1.0, 1.0]
+    bad = _episode_of(4, 3.0)
+    bad["action"] = bad["action"].astype(np.float32)
+    with pytest.raises(ab.SchemaError, match="episode 1 of the list.*action"):
+        store.add_episodes([_episode_of(2, 4.0), bad])
+    with pytest.raises(ValueError, match="lengths"):
+        store.add_episodes([_episode_of(2, 4.0)], lengths=[1])
+    with pytest.raises(ValueError, match="env_ids"):
+        store.add_episodes([_episode_of(2, 4.0)], env_ids=["a", "b"])
+    assert len(store) == 9 and store.num_episodes == 3   # the refused calls stored nothing

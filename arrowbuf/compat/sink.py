@@ -70,10 +70,17 @@ class StoreSink:
         A `Window` (a vector env's rollout window) is stored with one ``add_episodes``
         call when all of it fits; otherwise episode by episode, as its pieces.
 
+        A circular buffer on Ray stores all of them with one ``add_episodes`` (one request a
+        shard: a rollout's end is thousands of episodes, each a round trip on its own).
+
         Raises:
             BufferFullError: a full fixed-mode buffer (episodes before it are kept).
             SchemaError: an episode that does not match the stored fields.
         """
+        if self.placement.backend == "ray" and self.settings.mode == "circular":
+            self._write_all([part for piece in pieces if piece.steps >= 1 and (not isinstance(piece, Window) or piece.envs)
+                             for part in (piece.pieces() if isinstance(piece, Window) else [piece])])
+            return
         for piece in pieces:
             if isinstance(piece, Window):
                 if piece.steps < 1 or not piece.envs:
@@ -107,6 +114,32 @@ class StoreSink:
             store.add_episodes(unflatten(_with_flags(columns, (count, window.steps))), env_ids=window.env_ids)
         self.stored_transitions += window.steps * count
 
+    def _write_all(self, pieces: list[Piece]) -> None:
+        """Store ``pieces`` of a circular buffer with one ``add_episodes`` (each cut to the capacity)."""
+        if not pieces:
+            return
+        store = self._ensure_store(pieces[0].steps)
+        episodes = [self._cut(piece) for piece in pieces]
+        for piece in pieces:
+            shard = self.placement.shard_of_env(piece.env_id)
+            if shard is not None:
+                store.pin_env(piece.env_id, shard)
+        with self._timers.timed("add_episode"):
+            store.add_episodes([unflatten(_with_flags(columns, (steps,))) for columns, steps in episodes],
+                               env_ids=[piece.env_id for piece in pieces])
+        self.stored_transitions += sum(steps for _, steps in episodes)
+
+    def _cut(self, piece: Piece) -> tuple[dict[str, Any], int]:
+        """A circular buffer's episode cut to the capacity (the seed's ring keeps its newest rows): (columns, steps)."""
+        capacity, columns, steps = self.settings.capacity, piece.columns, piece.steps
+        if steps > capacity:
+            logger.warning("episode of %d transitions from env %r is longer than the capacity %d; "
+                           "keeping its last %d", steps, piece.env_id, capacity, capacity)
+            columns = {name: column[-(capacity + 1):] if len(column) == steps + 1 else column[-capacity:]
+                       for name, column in columns.items()}
+            steps = capacity
+        return columns, steps
+
     def _write_piece(self, piece: Piece) -> bool:
         """Store one episode (cut to the capacity, as the seed's ring keeps its newest rows); whether it had any."""
         capacity = self.settings.capacity
@@ -121,12 +154,8 @@ class StoreSink:
                     f"buffer is full (storage.mode='fixed'): {self.stored_transitions} of {limit} transitions "
                     f"stored, the episode of {steps} from env {piece.env_id!r} does not fit; clear() or sample "
                     "a RolloutBuffer first")
-        elif steps > capacity:
-            logger.warning("episode of %d transitions from env %r is longer than the capacity %d; "
-                           "keeping its last %d", steps, piece.env_id, capacity, capacity)
-            columns = {name: column[-(capacity + 1):] if len(column) == steps + 1 else column[-capacity:]
-                       for name, column in columns.items()}
-            steps = capacity
+        else:
+            columns, steps = self._cut(piece)
         shard = self.placement.shard_of_env(piece.env_id)
         if shard is not None:
             store.pin_env(piece.env_id, shard)
