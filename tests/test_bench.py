@@ -300,3 +300,8 @@ def test_the_not_met_list_names_each_missed_bound_with_its_ratio_and_the_count_o
     assert (tables.date, tables.cpus, tables.rounds) == ("2026-12-05", "2", "3")
     assert summary.not_met(tables) == (["W9 add rows/s: a/b 0.40 [0.30-0.50] (target >= 0.5)",
                                         "W9 size: target completes"], 3)
+    # A memory row's cells read "2.28x" (a full run's W1 peak RSS missed its bound: --docs failed to parse it).
+    memory = summary.read_tables("**W9**: a workload\n\n| metric | arrowbuf | target | met |\n|:--|--:|:--|:-:|\n"
+                                 "| peak RSS / raw bytes | 2.28x | arrowbuf <= 1.1 | NO |\n\n"
+                                 "Run on 2026-12-07. Ratios: median over 3 rounds, 2 CPUs\n")
+    assert summary.not_met(memory) == (["W9 peak RSS / raw bytes: arrowbuf 2.28x (target <= 1.1)"], 1)

@@ -103,7 +103,8 @@ def _cell(tables: Tables, workload: str, metric: str, column: str) -> str:
 
 
 def _median(cell: str) -> float:
-    return float(cell.split()[0])
+    """The median of a table cell: ``0.91 [0.88-0.98]``, ``2.27`` or ``1.08x``."""
+    return float(cell.split()[0].rstrip("x"))
 
 
 def ratio_text(tables: Tables, ratio: Ratio) -> str:
