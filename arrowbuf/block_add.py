@@ -14,7 +14,6 @@ and the caller adds the episodes one by one.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 import numpy as np
@@ -34,7 +33,7 @@ class EpisodeBatch(list):
     """
 
     arrays: dict[str, Any] | None = None
-    cuts: list[Any] = []
+    cuts: list[Any] | None = None
 
     def keep_arrays(self, arrays: dict[str, Any]) -> None:
         """The batch's arrays its episodes (all appended) are views of, as they are now."""
@@ -43,7 +42,7 @@ class EpisodeBatch(list):
     def blocks(self) -> dict[str, Any] | None:
         """Field -> ``[E, rows, ...]`` view of the batch's rows, when every episode is as cut and
         all have one length; else None."""
-        if self.arrays is None or len(self.cuts) != len(self) or not self:
+        if self.arrays is None or self.cuts is None or len(self.cuts) != len(self) or not self:
             return None
         first = self[0]
         if any(episode.columns is not cut or episode.num_steps != first.num_steps
@@ -83,15 +82,8 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
             shard.write_block(name, start, rows, blocks[name])
         else:   # a derived field the batch left out: zero until computed
             shard.zero_rows(name, start, start + count * rows)
-    ids = []
-    for k, episode in enumerate(episodes):
-        a = start + k * rows
-        shard.own_rows(a, a + rows)
-        ids.append(shard.table.append(
-            first_row=a, num_rows=rows, length=length, has_final=episode.has_final,
-            terminated=flags["terminated"][k], truncated=flags["truncated"][k], ret=returns[k],
-            env_id=episode.env_id, metadata=json.dumps(episode.metadata) if episode.metadata is not None else None,
-            inserted_at=episode.inserted_at))
+    ids = [shard.record(episode, start + k * rows, flags["terminated"][k], flags["truncated"][k], returns[k])
+           for k, episode in enumerate(episodes)]
     if shard.regions.count:   # an append drops the open tails published: the writers' are published again
         shard.publish_open()
     return ids

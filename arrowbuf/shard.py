@@ -415,21 +415,23 @@ class Shard:
         terminated = "terminated" in columns and bool(columns["terminated"][episode.num_steps - 1])
         truncated = "truncated" in columns and bool(columns["truncated"][episode.num_steps - 1])
         ret = total_reward(columns["reward"]) if "reward" in columns else float("nan")
-        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         start = self.placement.apply(plan, episode.num_rows)
         if rows:
             self.write_episode(start, episode)
-        stop = start + episode.num_rows
-        self.own_rows(start, stop)
-        length = self.transitions_of(episode)
-        episode_id = self.table.append(first_row=start, num_rows=episode.num_rows, length=length,
-                                       has_final=episode.has_final, terminated=terminated, truncated=truncated,
-                                       ret=ret, env_id=episode.env_id, metadata=metadata,
-                                       inserted_at=episode.inserted_at, first_step=episode.first_step,
-                                       prev_piece=episode.prev_piece)
+        episode_id = self.record(episode, start, terminated, truncated, ret)
         if self.regions.count:
             self.publish_open()
         return episode_id
+
+    def record(self, episode: Episode, start: int, terminated: bool, truncated: bool, ret: float) -> int:
+        """Append ``episode``, whose rows are at row ``start`` on, to the episode table (its end flags
+        and return read before its rows were written: `add`, `arrowbuf.block_add`); its id."""
+        self.own_rows(start, start + episode.num_rows)
+        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
+        return self.table.append(first_row=start, num_rows=episode.num_rows, length=self.transitions_of(episode),
+                                 has_final=episode.has_final, terminated=terminated, truncated=truncated, ret=ret,
+                                 env_id=episode.env_id, metadata=metadata, inserted_at=episode.inserted_at,
+                                 first_step=episode.first_step, prev_piece=episode.prev_piece)
 
     def reward_sum(self, start: int, stop: int) -> float:
         """The sum of the rewards in rows ``[start, stop)`` (NaN without a reward field)."""
