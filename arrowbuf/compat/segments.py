@@ -341,44 +341,19 @@ class Segmenter:
         cuts = (np.flatnonzero((np.diff(envs) != 1) | (np.diff(starts) != 0)) + 1).tolist() if stage.vector else []
         pieces: list[Piece | Window] = []
         for a, b in zip([0, *cuts], [*cuts, len(envs)]):
-            if b - a >= _WINDOW_ENVS:
-                pieces.append(self._window(stage, int(envs[a]), b - a, int(starts[a]), last, final, unknown[a:b],
-                                           ids[a:b], names, fields))
-            else:
-                pieces += [self._piece(stage, ids[k], int(envs[k]), int(starts[k]), last, final, bool(unknown[k]),
-                                       names, fields) for k in range(a, b)]
+            runs = [(a, b)] if b - a >= _WINDOW_ENVS else [(k, k + 1) for k in range(a, b)]
+            for i, j in runs:   # a single sub-env goes as its one piece (`add_episode`)
+                window = self._window(stage, int(envs[i]), j - i, int(starts[i]), last, final, unknown[i:j],
+                                      ids[i:j], names, fields)
+                pieces += [window] if j - i > 1 else window.pieces()
         return pieces
-
-    @staticmethod
-    def _piece(stage: Stage, env_id: str, i: int, s: int, last: int, final: dict | None, blind: bool,
-               names: list[str], fields: list[str]) -> Piece:
-        """Sub-env ``i``'s episode from row ``s`` to record ``last`` (views of the stage, but for a
-        last observation row taken from ``final`` or repeated: ``blind``)."""
-        columns = {}
-        for name, field in zip(names, fields):
-            if is_observation(name):
-                column = stage.rows_of(name, s, last + 1, i)
-                if blind:
-                    column = np.concatenate([column[:-1], column[-2:-1]])
-                elif final is not None:
-                    column = np.concatenate([column[:-1], final[name][i][None]])
-            elif name.startswith("last_"):
-                column = stage.rows_of(name, s + 1, last + 1, i)
-            else:
-                column = stage.rows_of(name, s, last, i)
-            columns[field] = to_tensor(column, "bfloat16", False) if stage.dtypes[name] == "bfloat16" else column
-        valid = np.ones(last - s, bool)
-        valid[-1] = not blind
-        columns[VALID] = valid
-        return Piece(env_id, columns, last - s)
 
     @staticmethod
     def _window(stage: Stage, first: int, count: int, s: int, last: int, final: dict | None, unknown: np.ndarray,
                 ids: list[str], names: list[str], fields: list[str]) -> Window:
         """The episodes of sub-envs ``first .. first + count - 1``, all from row ``s`` to record ``last``,
         as one `Window` of columns ``[T, count, ...]``: views of the stage, but for observation
-        fields whose last row takes a final observation or repeats the one before (copies). What
-        each episode stores is what `_episodes` gives its `Piece`."""
+        fields whose last row takes a final observation or repeats the one before (copies)."""
         envs = slice(first, first + count)
         blind = np.flatnonzero(unknown)
         given = np.flatnonzero(~unknown) if final is not None else blind[:0]
