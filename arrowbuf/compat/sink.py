@@ -103,10 +103,7 @@ class StoreSink:
 
     def _write_window(self, window: Window) -> None:
         store = self._ensure_store(window.steps)
-        shard = self.placement.shard_of_env(window.env_ids[0])   # sub-envs share their worker's shard
-        if shard is not None:
-            for env_id in window.env_ids:
-                store.pin_env(env_id, shard)
+        self._pin(store, window.env_ids)
         full = window.envs == list(range(len(window.envs)))
         columns = {name: _env_major(value, None if full else window.envs) for name, value in window.columns.items()}
         count = len(window.envs)
@@ -120,14 +117,19 @@ class StoreSink:
             return
         store = self._ensure_store(pieces[0].steps)
         episodes = [self._cut(piece) for piece in pieces]
-        for piece in pieces:
-            shard = self.placement.shard_of_env(piece.env_id)
-            if shard is not None:
-                store.pin_env(piece.env_id, shard)
+        self._pin(store, [piece.env_id for piece in pieces])
         with self._timers.timed("add_episode"):
             store.add_episodes([unflatten(_with_flags(columns, (steps,))) for columns, steps in episodes],
                                env_ids=[piece.env_id for piece in pieces])
         self.stored_transitions += sum(steps for _, steps in episodes)
+
+    def _pin(self, store: ExperienceStore, env_ids: list[str]) -> None:
+        """Route each env to the shard node affinity gives it (`Placement.shard_of_env`: a sub-env
+        ``<worker>/<i>`` to its worker's), if any."""
+        for env_id in env_ids:
+            shard = self.placement.shard_of_env(env_id)
+            if shard is not None:
+                store.pin_env(env_id, shard)
 
     def _cut(self, piece: Piece) -> tuple[dict[str, Any], int]:
         """A circular buffer's episode cut to the capacity (the seed's ring keeps its newest rows): (columns, steps)."""
@@ -140,12 +142,12 @@ class StoreSink:
             steps = capacity
         return columns, steps
 
-    def _write_piece(self, piece: Piece) -> bool:
-        """Store one episode (cut to the capacity, as the seed's ring keeps its newest rows); whether it had any."""
+    def _write_piece(self, piece: Piece) -> None:
+        """Store one episode (cut to the capacity, as the seed's ring keeps its newest rows); none of no step."""
         capacity = self.settings.capacity
         columns, steps = piece.columns, piece.steps
         if steps < 1:
-            return False
+            return
         store = self._ensure_store(steps)
         if self.settings.mode == "fixed":
             limit = capacity * self.placement.num_shards
@@ -156,13 +158,10 @@ class StoreSink:
                     "a RolloutBuffer first")
         else:
             columns, steps = self._cut(piece)
-        shard = self.placement.shard_of_env(piece.env_id)
-        if shard is not None:
-            store.pin_env(piece.env_id, shard)
+        self._pin(store, [piece.env_id])
         with self._timers.timed("add_episode"):
             store.add_episode(unflatten(_with_flags(columns, (steps,))), env_id=piece.env_id)
         self.stored_transitions += steps
-        return True
 
     def clear(self) -> None:
         if self.store is not None:
