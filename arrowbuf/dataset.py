@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-
 import json
 from pathlib import Path
 from typing import Any, Iterator

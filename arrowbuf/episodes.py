@@ -219,9 +219,8 @@ class StepWriter:
         schema = self._sink.schema
         self._inherited[:] = False
         self._given_next = next_cols   # held, so that its memory is not reused before the next step
-        if self._inplace is not None:   # its versions recorded once written: a refused step writes nothing
-            ended = self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip)
-            return commit_versions(self._versions, versions, self._sink) or ended
+        if self._inplace is not None:
+            return self._add_in_place(schema, obs_cols, next_cols, step_cols, final, done, skip, versions)
         with self.lock:
             return self._add_staged(schema, obs_cols, next_cols, step_cols, final, done, skip)
 
@@ -260,10 +259,11 @@ class StepWriter:
         return len(ended)
 
     def _add_in_place(self, schema: Schema, obs_cols: dict, next_cols: dict, step_cols: dict, final: dict,
-                      done: np.ndarray, skip: np.ndarray) -> int:
+                      done: np.ndarray, skip: np.ndarray, versions: np.ndarray | None) -> int:
         active = ~skip if self.autoreset_mode == "next_step" else np.ones(self.num_envs, bool)
         ended = self._inplace.add(schema, obs_cols, next_cols, step_cols,
                                   final if self.autoreset_mode == "same_step" and done.any() else None, done, active)
+        commit_versions(self._versions, versions, self._sink)   # once written: a refused step writes nothing
         if self.autoreset_mode == "next_step":
             self._skip[...] = done & active
             if self._skip.any():

@@ -8,7 +8,6 @@ same ones over shard actors. Arguments arrive checked by the facade.
 from __future__ import annotations
 
 import itertools
-
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 

@@ -374,8 +374,7 @@ class RayBackend:
         if min_version is not None:
             check_fresh_sampler(self.sampler, self._reader.draws_here())
         return self._reader.batches(SampleRequest(batch_size, args, self._check_keys(keys), device, None,
-                                                  batches_per_request,
-                                                  min_version, prefetch))
+                                                  batches_per_request, min_version, prefetch))
 
     def iter_batches(self, batch_size: int, shuffle: bool, drop_last: bool, device: torch.device | None,
                      keys: Any = None, min_version: int | None = None, split: Any = None) -> Iterator[TensorDict]:
