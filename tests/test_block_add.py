@@ -163,3 +163,29 @@ def test_a_first_batch_the_block_declines_makes_one_arena(monkeypatch):
     rng = np.random.default_rng(0)
     store.add_episodes(batch(rng, 4, 5, True, 0))
     assert len({id(shard) for shard in made}) == 1 and store.num_episodes == 4
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_a_store_of_exactly_num_envs_x_t_takes_each_rollout_as_one_block_and_holds_only_it(final, monkeypatch):
+    """The size a rollout user picks: E x T transitions, one add_episodes of E episodes a rollout, no
+    clear(). Each rollout goes in as one block (it evicts the whole rollout before it, by count), the
+    store holds that rollout and nothing else, ids and indices go on counting, and the ring keeps
+    the rows of one rollout (its final observations included): no slack grows."""
+    import arrowbuf.block_add as block_add
+
+    took = []
+    add = block_add.add_block
+    monkeypatch.setattr("arrowbuf.engine.add_block", lambda *a, **kw: took.append(add(*a, **kw)) or took[-1])
+    E, T = 64, 32
+    store = ab.ExperienceStore(capacity=E * T, seed=0)
+    rings = set()
+    for k in range(4):
+        data = {"obs": np.full((E, T + int(final), 2), k, np.float32), "action": np.tile(np.arange(T), (E, 1)),
+                "reward": np.ones((E, T), np.float32), "terminated": np.zeros((E, T), bool),
+                "truncated": np.ones((E, T), bool)}
+        assert store.add_episodes(data) == list(range(k * E, (k + 1) * E))
+        assert len(store) == E * T and store.num_episodes == E and took[-1] is not None
+        held = store.gather(np.arange(*store.engine.live_range()))
+        assert (held["obs"][:, 0] == k).all() and (held["action"].bincount(minlength=T) == E).all()
+        rings.add(store.engine.shard.ring)
+    assert rings == {E * (T + int(final))}
