@@ -43,11 +43,7 @@ class SumTree:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
-        top = size
-        depth = 0
-        while top > TOP_NODES:
-            top = -(-top // ARITY)
-            depth += 1
+        top, depth = _shape(size)
         # levels[0] is the top (a prefix of ``top`` nodes); levels[-1] the leaves,
         # padded with zeros to ``top * ARITY ** depth``.
         self.levels = [np.zeros(top * ARITY ** d, np.float64) for d in range(depth + 1)]
@@ -112,6 +108,21 @@ class SumTree:
         for level in self.levels[1:]:
             node = node * ARITY + _choose(_cumsum(level.reshape(-1, ARITY).take(node, axis=0)), mass)
         return node
+
+
+def _shape(size: int) -> tuple[int, int]:
+    """(nodes of the top level, levels below it) of a tree of ``size`` leaves."""
+    top, depth = size, 0
+    while top > TOP_NODES:
+        top = -(-top // ARITY)
+        depth += 1
+    return top, depth
+
+
+def leaves_at_depth(size: int) -> int:
+    """The most leaves a tree as deep as one of ``size`` leaves holds: a search walks one level
+    per ``ARITY``-fold, so a tree that grows into this many costs nothing more per search."""
+    return TOP_NODES * ARITY ** _shape(size)[1]
 
 
 def _cumsum(values: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from arrowbuf._checks import check_bool, check_int
-from arrowbuf._sumtree import SumTree
+from arrowbuf._sumtree import SumTree, leaves_at_depth
 from arrowbuf.indexing import PieceChains, piece_chains
 from arrowbuf.table import EpisodeTable
 
@@ -324,15 +324,19 @@ class PrioritizedSampler(Sampler):
         super().bind(shard)
         if self.tree is None:
             shard.index_rows()
-            self.tree = SumTree(shard.rows)
+            self.tree = SumTree(min(shard.rows, leaves_at_depth(shard.capacity + 1)))
 
-    def on_grow(self, rows: int) -> None:
-        if self.tree is not None and rows > self.tree.size:
-            grown = SumTree(rows)
+    def _cover(self, rows: int) -> None:
+        """Grow the tree to hold leaves ``[0, rows)``. It starts with the rows a ring of whole
+        episodes uses (its capacity and a row per piece), not the arena's 2.5x (`placement.arena_rows`):
+        each ``ARITY``-fold more leaves is one more level for every search and update to walk."""
+        if rows > self.tree.size:
+            grown = SumTree(max(rows, min(self._shard.rows, leaves_at_depth(rows))))
             grown.load_state_dict(self.tree.state_dict())   # the leaves held, in the first rows
             self.tree = grown
 
     def on_add(self, first_row: int, length: int) -> None:
+        self._cover(first_row + length)
         self.tree.fill(first_row, first_row + length, float(self._leaves(np.float64(self.max_priority))))
 
     def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
@@ -391,6 +395,7 @@ class PrioritizedSampler(Sampler):
         if state["tree"] is not None:
             if self.tree is None:
                 raise ValueError("bind the PrioritizedSampler to its shard before loading its state")
+            self._cover(min(int(state["tree"]["size"]), self._shard.rows))   # the size it had grown to
             self.tree.load_state_dict(state["tree"])
         self.max_priority = float(state["max_priority"])
 

@@ -534,6 +534,8 @@ class EpisodeTable:
     def resolve(self, indices: np.ndarray) -> np.ndarray:
         """Users' ``indices`` (tokens included) as this table's indices of the same steps
         now; -1 for a step no longer held (or a number never handed out)."""
+        if not len(indices) or indices.max() < self.next_index:   # (the common case: plain indices, no copy)
+            return indices
         out = np.where(indices < self.next_index, indices, -1)
         token = np.flatnonzero(indices >= TOKEN)
         if not len(token):

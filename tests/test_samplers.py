@@ -245,6 +245,49 @@ def test_sum_tree_leaves_are_the_priorities_of_live_transitions_and_zero_elsewhe
         assert store.sampler.tree.total == pytest.approx(expected.sum(), rel=1e-9)
 
 
+def test_the_sum_tree_has_the_levels_of_the_rows_the_ring_uses_not_of_the_arena():
+    # A ring of whole episodes uses its capacity and a row per piece (30,300 rows here): one level
+    # below a top of at most 1,024 nodes. The arena's 2.5x rows would need two: every search and
+    # update walked the extra level (PER's sample + update ~20% slower, bench PER, session 23).
+    capacity = 30_000
+    store = make_store(capacity, ab.PrioritizedSampler())
+    fill(store, [100] * 600)                                            # two laps of the ring
+    used = int(LiveTable(store).first_row.max()) + 101
+    assert store.engine.shard.rows >= 2 * capacity
+    assert len(store.sampler.tree.levels) == 2, [len(x) for x in store.sampler.tree.levels]
+    assert used <= store.sampler.tree.size < store.engine.shard.rows
+
+
+def test_the_sum_tree_grows_with_the_rows_written_keeping_every_priority_and_a_checkpoint(tmp_path):
+    # Capacity 1,000 starts with a tree of 1,024 leaves; 10-step episodes with final observations
+    # use 1,100 rows, so the tree grows while the ring fills, with priorities set before it grew.
+    store = make_store(1_000, ab.PrioritizedSampler(alpha=1.0, beta=0.5), seed=2)
+    assert store.sampler.tree is None or store.sampler.tree.size == 1_024
+    rng = np.random.default_rng(0)
+    model, recorded = {}, {}
+    for _ in range(150):
+        fill(store, [10], recorded)
+        live = LiveTable(store)
+        for i in live.indices().tolist():
+            model.setdefault(i, 1.0 if not model else max(model.values()))
+        some = rng.choice(live.indices(), size=min(8, len(live.indices())), replace=False)
+        priority = rng.exponential(size=len(some)) * 3
+        store.update_priorities(some, priority)
+        model.update({i: p + store.sampler.eps for i, p in zip(some.tolist(), priority.tolist())})
+        leaves = store.sampler.tree.leaves
+        expected = np.array([model[i] for i in live.indices().tolist()])
+        np.testing.assert_allclose(leaves[live.rows()], expected, rtol=1e-12)
+        assert leaves.sum() == pytest.approx(expected.sum(), rel=1e-9)
+    assert store.sampler.tree.size > 1_024, "the ring never wrote past the first tree: no test"
+
+    store.save(tmp_path / "per")
+    loaded = ab.ExperienceStore.load(tmp_path / "per")
+    assert loaded.sampler.tree.size == store.sampler.tree.size
+    np.testing.assert_array_equal(loaded.sampler.tree.leaves, store.sampler.tree.leaves)
+    assert loaded.sampler.tree.total == store.sampler.tree.total
+    assert torch.equal(loaded.sample(64)["index"], store.sample(64)["index"])
+
+
 def test_update_priorities_accepts_tensors_of_any_shape_and_returns_the_live_count():
     store, _ = prioritized_store(steps=(6,))
     index = torch.arange(6).reshape(2, 3)
