@@ -43,8 +43,7 @@ _COLUMNS: dict[str, Any] = {
 
 #: Columns a state may lack (written before they existed), with their value then.
 _OPTIONAL = {"first_step": 0, "prev_piece": -1, "tail": -1}
-#: Continuing pieces remembered per env after they leave the table, so that the piece which
-#: continues one still finds its episode's id (a writer's continuing piece is among its env's newest).
+#: Pieces remembered per env after they leave the table: the piece that continues one finds its episode's id.
 _TIPS_PER_ENV = 64
 
 
@@ -534,10 +533,9 @@ class EpisodeTable:
     def resolve(self, indices: np.ndarray) -> np.ndarray:
         """Users' ``indices`` (tokens included) as this table's indices of the same steps
         now; -1 for a step no longer held (or a number never handed out)."""
-        if not len(indices) or indices.max() < self.next_index:   # (the common case: plain indices, no copy)
+        if not len(indices) or indices.max() < self.next_index:   # plain indices (the common case): no copy
             return indices
-        out = np.where(indices < self.next_index, indices, -1)
-        token = np.flatnonzero(indices >= TOKEN)
+        out, token = np.where(indices < self.next_index, indices, -1), np.flatnonzero(indices >= TOKEN)
         if not len(token):
             return out
         self._match_sealed()
