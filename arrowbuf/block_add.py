@@ -1,15 +1,17 @@
 """Many episodes of one `ExperienceStore.add_episodes` batch placed and copied as one block.
 
-`arrowbuf.episode_batch.read_episodes` cuts a batch of E episodes shaped ``[E, T, ...]``
-into `Episode` views, each added on its own by `ShardEngine.add`: a plan, a copy per
-field and a table entry an episode. Where the E episodes have one length and their
-columns are the rows of one array per field (a rollout of E envs, the episodes
-`arrowbuf.compat` cuts together at a rollout's end), `add_block` places all their rows
-as one run of the ring (`Ring.plan_block`), copies each field once (`Shard.write_block`)
-and appends their table entries: what E single adds store, in the same order, with the
-same evictions (`EpisodeBatch.blocks`: the episodes as read, none replaced since). Anything else (ragged, text or encoded fields, a byte budget, episodes
-of other lengths, a ring whose run would evict more than the count does) returns None,
-and the caller adds the episodes one by one.
+`arrowbuf.episode_batch.read_episodes` cuts a batch (E episodes shaped ``[E, T, ...]``, or a
+list of E episodes of any lengths) into `Episode` objects, which `ShardEngine.add` would add one
+by one: a plan, a copy per field and a table entry an episode. `add_block` places all their
+rows as one run of the ring (`Ring.plan_block`), copies each field once and appends their
+table entries: what E single adds store, in the same order, with the same evictions. Episodes
+of one length that are the rows of one array per field (a rollout of E envs, the windows
+`arrowbuf.compat` cuts at a rollout's end; `EpisodeBatch.blocks`: the episodes as read, none
+replaced since) are copied as one strided block (`Shard.write_block`); others, of any lengths
+(a list of demos, a rollout's end cut per env), are concatenated into the run (`Shard.write_parts`).
+Anything else (ragged, text or encoded fields, a byte budget, a column that is not a plain
+numpy array, a ring whose run would evict more than the count does) returns None, and the
+caller adds the episodes one by one.
 """
 
 from __future__ import annotations
@@ -57,34 +59,65 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
     called once they are known to, before anything changes (a new shard's sampler binds to it
     there, as `ShardEngine.add` binds it before the first episode goes in)."""
     first = episodes[0]
-    rows, steps = first.num_rows, first.num_steps
     if len(episodes) < 2 or shard.bounded or any(
-            e.num_rows != rows or e.has_final != first.has_final or e.first_step or e.prev_piece >= 0 or e.open
-            or e.columns.keys() != first.columns.keys() for e in episodes):
+            e.first_step or e.prev_piece >= 0 or e.open or e.columns.keys() != first.columns.keys() for e in episodes):
         return None
     blocks = episodes.blocks() if isinstance(episodes, EpisodeBatch) else None
-    if blocks is None or not all(type(shard.arena.get(name)) is np.ndarray and type(block) is np.ndarray
-                                 for name, block in blocks.items()):
+    if blocks is not None and any(e.num_rows != first.num_rows or e.has_final != first.has_final for e in episodes):
+        blocks = None
+    if blocks is not None and not all(type(shard.arena.get(name)) is np.ndarray and type(block) is np.ndarray
+                                      for name, block in blocks.items()):
         return None
-    count, length = len(episodes), shard.transitions_of(first)
-    plan = shard.placement.plan_block(count * rows, count * length)
+    parts = _parts(shard, episodes) if blocks is None else None
+    if blocks is None and parts is None:
+        return None
+    sizes = [e.num_rows for e in episodes]
+    plan = shard.placement.plan_block(sum(sizes), sum(shard.transitions_of(e) for e in episodes))
     if plan is None:
         return None
-    flags = {flag: blocks[flag][:, steps - 1].reshape(count, -1)[:, 0].astype(bool).tolist()
-             if flag in blocks else [False] * count for flag in ("terminated", "truncated")}
-    returns = ([total_reward(e.columns["reward"]) for e in episodes] if "reward" in blocks
+    count, steps = len(episodes), first.num_steps
+    if blocks is not None:   # one length: each flag's last steps read at once
+        flags = {flag: blocks[flag][:, steps - 1].reshape(count, -1)[:, 0].astype(bool).tolist()
+                 if flag in blocks else [False] * count for flag in ("terminated", "truncated")}
+    else:
+        flags = {flag: [flag in first.columns and bool(e.columns[flag][e.num_steps - 1]) for e in episodes]
+                 for flag in ("terminated", "truncated")}
+    returns = ([total_reward(e.columns["reward"]) for e in episodes] if "reward" in first.columns
                else [float("nan")] * count)
     if before is not None:
         before()
-    start = shard.placement.apply(plan, count * rows)
+    start = shard.placement.apply(plan, sum(sizes))
     for name in shard.schema.fields:
-        if name in blocks:
-            shard.write_block(name, start, rows, blocks[name])
+        if blocks is not None and name in blocks:
+            shard.write_block(name, start, first.num_rows, blocks[name])
+        elif parts is not None and name in parts:
+            shard.write_parts(name, start, parts[name])
         else:   # a derived field the batch left out: zero until computed
-            shard.zero_rows(name, start, start + count * rows)
-    ids = [shard.record(episode, start + k * rows, flags["terminated"][k], flags["truncated"][k], returns[k])
+            shard.zero_rows(name, start, start + sum(sizes))
+    firsts = (start + np.cumsum([0, *sizes[:-1]])).tolist()
+    ids = [shard.record(episode, firsts[k], flags["terminated"][k], flags["truncated"][k], returns[k])
            for k, episode in enumerate(episodes)]
     if shard.regions.count:   # an append drops the open tails published: the writers' are published again
         shard.publish_open()
     return ids
 
+
+def _parts(shard: Shard, episodes: list[Episode]) -> dict[str, list[np.ndarray]] | None:
+    """Per field the episodes are given, the arrays to copy one after the other into one run of rows:
+    each episode's, and a zero row after a step field beside a final observation (one row short, as
+    `Shard.write_episode` zeroes it); None where a column or a field is not a plain numpy array."""
+    parts = {}
+    for name in episodes[0].columns:
+        column = shard.arena.get(name)
+        if type(column) is not np.ndarray:
+            return None
+        zero = np.zeros((1, *column.shape[1:]), column.dtype)
+        arrays = parts[name] = []
+        for episode in episodes:
+            data = episode.columns[name]
+            if type(data) is not np.ndarray or data.shape[1:] != column.shape[1:]:
+                return None
+            arrays.append(data)
+            if len(data) < episode.num_rows:
+                arrays.append(zero)
+    return parts

@@ -259,6 +259,10 @@ class Shard:
         if block.shape[1] < rows:
             runs[:, block.shape[1]:] = 0
 
+    def write_parts(self, name: str, start: int, parts: list[np.ndarray]) -> None:
+        """Copy ``parts`` (rows first) one after the other into column ``name`` from row ``start``, in one pass."""
+        np.concatenate(parts, out=self.arena[name][start:start + sum(len(p) for p in parts)], casting="unsafe")
+
     def zero_rows(self, name: str, start: int, stop: int) -> None:
         """Zero rows ``[start, stop)`` of column ``name``."""
         self.arena[name][start:stop] = 0

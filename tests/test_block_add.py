@@ -33,11 +33,15 @@ def play(writes: list, capacity: int, sampler=None, blocks: bool = True, monkeyp
     store = ab.ExperienceStore(capacity=capacity, seed=3, sampler=sampler, mode=mode)
     rng = np.random.default_rng(0)
     errors = []
-    for tag, (envs, steps, final, lengths) in enumerate(writes):
+    for tag, (envs, steps, final, lengths, *as_list) in enumerate(writes):
         data = batch(rng, envs, steps, final, tag)
         try:
             if envs == 1 and lengths is None:
                 store.add_episode({name: value[0] for name, value in data.items()}, env_id=f"single-{tag}")
+            elif as_list and as_list[0]:   # a list of episodes of any lengths
+                cut = lengths if lengths is not None else [steps] * envs
+                store.add_episodes([{name: value[e, :cut[e] + (final and name == "obs")] for name, value in data.items()}
+                                    for e in range(envs)], env_ids=[f"env-{e}" for e in range(envs)])
             else:
                 store.add_episodes(data, lengths=lengths, env_ids=[f"env-{e}" for e in range(envs)])
         except ab.CapacityError as err:
@@ -64,19 +68,47 @@ def test_blocks_store_what_single_adds_store_through_every_eviction(writes, capa
         assert (blocked.sample(32)["index"] == reference.sample(32)["index"]).all()
 
 
+@st.composite
+def ragged_writes(draw):
+    """Batches of E episodes of lengths in [1, T], given as [E, T] arrays with ``lengths`` or as a list."""
+    writes, final = [], draw(st.booleans())
+    for envs, steps in draw(WRITES):
+        lengths = draw(st.one_of(st.none(), st.lists(st.integers(1, steps), min_size=envs, max_size=envs)))
+        writes.append((envs, steps, final, lengths, draw(st.booleans())))
+    return writes
+
+
+@settings(max_examples=40, deadline=None)
+@given(writes=ragged_writes(), capacity=st.integers(8, 60), fixed=st.booleans())
+def test_batches_of_several_lengths_and_lists_store_what_single_adds_store(writes, capacity, fixed):
+    """Episodes of several lengths, with and without final observations, as [E, T] arrays with
+    ``lengths`` or as a list of episodes (`Shard.write_parts`), into small rings that every write evicts."""
+    mode = "fixed" if fixed else "circular"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reference, refused = play(writes, capacity, blocks=False, monkeypatch=monkeypatch, mode=mode)
+    blocked, errors = play(writes, capacity, mode=mode)
+    assert contents(blocked) == contents(reference) and errors == refused
+    if len(blocked):
+        assert (blocked.sample(32)["index"] == reference.sample(32)["index"]).all()
+
+
 def test_a_block_is_one_placement_and_one_copy_a_field(monkeypatch):
     """The WBC shape in small: E envs' episodes of one length go through the block path (counted),
     and episodes of several lengths, or a batch past the capacity, go one by one."""
     import arrowbuf.block_add as block_add
 
-    placed = []
-    plan_block = block_add.Shard.write_block
-    monkeypatch.setattr(block_add.Shard, "write_block", lambda self, *a: placed.append(a[0]) or plan_block(self, *a))
+    placed, parts = [], []
+    write_block, write_parts = block_add.Shard.write_block, block_add.Shard.write_parts
+    monkeypatch.setattr(block_add.Shard, "write_block", lambda self, *a: placed.append(a[0]) or write_block(self, *a))
+    monkeypatch.setattr(block_add.Shard, "write_parts", lambda self, *a: parts.append(a[0]) or write_parts(self, *a))
     store, _ = play([(8, 5, True, None)], capacity=100)
-    assert sorted(placed) == sorted(store.schema.fields) and store.num_episodes == 8
+    assert sorted(placed) == sorted(store.schema.fields) and store.num_episodes == 8 and not parts
     placed.clear()
-    play([(8, 5, True, [5, 4, 5, 5, 5, 5, 5, 5]), (30, 5, True, None)], capacity=100)
-    assert not placed   # ragged lengths; 150 transitions past a capacity of 100
+    store, _ = play([(8, 5, True, [5, 4, 5, 5, 5, 5, 5, 5]), (6, 3, False, None, True)], capacity=100)
+    assert not placed and parts == 2 * sorted(store.schema.fields, key=list(store.schema.fields).index)
+    parts.clear()
+    play([(30, 5, True, None)], capacity=100)
+    assert not placed and not parts   # 150 transitions past a capacity of 100: one by one
 
 
 def test_a_prioritized_sampler_is_told_of_every_blocked_row(monkeypatch):
