@@ -58,8 +58,10 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
     (nothing changed) where they do not form one (see the module docstring). ``before`` is
     called once they are known to, before anything changes (a new shard's sampler binds to it
     there, as `ShardEngine.add` binds it before the first episode goes in)."""
+    if len(episodes) < 2:
+        return None
     first = episodes[0]
-    if len(episodes) < 2 or shard.bounded or any(
+    if shard.bounded or any(
             e.first_step or e.prev_piece >= 0 or e.open or e.columns.keys() != first.columns.keys() for e in episodes):
         return None
     blocks = episodes.blocks() if isinstance(episodes, EpisodeBatch) else None

@@ -12,6 +12,7 @@ import ray
 
 import arrowbuf as ab
 from arrowbuf import RayOptions
+from arrowbuf.ray.bundles import Bundle
 from arrowbuf.ray.options import INDEX_SHIFT
 
 
@@ -382,3 +383,33 @@ def test_an_iterator_samples_its_own_add_episode_at_once(slow_seal_store):
     assert store.stats()["samples"] == samples + 256   # counted when returned, not when drawn ahead
     store.add_episode(keyed_episode(1, 500), env_id="e1")   # 100 times the first: any batch holds it
     assert 1 in set(next(iterator)["action"].tolist())
+
+
+def test_a_ray_store_stores_a_list_of_thousands_of_short_episodes_as_a_local_store_does(ray_stores, monkeypatch):
+    """The rollout's end of a vector env on Ray: one request a shard, one array a field on the wire
+    (`arrowbuf.ray.bundles`), one run of each shard's ring; the same episodes, values and order as
+    a local store's."""
+    shipped = []
+    reduce = Bundle.__reduce__
+    monkeypatch.setattr(Bundle, "__reduce__", lambda self: shipped.append(len(self)) or reduce(self))
+    lengths = np.random.default_rng(1).integers(1, 10, 1_200)
+    batch = [keyed_episode(k, n) for k, n in enumerate(lengths.tolist())]
+    env_ids = [f"w/{k % 64}" for k in range(len(batch))]
+    local = ab.ExperienceStore(capacity=10_000, seed=0)
+    remote = ray_stores.get(capacity=10_000, num_shards=2, seed=0)
+    local_ids = local.add_episodes(batch, env_ids=env_ids)
+    ids = remote.add_episodes(batch, env_ids=env_ids)
+    assert len(shipped) == 2 and sum(shipped) == len(batch), shipped   # a bundle a shard
+    assert len(set(ids)) == len(batch) and len(remote) == len(local) == int(lengths.sum())
+    table = remote.episodes().to_pydict()
+    by_id = dict(zip(ids, range(len(batch))))
+    for shard in (0, 1):   # each shard holds its episodes in the order sent, oldest first
+        sent = [by_id[i] for i in table["episode_id"] if i % 2 == shard]
+        assert sent and sent == sorted(sent)
+    assert [table["length"][table["episode_id"].index(i)] for i in ids] == lengths.tolist()
+    assert [table["env_id"][table["episode_id"].index(i)] for i in ids] == env_ids
+    for k in (0, 1, 599, 1_199):
+        fields = ["obs", "action", "check", "reward", "terminated", "truncated"]
+        assert local.episode(local_ids[k]).select(fields).equals(remote.episode(ids[k]).select(fields))
+    seen = {}
+    assert check_rows(remote.sample(512), seen) == 512   # every row what its episode wrote

@@ -13,6 +13,7 @@ that this list names every module here, in such an order):
 - `shares`: `CapacityShares`, each shard's share of the capacity, following the writers' envs routed to it, and
   whether episodes fit their shards' shares (`unfit`);
 - `dropped`: `DroppedWriters`, the deliveries of writers dropped without flush or close, their errors kept;
+- `bundles`: a write request's many short episodes shipped as one array a field;
 - `sink`: a writer's route to the shards (batching, delivery, errors);
 - `persist`: what exports, checkpoints and Ray Data share (the shards write their own files);
 - `shipping`: batches for train workers kept in the object store (refs, `resolve`);

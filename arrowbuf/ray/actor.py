@@ -244,6 +244,12 @@ class ShardServer:
             episodes = [e if o is None else lent_episode(e, o[2], schema) for e, o in zip(episodes, objects)]
         ids, refused, added = [], [], []
         engine = self.engine
+        with engine.lock:   # one run of the ring where they form one (`arrowbuf.block_add`): whole episodes
+            blocked = engine.add_block(episodes, schema) if lent is None else None
+            for k, episode in enumerate(episodes if blocked is not None else ()):
+                self.open_pieces.stored(owner, episode, engine.table.episodes_added - len(blocked) + k)
+        if blocked is not None:
+            ids, added, episodes = blocked, list(zip(blocked, episodes)), []
         for episode, lent_rows in zip(episodes, objects):   # one refused episode must not take the rest with it
             try:
                 # Placed, lent and kept unfilled in one hold of the lock: no other thread

@@ -45,6 +45,7 @@ import numpy as np
 from arrowbuf.errors import ArrowbufError, CapacityError, ShardError
 from arrowbuf.ray.apart import refuse_durable_apart
 from arrowbuf.ray.blocks import block_columns
+from arrowbuf.ray.bundles import bundled
 from arrowbuf.ray.dropped import DroppedWriters, ship_at_exit
 from arrowbuf.ray.handles import ShardHandles, SizeCache
 from arrowbuf.ray.options import ray_module
@@ -340,8 +341,9 @@ class RaySink:
             refs = {}
             for s, members in groups.items():
                 lent_here = [lent[k] for k in members] if lent is not None else []
-                refs[s] = self._shards.call(s, "add_episodes", [sent[k] for k in members], schema_json, timeout,
-                                            self._next_batch(), lent_here if any(lent_here) else None)
+                here = [sent[k] for k in members]
+                refs[s] = self._shards.call(s, "add_episodes", here if any(lent_here) else bundled(here), schema_json,
+                                            timeout, self._next_batch(), lent_here if any(lent_here) else None)
             results = self._shards.get(refs)
             ids = [0] * len(episodes)
             for s, members in groups.items():
