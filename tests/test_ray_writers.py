@@ -119,3 +119,25 @@ def test_len_and_num_episodes_are_exact_once_the_writers_flush_returned_in_any_p
     assert (len(store), store.num_episodes) == (rows, 80)
     assert ray.get(sizes_elsewhere.remote(store.name)) == (rows, 80)
     assert store.cached_size == (rows, 80)   # the figure that never waits, refreshed by the calls above
+
+
+def test_a_writers_delivery_of_many_envs_episodes_travels_as_one_array_a_field(ray_stores, monkeypatch):
+    """32 envs' episodes of one delivery go as a `Bundle` a shard (`arrowbuf.ray.bundles`); every
+    step arrives as written."""
+    from arrowbuf.ray.bundles import Bundle
+
+    shipped = []
+    reduce = Bundle.__reduce__
+    monkeypatch.setattr(Bundle, "__reduce__", lambda self: shipped.append(len(self)) or reduce(self))
+    store = ray_stores.get(capacity=1_000, num_shards=2, seed=0)
+    writer = store.writer(num_envs=32, autoreset_mode="disabled")
+    steps = 4
+    obs = [np.stack([np.arange(32), np.full(32, t), np.zeros(32)], axis=1).astype(np.float32) for t in range(steps + 1)]
+    for t in range(steps):
+        writer.add(obs=obs[t], action=np.arange(32) * 10 + t, reward=np.ones(32, np.float32),
+                   terminated=np.full(32, t == steps - 1), truncated=np.zeros(32, bool), next_obs=obs[t + 1])
+    writer.flush()
+    assert shipped and sum(shipped) == 32 and len(store) == 32 * steps and store.num_episodes == 32
+    batch = store.sample(256)
+    env, t = batch["obs"][:, 0].long(), batch["obs"][:, 1].long()
+    assert (batch["action"] == env * 10 + t).all() and (batch["step"] == t).all()

@@ -482,8 +482,8 @@ class RaySink:
                 continue
             sent, lent = self._outgoing(ready)
             closes = self._closes.pop(shard, None) if everything else None
-            ref = self._shards.call(shard, "add_episodes", sent, schema_json, self.timeout, self._next_batch(), lent,
-                                    closes, self._owner)
+            ref = self._shards.call(shard, "add_episodes", sent if lent is not None else bundled(sent), schema_json,
+                                    self.timeout, self._next_batch(), lent, closes, self._owner)
             queue.append((ref, len(ready)))
             kept = [] if everything else [e for e in episodes if e.owned]
             if kept:
