@@ -171,32 +171,52 @@ class Schema:
         return tuple(n for n, f in self.fields.items() if f.observation)
 
     @functools.cached_property
-    def _exact_specs(self) -> tuple[tuple[str, np.dtype, int, tuple[int, ...], bool], ...] | None:
-        """(name, numpy dtype, ndim, shape, observation) of each field, for `read_exact`;
-        None when no dict can match exactly (dotted names, bfloat16 fields)."""
-        if any("." in name or f.dtype == "bfloat16" or f.derived for name, f in self.fields.items()):
+    def _exact_specs(self) -> tuple[tuple, dict[tuple[str, ...], int]] | None:
+        """((name, path, numpy dtype, ndim, shape, observation) of each field, path None for a top-level
+        name; and the number of keys of the dict at each path of nested fields: ``()`` the top,
+        ``("obs",)`` for ``obs.a``), for `read_exact`; None when no dict can match exactly (bfloat16
+        or derived fields)."""
+        if any(f.dtype == "bfloat16" or f.derived for f in self.fields.values()):
             return None
-        return tuple((name, f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation)
-                     for name, f in self.fields.items())
+        groups: dict[tuple[str, ...], set[str]] = {(): set()}
+        for name in self.fields:
+            path = tuple(name.split("."))
+            for depth in range(len(path)):
+                groups.setdefault(path[:depth], set()).add(path[depth])
+        specs = tuple((name, tuple(name.split(".")) if "." in name else None, f.numpy_dtype, len(f.shape) + 1,
+                       f.shape, f.observation) for name, f in self.fields.items())
+        return specs, {path: len(keys) for path, keys in groups.items()}
 
     def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
-        """The fast path of a write: ``data`` when it is a plain dict of numpy arrays
-        with exactly the schema's names, dtypes and shapes and consistent lengths.
+        """The fast path of a write: ``data`` when it is a plain dict (nested dicts for dotted
+        names) of numpy arrays with exactly the schema's names, dtypes and shapes and consistent lengths.
 
         Returns:
             (columns, T, has_final) like `check`, or None for anything else (another
             container, a castable dtype, a bad value...): the general path then reads
             it and names any error.
         """
-        specs = self._exact_specs
-        if specs is None or type(data) is not dict or len(data) != len(specs):
+        exact = self._exact_specs
+        if exact is None or type(data) is not dict:
             return None
-        num_steps = num_obs = -1
-        for name, dtype, ndim, shape, observation in specs:
-            array = data.get(name)
+        specs, groups = exact
+        for path, keys in groups.items():   # exactly the schema's names, at every level
+            node = data
+            for key in path:
+                node = node.get(key)
+                if type(node) is not dict:
+                    return None
+            if len(node) != keys:
+                return None
+        columns, num_steps, num_obs = {}, -1, -1
+        for name, path, dtype, ndim, shape, observation in specs:
+            array = data.get(name) if path is None else data
+            for key in path or ():
+                array = array.get(key)
             if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
                     or array.shape[1:] != shape:
                 return None
+            columns[name] = array
             if observation:
                 if num_obs != len(array) and num_obs != -1:
                     return None
@@ -207,7 +227,7 @@ class Schema:
                 num_steps = len(array)
         if num_steps < 1 or (num_obs != -1 and num_obs != num_steps and num_obs != num_steps + 1):
             return None
-        return {name: data[name] for name in self.fields}, num_steps, num_obs == num_steps + 1
+        return columns, num_steps, num_obs == num_steps + 1
 
     @functools.cached_property
     def field_bytes(self) -> int:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.fields import as_array, check_column, dtype_fits
-from arrowbuf.schema import Schema, flatten
+from arrowbuf.schema import Schema, flatten, unflatten
 
 DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16"]
 
@@ -195,9 +195,64 @@ def test_the_exact_fast_path_accepts_only_what_the_general_check_accepts_and_agr
                                       for k, v in data.items())
 
 
-def test_the_exact_fast_path_declines_nested_and_bfloat16_schemas():
+NESTED_SCHEMA = Schema({"observation": {"obs": ab.Field("float32", (3,), True), "critic": ab.Field("float32", (2,), True)},
+                        "action": ab.Field("int64"), "reward": ab.Field("float32"), "terminated": ab.Field("bool")})
+
+
+@st.composite
+def near_exact_nested_episodes(draw):
+    """Nested dicts close to NESTED_SCHEMA (compat's records, dict observations): a field maybe
+    dropped or of another dtype, shape or length, a key added inside a group or at the top, a
+    group given as an array."""
+    steps, final, odd = draw(st.integers(1, 4)), draw(st.booleans()), draw(st.sampled_from([False, False, True]))
+    flat = {}
+    for name, f in NESTED_SCHEMA.fields.items():
+        if odd and draw(st.integers(0, 9)) == 0:
+            continue
+        rows = steps + (final if f.observation else 0) + (draw(st.sampled_from([0] * 6 + [-1, 1])) if odd else 0)
+        shape = f.shape if not odd or draw(st.integers(0, 7)) else f.shape + (1,)
+        dtype = draw(st.sampled_from([f.dtype] * 6 + ["int32", "float64"])) if odd else f.dtype
+        flat[name] = np.zeros((max(rows, 0), *shape), dtype)
+    extra = draw(st.sampled_from([None] * 6 + ["observation.extra", "extra"])) if odd else None
+    if extra is not None:
+        flat[extra] = np.zeros(steps, np.float32)
+    data = unflatten(flat)
+    if odd and draw(st.integers(0, 19)) == 0:
+        data["observation"] = np.zeros((steps + 1, 5), np.float32)
+    return data
+
+
+@given(near_exact_nested_episodes())
+@settings(max_examples=300, deadline=None)
+def test_the_exact_fast_path_takes_nested_dicts_only_as_the_general_check_does(data):
+    exact = NESTED_SCHEMA.read_exact(data)
+    try:
+        general = NESTED_SCHEMA.check({name: as_array(value, name) for name, value in flatten(data).items()})
+    except ab.SchemaError:
+        general = None
+    if exact is not None:
+        columns, num_steps, has_final = exact
+        assert general == (num_steps, has_final)
+        assert list(columns) == list(NESTED_SCHEMA.fields)
+        assert all(columns[name] is flatten(data)[name] for name in columns)   # no copy
+    else:
+        assert general is None or any(type(v) is not np.ndarray or v.dtype != NESTED_SCHEMA.fields[k].numpy_dtype
+                                      for k, v in flatten(data).items())
+
+
+@given(steps=st.integers(1, 5), final=st.booleans())
+@settings(max_examples=20, deadline=None)
+def test_nested_dicts_that_match_take_the_fast_path(steps, final):
+    flat = {name: np.zeros((steps + (final and f.observation), *f.shape), f.numpy_dtype)
+            for name, f in NESTED_SCHEMA.fields.items()}
+    columns, num_steps, has_final = NESTED_SCHEMA.read_exact(unflatten(flat))
+    assert (num_steps, has_final) == (steps, final) and all(columns[name] is flat[name] for name in flat)
+
+
+def test_the_exact_fast_path_declines_dotted_keys_and_bfloat16_schemas():
     nested = Schema({"obs": {"a": ab.Field("float32", (), True)}, "action": ab.Field("int64")})
     assert nested.read_exact({"obs.a": np.zeros(3, np.float32), "action": np.zeros(2, np.int64)}) is None
+    assert nested.read_exact({"obs": {"a": np.zeros(3, np.float32)}, "action": np.zeros(2, np.int64)}) is not None
     bf16 = Schema({"x": ab.Field("bfloat16")})
     assert bf16.read_exact({"x": np.zeros(3, np.uint16)}) is None
     assert EXACT_SCHEMA.read_exact([("obs", np.zeros((3, 2), np.float32))]) is None

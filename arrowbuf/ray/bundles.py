@@ -40,14 +40,18 @@ def bundled(episodes: list[Episode]) -> list[Episode]:
         return episodes
     for episode in episodes[1:]:
         columns = episode.columns
-        if columns.keys() != first.keys() or not all(
-                type(value := columns[name]) is np.ndarray and value.dtype == like.dtype and value.shape[1:] == like.shape[1:]
-                for name, like in first.items()):
+        if columns.keys() != first.keys() or not all(_like(columns[name], like) for name, like in first.items()):
             return episodes
     return Bundle(episodes)
 
 
-def _unbundle(columns: dict[str, np.ndarray], rows: dict[str, np.ndarray], table: list[tuple[Any, ...]]) -> list[Episode]:
+def _like(value: Any, first: np.ndarray) -> bool:
+    """Whether ``value`` is a numpy array that concatenates with ``first`` exactly (dtype and row shape)."""
+    return type(value) is np.ndarray and value.dtype == first.dtype and value.shape[1:] == first.shape[1:]
+
+
+def _unbundle(columns: dict[str, np.ndarray], rows: dict[str, np.ndarray],
+              table: list[tuple[Any, ...]]) -> list[Episode]:
     """The episodes a `Bundle` pickled: views of ``columns``, in order."""
     ends = {name: np.cumsum(counts).tolist() for name, counts in rows.items()}
     episodes, starts = [], {name: 0 for name in columns}
