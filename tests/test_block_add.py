@@ -51,6 +51,18 @@ def play(writes: list, capacity: int, sampler=None, blocks: bool = True, monkeyp
     return store, errors
 
 
+def assert_blocks_store_what_single_adds_store(writes: list, capacity: int, fixed: bool) -> None:
+    """``writes`` played with the block path and without it (the reference) store the same rows, episodes,
+    errors and uniform draws."""
+    mode = "fixed" if fixed else "circular"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reference, refused = play(writes, capacity, blocks=False, monkeypatch=monkeypatch, mode=mode)
+    blocked, errors = play(writes, capacity, mode=mode)
+    assert contents(blocked) == contents(reference) and errors == refused
+    if len(blocked):
+        assert (blocked.sample(32)["index"] == reference.sample(32)["index"]).all()
+
+
 WRITES = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 7)), min_size=1, max_size=8)
 
 
@@ -59,13 +71,7 @@ WRITES = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 7)), min_size=1, m
 def test_blocks_store_what_single_adds_store_through_every_eviction(writes, capacity, final, fixed):
     """Random batches (a batch of one env is an `add_episode`) into small rings: every write evicts."""
     writes = [(e, t, final, None) for e, t in writes]
-    mode = "fixed" if fixed else "circular"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        reference, refused = play(writes, capacity, blocks=False, monkeypatch=monkeypatch, mode=mode)
-    blocked, errors = play(writes, capacity, mode=mode)
-    assert contents(blocked) == contents(reference) and errors == refused
-    if len(blocked):
-        assert (blocked.sample(32)["index"] == reference.sample(32)["index"]).all()
+    assert_blocks_store_what_single_adds_store(writes, capacity, fixed)
 
 
 @st.composite
@@ -83,13 +89,7 @@ def ragged_writes(draw):
 def test_batches_of_several_lengths_and_lists_store_what_single_adds_store(writes, capacity, fixed):
     """Episodes of several lengths, with and without final observations, as [E, T] arrays with
     ``lengths`` or as a list of episodes (`Shard.write_parts`), into small rings that every write evicts."""
-    mode = "fixed" if fixed else "circular"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        reference, refused = play(writes, capacity, blocks=False, monkeypatch=monkeypatch, mode=mode)
-    blocked, errors = play(writes, capacity, mode=mode)
-    assert contents(blocked) == contents(reference) and errors == refused
-    if len(blocked):
-        assert (blocked.sample(32)["index"] == reference.sample(32)["index"]).all()
+    assert_blocks_store_what_single_adds_store(writes, capacity, fixed)
 
 
 def test_a_block_is_one_placement_and_one_copy_a_field(monkeypatch):

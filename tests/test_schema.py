@@ -180,19 +180,26 @@ def near_exact_episodes(draw):
 @given(near_exact_episodes())
 @settings(max_examples=300, deadline=None)
 def test_the_exact_fast_path_accepts_only_what_the_general_check_accepts_and_agrees_on_it(data):
-    exact = EXACT_SCHEMA.read_exact(data)
+    assert_fast_path_agrees(EXACT_SCHEMA, data)
+
+
+def assert_fast_path_agrees(schema: Schema, data: dict) -> None:
+    """`Schema.read_exact` takes ``data`` only where the general read and check accept it, with
+    the same answer and no copy; what it declines goes the general way: refused, or accepted after a cast."""
+    exact = schema.read_exact(data)
+    flat = flatten(data)
     try:
-        general = EXACT_SCHEMA.check({name: as_array(value, name) for name, value in data.items()})
+        general = schema.check({name: as_array(value, name) for name, value in flat.items()})
     except ab.SchemaError:
         general = None
     if exact is not None:
         columns, num_steps, has_final = exact
         assert general == (num_steps, has_final)
-        assert list(columns) == list(EXACT_SCHEMA.fields)
-        assert all(columns[name] is data[name] for name in columns)   # no copy
-    else:   # what it declines goes the general way: refused, or accepted after a cast
-        assert general is None or any(type(v) is not np.ndarray or v.dtype != EXACT_SCHEMA.fields[k].numpy_dtype
-                                      for k, v in data.items())
+        assert list(columns) == list(schema.fields)
+        assert all(columns[name] is flat[name] for name in columns)   # no copy
+    else:
+        assert general is None or any(type(v) is not np.ndarray or v.dtype != schema.fields[k].numpy_dtype
+                                      for k, v in flat.items())
 
 
 NESTED_SCHEMA = Schema({"observation": {"obs": ab.Field("float32", (3,), True), "critic": ab.Field("float32", (2,), True)},
@@ -225,19 +232,7 @@ def near_exact_nested_episodes(draw):
 @given(near_exact_nested_episodes())
 @settings(max_examples=300, deadline=None)
 def test_the_exact_fast_path_takes_nested_dicts_only_as_the_general_check_does(data):
-    exact = NESTED_SCHEMA.read_exact(data)
-    try:
-        general = NESTED_SCHEMA.check({name: as_array(value, name) for name, value in flatten(data).items()})
-    except ab.SchemaError:
-        general = None
-    if exact is not None:
-        columns, num_steps, has_final = exact
-        assert general == (num_steps, has_final)
-        assert list(columns) == list(NESTED_SCHEMA.fields)
-        assert all(columns[name] is flatten(data)[name] for name in columns)   # no copy
-    else:
-        assert general is None or any(type(v) is not np.ndarray or v.dtype != NESTED_SCHEMA.fields[k].numpy_dtype
-                                      for k, v in flatten(data).items())
+    assert_fast_path_agrees(NESTED_SCHEMA, data)
 
 
 @given(steps=st.integers(1, 5), final=st.booleans())
