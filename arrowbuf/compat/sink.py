@@ -68,31 +68,39 @@ class StoreSink:
         error surfaces here; the reads flush first: `arrowbuf.compat.reading.Reader.space`).
 
         A `Window` (a vector env's rollout window) is stored with one ``add_episodes``
-        call when all of it fits; otherwise episode by episode, as its pieces.
-
-        A circular buffer on Ray stores all of them with one ``add_episodes`` (one request a
-        shard: a rollout's end is thousands of episodes, each a round trip on its own).
+        call when all of it fits; otherwise episode by episode, as its pieces. A circular
+        buffer stores the pieces between windows with one ``add_episodes`` each (one run of
+        the ring, `arrowbuf.block_add`), and on Ray all of a write's episodes with one (one
+        request a shard: a rollout's end is thousands of episodes, each a round trip on its own).
 
         Raises:
             BufferFullError: a full fixed-mode buffer (episodes before it are kept).
             SchemaError: an episode that does not match the stored fields.
         """
-        if self.placement.backend == "ray" and self.settings.mode == "circular":
+        circular = self.settings.mode == "circular"
+        if circular and self.placement.backend == "ray":
             self._write_all([part for piece in pieces if piece.steps >= 1 and (not isinstance(piece, Window) or piece.envs)
                              for part in (piece.pieces() if isinstance(piece, Window) else [piece])])
             return
+        singles: list[Piece] = []   # (circular) pieces not yet written, in order
         for piece in pieces:
             if isinstance(piece, Window):
                 if piece.steps < 1 or not piece.envs:
                     continue
                 if self._fits_whole(piece):
+                    self._write_all(singles)   # the pieces before it first: written order is eviction order
+                    singles = []
                     self._write_window(piece)
                     continue
                 parts = piece.pieces()
             else:
                 parts = [piece]
+            if circular:
+                singles += [part for part in parts if part.steps >= 1]
+                continue
             for part in parts:
                 self._write_piece(part)
+        self._write_all(singles)
 
     def _fits_whole(self, window: Window) -> bool:
         """Whether every episode of ``window`` is stored as given (no capacity cut, no fixed-mode refusal)."""
