@@ -78,16 +78,13 @@ class StoreSink:
             SchemaError: an episode that does not match the stored fields.
         """
         circular = self.settings.mode == "circular"
-        if circular and self.placement.backend == "ray":
-            self._write_all([part for piece in pieces if piece.steps >= 1 and (not isinstance(piece, Window) or piece.envs)
-                             for part in (piece.pieces() if isinstance(piece, Window) else [piece])])
-            return
+        windows = not (circular and self.placement.backend == "ray")   # on Ray: all of them in one request a shard
         singles: list[Piece] = []   # (circular) pieces not yet written, in order
         for piece in pieces:
             if isinstance(piece, Window):
                 if piece.steps < 1 or not piece.envs:
                     continue
-                if self._fits_whole(piece):
+                if windows and self._fits_whole(piece):
                     self._write_all(singles)   # the pieces before it first: written order is eviction order
                     singles = []
                     self._write_window(piece)
