@@ -43,11 +43,11 @@ class EpisodeBatch(list):
 
     def blocks(self) -> dict[str, Any] | None:
         """Field -> ``[E, rows, ...]`` view of the batch's rows, when every episode is as cut and
-        all have one length; else None."""
+        all have one length and one row count (final observations or none); else None."""
         if self.arrays is None or self.cuts is None or len(self.cuts) != len(self) or not self:
             return None
         first = self[0]
-        if any(episode.columns is not cut or episode.num_steps != first.num_steps
+        if any(episode.columns is not cut or episode.num_steps != first.num_steps or episode.num_rows != first.num_rows
                for episode, cut in zip(self, self.cuts)):
             return None
         return {name: array[:, :len(first.columns[name])] for name, array in self.arrays.items()}
@@ -65,8 +65,6 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
             e.first_step or e.prev_piece >= 0 or e.open or e.columns.keys() != first.columns.keys() for e in episodes):
         return None
     blocks = episodes.blocks() if isinstance(episodes, EpisodeBatch) else None
-    if blocks is not None and any(e.num_rows != first.num_rows or e.has_final != first.has_final for e in episodes):
-        blocks = None
     if blocks is not None and not all(type(shard.arena.get(name)) is np.ndarray and type(block) is np.ndarray
                                       for name, block in blocks.items()):
         return None

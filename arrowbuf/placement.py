@@ -290,8 +290,8 @@ class Ring:
         return self.rows < most and self._grow_to(min(most, max(self.ring + rows, self.rows + self.rows // 8)))
 
     def _grow_to(self, rows: int) -> bool:
-        """Ask `grow_arena` for ``rows`` rows (more than now); the listening sampler is told of
-        the rows it got. Whether the arena grew."""
+        """Ask `grow_arena` for ``rows`` rows (more than now); whether the arena grew. (A sampler
+        that keeps per-row state grows it when a write lands past it: `PrioritizedSampler`.)"""
         if self.grow_arena is None or rows <= self.rows or self._grow_refused:
             return False
         grown = self.grow_arena(rows)
@@ -299,8 +299,6 @@ class Ring:
             self._grow_refused = True
             return False
         self.rows = grown
-        if self.listener is not None:
-            self.listener.on_grow(grown)
         return True
 
     def _unorder(self) -> None:

@@ -131,9 +131,6 @@ class Sampler:
     def on_evict(self, first_rows: np.ndarray, num_rows: np.ndarray) -> None:
         """Episodes at ``first_rows`` (of ``num_rows`` rows each) were evicted."""
 
-    def on_grow(self, rows: int) -> None:
-        """The arena has ``rows`` rows now (a CUDA arena grew: `arrowbuf.placement.Ring.grow_arena`)."""
-
     def sample(self, rng: np.random.Generator, n: int, table: EpisodeTable) -> Selection:
         raise NotImplementedError
 
