@@ -179,13 +179,13 @@ class Schema:
         if any(f.dtype == "bfloat16" or f.derived for f in self.fields.values()):
             return None
         groups: dict[tuple[str, ...], set[str]] = {(): set()}
-        for name in self.fields:
+        specs = []
+        for name, f in self.fields.items():
             path = tuple(name.split("."))
             for depth in range(len(path)):
                 groups.setdefault(path[:depth], set()).add(path[depth])
-        specs = tuple((name, tuple(name.split(".")) if "." in name else None, f.numpy_dtype, len(f.shape) + 1,
-                       f.shape, f.observation) for name, f in self.fields.items())
-        return specs, {path: len(keys) for path, keys in groups.items()}
+            specs.append((name, path if len(path) > 1 else None, f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation))
+        return tuple(specs), {path: len(keys) for path, keys in groups.items()}
 
     def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
         """The fast path of a write: ``data`` when it is a plain dict (nested dicts for dotted
