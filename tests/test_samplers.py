@@ -288,6 +288,44 @@ def test_the_sum_tree_grows_with_the_rows_written_keeping_every_priority_and_a_c
     assert torch.equal(loaded.sample(64)["index"], store.sample(64)["index"])
 
 
+@pytest.mark.parametrize("writer_per_rollout", [False, True])
+def test_a_prioritized_store_of_exactly_num_envs_x_t_keeps_every_rollouts_priorities_as_its_tree_grows(
+        writer_per_rollout):
+    # The on-policy size: 20 envs x 50 steps = capacity 1,000, a tree of 1,024 leaves at first. A
+    # writer's regions spread the rollouts over more rows than that (`regions.region_rows`), so the
+    # tree grows while they replace each other; the store holds each whole rollout, and exactly the
+    # held transitions have priorities, the newest at the largest seen.
+    num_envs, steps = 20, 50
+    store = ab.ExperienceStore(capacity=num_envs * steps, sampler=ab.PrioritizedSampler(alpha=1.0, beta=0.0), seed=0)
+    rng = np.random.default_rng(3)
+    writer = None
+    for rollout in range(6):
+        if writer is None or writer_per_rollout:
+            writer = store.writer(num_envs, autoreset_mode="disabled")
+        obs = np.zeros((num_envs, 2), np.float32)
+        for t in range(steps):
+            done = (rng.random(num_envs) < 0.05) | (t == steps - 1)
+            writer.add(obs=obs, action=np.full(num_envs, rollout), reward=np.ones(num_envs, np.float32),
+                       terminated=done, truncated=np.zeros(num_envs, bool), next_obs=obs + 1)
+            obs = np.where(done[:, None], 0.0, obs + 1).astype(np.float32)
+        writer.flush()
+        assert len(store) == num_envs * steps
+        pieces, tree = store.engine.shard.table, store.sampler.tree   # (a writer's episodes may be several pieces)
+        first_row, first_index, length = (pieces.col(c).tolist() for c in ("first_row", "first_index", "length"))
+        rows = np.concatenate([a + np.arange(n) for a, n in zip(first_row, length)])
+        indices = np.concatenate([a + np.arange(n) for a, n in zip(first_index, length)])
+        assert (store.gather(indices)["action"] == rollout).all(), "not exactly the last rollout"
+        leaves = tree.leaves
+        held = np.zeros(len(leaves), bool)
+        held[rows] = True
+        assert (leaves[held] == store.sampler.max_priority).all() and not leaves[~held].any()
+        assert tree.total == pytest.approx(num_envs * steps * store.sampler.max_priority, rel=1e-12)
+        batch = store.sample(256)
+        assert np.isin(batch["index"].numpy(), indices).all() and (batch["action"] == rollout).all()
+        store.update_priorities(batch["index"], np.full(256, 2.0 + rollout))   # the next rollout comes in at this
+    assert store.sampler.tree.size > 1_024, "the rollouts never wrote past the first tree: no test"
+
+
 def test_update_priorities_accepts_tensors_of_any_shape_and_returns_the_live_count():
     store, _ = prioritized_store(steps=(6,))
     index = torch.arange(6).reshape(2, 3)
