@@ -29,6 +29,8 @@ its episode in a new region from its next step.
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import numpy as np
 
 #: Largest region (rows) a writer reserves for one env at a time.
@@ -55,6 +57,9 @@ class OpenRegions:
         self.alive = np.zeros(0, bool)        # slot held by a writer
         self.held = np.zeros(0, bool)         # slot holds a region
         self.count = 0                        # slots alive
+        # Bumped by every change but `wrote`'s: `published` then knows when only lengths changed.
+        self.version = 0
+        self._published: tuple = (-1, np.zeros(0, np.int64), ())   # (version, slots, tails) of its last call
 
     def allocate(self, envs: np.ndarray) -> int:
         """A block of ``len(envs)`` slots for a writer's envs (codes ``envs``); its first slot.
@@ -76,6 +81,7 @@ class OpenRegions:
         self.length[block] = self.first_step[block] = 0
         self.prev[block] = -1
         self.count += n
+        self.version += 1
         return base
 
     def _free_block(self, n: int) -> int:
@@ -91,11 +97,13 @@ class OpenRegions:
         self.held[base:base + n] = False
         self.length[base:base + n] = 0
         self.count -= n
+        self.version += 1
 
     def restore(self, slots: slice, first_step: np.ndarray, saved: dict | None) -> None:
         """Slots ``slots`` start again from a saved writer state: empty open pieces at steps
         ``first_step``, in the regions ``saved`` names (``held``, ``start``, ``end``, ``prev``:
         checked by the caller against the store's rows), else in none."""
+        self.version += 1
         self.length[slots] = 0
         self.first_step[slots] = first_step
         self.prev[slots] = -1
@@ -113,6 +121,7 @@ class OpenRegions:
         episode table, where each episode goes on in a new region (its next piece continues
         the sealed one); None: the episodes ended, and each env's next one starts right
         after, in the same region."""
+        self.version += 1
         if continued is not None:
             self.first_step[slots] += self.length[slots]
             self.prev[slots] = continued
@@ -124,17 +133,20 @@ class OpenRegions:
 
     def restart(self, slots: slice) -> None:
         """The envs of ``slots`` start new episodes (a writer's `flush`): nothing continues."""
+        self.version += 1
         self.first_step[slots] = 0
         self.prev[slots] = -1
 
     def drop(self, slots: np.ndarray) -> None:
         """The regions of ``slots`` are full: the slots hold none until they reserve another."""
+        self.version += len(slots) > 0
         self.held[slots] = False
 
     def take(self, slots: np.ndarray) -> None:
         """Take the regions of ``slots``: their written steps are dropped, and each env's
         episode continues, from its next step, in a new region."""
         # Written steps dropped: a gap (`piece_chains` links no gap); ``prev`` stays, for the episode's id.
+        self.version += 1
         self.first_step[slots] += self.length[slots]
         self.length[slots] = 0
         self.held[slots] = False
@@ -142,6 +154,7 @@ class OpenRegions:
     def hold(self, slots: np.ndarray, start: int, each: int) -> None:
         """Regions of ``each`` rows from row ``start`` for ``slots``, back to back (their open pieces
         start empty there)."""
+        self.version += 1
         self.start[slots] = start + each * np.arange(len(slots), dtype=np.int64)
         self.end[slots] = self.start[slots] + each
         self.held[slots] = True
@@ -169,6 +182,7 @@ class OpenRegions:
             cut[order[at_top]] += step
             left -= take
         slots, cut = slots[cut > 0], cut[cut > 0]
+        self.version += 1
         freed = self.start[slots].copy()
         self.start[slots] += cut
         self.length[slots] -= cut
@@ -179,11 +193,16 @@ class OpenRegions:
         """Take every region (`ExperienceStore.clear`): open episodes continue in new ones."""
         self.take(np.flatnonzero(self.held))
 
-    def published(self) -> tuple[np.ndarray, ...]:
+    def published(self) -> tuple[Any, ...]:
         """(first row, length, first step, env code, piece continued) of the open tails with a
-        completed step."""
+        completed step, and whether they are the last call's tails, in its order, only longer."""
         slots = np.flatnonzero(self.held & (self.length > 0))
-        return self.start[slots], self.length[slots], self.first_step[slots], self.env[slots], self.prev[slots]
+        version, last, tails = self._published
+        if version == self.version and np.array_equal(slots, last):
+            return tails[0], self.length[slots], *tails[1:], True
+        tails = (self.start[slots], self.first_step[slots], self.env[slots], self.prev[slots])
+        self._published = (self.version, slots, tails)
+        return tails[0], self.length[slots], *tails[1:], False
 
 
 def region_rows(capacity: int, used: int, wanting: int, writers_envs: int) -> int:

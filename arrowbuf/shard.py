@@ -451,7 +451,8 @@ class Shard:
 
     def publish_open(self) -> None:
         """Publish the open tails of the writers' regions in the episode table (sampleable)."""
-        self.table.publish_open(*self.regions.published())
+        *tails, grown_only = self.regions.published()
+        self.table.publish_open(*tails, grown_only=grown_only)
 
     def write_episode(self, start: int, episode: Episode) -> None:
         """Copy ``episode``'s rows into the arena from row ``start`` (where `add` placed it)."""

@@ -137,39 +137,38 @@ class EpisodeTable:
         return self._cols[name][self.head:self.tail + self._num_open]
 
     def publish_open(self, first_row: np.ndarray, length: np.ndarray, first_step: np.ndarray,
-                     env: np.ndarray, prev_piece: np.ndarray | None = None) -> None:
+                     env: np.ndarray, prev_piece: np.ndarray | None = None, grown_only: bool = False) -> None:
         """Make the completed steps of open episodes sampleable: entries after the sealed
         ones, one per open tail with ``length`` >= 1 transitions at arena rows
         ``[first_row, first_row + length]`` (the last row is the observation after the
         last step). Their indices are provisional: ``next_index`` on, in the given order,
         renumbered by the next write (a sealed piece then takes its permanent indices).
         ``env`` holds codes of `env_code`; ``prev_piece`` the serial of the sealed piece
-        each tail continues (-1: none)."""
-        n = len(first_row)
-        while self.tail + n > len(self._cols["episode_id"]):
-            self._grow(self.tail + n)
+        each tail continues (-1: none). ``grown_only``: the tails of the last publish, in its
+        order, only longer; with nothing appended since (each append drops the open tails),
+        only their lengths are written."""
+        n, cols = len(first_row), self._cols
+        if not (grown_only and n and n == self._num_open):   # an append, `clear` or load made it 0
+            while self.tail + n > len(self._cols["episode_id"]):
+                self._grow(self.tail + n)
+            i, stop, cols = self.tail, self.tail + n, self._cols
+            cols["episode_id"][i:stop] = -1
+            cols["env"][i:stop] = env
+            cols["first_row"][i:stop] = first_row
+            cols["has_final"][i:stop] = cols["terminated"][i:stop] = cols["truncated"][i:stop] = False
+            cols["first_step"][i:stop] = first_step
+            cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
+            cols["episode"][i:stop] = self._episodes_of(cols["env"][i:stop], cols["prev_piece"][i:stop])
+            self._match_sealed()
+            cols["tail"][i:stop] = self._tails.publish(cols["first_row"][i:stop], cols["first_step"][i:stop])
+            self.pieces = self.pieces or bool(n and first_step.any())
         i, stop = self.tail, self.tail + n
-        cols = self._cols
-        cols["episode_id"][i:stop] = -1
-        cols["env"][i:stop] = env
-        cols["first_row"][i:stop] = first_row
         cols["num_rows"][i:stop] = length + 1
         cols["length"][i:stop] = length
-        cols["has_final"][i:stop] = False
-        cols["terminated"][i:stop] = False
-        cols["truncated"][i:stop] = False
-        cols["first_step"][i:stop] = first_step
-        cols["prev_piece"][i:stop] = -1 if prev_piece is None else prev_piece
-        cols["episode"][i:stop] = self._episodes_of(cols["env"][i:stop], cols["prev_piece"][i:stop])
-        self._match_sealed()
-        cols["tail"][i:stop] = self._tails.publish(cols["first_row"][i:stop], cols["first_step"][i:stop])
         ends = np.cumsum(length)
         cols["first_index"][i:stop] = self.next_index + ends - length
-        self._num_open = n
-        self._played_count = None
-        self.open_total = int(ends[-1]) if n else 0
-        self._open_longest = int(length.max()) if n else 0
-        self.pieces = self.pieces or bool(n and first_step.any())
+        self._num_open, self._played_count = n, None
+        self.open_total, self._open_longest = (int(ends[-1]), int(length.max())) if n else (0, 0)
 
     def env_code(self, env_id: str) -> int:
         """The code of ``env_id`` in `env_names` (added if new)."""

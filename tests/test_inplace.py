@@ -623,3 +623,62 @@ def test_an_in_place_writer_holds_a_fields_max_bytes_of_one_episode_and_refuses_
                                                    rf"{2 * num_envs * row:,} bytes encoded, more than the {row - 1:,}"):
             small.writer(num_envs=num_envs, autoreset_mode="same_step").add(**step(0, 0))
         assert len(small) == 0 and small.episodes(include_open=True).num_rows == 0
+
+
+# What `EpisodeTable.publish_open` writes for each open tail (the sealed entries' other columns it leaves).
+OPEN_COLUMNS = ("episode_id", "env", "first_row", "num_rows", "length", "has_final", "terminated", "truncated",
+                "first_step", "prev_piece", "episode", "tail", "first_index")
+
+
+@settings(max_examples=60, deadline=None)
+@given(mode=st.sampled_from(MODES), capacity=st.one_of(st.integers(8, 60), st.just(100_000)),
+       lengths=st.tuples(EPISODE_LENGTHS, EPISODE_LENGTHS),
+       ops=st.lists(st.tuples(st.sampled_from([0, 1, "episode", "clear"]), st.integers(1, 9), st.booleans()),
+                    min_size=1, max_size=10))
+@example(mode="next_step", capacity=100_000, lengths=([[9]], [[9]]), ops=[(0, 3, False), ("episode", 2, False),
+                                                                          (0, 3, False)])
+def test_a_step_that_only_lengthens_the_open_tails_publishes_what_a_full_publish_does(mode, capacity, lengths, ops):
+    """A step that seals nothing and reserves nothing writes only the open tails' lengths
+    (`OpenRegions.published` says so); after every single step, that equals publishing them whole."""
+    store = ab.ExperienceStore(capacity=capacity, seed=0, schema=EPISODE_SCHEMA)
+    rollouts = [FakeVectorRollout(lengths[k], mode, first_tag=1000 * k) for k in range(2)]
+    writers = [store.writer(num_envs=r.num_envs, autoreset_mode=mode) for r in rollouts]
+    table, shard = store.engine.table, store.engine.shard
+    publish, calls = table.publish_open, []
+
+    def counted(*tails, grown_only=False):
+        calls.append(grown_only)
+        publish(*tails, grown_only=grown_only)
+
+    table.publish_open = counted
+    for which, count, flag in ops:
+        if which == "clear":
+            store.clear()
+        elif which == "episode" and count + int(flag) <= capacity // 2:
+            store.add_episode(ExpectedEpisode(5000 + count, count, flag, terminated=True).arrays)
+        for _ in range(count if which in (0, 1) else 0):
+            writers[which].add(**rollouts[which].step_arrays())
+            seen = {name: table.ecol(name).copy() for name in OPEN_COLUMNS}
+            totals = (table.num_open, table.open_total, table.longest, table.sample_range())
+            publish(*shard.regions.published()[:-1])   # in full
+            for name in OPEN_COLUMNS:
+                np.testing.assert_array_equal(seen[name], table.ecol(name), err_msg=name)
+            assert totals == (table.num_open, table.open_total, table.longest, table.sample_range())
+        if flag and which in (0, 1):
+            writers[which].flush()
+            cut(rollouts[which])
+
+
+def test_only_a_step_that_seals_nothing_and_reserves_nothing_writes_the_tails_lengths_alone():
+    store = ab.ExperienceStore(capacity=10_000, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[4], [6]], "next_step")
+    writer = store.writer(num_envs=2, autoreset_mode="next_step")
+    table = store.engine.table
+    publish, calls = table.publish_open, []
+    table.publish_open = lambda *tails, grown_only=False: (calls.append(grown_only), publish(*tails, grown_only=grown_only))
+    for _ in range(6):
+        writer.add(**rollout.step_arrays())
+    # 1: regions reserved; 2, 3: both tails longer; 4: env 0's episode ends (sealed); 5: env 0's reset step
+    # (next_step: not a transition) leaves it without a tail, env 1's grows; 6: env 0's new tail appears.
+    assert calls == [False, True, True, False, True, False]
+    check_store(store, [rollout], evicts=False, whole=[])
