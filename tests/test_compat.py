@@ -32,6 +32,8 @@ from arrowbuf.compat import (
     resolve,
 )
 
+from arrowbuf.compat.data_buffer import MAX_STAGE_ROWS
+from arrowbuf.compat.staging import Stage
 from support.envs import make_cartpole
 
 
@@ -136,7 +138,8 @@ def test_a_sync_rollout_of_vector_envs_stores_each_sub_env_window_as_its_transit
 
 
 def test_rollouts_of_changing_lengths_reuse_the_staging_rows_without_mixing_them_up():
-    # Staging grows from 32 rows; a finished segment's rows are reused by the env's next one.
+    # Staging starts with room for a rollout of the capacity (167 records); a finished segment's rows are
+    # reused by the env's next one.
     workers = [TaggedWorker(0, num_envs=3), TaggedWorker(1, num_envs=3)]
     buffer = DataBuffer(rollout_config(), seed=0, num_train_workers=1)
     buffer.init([EnvMeta(w.env_id, num_envs=3) for w in workers])
@@ -150,6 +153,38 @@ def test_rollouts_of_changing_lengths_reuse_the_staging_rows_without_mixing_them
     buffer.clear()                                       # clear keeps the memory, not the rows
     sync_rollout(buffer, workers[:1], max_rollout_steps=4)
     assert len(buffer) == 12
+    assert_tagged_transitions(buffer[:])
+
+
+@pytest.mark.parametrize("kind, capacity, steps, rows, grown", [
+    ("RolloutBuffer", 2 * 3 * 100, 100, 101, 101), ("RolloutBuffer", 2 * 3 * 20, 20, 32, 32),
+    ("RolloutBuffer", 10**7, 100, MAX_STAGE_ROWS, MAX_STAGE_ROWS), ("ReplayBuffer", 600, 100, 32, 128)])
+def test_a_rollout_buffers_first_rollout_is_staged_in_rows_sized_by_its_capacity(monkeypatch, kind, capacity, steps,
+                                                                                  rows, grown):
+    """A RolloutBuffer's capacity is its rollout's transitions (num_envs x T, as the seed sizes it): a
+    fresh staging starts with room for the rollout's records (at least 32, at most MAX_STAGE_ROWS) and
+    does not grow (each growth copied every record staged). A ReplayBuffer's starts at 32 and grows."""
+    stages, first = [], {}
+    write = Stage.write
+
+    def spied(stage, *args):
+        row = write(stage, *args)
+        if row == 0:
+            stages.append(stage)
+            first[id(stage)] = dict(stage.columns)
+        return row
+
+    monkeypatch.setattr(Stage, "write", spied)
+    workers = [TaggedWorker(0, num_envs=3), TaggedWorker(1, num_envs=3)]
+    buffer = DataBuffer({"type": kind, "capacity": capacity, "sampler": {"type": "all"}}, seed=0, num_train_workers=1)
+    buffer.init([EnvMeta(w.env_id, num_envs=3) for w in workers])
+    sync_rollout(buffer, workers, max_rollout_steps=steps)
+    assert len(stages) == 2
+    for stage in stages:
+        staged = first[id(stage)]
+        assert {len(column) for column in staged.values()} == {rows}
+        assert {len(column) for column in stage.columns.values()} == {grown}
+    assert len(buffer) == 2 * 3 * steps
     assert_tagged_transitions(buffer[:])
 
 

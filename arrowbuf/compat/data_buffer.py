@@ -127,7 +127,7 @@ class DataBuffer:
         self._num_envs: dict[str, int] = {}
         self.env_ids: list[str] = []
         segmenter = Segmenter(self.settings.auto_truncate_episode, self._num_envs_of, autoreset_mode,
-                              hooks.postprocess_fn, self.settings.device, hooks.obs_preprocessor)
+                              hooks.postprocess_fn, self.settings.device, hooks.obs_preprocessor, self._stage_rows)
         self._ingest = Ingest(hooks, segmenter, self._sink, self._timers)
 
     def init(self, env_meta_list: Sequence[Any] | None = None, env_ids: Sequence[str] | None = None) -> None:
@@ -149,6 +149,11 @@ class DataBuffer:
 
     def _num_envs_of(self, env_id: str) -> int:
         return self._num_envs.get(env_id, 1)
+
+    def _stage_rows(self, env_id: str) -> int:
+        """Records a fresh staging of ``env_id`` has room for before it grows (doubling, each
+        time a copy of what it holds)."""
+        return 32
 
     # -- the store -------------------------------------------------------------------------
 
@@ -472,6 +477,18 @@ class RolloutBuffer(DataBuffer):
     def _after_sample(self) -> None:
         self._sink.clear()
 
+    def _stage_rows(self, env_id: str) -> int:
+        """A rollout's records, so that the first one is staged without growing (a VLA rollout's
+        staging grew 32 -> 256 rows of 4.8 MB, copying 224): the capacity (the rollout's
+        transitions, as the seed sizes it) over the declared envs, and the final record; at most
+        `MAX_STAGE_ROWS`. Rows never written are never touched, so a larger capacity costs none."""
+        envs = sum(self._num_envs.values()) or self._num_envs_of(env_id)
+        rows = self.settings.capacity * self.num_shards // envs + 1
+        return int(min(max(rows, super()._stage_rows(env_id)), MAX_STAGE_ROWS))
+
+
+#: The most records a RolloutBuffer's fresh staging starts with room for (`RolloutBuffer._stage_rows`).
+MAX_STAGE_ROWS = 1024
 
 #: The config's ``type`` -> its class.
 BUFFERS = {"ReplayBuffer": ReplayBuffer, "RolloutBuffer": RolloutBuffer}

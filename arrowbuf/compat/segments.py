@@ -127,6 +127,7 @@ class Segmenter:
         postprocess_fn: the seed's hook, or None for no hook (the buffer's own path).
         device: the storage device the hook's tensors are put on.
         obs_preprocessor: applied to a same-step terminal observation from ``info``.
+        stage_rows: env id -> the records its staging starts with room for (default 32; it grows).
 
     Raises:
         ValueError: an unknown autoreset mode.
@@ -134,7 +135,8 @@ class Segmenter:
 
     def __init__(self, auto_truncate: bool, num_envs: Callable[[str], int], autoreset_mode: str = "auto",
                  postprocess_fn: Callable | None = None, device: Any = "cpu",
-                 obs_preprocessor: Callable[[Any], Any] | None = None) -> None:
+                 obs_preprocessor: Callable[[Any], Any] | None = None,
+                 stage_rows: Callable[[str], int] | None = None) -> None:
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         self.auto_truncate = auto_truncate
@@ -143,6 +145,7 @@ class Segmenter:
         self._postprocess_fn = postprocess_fn
         self._device = device
         self._obs_preprocessor = obs_preprocessor or (lambda obs: obs)
+        self._stage_rows = stage_rows or (lambda env_id: 32)
         self._stages: dict[str, Stage] = {}
         # Stages of envs with nothing open: their next segment reuses their (pre-faulted) columns,
         # a VLA rollout's ~0.8 GB, instead of growing fresh ones from 32 rows again.
@@ -169,7 +172,7 @@ class Segmenter:
             n = self._num_envs(env_id)
             spare = self._spare.pop(env_id, None)
             stage = Stage(env_id, n, n > 1, reuse=spare if spare is not None and spare.num_envs == n else None,
-                          same_step_seen=env_id in self._same_step_envs)
+                          same_step_seen=env_id in self._same_step_envs, first_rows=self._stage_rows(env_id))
             self._stages[env_id] = stage
         row = stage.write(*split_record(record))
         if not self.auto_truncate:

@@ -77,7 +77,7 @@ class Stage:
     """
 
     def __init__(self, env_id: str, num_envs: int, vector: bool, reuse: "Stage | None" = None,
-                 same_step_seen: bool = False) -> None:
+                 same_step_seen: bool = False, first_rows: int = 32) -> None:
         self.env_id = env_id
         self.num_envs = num_envs
         self.vector = vector      # records lead with num_envs (else one unbatched env)
@@ -94,6 +94,7 @@ class Stage:
         self.infos: list[dict[str, Any]] = []   # per row: the record's *info* values, as sent (for hooks)
         # A finished stage of the same env whose columns fields of the same dtype and shape take over.
         self._reusable = dict(reuse.columns) if reuse is not None else {}
+        self._first_rows = first_rows   # rows fresh columns start with (they grow when full)
 
     # -- episode boundaries (read by `arrowbuf.compat.segments.Segmenter`) --------------------
 
@@ -168,7 +169,7 @@ class Stage:
         elif self.columns:   # every column has the same rows
             capacity = next(iter(self.columns.values())).shape[0]
         else:
-            capacity = next(iter(self._reusable.values())).shape[0] if self._reusable else 32
+            capacity = next(iter(self._reusable.values())).shape[0] if self._reusable else self._first_rows
         spare = self._reusable.pop(name, None)
         if spare is not None and old is None and spare.dtype == array.dtype and spare.shape == (
                 capacity, self.num_envs, *shape):
