@@ -132,16 +132,18 @@ def gae(reward: np.ndarray, value: np.ndarray, last_value: np.ndarray, lengths: 
     """
     lengths = np.asarray(lengths, np.int64)
     starts = np.cumsum(lengths) - lengths if starts is None else np.asarray(starts, np.int64)
-    reward = np.asarray(reward, np.float64)
-    value = np.asarray(value, np.float64)
-    next_value = np.empty_like(value)
-    next_value[:-1] = value[1:]
-    next_value[-1:] = 0.0
-    has_steps = lengths > 0
-    next_value[(starts + lengths - 1)[has_steps]] = np.asarray(last_value, np.float64)[has_steps]
-    with np.errstate(all="ignore"):   # rows between episodes (free rows) may hold anything
+    # Rows between episodes (free rows, a cleared store's old rows) may hold anything, a signalling
+    # NaN or inf included: their casts and sums must not warn (they are never read back).
+    with np.errstate(all="ignore"):
+        reward = np.asarray(reward, np.float64)
+        value = np.asarray(value, np.float64)
+        next_value = np.empty_like(value)
+        next_value[:-1] = value[1:]
+        next_value[-1:] = 0.0
+        has_steps = lengths > 0
+        next_value[(starts + lengths - 1)[has_steps]] = np.asarray(last_value, np.float64)[has_steps]
         delta = reward + gamma * next_value - value
-    return _discounted(delta, lengths, gamma * lam, starts, plus=value)
+        return _discounted(delta, lengths, gamma * lam, starts, plus=value)
 
 
 def gae_steps(rewards: Any, values: Any, next_values: Any, terminated: Any, ends: Any, gamma: float = 0.99,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -257,3 +259,35 @@ def test_compute_gae_matches_the_loop_on_every_live_episode_after_evictions(epis
                                    rtol=1e-5, atol=1e-5)
         # The row after the transitions (final observation, or last stored step) is not one.
         assert advantage[len(expected):].tolist() == target[len(expected):].tolist() == [0.0] * (len(rows) - len(expected))
+
+
+@pytest.mark.parametrize("stale", [np.array([0x7FA00000], np.uint32).view(np.float32)[0], np.inf, np.nan],
+                         ids=["signalling-nan", "inf", "nan"])
+def test_stale_rows_of_a_cleared_store_never_warn_nor_change_a_rollouts_advantages(stale):
+    """A cleared store keeps its old rows where no episode lies now; compute_gae reads past them in
+    the arena and must neither warn (a signalling NaN's cast did: an error under -W error) nor use them."""
+    def rollout(store):
+        writer = store.writer(num_envs=2, autoreset_mode="next_step")
+        for t in range(6):
+            writer.add(obs=np.full((2, 2), t, np.float32), action=np.zeros(2, np.int64), reward=np.ones(2, np.float32),
+                       value=np.full(2, 0.5 * t, np.float32), terminated=np.array([t == 2, False]),
+                       truncated=np.zeros(2, bool), next_obs=np.full((2, 2), t + 1, np.float32))
+        writer.flush()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            store.compute_gae(0.9, 0.8, bootstrap_value=lambda final: torch.full((len(final),), 2.0))
+        batch = next(iter(store.iter_batches(len(store), shuffle=False)))
+        return {key: batch[key].numpy() for key in ("advantage", "value_target", "obs")}
+
+    used = ab.ExperienceStore(64, seed=0)
+    T = 10
+    with warnings.catch_warnings():   # summing a signalling NaN's return warns: what was written then
+        warnings.simplefilter("ignore")
+        used.add_episodes({"obs": np.zeros((2, T + 1, 2), np.float32), "action": np.zeros((2, T), np.int64),
+                           "reward": np.full((2, T), stale, np.float32), "value": np.full((2, T), stale, np.float32),
+                           "terminated": np.zeros((2, T), bool), "truncated": np.ones((2, T), bool)})
+    used.clear()
+    fresh = rollout(ab.ExperienceStore(64, seed=0))
+    after = rollout(used)
+    for key in fresh:
+        np.testing.assert_array_equal(after[key], fresh[key])
