@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import arrowbuf as ab
+from arrowbuf.played import entries_arrow
 
 
 def tagged_obs(tag: int, steps: Any) -> np.ndarray:
@@ -132,6 +133,11 @@ class LiveTable:
 
     def __init__(self, store: ab.ExperienceStore) -> None:
         table = store.episodes()
+        pieces = len(entries_arrow(store.engine.table)) if store.engine.table is not None else 0
+        # A played episode of several pieces (a writer's, cut by its region) is one row here whose
+        # steps are not contiguous in the arena: `rows` would be wrong. Read the pieces instead.
+        assert pieces == len(table), (f"LiveTable reads whole episodes; this store holds {pieces} pieces of "
+                                      f"{len(table)} episodes: read entries_arrow(store.engine.table)")
         self.ids = table["episode_id"].to_numpy()
         self.first_index = table["first_index"].to_numpy()
         self.length = table["length"].to_numpy()
