@@ -31,6 +31,7 @@ import torch
 
 from arrowbuf.arena import stage_zeros
 from arrowbuf.byte_heap import check_budget
+from arrowbuf.columns import APART
 from arrowbuf.encoded import EncodedColumn
 from arrowbuf.row_stage import RowStage
 from arrowbuf.schema import Schema
@@ -150,12 +151,14 @@ class InPlace:
                 shard.scatter(name, cur, array if everyone else array[slots - self.base])
             ends = done[slots - self.base]
             ended = slots[ends]
-            # An ended env's row after its step takes its final observation: its next_obs (the new
-            # episode's first, written again as that step's obs) is not written there first.
+            # An ended env's row after its step takes its final observation, written below. A field
+            # stored apart (encoded, ragged: each write takes bytes) does not write its next_obs (the new
+            # episode's first, written again as that step's obs) there first; a fixed-size one does,
+            # rather than copy every other env's row out first (4,096 envs: 1.6 of a step's 2.5 ms).
             going = np.flatnonzero(~ends) if final is not None and len(ended) else None
             for name, (array, _) in next_cols.items():
                 rows = array if everyone else array[slots - self.base]
-                if going is not None and name in final:
+                if going is not None and name in final and isinstance(shard.arena[name], APART):
                     shard.scatter(name, cur[going] + 1, rows[going])
                 else:
                     shard.scatter(name, cur + 1, rows)
@@ -325,19 +328,17 @@ class InPlace:
         for name, f in shard.schema.fields.items():
             if not f.observation:
                 shard.zero_at(name, last)   # the final row holds only its observation
-        reward = shard.arena.get("reward")
-        sampler = engine.sampler
-        for k, slot in enumerate(slots.tolist()):
-            a, n = int(start[k]), int(length[k])
-            shard.own_rows(a, a + n + 1)
-            table.append(first_row=a, num_rows=n + 1, length=n, has_final=True,
-                         terminated=bool(terminated[k]) if terminated is not None else False,
-                         truncated=bool(truncated[k]) if truncated is not None else False,
-                         ret=total_reward(reward[a:a + n]) if reward is not None else float("nan"),
-                         env_id=self.env_ids[slot - self.base], first_step=int(regions.first_step[slot]),
-                         prev_piece=int(regions.prev[slot]))
-            if sampler.tracks_rows:
-                sampler.on_add(a, n)
+        reward, none = shard.arena.get("reward"), np.zeros(len(slots), bool)
+        runs = list(zip(start.tolist(), length.tolist()))
+        returns = [total_reward(reward[a:a + n]) for a, n in runs] if reward is not None else [float("nan")] * len(runs)
+        shard.own_runs(start, length + 1)   # then the table's entries, in one batch
+        table.append_many(start, length + 1, length, np.ones(len(slots), bool), none if terminated is None else
+                          terminated, none if truncated is None else truncated, returns,
+                          [self.env_ids[s] for s in (slots - self.base).tolist()],
+                          first_step=regions.first_step[slots], prev_piece=regions.prev[slots])
+        if engine.sampler.tracks_rows:
+            for a, n in runs:
+                engine.sampler.on_add(a, n)
         # continued: the next pieces continue these, serials of the k-th added
         regions.sealed(slots, table.episodes_added - len(slots) + np.arange(len(slots)) if continues else None)
 

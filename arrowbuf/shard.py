@@ -274,9 +274,8 @@ class Shard:
             return
         if type(values) is np.ndarray and type(column) is np.ndarray and values.dtype == column.dtype and column.ndim > 1 \
                 and values.flags.c_contiguous and column.flags.c_contiguous and values.shape[1:] == column.shape[1:]:
-            # Rows as flat runs: a fancy assignment of uint16[6, 112, 112] rows walks their
-            # dimensions (2-3x slower for 256 rows), and viewing rows as opaque items costs
-            # ~6 us a call (a W1 step's obs row takes ~1 us either flat way).
+            # Rows as flat runs: a fancy assignment of uint16[6, 112, 112] rows walks their dimensions
+            # (2-3x slower for 256 rows); viewing rows as opaque items cost ~6 us a call.
             column.reshape(len(column), -1)[rows] = values.reshape(len(values), -1)
         else:
             column[rows] = values
@@ -448,6 +447,14 @@ class Shard:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[start:stop] = 0
+
+    def own_runs(self, starts: np.ndarray, rows: np.ndarray) -> None:
+        """`own_rows` of runs ``[starts[k], starts[k] + rows[k])``, for the episodes `append_many` adds next."""
+        at = np.repeat(starts - np.cumsum(rows) + rows, rows) + np.arange(int(rows.sum()))
+        if self._row_episode is not None:
+            self._row_episode[at] = np.repeat(self.table.episodes_added + np.arange(len(rows)), rows) & 0xFFFFFFFF
+        if self.reuse is not None:
+            self.reuse[at] = 0
 
     def publish_open(self) -> None:
         """Publish the open tails of the writers' regions in the episode table (sampleable)."""

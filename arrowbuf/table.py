@@ -13,8 +13,7 @@ user (the ``"index"`` of a sample) can always be told stale from live.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +21,7 @@ import pyarrow as pa
 from arrowbuf.indexing import RunLookup, run_lookup
 from arrowbuf.open_indices import TOKEN, TailIndices, split, tokens
 from arrowbuf.played import episodes_arrow, group_played
+from arrowbuf.table_indexes import IndexMap, LongestQueue, Tips
 
 _COLUMNS: dict[str, Any] = {
     "episode_id": np.int64,
@@ -43,8 +43,6 @@ _COLUMNS: dict[str, Any] = {
 
 #: Columns a state may lack (written before they existed), with their value then.
 _OPTIONAL = {"first_step": 0, "prev_piece": -1, "tail": -1}
-#: Pieces remembered per env after they leave the table: the piece that continues one finds its episode's id.
-_TIPS_PER_ENV = 64
 
 
 class EpisodeTable:
@@ -73,18 +71,8 @@ class EpisodeTable:
         # Running serials: "index" numbers transitions; samplers add their own units
         # (e.g. windows of a sequence length) with `add_counter`.
         self._counters: dict[str, tuple[Callable[[int], int], list[int]]] = {"index": (lambda n: n, [0])}
-        # index % size -> serial of its episode (mod 2**32); live indices span at
-        # most `capacity` <= size values, so live entries never collide. The size is
-        # a power of two, so that the residue is a bitwise and: numpy's int64 `%`
-        # cost 2.7 us of a 256-index lookup and 190 us of a 98,304-index one here
-        # (`&`: 0.7 and 20 us), for at most 4 more bytes a row.
-        size = 1 << (capacity - 1).bit_length() if capacity else 0
-        self._index_episode = np.zeros(size, np.uint32) if capacity else None
-        self._index_mask = size - 1
-        # (serial, length) of the live episodes that no younger episode outlasts, in
-        # decreasing length: its front is the longest live episode, kept in O(1)
-        # amortized per append and evict (a monotonic queue).
-        self._longest: deque[tuple[int, int]] = deque()
+        self._index_map = IndexMap(capacity) if capacity else None   # index -> its episode's serial
+        self._longest = LongestQueue()
         # `build_lookup`'s O(1) index -> episode lookup (without an index map), dropped by any change.
         self._lookup: RunLookup | None = None
         # Open tails (`publish_open`): entries [tail, tail + _num_open) of the arrays, after the
@@ -93,9 +81,7 @@ class EpisodeTable:
         self.open_total = 0       # their transitions
         self._open_longest = 0
         self.pieces = False       # whether a live or open entry continues an episode (first_step > 0)
-        # env code -> {serial: episode id} of the newest pieces that an episode may go on from
-        # (not terminated or truncated): the id a continuing piece takes once its previous one left.
-        self._tips: dict[int, dict[int, int]] = {}
+        self._tips = Tips()
         self._tails = TailIndices()   # open steps' indices that keep naming their step
         self._unmatched = 0           # serial of the first piece not yet matched to a tail (`_match_sealed`)
         self._played_count: tuple[Any, int] | None = None   # `num_played`'s last answer, by the state it read
@@ -181,7 +167,7 @@ class EpisodeTable:
     @property
     def longest(self) -> int:
         """Transitions of the longest live episode or open tail (0 when empty)."""
-        return max(self._longest[0][1] if self._longest else 0, self._open_longest)
+        return max(self._longest.longest, self._open_longest)
 
     @property
     def first_live_index(self) -> int:
@@ -261,7 +247,7 @@ class EpisodeTable:
         if first_step or episode >= 0:
             self.pieces = True
         if prev_piece >= 0 or not (terminated or truncated):
-            self._note_tip(code, prev_piece, serial, root, bool(terminated or truncated))
+            self._tips.note(code, prev_piece, serial, root, bool(terminated or truncated))
         counters = self._counters
         index = counters["index"][1]
         first_index = index[0]
@@ -272,23 +258,64 @@ class EpisodeTable:
                 if name != "index":
                     cols[f"first_{name}"][i] = running[0]
                     running[0] += count(length)
-        if length and self._index_episode is not None:
-            size = len(self._index_episode)
-            start = first_index & self._index_mask
-            if start + length <= size:
-                self._index_episode[start:start + length] = serial & 0xFFFFFFFF
-            else:
-                self._map_indices(first_index, length, serial)
+        if length and self._index_map is not None:
+            self._index_map.put(first_index, length, serial)
         self._metadata[i] = metadata
-        longest = self._longest
-        if not longest or longest[-1][1] > length:
-            longest.append((serial, length))
-        else:
-            self._push_longest(serial, length)
+        self._longest.push(serial, length)
         self.tail = i + 1
         self._lookup = self._played_count = None
         self.episodes_added = serial + 1
         return episode_id
+
+    def append_many(self, first_row: np.ndarray, num_rows: np.ndarray, length: Any, has_final: Any, terminated: Any,
+                    truncated: Any, ret: Any, env_ids: Sequence[str], metadata: Sequence[Any] | None = None,
+                    inserted_at: Any = None, first_step: Any = None, prev_piece: Any = None) -> list[int]:
+        """`append` of each episode k (its values at position k of each argument), oldest first, as
+        that many appends would, each column written once (a writer's flush of 4,096 pieces, an
+        `add_episodes` block: ~7 us an append before); their ids. ``first_step``, ``prev_piece``:
+        None for whole episodes."""
+        n = len(first_row)
+        first_step = np.zeros(n, np.int64) if first_step is None else np.asarray(first_step, np.int64)
+        prev_piece = np.full(n, -1, np.int64) if prev_piece is None else np.asarray(prev_piece, np.int64)
+        going_on = prev_piece[prev_piece >= 0]   # sequential when one continues a piece of the batch, or two one
+        if n == 0 or (going_on >= self.episodes_added).any() or len(np.unique(going_on)) < len(going_on):
+            return [self.append(first_row=int(first_row[k]), num_rows=int(num_rows[k]), length=int(length[k]),
+                                has_final=bool(has_final[k]), terminated=bool(terminated[k]),
+                                truncated=bool(truncated[k]), ret=float(ret[k]), env_id=env_ids[k],
+                                metadata=None if metadata is None else metadata[k],
+                                inserted_at=None if inserted_at is None else int(inserted_at[k]),
+                                first_step=int(first_step[k]), prev_piece=int(prev_piece[k])) for k in range(n)]
+        self._num_open = self.open_total = self._open_longest = 0
+        if self.tail + n > len(self._cols["episode_id"]):
+            self._grow(self.tail + n)
+        cols, i, stop = self._cols, self.tail, self.tail + n
+        codes = np.fromiter((self.env_code(env_id) for env_id in env_ids), np.int32, n)
+        serials = self.episodes_added + np.arange(n, dtype=np.int64)
+        ids, length = self.id_offset + serials * self.id_stride, np.asarray(length, np.int64)
+        ended = np.asarray(terminated, bool) | np.asarray(truncated, bool)
+        episode = self._episodes_of(codes, prev_piece)   # the pieces continued are older than the batch
+        root = np.where(episode < 0, ids, episode)
+        for name, values in (("episode_id", ids), ("env", codes), ("first_row", first_row), ("num_rows", num_rows),
+                             ("length", length), ("has_final", has_final), ("terminated", terminated),
+                             ("truncated", truncated), ("return", ret), ("first_step", first_step),
+                             ("prev_piece", prev_piece), ("tail", -1), ("episode", root),
+                             ("inserted_at", time.time_ns() if inserted_at is None else inserted_at)):
+            cols[name][i:stop] = values
+        self.pieces = self.pieces or bool(first_step.any() or (episode >= 0).any())
+        for k in np.flatnonzero((prev_piece >= 0) | ~ended).tolist():   # in order: an env's tips are a queue
+            self._tips.note(int(codes[k]), int(prev_piece[k]), int(serials[k]), int(root[k]), bool(ended[k]))
+        for name, (count, running) in self._counters.items():
+            units = length if name == "index" else np.fromiter((count(m) for m in length.tolist()), np.int64, n)
+            cols[f"first_{name}"][i:stop] = running[0] + np.cumsum(units) - units
+            running[0] += int(units.sum())
+        if self._index_map is not None:
+            self._index_map.put_runs(int(cols["first_index"][i]), length, serials)
+        self._metadata[i:stop] = [None] * n if metadata is None else list(metadata)
+        self._longest.push_many(serials, length)
+        self.tail = stop
+        self._lookup = self._played_count = None
+        self.episodes_added += n
+        return ids.tolist()
 
     def _episode_of(self, code: int, prev_piece: int) -> int:
         """The episode id of a piece that continues the ``prev_piece``-th one (of env ``code``):
@@ -298,7 +325,7 @@ class EpisodeTable:
         pos = prev_piece - (self.episodes_added - len(self))
         if 0 <= pos < len(self):
             return int(self._cols["episode"][self.head + pos])
-        return self._tips.get(code, {}).get(prev_piece, -1)
+        return self._tips.get(code, prev_piece)
 
     def _episodes_of(self, codes: np.ndarray, prev_piece: np.ndarray) -> np.ndarray:
         """`_episode_of` of many pieces (vectorized over the live ones)."""
@@ -310,21 +337,6 @@ class EpisodeTable:
             episode[k] = self._episode_of(int(codes[k]), int(prev_piece[k]))
         return episode
 
-    def _note_tip(self, code: int, prev_piece: int, serial: int, episode: int, ended: bool) -> None:
-        """The piece ``serial`` of env ``code`` may be continued (unless ``ended``); the one it
-        continues no longer will be."""
-        tips = self._tips.setdefault(code, {})
-        tips.pop(prev_piece, None)
-        if not ended:
-            tips[serial] = episode
-            if len(tips) > _TIPS_PER_ENV:
-                del tips[next(iter(tips))]
-
-    def _push_longest(self, serial: int, length: int) -> None:
-        while self._longest and self._longest[-1][1] <= length:
-            self._longest.pop()
-        self._longest.append((serial, length))
-
     def episode_id_of(self, k: int) -> int:
         """The id of the k-th episode ever added to this table."""
         return self.id_offset + k * self.id_stride
@@ -334,9 +346,7 @@ class EpisodeTable:
         self.head += count
         self._tails.forget_before(self.episodes_added - len(self))
         self._lookup = self._played_count = None
-        first_serial = self.episodes_added - len(self)
-        while self._longest and self._longest[0][0] < first_serial:
-            self._longest.popleft()
+        self._longest.drop_before(self.episodes_added - len(self))
 
     def trim_oldest(self, count: int, dropped_return: float = 0.0) -> None:
         """Drop the oldest piece's first ``count`` (< length) transitions, rewards ``dropped_return``."""
@@ -437,35 +447,24 @@ class EpisodeTable:
         self._num_open = self.open_total = self._open_longest = 0
         self.pieces = bool(np.any(self._cols["first_step"][:n]) or
                            np.any(self._cols["episode"][:n] != self._cols["episode_id"][:n]))
-        self._tips = {}
+        self._tips.clear()
         tails = self._cols["tail"][:n]
         self._tails = TailIndices({int(u): self.episodes_added - n + k for k, u in enumerate(tails.tolist()) if u >= 0},
                                   int(tails.max()) + 1 if n else 0)
         self._unmatched = self.episodes_added
         self._longest.clear()
         self._lookup = self._played_count = None
-        for k, length in enumerate(self._cols["length"][:n].tolist()):
-            self._push_longest(self.episodes_added - n + k, length)
-        if self._index_episode is not None:   # rebuild the index -> episode map of the live episodes
-            lengths = self._cols["length"][:n]
-            serials = np.repeat(np.arange(self.episodes_added - n, self.episodes_added, dtype=np.int64), lengths)
-            starts = np.repeat(self._cols["first_index"][:n] - (np.cumsum(lengths) - lengths), lengths)
-            indices = starts + np.arange(len(serials))
-            self._index_episode[indices % len(self._index_episode)] = (serials & 0xFFFFFFFF).astype(np.uint32)
+        serials = np.arange(self.episodes_added - n, self.episodes_added, dtype=np.int64)
+        lengths = self._cols["length"][:n]
+        self._longest.push_many(serials, lengths)
+        if self._index_map is not None and n:   # the live indices: one run from the oldest's first
+            self._index_map.put_runs(int(self._cols["first_index"][0]), lengths, serials)
 
     def position_of(self, episode_id: np.ndarray | int) -> np.ndarray | int:
         """Live position (0 = oldest) of episode ids; out of [0, len) when not live."""
         if not len(self):
             return np.asarray(episode_id) * 0 - 1
         return (np.asarray(episode_id) - self._cols["episode_id"][self.head]) // self.id_stride
-
-    def _map_indices(self, first_index: int, length: int, serial: int) -> None:
-        size = len(self._index_episode)
-        start = first_index % size
-        head = min(length, size - start)
-        self._index_episode[start:start + head] = serial & 0xFFFFFFFF
-        if head < length:
-            self._index_episode[:length - head] = serial & 0xFFFFFFFF
 
     def locate(self, units: np.ndarray, counter: str = "index") -> tuple[np.ndarray, np.ndarray]:
         """Live positions of the episodes holding ``units`` (all live) and the offsets in them.
@@ -476,10 +475,8 @@ class EpisodeTable:
         """
         if counter == "index" and self.open_total:
             return self._locate_open(units)
-        if counter == "index" and self._index_episode is not None:
-            # A mask, not take(mode="wrap"): numpy wraps by repeated subtraction, which
-            # grows with index / size (a store that ran long would sample ever slower).
-            serials = self._index_episode.take(units & self._index_mask)
+        if counter == "index" and self._index_map is not None:
+            serials = self._index_map.serials_of(units)
             # uint32 arithmetic wraps like the serials in the map (a Python int within
             # uint32 keeps the uint32 loop), converted to intp: every take by uint32
             # positions (here, the rows, the episode ids) would convert them again.

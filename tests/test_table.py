@@ -149,3 +149,57 @@ def test_a_state_saved_with_the_old_rank_names_loads_under_the_index_names():
     assert restored.next_index == table.next_index == 8
     assert restored.col("first_index").tolist() == [0, 3]
     assert restored.rows_of(np.array([0, 4, 7])).tolist() == table.rows_of(np.array([0, 4, 7])).tolist()
+
+
+BATCH = st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["ended", "cut"]), st.integers(0, 3),
+                           st.sampled_from(["whole", "older", "older", "batch", "twice"])), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.sampled_from([None, 8, 64]), batches=st.lists(st.tuples(BATCH, st.integers(0, 3), st.booleans()),
+                                                                   min_size=1, max_size=8))
+def test_append_many_leaves_the_table_as_that_many_appends_do(capacity, batches):
+    """Ids, indices, the index map, continued pieces' episode ids, the longest live episode and the
+    tips of each env: a batch (whole episodes, pieces continuing older ones or one of the batch)
+    gives what one `append` an episode gives, through evictions, map wrap-around and a counter."""
+    tables = [EpisodeTable(capacity=capacity * 4 if capacity else None) for _ in range(2)]
+    for table in tables:
+        table.add_counter("pairs", lambda n: n // 2)
+    row = 0
+    for batch, evict, clear in batches:
+        entries = []
+        for length, end, env, kind in batch:
+            serial = tables[0].episodes_added + len(entries)
+            prev = {"whole": -1, "older": tables[0].episodes_added - 1 - len(entries),   # each another one
+                    "batch": serial - 1 if entries else -1,   # (and a piece continued twice, as no writer does)
+                    "twice": entries[-1]["prev_piece"] if entries else -1}[kind]
+            entries.append(dict(first_row=row, num_rows=length + 1, length=length, has_final=True,
+                                terminated=end == "ended", truncated=False, ret=float(length), env_id=f"env-{env}",
+                                metadata=None if length % 2 else f'"m{serial}"', inserted_at=serial,
+                                first_step=1 if prev >= 0 else 0, prev_piece=max(prev, -1)))
+            row += length + 1
+        singles = [tables[0].append(**e) for e in entries]
+        many = tables[1].append_many(*(np.array([e[k] for e in entries]) for k in (
+            "first_row", "num_rows", "length", "has_final", "terminated", "truncated", "ret")),
+            [e["env_id"] for e in entries], metadata=[e["metadata"] for e in entries],
+            inserted_at=np.array([e["inserted_at"] for e in entries]),
+            first_step=np.array([e["first_step"] for e in entries]), prev_piece=np.array([e["prev_piece"] for e in entries]))
+        assert many == singles
+        for table in tables:
+            table.pop_oldest(min(evict, len(table)))
+            if clear:
+                table.clear()
+        a, b = (t.state_dict() for t in tables)
+        for name in a["columns"]:
+            np.testing.assert_array_equal(a["columns"][name], b["columns"][name], err_msg=name)
+        assert {k: v for k, v in a.items() if k != "columns"} == {k: v for k, v in b.items() if k != "columns"}
+        assert (tables[0].longest, tables[0].pieces) == (tables[1].longest, tables[1].pieces)
+        first, stop = tables[0].live_range()
+        assert (first, stop) == tables[1].live_range()
+        if stop > first:
+            units = np.arange(first, stop)
+            for got, want in zip(tables[1].locate(units), tables[0].locate(units)):
+                np.testing.assert_array_equal(got, want)
+        for code in range(len(tables[0].env_names)):   # the tips: what a piece continuing each piece would get
+            for serial in range(max(0, tables[0].episodes_added - 80), tables[0].episodes_added):
+                assert tables[0]._episode_of(code, serial) == tables[1]._episode_of(code, serial)
