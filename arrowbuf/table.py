@@ -277,8 +277,10 @@ class EpisodeTable:
         n = len(first_row)
         first_step = np.zeros(n, np.int64) if first_step is None else np.asarray(first_step, np.int64)
         prev_piece = np.full(n, -1, np.int64) if prev_piece is None else np.asarray(prev_piece, np.int64)
-        going_on = prev_piece[prev_piece >= 0]   # sequential when one continues a piece of the batch, or two one
-        if n == 0 or (going_on >= self.episodes_added).any() or len(np.unique(going_on)) < len(going_on):
+        # One at a time when few (the batch's ~65 us of numpy calls then cost more: 32 appends took 70
+        # us), when one continues a piece of the batch, or when two continue one.
+        going_on = prev_piece[prev_piece >= 0]
+        if n < 32 or (going_on >= self.episodes_added).any() or len(np.unique(going_on)) < len(going_on):
             return [self.append(first_row=int(first_row[k]), num_rows=int(num_rows[k]), length=int(length[k]),
                                 has_final=bool(has_final[k]), terminated=bool(terminated[k]),
                                 truncated=bool(truncated[k]), ret=float(ret[k]), env_id=env_ids[k],

@@ -151,13 +151,16 @@ def test_a_state_saved_with_the_old_rank_names_loads_under_the_index_names():
     assert restored.rows_of(np.array([0, 4, 7])).tolist() == table.rows_of(np.array([0, 4, 7])).tolist()
 
 
-BATCH = st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["ended", "cut"]), st.integers(0, 3),
-                           st.sampled_from(["whole", "older", "older", "batch", "twice"])), min_size=1, max_size=12)
+ENTRY = st.tuples(st.integers(0, 6), st.sampled_from(["ended", "cut"]), st.integers(0, 3),
+                  st.sampled_from(["whole"] * 4 + ["older"] * 3 + ["batch", "twice"]))
+# Batches of 32 or more take the vectorized path; fewer, one append each.
+BATCH = st.one_of(st.lists(ENTRY, min_size=1, max_size=6), st.lists(ENTRY, min_size=32, max_size=48))
 
 
 @settings(max_examples=150, deadline=None)
-@given(capacity=st.sampled_from([None, 8, 64]), batches=st.lists(st.tuples(BATCH, st.integers(0, 3), st.booleans()),
-                                                                   min_size=1, max_size=8))
+@given(capacity=st.sampled_from([None, 8, 64]),
+       batches=st.lists(st.tuples(BATCH, st.integers(0, 3), st.booleans(), st.sampled_from(["mixed", "no batch", "plain"])),
+                        min_size=1, max_size=8))
 def test_append_many_leaves_the_table_as_that_many_appends_do(capacity, batches):
     """Ids, indices, the index map, continued pieces' episode ids, the longest live episode and the
     tips of each env: a batch (whole episodes, pieces continuing older ones or one of the batch)
@@ -166,9 +169,11 @@ def test_append_many_leaves_the_table_as_that_many_appends_do(capacity, batches)
     for table in tables:
         table.add_counter("pairs", lambda n: n // 2)
     row = 0
-    for batch, evict, clear in batches:
+    for batch, evict, clear, plain in batches:
         entries = []
         for length, end, env, kind in batch:
+            if kind in {"mixed": (), "no batch": ("batch",), "plain": ("batch", "twice")}[plain]:
+                kind = "older"
             serial = tables[0].episodes_added + len(entries)
             prev = {"whole": -1, "older": tables[0].episodes_added - 1 - len(entries),   # each another one
                     "batch": serial - 1 if entries else -1,   # (and a piece continued twice, as no writer does)
