@@ -98,9 +98,8 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
             shard.zero_rows(name, start, start + sum(sizes))
     rows = np.asarray(sizes, np.int64)
     firsts = start + np.cumsum(rows) - rows
-    shard.own_runs(firsts, rows)   # then the table's entries, as `Shard.record` makes each
     now = time.time_ns()
-    ids = shard.table.append_many(
+    ids = shard.record_many(
         firsts, rows, [shard.transitions_of(e) for e in episodes], [e.has_final for e in episodes],
         flags["terminated"], flags["truncated"], returns, [e.env_id for e in episodes],
         metadata=[json.dumps(e.metadata) if e.metadata is not None else None for e in episodes],

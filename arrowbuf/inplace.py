@@ -331,8 +331,7 @@ class InPlace:
         reward, none = shard.arena.get("reward"), np.zeros(len(slots), bool)
         runs = list(zip(start.tolist(), length.tolist()))
         returns = [total_reward(reward[a:a + n]) for a, n in runs] if reward is not None else [float("nan")] * len(runs)
-        shard.own_runs(start, length + 1)   # then the table's entries, in one batch
-        table.append_many(start, length + 1, length, np.ones(len(slots), bool), none if terminated is None else
+        shard.record_many(start, length + 1, length, np.ones(len(slots), bool), none if terminated is None else
                           terminated, none if truncated is None else truncated, returns,
                           [self.env_ids[s] for s in (slots - self.base).tolist()],
                           first_step=regions.first_step[slots], prev_piece=regions.prev[slots])

@@ -427,8 +427,7 @@ class Shard:
         return episode_id
 
     def record(self, episode: Episode, start: int, terminated: bool, truncated: bool, ret: float) -> int:
-        """Append ``episode``, whose rows are at row ``start`` on, to the episode table (its end flags
-        and return read before its rows were written: `add`, `arrowbuf.block_add`); its id."""
+        """Append ``episode`` (rows from ``start`` on; end flags and return read before they were written) to the table."""
         self.own_rows(start, start + episode.num_rows)
         metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         return self.table.append(first_row=start, num_rows=episode.num_rows, length=self.transitions_of(episode),
@@ -441,20 +440,21 @@ class Shard:
         return total_reward(self.arena["reward"][start:stop]) if "reward" in self.arena else float("nan")
 
     def own_rows(self, start: int, stop: int) -> None:
-        """Rows ``[start, stop)`` belong to the episode (piece) the table appends next:
-        the row -> episode map, and `track_reuse`'s counts start over."""
+        """Rows ``[start, stop)`` are the next appended piece's: the row -> episode map; `track_reuse`'s counts restart."""
         if self._row_episode is not None:
             self._row_episode[start:stop] = self.table.episodes_added & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[start:stop] = 0
 
-    def own_runs(self, starts: np.ndarray, rows: np.ndarray) -> None:
-        """`own_rows` of runs ``[starts[k], starts[k] + rows[k])``, for the episodes `append_many` adds next."""
-        at = np.repeat(starts - np.cumsum(rows) + rows, rows) + np.arange(int(rows.sum()))
+    def record_many(self, starts: np.ndarray, rows: np.ndarray, *entries: Any, **named: Any) -> list[int]:
+        """`record` of many episodes, the k-th at rows ``[starts[k], starts[k] + rows[k])``; the rest of
+        each one's table entry as `EpisodeTable.append_many` takes it (``entries``, ``named``). Their ids."""
+        at = np.repeat(starts - np.cumsum(rows) + rows, rows) + np.arange(int(rows.sum()))   # `own_rows` of each
         if self._row_episode is not None:
             self._row_episode[at] = np.repeat(self.table.episodes_added + np.arange(len(rows)), rows) & 0xFFFFFFFF
         if self.reuse is not None:
             self.reuse[at] = 0
+        return self.table.append_many(starts, rows, *entries, **named)
 
     def publish_open(self) -> None:
         """Publish the open tails of the writers' regions in the episode table (sampleable)."""
