@@ -92,6 +92,35 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def key_counts(paths: Iterable[tuple[str, ...]]) -> dict[tuple[str, ...], int]:
+    """The number of keys of the dict at each path above the leaf ``paths`` of nested dicts (``()``: the
+    top; ``("obs",)`` for ``("obs", "a")``): what `has_keys` checks a value against."""
+    groups: dict[tuple[str, ...], set[str]] = {}
+    for path in paths:
+        for depth in range(len(path)):
+            groups.setdefault(path[:depth], set()).add(path[depth])
+    return {path: len(keys) for path, keys in groups.items()}
+
+
+def has_keys(data: Any, counts: Mapping[tuple[str, ...], int]) -> bool:
+    """Whether ``data`` is plain dicts with exactly ``counts[path]`` keys at each path (`key_counts`)."""
+    for path, keys in counts.items():
+        node = data
+        for key in path:
+            node = node.get(key) if type(node) is dict else None
+        if type(node) is not dict or len(node) != keys:
+            return False
+    return True
+
+
+def at_path(data: Any, path: tuple[str, ...]) -> Any:
+    """The value at ``path`` of nested plain dicts; None where a key is missing (`has_keys` counts keys,
+    not names)."""
+    for key in path:
+        data = data.get(key) if type(data) is dict else None
+    return data
+
+
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of `flatten`: {"obs.a": x} -> {"obs": {"a": x}} (groups keep their first position)."""
     nested: dict[str, Any] = {}
@@ -172,20 +201,13 @@ class Schema:
 
     @functools.cached_property
     def _exact_specs(self) -> tuple[tuple, dict[tuple[str, ...], int]] | None:
-        """((name, path, numpy dtype, ndim, shape, observation) of each field, path None for a top-level
-        name; and the number of keys of the dict at each path of nested fields: ``()`` the top,
-        ``("obs",)`` for ``obs.a``), for `read_exact`; None when no dict can match exactly (bfloat16
-        or derived fields)."""
+        """((name, path, numpy dtype, ndim, shape, observation) of each field, and the `key_counts` of
+        their paths), for `read_exact`; None when no dict can match exactly (bfloat16 or derived fields)."""
         if any(f.dtype == "bfloat16" or f.derived for f in self.fields.values()):
             return None
-        groups: dict[tuple[str, ...], set[str]] = {(): set()}
-        specs = []
-        for name, f in self.fields.items():
-            path = tuple(name.split("."))
-            for depth in range(len(path)):
-                groups.setdefault(path[:depth], set()).add(path[depth])
-            specs.append((name, path if len(path) > 1 else None, f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation))
-        return tuple(specs), {path: len(keys) for path, keys in groups.items()}
+        specs = tuple((name, tuple(name.split(".")), f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation)
+                      for name, f in self.fields.items())
+        return specs, key_counts(spec[1] for spec in specs)
 
     def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
         """The fast path of a write: ``data`` when it is a plain dict (nested dicts for dotted
@@ -199,20 +221,12 @@ class Schema:
         exact = self._exact_specs
         if exact is None or type(data) is not dict:
             return None
-        specs, groups = exact
-        for path, keys in groups.items():   # exactly the schema's names, at every level
-            node = data
-            for key in path:
-                node = node.get(key)
-                if type(node) is not dict:
-                    return None
-            if len(node) != keys:
-                return None
+        specs, counts = exact
+        if not has_keys(data, counts):   # exactly the schema's names, at every level
+            return None
         columns, num_steps, num_obs = {}, -1, -1
         for name, path, dtype, ndim, shape, observation in specs:
-            array = data.get(name) if path is None else data
-            for key in path or ():
-                array = array.get(key)
+            array = at_path(data, path)
             if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
                     or array.shape[1:] != shape:
                 return None

@@ -23,7 +23,7 @@ from arrowbuf.arena import host_copy, owned_copy, step_tensor
 from arrowbuf.autoreset import same_rows
 from arrowbuf.errors import ObservationMismatchError, SchemaError
 from arrowbuf.fields import Field, as_array, check_column
-from arrowbuf.schema import Schema, flatten
+from arrowbuf.schema import Schema, at_path, flatten, has_keys, key_counts
 from arrowbuf.versions import as_version_schema, writer_fields
 
 
@@ -115,14 +115,9 @@ class StepReader:
             return (None if f.dtype == "bfloat16" else f.numpy_dtype, None if f.text else f.torch_dtype,
                     (self.num_envs, *f.shape), f.dtype)
 
-        groups: dict[tuple[str, ...], set[str]] = {}
-        for name in names:
-            path = tuple(name.split(".")[1:])
-            for depth in range(len(path)):
-                groups.setdefault(path[:depth], set()).add(path[depth])
         obs_specs = tuple((name, tuple(name.split(".")[1:]), *spec(name)) for name in names)
         step_specs = tuple((name, *spec(name)) for name in fields if name not in names)
-        return obs_specs, {path: len(keys) for path, keys in groups.items()}, step_specs
+        return obs_specs, key_counts(spec[1] for spec in obs_specs), step_specs
 
     def _columns(self, data: Mapping[str, Any], what: str) -> dict[str, tuple[np.ndarray, str]]:
         try:
@@ -207,18 +202,11 @@ def _exact_value(value: Any, dtype: np.dtype | None, tdtype: torch.dtype, shape:
 def _exact_obs(obs: Any, specs: tuple, groups: dict) -> dict | None:
     """`_exact_value` of each observation field of ``obs`` (one array, or nested dicts of exactly
     the fields' names): the columns, name -> (array, dtype name); None when one is not exact."""
-    for path, keys in groups.items():
-        node = obs
-        for key in path:
-            node = node.get(key) if type(node) is dict else None
-        if type(node) is not dict or len(node) != keys:
-            return None
+    if not has_keys(obs, groups):
+        return None
     cols = {}
     for name, path, dtype, tdtype, shape, dtype_name in specs:
-        value = obs
-        for key in path:
-            value = value.get(key)
-        array = _exact_value(value, dtype, tdtype, shape)
+        array = _exact_value(at_path(obs, path), dtype, tdtype, shape)
         if array is None:
             return None
         cols[name] = (array, dtype_name)
