@@ -682,3 +682,31 @@ def test_only_a_step_that_seals_nothing_and_reserves_nothing_writes_the_tails_le
     # (next_step: not a transition) leaves it without a tail, env 1's grows; 6: env 0's new tail appears.
     assert calls == [False, True, True, False, True, False]
     check_store(store, [rollout], evicts=False, whole=[])
+
+
+@pytest.mark.parametrize("mode, new_writer", [("disabled", False), ("disabled", True), ("same_step", False),
+                                              ("same_step", True), ("next_step", False)])
+def test_forty_envs_in_a_store_of_exactly_num_envs_x_t_seal_their_pieces_as_played(mode, new_writer):
+    """A flush of 40 envs seals their pieces in one table batch (`EpisodeTable.append_many`), in a
+    store of exactly num_envs x T that each rollout fills and the next evicts: pieces, ids, counts,
+    returns and samples are the played steps', whether one writer is kept or one made a rollout."""
+    envs, T = 40, 20
+    store = ab.ExperienceStore(capacity=envs * T, seed=0, schema=EPISODE_SCHEMA)
+    rollout = FakeVectorRollout([[3 + (7 * e) % 30, 45] for e in range(envs)], mode)
+    batches = []
+    writer = None
+    for k in range(4):
+        if writer is None or new_writer:
+            writer = store.writer(num_envs=envs, autoreset_mode=mode)
+        for _ in range(T):
+            writer.add(**rollout.step_arrays())
+        if k == 0:
+            table = store.engine.table
+            append_many = table.append_many
+            table.append_many = lambda *a, **kw: (batches.append(len(a[0])), append_many(*a, **kw))[1]
+        writer.flush()
+        cut(rollout)
+        check_store(store, [rollout], evicts=True)
+        if mode == "disabled":
+            assert len(store) == envs * T, "each rollout fills the store exactly"
+    assert max(batches) == envs, "a flush seals every env's piece in one batch"
