@@ -52,6 +52,7 @@ from arrowbuf.compat.processing import resolve_hooks
 from arrowbuf.compat.reading import Reader, positions, select, split
 from arrowbuf.compat.segments import Segmenter
 from arrowbuf.compat.sink import BufferFullError, StoreSink
+from arrowbuf.compat.staging import FIRST_ROWS
 from arrowbuf.compat.timing import Timers
 from arrowbuf.store import ExperienceStore
 
@@ -153,7 +154,7 @@ class DataBuffer:
     def _stage_rows(self, env_id: str) -> int:
         """Records a fresh staging of ``env_id`` has room for before it grows (doubling, each
         time a copy of what it holds)."""
-        return 32
+        return FIRST_ROWS
 
     # -- the store -------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from arrowbuf.compat.staging import Stage, split_record, to_column, to_device, to_tensor
+from arrowbuf.compat.staging import FIRST_ROWS, Stage, split_record, to_column, to_device, to_tensor
 from arrowbuf.schema import flatten, unflatten
 
 AUTORESET_MODES = ("auto", "next_step", "same_step")
@@ -127,7 +127,7 @@ class Segmenter:
         postprocess_fn: the seed's hook, or None for no hook (the buffer's own path).
         device: the storage device the hook's tensors are put on.
         obs_preprocessor: applied to a same-step terminal observation from ``info``.
-        stage_rows: env id -> the records its staging starts with room for (default 32; it grows).
+        stage_rows: env id -> the records its staging starts with room for (default `FIRST_ROWS`; it grows).
 
     Raises:
         ValueError: an unknown autoreset mode.
@@ -145,7 +145,7 @@ class Segmenter:
         self._postprocess_fn = postprocess_fn
         self._device = device
         self._obs_preprocessor = obs_preprocessor or (lambda obs: obs)
-        self._stage_rows = stage_rows or (lambda env_id: 32)
+        self._stage_rows = stage_rows or (lambda env_id: FIRST_ROWS)
         self._stages: dict[str, Stage] = {}
         # Stages of envs with nothing open: their next segment reuses their (pre-faulted) columns,
         # a VLA rollout's ~0.8 GB, instead of growing fresh ones from 32 rows again.

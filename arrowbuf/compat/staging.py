@@ -23,6 +23,9 @@ import torch
 from arrowbuf.fields import as_array
 from arrowbuf.schema import flatten
 
+#: Records a fresh `Stage` has room for unless told (`Stage` grows by doubling when full).
+FIRST_ROWS = 32
+
 _PY_SCALARS = {bool: (np.bool_, "bool"), int: (np.int64, "int64"), float: (np.float32, "float32")}
 
 
@@ -77,7 +80,7 @@ class Stage:
     """
 
     def __init__(self, env_id: str, num_envs: int, vector: bool, reuse: "Stage | None" = None,
-                 same_step_seen: bool = False, first_rows: int = 32) -> None:
+                 same_step_seen: bool = False, first_rows: int = FIRST_ROWS) -> None:
         self.env_id = env_id
         self.num_envs = num_envs
         self.vector = vector      # records lead with num_envs (else one unbatched env)
