@@ -201,13 +201,13 @@ class Schema:
 
     @functools.cached_property
     def _exact_specs(self) -> tuple[tuple, dict[tuple[str, ...], int]] | None:
-        """((name, path, numpy dtype, ndim, shape, observation) of each field, and the `key_counts` of
-        their paths), for `read_exact`; None when no dict can match exactly (bfloat16 or derived fields)."""
+        """((name, path (None for a top-level name), numpy dtype, ndim, shape, observation) of each field,
+        and the `key_counts` of their paths), for `read_exact`; None when no dict can match exactly (bfloat16 or derived fields)."""
         if any(f.dtype == "bfloat16" or f.derived for f in self.fields.values()):
             return None
-        specs = tuple((name, tuple(name.split(".")), f.numpy_dtype, len(f.shape) + 1, f.shape, f.observation)
-                      for name, f in self.fields.items())
-        return specs, key_counts(spec[1] for spec in specs)
+        specs = tuple((name, tuple(name.split(".")) if "." in name else None, f.numpy_dtype, len(f.shape) + 1,
+                       f.shape, f.observation) for name, f in self.fields.items())
+        return specs, key_counts(path or (name,) for name, path, *_ in specs)
 
     def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
         """The fast path of a write: ``data`` when it is a plain dict (nested dicts for dotted
@@ -226,7 +226,7 @@ class Schema:
             return None
         columns, num_steps, num_obs = {}, -1, -1
         for name, path, dtype, ndim, shape, observation in specs:
-            array = at_path(data, path)
+            array = data.get(name) if path is None else at_path(data, path)   # (a top-level name: one lookup)
             if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
                     or array.shape[1:] != shape:
                 return None

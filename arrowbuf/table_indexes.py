@@ -65,6 +65,9 @@ class LongestQueue:
 
     def push(self, serial: int, length: int) -> None:
         queue = self._queue
+        if not queue or queue[-1][1] > length:   # the common case: nothing it outlasts
+            queue.append((serial, length))
+            return
         while queue and queue[-1][1] <= length:
             queue.pop()
         queue.append((serial, length))
