@@ -36,9 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
-from arrowbuf.arena import host_copy, owned_copy
+from arrowbuf.stage_arrays import host_copy, owned_copy
 from arrowbuf.errors import ArrowbufError
 
 #: gymnasium's ``AutoresetMode`` values -> the writer's mode names.
@@ -235,7 +234,7 @@ def same_rows(a: Any, b: Any) -> np.ndarray:
             differs &= ~(np.isnan(a) & np.isnan(b))
         return ~differs.reshape(len(a), -1).any(axis=1)
     if a.is_floating_point() or a.is_complex():   # torch, on the staging device: N flags to the host
-        differs &= ~(torch.isnan(a) & torch.isnan(b))
+        differs &= ~(a.isnan() & b.isnan())
     return ~differs.reshape(len(a), -1).any(1).cpu().numpy()
 
 

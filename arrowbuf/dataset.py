@@ -49,7 +49,7 @@ from arrowbuf._dataset_cache import (MappedRows, cache_videos, check_cache_files
 from arrowbuf._dataset_heaps import cache_heaps, heap_column
 from arrowbuf._dataset_sources import EPISODES_IPC, detect, export_source, ipc_source, lerobot_files, lerobot_source
 from arrowbuf._resident import FAULT_AROUND, ResidentBound
-from arrowbuf.arena import host_tensor
+from arrowbuf.stage_arrays import host_tensor
 from arrowbuf.engine import ShardEngine
 from arrowbuf.errors import FormatError, describe
 from arrowbuf.parquet import MANIFEST as EXPORT_MANIFEST

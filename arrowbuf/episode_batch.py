@@ -30,7 +30,7 @@ import numpy as np
 
 from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf._checks import check_env_id, check_metadata
-from arrowbuf.arena import step_tensor
+from arrowbuf.stage_arrays import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.fields import as_array, check_column
 from arrowbuf.schema import Schema, flatten

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from arrowbuf._lazy_torch import is_tensordict
-from arrowbuf.arena import step_tensor
+from arrowbuf.stage_arrays import step_tensor
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.encoded import EncodedRows
 from arrowbuf.fields import arrow_to_numpy, as_array

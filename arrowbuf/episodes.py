@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from arrowbuf._checks import AUTORESET_MODES, check_int, default_env_ids
-from arrowbuf.arena import host_copy, like_stage, owned_copy, owned_episode, stage_zeros, staged
+from arrowbuf._lazy_torch import is_tensor
+from arrowbuf.stage_arrays import host_copy, like_stage, owned_copy, owned_episode, stage_zeros, staged
 from arrowbuf.autoreset import inherited_resets, with_ended_rows
 from arrowbuf.errors import CapacityError, RateLimited, WriterClosedError
 from arrowbuf.inplace import InPlace
@@ -34,6 +34,7 @@ from arrowbuf.versions import commit_versions, read_schema, step_versions, write
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    import torch
     from arrowbuf.backend import EpisodeSink
 
 
@@ -205,8 +206,7 @@ class StepWriter:
             self._ends = None
         # Flags are () or (1,) a step (Schema enforces it): one per env either way.
         done = done_flags(step_cols["terminated"][0], self.num_envs) | done_flags(step_cols["truncated"][0], self.num_envs)
-        if isinstance(done, torch.Tensor):
-            done = done.cpu().numpy()   # N flags to the host: which episodes end
+        done = done.cpu().numpy() if is_tensor(done) else done   # N flags to the host: which episodes end
         final = self._reader.final_obs(final_obs, next_cols, done, schema)
         skip = self._skip if self.reset_check is None else self.reset_check.reset_steps(   # next_step: reset steps
             self._skip, obs_cols, self._last_next, step_cols, final_obs, self.env_ids)

@@ -27,9 +27,9 @@ import weakref
 from typing import Any
 
 import numpy as np
-import torch
 
-from arrowbuf.arena import stage_zeros
+from arrowbuf._lazy_torch import is_tensor
+from arrowbuf.stage_arrays import stage_zeros
 from arrowbuf.byte_heap import check_budget
 from arrowbuf.columns import APART
 from arrowbuf.encoded import EncodedColumn
@@ -365,6 +365,6 @@ def _release(engine: Any, shard: Any, base: int, env_ids: list[str]) -> None:
 
 def _host_flags(flags: Any, num_envs: int) -> np.ndarray:
     """One bool per env, on the host, from a step's flags (N,) or (N, 1), numpy or a tensor."""
-    if isinstance(flags, torch.Tensor):
+    if is_tensor(flags):
         flags = flags.detach().cpu().numpy()
     return np.asarray(flags).reshape(num_envs, -1).any(axis=1)

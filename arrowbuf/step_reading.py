@@ -13,18 +13,22 @@ the checks' per-step cost; staging and sealing them is the writer's.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from arrowbuf.arena import host_copy, owned_copy, step_tensor
+from arrowbuf._lazy_torch import is_tensor
+from arrowbuf.stage_arrays import host_copy, owned_copy, step_tensor
 from arrowbuf.autoreset import same_rows
 from arrowbuf.errors import ObservationMismatchError, SchemaError
 from arrowbuf.fields import Field, as_array, check_column
 from arrowbuf.schema import Schema, at_path, flatten, has_keys, key_counts
 from arrowbuf.versions import as_version_schema, writer_fields
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StepReader:
@@ -35,7 +39,8 @@ class StepReader:
         self.num_envs = num_envs
         self.device = device
         self.autoreset_mode = autoreset_mode
-        self._exact: tuple[Schema, tuple | None] | None = None   # (schema, `_exact_specs` of it): the fast path's
+        # (schema, torch imported, `_exact_specs` of them): the fast path's
+        self._exact: tuple[Schema, bool, tuple | None] | None = None
 
     def read(self, schema: Schema | None, obs: Any, next_obs: Any, step: dict[str, Any]
              ) -> tuple[Schema, dict, dict, dict]:
@@ -79,9 +84,10 @@ class StepReader:
         checks' per-step cost (~25 us of a W2 step's ~50; ~80 us of a torch step's ~190)."""
         if schema is None:
             return None
-        if self._exact is None or self._exact[0] is not schema:
-            self._exact = (schema, self._exact_specs(schema))
-        specs = self._exact[1]
+        tensors = "torch" in sys.modules   # else no value is a tensor, and torch stays unimported
+        if self._exact is None or self._exact[0] is not schema or self._exact[1] is not tensors:
+            self._exact = (schema, tensors, self._exact_specs(schema, tensors))
+        specs = self._exact[2]
         if specs is None:
             return None
         obs_specs, groups, step_specs = specs
@@ -98,9 +104,10 @@ class StepReader:
             step_cols[name] = (array, dtype_name)
         return schema, obs_cols, next_cols, step_cols
 
-    def _exact_specs(self, schema: Schema) -> tuple | None:
+    def _exact_specs(self, schema: Schema, tensors: bool) -> tuple | None:
         """The fast path's specs: of the observation fields (name, path under ``obs``, numpy dtype
-        (None for bfloat16: numpy has none), torch dtype, step shape [num_envs, ...], dtype name),
+        (None for bfloat16: numpy has none), torch dtype (None where ``tensors`` is False: torch is not
+        imported), step shape [num_envs, ...], dtype name),
         the number of keys of each dict under ``obs`` (none: ``obs`` is one array), then the step
         fields' (name, numpy dtype, torch dtype, step shape, dtype name); None when the fast path
         cannot apply (staging on a device, an observation named other than ``obs`` or ``obs.*``)."""
@@ -112,7 +119,7 @@ class StepReader:
 
         def spec(name: str) -> tuple:
             f = fields[name]
-            return (None if f.dtype == "bfloat16" else f.numpy_dtype, None if f.text else f.torch_dtype,
+            return (None if f.dtype == "bfloat16" else f.numpy_dtype, f.torch_dtype if tensors and not f.text else None,
                     (self.num_envs, *f.shape), f.dtype)
 
         obs_specs = tuple((name, tuple(name.split(".")[1:]), *spec(name)) for name in names)
@@ -185,12 +192,16 @@ class StepReader:
                 raise SchemaError(f"{what} field {name!r}: leading dim {array.shape[0]}, expected {self.num_envs}")
 
 
-def _exact_value(value: Any, dtype: np.dtype | None, tdtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+def _exact_value(value: Any, dtype: np.dtype | None, tdtype: torch.dtype | None, shape: tuple[int, ...]
+                 ) -> np.ndarray | None:
     """``value`` as the numpy array (a view) `read` would make of it, when it is a numpy array of
     ``dtype`` or a CPU tensor of ``tdtype`` (bfloat16: its uint16 bits), of ``shape``; else None."""
     kind = type(value)
     if kind is np.ndarray:
         return value if value.dtype == dtype and value.shape == shape else None
+    if tdtype is None:   # a text field, or no tensor (torch not imported)
+        return None
+    torch = sys.modules["torch"]
     if kind is not torch.Tensor or value.dtype is not tdtype or not value.is_cpu or value.is_nested \
             or value.shape != shape:
         return None
@@ -262,7 +273,7 @@ def passed_on(cols: dict, given: dict) -> bool:
     for name, (a, _) in cols.items():
         b = given[name][0] if name in given else None
         if b is None or type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype \
-                or (isinstance(a, torch.Tensor) and a.device != b.device) or not same_rows(a, b).all():
+                or (is_tensor(a) and a.device != b.device) or not same_rows(a, b).all():
             return False
     return True
 
@@ -276,8 +287,8 @@ def same_memory(cols: dict, given: dict) -> bool:
         b = given[name][0] if name in given else None
         if a is b:
             continue
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+        if is_tensor(a) or is_tensor(b):
+            if not (is_tensor(a) and is_tensor(b) and a.data_ptr() == b.data_ptr()
                     and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
                     and a.device == b.device):
                 return False
@@ -290,10 +301,12 @@ def same_memory(cols: dict, given: dict) -> bool:
 def _as_stored(values: Any, dtype: str, spec: Field) -> np.ndarray:
     """A step's observation rows as the store holds them: host numpy of the field's dtype
     (bfloat16 as its uint16 bits)."""
-    if isinstance(values, torch.Tensor):
+    if is_tensor(values):
         return host_copy(values.to(spec.torch_dtype))
     if dtype == spec.dtype:
         return values
     if spec.dtype == "bfloat16":
+        import torch
+
         return host_copy(torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16))
     return values.astype(spec.numpy_dtype, copy=False)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from arrowbuf._checks import (check_bool, check_choice, check_device, check_env_id, check_episode_id, check_gae_args,
                               check_index_batches, check_int, check_metadata, check_name, check_path,
@@ -43,6 +42,7 @@ from arrowbuf.versions import (attach_versions, check_fresh_iter, epochs_fresh, 
                                sample_fresh)
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 

@@ -51,13 +51,13 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from arrowbuf._lazy_torch import is_tensordict
 from arrowbuf.errors import SchemaError, describe
 from arrowbuf.schema import FLAG_NAMES, Schema
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict, TensorDictBase
 
 LAYOUTS = ("arrowbuf", "torchrl")
@@ -88,6 +88,7 @@ def episodes_of_collector_batch(td: Any, schema: Schema | None
         ValueError: ``td`` is not such a TensorDict.
         SchemaError: no done / terminated flags under ``"next"``, or no step data.
     """
+    import torch
     if not is_tensordict(td) or td.batch_dims not in (1, 2) or "next" not in td.keys():
         raise ValueError(f"extend takes what a TorchRL collector yields: a TensorDict of batch size [T] or "
                          f"[num_envs, T] with a 'next' entry (('next', 'observation'), ('next', 'reward'), "
@@ -155,6 +156,7 @@ def to_torchrl(batch: TensorDict, schema: Schema | None) -> TensorDict:
     ``"obs"`` becomes ``"observation"``, the sampler's ``"weight"`` is also given
     as ``"priority_weight"``.
     """
+    import torch
     names = set(schema.fields) if schema is not None else set()
     keys = set(batch.keys())
     if "obs" in keys and "observation" not in names:
@@ -365,6 +367,7 @@ def _flag(value: torch.Tensor, name: str) -> torch.Tensor:
 
 def _flags(nxt: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
     """(terminated, truncated) per step; an env with only ``done`` is terminated by it."""
+    import torch
     keys = set(nxt.keys())
     if "terminated" not in keys and "done" not in keys:
         raise SchemaError(f"a collector batch needs ('next', 'terminated') or ('next', 'done'); its 'next' holds "
@@ -377,6 +380,7 @@ def _flags(nxt: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
 def _groups(lengths: torch.Tensor) -> list[torch.Tensor]:
     """Episodes padded together: all of them while padding costs at most `_PAD_FACTOR`
     times the rows, else groups of lengths within a factor of 2 (each in batch order)."""
+    import torch
     everyone = torch.arange(len(lengths))
     if int(lengths.max()) * len(lengths) <= _PAD_FACTOR * int(lengths.sum()):
         return [everyone]
@@ -387,6 +391,7 @@ def _groups(lengths: torch.Tensor) -> list[torch.Tensor]:
 def _group(columns: dict, next_obs: dict, keep: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
            env_ids: list, metadata: list) -> tuple[dict, np.ndarray, list, list]:
     """Episodes padded to the longest of them: [E, L, ...] steps, [E, L + 1, ...] observations."""
+    import torch
     longest = int(lengths.max())
     offsets = torch.arange(longest)
     rows = keep[starts[:, None] + torch.minimum(offsets[None, :], (lengths - 1)[:, None])]   # [E, L]

@@ -88,7 +88,7 @@ def test_tensor_writes_are_copied_into_the_arena_without_numpy(monkeypatch):
 
 
 def test_add_episodes_copies_a_batch_of_tensors_into_the_arena_without_numpy(monkeypatch):
-    import arrowbuf.arena
+    import arrowbuf.stage_arrays
     import arrowbuf.episode_batch
 
     def refuse(value, *args):
@@ -106,7 +106,7 @@ def test_add_episodes_copies_a_batch_of_tensors_into_the_arena_without_numpy(mon
     reference.add_episodes({name: value.numpy() for name, value in batch.items()}, lengths=[6, 3, 1, 5])
     store = ab.ExperienceStore(100, seed=0, schema=EPISODE_SCHEMA, storage_device="cpu")
     monkeypatch.setattr(arrowbuf.episode_batch, "as_array", refuse)
-    monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.stage_arrays, "as_array", refuse)
     monkeypatch.setattr(TorchShard, "write_rows", only_tensors)
     assert store.add_episodes(batch, lengths=[6, 3, 1, 5]) == [0, 1, 2, 3]
     monkeypatch.undo()
@@ -150,7 +150,7 @@ def run_writer(writer, steps: range) -> None:
 
 
 def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeypatch, tmp_path):
-    import arrowbuf.arena
+    import arrowbuf.stage_arrays
     import arrowbuf.step_reading
 
     def refuse(value, *args):
@@ -163,7 +163,7 @@ def test_a_torch_arena_writer_stages_tensors_on_the_device_without_numpy(monkeyp
     store = ab.ExperienceStore(200, seed=1, storage_device="cpu")
     writer = store.writer(num_envs=3, autoreset_mode="disabled", name="runner")
     monkeypatch.setattr(arrowbuf.step_reading, "as_array", refuse)   # where a writer reads a step
-    monkeypatch.setattr(arrowbuf.arena, "as_array", refuse)
+    monkeypatch.setattr(arrowbuf.stage_arrays, "as_array", refuse)
     write_rows = TorchShard.write_rows
 
     def only_tensors(shard, name, start, data):

@@ -1,9 +1,10 @@
 """torch stays out of the processes that never make a tensor (`arrowbuf._lazy_torch`): a Ray
 shard actor serves writes, uniform draws, gathers shipped as payloads, exports and
 checkpoints without importing it (each actor is a new process, and torch was ~0.9 CPU s
-of its start; a prioritized draw imports it for its sum tree). A local process that writes,
-saves, loads and exports never imports tensordict. The dtype names that replace torch
-dtypes in gather specs give the same tensors as before."""
+of its start; a prioritized draw imports it for its sum tree). A process that writes numpy
+steps and episodes, locally or into a Ray store (an env worker), saves, loads and exports
+imports neither torch nor tensordict (torch was ~1 CPU s of such a Ray task's 1.3 s). The
+dtype names that replace torch dtypes in gather specs give the same tensors as before."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_dtype_names_name_the_torch_dtypes_and_their_sizes():
         ab.Field(torch.complex64)
 
 
-LOCAL_WITHOUT_TENSORDICT = """
+LOCAL_WITHOUT_TORCH = """
 import sys, tempfile, numpy as np
 import arrowbuf as ab
 root = tempfile.mkdtemp()
@@ -107,18 +108,52 @@ loaded = ab.ExperienceStore.load(root + "/checkpoint")
 store.to_parquet(root + "/export")
 imported = ab.ExperienceStore.from_parquet(root + "/export")
 assert len(loaded) == len(imported) == len(store) == 40 and store.episodes().num_rows == 5
-assert "tensordict" not in sys.modules, "writing, saving, loading or exporting imported tensordict"
-assert store.sample(4).batch_size == (4,) and "tensordict" in sys.modules
+found = {"torch", "tensordict"} & set(sys.modules)
+assert not found, f"writing, saving, loading or exporting imported {sorted(found)}"
+assert store.sample(4).batch_size == (4,) and {"torch", "tensordict"} <= set(sys.modules)
 print("ok")
 """
 
 
-def test_a_process_that_writes_saves_loads_and_exports_never_imports_tensordict():
-    # tensordict costs ~1.8 CPU s on top of torch (torch._dynamo): a CLI run, a checkpoint
-    # load or a remote writer that never samples does not pay it; the first sample does.
-    done = subprocess.run([sys.executable, "-c", LOCAL_WITHOUT_TENSORDICT], capture_output=True, text=True,
+def test_a_process_that_writes_saves_loads_and_exports_imports_neither_torch_nor_tensordict():
+    # torch costs ~1 CPU s and tensordict ~1.8 more (torch._dynamo): a CLI run, a checkpoint
+    # load or a writer that never samples does not pay them; the first sample does.
+    done = subprocess.run([sys.executable, "-c", LOCAL_WITHOUT_TORCH], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_ray_writer_process_imports_neither_torch_nor_tensordict(ray_session):
+    # Defined here, so that Ray ships the function itself (a worker cannot import this test module),
+    # with a runtime env of its own: Ray starts a worker for it, not one that ran another test's torch.
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"ARROWBUF_TEST_WORKER": "lazy-torch"}})
+    def write_without_torch(name: str, one: dict, two: dict) -> list[str]:
+        import sys
+
+        import arrowbuf as ab
+
+        store = ab.ExperienceStore.attach(name)
+        with store.writer(2, autoreset_mode="disabled") as writer:
+            for t in range(5):
+                writer.add(obs=np.full((2, 3), t, np.float32), action=np.zeros(2, np.int64),
+                           reward=np.ones(2, np.float32), terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
+                           half=np.zeros((2, 2), np.float32), next_obs=np.full((2, 3), t + 1, np.float32))
+        store.add_episode(one, env_id="one")
+        store.add_episodes(two, env_ids=["two", "three"])
+        store.flush()
+        return sorted({"torch", "tensordict"} & set(sys.modules))
+
+    store = ab.ExperienceStore(capacity=1_000, backend="ray", num_shards=2)
+    one, two = _episode(10, 0), _episode(10, 1)
+    try:
+        assert ray.get(write_without_torch.remote(store.name, one, {k: np.stack([v, v]) for k, v in two.items()})) == []
+        assert len(store) == 2 * 5 + 3 * 10 and store.num_episodes == 5
+        stored = store.to_arrow().column("obs").combine_chunks().to_numpy_ndarray()
+        # each episode's observations and its final one (the writer's, cut by its close: next_obs 5)
+        written = [np.full((2, 3), t, np.float32) for t in range(6)] + [one["obs"], two["obs"], two["obs"]]
+        assert sorted(map(tuple, stored.tolist())) == sorted(map(tuple, np.concatenate(written).tolist()))
+    finally:
+        store.close()
 
 
 def test_compute_gae_on_ray_bootstraps_cut_episodes_without_torch_in_the_shards(ray_session):

@@ -4,6 +4,8 @@ general path takes, give the same columns, and copy nothing."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -121,6 +123,22 @@ def test_exact_numpy_arrays_and_cpu_tensors_take_the_fast_path(schema, kind):
     obs = flat["obs"] if "obs" in flat else ab.schema.unflatten({n[4:]: v for n, v in flat.items() if "obs." in n})
     step = {n: v for n, v in flat.items() if n != "obs" and not n.startswith("obs.")}
     assert assert_agrees(schema, obs, obs, step)
+
+
+def test_a_reader_that_read_steps_before_torch_was_imported_takes_tensors_on_the_fast_path_after(monkeypatch):
+    # A process that writes numpy steps never imports torch (`arrowbuf._lazy_torch`): the fast path's
+    # specs made then have no torch dtypes, and are made again once torch is there.
+    rng = np.random.default_rng(0)
+    flat = {name: value(f, "torch", rng) for name, f in ONE_OBS.fields.items()}
+    arrays = {name: v.numpy() for name, v in flat.items()}
+    reader = StepReader(ENVS, None, "next_step")
+    with monkeypatch.context() as without:
+        without.delitem(sys.modules, "torch")
+        step = {n: v for n, v in arrays.items() if n != "obs"}
+        assert reader._exact_step(ONE_OBS, arrays["obs"], arrays["obs"], step) is not None
+    step = {n: v for n, v in flat.items() if n != "obs"}
+    exact = reader._exact_step(ONE_OBS, flat["obs"], flat["obs"], step)
+    assert exact is not None and exact[3]["action"][0].__array_interface__["data"][0] == flat["action"].data_ptr()
 
 
 def test_a_writer_fed_tensors_stores_what_one_fed_numpy_stores():

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-import torch
 
 from arrowbuf.advantages import as_observations, bootstrap_values
 from arrowbuf.ray.handles import ShardHandles
@@ -41,6 +40,8 @@ def compute_gae(shards: ShardHandles, gamma: float, lam: float, value_key: str,
     cut = {shard: ids for shard, (ids, _) in found.items() if len(ids)}
     values: dict[int, np.ndarray] = {}
     if cut:
+        import torch
+
         # The shards send numpy arrays (a shard never imports torch: the first GAE of a new store took
         # ~3 s a shard to import torch and tensordict there); the TensorDict is made here.
         observations = torch.cat([as_observations(found[shard][1], schema, len(ids)) for shard, ids in cut.items()],

@@ -44,7 +44,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from arrowbuf._pool import SlotPool
 from arrowbuf.layout import ROLES, FieldPlan, Layout, Layouts, check_keys, field_key, plan_layout
@@ -54,6 +53,7 @@ from arrowbuf.ray.block_reads import ROWWISE_BYTES, BlockReads
 from arrowbuf.schema import Schema
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 

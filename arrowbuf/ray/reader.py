@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
-import torch
 
 from arrowbuf.errors import EmptyStoreError, ShardError
 from arrowbuf.ray.block_reads import MAX_READ_BATCHES, READ_BYTES, BlockReads, order_reads
@@ -60,6 +59,7 @@ from arrowbuf.samplers import PrioritizedSampler, Sampler, Selection, select_ind
 from arrowbuf.schema import Schema
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 #: Requests of plain samples whose draws ahead a reader keeps (`BlockReader.sample`).
 PLAIN_LOOPS = 4

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from arrowbuf._bounds import check_batch
 from arrowbuf.errors import ShardError
@@ -67,6 +66,7 @@ from arrowbuf.versions import no_fresh
 from arrowbuf.tensors import Payload, empty_batch, pinned
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 
