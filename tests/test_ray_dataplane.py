@@ -22,8 +22,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 #: Episodes each writer of the stress test writes (a soak run: ARROWBUF_STRESS_EPISODES=2000).
 #: Work is bounded by counts, never by seconds: a loaded machine gives the same verdicts.
-STRESS_EPISODES = int(os.environ.get("ARROWBUF_STRESS_EPISODES", "55"))
-STRESS_CAPACITY = 2_000   # two writers of STRESS_EPISODES episodes of >= 20 steps fill it more than once
+STRESS_EPISODES = int(os.environ.get("ARROWBUF_STRESS_EPISODES", "28"))
+STRESS_CAPACITY = 1_000   # two writers of STRESS_EPISODES episodes of >= 20 steps fill it more than once
 
 
 def checksum(key: np.ndarray, step: np.ndarray) -> np.ndarray:
