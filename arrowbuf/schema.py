@@ -202,8 +202,9 @@ class Schema:
     @functools.cached_property
     def _exact_specs(self) -> tuple[tuple, dict[tuple[str, ...], int]] | None:
         """((name, path (None for a top-level name), numpy dtype, ndim, shape, observation) of each field,
-        and the `key_counts` of their paths), for `read_exact`; None when no dict can match exactly (bfloat16 or derived fields)."""
-        if any(f.dtype == "bfloat16" or f.derived for f in self.fields.values()):
+        and the `key_counts` of their paths), for `read_exact`; None when no dict can match exactly (bfloat16,
+        derived or text fields: an object array's values are text only once read)."""
+        if any(f.dtype == "bfloat16" or f.derived or f.text for f in self.fields.values()):
             return None
         specs = tuple((name, tuple(name.split(".")) if "." in name else None, f.numpy_dtype, len(f.shape) + 1,
                        f.shape, f.observation) for name, f in self.fields.items())

@@ -100,7 +100,9 @@ def test_bad_text_is_refused_naming_the_field_and_leaves_the_store_as_it_was():
     before = store.to_arrow()
     for field, value, message in (("instruction", np.arange(4), "a text field takes str values"),
                                   ("instruction", ["a", "b", 3, "d"], "mixes strings"),
-                                  ("action", ["a", "b", "c", "d"], "not strings: declare ab.Field\\('string'\\)")):
+                                  ("action", ["a", "b", "c", "d"], "not strings: declare ab.Field\\('string'\\)"),
+                                  # an object array: not text until read (it named no field on the exact path)
+                                  ("instruction", np.array([object(), 3, None, "d"], dtype=object), "")):
         bad = episode(7, 4)
         bad[field] = value
         with pytest.raises(SchemaError, match=f"field '{field}'.*{message}"):
