@@ -78,23 +78,14 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     if not isinstance(data, Mapping) or not data:
         raise SchemaError(f"episodes must be a non-empty dict or TensorDict of [E, T, ...] arrays, or a list of "
                           f"episodes (dicts or TensorDicts, any lengths), got {describe(data)}")
-    read = step_tensor if keep_tensors else as_array
-    flat = flatten(data)
-    # Ragged and text fields given as E values, one per episode (`_per_episode`); the rest [E, T, ...].
-    apart = {name: _per_episode(value, name) for name, value in flat.items() if _apart_value(value, name, schema)}
-    if apart and keep_tensors:
-        raise SchemaError(f"ragged or text fields {list(apart)}: a store with a storage_device does not take them "
-                          "yet; leave storage_device=None")
-    columns = {name: read(value, name) for name, value in flat.items() if name not in apart}
-    count = _episode_count(columns, apart)
-    first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()} | \
-        {name: values[0] for name, values in apart.items()}
-    if schema is None:
-        schema = Schema.infer(first, _observation_names(observations, {**columns, **apart}))
-    num_steps, has_final = schema.check(first)   # dtypes and shapes are the batch's: one check checks all
-    for name, values in apart.items():   # each episode's own value: checked each
-        for e, value in enumerate(values[1:], 1):
-            _check_episode(schema, name, value, e)
+    exact = schema.read_exact(data, stacked=True) if schema is not None and not keep_tensors else None
+    if exact is not None:   # numpy arrays of the fields' exact dtypes and shapes: nothing to read or check
+        flat, (num_steps, has_final), apart = exact[0], exact[1:], {}
+        columns = {name: (array, schema.fields[name].dtype) for name, array in flat.items()}
+        count = len(next(iter(flat.values())))
+    else:
+        flat, columns, apart, count, schema, (num_steps, has_final) = _read_stacked(data, schema, keep_tensors,
+                                                                                    observations)
     steps = _lengths(lengths, count, num_steps)
     ids = _env_ids(env_ids, count)
     metas = _metadata(metadata, count)
@@ -112,6 +103,30 @@ def read_episodes(data: Any, schema: Schema | None, lengths: Any = None, env_ids
     if not apart:
         episodes.keep_arrays({name: array for name, (array, _) in columns.items()})
     return episodes, schema
+
+
+def _read_stacked(data: Mapping, schema: Schema | None, keep_tensors: bool, observations: Any) -> tuple:
+    """`read_episodes`' general read of E stacked episodes: each field read (`as_array`, or kept a tensor),
+    checked once for all (their dtypes and shapes are the batch's), a ragged or text field's E values
+    each: (flat fields, columns, ragged and text fields' values, E, schema, (T, has_final))."""
+    read = step_tensor if keep_tensors else as_array
+    flat = flatten(data)
+    # Ragged and text fields given as E values, one per episode (`_per_episode`); the rest [E, T, ...].
+    apart = {name: _per_episode(value, name) for name, value in flat.items() if _apart_value(value, name, schema)}
+    if apart and keep_tensors:
+        raise SchemaError(f"ragged or text fields {list(apart)}: a store with a storage_device does not take them "
+                          "yet; leave storage_device=None")
+    columns = {name: read(value, name) for name, value in flat.items() if name not in apart}
+    count = _episode_count(columns, apart)
+    first = {name: (array[0], dtype) for name, (array, dtype) in columns.items()} | \
+        {name: values[0] for name, values in apart.items()}
+    if schema is None:
+        schema = Schema.infer(first, _observation_names(observations, {**columns, **apart}))
+    checked = schema.check(first)   # dtypes and shapes are the batch's: one check checks all
+    for name, values in apart.items():   # each episode's own value: checked each
+        for e, value in enumerate(values[1:], 1):
+            _check_episode(schema, name, value, e)
+    return flat, columns, apart, count, schema, checked
 
 
 def _read_list(data: Sequence[Any], schema: Schema | None, lengths: Any, env_ids: Any, metadata: Any,

@@ -210,9 +210,10 @@ class Schema:
                        f.shape, f.observation) for name, f in self.fields.items())
         return specs, key_counts(path or (name,) for name, path, *_ in specs)
 
-    def read_exact(self, data: Any) -> tuple[dict[str, np.ndarray], int, bool] | None:
+    def read_exact(self, data: Any, stacked: bool = False) -> tuple[dict[str, np.ndarray], int, bool] | None:
         """The fast path of a write: ``data`` when it is a plain dict (nested dicts for dotted
-        names) of numpy arrays with exactly the schema's names, dtypes and shapes and consistent lengths.
+        names) of numpy arrays with exactly the schema's names, dtypes and shapes and consistent lengths;
+        ``stacked``: of E >= 1 episodes each, [E, T, ...] (`arrowbuf.episode_batch.read_episodes`).
 
         Returns:
             (columns, T, has_final) like `check`, or None for anything else (another
@@ -225,21 +226,26 @@ class Schema:
         specs, counts = exact
         if not has_keys(data, counts):   # exactly the schema's names, at every level
             return None
-        columns, num_steps, num_obs = {}, -1, -1
+        columns, num_steps, num_obs, count, lead = {}, -1, -1, -1, int(stacked)
         for name, path, dtype, ndim, shape, observation in specs:
             array = data.get(name) if path is None else at_path(data, path)   # (a top-level name: one lookup)
-            if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim \
-                    or array.shape[1:] != shape:
+            if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != ndim + lead \
+                    or array.shape[1 + lead:] != shape:
                 return None
             columns[name] = array
-            if observation:
-                if num_obs != len(array) and num_obs != -1:
+            if lead and count != array.shape[0]:
+                if count != -1 or not array.shape[0]:
                     return None
-                num_obs = len(array)
-            elif num_steps != len(array):
+                count = array.shape[0]
+            rows = array.shape[lead]
+            if observation:
+                if num_obs != rows and num_obs != -1:
+                    return None
+                num_obs = rows
+            elif num_steps != rows:
                 if num_steps != -1:
                     return None
-                num_steps = len(array)
+                num_steps = rows
         if num_steps < 1 or (num_obs != -1 and num_obs != num_steps and num_obs != num_steps + 1):
             return None
         return columns, num_steps, num_obs == num_steps + 1

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.fields import as_array, check_column, dtype_fits
+from arrowbuf.episode_batch import read_episodes
 from arrowbuf.schema import Schema, flatten, unflatten
 
 DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16"]
@@ -73,6 +74,55 @@ def test_nested_fields_flatten_to_dotted_names_in_order():
 
 FLAT_SCHEMA = Schema({f"f_{d}_{len(shape)}d": ab.Field(d, shape, obs) for d in DTYPES
                       for shape, obs in [((), False), ((2, 3), True)]})
+@st.composite
+def near_exact_batches(draw):
+    """[E, T, ...] batches close to EXACT_SCHEMA (`add_episodes`' stacked form): a field maybe dropped,
+    of another dtype, per-step shape, length or episode count, or a list."""
+    count, steps = draw(st.integers(0, 3)), draw(st.integers(0, 4))
+    final, odd = draw(st.booleans()), draw(st.sampled_from([False, False, True]))
+    data = {}
+    for name, f in EXACT_SCHEMA.fields.items():
+        if odd and draw(st.integers(0, 9)) == 0:
+            continue
+        rows = steps + (final if f.observation else 0) + (draw(st.sampled_from([0] * 6 + [-1, 1])) if odd else 0)
+        episodes = count + (draw(st.sampled_from([0] * 6 + [-1, 1])) if odd else 0)
+        shape = f.shape if not odd or draw(st.integers(0, 7)) else f.shape + (1,)
+        dtype = draw(st.sampled_from([f.dtype] * 6 + ["int32", "float64", "bool"])) if odd else f.dtype
+        data[name] = np.zeros((max(episodes, 0), max(rows, 0), *shape), dtype)
+    if odd and draw(st.integers(0, 9)) == 0:
+        data["action"] = data.get("action", np.zeros((count, steps), np.int64)).tolist()
+    return data
+
+
+@given(near_exact_batches())
+@settings(max_examples=200, deadline=None)
+def test_the_exact_fast_path_of_a_stacked_batch_reads_what_the_general_read_reads(data):
+    """`read_episodes` through `Schema.read_exact(..., stacked=True)` gives the episodes the general
+    read gives (views of the given arrays), and declines whatever that read refuses or casts."""
+    def read(fast: bool):
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                if not fast:
+                    patch.setattr(Schema, "read_exact", lambda self, data, stacked=False: None)
+                return read_episodes(data, EXACT_SCHEMA)[0]
+        except (ab.SchemaError, ValueError) as err:
+            return type(err)
+
+    fast, general = read(True), read(False)
+    took = EXACT_SCHEMA.read_exact(data, stacked=True) is not None
+    if isinstance(general, type):
+        assert not took and fast is general
+        return
+    assert len(fast) == len(general)
+    for a, b in zip(fast, general):
+        assert (a.num_steps, a.has_final, a.env_id, a.metadata) == (b.num_steps, b.has_final, b.env_id, b.metadata)
+        assert list(a.columns) == list(b.columns)
+        for name, column in a.columns.items():
+            assert column.dtype == b.columns[name].dtype and column.shape == b.columns[name].shape
+            np.testing.assert_array_equal(column, b.columns[name])
+            assert not took or np.shares_memory(column, data[name])   # views, no copy
+
+
 NESTED_SCHEMA = Schema({"obs": {"pixels": ab.Field("uint8", (2, 2), True), "state": ab.Field("bfloat16", (3,), True)},
                         "action": ab.Field("int64"), "policy": {"log_prob": ab.Field("float32")}})
 
