@@ -229,28 +229,25 @@ def test_one_add_episodes_call_puts_one_object_for_every_shard_and_one_shards_ev
         store.close()
 
 
-def test_a_lent_object_holds_the_rows_in_the_layout_of_a_copied_block():
-    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
-    try:
-        store.add_episode(keyed_episode(7, 40), env_id="a")   # lent
-        store.add_episode(keyed_episode(8, 40), env_id="a")
-        with_final, = [b for b in sealed_blocks(store) if b.first_serial == 0]
-        rows = ray.get(with_final.ref)
-        source = keyed_episode(7, 40)
-        np.testing.assert_array_equal(rows["obs"], source["obs"])
-        for name in ("action", "check", "reward", "terminated", "truncated"):   # one zero row beside the final obs
-            assert len(rows[name]) == 41 and rows[name][-1] == 0
-            np.testing.assert_array_equal(rows[name][:40], source[name])
-        # An episode without its final observation has T rows in every field.
-        schema = store.schema
-        checked, _ = read_episode({**source, "obs": source["obs"][:40]}, schema, "a", None)
-        columns = block_columns(checked, schema)
-        assert {name: len(c) for name, c in columns.items()} == dict.fromkeys(schema.fields, 40)
-        # Another dtype than the stored one needs a conversion: not lent, the shard copies it.
-        checked, _ = read_episode({**source, "reward": source["reward"].astype(np.float16)}, schema, "a", None)
-        assert checked.columns["reward"].dtype == np.float16 and block_columns(checked, schema) is None
-    finally:
-        store.close()
+def test_a_lent_object_holds_the_rows_in_the_layout_of_a_copied_block(ray_stores):
+    store = ray_stores.get(capacity=20_000, num_shards=1, seed=0, ray_options=OPTIONS)
+    first = store.add_episode(keyed_episode(7, 40), env_id="a")   # lent; one shard: its id is its serial
+    store.add_episode(keyed_episode(8, 40), env_id="a")
+    with_final, = [b for b in sealed_blocks(store) if b.first_serial == first]
+    rows = ray.get(with_final.ref)
+    source = keyed_episode(7, 40)
+    np.testing.assert_array_equal(rows["obs"], source["obs"])
+    for name in ("action", "check", "reward", "terminated", "truncated"):   # one zero row beside the final obs
+        assert len(rows[name]) == 41 and rows[name][-1] == 0
+        np.testing.assert_array_equal(rows[name][:40], source[name])
+    # An episode without its final observation has T rows in every field.
+    schema = store.schema
+    checked, _ = read_episode({**source, "obs": source["obs"][:40]}, schema, "a", None)
+    columns = block_columns(checked, schema)
+    assert {name: len(c) for name, c in columns.items()} == dict.fromkeys(schema.fields, 40)
+    # Another dtype than the stored one needs a conversion: not lent, the shard copies it.
+    checked, _ = read_episode({**source, "reward": source["reward"].astype(np.float16)}, schema, "a", None)
+    assert checked.columns["reward"].dtype == np.float16 and block_columns(checked, schema) is None
 
 
 def test_a_step_writer_lends_the_episodes_it_seals(lent_refs):
@@ -280,18 +277,15 @@ def lends_elsewhere(name: str) -> tuple[bool, int]:
     return store._backend.shards.started_here(), len(store)   # no public name for who owns the shards
 
 
-def test_writers_in_other_processes_send_their_rows_and_their_shard_copies_them(lent_refs):
+def test_writers_in_other_processes_send_their_rows_and_their_shard_copies_them(lent_refs, ray_stores):
     # Ray frees an object when its owner dies: a task's objects must not become blocks.
-    store = ab.ExperienceStore(20_000, backend="ray", num_shards=1, seed=0, ray_options=OPTIONS)
-    try:
-        assert store._backend.shards.started_here()
-        assert ray.get(lends_elsewhere.remote(store.name)) == (False, 40)
-        store.flush()
-        block, = sealed_blocks(store)
-        assert block.num_episodes == 1 and lent_refs == []
-        check_rows(store.sample(64))
-    finally:
-        store.close()
+    store = ray_stores.get(capacity=20_000, num_shards=1, seed=0, ray_options=OPTIONS)
+    assert store._backend.shards.started_here()
+    assert ray.get(lends_elsewhere.remote(store.name)) == (False, 40)
+    store.flush()
+    block, = sealed_blocks(store)
+    assert block.num_episodes == 1 and lent_refs == []
+    check_rows(store.sample(64))
 
 
 def test_an_episode_written_after_compute_gae_is_copied_with_the_derived_columns(lent_refs):
