@@ -204,6 +204,11 @@ def check_metadata(metadata: Any) -> dict | None:
     return dict(metadata)
 
 
+def metadata_text(metadata: Mapping | None) -> str | None:
+    """Checked metadata (`check_metadata`) as the episode table and the durable log keep it: JSON text, or None."""
+    return json.dumps(metadata) if metadata is not None else None
+
+
 def check_workers(batch_size: int, num_workers: Any) -> int | None:
     """None, or a worker count that divides ``batch_size``.
 

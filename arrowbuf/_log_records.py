@@ -34,6 +34,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from arrowbuf._checks import metadata_text
 from arrowbuf._persist import encoded_rows, plain_array, plain_field, schema_of
 from arrowbuf._version import __version__
 from arrowbuf.errors import FormatError, SchemaError
@@ -153,7 +154,7 @@ def episodes_batch(arrow_schema: pa.Schema, schema: Schema, entries: Sequence[tu
         arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets), values))
     episodes = [e for _, e, _ in entries]
     arrays += [pa.array([i for i, _, _ in entries], pa.int64()), pa.array([e.env_id for e in episodes], pa.string()),
-               pa.array([json.dumps(e.metadata) if e.metadata is not None else None for e in episodes], pa.string()),
+               pa.array([metadata_text(e.metadata) for e in episodes], pa.string()),
                pa.array([t for _, _, t in entries], pa.int64()), pa.array([e.has_final for e in episodes], pa.bool_()),
                pa.array([e.num_steps for e in episodes], pa.int64())]
     return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)

@@ -16,12 +16,12 @@ caller adds the episodes one by one.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from arrowbuf._checks import metadata_text
 from arrowbuf.shard import Episode, Shard, total_reward
 
 
@@ -102,7 +102,7 @@ def add_block(shard: Shard, episodes: list[Episode], before: Callable[[], None] 
     ids = shard.record_many(
         firsts, rows, [shard.transitions_of(e) for e in episodes], [e.has_final for e in episodes],
         flags["terminated"], flags["truncated"], returns, [e.env_id for e in episodes],
-        metadata=[json.dumps(e.metadata) if e.metadata is not None else None for e in episodes],
+        metadata=[metadata_text(e.metadata) for e in episodes],
         inserted_at=[now if e.inserted_at is None else e.inserted_at for e in episodes])
     if shard.regions.count:   # an append drops the open tails published: the writers' are published again
         shard.publish_open()

@@ -17,12 +17,12 @@ The embedded store and each Ray shard actor run this same code.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from arrowbuf._checks import metadata_text
 from arrowbuf.byte_heap import bind_heap_columns, check_budget, share_budgets
 from arrowbuf.columns import APART, arena_column, host_column, stored_rows
 from arrowbuf.encoded import EncodedColumn, EncodedRows
@@ -429,10 +429,9 @@ class Shard:
     def record(self, episode: Episode, start: int, terminated: bool, truncated: bool, ret: float) -> int:
         """Append ``episode`` (rows from ``start`` on; end flags and return read before they were written) to the table."""
         self.own_rows(start, start + episode.num_rows)
-        metadata = json.dumps(episode.metadata) if episode.metadata is not None else None
         return self.table.append(first_row=start, num_rows=episode.num_rows, length=self.transitions_of(episode),
                                  has_final=episode.has_final, terminated=terminated, truncated=truncated, ret=ret,
-                                 env_id=episode.env_id, metadata=metadata, inserted_at=episode.inserted_at,
+                                 env_id=episode.env_id, metadata=metadata_text(episode.metadata), inserted_at=episode.inserted_at,
                                  first_step=episode.first_step, prev_piece=episode.prev_piece)
 
     def reward_sum(self, start: int, stop: int) -> float:
