@@ -329,10 +329,10 @@ class InPlace:
             if not f.observation:
                 shard.zero_at(name, last)   # the final row holds only its observation
         reward, none = shard.arena.get("reward"), np.zeros(len(slots), bool)
+        terminated, truncated = (none if flags is None else flags for flags in (terminated, truncated))
         runs = list(zip(start.tolist(), length.tolist()))
         returns = [total_reward(reward[a:a + n]) for a, n in runs] if reward is not None else [float("nan")] * len(runs)
-        shard.record_many(start, length + 1, length, np.ones(len(slots), bool), none if terminated is None else
-                          terminated, none if truncated is None else truncated, returns,
+        shard.record_many(start, length + 1, length, np.ones(len(slots), bool), terminated, truncated, returns,
                           [self.env_ids[s] for s in (slots - self.base).tolist()],
                           first_step=regions.first_step[slots], prev_piece=regions.prev[slots])
         if engine.sampler.tracks_rows:
